@@ -1,0 +1,69 @@
+"""Which KV tiles a query tile visits, and which of them need the in-register mask.
+
+Key j stands for tokens [j*cf, (j+1)*cf) and sits at position pos(j) = (j+1)*cf - 1.
+Row i sees key j iff j < seqlen_k, pos(j) <= i (causal) and i - left <= pos(j) <= i + right
+(window). Everything here is scalar integer work done once per tile or per iteration; tiles
+that no row of the query tile can see are never visited, so they are never loaded.
+"""
+from dataclasses import dataclass
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Int32, const_expr
+
+
+@dataclass(frozen=True)
+class BlockRange:
+    tile_m: cutlass.Constexpr[int]
+    tile_n: cutlass.Constexpr[int]
+    causal: cutlass.Constexpr[bool]
+    has_window_left: cutlass.Constexpr[bool]
+    has_window_right: cutlass.Constexpr[bool]
+    compress_factor: Int32  # runtime: one integer division per row and tile is cheap
+    window_left: Int32
+    window_right: Int32
+
+    @cute.jit
+    def key_limit_right(self, row: Int32) -> Int32:
+        """Exclusive upper bound on the key index row `row` may see (ignoring seqlen_k)."""
+        cf = self.compress_factor
+        limit = Int32(2**30)
+        if const_expr(self.causal):
+            limit = (row + 1) // cf
+        if const_expr(self.has_window_right):
+            limit = cutlass.min(limit, (row + self.window_right + 1) // cf)
+        return limit
+
+    @cute.jit
+    def key_limit_left(self, row: Int32) -> Int32:
+        """Inclusive lower bound on the key index row `row` may see (0 without a left window)."""
+        limit = Int32(0)
+        if const_expr(self.has_window_left):
+            cf = self.compress_factor
+            first_pos = cutlass.max(row - self.window_left + 1, 0)
+            limit = cutlass.max((first_pos + cf - 1) // cf - 1, 0)
+        return limit
+
+    @cute.jit
+    def n_block_min_max(self, m_block: Int32, seqlen_q: Int32, seqlen_k: Int32):
+        """[n_min, n_max) of KV tiles seen by any row of query tile m_block."""
+        row_first = m_block * self.tile_m
+        row_last = cutlass.min(row_first + self.tile_m, seqlen_q) - 1
+        key_end = cutlass.min(self.key_limit_right(row_last), seqlen_k)
+        n_max = (key_end + self.tile_n - 1) // self.tile_n
+        n_min = self.key_limit_left(row_first) // self.tile_n
+        return n_min, n_max
+
+    @cute.jit
+    def tile_needs_mask(self, m_block: Int32, n_block: Int32, seqlen_q: Int32, seqlen_k: Int32):
+        """True unless every row of the query tile sees every key of KV tile n_block."""
+        row_first = m_block * self.tile_m
+        row_last = cutlass.min(row_first + self.tile_m, seqlen_q) - 1
+        key_first = n_block * self.tile_n
+        key_end = key_first + self.tile_n
+        needs = key_end > seqlen_k
+        if const_expr(self.causal or self.has_window_right):
+            needs = needs | (key_end > self.key_limit_right(row_first))
+        if const_expr(self.has_window_left):
+            needs = needs | (key_first < self.key_limit_left(row_last))
+        return needs

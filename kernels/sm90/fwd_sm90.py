@@ -1,0 +1,387 @@
+"""Flash-attention forward for Hopper (sm_90a), written in CuTe DSL.
+
+One kernel, every feature a compile-time switch of `FwdSpec`: causal with a compress factor,
+left/right windows, block sparsity from compact lists, varlen, GQA. Structure:
+
+- CTA = 3 warpgroups. Warpgroup 0 is the producer: one warp issues TMA loads of the Q tile
+  and of K/V tiles into a `num_stages` deep pipeline. Warpgroups 1 and 2 are consumers, each
+  owning 64 query rows: S = Q K^T (wgmma, operands in smem), online softmax in registers,
+  O += P V (wgmma, P from registers).
+- Every sequence is addressed through cu_seqlens (a padded batch is B equal sequences), so one
+  code path serves both layouts; rows and keys past a sequence's end are masked, never stored.
+- The visited KV tiles are either a contiguous range (dense: causal, compress factor and window
+  cut it before any load) or the compact full/mask lists of the block-sparse tensors. Tiles
+  that every row sees completely skip the in-register mask.
+
+Tensors as the kernel sees them: q, o (T, H, D); k, v (Tk, Hkv, D); lse (H, T) float32.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import cuda.bindings.driver as cuda
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils as utils
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import Float32, Int32, const_expr
+from cutlass.cute.nvgpu import cpasync, warpgroup
+
+from kernels.sm90.block_range import BlockRange
+from kernels.sm90.layouts import acc_as_a_operand_layout, acc_mn_view
+from kernels.sm90.mask import apply_mask
+from kernels.sm90.softmax import softmax_finalize, softmax_init, softmax_step
+from kernels.sm90.spec import FwdSpec
+
+_WARPGROUP = 128
+
+
+class FlashAttentionForwardSm90:
+    num_consumer_warpgroups = 2
+    num_threads = _WARPGROUP * (1 + num_consumer_warpgroups)
+    producer_regs = 24
+    consumer_regs = 240
+
+    def __init__(self, spec: FwdSpec):
+        self.spec = spec
+        self.dtype = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}[spec.dtype]
+        self.tile_m, self.tile_n, self.head_dim = spec.tile_m, spec.tile_n, spec.head_dim
+        assert self.tile_m == 64 * self.num_consumer_warpgroups
+
+    # ------------------------------------------------------------------ host side
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor,  # (T, H, D)
+        mK: cute.Tensor,  # (Tk, Hkv, D)
+        mV: cute.Tensor,  # (Tk, Hkv, D)
+        mO: cute.Tensor,  # (T, H, D)
+        mLSE: cute.Tensor,  # (H, T) float32
+        mCuSeqlensQ: cute.Tensor,  # (S+1,) int32
+        mCuSeqlensK: cute.Tensor,  # (S+1,) int32
+        max_seqlen_q: Int32,
+        softmax_scale: Float32,
+        compress_factor: Int32,
+        window_left: Int32,
+        window_right: Int32,
+        mFullCount: Optional[cute.Tensor],  # (R, Hs) int32
+        mFullIndex: Optional[cute.Tensor],  # (R, Hs, Kf) int32
+        mMaskCount: Optional[cute.Tensor],
+        mMaskIndex: Optional[cute.Tensor],
+        mRowBlockOffsets: Optional[cute.Tensor],  # (S+1,) int32
+        stream: cuda.CUstream,
+    ):
+        dtype = self.dtype
+        # Views with the sequence first and the head last: (T, D, H) for TMA; V^T as (D, Tk, Hkv).
+        mQ_t = cute.make_tensor(mQ.iterator, cute.select(mQ.layout, mode=[0, 2, 1]))
+        mK_t = cute.make_tensor(mK.iterator, cute.select(mK.layout, mode=[0, 2, 1]))
+        mVt = cute.make_tensor(mV.iterator, cute.select(mV.layout, mode=[2, 0, 1]))
+
+        qk_tiler = (self.tile_m, self.tile_n, self.head_dim)
+        pv_tiler = (self.tile_m, self.head_dim, self.tile_n)
+        tiled_mma_qk = sm90_utils.make_trivial_tiled_mma(
+            dtype, dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K,
+            Float32, (self.num_consumer_warpgroups, 1, 1), (64, self.tile_n),
+        )
+        tiled_mma_pv = sm90_utils.make_trivial_tiled_mma(
+            dtype, dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN,
+            Float32, (self.num_consumer_warpgroups, 1, 1), (64, self.head_dim),
+            warpgroup.OperandSource.RMEM,
+        )
+        sQ_layout = sm90_utils.make_smem_layout_a(
+            utils.LayoutEnum.ROW_MAJOR, qk_tiler, dtype, 1)
+        sK_layout = sm90_utils.make_smem_layout_b(
+            utils.LayoutEnum.ROW_MAJOR, qk_tiler, dtype, self.spec.num_stages)
+        sV_layout = sm90_utils.make_smem_layout_b(
+            utils.LayoutEnum.COL_MAJOR, pv_tiler, dtype, self.spec.num_stages)
+
+        sQ_one = cute.slice_(sQ_layout, (None, None, 0))
+        sK_one = cute.slice_(sK_layout, (None, None, 0))
+        sV_one = cute.slice_(sV_layout, (None, None, 0))
+        load_op = cpasync.CopyBulkTensorTileG2SOp()
+        tma_atom_q, tma_q = cpasync.make_tiled_tma_atom(
+            load_op, mQ_t, sQ_one, (self.tile_m, self.head_dim))
+        tma_atom_k, tma_k = cpasync.make_tiled_tma_atom(
+            load_op, mK_t, sK_one, (self.tile_n, self.head_dim))
+        tma_atom_v, tma_v = cpasync.make_tiled_tma_atom(
+            load_op, mVt, sV_one, (self.head_dim, self.tile_n))
+        self.q_bytes = cute.size_in_bytes(dtype, sQ_one)
+        self.kv_bytes = cute.size_in_bytes(dtype, sK_one)
+
+        stages = self.spec.num_stages
+
+        @cute.struct
+        class SharedStorage:
+            mbar_q: cute.struct.MemRange[cutlass.Int64, 2]
+            mbar_k: cute.struct.MemRange[cutlass.Int64, 2 * stages]
+            mbar_v: cute.struct.MemRange[cutlass.Int64, 2 * stages]
+            sQ: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sQ_layout)], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sK_layout)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sV_layout)], 1024]
+
+        self.shared_storage = SharedStorage
+
+        num_m_blocks = (max_seqlen_q + self.tile_m - 1) // self.tile_m
+        grid = (num_m_blocks, cute.size(mQ.shape[1]), cute.size(mCuSeqlensQ.shape[0]) - 1)
+        scale_log2 = softmax_scale * Float32(1.4426950408889634)
+        self.kernel(
+            tma_atom_q, tma_q, tma_atom_k, tma_k, tma_atom_v, tma_v,
+            mO, mLSE, mCuSeqlensQ, mCuSeqlensK, softmax_scale, scale_log2,
+            compress_factor, window_left, window_right,
+            mFullCount, mFullIndex, mMaskCount, mMaskIndex, mRowBlockOffsets,
+            sQ_layout, sK_layout, sV_layout, tiled_mma_qk, tiled_mma_pv, tiled_mma_pv,
+        ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
+
+    # ------------------------------------------------------------------ device side
+    @cute.kernel
+    def kernel(
+        self,
+        tma_atom_q: cute.CopyAtom, mQ: cute.Tensor,
+        tma_atom_k: cute.CopyAtom, mK: cute.Tensor,
+        tma_atom_v: cute.CopyAtom, mVt: cute.Tensor,
+        mO: cute.Tensor, mLSE: cute.Tensor,
+        mCuSeqlensQ: cute.Tensor, mCuSeqlensK: cute.Tensor,
+        softmax_scale: Float32, scale_log2: Float32,
+        compress_factor: Int32, window_left: Int32, window_right: Int32,
+        mFullCount: Optional[cute.Tensor], mFullIndex: Optional[cute.Tensor],
+        mMaskCount: Optional[cute.Tensor], mMaskIndex: Optional[cute.Tensor],
+        mRowBlockOffsets: Optional[cute.Tensor],
+        sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
+        sV_layout: cute.ComposedLayout,
+        tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma,
+        tiled_mma_epilogue: cute.TiledMma,
+    ):
+        # tiled_mma_epilogue is tiled_mma_pv again: the main loop toggles the ACCUMULATE
+        # field of its TiledMma, so the epilogue partitions with an untouched copy.
+        spec = self.spec
+        tidx, _, _ = cute.arch.thread_idx()
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        # Longest-first: causal tiles near the end of a sequence have the most work.
+        grid_m, _, _ = cute.arch.grid_dim()
+        bidx, head, batch = cute.arch.block_idx()
+        m_block = grid_m - 1 - bidx
+
+        if warp_idx == 0:
+            for atom in (tma_atom_q, tma_atom_k, tma_atom_v):
+                cpasync.prefetch_descriptor(atom)
+
+        storage = utils.SmemAllocator().allocate(self.shared_storage)
+        producer_group = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
+        consumer_warps = pipeline.CooperativeGroup(
+            pipeline.Agent.Thread, self.num_consumer_warpgroups * 4)
+        q_producer, q_consumer = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.mbar_q.data_ptr(), num_stages=1,
+            producer_group=producer_group, consumer_group=consumer_warps,
+            tx_count=self.q_bytes, defer_sync=True,
+        ).make_participants()
+        k_producer, k_consumer = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.mbar_k.data_ptr(), num_stages=spec.num_stages,
+            producer_group=producer_group, consumer_group=consumer_warps,
+            tx_count=self.kv_bytes, defer_sync=True,
+        ).make_participants()
+        v_producer, v_consumer = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.mbar_v.data_ptr(), num_stages=spec.num_stages,
+            producer_group=producer_group, consumer_group=consumer_warps,
+            tx_count=self.kv_bytes, defer_sync=True,
+        ).make_participants()
+        cute.arch.mbarrier_init_fence()
+        cute.arch.sync_threads()
+
+        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+        sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
+        sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
+
+        offset_q = mCuSeqlensQ[batch]
+        seqlen_q = mCuSeqlensQ[batch + 1] - offset_q
+        offset_k = mCuSeqlensK[batch]
+        seqlen_k = mCuSeqlensK[batch + 1] - offset_k
+        head_kv = head // (cute.size(mQ.shape[2]) // cute.size(mK.shape[2]))
+        block_range = BlockRange(
+            self.tile_m, self.tile_n, spec.causal, spec.has_window_left, spec.has_window_right,
+            compress_factor, window_left, window_right,
+        )
+
+        # The list of KV tiles this query tile visits: a range, or compact lists.
+        n_min = Int32(0)
+        n_max = Int32(0)
+        sparse_row = Int32(0)
+        sparse_head = Int32(0)
+        num_mask_blocks = Int32(0)
+        num_iters = Int32(0)
+        if const_expr(spec.block_sparse):
+            sparse_row = mRowBlockOffsets[batch] + m_block
+            sparse_head = head // (cute.size(mQ.shape[2]) // cute.size(mFullCount.shape[1]))
+            num_mask_blocks = mMaskCount[sparse_row, sparse_head]
+            num_iters = num_mask_blocks + mFullCount[sparse_row, sparse_head]
+        else:
+            n_min, n_max = block_range.n_block_min_max(m_block, seqlen_q, seqlen_k)
+            num_iters = cutlass.max(n_max - n_min, 0)
+
+        if m_block * self.tile_m < seqlen_q:
+            if warp_idx < 4:
+                cute.arch.setmaxregister_decrease(self.producer_regs)
+                if warp_idx == 0:
+                    self.produce(
+                        tma_atom_q, mQ, tma_atom_k, mK, tma_atom_v, mVt, sQ, sK, sV,
+                        q_producer, k_producer, v_producer,
+                        offset_q, offset_k, head, head_kv, m_block, n_max, num_iters,
+                        num_mask_blocks, mFullIndex, mMaskIndex, sparse_row, sparse_head,
+                    )
+            else:
+                cute.arch.setmaxregister_increase(self.consumer_regs)
+                self.consume(
+                    tidx - _WARPGROUP, sQ, sK, sV, q_consumer, k_consumer, v_consumer,
+                    tiled_mma_qk, tiled_mma_pv, tiled_mma_epilogue, mO, mLSE, softmax_scale, scale_log2,
+                    block_range, offset_q, seqlen_q, seqlen_k, head, m_block, n_max,
+                    num_iters, num_mask_blocks, mFullIndex, mMaskIndex, sparse_row,
+                    sparse_head,
+                )
+
+    @cute.jit
+    def kv_tile_at(
+        self, it: Int32, n_max: Int32, num_mask_blocks: Int32,
+        mFullIndex: Optional[cute.Tensor], mMaskIndex: Optional[cute.Tensor],
+        sparse_row: Int32, sparse_head: Int32,
+    ):
+        """The it-th KV tile visited and whether the causal/window mask applies to it.
+
+        Dense: tiles from the last one backwards (the diagonal ones first).
+        Block-sparse: the "mask" list, then the "full" list.
+        """
+        n_block = n_max - 1 - it
+        is_mask_tile = cutlass.Boolean(True)
+        if const_expr(self.spec.block_sparse):
+            if it < num_mask_blocks:
+                n_block = mMaskIndex[sparse_row, sparse_head, it]
+            else:
+                n_block = mFullIndex[sparse_row, sparse_head, it - num_mask_blocks]
+                is_mask_tile = False
+        return n_block, is_mask_tile
+
+    @cute.jit
+    def produce(
+        self, tma_atom_q, mQ, tma_atom_k, mK, tma_atom_v, mVt, sQ, sK, sV,
+        q_producer, k_producer, v_producer,
+        offset_q: Int32, offset_k: Int32, head: Int32, head_kv: Int32, m_block: Int32,
+        n_max: Int32, num_iters: Int32, num_mask_blocks: Int32,
+        mFullIndex, mMaskIndex, sparse_row: Int32, sparse_head: Int32,
+    ):
+        mQ_seq = cute.domain_offset((offset_q, 0), mQ[None, None, head])
+        gQ = cute.local_tile(mQ_seq, (self.tile_m, self.head_dim), (m_block, 0))
+        tQsQ, tQgQ = cpasync.tma_partition(
+            tma_atom_q, 0, cute.make_layout(1),
+            cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2))
+        mK_seq = cute.domain_offset((offset_k, 0), mK[None, None, head_kv])
+        gK = cute.local_tile(mK_seq, (self.tile_n, self.head_dim), (None, 0))
+        tKsK, tKgK = cpasync.tma_partition(
+            tma_atom_k, 0, cute.make_layout(1),
+            cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2))
+        mV_seq = cute.domain_offset((0, offset_k), mVt[None, None, head_kv])
+        gV = cute.local_tile(mV_seq, (self.head_dim, self.tile_n), (0, None))
+        tVsV, tVgV = cpasync.tma_partition(
+            tma_atom_v, 0, cute.make_layout(1),
+            cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2))
+
+        q_handle = q_producer.acquire_and_advance()
+        cute.copy(tma_atom_q, tQgQ, tQsQ[(None, 0)], tma_bar_ptr=q_handle.barrier)
+        for it in cutlass.range(num_iters, unroll=1):
+            n_block, _ = self.kv_tile_at(
+                it, n_max, num_mask_blocks, mFullIndex, mMaskIndex, sparse_row, sparse_head)
+            k_handle = k_producer.acquire_and_advance()
+            cute.copy(tma_atom_k, tKgK[(None, n_block)], tKsK[(None, k_handle.index)],
+                      tma_bar_ptr=k_handle.barrier)
+            v_handle = v_producer.acquire_and_advance()
+            cute.copy(tma_atom_v, tVgV[(None, n_block)], tVsV[(None, v_handle.index)],
+                      tma_bar_ptr=v_handle.barrier)
+
+    @cute.jit
+    def consume(
+        self, tidx: Int32, sQ, sK, sV, q_consumer, k_consumer, v_consumer,
+        tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma,
+        tiled_mma_epilogue: cute.TiledMma, mO: cute.Tensor, mLSE: cute.Tensor, softmax_scale: Float32, scale_log2: Float32,
+        block_range: BlockRange, offset_q: Int32, seqlen_q: Int32, seqlen_k: Int32,
+        head: Int32, m_block: Int32, n_max: Int32, num_iters: Int32, num_mask_blocks: Int32,
+        mFullIndex, mMaskIndex, sparse_row: Int32, sparse_head: Int32,
+    ):
+        thr_qk = tiled_mma_qk.get_slice(tidx)
+        thr_pv = tiled_mma_pv.get_slice(tidx)
+        tSrQ = thr_qk.make_fragment_A(thr_qk.partition_A(sQ))
+        tSrK = thr_qk.make_fragment_B(thr_qk.partition_B(sK))
+        tOrV = thr_pv.make_fragment_B(thr_pv.partition_B(sV))
+        acc_o = thr_pv.make_fragment_C(thr_pv.partition_shape_C((self.tile_m, self.head_dim)))
+        acc_o.fill(0.0)
+        s_shape = thr_qk.partition_shape_C((self.tile_m, self.tile_n))
+        t_coord = thr_qk.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n)))
+        num_rows = cute.size(acc_mn_view(acc_o), mode=[0])
+        row_max = cute.make_rmem_tensor(cute.make_layout(num_rows), Float32)
+        row_sum = cute.make_rmem_tensor(cute.make_layout(num_rows), Float32)
+        softmax_init(row_max, row_sum)
+
+        q_handle = q_consumer.wait_and_advance()
+        for it in cutlass.range(num_iters, unroll=1):
+            n_block, is_mask_tile = self.kv_tile_at(
+                it, n_max, num_mask_blocks, mFullIndex, mMaskIndex, sparse_row, sparse_head)
+            acc_s = thr_qk.make_fragment_C(s_shape)
+            k_handle = k_consumer.wait_and_advance()
+            self.gemm(tiled_mma_qk, acc_s, tSrQ[None, None, None, 0],
+                      tSrK[None, None, None, k_handle.index], zero_init=True)
+            warpgroup.wait_group(0)
+            k_handle.release()
+
+            if const_expr(self.spec.block_sparse):
+                if is_mask_tile:
+                    apply_mask(acc_s, t_coord, block_range, m_block, n_block, seqlen_k, True)
+                elif (n_block + 1) * self.tile_n > seqlen_k:
+                    apply_mask(acc_s, t_coord, block_range, m_block, n_block, seqlen_k, False)
+            else:
+                if block_range.tile_needs_mask(m_block, n_block, seqlen_q, seqlen_k):
+                    apply_mask(acc_s, t_coord, block_range, m_block, n_block, seqlen_k, True)
+            softmax_step(acc_s, acc_o, row_max, row_sum, scale_log2)
+
+            # P in registers as the A operand of the P @ V wgmma.
+            r_p = cute.make_rmem_tensor(acc_as_a_operand_layout(acc_s.layout), self.dtype)
+            r_p_as_acc = cute.make_tensor(r_p.iterator, acc_s.layout)
+            r_p_as_acc.store(acc_s.load().to(self.dtype))
+            v_handle = v_consumer.wait_and_advance()
+            self.gemm(tiled_mma_pv, acc_o, r_p, tOrV[None, None, None, v_handle.index],
+                      zero_init=False)
+            warpgroup.wait_group(0)
+            v_handle.release()
+
+        lse = cute.make_rmem_tensor(cute.make_layout(num_rows), Float32)
+        softmax_finalize(acc_o, row_max, row_sum, softmax_scale, lse)
+        self.store_output(tiled_mma_epilogue.get_slice(tidx), acc_o, lse, mO, mLSE, offset_q, seqlen_q, head, m_block)
+
+    @cute.jit
+    def gemm(self, tiled_mma, acc, t_a, t_b, zero_init: cutlass.Constexpr[bool]):
+        warpgroup.fence()
+        for k in cutlass.range_constexpr(cute.size(t_a, mode=[2])):
+            tiled_mma.set(warpgroup.Field.ACCUMULATE, (not zero_init) or k != 0)
+            cute.gemm(tiled_mma, acc, t_a[None, None, k], t_b[None, None, k], acc)
+        warpgroup.commit_group()
+
+    @cute.jit
+    def store_output(
+        self, thr_pv, acc_o: cute.Tensor, lse: cute.Tensor,
+        mO: cute.Tensor, mLSE: cute.Tensor, offset_q: Int32, seqlen_q: Int32,
+        head: Int32, m_block: Int32,
+    ):
+        """Registers straight to global memory, row-predicated so no other sequence is touched."""
+        r_o = cute.make_rmem_tensor_like(acc_o, self.dtype)
+        r_o.store(acc_o.load().to(self.dtype))
+        mO_seq = cute.domain_offset((offset_q, 0), mO[None, head, None])
+        gO = cute.local_tile(mO_seq, (self.tile_m, self.head_dim), (m_block, 0))
+        t_go = thr_pv.partition_C(gO)
+        t_co = thr_pv.partition_C(cute.make_identity_tensor((self.tile_m, self.head_dim)))
+        o_mn = acc_mn_view(r_o)
+        go_mn = acc_mn_view(t_go)
+        co_mn = acc_mn_view(t_co)
+        for r in cutlass.range_constexpr(cute.size(o_mn, mode=[0])):
+            row = m_block * self.tile_m + co_mn[r, 0][0]
+            if row < seqlen_q:
+                for c in cutlass.range_constexpr(cute.size(o_mn, mode=[1])):
+                    go_mn[r, c] = o_mn[r, c]
+                if co_mn[r, 0][1] == 0:
+                    mLSE[head, offset_q + row] = lse[r]

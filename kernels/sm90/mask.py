@@ -1,0 +1,37 @@
+"""In-register masking of a score tile: keys a row may not see become -inf."""
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, const_expr
+
+from kernels.sm90.block_range import BlockRange
+from kernels.sm90.layouts import acc_mn_view
+
+
+@cute.jit
+def apply_mask(
+    acc_s: cute.Tensor,
+    t_coord: cute.Tensor,
+    block_range: BlockRange,
+    m_block: Int32,
+    n_block: Int32,
+    seqlen_k: Int32,
+    with_causal_window: cutlass.Constexpr[bool],
+):
+    """Mask acc_s (one thread's fragment) given its (row, col) coordinates in t_coord.
+
+    with_causal_window=False masks only keys past the sequence end (for "full" tiles).
+    """
+    s_mn = acc_mn_view(acc_s)
+    c_mn = acc_mn_view(t_coord)
+    key_base = n_block * block_range.tile_n
+    for r in cutlass.range_constexpr(cute.size(s_mn, mode=[0])):
+        row = m_block * block_range.tile_m + c_mn[r, 0][0]
+        hi = seqlen_k - key_base
+        lo = Int32(0) - key_base
+        if const_expr(with_causal_window):
+            hi = cutlass.min(hi, block_range.key_limit_right(row) - key_base)
+            lo = block_range.key_limit_left(row) - key_base
+        for c in cutlass.range_constexpr(cute.size(s_mn, mode=[1])):
+            col = c_mn[0, c][1]
+            if col >= hi or col < lo:
+                s_mn[r, c] = -Float32.inf

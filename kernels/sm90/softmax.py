@@ -1,0 +1,78 @@
+"""Online softmax over KV tiles, in base 2, for one thread's rows of a wgmma fragment.
+
+State is two register tensors per thread (row max, row sum). Rows are spread over the 4
+threads of a quad, so row reductions finish with two shuffles. A row that has seen only
+masked keys keeps max = -inf; it is treated as max 0 so that exp2(-inf) = 0 and nothing
+becomes NaN; at the end it gets out = 0 and lse = -inf.
+"""
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32
+
+from kernels.sm90.layouts import acc_mn_view
+
+
+def _quad_allreduce(value, op):
+    for offset in (1, 2):
+        value = op(value, cute.arch.shuffle_sync_bfly(value, offset=offset))
+    return value
+
+
+def _add(a, b):
+    return a + b
+
+
+@cute.jit
+def softmax_init(row_max: cute.Tensor, row_sum: cute.Tensor):
+    row_max.fill(-Float32.inf)
+    row_sum.fill(0.0)
+
+
+@cute.jit
+def softmax_step(
+    acc_s: cute.Tensor, acc_o: cute.Tensor, row_max: cute.Tensor, row_sum: cute.Tensor,
+    scale_log2: Float32,
+):
+    """Turn scores acc_s into unnormalised probabilities; rescale acc_o for the new max."""
+    s_mn = acc_mn_view(acc_s)
+    o_mn = acc_mn_view(acc_o)
+    for r in cutlass.range_constexpr(cute.size(s_mn, mode=[0])):
+        tile_max = s_mn[r, 0]
+        for c in cutlass.range_constexpr(1, cute.size(s_mn, mode=[1])):
+            tile_max = cute.arch.fmax(tile_max, s_mn[r, c])
+        tile_max = _quad_allreduce(tile_max, cute.arch.fmax)
+        old_max = row_max[r]
+        new_max = cute.arch.fmax(old_max, tile_max)
+        safe_max = new_max
+        if new_max == -Float32.inf:
+            safe_max = Float32(0.0)
+        max_scaled = safe_max * scale_log2
+        correction = cute.math.exp2(old_max * scale_log2 - max_scaled, fastmath=True)
+        row_max[r] = new_max
+        tile_sum = Float32(0.0)
+        for c in cutlass.range_constexpr(cute.size(s_mn, mode=[1])):
+            p = cute.math.exp2(s_mn[r, c] * scale_log2 - max_scaled, fastmath=True)
+            s_mn[r, c] = p
+            tile_sum += p
+        row_sum[r] = row_sum[r] * correction + tile_sum
+        for c in cutlass.range_constexpr(cute.size(o_mn, mode=[1])):
+            o_mn[r, c] = o_mn[r, c] * correction
+
+
+@cute.jit
+def softmax_finalize(
+    acc_o: cute.Tensor, row_max: cute.Tensor, row_sum: cute.Tensor, scale: Float32,
+    lse: cute.Tensor,
+):
+    """Normalise acc_o and write each row's natural-log lse (-inf for empty rows)."""
+    o_mn = acc_mn_view(acc_o)
+    for r in cutlass.range_constexpr(cute.size(o_mn, mode=[0])):
+        total = _quad_allreduce(row_sum[r], _add)
+        inv = Float32(0.0)
+        row_lse = -Float32.inf
+        if total > Float32(0.0):
+            inv = cute.arch.rcp_approx(total)
+            row_lse = row_max[r] * scale + cute.math.log(total, fastmath=True)
+        lse[r] = row_lse
+        for c in cutlass.range_constexpr(cute.size(o_mn, mode=[1])):
+            o_mn[r, c] = o_mn[r, c] * inv

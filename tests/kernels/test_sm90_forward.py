@@ -1,0 +1,152 @@
+"""The sm90 CuTe DSL forward against the torch fallback (fp32) on the GPU.
+
+The fallback is itself checked against a dense float64 oracle on the CPU
+(test_fallback*.py); here the kernel must match it to bf16/fp16 accuracy, lse included,
+on random data, with empty rows giving out = 0 and lse = -inf.
+"""
+import pytest
+import torch
+
+from kernels.fallback import attention_forward_fallback
+
+pytestmark = pytest.mark.gpu
+
+
+def _sm90():
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
+requires_sm90 = pytest.mark.skipif(not _sm90(), reason="needs an sm_90 GPU")
+
+
+def _cu_seqlens(lengths, device):
+    cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
+    cu[1:] = torch.tensor(lengths).cumsum(0)
+    return cu.to(device)
+
+
+def _random_block_sparse(lengths_q, lengths_k, heads, tile_m, tile_n, density, generator):
+    """Random compact lists (incl. empty rows); full/mask classification also random."""
+    from sparsity import BlockSparseTensors
+
+    rows = [(lq + tile_m - 1) // tile_m for lq in lengths_q]
+    total_rows = sum(rows)
+    lists = []
+    for s, num_rows in enumerate(rows):
+        n_blocks = (lengths_k[s] + tile_n - 1) // tile_n
+        for _ in range(num_rows):
+            per_head = []
+            for _ in range(heads):
+                chosen = (torch.rand(n_blocks, generator=generator) < density).nonzero().flatten()
+                is_full = torch.rand(len(chosen), generator=generator) < 0.5
+                per_head.append((chosen[is_full].tolist(), chosen[~is_full].tolist()))
+            lists.append(per_head)
+    kf = max([len(f) for row in lists for f, _ in row] + [1])
+    km = max([len(m) for row in lists for _, m in row] + [1])
+    full_index = torch.full((total_rows, heads, kf), -1, dtype=torch.int32)
+    mask_index = torch.full((total_rows, heads, km), -1, dtype=torch.int32)
+    full_count = torch.zeros((total_rows, heads), dtype=torch.int32)
+    mask_count = torch.zeros((total_rows, heads), dtype=torch.int32)
+    for r, row in enumerate(lists):
+        for h, (full, mask) in enumerate(row):
+            full_count[r, h], mask_count[r, h] = len(full), len(mask)
+            full_index[r, h, :len(full)] = torch.tensor(full, dtype=torch.int32)
+            mask_index[r, h, :len(mask)] = torch.tensor(mask, dtype=torch.int32)
+    offsets = torch.zeros(len(rows) + 1, dtype=torch.int32)
+    offsets[1:] = torch.tensor(rows).cumsum(0)
+    return BlockSparseTensors(
+        full_count=full_count.cuda(), full_index=full_index.cuda(),
+        mask_count=mask_count.cuda(), mask_index=mask_index.cuda(),
+        row_block_size=tile_m, col_block_size=tile_n, row_block_offsets=offsets.cuda())
+
+
+def _check(q, k, v, **kwargs):
+    from kernels.sm90.forward import can_run, run
+
+    ok, reason = can_run(q, k, v, **kwargs)
+    assert ok, reason
+    out, lse = run(q, k, v, **kwargs)
+    ref_out, ref_lse = attention_forward_fallback(q.float(), k.float(), v.float(), **kwargs)
+    torch.cuda.synchronize()
+    assert not out.isnan().any()
+    err = (out.float() - ref_out).norm() / ref_out.norm().clamp_min(1e-6)
+    assert err < 1e-2, f"relative error {err:.3e}"
+    empty = ref_lse == -float("inf")
+    assert torch.equal(lse == -float("inf"), empty)
+    assert (out.float().transpose(-2, -3) if out.dim() == 4 else out.float().transpose(0, 1))[
+        empty].abs().max().item() == 0 if empty.any() else True
+    if (~empty).any():
+        assert (lse[~empty] - ref_lse[~empty].float()).abs().max() < 1e-2
+    return err
+
+
+DENSE_CASES = [
+    # (lengths, H, Hkv, D, causal, cf, window)
+    ([1000], 4, 4, 128, True, 1, (-1, -1)),
+    ([1000], 4, 4, 64, True, 1, (-1, -1)),
+    ([777], 8, 2, 128, False, 1, (-1, -1)),
+    ([513, 1, 130, 1025], 8, 1, 128, True, 1, (-1, -1)),
+    ([2048], 16, 1, 128, True, 1, (511, 0)),
+    ([1500, 300], 8, 8, 64, True, 1, (100, 0)),
+    ([900], 4, 4, 128, False, 1, (100, 50)),
+    ([2000, 37], 16, 16, 128, True, 16, (-1, -1)),
+    ([4096, 1000], 8, 2, 128, True, 64, (-1, -1)),
+    ([4096], 4, 1, 64, True, 64, (-1, -1)),
+]
+
+
+@requires_sm90
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("case", DENSE_CASES, ids=lambda c: f"L{c[0]}-H{c[1]}/{c[2]}-D{c[3]}-"
+                         f"causal{int(c[4])}-cf{c[5]}-w{c[6][0]}_{c[6][1]}")
+def test_dense_varlen_matches_fallback(case, dtype):
+    lengths, heads, heads_kv, dim, causal, cf, window = case
+    torch.manual_seed(0)
+    lengths_k = [n // cf for n in lengths]
+    q = torch.randn(sum(lengths), heads, dim, device="cuda", dtype=dtype)
+    k = torch.randn(sum(lengths_k), heads_kv, dim, device="cuda", dtype=dtype)
+    v = torch.randn_like(k)
+    _check(q, k, v, cu_seqlens_q=_cu_seqlens(lengths, "cuda"),
+           cu_seqlens_k=_cu_seqlens(lengths_k, "cuda"), max_seqlen_q=max(lengths),
+           max_seqlen_k=max(lengths_k), softmax_scale=dim ** -0.5, causal=causal,
+           compress_factor=cf, window_size=window)
+
+
+@requires_sm90
+@pytest.mark.parametrize("group", [1, 4, 8, 16])
+def test_padded_gqa_matches_fallback(group):
+    torch.manual_seed(1)
+    q = torch.randn(2, 1031, 16, 128, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(2, 1031, 16 // group, 128, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    _check(q, k, v, max_seqlen_q=1031, max_seqlen_k=1031, softmax_scale=0.1, causal=True)
+
+
+@requires_sm90
+@pytest.mark.parametrize("tile_n", [64, 128])
+@pytest.mark.parametrize("sparse_heads", ["per_head", "per_kv_head"])
+@pytest.mark.parametrize("dim", [64, 128])
+def test_block_sparse_matches_fallback(tile_n, sparse_heads, dim):
+    gen = torch.Generator().manual_seed(2)
+    lengths = [1500, 129, 700]
+    heads, heads_kv = 8, 2
+    hs = heads if sparse_heads == "per_head" else heads_kv
+    bs = _random_block_sparse(lengths, lengths, hs, 128, tile_n, 0.3, gen)
+    q = torch.randn(sum(lengths), heads, dim, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(sum(lengths), heads_kv, dim, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    cu = _cu_seqlens(lengths, "cuda")
+    _check(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max(lengths),
+           max_seqlen_k=max(lengths), softmax_scale=dim ** -0.5, causal=True, block_sparse=bs)
+
+
+@requires_sm90
+def test_many_short_sequences():
+    torch.manual_seed(3)
+    lengths = [int(x) for x in torch.randint(1, 300, (16,))]
+    q = torch.randn(sum(lengths), 8, 128, device="cuda", dtype=torch.float16)
+    k = torch.randn(sum(lengths), 4, 128, device="cuda", dtype=torch.float16)
+    v = torch.randn_like(k)
+    cu = _cu_seqlens(lengths, "cuda")
+    _check(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max(lengths),
+           max_seqlen_k=max(lengths), softmax_scale=0.09, causal=True)

@@ -1,0 +1,157 @@
+"""Time our sm90 forward kernel against FA4 (flash-attn-4) in the same run.
+
+Cases (bf16, B=1, D=128, H=32, Hkv=8 by default): dense causal; block-sparse with random lists of
+25% and 5% of the 128x128 KV blocks per q tile (non-causal, all blocks "full", the same lists for
+both kernels); causal sliding window 512; compress_factor 64 over N/64 compressed keys (no FA4
+equivalent: compared with our own dense causal figure). TFLOP/s count only the attended pairs
+(4 * D flops per pair). CUDA-event timings after warm-up, medians. Prints a table, writes JSON.
+
+    python tools/bench_kernels.py --seqlens 16384 65536 --json out.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def time_ms(fn, warmup: int = 3, reps: int = 10) -> float:
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def random_block_lists(num_rows: int, num_heads: int, num_blocks: int, density: float, seed: int):
+    """(count (H, R), index (H, R, K)) with exactly round(density * num_blocks) sorted blocks."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    k = max(1, round(density * num_blocks))
+    scores = torch.rand(num_heads, num_rows, num_blocks, generator=gen, device="cuda")
+    index = scores.topk(k, dim=-1).indices.sort(dim=-1).values.to(torch.int32)
+    count = torch.full((num_heads, num_rows), k, dtype=torch.int32, device="cuda")
+    return count, index
+
+
+def ours(q, k, v, **kwargs):
+    from kernels.sm90.forward import run
+
+    return lambda: run(q, k, v, **kwargs)
+
+
+def fa4(q, k, v, **kwargs):
+    try:
+        from flash_attn.cute.interface import flash_attn_func
+    except ImportError:
+        return None
+    return lambda: flash_attn_func(q, k, v, **kwargs)
+
+
+def bench_seqlen(n: int, heads: int, heads_kv: int, dim: int, reps: int) -> list[dict]:
+    from sparsity import BlockSparseTensors
+
+    torch.manual_seed(0)
+    q = torch.randn(1, n, heads, dim, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(1, n, heads_kv, dim, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    scale = dim ** -0.5
+    rows = []
+
+    def record(case, pairs, ms_ours, ms_fa4):
+        tflops = lambda ms: 4 * dim * pairs * heads / (ms * 1e-3) / 1e12 if ms else None
+        rows.append(dict(seqlen=n, case=case, ours_ms=ms_ours, fa4_ms=ms_fa4,
+                         ours_tflops=tflops(ms_ours), fa4_tflops=tflops(ms_fa4),
+                         ratio=(ms_fa4 / ms_ours) if ms_fa4 else None))
+
+    causal_pairs = n * (n + 1) / 2
+    base = dict(max_seqlen_q=n, max_seqlen_k=n, softmax_scale=scale)
+    f = fa4(q, k, v, causal=True)
+    record("dense causal", causal_pairs, time_ms(ours(q, k, v, causal=True, **base), reps=reps),
+           time_ms(f, reps=reps) if f else None)
+
+    num_tiles = n // 128
+    for density in (0.25, 0.05):
+        count, index = random_block_lists(num_tiles, heads, num_tiles, density, seed=1)
+        bs = BlockSparseTensors(
+            full_count=count.transpose(0, 1).contiguous(),
+            full_index=index.transpose(0, 1).contiguous(),
+            mask_count=torch.zeros_like(count).transpose(0, 1).contiguous(),
+            mask_index=torch.full((num_tiles, heads, 1), -1, dtype=torch.int32, device="cuda"),
+            row_block_size=128, col_block_size=128,
+            row_block_offsets=torch.tensor([0, num_tiles], dtype=torch.int32, device="cuda"),
+        )
+        pairs = count.sum().item() / heads * 128 * 128
+        ms_fa4 = None
+        try:
+            from flash_attn.cute.block_sparsity import BlockSparseTensorsTorch
+
+            fa4_bs = BlockSparseTensorsTorch(
+                mask_block_cnt=torch.zeros_like(count)[None],
+                mask_block_idx=torch.zeros_like(index)[None],
+                full_block_cnt=count[None], full_block_idx=index[None],
+                block_size=(128, 128))
+            f = fa4(q, k, v, causal=False, block_sparse_tensors=fa4_bs)
+            ms_fa4 = time_ms(f, reps=reps) if f else None
+        except Exception as error:  # FA4's block-sparse API differs between releases
+            print(f"FA4 block-sparse unavailable: {error!r}", file=sys.stderr)
+        record(f"block-sparse {int(density * 100)}%", pairs,
+               time_ms(ours(q, k, v, causal=False, block_sparse=bs, **base), reps=reps), ms_fa4)
+
+    window = 512
+    pairs = sum(min(i + 1, window) for i in range(n))
+    f = fa4(q, k, v, causal=True, window_size=(window - 1, 0))
+    record("causal window 512", pairs,
+           time_ms(ours(q, k, v, causal=True, window_size=(window - 1, 0), **base), reps=reps),
+           time_ms(f, reps=reps) if f else None)
+
+    cf = 64
+    kc = torch.randn(1, n // cf, heads_kv, dim, device="cuda", dtype=torch.bfloat16)
+    vc = torch.randn_like(kc)
+    pairs = sum((i + 1) // cf for i in range(n))
+    record("compress_factor 64", pairs,
+           time_ms(ours(q, kc, vc, causal=True, compress_factor=cf, max_seqlen_q=n,
+                        max_seqlen_k=n // cf, softmax_scale=scale), reps=reps), None)
+    return rows
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seqlens", type=int, nargs="+", default=[16384, 65536])
+    parser.add_argument("--heads", type=int, default=32)
+    parser.add_argument("--heads-kv", type=int, default=8)
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--reps", type=int, default=10)
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        parser.error("needs a CUDA GPU (sm_90)")
+    rows = []
+    for n in args.seqlens:
+        rows += bench_seqlen(n, args.heads, args.heads_kv, args.head_dim, args.reps)
+    device = torch.cuda.get_device_name()
+    print(f"\n{device}, bf16, B=1, H={args.heads}, Hkv={args.heads_kv}, D={args.head_dim}")
+    print(f"{'N':>7} {'case':<22} {'ours ms':>9} {'TFLOP/s':>8} {'FA4 ms':>9} {'TFLOP/s':>8} {'FA4/ours':>8}")
+    fmt = lambda x, p: f"{x:.{p}f}" if x is not None else "-"
+    for r in rows:
+        print(f"{r['seqlen']:>7} {r['case']:<22} {fmt(r['ours_ms'], 3):>9} "
+              f"{fmt(r['ours_tflops'], 0):>8} {fmt(r['fa4_ms'], 3):>9} "
+              f"{fmt(r['fa4_tflops'], 0):>8} {fmt(r['ratio'], 2):>8}")
+    if args.json:
+        args.json.write_text(json.dumps(dict(device=device, rows=rows), indent=1))
+
+
+if __name__ == "__main__":
+    main()
