@@ -1,0 +1,59 @@
+"""nsa(): Native Sparse Attention, the public entry point."""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from nsa.function import NSAFunction
+from nsa.selection_rule import CMP_KV_BLOCK, SELECTION_Q_TILE
+from nsa.validation import validate_nsa_arguments
+
+
+def nsa(q: Tensor, k: Tensor, v: Tensor, *, cu_seqlens: Tensor | None = None,
+        max_seqlen: int | None = None, compress_block_size: int = 64,
+        selected_block_size: int = 64, num_selected_blocks: int = 16, window_size: int = 512,
+        W_k: Tensor | None = None, W_v: Tensor | None = None, W_gate: Tensor | None = None,
+        causal: bool = True, softmax_scale: float | None = None,
+        num_cmp_selected_blocks: int | None = None, _q_tile: int = SELECTION_Q_TILE,
+        _cmp_kv_block: int = CMP_KV_BLOCK) -> Tensor:
+    """Native Sparse Attention: compressed + selected + sliding-window branches, gated.
+
+    Layouts: padded q (B, N, H, D), k, v (B, N, Hkv, D); or packed varlen q (T, H, D),
+    k, v (T, Hkv, D) with cu_seqlens (S+1,) int32 (and optionally max_seqlen). H % Hkv == 0.
+    Returns out with q's shape and dtype; differentiable in q, k, v, W_k, W_v, W_gate.
+
+    compress_block_size (l): tokens per compressed token (mean of K/V, then @ W_k / W_v
+        (Hkv, D, D) per KV head when given).
+    selected_block_size (l'), num_selected_blocks: the selected branch attends to
+        num_selected_blocks blocks of l' keys per 128-row query tile and KV group, chosen by the
+        causal selection rule of docs/interfaces.md (nsa/reference.py states it too). l' must be
+        a multiple of l; num_selected_blocks at least 1 + 128 / l' (block 0 and the tile's own
+        blocks are always selected).
+    window_size (w): the window branch attends to keys i - w < j <= i; 0 switches it off.
+    W_gate (H, 3, D): gates g = sigmoid(q . W_gate[h, b]) for (compressed, selected, window);
+        without it each running branch is weighted equally.
+    causal: with True (the default) row i depends on rows <= i of its sequence only.
+    softmax_scale: defaults to D ** -0.5.
+    num_cmp_selected_blocks: None = dense compressed branch; an int n makes it block-sparse over
+        blocks of 128 compressed tokens (block 0, the diagonal ones, the n best scored).
+    _q_tile, _cmp_kv_block: test-only overrides of SELECTION_Q_TILE and CMP_KV_BLOCK, so tests
+        can exercise many tiles at tiny sizes. The kernels are built for the defaults.
+    """
+    config, max_seqlen = validate_nsa_arguments(
+        q, k, v, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
+        compress_block_size=compress_block_size, selected_block_size=selected_block_size,
+        num_selected_blocks=num_selected_blocks, window_size=window_size, W_k=W_k, W_v=W_v,
+        W_gate=W_gate, causal=causal, softmax_scale=softmax_scale,
+        num_cmp_selected_blocks=num_cmp_selected_blocks, q_tile=_q_tile,
+        cmp_kv_block=_cmp_kv_block)
+    weights = tuple(None if W is None else W.contiguous() for W in (W_k, W_v, W_gate))
+    if cu_seqlens is not None:
+        return NSAFunction.apply(q.contiguous(), k.contiguous(), v.contiguous(), *weights,
+                                 cu_seqlens, max_seqlen, config)
+    # A padded batch is B sequences of N rows, packed (an empty batch as one empty sequence).
+    batch, seqlen = q.shape[:2]
+    cu_seqlens = torch.arange(max(batch, 1) + 1, dtype=torch.int32, device=q.device) * \
+        (seqlen if batch else 0)
+    packed = (x.reshape(batch * seqlen, *x.shape[2:]) for x in (q, k, v))
+    out = NSAFunction.apply(*packed, *weights, cu_seqlens, max_seqlen, config)
+    return out.view(q.shape)

@@ -1,0 +1,126 @@
+"""The three attention branches of NSA as calls of the `kernels` entry points.
+
+A `Branch` is the keyword arguments of kernels.attention_forward/backward for one branch (the
+sequences, the mask and the block-sparse lists), built once per nsa() call and replayed in the
+backward. The public functions below run one branch alone with the signatures of their
+`nsa.reference` counterparts, so the tests compare them piece by piece.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import Tensor
+
+import kernels
+from sparsity import (BlockSparseTensors, build_compressed_block_sparse,
+                      build_selected_block_sparse)
+from nsa.selection_rule import CMP_KV_BLOCK, SELECTION_Q_TILE
+
+COMPRESSED, SELECTED, WINDOW = 0, 1, 2  # branch order, also the gate order of W_gate (H, 3, D)
+
+
+@dataclass(frozen=True, eq=False)
+class Branch:
+    """One branch: reads the compressed keys/values or the original ones, with these kernel
+    keyword arguments (cu_seqlens_*, max_seqlen_*, softmax_scale, causal, compress_factor,
+    window_size, block_sparse)."""
+
+    index: int  # COMPRESSED, SELECTED or WINDOW
+    kernel_kwargs: dict
+
+    @property
+    def reads_compressed(self) -> bool:
+        return self.index == COMPRESSED
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """(out, lse) of this branch; k, v are the compressed ones for the compressed branch."""
+        return kernels.attention_forward(q, k, v, **self.kernel_kwargs)
+
+    def backward(self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor
+                 ) -> tuple[Tensor, Tensor, Tensor]:
+        """(dq, dk, dv), dk and dv summed over each KV group."""
+        return kernels.attention_backward(dout, q, k, v, out, lse, **self.kernel_kwargs)
+
+
+def compressed_branch(cu_seqlens: Tensor, cu_seqlens_cmp: Tensor, *, compress_block_size: int,
+                      softmax_scale: float, causal: bool, cmp_selected: Tensor | None = None,
+                      q_tile: int = SELECTION_Q_TILE, cmp_kv_block: int = CMP_KV_BLOCK,
+                      max_seqlen: int | None = None) -> Branch:
+    """Attention to the compressed tokens: causal with compress_factor = l; block-sparse over
+    blocks of cmp_kv_block compressed tokens when cmp_selected (R, Hkv, n) is given."""
+    block_sparse = None
+    if cmp_selected is not None:
+        block_sparse = _compressed_block_sparse(cu_seqlens, cu_seqlens_cmp, cmp_selected,
+                                                compress_block_size, q_tile, cmp_kv_block, causal)
+    max_seqlen_cmp = None if max_seqlen is None else max_seqlen // compress_block_size
+    return Branch(COMPRESSED, dict(
+        cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens_cmp, max_seqlen_q=max_seqlen,
+        max_seqlen_k=max_seqlen_cmp, softmax_scale=softmax_scale, causal=causal,
+        compress_factor=compress_block_size, block_sparse=block_sparse))
+
+
+def selected_branch(cu_seqlens: Tensor, selected: Tensor, *, selected_block_size: int,
+                    softmax_scale: float, causal: bool, q_tile: int = SELECTION_Q_TILE,
+                    max_seqlen: int | None = None) -> Branch:
+    """Attention to the selected blocks (R, Hkv, k): kernel tiles of q_tile rows and
+    selected_block_size keys, causal inside the diagonal blocks."""
+    block_sparse = build_selected_block_sparse(
+        selected, cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens, q_tile=q_tile,
+        selected_block_size=selected_block_size, kv_block=selected_block_size, causal=causal)
+    return Branch(SELECTED, dict(
+        cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens, max_seqlen_q=max_seqlen,
+        max_seqlen_k=max_seqlen, softmax_scale=softmax_scale, causal=causal,
+        block_sparse=block_sparse))
+
+
+def window_branch(cu_seqlens: Tensor, *, window_size: int, softmax_scale: float,
+                  max_seqlen: int | None = None) -> Branch:
+    """Sliding window: row i sees keys i - window_size < j <= i."""
+    return Branch(WINDOW, dict(
+        cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens, max_seqlen_q=max_seqlen,
+        max_seqlen_k=max_seqlen, softmax_scale=softmax_scale, causal=True,
+        window_size=(window_size - 1, 0)))
+
+
+def compressed_attention(q: Tensor, k_cmp: Tensor, v_cmp: Tensor, cu_seqlens: Tensor,
+                         cu_seqlens_cmp: Tensor, *, compress_block_size: int,
+                         softmax_scale: float, causal: bool = True,
+                         cmp_selected: Tensor | None = None, q_tile: int = SELECTION_Q_TILE,
+                         cmp_kv_block: int = CMP_KV_BLOCK) -> Tensor:
+    """The compressed branch alone; see nsa.reference.compressed_attention_reference."""
+    branch = compressed_branch(cu_seqlens, cu_seqlens_cmp, compress_block_size=compress_block_size,
+                               softmax_scale=softmax_scale, causal=causal,
+                               cmp_selected=cmp_selected, q_tile=q_tile, cmp_kv_block=cmp_kv_block)
+    return branch.forward(q, k_cmp, v_cmp)[0]
+
+
+def selected_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, selected: Tensor, *,
+                       selected_block_size: int, softmax_scale: float, causal: bool = True,
+                       q_tile: int = SELECTION_Q_TILE) -> Tensor:
+    """The selected branch alone; see nsa.reference.selected_attention_reference."""
+    branch = selected_branch(cu_seqlens, selected, selected_block_size=selected_block_size,
+                             softmax_scale=softmax_scale, causal=causal, q_tile=q_tile)
+    return branch.forward(q, k, v)[0]
+
+
+def window_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, *, window_size: int,
+                     softmax_scale: float) -> Tensor:
+    """The window branch alone; see nsa.reference.window_attention_reference."""
+    branch = window_branch(cu_seqlens, window_size=window_size, softmax_scale=softmax_scale)
+    return branch.forward(q, k, v)[0]
+
+
+def _compressed_block_sparse(cu_seqlens: Tensor, cu_seqlens_cmp: Tensor, cmp_selected: Tensor,
+                             compress_block_size: int, q_tile: int, cmp_kv_block: int,
+                             causal: bool) -> BlockSparseTensors:
+    if causal:
+        # Adds block 0 and the diagonal blocks (already in cmp_selected) and classifies them
+        # under the compressed causal mask.
+        return build_compressed_block_sparse(
+            cu_seqlens_q=cu_seqlens, cu_seqlens_k_cmp=cu_seqlens_cmp,
+            compress_factor=compress_block_size, q_tile=q_tile, kv_block=cmp_kv_block,
+            selected=cmp_selected)
+    # Non-causal there is no compressed mask: every listed block is simply attended whole.
+    return build_selected_block_sparse(
+        cmp_selected, cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens_cmp, q_tile=q_tile,
+        selected_block_size=cmp_kv_block, kv_block=cmp_kv_block, causal=False)

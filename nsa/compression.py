@@ -1,0 +1,73 @@
+"""Compression of keys and values: the mean of each complete block of l tokens, per sequence.
+
+One compressed token per complete block (a sequence of n rows has n // l of them, the incomplete
+tail is not compressed), optionally projected per KV head by W (Hkv, D, D): x_cmp = mean @ W[h].
+Everything runs in float32 (float64 for float64 inputs): the selection scores read these values,
+and the branch kernel gets them cast back to the input dtype.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """float32 for half precision inputs, float64 stays float64."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def compressed_cu_seqlens(cu_seqlens: Tensor, compress_block_size: int) -> Tensor:
+    """(S+1,) int32: cumulative counts of compressed tokens, floor(len_s / l) per sequence."""
+    counts = cu_seqlens.diff() // compress_block_size
+    return torch.cat([cu_seqlens.new_zeros(1), counts.cumsum(0)]).to(torch.int32)
+
+
+def compressed_block_rows(cu_seqlens: Tensor, cu_seqlens_cmp: Tensor,
+                          compress_block_size: int, num_compressed: int) -> Tensor:
+    """(Tc, l) int64: the packed rows each compressed token averages."""
+    device = cu_seqlens.device
+    token = torch.arange(num_compressed, device=device)
+    sequence = torch.searchsorted(cu_seqlens_cmp[1:].to(torch.int64), token, right=True)
+    first_row = cu_seqlens.to(torch.int64)[sequence] + \
+        (token - cu_seqlens_cmp.to(torch.int64)[sequence]) * compress_block_size
+    return first_row[:, None] + torch.arange(compress_block_size, device=device)
+
+
+def compress(x: Tensor, block_rows: Tensor, W: Tensor | None = None) -> Tensor:
+    """(Tc, Hkv, D) in compute_dtype: the mean of x over block_rows, then @ W[h] per head."""
+    num_compressed, block_size = block_rows.shape
+    dtype = compute_dtype(x.dtype)
+    pooled = x[block_rows.flatten()].unflatten(0, (num_compressed, block_size)).to(dtype).mean(1)
+    if W is None:
+        return pooled
+    return torch.einsum("thd,hde->the", pooled, W.to(dtype))
+
+
+def compress_backward(d_compressed: Tensor, x: Tensor, block_rows: Tensor,
+                      W: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+    """Gradients of `compress` for x (compute_dtype, shape of x) and W (None without W).
+
+    Blocks do not overlap and each row of a block carries 1/l of the block's gradient.
+    """
+    num_compressed, block_size = block_rows.shape
+    dtype = compute_dtype(x.dtype)
+    d_compressed = d_compressed.to(dtype)
+    dW = None
+    if W is not None:
+        pooled = x[block_rows.flatten()].unflatten(0, (num_compressed, block_size)).to(dtype)
+        pooled = pooled.mean(1)
+        dW = torch.einsum("thd,the->hde", pooled, d_compressed)
+        d_compressed = torch.einsum("the,hde->thd", d_compressed, W.to(dtype))
+    dx = torch.zeros(x.shape, dtype=dtype, device=x.device)
+    per_row = (d_compressed / block_size).unsqueeze(1).expand(-1, block_size, -1, -1)
+    dx[block_rows.flatten()] = per_row.flatten(0, 1)
+    return dx, dW
+
+
+def compress_kv(k: Tensor, v: Tensor, cu_seqlens: Tensor, compress_block_size: int,
+                W_k: Tensor | None = None, W_v: Tensor | None = None
+                ) -> tuple[Tensor, Tensor, Tensor]:
+    """k_cmp, v_cmp (Tc, Hkv, D) in compute_dtype and cu_seqlens_cmp (S+1,) int32."""
+    cu_cmp = compressed_cu_seqlens(cu_seqlens, compress_block_size)
+    rows = compressed_block_rows(cu_seqlens, cu_cmp, compress_block_size, int(cu_cmp[-1]))
+    return compress(k, rows, W_k), compress(v, rows, W_v), cu_cmp

@@ -1,0 +1,128 @@
+"""NSAFunction: the autograd Function behind nsa(), on packed varlen tensors.
+
+Forward: compress K/V -> select blocks -> run the three branches through `kernels` -> gate.
+It saves the inputs, the compact block-sparse lists and each branch's lse, never a branch output:
+the backward recomputes one branch at a time (its output is needed for dO.O and the gate
+gradients), runs that branch's attention backward with dO_b = g_b * dO, adds its dq/dk/dv into
+the running sums and frees the branch's tensors before the next, so the peak is one branch.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from nsa.branches import Branch, compressed_branch, selected_branch, window_branch
+from nsa.compression import (compress, compress_backward, compressed_block_rows,
+                             compressed_cu_seqlens, compute_dtype)
+from nsa.config import NSAConfig
+from nsa.gating import NUM_BRANCHES, gate_backward, gate_weights
+from nsa.selection import select_blocks
+
+
+class NSAFunction(torch.autograd.Function):
+    """nsa() on packed tensors: q (T, H, D), k, v (T, Hkv, D), cu_seqlens (S+1,) int32.
+
+    Arguments are trusted (nsa() validates them); gradients flow to q, k, v, W_k, W_v, W_gate.
+    """
+
+    @staticmethod
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, W_k: Tensor | None, W_v: Tensor | None,
+                W_gate: Tensor | None, cu_seqlens: Tensor, max_seqlen: int,
+                config: NSAConfig) -> Tensor:
+        cu_seqlens_cmp = compressed_cu_seqlens(cu_seqlens, config.compress_block_size)
+        rows = _compressed_rows(cu_seqlens, cu_seqlens_cmp, config)
+        k_cmp = compress(k, rows, W_k)  # compute dtype: the selection scores read it
+        branches = _plan_branches(q, k_cmp, cu_seqlens, cu_seqlens_cmp, max_seqlen, config)
+        k_cmp, v_cmp = k_cmp.to(k.dtype), compress(v, rows, W_v).to(v.dtype)
+        del rows
+
+        gates = gate_weights(q, W_gate, config.branches)
+        out = torch.zeros(q.shape, dtype=compute_dtype(q.dtype), device=q.device)
+        lses = []
+        for branch in branches:
+            keys, values = (k_cmp, v_cmp) if branch.reads_compressed else (k, v)
+            branch_out, lse = branch.forward(q, keys, values)
+            out.addcmul_(gates[..., branch.index, None], branch_out)
+            lses.append(lse)
+            del branch_out
+        del k_cmp, v_cmp
+
+        ctx.save_for_backward(q, k, v, W_k, W_v, W_gate, cu_seqlens, cu_seqlens_cmp, *lses)
+        ctx.branches, ctx.config = branches, config
+        return out.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, dout: Tensor):
+        q, k, v, W_k, W_v, W_gate, cu_seqlens, cu_seqlens_cmp, *lses = ctx.saved_tensors
+        config: NSAConfig = ctx.config
+        dtype = compute_dtype(q.dtype)
+        dout = dout.contiguous()
+        gates = gate_weights(q, W_gate, config.branches)
+
+        dq = torch.zeros(q.shape, dtype=dtype, device=q.device)
+        dk = torch.zeros(k.shape, dtype=dtype, device=k.device)
+        dv = torch.zeros(v.shape, dtype=dtype, device=v.device)
+        d_gates = torch.zeros(*q.shape[:2], NUM_BRANCHES, dtype=dtype, device=q.device)
+        dW_k = dW_v = dW_gate = None
+
+        branch: Branch
+        for branch, lse in zip(ctx.branches, lses):
+            if branch.reads_compressed:
+                rows = _compressed_rows(cu_seqlens, cu_seqlens_cmp, config)
+                keys = compress(k, rows, W_k).to(k.dtype)
+                values = compress(v, rows, W_v).to(v.dtype)
+            else:
+                keys, values = k, v
+            branch_out, _ = branch.forward(q, keys, values)
+            gate = gates[..., branch.index, None]
+            # out = sum_b g_b o_b: dL/dg_b = <dO, o_b> per row and head, dL/do_b = g_b dO.
+            d_gates[..., branch.index] = (dout.to(dtype) * branch_out.to(dtype)).sum(dim=-1)
+            branch_dout = (gate * dout.to(dtype)).to(q.dtype)
+            dq_b, dk_b, dv_b = branch.backward(branch_dout, q, keys, values, branch_out, lse)
+            del branch_out, branch_dout, keys, values
+            dq += dq_b
+            if branch.reads_compressed:
+                # dk_cmp, dv_cmp flow back through the projection and the mean pooling.
+                dk_b, dW_k = compress_backward(dk_b, k, rows, W_k)
+                dv_b, dW_v = compress_backward(dv_b, v, rows, W_v)
+                del rows
+            dk += dk_b
+            dv += dv_b
+            del dq_b, dk_b, dv_b
+
+        if W_gate is not None:
+            dq_gate, dW_gate = gate_backward(q, W_gate, gates, d_gates)
+            dq += dq_gate
+            dW_gate = dW_gate.to(W_gate.dtype)
+        if dW_k is not None:
+            dW_k = dW_k.to(W_k.dtype)
+        if dW_v is not None:
+            dW_v = dW_v.to(W_v.dtype)
+        return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dW_k, dW_v, dW_gate,
+                None, None, None)
+
+
+def _compressed_rows(cu_seqlens: Tensor, cu_seqlens_cmp: Tensor, config: NSAConfig) -> Tensor:
+    return compressed_block_rows(cu_seqlens, cu_seqlens_cmp, config.compress_block_size,
+                                 int(cu_seqlens_cmp[-1]))
+
+
+def _plan_branches(q: Tensor, k_cmp: Tensor, cu_seqlens: Tensor, cu_seqlens_cmp: Tensor,
+                   max_seqlen: int, config: NSAConfig) -> list[Branch]:
+    """Select blocks (scored against k_cmp in the compute dtype); describe the branches that run."""
+    selection = select_blocks(q, k_cmp, cu_seqlens, cu_seqlens_cmp, **config.selection_kwargs())
+    scale = config.softmax_scale
+    branches = [
+        compressed_branch(cu_seqlens, cu_seqlens_cmp,
+                          compress_block_size=config.compress_block_size, softmax_scale=scale,
+                          causal=config.causal, cmp_selected=selection.cmp_selected,
+                          q_tile=config.q_tile, cmp_kv_block=config.cmp_kv_block,
+                          max_seqlen=max_seqlen),
+        selected_branch(cu_seqlens, selection.selected,
+                        selected_block_size=config.selected_block_size, softmax_scale=scale,
+                        causal=config.causal, q_tile=config.q_tile, max_seqlen=max_seqlen),
+    ]
+    if config.window_size > 0:
+        branches.append(window_branch(cu_seqlens, window_size=config.window_size,
+                                      softmax_scale=scale, max_seqlen=max_seqlen))
+    return branches

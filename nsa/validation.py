@@ -1,0 +1,193 @@
+"""Checks of every nsa() argument, before any compute.
+
+Each failure raises TypeError (wrong kind of value) or ValueError (right kind, wrong value) whose
+message names the argument and the form it should have. Reading cu_seqlens's values is the one
+host transfer the checks need.
+"""
+from __future__ import annotations
+
+import math
+import numbers
+
+import torch
+from torch import Tensor
+
+from nsa.config import NSAConfig
+from nsa.selection_rule import min_selected_blocks
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def validate_nsa_arguments(q, k, v, *, cu_seqlens, max_seqlen, compress_block_size,
+                           selected_block_size, num_selected_blocks, window_size, W_k, W_v,
+                           W_gate, causal, softmax_scale, num_cmp_selected_blocks, q_tile,
+                           cmp_kv_block) -> tuple[NSAConfig, int]:
+    """The resolved options and max_seqlen, or an error naming the first bad argument."""
+    q_tile = _positive_int("_q_tile", q_tile)
+    cmp_kv_block = _positive_int("_cmp_kv_block", cmp_kv_block)
+    config = NSAConfig(
+        compress_block_size=_positive_int("compress_block_size", compress_block_size),
+        selected_block_size=_positive_int("selected_block_size", selected_block_size),
+        num_selected_blocks=_positive_int("num_selected_blocks", num_selected_blocks),
+        window_size=_int_at_least("window_size", window_size, 0),
+        causal=_bool("causal", causal),
+        softmax_scale=1.0,  # resolved below, once the head dim is known
+        num_cmp_selected_blocks=None if num_cmp_selected_blocks is None else
+        _int_at_least("num_cmp_selected_blocks", num_cmp_selected_blocks, 0),
+        q_tile=q_tile, cmp_kv_block=cmp_kv_block,
+    )
+    _check_block_sizes(config)
+
+    varlen = cu_seqlens is not None
+    _check_qkv(q, k, v, varlen)
+    heads, kv_heads, head_dim = q.shape[-2], k.shape[-2], q.shape[-1]
+    _check_weight("W_k", W_k, (kv_heads, head_dim, head_dim), "(Hkv, D, D)", q)
+    _check_weight("W_v", W_v, (kv_heads, head_dim, head_dim), "(Hkv, D, D)", q)
+    _check_weight("W_gate", W_gate, (heads, 3, head_dim), "(H, 3, D)", q)
+    if varlen:
+        max_seqlen = _check_cu_seqlens(cu_seqlens, max_seqlen, q)
+    else:
+        max_seqlen = _check_padded_max_seqlen(max_seqlen, q.shape[1])
+    scale = _softmax_scale(softmax_scale, head_dim)
+    return NSAConfig(**{**config.__dict__, "softmax_scale": scale}), max_seqlen
+
+
+# --- tensors -------------------------------------------------------------------------------------
+
+def _check_qkv(q, k, v, varlen: bool) -> None:
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        _tensor(name, x)
+    if varlen:
+        rank, forms = 3, {"q": "(T, H, D)", "k": "(T, Hkv, D)", "v": "(T, Hkv, D)"}
+        layout = "packed varlen (cu_seqlens given)"
+    else:
+        rank, forms = 4, {"q": "(B, N, H, D)", "k": "(B, N, Hkv, D)", "v": "(B, N, Hkv, D)"}
+        layout = "padded (no cu_seqlens; pass cu_seqlens for packed (T, H, D) inputs)"
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if x.dim() != rank:
+            raise ValueError(f"{name} must be {rank}-D {forms[name]} for the {layout} layout, "
+                             f"got shape {tuple(x.shape)}")
+    if q.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"q must be float16, bfloat16, float32 or float64, got {q.dtype}")
+    for name, x in (("k", k), ("v", v)):
+        if x.dtype != q.dtype:
+            raise TypeError(f"{name} must have q's dtype ({q.dtype}), got {x.dtype}")
+        if x.device != q.device:
+            raise ValueError(f"{name} must be on q's device ({q.device}), got {x.device}")
+    rows = q.shape[:-2]
+    if tuple(k.shape[:-2]) != tuple(rows):
+        raise ValueError(f"k must have q's leading dims {tuple(rows)} (NSA attends within the "
+                         f"same rows), got shape {tuple(k.shape)}")
+    if tuple(v.shape) != tuple(k.shape):
+        raise ValueError(f"v must have k's shape {tuple(k.shape)}, got {tuple(v.shape)}")
+    heads, kv_heads, head_dim = q.shape[-2], k.shape[-2], q.shape[-1]
+    if heads < 1 or kv_heads < 1 or head_dim < 1:
+        raise ValueError(f"q and k need at least one head and a head dim >= 1, got q "
+                         f"{tuple(q.shape)}, k {tuple(k.shape)}")
+    if heads % kv_heads:
+        raise ValueError(f"q's heads ({heads}) must be a multiple of k's heads ({kv_heads})")
+    if k.shape[-1] != head_dim:
+        raise ValueError(f"k must have q's head dim ({head_dim}), got {k.shape[-1]}")
+
+
+def _check_weight(name: str, W, shape: tuple[int, ...], form: str, q: Tensor) -> None:
+    if W is None:
+        return
+    _tensor(name, W)
+    if tuple(W.shape) != shape:
+        raise ValueError(f"{name} must have shape {form} = {shape}, got {tuple(W.shape)}")
+    if W.dtype != q.dtype:
+        raise TypeError(f"{name} must have q's dtype ({q.dtype}), got {W.dtype}")
+    if W.device != q.device:
+        raise ValueError(f"{name} must be on q's device ({q.device}), got {W.device}")
+
+
+def _check_cu_seqlens(cu_seqlens, max_seqlen, q: Tensor) -> int:
+    _tensor("cu_seqlens", cu_seqlens)
+    if cu_seqlens.dtype != torch.int32:
+        raise TypeError(f"cu_seqlens must be int32, got {cu_seqlens.dtype}")
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+        raise ValueError(f"cu_seqlens must be 1-D (S+1,) with S >= 1, got shape "
+                         f"{tuple(cu_seqlens.shape)}")
+    if cu_seqlens.device != q.device:
+        raise ValueError(f"cu_seqlens must be on q's device ({q.device}), got "
+                         f"{cu_seqlens.device}")
+    cu = cu_seqlens.tolist()
+    if cu[0] != 0:
+        raise ValueError(f"cu_seqlens must start at 0, got {cu[0]}")
+    if any(b < a for a, b in zip(cu, cu[1:])):
+        raise ValueError(f"cu_seqlens must be non-decreasing, got {cu}")
+    if cu[-1] != q.shape[0]:
+        raise ValueError(f"cu_seqlens must end at q's number of rows ({q.shape[0]}), "
+                         f"got {cu[-1]}")
+    longest = max(b - a for a, b in zip(cu, cu[1:]))
+    if max_seqlen is None:
+        return longest
+    max_seqlen = _int("max_seqlen", max_seqlen)
+    if max_seqlen < longest:
+        raise ValueError(f"max_seqlen must be >= the longest sequence in cu_seqlens ({longest}), "
+                         f"got {max_seqlen}")
+    return max_seqlen
+
+
+def _check_padded_max_seqlen(max_seqlen, seqlen: int) -> int:
+    if max_seqlen is None:
+        return seqlen
+    if _int("max_seqlen", max_seqlen) != seqlen:
+        raise ValueError(f"max_seqlen must be None or q.shape[1] ({seqlen}) without cu_seqlens, "
+                         f"got {max_seqlen}")
+    return seqlen
+
+
+# --- options -------------------------------------------------------------------------------------
+
+def _check_block_sizes(config: NSAConfig) -> None:
+    l, l_sel = config.compress_block_size, config.selected_block_size
+    if l_sel % l:
+        raise ValueError(f"selected_block_size ({l_sel}) must be a multiple of "
+                         f"compress_block_size ({l}): a selection block is scored by the "
+                         "compressed tokens inside it")
+    fewest = min_selected_blocks(config.q_tile, l_sel)
+    if config.num_selected_blocks < fewest:
+        raise ValueError(f"num_selected_blocks must be >= {fewest} with selected_block_size="
+                         f"{l_sel}: block 0 and every block a {config.q_tile}-row tile overlaps "
+                         f"are always selected, got {config.num_selected_blocks}")
+
+
+def _softmax_scale(value, head_dim: int) -> float:
+    if value is None:
+        return head_dim ** -0.5
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"softmax_scale must be a float or None, got {type(value).__name__}")
+    value = float(value)
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"softmax_scale must be positive and finite, got {value}")
+    return value
+
+
+def _tensor(name: str, value) -> None:
+    if not isinstance(value, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+
+
+def _int(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    return int(value)
+
+
+def _int_at_least(name: str, value, low: int) -> int:
+    value = _int(name, value)
+    if value < low:
+        raise ValueError(f"{name} must be an int >= {low}, got {value}")
+    return value
+
+
+def _positive_int(name: str, value) -> int:
+    return _int_at_least(name, value, 1)
+
+
+def _bool(name: str, value) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
+    return value
