@@ -36,7 +36,7 @@ def can_run(q, k, v, *, block_sparse=None, **_) -> tuple[bool, str]:
         return False, f"head dim {head_dim} (kernel takes {SUPPORTED_HEAD_DIMS})"
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.stride(-1) != 1 or any(s % 8 for s in t.stride()[:-1]) or t.data_ptr() % 16:
-            return False, f"{name} needs a contiguous last dim, 16-byte aligned rows"
+            return False, f"{name} needs a contiguous last dim and 16-byte aligned rows"
     if block_sparse is not None:
         if block_sparse.row_block_size != TILE_M:
             return False, f"block-sparse row_block_size {block_sparse.row_block_size} != {TILE_M}"
@@ -81,7 +81,7 @@ def run(
     import cuda.bindings.driver as cuda
     import cutlass
 
-    from kernels.sm90.compile import compile_forward
+    from kernels.sm90.compile import compiled_forward
 
     padded = q.dim() == 4
     if padded:
@@ -98,7 +98,6 @@ def run(
     lse = torch.empty((num_heads, total_q), dtype=torch.float32, device=q.device)
 
     spec = _spec_for(q, causal, window_size, block_sparse)
-    compiled = compile_forward(spec)
     sparse_args = (None,) * 5
     if block_sparse is not None:
         bs = block_sparse
@@ -110,13 +109,14 @@ def run(
     left, right = window_size
     if max_seqlen_q > 0 and total_q > 0:
         stream = cuda.CUstream(torch.cuda.current_stream(q.device).cuda_stream)
-        compiled(
+        args = (
             _as_cute(q, 2), _as_cute(k, 2), _as_cute(v, 2), _as_cute(out, 2), _as_cute(lse, 1),
             _as_cute(cu_seqlens_q, 0), _as_cute(cu_seqlens_k, 0),
             cutlass.Int32(max_seqlen_q), cutlass.Float32(softmax_scale),
             cutlass.Int32(compress_factor), cutlass.Int32(max(left, 0)),
             cutlass.Int32(max(right, 0)), *sparse_args, stream,
         )
+        compiled_forward(spec, args)(*args)
     if padded:
         out = out.view(batch, seqlen_q, num_heads, head_dim)
         lse = lse.view(num_heads, batch, seqlen_q).permute(1, 0, 2).contiguous()
