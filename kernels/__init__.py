@@ -1,0 +1,13 @@
+"""Flash attention with causal x compress_factor, sliding-window, block-sparse, varlen and GQA
+masking: CuTe DSL kernels for sm_90 (``kernels.sm90``) behind torch entry points, and a plain
+torch fallback computing the same function everywhere else. docs/interfaces.md defines it."""
+from .autograd import flash_attn_func, flash_attn_varlen_func
+from .interface import attention_backward, attention_forward, which_backend
+
+__all__ = [
+    "attention_backward",
+    "attention_forward",
+    "flash_attn_func",
+    "flash_attn_varlen_func",
+    "which_backend",
+]

@@ -1,0 +1,145 @@
+"""The torch entry points: validate, then run the CuTe DSL kernel where it applies, else the
+torch fallback. Both compute the function of docs/interfaces.md.
+
+A kernel is used when all hold: the tensors are on an sm_90 GPU, ``NSA_CUTE_DISABLE`` is not set
+to 1, ``kernels.sm90.<direction>`` imports, and its ``can_run(q, k, v, **kwargs)`` says yes. The
+kernel modules receive the keyword arguments already validated and normalised (scale resolved,
+``max_seqlen_*`` filled in, ``window_size`` a tuple of ints). Only a failed import sends a call
+to the fallback; an error raised by a kernel is never swallowed.
+"""
+from __future__ import annotations
+
+import importlib
+import os
+from types import ModuleType
+
+import torch
+
+from . import fallback
+from .validate import AttentionProblem, validate_attention_backward, validate_attention_forward
+
+DISABLE_ENV = "NSA_CUTE_DISABLE"
+FALLBACK = "fallback"
+SM90 = "sm90"
+
+
+def attention_forward(
+    q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
+    softmax_scale=None, causal=False, compress_factor=1, window_size=(-1, -1), block_sparse=None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention forward: ``(out, lse)``; not differentiable (see ``flash_attn_func``).
+
+    Padded ``q (B, Nq, H, D)``, ``k, v (B, Nk, Hkv, D)`` give ``out (B, Nq, H, D)``,
+    ``lse (B, H, Nq)``; packed varlen ``q (Tq, H, D)`` with ``cu_seqlens_*`` gives
+    ``out (Tq, H, D)``, ``lse (H, Tq)``. lse is float32 (float64 for float64 inputs).
+    """
+    problem = validate_attention_forward(
+        q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+        max_seqlen_k=max_seqlen_k, softmax_scale=softmax_scale, causal=causal,
+        compress_factor=compress_factor, window_size=window_size, block_sparse=block_sparse,
+    )
+    kwargs = _normalised_kwargs(problem, cu_seqlens_q, cu_seqlens_k, block_sparse)
+    kernel, _ = _choose_kernel("forward", q, k, v, kwargs)
+    if kernel is not None:
+        return kernel.run(q, k, v, **kwargs)
+    return fallback.forward(problem, q, k, v, block_sparse)
+
+
+def attention_backward(
+    dout, q, k, v, out, lse, *, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
+    max_seqlen_k=None, softmax_scale=None, causal=False, compress_factor=1, window_size=(-1, -1),
+    block_sparse=None, block_sparse_transposed=None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Attention backward: ``(dq, dk, dv)``, dk and dv summed over each KV group.
+
+    ``out`` and ``lse`` are the forward's. ``block_sparse_transposed`` (the kernels' layout for
+    the backward) is built from ``block_sparse`` when a kernel needs it and it is not given.
+    """
+    problem = validate_attention_backward(
+        dout, q, k, v, out, lse, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+        max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, softmax_scale=softmax_scale,
+        causal=causal, compress_factor=compress_factor, window_size=window_size,
+        block_sparse=block_sparse, block_sparse_transposed=block_sparse_transposed,
+    )
+    kwargs = _normalised_kwargs(problem, cu_seqlens_q, cu_seqlens_k, block_sparse)
+    kwargs["block_sparse_transposed"] = block_sparse_transposed
+    kernel, _ = _choose_kernel("backward", q, k, v, kwargs, problem)
+    if kernel is not None:
+        return kernel.run(dout, q, k, v, out, lse, **kwargs)
+    return fallback.backward(problem, dout, q, k, v, out, lse, block_sparse)
+
+
+def which_backend(q, k, v, *, backward: bool = False, **kwargs) -> str:
+    """Name the path a call with these arguments takes: ``"sm90"`` or ``"fallback (<why>)"``.
+
+    ``kwargs`` are the keyword arguments of ``attention_forward`` (plus
+    ``block_sparse_transposed`` with ``backward=True``). Validates them like the call would.
+    """
+    transposed = kwargs.pop("block_sparse_transposed", None)
+    if transposed is not None and not backward:
+        raise ValueError("block_sparse_transposed only applies with backward=True")
+    problem = validate_attention_forward(q, k, v, **kwargs)
+    normalised = _normalised_kwargs(problem, kwargs.get("cu_seqlens_q"),
+                                    kwargs.get("cu_seqlens_k"), kwargs.get("block_sparse"))
+    if backward:
+        normalised["block_sparse_transposed"] = transposed
+    direction = "backward" if backward else "forward"
+    kernel, reason = _choose_kernel(direction, q, k, v, normalised, problem)
+    return SM90 if kernel is not None else f"{FALLBACK} ({reason})"
+
+
+def _normalised_kwargs(problem: AttentionProblem, cu_seqlens_q, cu_seqlens_k,
+                       block_sparse) -> dict:
+    return dict(
+        cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+        max_seqlen_q=problem.max_seqlen_q, max_seqlen_k=problem.max_seqlen_k,
+        softmax_scale=problem.softmax_scale, causal=problem.causal,
+        compress_factor=problem.compress_factor, window_size=problem.window_size,
+        block_sparse=block_sparse,
+    )
+
+
+def _choose_kernel(direction: str, q, k, v, kwargs: dict,
+                   problem: AttentionProblem | None = None) -> tuple[ModuleType | None, str]:
+    """The kernel module to run, or None and the reason the fallback runs.
+
+    For the backward with block sparsity, fills ``kwargs["block_sparse_transposed"]`` when a
+    kernel module is available and the caller did not pass one.
+    """
+    if os.environ.get(DISABLE_ENV) == "1":
+        return None, f"{DISABLE_ENV}=1"
+    unsupported = _device_unsupported(q.device)
+    if unsupported:
+        return None, unsupported
+    try:
+        kernel = importlib.import_module(f"kernels.sm90.{direction}")
+    except ImportError as error:  # not built for this install; kernel bugs still raise
+        return None, f"kernels.sm90.{direction} unavailable ({error})"
+    if (direction == "backward" and kwargs.get("block_sparse") is not None
+            and kwargs.get("block_sparse_transposed") is None):
+        kwargs["block_sparse_transposed"] = _transpose(kwargs["block_sparse"], problem, q.device)
+    ok, reason = kernel.can_run(q, k, v, **kwargs)
+    if not ok:
+        return None, f"kernels.sm90.{direction}: {reason}"
+    return kernel, ""
+
+
+def _device_unsupported(device: torch.device) -> str:
+    """Why the kernels cannot run on ``device``; empty when they can."""
+    if device.type != "cuda":
+        return f"tensors on {device.type}"
+    major, minor = torch.cuda.get_device_capability(device)
+    if (major, minor) != (9, 0):
+        return f"GPU is sm_{major}{minor}, the kernels need sm_90"
+    return ""
+
+
+def _transpose(block_sparse, problem: AttentionProblem, device):
+    """The backward layout (rows = KV blocks) of forward-layout lists."""
+    from sparsity import transpose_block_sparse
+
+    offsets = [0]
+    for _, _, _, k0, k1 in problem.sequences():
+        offsets.append(offsets[-1] + -(-(k1 - k0) // block_sparse.col_block_size))
+    col_block_offsets = torch.tensor(offsets, dtype=torch.int32, device=device)
+    return transpose_block_sparse(block_sparse, col_block_offsets=col_block_offsets)

@@ -1,0 +1,348 @@
+"""Input checks and normalisation shared by every attention entry point.
+
+Every check runs before any compute and raises a ``ValueError`` or ``TypeError`` that names the
+argument and the form it should have. What the checks learn is returned as an
+:class:`AttentionProblem`: host-side facts about the call (layout, heads, sequence boundaries,
+resolved options) that the fallback and the kernels read instead of deriving them again.
+
+Checking values needs them on the host: for CUDA tensors the sequence boundaries cost one
+transfer; block-sparse lists are checked by ``sparsity.validate_block_sparse`` (a few more).
+"""
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass
+from typing import Iterator, Sequence
+
+import torch
+
+# The fallback computes in any of these; the CuTe kernels accept a subset (their `can_run` says
+# which). float64 exists for oracles and gradcheck.
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+@dataclass(frozen=True)
+class AttentionProblem:
+    """One validated attention call, normalised; host values only, so it is hashable.
+
+    A padded batch is described as ``B`` sequences of equal length, so code that walks
+    sequences never needs to know the layout; ``varlen`` says which layout the tensors have.
+    """
+
+    varlen: bool
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    cu_seqlens_q: tuple[int, ...]  # (S+1,) sequence starts in the packed row order
+    cu_seqlens_k: tuple[int, ...]
+    max_seqlen_q: int
+    max_seqlen_k: int
+    softmax_scale: float
+    causal: bool
+    compress_factor: int
+    window_size: tuple[int, int]
+    block_sparse_heads: int | None  # Hs of the compact lists; None without block sparsity
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.cu_seqlens_q) - 1
+
+    @property
+    def group_size(self) -> int:
+        """Query heads per KV head."""
+        return self.num_heads // self.num_kv_heads
+
+    def sequences(self) -> Iterator[tuple[int, int, int, int, int]]:
+        """Yield ``(s, q_start, q_end, k_start, k_end)`` for every sequence, in packed rows."""
+        for s in range(self.num_seqs):
+            yield (s, self.cu_seqlens_q[s], self.cu_seqlens_q[s + 1],
+                   self.cu_seqlens_k[s], self.cu_seqlens_k[s + 1])
+
+
+def validate_attention_forward(
+    q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
+    softmax_scale=None, causal=False, compress_factor=1, window_size=(-1, -1), block_sparse=None,
+) -> AttentionProblem:
+    """Check the arguments of ``attention_forward`` and describe the call."""
+    varlen = _check_layout_and_tensors(q, k, v, cu_seqlens_q, cu_seqlens_k)
+    num_heads, head_dim = q.shape[-2], q.shape[-1]
+    num_kv_heads = k.shape[-2]
+    if varlen:
+        cu_q, cu_k = _check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, q, k)
+        max_q = _check_max_seqlen("max_seqlen_q", max_seqlen_q, cu_q, "cu_seqlens_q")
+        max_k = _check_max_seqlen("max_seqlen_k", max_seqlen_k, cu_k, "cu_seqlens_k")
+    else:
+        batch, seqlen_q, seqlen_k = q.shape[0], q.shape[1], k.shape[1]
+        cu_q = tuple(range(0, batch * seqlen_q + 1, seqlen_q)) if seqlen_q else (0,) * (batch + 1)
+        cu_k = tuple(range(0, batch * seqlen_k + 1, seqlen_k)) if seqlen_k else (0,) * (batch + 1)
+        max_q = _check_padded_max_seqlen("max_seqlen_q", max_seqlen_q, seqlen_q, "q")
+        max_k = _check_padded_max_seqlen("max_seqlen_k", max_seqlen_k, seqlen_k, "k")
+
+    problem = AttentionProblem(
+        varlen=varlen,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        cu_seqlens_q=cu_q,
+        cu_seqlens_k=cu_k,
+        max_seqlen_q=max_q,
+        max_seqlen_k=max_k,
+        softmax_scale=_check_softmax_scale(softmax_scale, head_dim),
+        causal=_check_bool("causal", causal),
+        compress_factor=_check_compress_factor(compress_factor),
+        window_size=_check_window_size(window_size),
+        block_sparse_heads=None,
+    )
+    if block_sparse is not None:
+        heads = _check_block_sparse("block_sparse", block_sparse, num_heads=num_heads,
+                                    num_kv_heads=num_kv_heads, cu_rows=cu_q, cu_cols=cu_k,
+                                    device=q.device)
+        problem = _replace_block_sparse_heads(problem, heads)
+    return problem
+
+
+def validate_attention_backward(
+    dout, q, k, v, out, lse, *, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
+    max_seqlen_k=None, softmax_scale=None, causal=False, compress_factor=1, window_size=(-1, -1),
+    block_sparse=None, block_sparse_transposed=None,
+) -> AttentionProblem:
+    """Check the arguments of ``attention_backward`` and describe the call."""
+    problem = validate_attention_forward(
+        q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+        max_seqlen_k=max_seqlen_k, softmax_scale=softmax_scale, causal=causal,
+        compress_factor=compress_factor, window_size=window_size, block_sparse=block_sparse,
+    )
+    for name, tensor in (("out", out), ("dout", dout)):
+        _check_tensor(name, tensor)
+        if tuple(tensor.shape) != tuple(q.shape):
+            raise ValueError(f"{name} must have the shape of q {tuple(q.shape)}, "
+                             f"got {tuple(tensor.shape)}")
+        if tensor.dtype != q.dtype:
+            raise TypeError(f"{name} must have the dtype of q ({q.dtype}), got {tensor.dtype}")
+        _check_same_device(name, tensor, q)
+        _check_last_dim_contiguous(name, tensor)
+
+    _check_tensor("lse", lse)
+    expected = lse_shape(problem, q)
+    if tuple(lse.shape) != expected:
+        layout = "(H, Tq)" if problem.varlen else "(B, H, Nq)"
+        raise ValueError(f"lse must have shape {layout} = {expected}, got {tuple(lse.shape)}")
+    if lse.dtype != lse_dtype(q.dtype):
+        raise TypeError(f"lse must be {lse_dtype(q.dtype)} for {q.dtype} inputs, got {lse.dtype}")
+    _check_same_device("lse", lse, q)
+
+    if block_sparse_transposed is not None:
+        if block_sparse is None:
+            raise ValueError("block_sparse_transposed was given without block_sparse")
+        # Rows are KV blocks and columns query tiles: the sequences swap roles.
+        _check_block_sparse("block_sparse_transposed", block_sparse_transposed,
+                            num_heads=problem.block_sparse_heads, num_kv_heads=None,
+                            cu_rows=problem.cu_seqlens_k, cu_cols=problem.cu_seqlens_q,
+                            device=q.device)
+        if (block_sparse_transposed.row_block_size != block_sparse.col_block_size
+                or block_sparse_transposed.col_block_size != block_sparse.row_block_size):
+            raise ValueError(
+                "block_sparse_transposed must swap the block sizes of block_sparse: expected "
+                f"row_block_size={block_sparse.col_block_size}, "
+                f"col_block_size={block_sparse.row_block_size}, got "
+                f"{block_sparse_transposed.row_block_size}, {block_sparse_transposed.col_block_size}")
+    return problem
+
+
+def lse_dtype(dtype: torch.dtype) -> torch.dtype:
+    """float32, except float64 inputs keep float64 so gradcheck sees exact gradients."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def lse_shape(problem: AttentionProblem, q: torch.Tensor) -> tuple[int, ...]:
+    """``(H, Tq)`` for packed varlen (flash-attn's convention), ``(B, H, Nq)`` for padded."""
+    if problem.varlen:
+        return (problem.num_heads, q.shape[0])
+    return (q.shape[0], problem.num_heads, q.shape[1])
+
+
+# --- tensors -------------------------------------------------------------------------------------
+
+def _check_layout_and_tensors(q, k, v, cu_seqlens_q, cu_seqlens_k) -> bool:
+    for name, tensor in (("q", q), ("k", k), ("v", v)):
+        _check_tensor(name, tensor)
+    if (cu_seqlens_q is None) != (cu_seqlens_k is None):
+        given = "cu_seqlens_q" if cu_seqlens_k is None else "cu_seqlens_k"
+        missing = "cu_seqlens_k" if cu_seqlens_k is None else "cu_seqlens_q"
+        raise ValueError(f"{given} was given without {missing}: pass both (packed varlen) or "
+                         "neither (padded)")
+    varlen = cu_seqlens_q is not None
+    rank, form_q, form_kv = (3, "(Tq, H, D)", "(Tk, Hkv, D)") if varlen else \
+        (4, "(B, Nq, H, D)", "(B, Nk, Hkv, D)")
+    layout = "packed varlen" if varlen else "padded"
+    for name, tensor, form in (("q", q, form_q), ("k", k, form_kv), ("v", v, form_kv)):
+        if tensor.dim() != rank:
+            raise ValueError(f"{name} must be {rank}-D {form} for the {layout} layout, "
+                             f"got shape {tuple(tensor.shape)}")
+
+    if q.dtype not in SUPPORTED_DTYPES:
+        names = ", ".join(str(d) for d in SUPPORTED_DTYPES)
+        raise TypeError(f"q must be one of {names}, got {q.dtype}")
+    for name, tensor in (("k", k), ("v", v)):
+        if tensor.dtype != q.dtype:
+            raise TypeError(f"{name} must have the dtype of q ({q.dtype}), got {tensor.dtype}")
+        _check_same_device(name, tensor, q)
+
+    if k.shape[-1] != q.shape[-1]:
+        raise ValueError(f"k must have the head dim of q ({q.shape[-1]}), got {k.shape[-1]}")
+    if v.shape[-1] != q.shape[-1]:
+        # One head dim for q, k and v: the kernels tile them with the same D.
+        raise ValueError(f"v must have the head dim of q ({q.shape[-1]}), got {v.shape[-1]}: "
+                         "q, k and v share one head dim")
+    if tuple(k.shape) != tuple(v.shape):
+        raise ValueError(f"v must have the shape of k {tuple(k.shape)}, got {tuple(v.shape)}")
+    if not varlen and k.shape[0] != q.shape[0]:
+        raise ValueError(f"k must have the batch size of q ({q.shape[0]}), got {k.shape[0]}")
+    num_heads, num_kv_heads = q.shape[-2], k.shape[-2]
+    if num_heads < 1 or num_kv_heads < 1:
+        raise ValueError(f"q and k need at least one head, got H={num_heads} (q), "
+                         f"Hkv={num_kv_heads} (k)")
+    if num_heads % num_kv_heads:
+        raise ValueError(f"k's head count ({num_kv_heads}) must divide q's ({num_heads})")
+    if q.shape[-1] < 1:
+        raise ValueError(f"q must have a head dim >= 1, got {q.shape[-1]}")
+    for name, tensor in (("q", q), ("k", k), ("v", v)):
+        _check_last_dim_contiguous(name, tensor)
+    return varlen
+
+
+def _check_tensor(name: str, value) -> None:
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+
+
+def _check_same_device(name: str, tensor: torch.Tensor, q: torch.Tensor) -> None:
+    if tensor.device != q.device:
+        raise ValueError(f"{name} must be on q's device ({q.device}), got {tensor.device}")
+
+
+def _check_last_dim_contiguous(name: str, tensor: torch.Tensor) -> None:
+    if tensor.shape[-1] > 1 and tensor.stride(-1) != 1:
+        raise ValueError(f"{name} must be contiguous in its last dim (stride 1), got strides "
+                         f"{tuple(tensor.stride())}; call .contiguous() first")
+
+
+# --- sequences -----------------------------------------------------------------------------------
+
+def _check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, q, k) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        _check_tensor(name, cu)
+        if cu.dtype != torch.int32:
+            raise TypeError(f"{name} must be int32, got {cu.dtype}")
+        if cu.dim() != 1 or cu.numel() < 2:
+            raise ValueError(f"{name} must be 1-D (S+1,) with S >= 1, got shape {tuple(cu.shape)}")
+        _check_same_device(name, cu, q)
+    if cu_seqlens_q.numel() != cu_seqlens_k.numel():
+        raise ValueError(f"cu_seqlens_k must have the length of cu_seqlens_q (S+1 = "
+                         f"{cu_seqlens_q.numel()}), got {cu_seqlens_k.numel()}")
+    # One transfer for both: on CUDA this is the only synchronisation the sequence checks need.
+    host = torch.cat([cu_seqlens_q, cu_seqlens_k]).tolist()
+    num = cu_seqlens_q.numel()
+    cu_q, cu_k = tuple(host[:num]), tuple(host[num:])
+    for name, cu, total, tensor_name in (("cu_seqlens_q", cu_q, q.shape[0], "q"),
+                                         ("cu_seqlens_k", cu_k, k.shape[0], "k")):
+        if cu[0] != 0:
+            raise ValueError(f"{name} must start at 0, got {cu[0]}")
+        if any(b < a for a, b in zip(cu, cu[1:])):
+            raise ValueError(f"{name} must be non-decreasing, got {list(cu)}")
+        if cu[-1] != total:
+            raise ValueError(f"{name} must end at the number of rows of {tensor_name} "
+                             f"({total}), got {cu[-1]}")
+    return cu_q, cu_k
+
+
+def _lengths(cu: Sequence[int]) -> list[int]:
+    return [b - a for a, b in zip(cu, cu[1:])]
+
+
+def _check_max_seqlen(name: str, value, cu: tuple[int, ...], cu_name: str) -> int:
+    longest = max(_lengths(cu))
+    if value is None:
+        return longest
+    value = _check_int(name, value)
+    if value < longest:
+        raise ValueError(f"{name} must be >= the longest sequence in {cu_name} ({longest}), "
+                         f"got {value}")
+    return value
+
+
+def _check_padded_max_seqlen(name: str, value, seqlen: int, tensor_name: str) -> int:
+    if value is None:
+        return seqlen
+    value = _check_int(name, value)
+    if value != seqlen:
+        raise ValueError(f"{name} must be None or {tensor_name}.shape[1] ({seqlen}) for the "
+                         f"padded layout, got {value}")
+    return value
+
+
+# --- options -------------------------------------------------------------------------------------
+
+def _check_int(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    return int(value)
+
+
+def _check_bool(name: str, value) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
+    return value
+
+
+def _check_softmax_scale(value, head_dim: int) -> float:
+    if value is None:
+        return head_dim ** -0.5
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"softmax_scale must be a float or None, got {type(value).__name__} "
+                        f"{value!r}")
+    value = float(value)
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"softmax_scale must be positive and finite, got {value}")
+    return value
+
+
+def _check_compress_factor(value) -> int:
+    value = _check_int("compress_factor", value)
+    if value < 1:
+        raise ValueError(f"compress_factor must be >= 1, got {value}")
+    return value
+
+
+def _check_window_size(value) -> tuple[int, int]:
+    if not isinstance(value, (tuple, list)) or len(value) != 2:
+        raise TypeError(f"window_size must be a pair (left, right) of ints, got {value!r}")
+    left, right = (_check_int("window_size", side) for side in value)
+    if left < -1 or right < -1:
+        raise ValueError(f"window_size sides must be >= -1 (-1 = unbounded), got {value!r}")
+    return (left, right)
+
+
+def _replace_block_sparse_heads(problem: AttentionProblem, heads: int) -> AttentionProblem:
+    fields = dict(problem.__dict__)
+    fields["block_sparse_heads"] = heads
+    return AttentionProblem(**fields)
+
+
+# --- block sparsity ------------------------------------------------------------------------------
+
+def _check_block_sparse(name, bs, *, num_heads, num_kv_heads, cu_rows, cu_cols, device) -> int:
+    """Check compact block-sparse lists against the sequences they index; return Hs.
+
+    ``cu_rows`` are the sequence boundaries cut into row blocks (query tiles in the forward
+    layout), ``cu_cols`` the ones cut into column blocks (KV blocks). The sparsity package owns
+    the rules of the lists; this adds what only the attention call knows (heads, sequences).
+    """
+    from sparsity import validate_block_sparse
+
+    as_tensor = lambda cu: torch.tensor(cu, dtype=torch.int32, device=device)  # noqa: E731
+    validate_block_sparse(bs, name=name, num_heads=num_heads, num_kv_heads=num_kv_heads,
+                          device=device, cu_seqlens_q=as_tensor(cu_rows),
+                          cu_seqlens_k=as_tensor(cu_cols))
+    return bs.full_count.shape[1]
