@@ -1,0 +1,24 @@
+"""Compact block-sparse index tensors for block-sparse attention kernels.
+
+Pure PyTorch, independent of any kernel: the BlockSparseTensors layout and its validation,
+builders (from selected blocks, for a compressed causal branch, from a dense mask) and the
+transpose the backward consumes. Varlen aware throughout; a padded batch is S equal-length
+sequences (`uniform_cu_seqlens`). The layout contract is docs/interfaces.md.
+"""
+from sparsity.block_sparse import (BlockSparseTensors, row_block_offsets_from_cu_seqlens,
+                                   uniform_cu_seqlens, validate_block_sparse)
+from sparsity.builders import (build_block_sparse_from_mask, build_compressed_block_sparse,
+                               build_selected_block_sparse)
+from sparsity.transpose import transpose_block_sparse, transposed_list_lengths
+
+__all__ = [
+    "BlockSparseTensors",
+    "build_block_sparse_from_mask",
+    "build_compressed_block_sparse",
+    "build_selected_block_sparse",
+    "row_block_offsets_from_cu_seqlens",
+    "transpose_block_sparse",
+    "transposed_list_lengths",
+    "uniform_cu_seqlens",
+    "validate_block_sparse",
+]
