@@ -69,6 +69,16 @@ def sequence_rows(bs: BlockSparseTensors, num_blocks: int):
     return [table[a:b] for a, b in zip(offsets[:-1], offsets[1:])]
 
 
+def as_lists(bs):
+    """Per row and head, (full list, mask list) as python lists."""
+    out = []
+    for r in range(bs.num_rows):
+        out.append([(bs.full_index[r, h, :bs.full_count[r, h]].tolist(),
+                     bs.mask_index[r, h, :bs.mask_count[r, h]].tolist())
+                    for h in range(bs.num_heads)])
+    return out
+
+
 def assert_well_formed(bs: BlockSparseTensors, *, cu_seqlens_q=None, cu_seqlens_k=None):
     """Contract invariants: validation passes (sorted, unique, disjoint, -1 padded, counts in
     range, offsets consistent), lists are padded to exactly the longest list, and counts equal
@@ -113,6 +123,6 @@ def from_dense_classes(classes: torch.Tensor, row_block_offsets, row_block_size:
                               row_block_offsets=torch.tensor(row_block_offsets, dtype=torch.int32))
 
 
-__all__ = ["FULL_BLOCK", "MASK_BLOCK", "NOT_LISTED", "assert_well_formed", "ceil_div",
+__all__ = ["FULL_BLOCK", "MASK_BLOCK", "NOT_LISTED", "as_lists", "assert_well_formed", "ceil_div",
            "classify_cells", "cu_from_lengths", "from_dense_classes", "kernel_attended",
            "key_visibility", "selected_token_mask", "sequence_rows"]

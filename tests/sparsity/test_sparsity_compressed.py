@@ -5,9 +5,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from sparsity import build_compressed_block_sparse
-from sparsity_oracle import (assert_well_formed, ceil_div, classify_cells, cu_from_lengths,
-                             kernel_attended, key_visibility, sequence_rows)
-from test_sparsity_selected import lists
+from sparsity_oracle import (as_lists, assert_well_formed, ceil_div, classify_cells,
+                             cu_from_lengths, kernel_attended, key_visibility, sequence_rows)
 
 
 def build(lengths, compress_factor, **kw):
@@ -22,14 +21,14 @@ def test_dense_compressed_by_hand():
     # Tiles of 4 rows, blocks of 2 compressed keys. Rows 0-3: row 0 sees nothing, row 3 sees
     # keys 0, 1. Rows 4-7: row 4 sees keys 0, 1, row 7 keys 0-3. Rows 8-11: row 8 sees 0-3.
     bs = build([12], 2, q_tile=4, kv_block=2)
-    assert lists(bs) == [[([], [0])], [([0], [1])], [([0, 1], [2])]]
+    assert as_lists(bs) == [[([], [0])], [([0], [1])], [([0, 1], [2])]]
     assert bs.num_heads == 1
 
 
 def test_row_seeing_nothing_gives_empty_lists():
     # cf 8: rows 0-3 of a 4-token sequence see no compressed key at all.
     bs = build([4, 16], 8, q_tile=4, kv_block=1)
-    assert lists(bs) == [[([], [])], [([], [])], [([], [0])], [([0], [])], [([0], [1])]]
+    assert as_lists(bs) == [[([], [])], [([], [])], [([], [0])], [([0], [])], [([0], [1])]]
     assert bs.full_index.shape == (5, 1, 1) and bs.mask_index.shape == (5, 1, 1)
 
 
@@ -41,8 +40,8 @@ def test_sparse_compressed_restricts_to_selection_block0_and_diagonal():
     selected[3, 1] = torch.tensor([5, 2, -1])
     selected[0, 0, 0] = 5  # future for rows 0-7: dropped
     bs = build([32], 2, q_tile=8, kv_block=2, selected=selected)
-    assert lists(bs)[3] == [([0, 3], [6, 7]), ([0, 2, 5], [6, 7])]
-    assert lists(bs)[0] == [([], [0, 1]), ([], [0, 1])]
+    assert as_lists(bs)[3] == [([0, 3], [6, 7]), ([0, 2, 5], [6, 7])]
+    assert as_lists(bs)[0] == [([], [0, 1]), ([], [0, 1])]
     assert bs.num_heads == 2
 
 
@@ -51,11 +50,11 @@ def test_block_the_anchor_partly_sees_is_not_diagonal():
     # sees key 3: block 1 needs the mask but holds nothing the anchor (row 24) cannot see, so
     # it is not forced (the anchor can score it); it is listed only when selected.
     unselected = torch.full((8, 1, 1), -1, dtype=torch.int32)
-    assert lists(build([32], 8, q_tile=4, kv_block=2, selected=unselected))[6] == [([0], [])]
+    assert as_lists(build([32], 8, q_tile=4, kv_block=2, selected=unselected))[6] == [([0], [])]
     chosen = unselected.clone()
     chosen[6, 0, 0] = 1
-    assert lists(build([32], 8, q_tile=4, kv_block=2, selected=chosen))[6] == [([0], [1])]
-    assert lists(build([32], 8, q_tile=4, kv_block=2))[6] == [([0], [1])]  # dense: all blocks
+    assert as_lists(build([32], 8, q_tile=4, kv_block=2, selected=chosen))[6] == [([0], [1])]
+    assert as_lists(build([32], 8, q_tile=4, kv_block=2))[6] == [([0], [1])]  # dense: all blocks
 
 
 @pytest.mark.parametrize("bad, match", [

@@ -5,9 +5,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from sparsity import build_block_sparse_from_mask, build_selected_block_sparse
-from sparsity_oracle import (FULL_BLOCK, MASK_BLOCK, assert_well_formed, ceil_div,
+from sparsity_oracle import (FULL_BLOCK, MASK_BLOCK, as_lists, assert_well_formed, ceil_div,
                              cu_from_lengths, sequence_rows)
-from test_sparsity_selected import lists
 
 
 def test_bool_mask_by_hand():
@@ -18,7 +17,7 @@ def test_bool_mask_by_hand():
                          [0, 0, 0, 0, 0, 0],
                          [0, 1, 0, 0, 1, 1]], dtype=torch.bool)[None, None]
     bs = build_block_sparse_from_mask(mask, q_tile=2, kv_block=4)
-    assert lists(bs) == [[([0], [1])], [([], [])], [([1], [0])]]  # last tile/block are partial
+    assert as_lists(bs) == [[([0], [1])], [([], [])], [([1], [0])]]  # last tile/block are partial
     assert bs.row_block_offsets.tolist() == [0, 3]
 
 
@@ -47,7 +46,7 @@ def test_packed_mask_ignores_cross_sequence_entries():
     attend = torch.ones(1, 1, 8, 8, dtype=torch.bool)  # everything, across sequences too
     bs = build_block_sparse_from_mask(attend, q_tile=4, kv_block=4, cu_seqlens=cu)
     assert bs.row_block_offsets.tolist() == [0, 2, 2, 3]
-    assert lists(bs) == [[([0, 1], [])], [([0, 1], [])], [([0], [])]]
+    assert as_lists(bs) == [[([0, 1], [])], [([0, 1], [])], [([0], [])]]
 
 
 @pytest.mark.parametrize("kwargs, match", [

@@ -5,8 +5,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from sparsity import build_selected_block_sparse
-from sparsity_oracle import (assert_well_formed, ceil_div, classify_cells, cu_from_lengths,
-                             kernel_attended, key_visibility, selected_token_mask, sequence_rows)
+from sparsity_oracle import (as_lists, assert_well_formed, ceil_div, classify_cells,
+                             cu_from_lengths, kernel_attended, key_visibility,
+                             selected_token_mask, sequence_rows)
 
 
 def build(selected, lengths_q, lengths_k=None, **kw):
@@ -16,21 +17,11 @@ def build(selected, lengths_q, lengths_k=None, **kw):
     return build_selected_block_sparse(selected, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, **kw)
 
 
-def lists(bs):
-    """Per row and head, (full list, mask list) as python lists."""
-    out = []
-    for r in range(bs.num_rows):
-        out.append([(bs.full_index[r, h, :bs.full_count[r, h]].tolist(),
-                     bs.mask_index[r, h, :bs.mask_count[r, h]].tolist())
-                    for h in range(bs.num_heads)])
-    return out
-
-
 def test_causal_single_sequence_by_hand():
     # 10 tokens, q tiles of 4 (rows 0-3, 4-7, 8-9), blocks of 2 tokens.
     bs = build([[[1, 0, 3]], [[2, 0, 0]], [[4, 3, -1]]], [10],
                q_tile=4, selected_block_size=2, kv_block=2)
-    assert lists(bs) == [
+    assert as_lists(bs) == [
         [([], [0, 1])],  # block 3 = keys 6,7 is in the future of rows 0-3: dropped
         [([0], [2])],  # duplicate 0 once; keys 4,5 need the mask for row 4
         [([3], [4])],
@@ -44,12 +35,12 @@ def test_causal_single_sequence_by_hand():
 def test_partial_last_tile_and_block_are_full_when_fully_visible():
     # 9 tokens: the last tile is row 8 alone and the last block is key 8 alone; row 8 sees it.
     bs = build([[[0, -1]], [[1, 1]], [[4, 0]]], [9], q_tile=4, selected_block_size=2, kv_block=2)
-    assert lists(bs) == [[([], [0])], [([1], [])], [([0, 4], [])]]
+    assert as_lists(bs) == [[([], [0])], [([1], [])], [([0, 4], [])]]
 
 
 def test_selected_blocks_split_into_smaller_kernel_blocks():
     bs = build([[[0, -1]], [[1, 0]]], [8], q_tile=4, selected_block_size=4, kv_block=2)
-    assert lists(bs) == [[([], [0, 1])], [([0, 1], [2, 3])]]
+    assert as_lists(bs) == [[([], [0, 1])], [([0, 1], [2, 3])]]
 
 
 def test_merge_into_larger_kernel_blocks_ignores_parts_no_row_can_see():
@@ -57,7 +48,7 @@ def test_merge_into_larger_kernel_blocks_ignores_parts_no_row_can_see():
     # selecting only block 0 is exact; rows 2-3 can, so it would be a superset.
     bs = build([[[0, -1, -1, -1]], [[0, 1, -1, -1]], [[1, 0, -1, -1]], [[1, 0, 3, 2]]], [8],
                q_tile=2, selected_block_size=2, kv_block=4)
-    assert lists(bs) == [[([], [0])], [([], [0])], [([0], [])], [([0], [1])]]
+    assert as_lists(bs) == [[([], [0])], [([], [0])], [([0], [])], [([0], [1])]]
     with pytest.raises(ValueError, match=r"kernel block 0 of q tile 1 .*superset"):
         build([[[0, -1]], [[0, -1]], [[0, 1]], [[0, 1]]], [8], q_tile=2, selected_block_size=2,
               kv_block=4)
@@ -67,16 +58,17 @@ def test_varlen_with_empty_sequence_and_non_causal():
     lengths = [3, 0, 4]  # the empty sequence owns no tile
     causal = build([[[1, 0]], [[2, 1]]], lengths, q_tile=4, selected_block_size=2, kv_block=2)
     assert causal.row_block_offsets.tolist() == [0, 1, 1, 2]
-    assert lists(causal) == [[([], [0, 1])], [([], [1])]]  # block 2 of the 4-token sequence: none
+    # Block 2 lies past the end of the 4-token sequence: dropped.
+    assert as_lists(causal) == [[([], [0, 1])], [([], [1])]]
     dense = build([[[1, 0]], [[2, 1]]], lengths, q_tile=4, selected_block_size=2, kv_block=2,
                   causal=False)
-    assert lists(dense) == [[([0, 1], [])], [([1], [])]]
+    assert as_lists(dense) == [[([0, 1], [])], [([1], [])]]
 
 
 def test_cross_attention_is_top_left_aligned():
     # 4 queries, 8 keys: row i sees keys <= i, never the later keys.
     bs = build([[[0, 1, 2, 3]]], [4], [8], q_tile=4, selected_block_size=2, kv_block=2)
-    assert lists(bs) == [[([], [0, 1])]]
+    assert as_lists(bs) == [[([], [0, 1])]]
 
 
 @pytest.mark.parametrize("bad, match", [

@@ -7,8 +7,8 @@ from hypothesis import strategies as st
 from sparsity import (build_selected_block_sparse, row_block_offsets_from_cu_seqlens,
                       transpose_block_sparse, transposed_list_lengths)
 from sparsity.testing import dense_block_mask
-from sparsity_oracle import assert_well_formed, ceil_div, cu_from_lengths, from_dense_classes
-from test_sparsity_selected import lists
+from sparsity_oracle import (as_lists, assert_well_formed, ceil_div, cu_from_lengths,
+                             from_dense_classes)
 
 
 def test_transpose_by_hand():
@@ -18,7 +18,7 @@ def test_transpose_by_hand():
                             [[1, 0, 0]]], dtype=torch.int8)
     bs = from_dense_classes(classes, [0, 2, 3], row_block_size=8, col_block_size=4)
     t = transpose_block_sparse(bs, col_block_offsets=torch.tensor([0, 3, 5], dtype=torch.int32))
-    assert lists(t) == [[([0, 1], [])], [([1], [0])], [([], [1])], [([], [0])], [([], [])]]
+    assert as_lists(t) == [[([0, 1], [])], [([1], [0])], [([], [1])], [([], [0])], [([], [])]]
     assert t.row_block_offsets.tolist() == [0, 3, 5]
     assert (t.row_block_size, t.col_block_size) == (4, 8)
     same = transpose_block_sparse(bs, cu_seqlens_k=torch.tensor([0, 12, 17], dtype=torch.int32))
