@@ -17,6 +17,7 @@ Tensors as the kernel sees them: q, o (T, H, D); k, v (Tk, Hkv, D); lse (H, T) f
 """
 from __future__ import annotations
 
+from functools import partial
 from typing import Optional
 
 import cuda.bindings.driver as cuda
@@ -32,7 +33,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from kernels.sm90.block_range import BlockRange
 from kernels.sm90.layouts import acc_as_a_operand_layout, acc_mn_view
 from kernels.sm90.mask import apply_mask
-from kernels.sm90.softmax import softmax_finalize, softmax_init, softmax_step
+from kernels.sm90.softmax import rescale_rows, softmax_finalize, softmax_init, softmax_step
 from kernels.sm90.spec import FwdSpec
 
 _WARPGROUP = 128
@@ -90,6 +91,14 @@ class FlashAttentionForwardSm90:
             Float32, (self.num_consumer_warpgroups, 1, 1), (64, self.head_dim),
             warpgroup.OperandSource.RMEM,
         )
+        # The epilogue works per consumer warpgroup: 64 rows, one TMA store each.
+        tiled_mma_epilogue = sm90_utils.make_trivial_tiled_mma(
+            dtype, dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN,
+            Float32, (1, 1, 1), (64, self.head_dim), warpgroup.OperandSource.RMEM,
+        )
+        sO_layout = sm90_utils.make_smem_layout_a(
+            utils.LayoutEnum.ROW_MAJOR, (64, self.tile_n, self.head_dim), dtype,
+            self.num_consumer_warpgroups)
         sQ_layout = sm90_utils.make_smem_layout_a(
             utils.LayoutEnum.ROW_MAJOR, qk_tiler, dtype, 1)
         sK_layout = sm90_utils.make_smem_layout_b(
@@ -107,6 +116,10 @@ class FlashAttentionForwardSm90:
             load_op, mK_t, sK_one, (self.tile_n, self.head_dim))
         tma_atom_v, tma_v = cpasync.make_tiled_tma_atom(
             load_op, mVt, sV_one, (self.head_dim, self.tile_n))
+        mO_t = cute.make_tensor(mO.iterator, cute.select(mO.layout, mode=[0, 2, 1]))
+        tma_atom_o, tma_o = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileS2GOp(), mO_t, cute.slice_(sO_layout, (None, None, 0)),
+            (64, self.head_dim))
         self.q_bytes = cute.size_in_bytes(dtype, sQ_one)
         self.kv_bytes = cute.size_in_bytes(dtype, sK_one)
 
@@ -120,6 +133,7 @@ class FlashAttentionForwardSm90:
             sQ: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sQ_layout)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sK_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sV_layout)], 1024]
+            sO: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sO_layout)], 1024]
 
         self.shared_storage = SharedStorage
 
@@ -128,10 +142,11 @@ class FlashAttentionForwardSm90:
         scale_log2 = softmax_scale * Float32(1.4426950408889634)
         self.kernel(
             tma_atom_q, tma_q, tma_atom_k, tma_k, tma_atom_v, tma_v,
-            mO, mLSE, mCuSeqlensQ, mCuSeqlensK, softmax_scale, scale_log2,
+            tma_atom_o, tma_o, mO, mLSE, mCuSeqlensQ, mCuSeqlensK, softmax_scale, scale_log2,
             compress_factor, window_left, window_right,
             mFullCount, mFullIndex, mMaskCount, mMaskIndex, mRowBlockOffsets,
-            sQ_layout, sK_layout, sV_layout, tiled_mma_qk, tiled_mma_pv, tiled_mma_pv,
+            sQ_layout, sK_layout, sV_layout, sO_layout, tiled_mma_qk, tiled_mma_pv,
+            tiled_mma_epilogue,
         ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
 
     # ------------------------------------------------------------------ device side
@@ -141,7 +156,7 @@ class FlashAttentionForwardSm90:
         tma_atom_q: cute.CopyAtom, mQ: cute.Tensor,
         tma_atom_k: cute.CopyAtom, mK: cute.Tensor,
         tma_atom_v: cute.CopyAtom, mVt: cute.Tensor,
-        mO: cute.Tensor, mLSE: cute.Tensor,
+        tma_atom_o: cute.CopyAtom, mO_tma: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
         mCuSeqlensQ: cute.Tensor, mCuSeqlensK: cute.Tensor,
         softmax_scale: Float32, scale_log2: Float32,
         compress_factor: Int32, window_left: Int32, window_right: Int32,
@@ -149,12 +164,10 @@ class FlashAttentionForwardSm90:
         mMaskCount: Optional[cute.Tensor], mMaskIndex: Optional[cute.Tensor],
         mRowBlockOffsets: Optional[cute.Tensor],
         sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
-        sV_layout: cute.ComposedLayout,
+        sV_layout: cute.ComposedLayout, sO_layout: cute.ComposedLayout,
         tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma,
         tiled_mma_epilogue: cute.TiledMma,
     ):
-        # tiled_mma_epilogue is tiled_mma_pv again: the main loop toggles the ACCUMULATE
-        # field of its TiledMma, so the epilogue partitions with an untouched copy.
         spec = self.spec
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -164,7 +177,7 @@ class FlashAttentionForwardSm90:
         m_block = grid_m - 1 - bidx
 
         if warp_idx == 0:
-            for atom in (tma_atom_q, tma_atom_k, tma_atom_v):
+            for atom in (tma_atom_q, tma_atom_k, tma_atom_v, tma_atom_o):
                 cpasync.prefetch_descriptor(atom)
 
         storage = utils.SmemAllocator().allocate(self.shared_storage)
@@ -192,6 +205,7 @@ class FlashAttentionForwardSm90:
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
+        sO = storage.sO.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
 
         offset_q = mCuSeqlensQ[batch]
         seqlen_q = mCuSeqlensQ[batch + 1] - offset_q
@@ -233,7 +247,8 @@ class FlashAttentionForwardSm90:
                 cute.arch.setmaxregister_increase(self.consumer_regs)
                 self.consume(
                     tidx - _WARPGROUP, sQ, sK, sV, q_consumer, k_consumer, v_consumer,
-                    tiled_mma_qk, tiled_mma_pv, tiled_mma_epilogue, mO, mLSE, softmax_scale, scale_log2,
+                    tiled_mma_qk, tiled_mma_pv, tiled_mma_epilogue, sO, tma_atom_o, mO_tma, mO,
+                    mLSE, softmax_scale, scale_log2,
                     block_range, offset_q, seqlen_q, seqlen_k, head, m_block, n_max,
                     num_iters, num_mask_blocks, mFullIndex, mMaskIndex, sparse_row,
                     sparse_head,
@@ -300,7 +315,9 @@ class FlashAttentionForwardSm90:
     def consume(
         self, tidx: Int32, sQ, sK, sV, q_consumer, k_consumer, v_consumer,
         tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma,
-        tiled_mma_epilogue: cute.TiledMma, mO: cute.Tensor, mLSE: cute.Tensor, softmax_scale: Float32, scale_log2: Float32,
+        tiled_mma_epilogue: cute.TiledMma, sO: cute.Tensor, tma_atom_o: cute.CopyAtom,
+        mO_tma: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor, softmax_scale: Float32,
+        scale_log2: Float32,
         block_range: BlockRange, offset_q: Int32, seqlen_q: Int32, seqlen_k: Int32,
         head: Int32, m_block: Int32, n_max: Int32, num_iters: Int32, num_mask_blocks: Int32,
         mFullIndex, mMaskIndex, sparse_row: Int32, sparse_head: Int32,
@@ -319,69 +336,131 @@ class FlashAttentionForwardSm90:
         row_sum = cute.make_rmem_tensor(cute.make_layout(num_rows), Float32)
         softmax_init(row_max, row_sum)
 
-        q_handle = q_consumer.wait_and_advance()
-        for it in cutlass.range(num_iters, unroll=1):
+        correction = cute.make_rmem_tensor(cute.make_layout(num_rows), Float32)
+        acc_s = thr_qk.make_fragment_C(s_shape)
+        # P of the previous tile, in registers as the A operand of the P @ V wgmma.
+        r_p = cute.make_rmem_tensor(acc_as_a_operand_layout(acc_s.layout), self.dtype)
+        r_p_as_acc = cute.make_tensor(r_p.iterator, acc_s.layout)
+        mask_fn = partial(self.mask_scores, t_coord=t_coord, block_range=block_range,
+                          m_block=m_block, seqlen_q=seqlen_q, seqlen_k=seqlen_k)
+
+        q_consumer.wait_and_advance()
+        if num_iters > 0:
             n_block, is_mask_tile = self.kv_tile_at(
-                it, n_max, num_mask_blocks, mFullIndex, mMaskIndex, sparse_row, sparse_head)
-            acc_s = thr_qk.make_fragment_C(s_shape)
+                0, n_max, num_mask_blocks, mFullIndex, mMaskIndex, sparse_row, sparse_head)
             k_handle = k_consumer.wait_and_advance()
-            self.gemm(tiled_mma_qk, acc_s, tSrQ[None, None, None, 0],
+            tiled_mma_qk = self.gemm(tiled_mma_qk, acc_s, tSrQ[None, None, None, 0],
                       tSrK[None, None, None, k_handle.index], zero_init=True)
             warpgroup.wait_group(0)
             k_handle.release()
-
-            if const_expr(self.spec.block_sparse):
-                if is_mask_tile:
-                    apply_mask(acc_s, t_coord, block_range, m_block, n_block, seqlen_k, True)
-                elif (n_block + 1) * self.tile_n > seqlen_k:
-                    apply_mask(acc_s, t_coord, block_range, m_block, n_block, seqlen_k, False)
-            else:
-                if block_range.tile_needs_mask(m_block, n_block, seqlen_q, seqlen_k):
-                    apply_mask(acc_s, t_coord, block_range, m_block, n_block, seqlen_k, True)
-            softmax_step(acc_s, acc_o, row_max, row_sum, scale_log2)
-
-            # P in registers as the A operand of the P @ V wgmma.
-            r_p = cute.make_rmem_tensor(acc_as_a_operand_layout(acc_s.layout), self.dtype)
-            r_p_as_acc = cute.make_tensor(r_p.iterator, acc_s.layout)
+            mask_fn(acc_s, n_block=n_block, is_mask_tile=is_mask_tile)
+            softmax_step(acc_s, row_max, row_sum, correction, scale_log2)
             r_p_as_acc.store(acc_s.load().to(self.dtype))
+        # Intra-warpgroup overlap: S = Q K_j^T and O += P_{j-1} V_{j-1} are issued together,
+        # so the tensor cores work on P V while this warpgroup runs the softmax of S.
+        for it in cutlass.range(1, num_iters, unroll=1):
+            n_block, is_mask_tile = self.kv_tile_at(
+                it, n_max, num_mask_blocks, mFullIndex, mMaskIndex, sparse_row, sparse_head)
+            k_handle = k_consumer.wait_and_advance()
+            tiled_mma_qk = self.gemm(tiled_mma_qk, acc_s, tSrQ[None, None, None, 0],
+                      tSrK[None, None, None, k_handle.index], zero_init=True)
             v_handle = v_consumer.wait_and_advance()
-            self.gemm(tiled_mma_pv, acc_o, r_p, tOrV[None, None, None, v_handle.index],
+            tiled_mma_pv = self.gemm(tiled_mma_pv, acc_o, r_p, tOrV[None, None, None, v_handle.index],
+                      zero_init=False)
+            warpgroup.wait_group(1)
+            k_handle.release()
+            mask_fn(acc_s, n_block=n_block, is_mask_tile=is_mask_tile)
+            softmax_step(acc_s, row_max, row_sum, correction, scale_log2)
+            warpgroup.wait_group(0)
+            v_handle.release()
+            rescale_rows(acc_o, correction)
+            r_p_as_acc.store(acc_s.load().to(self.dtype))
+        if num_iters > 0:
+            v_handle = v_consumer.wait_and_advance()
+            tiled_mma_pv = self.gemm(tiled_mma_pv, acc_o, r_p, tOrV[None, None, None, v_handle.index],
                       zero_init=False)
             warpgroup.wait_group(0)
             v_handle.release()
 
         lse = cute.make_rmem_tensor(cute.make_layout(num_rows), Float32)
         softmax_finalize(acc_o, row_max, row_sum, softmax_scale, lse)
-        self.store_output(tiled_mma_epilogue.get_slice(tidx), acc_o, lse, mO, mLSE, offset_q, seqlen_q, head, m_block)
+        self.store_output(
+            tidx, tiled_mma_epilogue, acc_o, lse, sO, tma_atom_o, mO_tma, mO, mLSE, offset_q,
+            seqlen_q, head, m_block)
+
+    @cute.jit
+    def mask_scores(
+        self, acc_s: cute.Tensor, t_coord: cute.Tensor, block_range: BlockRange, m_block: Int32,
+        n_block: Int32, is_mask_tile, seqlen_q: Int32, seqlen_k: Int32,
+    ):
+        """Mask only where needed: "mask" tiles and tiles crossing the sequence end."""
+        if const_expr(self.spec.block_sparse):
+            if is_mask_tile:
+                apply_mask(acc_s, t_coord, block_range, m_block, n_block, seqlen_k, True)
+            elif (n_block + 1) * self.tile_n > seqlen_k:
+                apply_mask(acc_s, t_coord, block_range, m_block, n_block, seqlen_k, False)
+        else:
+            if block_range.tile_needs_mask(m_block, n_block, seqlen_q, seqlen_k):
+                apply_mask(acc_s, t_coord, block_range, m_block, n_block, seqlen_k, True)
 
     @cute.jit
     def gemm(self, tiled_mma, acc, t_a, t_b, zero_init: cutlass.Constexpr[bool]):
+        """Issue (not wait for) acc (+)= A @ B over the k blocks; returns the TiledMma.
+
+        Setting ACCUMULATE rebinds the TiledMma value, so callers rebind their variable to the
+        result: the DSL only threads plain local rebinds through staged if/for regions.
+        """
         warpgroup.fence()
         for k in cutlass.range_constexpr(cute.size(t_a, mode=[2])):
             tiled_mma.set(warpgroup.Field.ACCUMULATE, (not zero_init) or k != 0)
             cute.gemm(tiled_mma, acc, t_a[None, None, k], t_b[None, None, k], acc)
         warpgroup.commit_group()
+        return tiled_mma
 
     @cute.jit
     def store_output(
-        self, thr_pv, acc_o: cute.Tensor, lse: cute.Tensor,
-        mO: cute.Tensor, mLSE: cute.Tensor, offset_q: Int32, seqlen_q: Int32,
-        head: Int32, m_block: Int32,
+        self, tidx: Int32, tiled_mma_epilogue: cute.TiledMma, acc_o: cute.Tensor,
+        lse: cute.Tensor, sO: cute.Tensor, tma_atom_o: cute.CopyAtom, mO_tma: cute.Tensor,
+        mO: cute.Tensor, mLSE: cute.Tensor, offset_q: Int32, seqlen_q: Int32, head: Int32,
+        m_block: Int32,
     ):
-        """Registers straight to global memory, row-predicated so no other sequence is touched."""
+        """Each consumer warpgroup writes its 64 rows of O and lse.
+
+        A half inside the sequence goes registers -> smem -> one TMA store; a half crossing the
+        sequence end is stored straight from registers, row by row, so no other sequence's rows
+        are touched.
+        """
+        wg = tidx // _WARPGROUP
+        thr = tiled_mma_epilogue.get_slice(tidx % _WARPGROUP)
         r_o = cute.make_rmem_tensor_like(acc_o, self.dtype)
         r_o.store(acc_o.load().to(self.dtype))
-        mO_seq = cute.domain_offset((offset_q, 0), mO[None, head, None])
-        gO = cute.local_tile(mO_seq, (self.tile_m, self.head_dim), (m_block, 0))
-        t_go = thr_pv.partition_C(gO)
-        t_co = thr_pv.partition_C(cute.make_identity_tensor((self.tile_m, self.head_dim)))
+        half = m_block * self.num_consumer_warpgroups + wg
+        first_row = half * 64
+        co_mn = acc_mn_view(thr.partition_C(cute.make_identity_tensor((64, self.head_dim))))
         o_mn = acc_mn_view(r_o)
-        go_mn = acc_mn_view(t_go)
-        co_mn = acc_mn_view(t_co)
+        if first_row + 64 <= seqlen_q:
+            t_so = thr.partition_C(sO[None, None, wg])
+            t_so.store(r_o.load())
+            cute.arch.fence_proxy("async.shared", space="cta")
+            cute.arch.barrier(barrier_id=1 + wg, number_of_threads=_WARPGROUP)
+            if tidx % _WARPGROUP == 0:
+                mO_seq = cute.domain_offset((offset_q, 0), mO_tma[None, None, head])
+                gO = cute.local_tile(mO_seq, (64, self.head_dim), (half, 0))
+                tOsO, tOgO = cpasync.tma_partition(
+                    tma_atom_o, 0, cute.make_layout(1),
+                    cute.group_modes(sO, 0, 2), cute.group_modes(gO, 0, 2))
+                cute.copy(tma_atom_o, tOsO[(None, wg)], tOgO)
+                cute.arch.cp_async_bulk_commit_group()
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
+        else:
+            mO_seq = cute.domain_offset((offset_q, 0), mO[None, head, None])
+            go_mn = acc_mn_view(thr.partition_C(
+                cute.local_tile(mO_seq, (64, self.head_dim), (half, 0))))
+            for r in cutlass.range_constexpr(cute.size(o_mn, mode=[0])):
+                if first_row + co_mn[r, 0][0] < seqlen_q:
+                    for c in cutlass.range_constexpr(cute.size(o_mn, mode=[1])):
+                        go_mn[r, c] = o_mn[r, c]
         for r in cutlass.range_constexpr(cute.size(o_mn, mode=[0])):
-            row = m_block * self.tile_m + co_mn[r, 0][0]
-            if row < seqlen_q:
-                for c in cutlass.range_constexpr(cute.size(o_mn, mode=[1])):
-                    go_mn[r, c] = o_mn[r, c]
-                if co_mn[r, 0][1] == 0:
-                    mLSE[head, offset_q + row] = lse[r]
+            row = first_row + co_mn[r, 0][0]
+            if row < seqlen_q and co_mn[r, 0][1] == 0:
+                mLSE[head, offset_q + row] = lse[r]

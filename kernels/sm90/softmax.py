@@ -30,12 +30,15 @@ def softmax_init(row_max: cute.Tensor, row_sum: cute.Tensor):
 
 @cute.jit
 def softmax_step(
-    acc_s: cute.Tensor, acc_o: cute.Tensor, row_max: cute.Tensor, row_sum: cute.Tensor,
+    acc_s: cute.Tensor, row_max: cute.Tensor, row_sum: cute.Tensor, correction: cute.Tensor,
     scale_log2: Float32,
 ):
-    """Turn scores acc_s into unnormalised probabilities; rescale acc_o for the new max."""
+    """Turn scores acc_s into unnormalised probabilities, update max and sum.
+
+    Writes each row's rescale factor for the output accumulator into `correction`; the caller
+    applies it (`rescale_rows`) once the P @ V product still reading the old output is done.
+    """
     s_mn = acc_mn_view(acc_s)
-    o_mn = acc_mn_view(acc_o)
     for r in cutlass.range_constexpr(cute.size(s_mn, mode=[0])):
         tile_max = s_mn[r, 0]
         for c in cutlass.range_constexpr(1, cute.size(s_mn, mode=[1])):
@@ -47,16 +50,23 @@ def softmax_step(
         if new_max == -Float32.inf:
             safe_max = Float32(0.0)
         max_scaled = safe_max * scale_log2
-        correction = cute.math.exp2(old_max * scale_log2 - max_scaled, fastmath=True)
+        row_correction = cute.math.exp2(old_max * scale_log2 - max_scaled, fastmath=True)
+        correction[r] = row_correction
         row_max[r] = new_max
         tile_sum = Float32(0.0)
         for c in cutlass.range_constexpr(cute.size(s_mn, mode=[1])):
             p = cute.math.exp2(s_mn[r, c] * scale_log2 - max_scaled, fastmath=True)
             s_mn[r, c] = p
             tile_sum += p
-        row_sum[r] = row_sum[r] * correction + tile_sum
+        row_sum[r] = row_sum[r] * row_correction + tile_sum
+
+
+@cute.jit
+def rescale_rows(acc_o: cute.Tensor, correction: cute.Tensor):
+    o_mn = acc_mn_view(acc_o)
+    for r in cutlass.range_constexpr(cute.size(o_mn, mode=[0])):
         for c in cutlass.range_constexpr(cute.size(o_mn, mode=[1])):
-            o_mn[r, c] = o_mn[r, c] * correction
+            o_mn[r, c] = o_mn[r, c] * correction[r]
 
 
 @cute.jit
