@@ -1,0 +1,134 @@
+"""The batched block selection against the one-tile-at-a-time reference of the rule."""
+import pytest
+import torch
+
+import nsa.selection as selection_module
+from nsa.compression import compress_kv
+from nsa.reference import compress_kv_reference, select_blocks_reference
+from nsa.selection import select_blocks
+from nsa_testing import cu_seqlens_of
+
+RULE = dict(compress_block_size=4, selected_block_size=8, num_selected_blocks=5, q_tile=16,
+            cmp_kv_block=4, num_cmp_selected_blocks=2)
+
+
+def _select_both(q, k, cu_seqlens, **rule):
+    """Fast selection (float32 inputs) and reference selection (float64) on the same values."""
+    k_cmp, _, cu_cmp = compress_kv(k, k, cu_seqlens, rule["compress_block_size"])
+    k_ref, _, cu_ref = compress_kv_reference(k.double(), k.double(), cu_seqlens,
+                                             rule["compress_block_size"])
+    assert torch.equal(cu_cmp, cu_ref)
+    scale = q.shape[-1] ** -0.5
+    fast = select_blocks(q, k_cmp, cu_seqlens, cu_cmp, softmax_scale=scale, **rule)
+    ref = select_blocks_reference(q.double(), k_ref, cu_seqlens, cu_cmp, softmax_scale=scale,
+                                  **rule)
+    return fast, ref
+
+
+def _assert_same_selection(fast, ref):
+    assert torch.equal(fast.row_block_offsets, ref.row_block_offsets)
+    assert torch.equal(fast.selected, ref.selected), (fast.selected, ref.selected)
+    if ref.cmp_selected is None:
+        assert fast.cmp_selected is None
+    else:
+        assert torch.equal(fast.cmp_selected, ref.cmp_selected)
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "noncausal"])
+@pytest.mark.parametrize("heads,kv_heads,lengths", [
+    (2, 2, [200]),
+    (4, 1, [37, 3, 0, 130, 64]),
+    (16, 1, [90, 17]),
+    (8, 2, [1, 2, 5, 8, 15, 33, 70, 121]),
+], ids=["group1", "group4-varlen", "group16", "group4-8seqs"])
+def test_selection_matches_reference(causal, heads, kv_heads, lengths):
+    gen = torch.Generator().manual_seed(len(lengths) * 100 + heads)
+    total = sum(lengths)
+    q = torch.randn(total, heads, 8, generator=gen)
+    k = torch.randn(total, kv_heads, 8, generator=gen)
+    fast, ref = _select_both(q, k, cu_seqlens_of(lengths), causal=causal, **RULE)
+    _assert_same_selection(fast, ref)
+    assert fast.selected.shape == (sum(-(-n // 16) for n in lengths), kv_heads, 5)
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "noncausal"])
+def test_chunked_scoring_gives_the_same_selection(causal, monkeypatch):
+    lengths = [150, 7, 260, 40]
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(sum(lengths), 4, 8, generator=gen)
+    k = torch.randn(sum(lengths), 2, 8, generator=gen)
+    whole, _ = _select_both(q, k, cu_seqlens_of(lengths), causal=causal, **RULE)
+    # Small enough to split the long sequences over several chunks, one tile each at worst.
+    monkeypatch.setattr(selection_module, "SCORE_CHUNK_ELEMENTS", 2000)
+    chunks = selection_module._plan_chunks(lengths, cu_seqlens_of([n // 4 for n in lengths])
+                                           .tolist(), 16, 4, causal, 4, 8 * 16)
+    assert len(chunks) > 10
+    chunked, ref = _select_both(q, k, cu_seqlens_of(lengths), causal=causal, **RULE)
+    _assert_same_selection(chunked, whole)
+    _assert_same_selection(chunked, ref)
+
+
+def test_exact_ties_go_to_the_lower_block():
+    # Identical keys everywhere: every compressed token scores the same, every candidate block
+    # has the same importance, so the lowest-numbered candidates must win.
+    n = 160
+    gen = torch.Generator().manual_seed(4)
+    q = torch.randn(n, 4, 8, generator=gen)
+    k = torch.randn(1, 2, 8, generator=gen).expand(n, 2, 8).contiguous()
+    fast, ref = _select_both(q, k, cu_seqlens_of([n]), causal=True, **RULE)
+    _assert_same_selection(fast, ref)
+    # Tile 5 (rows 80..95): forced blocks 0, 10, 11; candidates 1..9 all tied -> 1, 2.
+    assert fast.selected[5, 0].tolist() == [0, 1, 2, 10, 11]
+    # Sparse compressed, tile 5: anchor 80 sees 20 tokens = blocks 0..4 whole; rows up to 95 see
+    # 24 tokens -> diagonal block 5; the two tied best of 1..4 are 1 and 2.
+    assert fast.cmp_selected[5, 0].tolist()[:4] == [0, 1, 2, 5]
+
+
+def test_ties_between_duplicated_blocks_match_the_reference():
+    # Random keys, but some selection blocks are exact copies of others: their importances tie
+    # exactly, in float32 and in float64, and both paths must keep the lower copy.
+    n = 256
+    gen = torch.Generator().manual_seed(5)
+    q = torch.randn(n, 4, 8, generator=gen) + 1.0
+    k = torch.randn(n, 2, 8, generator=gen)
+    for source, copy in ((2, 9), (3, 12), (5, 20), (1, 25)):
+        k[copy * 8:(copy + 1) * 8] = k[source * 8:(source + 1) * 8]
+    fast, ref = _select_both(q, k, cu_seqlens_of([n]), causal=True, **RULE)
+    _assert_same_selection(fast, ref)
+
+
+@pytest.mark.parametrize("row", [0, 15, 16, 47, 100])
+def test_selection_does_not_see_rows_after_the_tile_anchor(row):
+    # Perturbing q and k after `row` may change only tiles whose anchor is after `row`.
+    n = 140
+    gen = torch.Generator().manual_seed(6)
+    q = torch.randn(n, 4, 8, generator=gen)
+    k = torch.randn(n, 2, 8, generator=gen)
+    before, _ = _select_both(q, k, cu_seqlens_of([n]), causal=True, **RULE)
+    q2, k2 = q.clone(), k.clone()
+    q2[row + 1:] = torch.randn(n - row - 1, 4, 8, generator=gen) * 3
+    k2[row + 1:] = torch.randn(n - row - 1, 2, 8, generator=gen) * 3
+    after, _ = _select_both(q2, k2, cu_seqlens_of([n]), causal=True, **RULE)
+    tiles = row // 16 + 1  # tiles whose anchor (first row) is <= row
+    assert torch.equal(before.selected[:tiles], after.selected[:tiles])
+    assert torch.equal(before.cmp_selected[:tiles], after.cmp_selected[:tiles])
+    assert not torch.equal(before.selected, after.selected)  # the perturbation mattered
+
+
+def test_selected_lists_hold_the_forced_blocks_and_earlier_candidates():
+    lengths = [100, 45]
+    gen = torch.Generator().manual_seed(7)
+    q = torch.randn(sum(lengths), 2, 8, generator=gen)
+    k = torch.randn(sum(lengths), 1, 8, generator=gen)
+    fast, _ = _select_both(q, k, cu_seqlens_of(lengths), causal=True, **RULE)
+    offsets = fast.row_block_offsets.tolist()
+    for s, n in enumerate(lengths):
+        for tile in range(offsets[s + 1] - offsets[s]):
+            a, e = tile * 16, min(tile * 16 + 16, n)
+            blocks = [b for b in fast.selected[offsets[s] + tile, 0].tolist() if b >= 0]
+            forced = {0} | {c for c in range(-(-n // 8)) if c * 8 < e and (c + 1) * 8 > a}
+            candidates = [c for c in range(1, a // 8) if (c + 1) * 8 <= a]
+            assert blocks == sorted(set(blocks))
+            assert forced <= set(blocks)
+            assert set(blocks) - forced <= set(candidates)
+            assert len(blocks) == min(5, len(forced | set(candidates)))
