@@ -85,9 +85,14 @@ def forward(problem: AttentionProblem, q, k, v, block_sparse=None,
             visible = _visibility(problem, block_sparse, first_tiles[seq], r0, r1, c0, c1,
                                   q.device)
             scores = _masked_scores(problem, q_chunk, k_seq[:, c0:c1], visible)
-            chunk_lse = torch.logsumexp(scores, dim=-1, keepdim=True)  # -inf where nothing seen
-            probs = scores.sub_(_finite(chunk_lse)).exp_()
-            out[rows] = _ungroup(probs @ v_seq[:, c0:c1], r1 - r0).to(out.dtype)
+            row_max = scores.amax(dim=-1, keepdim=True)  # -inf for rows that see nothing
+            unnormalised = scores.sub_(_finite(row_max)).exp_()
+            row_sum = unnormalised.sum(dim=-1, keepdim=True)
+            sees_any = row_sum > 0
+            # Normalise the (rows x D) output, not the (rows x keys) probabilities.
+            chunk_out = (unnormalised @ v_seq[:, c0:c1]).div_(row_sum.masked_fill(~sees_any, 1))
+            chunk_lse = torch.where(sees_any, row_max + row_sum.log(), float("-inf"))
+            out[rows] = _ungroup(chunk_out, r1 - r0).to(out.dtype)
             lse[:, rows] = chunk_lse.view(heads, r1 - r0).to(lse.dtype)
 
     if problem.varlen:
@@ -152,8 +157,10 @@ def _chunks(problem: AttentionProblem, block_sparse, num_rows: int, num_keys: in
     """
     if num_rows == 0 or num_keys == 0:
         return
-    # Scores, probabilities, dP and dS in `acc`, plus the boolean mask.
-    bytes_per_row = problem.num_heads * num_keys * (4 * torch.finfo(acc).bits // 8 + 1)
+    # Per (head, row, key): scores/probabilities, dP/dS and a matmul's transposed copy in `acc`
+    # (the backward's worst case), and the boolean masks (the rule and, when block sparse, the
+    # expanded full and mask lists).
+    bytes_per_row = problem.num_heads * num_keys * (4 * torch.finfo(acc).bits // 8 + 4)
     rows_per_chunk = max(1, min(num_rows, budget // bytes_per_row))
     for r0 in range(0, num_rows, rows_per_chunk):
         r1 = min(num_rows, r0 + rows_per_chunk)
@@ -194,14 +201,17 @@ def _first_tile_of_sequences(problem: AttentionProblem, block_sparse) -> list[in
 
 def _visibility(problem: AttentionProblem, block_sparse, first_tile: int, r0: int, r1: int,
                 c0: int, c1: int, device) -> torch.Tensor:
-    """Which keys ``[c0, c1)`` rows ``[r0, r1)`` see: bool ``(Hm, rows, keys)``, Hm in {1, Hs}.
+    """Which keys ``[c0, c1)`` rows ``[r0, r1)`` see: bool ``(Hm, rows, keys)``, Hm in {1, Hs};
+    None when every key is visible (no rule applies).
 
     ``first_tile`` is the sequence's first row block in ``block_sparse`` (unused without it).
     """
+    left, right = problem.window_size
+    if block_sparse is None and not problem.causal and left < 0 and right < 0:
+        return None
     rows = torch.arange(r0, r1, device=device).unsqueeze(1)
     keys = torch.arange(c0, c1, device=device)
     positions = (keys + 1) * problem.compress_factor - 1
-    left, right = problem.window_size
     by_rule = torch.ones(r1 - r0, c1 - c0, dtype=torch.bool, device=device)
     if problem.causal:
         by_rule &= positions <= rows
@@ -244,6 +254,8 @@ def _masked_scores(problem: AttentionProblem, q_chunk, k_chunk, visible) -> torc
     """``scale * q k^T`` with invisible entries at -inf: ``(Hkv, G * rows, keys)``."""
     kv_heads, group = problem.num_kv_heads, problem.group_size
     scores = torch.matmul(q_chunk, k_chunk.transpose(1, 2)).mul_(problem.softmax_scale)
+    if visible is None:
+        return scores
     grouped = scores.view(kv_heads, group, -1, scores.shape[-1])
     mask_heads = visible.shape[0]
     # Mask heads are 1 (rule only), Hkv (lists shared by a KV group) or H (lists per query head).

@@ -58,6 +58,7 @@ CASES = [
          compress_factor=4, window_size=(12, -1)),
     Case("varlen-dense-gqa16", (3, 0, 11), heads=16, kv_heads=1, head_dim=8),
     Case("varlen-single-rows", (1, 1, 6), causal=True),
+    Case("varlen-one-sequence", (45,), heads=2, kv_heads=1, causal=True, compress_factor=4),
     Case("varlen-causal-nq-ne-nk", (5, 12, 0), (9, 3, 4), heads=4, kv_heads=1, causal=True),
     Case("varlen-window-cf4-noncausal", (13, 27), kv_heads=1, compress_factor=4,
          window_size=(6, 9)),
@@ -246,6 +247,25 @@ def test_causality(case):
     assert not torch.equal(out_perturbed, out.detach())
 
 
+@pytest.mark.parametrize("name", ["varlen-causal-cf4-window", "sparse-per-kv-head-causal-cf4",
+                                  "padded-window-two-sided"])
+def test_chunked_equals_unchunked(name):
+    """Chunks of 3 rows (not aligned to q tiles) give the numbers of one chunk per sequence."""
+    case = CASE[name]
+    q, k, v, kwargs = make_inputs(case, seed=4)
+    longest_k = max(case.seqlens_k or [n // case.compress_factor for n in case.seqlens_q])
+    three_rows = 3 * case.heads * longest_k * (4 * 4 + 4)
+    results = []
+    for budget in (fallback.CHUNK_BUDGET_BYTES, three_rows):
+        out, lse = attention_forward_fallback(q, k, v, chunk_budget_bytes=budget, **kwargs)
+        dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(5))
+        grads = attention_backward_fallback(dout, q, k, v, out, lse, chunk_budget_bytes=budget,
+                                            **kwargs)
+        results.append((out, lse, *grads))
+    for one_chunk, chunked in zip(*results):
+        torch.testing.assert_close(chunked, one_chunk, rtol=1e-5, atol=1e-5)
+
+
 def test_chunks_bound_memory_at_32k():
     """At N = 32K the fallback never holds more than the budget of scores at once."""
     seqlen, heads = 32 * 1024, 8
@@ -258,7 +278,7 @@ def test_chunks_bound_memory_at_32k():
         for r0, r1, c0, c1 in fallback._chunks(problem, None, seqlen, seqlen, torch.float32,
                                                budget):
             assert r0 == rows_covered and r1 > r0
-            assert heads * (r1 - r0) * (c1 - c0) * 4 * 4 <= budget
+            assert heads * (r1 - r0) * (c1 - c0) * (4 * 4 + 4) <= budget  # fp32 temps + masks
             assert (c0, c1) == (0, r1 if causal else seqlen)
             rows_covered = r1
         assert rows_covered == seqlen
