@@ -135,18 +135,24 @@ def validate_attention_backward(
     if block_sparse_transposed is not None:
         if block_sparse is None:
             raise ValueError("block_sparse_transposed was given without block_sparse")
-        # Rows are KV blocks and columns query tiles: the sequences swap roles.
-        _check_block_sparse("block_sparse_transposed", block_sparse_transposed,
-                            num_heads=problem.block_sparse_heads, num_kv_heads=None,
-                            cu_rows=problem.cu_seqlens_k, cu_cols=problem.cu_seqlens_q,
-                            device=q.device)
-        if (block_sparse_transposed.row_block_size != block_sparse.col_block_size
-                or block_sparse_transposed.col_block_size != block_sparse.row_block_size):
+        from sparsity import BlockSparseTensors
+
+        transposed = block_sparse_transposed
+        if not isinstance(transposed, BlockSparseTensors):
+            raise TypeError("block_sparse_transposed must be a BlockSparseTensors, got "
+                            f"{type(transposed).__name__}")
+        if (transposed.row_block_size, transposed.col_block_size) != (
+                block_sparse.col_block_size, block_sparse.row_block_size):
             raise ValueError(
                 "block_sparse_transposed must swap the block sizes of block_sparse: expected "
                 f"row_block_size={block_sparse.col_block_size}, "
                 f"col_block_size={block_sparse.row_block_size}, got "
-                f"{block_sparse_transposed.row_block_size}, {block_sparse_transposed.col_block_size}")
+                f"{transposed.row_block_size}, {transposed.col_block_size}")
+        # Rows are KV blocks and columns query tiles: the sequences swap roles.
+        _check_block_sparse("block_sparse_transposed", transposed,
+                            num_heads=problem.block_sparse_heads, num_kv_heads=None,
+                            cu_rows=problem.cu_seqlens_k, cu_cols=problem.cu_seqlens_q,
+                            device=q.device)
     return problem
 
 

@@ -125,7 +125,7 @@ def reference_with_grads(q, k, v, dout, kwargs):
 
 def check_lse(lse: torch.Tensor, expected: torch.Tensor, tol: float) -> None:
     blind = expected == float("-inf")
-    assert torch.equal(lse == float("-inf"), blind), "lse must be -inf exactly where rows see nothing"
+    assert torch.equal(lse == float("-inf"), blind), "lse is -inf exactly where rows see nothing"
     assert rel_err(lse[~blind], expected[~blind]) < tol
 
 

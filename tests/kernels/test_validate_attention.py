@@ -180,7 +180,8 @@ def _bad_backward_inputs():
     out, lse = attention_forward(q, k, v)
     bs = sparse(seqlens=(6, 6), q_tile=4)
     transposed = transpose_block_sparse(bs, col_block_offsets=cu([0, 3, 6]))
-    flipped = replace(transposed, row_block_size=4, col_block_size=2)
+    per_query_head = transpose_block_sparse(sparse(heads=H, seqlens=(6, 6), q_tile=4),
+                                            col_block_offsets=cu([0, 3, 6]))
     return [
         ("dout-not-tensor", TypeError, "dout", None, out, lse, {}),
         ("dout-shape", ValueError, "dout", out[:, :5], out, lse, {}),
@@ -194,10 +195,12 @@ def _bad_backward_inputs():
         ("lse-device", ValueError, "lse", out, out, lse.to("meta"), {}),
         ("transposed-without-lists", ValueError, "block_sparse_transposed", out, out, lse,
          dict(block_sparse_transposed=transposed)),
+        ("transposed-not-dataclass", TypeError, "block_sparse_transposed", out, out, lse,
+         dict(block_sparse=bs, block_sparse_transposed=object())),
         ("transposed-block-sizes", ValueError, "block_sparse_transposed", out, out, lse,
-         dict(block_sparse=bs, block_sparse_transposed=flipped)),
-        ("transposed-rows", ValueError, "block_sparse_transposed", out, out, lse,
          dict(block_sparse=bs, block_sparse_transposed=bs)),
+        ("transposed-heads", ValueError, "block_sparse_transposed", out, out, lse,
+         dict(block_sparse=bs, block_sparse_transposed=per_query_head)),
     ]
 
 
