@@ -27,8 +27,8 @@ def nsa(q: Tensor, k: Tensor, v: Tensor, *, cu_seqlens: Tensor | None = None,
     selected_block_size (l'), num_selected_blocks: the selected branch attends to
         num_selected_blocks blocks of l' keys per 128-row query tile and KV group, chosen by the
         causal selection rule of docs/interfaces.md (nsa/reference.py states it too). l' must be
-        a multiple of l; num_selected_blocks at least 1 + 128 / l' (block 0 and the tile's own
-        blocks are always selected).
+        a multiple of l; num_selected_blocks at least 1 + the most blocks a tile overlaps
+        (1 + 128 / l' when l' divides 128): block 0 and the tile's own blocks are always selected.
     window_size (w): the window branch attends to keys i - w < j <= i; 0 switches it off.
     W_gate (H, 3, D): gates g = sigmoid(q . W_gate[h, b]) for (compressed, selected, window);
         without it each running branch is weighted equally.

@@ -287,7 +287,8 @@ def _attend(q: Tensor, k: Tensor, v: Tensor, visible: Tensor, softmax_scale: flo
 def _listed_blocks_mask(lists: Tensor, sequence: int, cu_seqlens: Tensor, n: int, m: int,
                         heads: int, q_tile: int, block_size: int) -> Tensor:
     """(H, n, m) bool: row i may see key j iff j's block is listed for (i's tile, KV head)."""
-    first_tile = sum(-(-(end - start) // q_tile) for start, end in _sequences(cu_seqlens)[:sequence])
+    earlier = _sequences(cu_seqlens)[:sequence]
+    first_tile = sum(-(-(end - start) // q_tile) for start, end in earlier)
     kv_heads = lists.shape[1]
     group = heads // kv_heads
     mask = torch.zeros(heads, n, m, dtype=torch.bool, device=lists.device)
