@@ -1,6 +1,11 @@
 """Shared test configuration: GPU tests carry the `gpu` marker and skip without CUDA."""
-import pytest
-import torch
+import os
+
+# CuTe DSL kernels compile for Hopper on any machine (no GPU needed); see test_sm90_compile.py.
+os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 
 def pytest_collection_modifyitems(config, items):
