@@ -47,7 +47,7 @@ def test_nsa_on_kernels_matches_reference(case):
     dout = torch.randn(out.shape, device="cuda", dtype=torch.float64)
     grads, ref_grads = grads_of(out, fast_in, dout), grads_of(ref, ref_in, dout)
     for name in grads:
-        assert rel_err(grads[name], ref_grads[name]) < 2e-2, name
+        assert rel_err(grads[name], ref_grads[name]) < 1e-2, name
 
 
 @requires_sm90
