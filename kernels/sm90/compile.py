@@ -55,14 +55,22 @@ def fake_arguments(spec: FwdSpec):
     return (q, k, v, o, lse, cu_q, cu_k), sparse
 
 
-_COMPILED: dict[FwdSpec, object] = {}
+_COMPILED: dict[tuple[FwdSpec, bool], object] = {}
 
 
-def compiled_forward(spec: FwdSpec, args: tuple):
-    """The kernel for `spec`, compiled on first use with `args` (dynamic-layout cute tensors)."""
-    kernel = _COMPILED.get(spec)
+def compiled_forward(spec: FwdSpec, example_args, tvm_ffi: bool = False):
+    """The kernel for `spec`, compiled on first use with `example_args()` (dynamic-layout cute
+    tensors, scalars, stream).
+
+    With `tvm_ffi` the result is called with torch tensors and Python scalars on the current
+    stream (apache-tvm-ffi), which costs far less host time per launch than converting every
+    argument through DLPack; the example arguments then end with a fake env stream.
+    """
+    kernel = _COMPILED.get((spec, tvm_ffi))
     if kernel is None:
-        kernel = _COMPILED[spec] = cute.compile(FlashAttentionForwardSm90(spec), *args)
+        options = "--enable-tvm-ffi" if tvm_ffi else None
+        kernel = cute.compile(FlashAttentionForwardSm90(spec), *example_args(), options=options)
+        _COMPILED[(spec, tvm_ffi)] = kernel
     return kernel
 
 

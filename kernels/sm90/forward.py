@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 
 import torch
 
@@ -66,11 +67,51 @@ def _uniform_cu_seqlens(batch: int, seqlen: int, device: torch.device) -> torch.
     return torch.arange(0, batch + 1, device=device, dtype=torch.int32) * seqlen
 
 
-def _as_cute(t: torch.Tensor, leading_dim: int):
+def _as_cute(t: torch.Tensor | None, tvm_ffi: bool = False):
+    """A cute tensor view of t with every extent and stride dynamic but the last (stride 1)."""
     from cutlass.cute.runtime import from_dlpack
 
-    return from_dlpack(t, assumed_align=16 if t.element_size() == 2 else 4).mark_layout_dynamic(
-        leading_dim=leading_dim)
+    if t is None:
+        return None
+    return from_dlpack(t, assumed_align=16 if t.element_size() == 2 else 4,
+                       enable_tvm_ffi=tvm_ffi).mark_layout_dynamic(leading_dim=t.dim() - 1)
+
+
+@functools.lru_cache(maxsize=1)
+def _tvm_ffi_available() -> bool:
+    """Launch through apache-tvm-ffi when installed (NSA_CUTE_TVM_FFI=0 turns it off)."""
+    if os.environ.get("NSA_CUTE_TVM_FFI", "1") == "0":
+        return False
+    try:
+        import tvm_ffi  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _launch(spec, tensors, scalars, sparse):
+    """Compile on first use, then launch on the current stream."""
+    import cutlass
+    from cutlass.cute.runtime import make_fake_stream
+
+    from kernels.sm90.compile import compiled_forward
+
+    max_seqlen_q, scale, compress_factor, left, right = scalars
+    typed_scalars = (cutlass.Int32(max_seqlen_q), cutlass.Float32(scale),
+                     cutlass.Int32(compress_factor), cutlass.Int32(left), cutlass.Int32(right))
+    if _tvm_ffi_available():
+        kernel = compiled_forward(spec, lambda: (
+            *(_as_cute(t, True) for t in tensors), *typed_scalars,
+            *(_as_cute(t, True) for t in sparse), make_fake_stream(use_tvm_ffi_env_stream=True),
+        ), tvm_ffi=True)
+        kernel(*tensors, *scalars, *sparse)
+        return
+    import cuda.bindings.driver as cuda
+
+    stream = cuda.CUstream(torch.cuda.current_stream(tensors[0].device).cuda_stream)
+    args = (*(_as_cute(t) for t in tensors), *typed_scalars, *(_as_cute(t) for t in sparse),
+            stream)
+    compiled_forward(spec, lambda: args)(*args)
 
 
 def run(
@@ -78,11 +119,6 @@ def run(
     softmax_scale=None, causal=False, compress_factor=1, window_size=(-1, -1),
     block_sparse=None,
 ):
-    import cuda.bindings.driver as cuda
-    import cutlass
-
-    from kernels.sm90.compile import compiled_forward
-
     padded = q.dim() == 4
     if padded:
         batch, seqlen_q, num_heads, head_dim = q.shape
@@ -98,25 +134,16 @@ def run(
     lse = torch.empty((num_heads, total_q), dtype=torch.float32, device=q.device)
 
     spec = _spec_for(q, causal, window_size, block_sparse)
-    sparse_args = (None,) * 5
-    if block_sparse is not None:
-        bs = block_sparse
-        sparse_args = (
-            _as_cute(bs.full_count, 1), _as_cute(bs.full_index, 2),
-            _as_cute(bs.mask_count, 1), _as_cute(bs.mask_index, 2),
-            _as_cute(bs.row_block_offsets, 0),
-        )
-    left, right = window_size
     if max_seqlen_q > 0 and total_q > 0:
-        stream = cuda.CUstream(torch.cuda.current_stream(q.device).cuda_stream)
-        args = (
-            _as_cute(q, 2), _as_cute(k, 2), _as_cute(v, 2), _as_cute(out, 2), _as_cute(lse, 1),
-            _as_cute(cu_seqlens_q, 0), _as_cute(cu_seqlens_k, 0),
-            cutlass.Int32(max_seqlen_q), cutlass.Float32(softmax_scale),
-            cutlass.Int32(compress_factor), cutlass.Int32(max(left, 0)),
-            cutlass.Int32(max(right, 0)), *sparse_args, stream,
-        )
-        compiled_forward(spec, args)(*args)
+        scalars = (max_seqlen_q, softmax_scale, compress_factor, max(window_size[0], 0),
+                   max(window_size[1], 0))
+        tensors = (q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)
+        sparse = (None,) * 5
+        if block_sparse is not None:
+            bs = block_sparse
+            sparse = (bs.full_count, bs.full_index, bs.mask_count, bs.mask_index,
+                      bs.row_block_offsets)
+        _launch(spec, tensors, scalars, sparse)
     if padded:
         out = out.view(batch, seqlen_q, num_heads, head_dim)
         lse = lse.view(num_heads, batch, seqlen_q).permute(1, 0, 2).contiguous()
