@@ -98,3 +98,102 @@ def random_qkv(shape_q: tuple[int, ...], shape_kv: tuple[int, ...], dtype: torch
     tensors = [torch.randn(shape, generator=generator).to(device=device, dtype=dtype)
                for shape in (shape_q, shape_kv, shape_kv)]
     return [t.requires_grad_(requires_grad) for t in tensors]
+
+
+# ----------------------------------------------------------------------------------------------
+# NSA options and problem sizes shared by the profiling, benchmark and memory tools
+# ----------------------------------------------------------------------------------------------
+
+# Per-device defaults: tiny on the CPU (a smoke run in seconds), the paper's sizes on a GPU.
+PROBLEM_DEFAULTS = {
+    "cpu": dict(seqlens=[512, 1024], batch=1, heads=4, kv_heads=2, head_dim=32,
+                dtype="float32", compress_block_size=16, selected_block_size=16,
+                num_selected_blocks=12, window_size=64),
+    "cuda": dict(seqlens=[4096, 16384, 65536], batch=1, heads=32, kv_heads=8, head_dim=128,
+                 dtype="bfloat16", compress_block_size=64, selected_block_size=64,
+                 num_selected_blocks=16, window_size=512),
+}
+
+
+def add_problem_arguments(parser: argparse.ArgumentParser) -> None:
+    """Sizes, dtype, device and NSA options; unset ones take PROBLEM_DEFAULTS per device."""
+    group = parser.add_argument_group("problem (unset: per-device defaults, see the epilog)")
+    group.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda if "
+                       "available)")
+    group.add_argument("--seqlens", type=int_list, help="comma-separated sequence lengths N")
+    group.add_argument("--batch", type=positive_int, help="sequences per batch B")
+    group.add_argument("--heads", type=positive_int, help="query heads H")
+    group.add_argument("--kv-heads", type=positive_int, help="key/value heads Hkv (H %% Hkv == 0)")
+    group.add_argument("--head-dim", type=positive_int, help="head dimension D")
+    group.add_argument("--dtype", choices=sorted(DTYPES), help="dtype of q, k, v")
+    nsa_group = parser.add_argument_group("NSA options")
+    nsa_group.add_argument("--compress-block-size", type=positive_int, help="l")
+    nsa_group.add_argument("--selected-block-size", type=positive_int, help="l'")
+    nsa_group.add_argument("--num-selected-blocks", type=positive_int, help="selected blocks n")
+    nsa_group.add_argument("--window-size", type=int, help="sliding window w (0: off)")
+    nsa_group.add_argument("--gate", action="store_true",
+                           help="learned gates (random W_gate) instead of the mean of branches")
+    timing = parser.add_argument_group("timing")
+    timing.add_argument("--warmup", type=positive_int, default=2, help="untimed calls first")
+    timing.add_argument("--repeats", type=positive_int, default=5, help="timed calls (median)")
+
+
+def problem_defaults_epilog() -> str:
+    return "Per-device defaults: " + "; ".join(
+        f"{device}: " + ", ".join(f"{key}={value}" for key, value in defaults.items())
+        for device, defaults in PROBLEM_DEFAULTS.items())
+
+
+def resolve_problem_arguments(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """Fill unset options from the device's defaults and check the combination."""
+    args.device = resolve_device(args.device)
+    for key, value in PROBLEM_DEFAULTS[args.device.type].items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    if args.heads % args.kv_heads:
+        parser.error(f"--heads ({args.heads}) must be a multiple of --kv-heads ({args.kv_heads})")
+    if args.window_size < 0:
+        parser.error(f"--window-size must be >= 0, got {args.window_size}")
+    args.torch_dtype = DTYPES[args.dtype]
+
+
+def nsa_options(args: argparse.Namespace) -> dict:
+    """The keyword arguments of nsa.nsa that the command line sets."""
+    return dict(compress_block_size=args.compress_block_size,
+                selected_block_size=args.selected_block_size,
+                num_selected_blocks=args.num_selected_blocks, window_size=args.window_size)
+
+
+def random_gate(heads: int, head_dim: int, dtype: torch.dtype, device: torch.device, *,
+                requires_grad: bool = False, seed: int = 1) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    W_gate = torch.randn(heads, 3, head_dim, generator=generator) * head_dim ** -0.5
+    return W_gate.to(device=device, dtype=dtype).requires_grad_(requires_grad)
+
+
+def causal_pairs(seqlen: int) -> int:
+    """(row, key) pairs dense causal attention computes for one sequence."""
+    return seqlen * (seqlen + 1) // 2
+
+
+def nsa_pairs(seqlen: int, compress_block_size: int, selected_block_size: int,
+              num_selected_blocks: int, window_size: int) -> int:
+    """(row, key) pairs NSA's three branches attend to in one sequence, an upper bound.
+
+    Compressed: row i sees floor((i + 1) / l) compressed tokens. Selected: at most n blocks of
+    l' keys, and never more than the i + 1 keys in the past. Window: min(i + 1, w). Selection
+    scoring is not counted.
+    """
+    rows = torch.arange(1, seqlen + 1, dtype=torch.float64)  # i + 1
+    compressed = torch.floor(rows / compress_block_size)
+    selected = torch.clamp(rows, max=num_selected_blocks * selected_block_size)
+    window = torch.clamp(rows, max=window_size)
+    return int((compressed + selected + window).sum())
+
+
+def attention_tflops(pairs: int, batch: int, heads: int, head_dim: int, ms: float, *,
+                     backward: bool) -> float:
+    """TFLOP/s of attention over `pairs` (row, key) pairs: 4 D flops per pair and head forward
+    (QK^T and PV), 2.5x that more for the backward (the usual flash-attention count)."""
+    flops = 4 * head_dim * pairs * batch * heads * (3.5 if backward else 1.0)
+    return flops / (ms * 1e-3) / 1e12

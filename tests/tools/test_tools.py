@@ -1,0 +1,227 @@
+"""Smoke and behaviour tests of the command-line tools, at tiny sizes on the CPU.
+
+Each tool is loaded from its file and its main(argv) called in this process (torch is imported
+once); train_packed also runs once as a subprocess, the way a user runs it.
+"""
+from __future__ import annotations
+
+import functools
+import importlib.util
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+TOOLS = REPO / "tools"
+# Each tool and a phrase of the description its --help prints.
+TOOL_DESCRIPTIONS = {
+    "train_packed": "packed varlen synthetic recall sequences",
+    "profile_nsa_forward": "each component of the NSA forward",
+    "bench_nsa_vs_dense": "vs dense causal attention",
+    "plot_bench": "Charts (PNG)",
+    "diagnose_memory": "size of the sparsity metadata",
+}
+
+
+@functools.cache
+def load_tool(name: str):
+    """The tool's module, loaded from its file once (dataclasses need it in sys.modules)."""
+    spec = importlib.util.spec_from_file_location(f"tools_{name}", TOOLS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def common():
+    load_tool("train_packed")  # puts tools/ on sys.path, where _common lives
+    import _common
+    return _common
+
+
+# ----------------------------------------------------------------------------------------------
+# Every tool: --help, and bad arguments rejected with a message naming them
+# ----------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", sorted(TOOL_DESCRIPTIONS))
+def test_help_describes_the_tool(name, capsys):
+    module = load_tool(name)
+    with pytest.raises(SystemExit) as exit_info:
+        module.main(["--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage:")
+    assert TOOL_DESCRIPTIONS[name] in " ".join(out.split())  # argparse re-wraps lines
+
+
+@pytest.mark.parametrize("name", ["profile_nsa_forward", "bench_nsa_vs_dense", "diagnose_memory",
+                                  "train_packed"])
+def test_heads_not_a_multiple_of_kv_heads_is_rejected(name, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        load_tool(name).main(["--device", "cpu", "--heads", "6", "--kv-heads", "4"])
+    assert exit_info.value.code == 2
+    assert "--kv-heads" in capsys.readouterr().err
+
+
+def test_bench_rejects_unknown_method(capsys):
+    with pytest.raises(SystemExit):
+        load_tool("bench_nsa_vs_dense").main(["--device", "cpu", "--methods", "nsa,flash9"])
+    assert "flash9" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------------------------
+# train_packed: the data, a run as a user runs it, and that the loss falls
+# ----------------------------------------------------------------------------------------------
+
+def test_packed_batch_keeps_sequences_apart_and_answers_recall_the_head():
+    tp = load_tool("train_packed")
+    task = tp.RegisterRecallTask(num_registers=3, values_per_register=5, num_fillers=7,
+                                 query_every=4, min_len=6, max_len=60)
+    batch = tp.packed_batch(task, tokens_per_step=400, generator=torch.Generator().manual_seed(5))
+    cu = batch.cu_seqlens.tolist()
+    assert cu[0] == 0 and cu[-1] == batch.tokens.numel() <= 400
+    assert all(task.min_len <= b - a <= task.max_len for a, b in zip(cu, cu[1:]))
+    assert batch.max_seqlen == max(b - a for a, b in zip(cu, cu[1:]))
+    assert batch.loss_mask.sum() > 0
+    for a, b in zip(cu, cu[1:]):
+        tokens = batch.tokens[a:b]
+        assert batch.positions[a:b].tolist() == list(range(b - a))
+        assert tokens[0] == tp.BOS
+        assert torch.equal(batch.targets[a:b - 1], tokens[1:])
+        assert not batch.loss_mask[b - 1]  # the last token predicts nothing across sequences
+        head = tokens[1:1 + task.num_registers]
+        value_of = {int((t - task.first_value) // task.values_per_register): int(t) for t in head}
+        for t in torch.nonzero(batch.loss_mask[a:b]).flatten().tolist():
+            asked = int(tokens[t]) - task.first_ask  # the query token; its target is the answer
+            assert 0 <= asked < task.num_registers
+            assert int(batch.targets[a + t]) == value_of[asked]
+
+
+def test_train_packed_runs_as_a_script(tmp_path):
+    out = tmp_path / "train.json"
+    completed = subprocess.run(
+        [sys.executable, str(TOOLS / "train_packed.py"), "--device", "cpu", "--steps", "3",
+         "--tokens-per-step", "256", "--min-len", "16", "--max-len", "128", "--dim", "32",
+         "--no-progress", "--json", str(out)],
+        capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert completed.returncode == 0, completed.stderr
+    assert "summary (3 steps on cpu)" in completed.stdout
+    summary = json.loads(out.read_text())
+    assert len(summary["losses"]) == 3 and all(math.isfinite(x) for x in summary["losses"])
+    assert summary["tokens_per_second"] > 0
+    assert summary["backend"]["forward"].startswith("fallback")
+
+
+def test_train_packed_loss_falls_below_the_answer_entropy(capsys):
+    tp = load_tool("train_packed")
+    args = tp.parse_args(["--device", "cpu", "--steps", "30", "--tokens-per-step", "1024",
+                          "--min-len", "32", "--max-len", "256", "--registers", "2",
+                          "--values-per-register", "8", "--lr", "1e-2", "--no-progress"])
+    summary = tp.train(args)
+    assert summary["first_loss"] > summary["answer_entropy"]
+    assert summary["last_loss"] < 0.75 * summary["answer_entropy"]
+
+
+# ----------------------------------------------------------------------------------------------
+# profile, bench, plot, diagnose at tiny sizes
+# ----------------------------------------------------------------------------------------------
+
+TINY = ["--device", "cpu", "--seqlens", "200", "--heads", "4", "--kv-heads", "2",
+        "--head-dim", "16", "--warmup", "1", "--repeats", "1"]
+
+
+def test_profile_times_every_stage(tmp_path):
+    out = tmp_path / "profile.json"
+    profile = load_tool("profile_nsa_forward")
+    assert profile.main([*TINY, "--num-seqs", "3", "--gate", "--json", str(out)]) == 0
+    (result,) = json.loads(out.read_text())["results"]
+    assert [s["stage"] for s in result["stages"]] == list(profile.STAGES)
+    assert all(s["ms"] > 0 for s in result["stages"])
+    assert result["sequences"] == 3 and result["tokens"] == 200
+    assert result["sum_ms"] == pytest.approx(sum(s["ms"] for s in result["stages"]))
+
+
+def test_bench_and_plot(tmp_path):
+    out = tmp_path / "bench.json"
+    bench = load_tool("bench_nsa_vs_dense")
+    assert bench.main([*TINY, "--seqlens", "128,256", "--methods", "nsa,dense,sdpa,fa4",
+                       "--json", str(out)]) == 0
+    payload = json.loads(out.read_text())
+    assert payload["meta"]["command"].startswith("python tools/bench_nsa_vs_dense.py")
+    rows = {(r["seqlen"], r["method"], r["pass"]): r for r in payload["results"]}
+    for n in (128, 256):
+        for method in ("nsa", "dense", "sdpa"):
+            for pass_ in ("fwd", "fwd+bwd"):
+                row = rows[(n, method, pass_)]
+                assert row["status"] == "ok" and row["ms"] > 0 and row["tflops"] > 0
+        assert rows[(n, "dense", "fwd")]["speedup"] == pytest.approx(1.0)
+        if not torch.cuda.is_available():
+            assert rows[(n, "fa4", "fwd")]["status"].startswith("unavailable")
+
+    png = tmp_path / "bench.png"
+    assert load_tool("plot_bench").main([str(out), "--out", str(png)]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plot_rejects_a_file_that_is_not_bench_json(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"results": []}))
+    with pytest.raises(SystemExit, match="not a bench_nsa_vs_dense JSON"):
+        load_tool("plot_bench").main([str(bad)])
+
+
+def test_diagnose_reports_metadata_and_saved_bytes(tmp_path):
+    out = tmp_path / "memory.json"
+    assert load_tool("diagnose_memory").main(
+        [*TINY, "--seqlens", "256,512", "--num-cmp-selected-blocks", "1", "--json", str(out)]) == 0
+    results = json.loads(out.read_text())["results"]
+    for result in results:
+        metadata = result["metadata"]
+        for key in ("selection", "selected_lists", "selected_lists_transposed",
+                    "compressed_lists"):
+            assert metadata[key] > 0
+        assert metadata["tiles"] == -(-result["seqlen"] // 128)
+        assert metadata["kv_blocks"] == -(-result["seqlen"] // 16)
+        # Dense attention saves q, k, v, out and lse: more than its inputs.
+        assert result["dense"]["saved_for_backward"] > result["inputs"]
+        assert result["nsa"]["saved_for_backward"] >= result["inputs"]
+    assert results[1]["metadata"]["selected_lists"] > results[0]["metadata"]["selected_lists"]
+
+
+# ----------------------------------------------------------------------------------------------
+# Shared helpers
+# ----------------------------------------------------------------------------------------------
+
+def test_nsa_pairs_matches_a_row_by_row_count(common):
+    n, l, l_sel, blocks, w = 300, 16, 32, 3, 40
+    expected = sum((i + 1) // l + min(i + 1, blocks * l_sel) + min(i + 1, w) for i in range(n))
+    assert common.nsa_pairs(n, l, l_sel, blocks, w) == expected
+    assert common.causal_pairs(n) == sum(i + 1 for i in range(n))
+
+
+def test_varlen_lengths_split_exactly(common):
+    lengths = common.varlen_lengths(1000, 7, torch.Generator().manual_seed(0))
+    assert len(lengths) == 7 and sum(lengths) == 1000 and min(lengths) >= 1
+    assert common.cu_seqlens_of(lengths, torch.device("cpu")).tolist()[-1] == 1000
+    with pytest.raises(ValueError, match="cannot split"):
+        common.varlen_lengths(3, 4, torch.Generator())
+
+
+def test_time_ms_warms_up_then_takes_the_median(common):
+    calls = []
+    ms = common.time_ms(lambda: calls.append(sum(range(1000))), torch.device("cpu"),
+                        warmup=2, repeats=3)
+    assert len(calls) == 5 and ms > 0
+
+
+@pytest.mark.parametrize("text", ["", "12,x", "0,4", "-3"])
+def test_int_list_rejects_bad_lists(common, text):
+    import argparse
+    with pytest.raises(argparse.ArgumentTypeError):
+        common.int_list(text)

@@ -1,0 +1,278 @@
+"""Benchmark NSA forward and forward+backward against dense causal attention.
+
+Methods, each timed where it can run (a method that cannot is listed with the reason):
+  nsa          nsa.nsa (ours: CuTe DSL kernels on sm_90, the PyTorch fallback elsewhere)
+  dense        kernels.flash_attn_func(causal=True) (ours, same dispatch)
+  sdpa         torch.nn.functional.scaled_dot_product_attention(is_causal=True, enable_gqa=True)
+  fa4          flash_attn.cute.flash_attn_func(causal=True), if flash-attn-4 is installed
+  fla-nsa      fla.ops.nsa.parallel_nsa, if fla is installed (its NSA: own selection rule,
+               group size H/Hkv a power of two >= 16)
+
+Timing: `--warmup` untimed calls, then the median of `--repeats` calls, CUDA events on a GPU and
+perf_counter on the CPU; inputs are random normal, never zeros. TFLOP/s counts the (row, key)
+pairs each method attends (dense: the causal triangle; NSA: an upper bound over its three
+branches, see _common.nsa_pairs), 4*D flops per pair and head forward, 3.5x that for fwd+bwd.
+
+    python tools/bench_nsa_vs_dense.py --json bench.json            # per-device default sizes
+    python tools/bench_nsa_vs_dense.py --seqlens 16384,65536 --heads 64 --kv-heads 4
+    python tools/plot_bench.py bench.json                            # charts
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib
+import json
+import platform
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import kernels  # noqa: E402
+from nsa import nsa  # noqa: E402
+from _common import (add_problem_arguments, attention_tflops, causal_pairs, nsa_options,  # noqa: E402
+                     nsa_pairs, problem_defaults_epilog, random_gate, random_qkv,
+                     resolve_problem_arguments, time_ms)
+
+METHODS = ("nsa", "dense", "sdpa", "fa4", "fla-nsa")
+OURS = ("nsa", "dense")
+PASSES = ("fwd", "fwd+bwd")
+
+
+@dataclass
+class Result:
+    seqlen: int
+    method: str
+    pass_: str
+    ms: float | None
+    tflops: float | None
+    speedup: float | None  # baseline ms / this ms, same pass
+    status: str            # "ok", or why it did not run
+
+
+# ----------------------------------------------------------------------------------------------
+# The methods: each returns a function running one forward on (q, k, v) in (B, N, H, D) layout
+# ----------------------------------------------------------------------------------------------
+
+def nsa_method(args) -> Callable:
+    W_gate = random_gate(args.heads, args.head_dim, args.torch_dtype, args.device,
+                         requires_grad=True) if args.gate else None
+    options = nsa_options(args)
+    return lambda q, k, v: nsa(q, k, v, W_gate=W_gate, **options)
+
+
+def dense_method(args) -> Callable:
+    return lambda q, k, v: kernels.flash_attn_func(q, k, v, causal=True)
+
+
+def sdpa_method(args) -> Callable:
+    def run(q, k, v):
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
+                                             v.transpose(1, 2), is_causal=True, enable_gqa=True)
+        return out.transpose(1, 2)
+    return run
+
+
+def fa4_method(args) -> Callable:
+    if args.device.type != "cuda":
+        raise RuntimeError("needs a CUDA GPU")
+    flash_attn_cute = importlib.import_module("flash_attn.cute")
+
+    def run(q, k, v):
+        out = flash_attn_cute.flash_attn_func(q, k, v, causal=True)
+        return out[0] if isinstance(out, tuple) else out  # some releases also return the lse
+    return run
+
+
+def fla_nsa_method(args) -> Callable:
+    if args.device.type != "cuda":
+        raise RuntimeError("needs a CUDA GPU")
+    group = args.heads // args.kv_heads
+    if group < 16 or group & (group - 1):
+        raise RuntimeError(f"fla needs H/Hkv a power of two >= 16, got {group}")
+    if args.compress_block_size != args.selected_block_size:
+        raise RuntimeError("fla uses one block size for compression and selection")
+    parallel_nsa = importlib.import_module("fla.ops.nsa").parallel_nsa
+
+    def run(q, k, v):
+        # Mean gating like ours without W_gate: each branch weighted 1/3 (no window: 1/2).
+        branches = 3 if args.window_size else 2
+        gate = torch.full(q.shape[:3], 1.0 / branches, dtype=q.dtype, device=q.device)
+        return parallel_nsa(q, k, v, g_cmp=gate, g_slc=gate,
+                            g_swa=gate if args.window_size else None,
+                            block_counts=args.num_selected_blocks,
+                            block_size=args.selected_block_size, window_size=args.window_size)
+    return run
+
+
+METHOD_FACTORIES = {"nsa": nsa_method, "dense": dense_method, "sdpa": sdpa_method,
+                    "fa4": fa4_method, "fla-nsa": fla_nsa_method}
+
+
+def attended_pairs(method: str, seqlen: int, args) -> int:
+    if method in ("nsa", "fla-nsa"):
+        return nsa_pairs(seqlen, args.compress_block_size, args.selected_block_size,
+                         args.num_selected_blocks, args.window_size)
+    return causal_pairs(seqlen)
+
+
+# ----------------------------------------------------------------------------------------------
+# Timing
+# ----------------------------------------------------------------------------------------------
+
+def time_method(run: Callable, seqlen: int, args) -> dict[str, float]:
+    """Median ms of the forward (no autograd) and of forward+backward, on random inputs."""
+    shape_q = (args.batch, seqlen, args.heads, args.head_dim)
+    shape_kv = (args.batch, seqlen, args.kv_heads, args.head_dim)
+    q, k, v = random_qkv(shape_q, shape_kv, args.torch_dtype, args.device)
+    with torch.no_grad():
+        forward_ms = time_ms(lambda: run(q, k, v), args.device, warmup=args.warmup,
+                             repeats=args.repeats)
+    q, k, v = (t.requires_grad_(True) for t in (q, k, v))
+    dout = torch.randn(shape_q, generator=torch.Generator().manual_seed(7)).to(
+        device=args.device, dtype=args.torch_dtype)
+
+    def forward_backward():
+        q.grad = k.grad = v.grad = None
+        run(q, k, v).backward(dout)
+    both_ms = time_ms(forward_backward, args.device, warmup=args.warmup, repeats=args.repeats)
+    return {"fwd": forward_ms, "fwd+bwd": both_ms}
+
+
+def benchmark(args) -> list[Result]:
+    results: list[Result] = []
+    runners, unavailable = {}, {}
+    for method in args.methods:
+        try:
+            runners[method] = METHOD_FACTORIES[method](args)
+        except (ImportError, RuntimeError) as error:
+            unavailable[method] = f"unavailable: {error}"
+
+    for seqlen in args.seqlens:
+        timings = {}
+        for method in args.methods:
+            if method in unavailable:
+                continue
+            try:
+                timings[method] = time_method(runners[method], seqlen, args)
+            except torch.OutOfMemoryError:
+                unavailable_here = "out of memory"
+                results += [Result(seqlen, method, p, None, None, None, unavailable_here)
+                            for p in PASSES]
+                torch.cuda.empty_cache()
+            except Exception as error:  # third-party failures are reported, ours raise
+                if method in OURS:
+                    raise
+                results += [Result(seqlen, method, p, None, None, None,
+                                   f"error: {type(error).__name__}: {error}"[:200])
+                            for p in PASSES]
+        baseline = args.baseline if args.baseline in timings else "dense"
+        for method in args.methods:
+            if method in unavailable:
+                results += [Result(seqlen, method, p, None, None, None, unavailable[method])
+                            for p in PASSES]
+                continue
+            if method not in timings:
+                continue
+            pairs = attended_pairs(method, seqlen, args)
+            for p in PASSES:
+                ms = timings[method][p]
+                base = timings.get(baseline, {}).get(p)
+                results.append(Result(
+                    seqlen, method, p, ms,
+                    attention_tflops(pairs, args.batch, args.heads, args.head_dim, ms,
+                                     backward=p == "fwd+bwd"),
+                    base / ms if base else None, "ok"))
+    return results
+
+
+# ----------------------------------------------------------------------------------------------
+# Output
+# ----------------------------------------------------------------------------------------------
+
+def format_table(results: list[Result], baseline: str) -> str:
+    header = f"{'N':>8}  {'method':<8} {'pass':<8} {'ms':>10} {'speedup':>8} {'TFLOP/s':>9}  status"
+    lines = [f"speedup = {baseline} ms / method ms (same N and pass); TFLOP/s over attended pairs",
+             header, "-" * len(header)]
+    for r in results:
+        ms = f"{r.ms:10.3f}" if r.ms is not None else f"{'-':>10}"
+        speedup = f"{r.speedup:7.2f}x" if r.speedup is not None else f"{'-':>8}"
+        tflops = f"{r.tflops:9.3f}" if r.tflops is not None else f"{'-':>9}"
+        lines.append(f"{r.seqlen:>8}  {r.method:<8} {r.pass_:<8} {ms} {speedup} {tflops}  "
+                     f"{r.status}")
+    return "\n".join(lines)
+
+
+def run_metadata(args, argv) -> dict:
+    device = (torch.cuda.get_device_name(args.device) if args.device.type == "cuda"
+              else f"cpu ({platform.processor() or platform.machine()}, "
+                   f"{torch.get_num_threads()} threads)")
+    return {
+        "tool": "bench_nsa_vs_dense",
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": " ".join(["python", "tools/bench_nsa_vs_dense.py", *argv]),
+        "device": device,
+        "torch": torch.__version__,
+        "backend": {method: kernels.which_backend(*random_qkv(
+            (1, 256, args.heads, args.head_dim), (1, 256, args.kv_heads, args.head_dim),
+            args.torch_dtype, args.device), causal=True) for method in ("dense",)},
+        "problem": {key: getattr(args, key) for key in (
+            "batch", "heads", "kv_heads", "head_dim", "dtype", "compress_block_size",
+            "selected_block_size", "num_selected_blocks", "window_size", "gate", "warmup",
+            "repeats")},
+        "baseline": args.baseline,
+    }
+
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(
+        description="NSA forward and forward+backward vs dense causal attention.",
+        epilog=problem_defaults_epilog(), formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_problem_arguments(parser)
+    parser.add_argument("--methods", default=",".join(METHODS),
+                        help=f"comma-separated subset of {','.join(METHODS)} (default: all)")
+    parser.add_argument("--baseline", choices=["dense", "sdpa", "fa4"], default=None,
+                        help="the speedup column's reference (default: fa4 if it runs, "
+                             "else dense)")
+    parser.add_argument("--json", type=Path, help="write the results to this JSON file")
+    args = parser.parse_args(argv)
+    resolve_problem_arguments(args, parser)
+    args.methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    unknown = sorted(set(args.methods) - set(METHODS))
+    if unknown:
+        parser.error(f"--methods: unknown {unknown}; expected a subset of {list(METHODS)}")
+    if args.baseline is None:
+        args.baseline = "fa4" if "fa4" in args.methods and args.device.type == "cuda" \
+            else "dense"
+    return args
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    metadata = run_metadata(args, argv)
+    print(f"{metadata['device']}, torch {metadata['torch']}, dense backend: "
+          f"{metadata['backend']['dense']}")
+    print(f"B={args.batch} H={args.heads} Hkv={args.kv_heads} D={args.head_dim} {args.dtype}; "
+          f"NSA l={args.compress_block_size} l'={args.selected_block_size} "
+          f"n={args.num_selected_blocks} w={args.window_size} "
+          f"{'learned' if args.gate else 'mean'} gates")
+    results = benchmark(args)
+    print(format_table(results, args.baseline))
+    if args.json:
+        payload = {"meta": metadata, "results": [
+            {**{k: v for k, v in asdict(r).items() if k != "pass_"}, "pass": r.pass_}
+            for r in results]}
+        args.json.write_text(json.dumps(payload, indent=2))
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
