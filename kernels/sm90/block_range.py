@@ -19,29 +19,39 @@ class BlockRange:
     causal: cutlass.Constexpr[bool]
     has_window_left: cutlass.Constexpr[bool]
     has_window_right: cutlass.Constexpr[bool]
-    compress_factor: Int32  # runtime: one integer division per row and tile is cheap
+    compressed: cutlass.Constexpr[bool]  # False: compress_factor is 1 and no division is emitted
+    compress_factor: Int32
     window_left: Int32
     window_right: Int32
 
     @cute.jit
     def key_limit_right(self, row: Int32) -> Int32:
         """Exclusive upper bound on the key index row `row` may see (ignoring seqlen_k)."""
-        cf = self.compress_factor
         limit = Int32(2**30)
         if const_expr(self.causal):
-            limit = (row + 1) // cf
+            limit = self.keys_up_to(row + 1)
         if const_expr(self.has_window_right):
-            limit = cutlass.min(limit, (row + self.window_right + 1) // cf)
+            limit = cutlass.min(limit, self.keys_up_to(row + self.window_right + 1))
         return limit
+
+    @cute.jit
+    def keys_up_to(self, tokens: Int32) -> Int32:
+        """How many keys lie entirely within the first `tokens` tokens (tokens >= 0)."""
+        count = tokens
+        if const_expr(self.compressed):
+            count = tokens // self.compress_factor
+        return count
 
     @cute.jit
     def key_limit_left(self, row: Int32) -> Int32:
         """Inclusive lower bound on the key index row `row` may see (0 without a left window)."""
         limit = Int32(0)
         if const_expr(self.has_window_left):
-            cf = self.compress_factor
-            first_pos = cutlass.max(row - self.window_left + 1, 0)
-            limit = cutlass.max((first_pos + cf - 1) // cf - 1, 0)
+            # First key j with pos(j) = (j+1)*cf - 1 >= row - left.
+            first_pos = cutlass.max(row - self.window_left, 0)
+            limit = first_pos
+            if const_expr(self.compressed):
+                limit = (first_pos + 1 + self.compress_factor - 1) // self.compress_factor - 1
         return limit
 
     @cute.jit

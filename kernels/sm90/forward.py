@@ -46,7 +46,7 @@ def can_run(q, k, v, *, block_sparse=None, **_) -> tuple[bool, str]:
     return True, "sm90 CuTe DSL kernel"
 
 
-def _spec_for(q, causal, window_size, block_sparse):
+def _spec_for(q, causal, window_size, block_sparse, compress_factor=1):
     from kernels.sm90.spec import FwdSpec
 
     left, right = window_size
@@ -57,6 +57,7 @@ def _spec_for(q, causal, window_size, block_sparse):
         has_window_left=left >= 0,
         has_window_right=right >= 0 and not causal,
         block_sparse=block_sparse is not None,
+        compressed=compress_factor != 1,
         tile_m=TILE_M,
         tile_n=block_sparse.col_block_size if block_sparse is not None else 128,
     )
@@ -133,7 +134,7 @@ def run(
     out = torch.empty((total_q, num_heads, head_dim), dtype=q.dtype, device=q.device)
     lse = torch.empty((num_heads, total_q), dtype=torch.float32, device=q.device)
 
-    spec = _spec_for(q, causal, window_size, block_sparse)
+    spec = _spec_for(q, causal, window_size, block_sparse, compress_factor)
     if max_seqlen_q > 0 and total_q > 0:
         scalars = (max_seqlen_q, softmax_scale, compress_factor, max(window_size[0], 0),
                    max(window_size[1], 0))

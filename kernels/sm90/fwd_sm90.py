@@ -214,7 +214,7 @@ class FlashAttentionForwardSm90:
         head_kv = head // (cute.size(mQ.shape[2]) // cute.size(mK.shape[2]))
         block_range = BlockRange(
             self.tile_m, self.tile_n, spec.causal, spec.has_window_left, spec.has_window_right,
-            compress_factor, window_left, window_right,
+            spec.compressed, compress_factor, window_left, window_right,
         )
 
         # The list of KV tiles this query tile visits: a range, or compact lists.

@@ -24,14 +24,20 @@ def apply_mask(
     s_mn = acc_mn_view(acc_s)
     c_mn = acc_mn_view(t_coord)
     key_base = n_block * block_range.tile_n
+    check_left = const_expr(with_causal_window and block_range.has_window_left)
     for r in cutlass.range_constexpr(cute.size(s_mn, mode=[0])):
         row = m_block * block_range.tile_m + c_mn[r, 0][0]
         hi = seqlen_k - key_base
-        lo = Int32(0) - key_base
+        lo = Int32(0)
         if const_expr(with_causal_window):
             hi = cutlass.min(hi, block_range.key_limit_right(row) - key_base)
+        if const_expr(check_left):
             lo = block_range.key_limit_left(row) - key_base
+        # Selects, not branches: one compare (two with a left window) per element.
         for c in cutlass.range_constexpr(cute.size(s_mn, mode=[1])):
             col = c_mn[0, c][1]
-            if col >= hi or col < lo:
-                s_mn[r, c] = -Float32.inf
+            if const_expr(check_left):
+                keep = (col < hi) & (col >= lo)
+                s_mn[r, c] = s_mn[r, c] if keep else -Float32.inf
+            else:
+                s_mn[r, c] = s_mn[r, c] if col < hi else -Float32.inf

@@ -18,6 +18,7 @@ class FwdSpec:
     has_window_left: bool      # window sizes themselves are runtime Int32
     has_window_right: bool
     block_sparse: bool         # iterate compact full/mask lists instead of a block range
+    compressed: bool = False   # compress_factor may exceed 1 (its value is a runtime argument)
     tile_m: int = 128          # query rows per CTA (two consumer warpgroups of 64 rows)
     tile_n: int = 128          # keys per KV tile; the block-sparse column block size
     num_stages: int = 2        # K and V pipeline depth

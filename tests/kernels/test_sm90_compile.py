@@ -11,21 +11,23 @@ pytest.importorskip("cutlass")
 from kernels.sm90.compile import compile_forward_on_fake_tensors  # noqa: E402
 from kernels.sm90.spec import FwdSpec  # noqa: E402
 
-# (causal, window left, window right, block-sparse, tile_n): NSA's three branches first.
+# (causal, window left, window right, block-sparse, compressed, tile_n): NSA's branches first.
 MASK_VARIANTS = {
-    "compressed-causal": (True, False, False, False, 128),
-    "window-causal": (True, True, False, False, 128),
-    "selected-sparse64": (True, False, False, True, 64),
-    "sparse128": (False, False, False, True, 128),
-    "dense": (False, False, False, False, 128),
-    "window-both-sides": (False, True, True, False, 128),
+    "compressed-causal": (True, False, False, False, True, 128),
+    "window-causal": (True, True, False, False, False, 128),
+    "selected-sparse64": (True, False, False, True, False, 64),
+    "causal": (True, False, False, False, False, 128),
+    "sparse128": (False, False, False, True, False, 128),
+    "dense": (False, False, False, False, False, 128),
+    "window-both-sides-compressed": (False, True, True, False, True, 128),
 }
 
 
 def _spec(dtype, head_dim, variant):
-    causal, left, right, sparse, tile_n = MASK_VARIANTS[variant]
+    causal, left, right, sparse, compressed, tile_n = MASK_VARIANTS[variant]
     return FwdSpec(dtype=dtype, head_dim=head_dim, causal=causal, has_window_left=left,
-                   has_window_right=right, block_sparse=sparse, tile_n=tile_n)
+                   has_window_right=right, block_sparse=sparse, compressed=compressed,
+                   tile_n=tile_n)
 
 
 @pytest.mark.parametrize("variant", list(MASK_VARIANTS))
