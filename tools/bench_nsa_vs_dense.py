@@ -131,9 +131,13 @@ def time_method(run: Callable, seqlen: int, args) -> dict[str, float]:
     shape_q = (args.batch, seqlen, args.heads, args.head_dim)
     shape_kv = (args.batch, seqlen, args.kv_heads, args.head_dim)
     q, k, v = random_qkv(shape_q, shape_kv, args.torch_dtype, args.device)
-    with torch.no_grad():
-        forward_ms = time_ms(lambda: run(q, k, v), args.device, warmup=args.warmup,
-                             repeats=args.repeats)
+    timings = {}
+    if "fwd" in args.passes:
+        with torch.no_grad():
+            timings["fwd"] = time_ms(lambda: run(q, k, v), args.device, warmup=args.warmup,
+                                     repeats=args.repeats)
+    if "fwd+bwd" not in args.passes:
+        return timings
     q, k, v = (t.requires_grad_(True) for t in (q, k, v))
     dout = torch.randn(shape_q, generator=torch.Generator().manual_seed(7)).to(
         device=args.device, dtype=args.torch_dtype)
@@ -141,8 +145,9 @@ def time_method(run: Callable, seqlen: int, args) -> dict[str, float]:
     def forward_backward():
         q.grad = k.grad = v.grad = None
         run(q, k, v).backward(dout)
-    both_ms = time_ms(forward_backward, args.device, warmup=args.warmup, repeats=args.repeats)
-    return {"fwd": forward_ms, "fwd+bwd": both_ms}
+    timings["fwd+bwd"] = time_ms(forward_backward, args.device, warmup=args.warmup,
+                                 repeats=args.repeats)
+    return timings
 
 
 def benchmark(args) -> list[Result]:
@@ -164,24 +169,24 @@ def benchmark(args) -> list[Result]:
             except torch.OutOfMemoryError:
                 unavailable_here = "out of memory"
                 results += [Result(seqlen, method, p, None, None, None, unavailable_here)
-                            for p in PASSES]
+                            for p in args.passes]
                 torch.cuda.empty_cache()
             except Exception as error:  # third-party failures are reported, ours raise
                 if method in OURS:
                     raise
                 results += [Result(seqlen, method, p, None, None, None,
                                    f"error: {type(error).__name__}: {error}"[:200])
-                            for p in PASSES]
+                            for p in args.passes]
         baseline = args.baseline if args.baseline in timings else "dense"
         for method in args.methods:
             if method in unavailable:
                 results += [Result(seqlen, method, p, None, None, None, unavailable[method])
-                            for p in PASSES]
+                            for p in args.passes]
                 continue
             if method not in timings:
                 continue
             pairs = attended_pairs(method, seqlen, args)
-            for p in PASSES:
+            for p in args.passes:
                 ms = timings[method][p]
                 base = timings.get(baseline, {}).get(p)
                 results.append(Result(
@@ -237,6 +242,8 @@ def parse_args(argv):
     add_problem_arguments(parser)
     parser.add_argument("--methods", default=",".join(METHODS),
                         help=f"comma-separated subset of {','.join(METHODS)} (default: all)")
+    parser.add_argument("--passes", default=",".join(PASSES),
+                        help="comma-separated subset of fwd,fwd+bwd (default: both)")
     parser.add_argument("--baseline", choices=["dense", "sdpa", "fa4"], default=None,
                         help="the speedup column's reference (default: fa4 if it runs, "
                              "else dense)")
@@ -247,6 +254,9 @@ def parse_args(argv):
     unknown = sorted(set(args.methods) - set(METHODS))
     if unknown:
         parser.error(f"--methods: unknown {unknown}; expected a subset of {list(METHODS)}")
+    args.passes = [p.strip() for p in args.passes.split(",") if p.strip()]
+    if not args.passes or set(args.passes) - set(PASSES):
+        parser.error(f"--passes: expected a subset of {list(PASSES)}, got {args.passes}")
     if args.baseline is None:
         args.baseline = "fa4" if "fa4" in args.methods and args.device.type == "cuda" \
             else "dense"

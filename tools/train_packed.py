@@ -244,14 +244,16 @@ class NSATransformer(nn.Module):
 # Defaults per device: small enough for ~1-2 minutes on 2 CPU cores; larger on a GPU.
 DEFAULTS = {
     "cpu": dict(steps=200, tokens_per_step=2048, min_len=64, max_len=512, dim=128, layers=2,
-                heads=4, kv_heads=2, head_dim=32, registers=4, values_per_register=16, fillers=32, query_every=8,
-                lr=3e-3,
-                compress_block_size=16, selected_block_size=16, num_selected_blocks=12,
-                window_size=64, dtype="float32"),
-    "cuda": dict(steps=400, tokens_per_step=65536, min_len=1024, max_len=16384, dim=1024,
-                 layers=4, heads=16, kv_heads=2, head_dim=64, registers=16, values_per_register=64,
-                 fillers=512, query_every=16, lr=1e-3, compress_block_size=32, selected_block_size=64,
-                 num_selected_blocks=8, window_size=256, dtype="bfloat16"),
+                heads=4, kv_heads=2, head_dim=32, registers=4, values_per_register=16,
+                fillers=32, query_every=8, lr=3e-3, compress_block_size=16,
+                selected_block_size=16, num_selected_blocks=12, window_size=64,
+                dtype="float32"),
+    # Sized for the forward on the CuTe kernels with the backward still on the torch fallback.
+    "cuda": dict(steps=200, tokens_per_step=16384, min_len=512, max_len=4096, dim=256,
+                 layers=2, heads=8, kv_heads=2, head_dim=64, registers=4, values_per_register=16,
+                 fillers=64, query_every=8, lr=3e-3, compress_block_size=32,
+                 selected_block_size=64, num_selected_blocks=8, window_size=128,
+                 dtype="bfloat16"),
 }
 
 

@@ -69,10 +69,11 @@ def test_heads_not_a_multiple_of_kv_heads_is_rejected(name, capsys):
     assert "--kv-heads" in capsys.readouterr().err
 
 
-def test_bench_rejects_unknown_method(capsys):
+@pytest.mark.parametrize("option, value", [("--methods", "nsa,flash9"), ("--passes", "bwd")])
+def test_bench_rejects_unknown_methods_and_passes(option, value, capsys):
     with pytest.raises(SystemExit):
-        load_tool("bench_nsa_vs_dense").main(["--device", "cpu", "--methods", "nsa,flash9"])
-    assert "flash9" in capsys.readouterr().err
+        load_tool("bench_nsa_vs_dense").main(["--device", "cpu", option, value])
+    assert option in capsys.readouterr().err
 
 
 # ----------------------------------------------------------------------------------------------
@@ -163,6 +164,11 @@ def test_bench_and_plot(tmp_path):
         assert rows[(n, "dense", "fwd")]["speedup"] == pytest.approx(1.0)
         if not torch.cuda.is_available():
             assert rows[(n, "fa4", "fwd")]["status"].startswith("unavailable")
+
+    forward_only = tmp_path / "forward.json"
+    assert bench.main([*TINY, "--methods", "nsa", "--passes", "fwd", "--json",
+                       str(forward_only)]) == 0
+    assert [r["pass"] for r in json.loads(forward_only.read_text())["results"]] == ["fwd"]
 
     png = tmp_path / "bench.png"
     assert load_tool("plot_bench").main([str(out), "--out", str(png)]) == 0
