@@ -19,6 +19,7 @@ sliding window.
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import math
 import sys
@@ -293,6 +294,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--json", type=Path, help="write the summary to this JSON file")
     parser.add_argument("--no-progress", action="store_true", help="no tqdm bar (logs every 10%%)")
     args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
 
     args.device = resolve_device(args.device)
     for key, value in DEFAULTS[args.device.type].items():
@@ -396,6 +398,8 @@ def train(args: argparse.Namespace) -> dict:
 
     window = max(1, min(10, len(losses) // 5))
     summary = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": " ".join(["python", "tools/train_packed.py", *args.argv]),
         "device": str(args.device) if args.device.type == "cpu"
         else torch.cuda.get_device_name(args.device),
         "steps": args.steps,
