@@ -2,19 +2,27 @@
 
 This is the path for CPUs, GPUs the CuTe kernels do not support, and cases they do not cover.
 It computes exactly what the kernels compute (causal with ``compress_factor``, window, block
-sparsity, varlen, GQA), in fp32 (fp64 for fp64 inputs), one sequence at a time and one chunk of
-query rows at a time, so memory stays bounded: no (N x N) tensor ever exists, only
-(chunk rows x keys x heads) under ``CHUNK_BUDGET_BYTES``.
+sparsity, varlen, GQA), in fp32 (fp64 for fp64 inputs), with memory bounded by
+``CHUNK_BUDGET_BYTES`` of temporaries, never an (N x N) tensor. Two ways to walk a call:
+
+- Dense (no ``block_sparse``): one sequence at a time, one chunk of query rows at a time,
+  against the keys the chunk can see under the causal and window rules.
+- Block sparse: a batch of query tiles (``row_block_size`` rows) at a time, against only the
+  keys its listed blocks hold, gathered per (tile, list head) into a short dense array. The
+  work is O(tiles x listed keys), not O(N^2): NSA's selected branch lists ~16 blocks per tile
+  whatever the sequence length. Full blocks are masked only where a sequence's last block ends
+  early; mask blocks also get the causal/window rule.
 
 The backward is the analytic one flash attention uses: recompute ``P = exp(S - lse)`` from the
 forward's ``lse``, ``delta = rowsum(dO * O)``, ``dS = P * (dP - delta)``; dK and dV are summed
-over the query heads of each KV group.
+over the query heads of each KV group (scattered back with ``index_add_`` on the sparse path).
 
-Query heads are processed grouped by KV head, ``(Hkv, G * rows, D)``, so GQA is a reshape of q,
-never a copy of k and v.
+GQA is a reshape of q, never a copy of k and v: the dense path groups query heads by KV head,
+``(Hkv, G * rows, D)``; the sparse path by list head, ``(tiles, Hs, H / Hs * tile rows, D)``.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Iterator
 
 import torch
@@ -51,7 +59,7 @@ def attention_backward_fallback(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Validate, then compute ``(dq, dk, dv)`` in torch; arguments as ``attention_backward``.
 
-    ``block_sparse_transposed`` is checked but not needed: the fallback walks query rows and
+    ``block_sparse_transposed`` is checked but not needed: the fallback walks query tiles and
     reads the forward layout.
     """
     problem = validate_attention_backward(
@@ -69,36 +77,19 @@ def forward(problem: AttentionProblem, q, k, v, block_sparse=None,
     """``(out, lse)`` for an already validated call."""
     acc = _accumulation_dtype(q.dtype)
     q_rows, k_rows, v_rows = _packed(q), _packed(k), _packed(v)
-    heads, kv_heads = problem.num_heads, problem.num_kv_heads
-    out = torch.zeros_like(q_rows)
-    lse = torch.full((heads, q_rows.shape[0]), float("-inf"), dtype=lse_dtype(q.dtype),
-                     device=q.device)
-
-    first_tiles = _first_tile_of_sequences(problem, block_sparse)
-    for seq, q0, q1, k0, k1 in problem.sequences():
-        k_seq = k_rows[k0:k1].to(acc).transpose(0, 1)  # (Hkv, Nk, D)
-        v_seq = v_rows[k0:k1].to(acc).transpose(0, 1)
-        for r0, r1, c0, c1 in _chunks(problem, block_sparse, q1 - q0, k1 - k0, acc,
-                                      chunk_budget_bytes):
-            rows = slice(q0 + r0, q0 + r1)
-            q_chunk = _group_by_kv_head(q_rows[rows].to(acc), kv_heads)
-            visible = _visibility(problem, block_sparse, first_tiles[seq], r0, r1, c0, c1,
-                                  q.device)
-            scores = _masked_scores(problem, q_chunk, k_seq[:, c0:c1], visible)
-            row_max = scores.amax(dim=-1, keepdim=True)  # -inf for rows that see nothing
-            unnormalised = scores.sub_(_finite(row_max)).exp_()
-            row_sum = unnormalised.sum(dim=-1, keepdim=True)
-            sees_any = row_sum > 0
-            # Normalise the (rows x D) output, not the (rows x keys) probabilities.
-            chunk_out = (unnormalised @ v_seq[:, c0:c1]).div_(row_sum.masked_fill(~sees_any, 1))
-            chunk_lse = torch.where(sees_any, row_max + row_sum.log(), float("-inf"))
-            out[rows] = _ungroup(chunk_out, r1 - r0).to(out.dtype)
-            lse[:, rows] = chunk_lse.view(heads, r1 - r0).to(lse.dtype)
-
+    out = torch.zeros_like(q_rows)  # rows that see nothing keep 0 and lse -inf
+    lse = torch.full((problem.num_heads, q_rows.shape[0]), float("-inf"),
+                     dtype=lse_dtype(q.dtype), device=q.device)
+    if block_sparse is None:
+        _dense_forward(problem, q_rows, k_rows, v_rows, out, lse, acc, chunk_budget_bytes)
+    else:
+        _sparse_forward(problem, block_sparse, q_rows, k_rows, v_rows, out, lse, acc,
+                        chunk_budget_bytes)
     if problem.varlen:
         return out, lse
     batch, seqlen = q.shape[0], q.shape[1]
-    return out.view(q.shape), lse.view(heads, batch, seqlen).permute(1, 0, 2).contiguous()
+    lse = lse.view(problem.num_heads, batch, seqlen).permute(1, 0, 2).contiguous()
+    return out.view(q.shape), lse
 
 
 @torch.no_grad()
@@ -106,50 +97,104 @@ def backward(problem: AttentionProblem, dout, q, k, v, out, lse, block_sparse=No
              chunk_budget_bytes: int = CHUNK_BUDGET_BYTES):
     """``(dq, dk, dv)`` for an already validated call; dk, dv summed over each KV group."""
     acc = _accumulation_dtype(q.dtype)
-    q_rows, k_rows, v_rows = _packed(q), _packed(k), _packed(v)
-    dout_rows, out_rows = _packed(dout), _packed(out)
-    lse_rows = lse if problem.varlen else lse.permute(1, 0, 2).reshape(lse.shape[1], -1)
-    heads, kv_heads = problem.num_heads, problem.num_kv_heads
-    scale = problem.softmax_scale
-    dq = torch.zeros(q_rows.shape, dtype=acc, device=q.device)
-    dk = torch.zeros(k_rows.shape, dtype=acc, device=q.device)
-    dv = torch.zeros(v_rows.shape, dtype=acc, device=q.device)
-
-    first_tiles = _first_tile_of_sequences(problem, block_sparse)
-    for seq, q0, q1, k0, k1 in problem.sequences():
-        k_seq = k_rows[k0:k1].to(acc).transpose(0, 1)  # (Hkv, Nk, D)
-        v_seq = v_rows[k0:k1].to(acc).transpose(0, 1)
-        dk_seq = torch.zeros_like(k_seq)
-        dv_seq = torch.zeros_like(v_seq)
-        for r0, r1, c0, c1 in _chunks(problem, block_sparse, q1 - q0, k1 - k0, acc,
-                                      chunk_budget_bytes):
-            rows, keys = slice(q0 + r0, q0 + r1), slice(c0, c1)
-            q_chunk = _group_by_kv_head(q_rows[rows].to(acc), kv_heads)
-            dout_chunk = _group_by_kv_head(dout_rows[rows].to(acc), kv_heads)
-            out_chunk = _group_by_kv_head(out_rows[rows].to(acc), kv_heads)
-            chunk_lse = lse_rows[:, rows].to(acc).reshape(kv_heads, -1, 1)  # (Hkv, G*C, 1)
-
-            visible = _visibility(problem, block_sparse, first_tiles[seq], r0, r1, c0, c1,
-                                  q.device)
-            scores = _masked_scores(problem, q_chunk, k_seq[:, keys], visible)
-            probs = scores.sub_(_finite(chunk_lse)).exp_()  # masked and empty rows give 0
-            delta = (dout_chunk * out_chunk).sum(dim=-1, keepdim=True)
-            dscores = (dout_chunk @ v_seq[:, keys].transpose(1, 2)).sub_(delta).mul_(probs)
-
-            dq[rows] = _ungroup(dscores @ k_seq[:, keys], r1 - r0).mul_(scale)
-            dk_seq[:, keys] += (dscores.transpose(1, 2) @ q_chunk).mul_(scale)
-            dv_seq[:, keys] += probs.transpose(1, 2) @ dout_chunk
-        dk[k0:k1] = dk_seq.transpose(0, 1)
-        dv[k0:k1] = dv_seq.transpose(0, 1)
-
+    rows = _BackwardRows(
+        q=_packed(q), k=_packed(k), v=_packed(v), dout=_packed(dout), out=_packed(out),
+        lse=lse if problem.varlen else lse.permute(1, 0, 2).reshape(lse.shape[1], -1))
+    dq = torch.zeros(rows.q.shape, dtype=acc, device=q.device)
+    dk = torch.zeros(rows.k.shape, dtype=acc, device=q.device)
+    dv = torch.zeros(rows.v.shape, dtype=acc, device=q.device)
+    if block_sparse is None:
+        _dense_backward(problem, rows, dq, dk, dv, acc, chunk_budget_bytes)
+    else:
+        _sparse_backward(problem, block_sparse, rows, dq, dk, dv, acc, chunk_budget_bytes)
     return (dq.view(q.shape).to(q.dtype), dk.view(k.shape).to(k.dtype),
             dv.view(v.shape).to(v.dtype))
 
 
-# --- chunks --------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class _BackwardRows:
+    """The backward's inputs as packed rows ``(T, heads, D)``; lse as ``(H, Tq)``."""
 
-def _chunks(problem: AttentionProblem, block_sparse, num_rows: int, num_keys: int,
-            acc: torch.dtype, budget: int) -> Iterator[tuple[int, int, int, int]]:
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    dout: torch.Tensor
+    out: torch.Tensor
+    lse: torch.Tensor
+
+
+# --- softmax, shared by both paths ---------------------------------------------------------------
+# Scores are (..., rows, keys) with invisible entries at -inf; values and keys (..., keys, D).
+
+def _softmax_forward(scores: torch.Tensor, values: torch.Tensor):
+    """``(out, lse)`` of masked scores, consuming them; rows that see nothing give 0 and -inf."""
+    row_max = scores.amax(dim=-1, keepdim=True)  # -inf for rows that see nothing
+    unnormalised = scores.sub_(_finite(row_max)).exp_()
+    row_sum = unnormalised.sum(dim=-1, keepdim=True)
+    sees_any = row_sum > 0
+    # Normalise the (rows x D) output, not the (rows x keys) probabilities.
+    out = (unnormalised @ values).div_(row_sum.masked_fill(~sees_any, 1))
+    lse = torch.where(sees_any, row_max + row_sum.log(), float("-inf"))
+    return out, lse
+
+
+def _softmax_backward(scores, lse, q, k, v, dout, out, scale: float):
+    """``(dq, dk, dv)`` of one block of rows against its keys, consuming the scores.
+
+    ``lse`` is ``(..., rows, 1)``; rows that saw nothing have -inf there and get zero gradients.
+    """
+    probs = scores.sub_(_finite(lse)).exp_()  # masked and empty rows give 0
+    delta = (dout * out).sum(dim=-1, keepdim=True)
+    dscores = (dout @ v.transpose(-1, -2)).sub_(delta).mul_(probs)
+    dq = (dscores @ k).mul_(scale)
+    dk = (dscores.transpose(-1, -2) @ q).mul_(scale)
+    dv = probs.transpose(-1, -2) @ dout
+    return dq, dk, dv
+
+
+# --- dense path: chunks of rows against the keys they can see ------------------------------------
+
+def _dense_forward(problem, q_rows, k_rows, v_rows, out, lse, acc, budget) -> None:
+    kv_heads = problem.num_kv_heads
+    for _, q0, q1, k0, k1 in problem.sequences():
+        k_seq = k_rows[k0:k1].to(acc).transpose(0, 1)  # (Hkv, Nk, D)
+        v_seq = v_rows[k0:k1].to(acc).transpose(0, 1)
+        for r0, r1, c0, c1 in _chunks(problem, q1 - q0, k1 - k0, acc, budget):
+            rows = slice(q0 + r0, q0 + r1)
+            q_chunk = _group_by_kv_head(q_rows[rows].to(acc), kv_heads)
+            scores = _masked_scores(problem, q_chunk, k_seq[:, c0:c1], _visibility(
+                problem, r0, r1, c0, c1, q_rows.device))
+            chunk_out, chunk_lse = _softmax_forward(scores, v_seq[:, c0:c1])
+            out[rows] = _ungroup(chunk_out, r1 - r0).to(out.dtype)
+            lse[:, rows] = chunk_lse.view(-1, r1 - r0).to(lse.dtype)
+
+
+def _dense_backward(problem, rows: _BackwardRows, dq, dk, dv, acc, budget) -> None:
+    kv_heads = problem.num_kv_heads
+    for _, q0, q1, k0, k1 in problem.sequences():
+        k_seq = rows.k[k0:k1].to(acc).transpose(0, 1)  # (Hkv, Nk, D)
+        v_seq = rows.v[k0:k1].to(acc).transpose(0, 1)
+        dk_seq = torch.zeros_like(k_seq)
+        dv_seq = torch.zeros_like(v_seq)
+        for r0, r1, c0, c1 in _chunks(problem, q1 - q0, k1 - k0, acc, budget):
+            chunk, keys = slice(q0 + r0, q0 + r1), slice(c0, c1)
+            q_chunk = _group_by_kv_head(rows.q[chunk].to(acc), kv_heads)
+            scores = _masked_scores(problem, q_chunk, k_seq[:, keys], _visibility(
+                problem, r0, r1, c0, c1, q_chunk.device))
+            chunk_dq, chunk_dk, chunk_dv = _softmax_backward(
+                scores, rows.lse[:, chunk].to(acc).reshape(kv_heads, -1, 1), q_chunk,
+                k_seq[:, keys], v_seq[:, keys],
+                _group_by_kv_head(rows.dout[chunk].to(acc), kv_heads),
+                _group_by_kv_head(rows.out[chunk].to(acc), kv_heads), problem.softmax_scale)
+            dq[chunk] = _ungroup(chunk_dq, r1 - r0)
+            dk_seq[:, keys] += chunk_dk
+            dv_seq[:, keys] += chunk_dv
+        dk[k0:k1] = dk_seq.transpose(0, 1)
+        dv[k0:k1] = dv_seq.transpose(0, 1)
+
+
+def _chunks(problem: AttentionProblem, num_rows: int, num_keys: int, acc: torch.dtype,
+            budget: int) -> Iterator[tuple[int, int, int, int]]:
     """Yield ``(row_start, row_end, key_start, key_end)``, local to a sequence.
 
     Rows per chunk keep the (heads x rows x keys) temporaries under ``budget``; keys are cut to
@@ -158,21 +203,18 @@ def _chunks(problem: AttentionProblem, block_sparse, num_rows: int, num_keys: in
     if num_rows == 0 or num_keys == 0:
         return
     # Per (head, row, key): scores/probabilities, dP/dS and a matmul's transposed copy in `acc`
-    # (the backward's worst case), and the boolean masks (the rule and, when block sparse, the
-    # expanded full and mask lists).
+    # (the backward's worst case), and the boolean mask.
     bytes_per_row = problem.num_heads * num_keys * (4 * torch.finfo(acc).bits // 8 + 4)
     rows_per_chunk = max(1, min(num_rows, budget // bytes_per_row))
     for r0 in range(0, num_rows, rows_per_chunk):
         r1 = min(num_rows, r0 + rows_per_chunk)
-        c0, c1 = _visible_key_range(problem, block_sparse, r0, r1, num_keys)
+        c0, c1 = _visible_key_range(problem, r0, r1, num_keys)
         if c0 < c1:
             yield r0, r1, c0, c1
 
 
-def _visible_key_range(problem, block_sparse, r0: int, r1: int, num_keys: int) -> tuple[int, int]:
+def _visible_key_range(problem, r0: int, r1: int, num_keys: int) -> tuple[int, int]:
     """Keys ``[c0, c1)`` that rows ``[r0, r1)`` may see under the causal and window rules."""
-    if block_sparse is not None:
-        return 0, num_keys  # a full block ignores causal and window, so no range can be cut
     cf = problem.compress_factor
     left, right = problem.window_size
     c0, c1 = 0, num_keys
@@ -186,85 +228,230 @@ def _visible_key_range(problem, block_sparse, r0: int, r1: int, num_keys: int) -
     return c0, c1
 
 
-# --- masks ---------------------------------------------------------------------------------------
-
-def _first_tile_of_sequences(problem: AttentionProblem, block_sparse) -> list[int]:
-    """``row_block_offsets`` on the host, from the sequence lengths it was validated against."""
-    if block_sparse is None:
-        return [0] * problem.num_seqs
-    offsets, tile = [], 0
-    for _, q0, q1, _, _ in problem.sequences():
-        offsets.append(tile)
-        tile += -(-(q1 - q0) // block_sparse.row_block_size)
-    return offsets
-
-
-def _visibility(problem: AttentionProblem, block_sparse, first_tile: int, r0: int, r1: int,
-                c0: int, c1: int, device) -> torch.Tensor:
-    """Which keys ``[c0, c1)`` rows ``[r0, r1)`` see: bool ``(Hm, rows, keys)``, Hm in {1, Hs};
-    None when every key is visible (no rule applies).
-
-    ``first_tile`` is the sequence's first row block in ``block_sparse`` (unused without it).
-    """
-    left, right = problem.window_size
-    if block_sparse is None and not problem.causal and left < 0 and right < 0:
+def _visibility(problem: AttentionProblem, r0: int, r1: int, c0: int, c1: int,
+                device) -> torch.Tensor | None:
+    """Which keys ``[c0, c1)`` rows ``[r0, r1)`` see: bool ``(rows, keys)``; None when every
+    key is visible (no rule applies)."""
+    if not _has_rule(problem):
         return None
     rows = torch.arange(r0, r1, device=device).unsqueeze(1)
     keys = torch.arange(c0, c1, device=device)
-    positions = (keys + 1) * problem.compress_factor - 1
-    by_rule = torch.ones(r1 - r0, c1 - c0, dtype=torch.bool, device=device)
-    if problem.causal:
-        by_rule &= positions <= rows
-    if left >= 0:
-        by_rule &= positions >= rows - left
-    if right >= 0:
-        by_rule &= positions <= rows + right
-    if block_sparse is None:
-        return by_rule.unsqueeze(0)
-    full, masked = _listed_blocks(block_sparse, first_tile, r0, r1, c1, keys)
-    return full | (masked & by_rule)
-
-
-def _listed_blocks(bs, first_tile: int, r0: int, r1: int, c1: int, keys: torch.Tensor):
-    """Expand the compact lists of the tiles holding rows ``[r0, r1)`` to ``(Hs, rows, keys)``.
-
-    Returns (listed as full, listed as mask). Column indices are local to the sequence.
-    """
-    tile0 = r0 // bs.row_block_size
-    tile1 = (r1 - 1) // bs.row_block_size + 1
-    global_tiles = slice(first_tile + tile0, first_tile + tile1)
-    tile_of_row = torch.arange(r0, r1, device=keys.device) // bs.row_block_size - tile0
-    block_of_key = keys // bs.col_block_size
-    num_blocks = (c1 - 1) // bs.col_block_size + 1  # blocks past the last key cannot matter
-
-    def expand(count, index):
-        count, index = count[global_tiles], index[global_tiles]  # (tiles, Hs), (tiles, Hs, K)
-        in_list = torch.arange(index.shape[-1], device=keys.device) < count.unsqueeze(-1)
-        # Unlisted slots (and blocks beyond this key range) go to a spill column, dropped below.
-        columns = torch.where(in_list & (index < num_blocks), index, num_blocks).long()
-        table = torch.zeros(*index.shape[:2], num_blocks + 1, dtype=torch.bool, device=keys.device)
-        table.scatter_(-1, columns, True)
-        table = table[..., :num_blocks].transpose(0, 1)  # (Hs, tiles, blocks)
-        return table[:, tile_of_row][:, :, block_of_key]
-
-    return expand(bs.full_count, bs.full_index), expand(bs.mask_count, bs.mask_index)
+    return _rule(problem, rows, keys)
 
 
 def _masked_scores(problem: AttentionProblem, q_chunk, k_chunk, visible) -> torch.Tensor:
     """``scale * q k^T`` with invisible entries at -inf: ``(Hkv, G * rows, keys)``."""
-    kv_heads, group = problem.num_kv_heads, problem.group_size
     scores = torch.matmul(q_chunk, k_chunk.transpose(1, 2)).mul_(problem.softmax_scale)
     if visible is None:
         return scores
-    grouped = scores.view(kv_heads, group, -1, scores.shape[-1])
-    mask_heads = visible.shape[0]
-    # Mask heads are 1 (rule only), Hkv (lists shared by a KV group) or H (lists per query head).
-    if mask_heads == problem.num_heads:
-        visible = visible.view(kv_heads, group, *visible.shape[1:])
-    else:
-        visible = visible.view(mask_heads, 1, *visible.shape[1:])
-    grouped.masked_fill_(~visible, float("-inf"))
+    per_head = scores.view(problem.num_kv_heads, problem.group_size, *visible.shape)
+    per_head.masked_fill_(~visible, float("-inf"))  # the rule is the same for every head
     return scores
+
+
+# --- block-sparse path: tiles against the keys their lists hold ----------------------------------
+
+@dataclass(frozen=True)
+class _TileBatch:
+    """Consecutive query tiles of one sequence, processed together."""
+
+    first_tile: int  # global row block (row of the compact lists)
+    first_local_tile: int  # the same tile, counted from the sequence's first
+    num_tiles: int
+    row_start: int  # packed rows [row_start, row_end) of q; the last tile may be partial
+    row_end: int
+    key_start: int  # packed row of the sequence's first key in k and v
+    num_keys: int
+
+    @property
+    def rows(self) -> slice:
+        return slice(self.row_start, self.row_end)
+
+
+@dataclass(frozen=True)
+class _ListedKeys:
+    """The keys each (tile, list head) of a batch lists, full blocks' keys then mask blocks'.
+
+    Every list has the same length L = (Kf + Km) x col_block_size; slots past a list's count,
+    and keys past the sequence's end, hold a sentinel (the sequence's first key) and are masked.
+    """
+
+    kv_rows: torch.Tensor  # (tiles, Hs, L) int64: rows of k, v viewed as (Tk * Hkv, D)
+    listed: torch.Tensor  # (tiles, Hs, L) bool: a listed block's key that exists
+    mask_start: int  # keys [mask_start, L) belong to mask blocks
+    by_rule: torch.Tensor | None  # (tiles, Hs, tile rows, L - mask_start) bool; None: no rule
+
+
+def _sparse_forward(problem, bs, q_rows, k_rows, v_rows, out, lse, acc, budget) -> None:
+    head_dim = problem.head_dim
+    k_flat, v_flat = k_rows.reshape(-1, head_dim), v_rows.reshape(-1, head_dim)
+    for batch in _tile_batches(problem, bs, acc, budget):
+        keys = _listed_keys(problem, bs, batch, q_rows.device)
+        q_tiles = _to_tiles(q_rows[batch.rows], batch, bs, acc)
+        scores = _listed_scores(problem, q_tiles, _gather(k_flat, keys, acc), keys)
+        tile_out, tile_lse = _softmax_forward(scores, _gather(v_flat, keys, acc))
+        num_rows = batch.row_end - batch.row_start
+        out[batch.rows] = _from_tiles(tile_out, bs.row_block_size, num_rows).to(out.dtype)
+        tile_lse = _from_tiles(tile_lse, bs.row_block_size, num_rows)  # (rows, H, 1)
+        lse[:, batch.rows] = tile_lse.squeeze(-1).T.to(lse.dtype)
+
+
+def _sparse_backward(problem, bs, rows: _BackwardRows, dq, dk, dv, acc, budget) -> None:
+    head_dim = problem.head_dim
+    k_flat, v_flat = rows.k.reshape(-1, head_dim), rows.v.reshape(-1, head_dim)
+    dk_flat, dv_flat = dk.view(-1, head_dim), dv.view(-1, head_dim)
+    for batch in _tile_batches(problem, bs, acc, budget):
+        keys = _listed_keys(problem, bs, batch, dq.device)
+        # The last tile's missing rows are zeros in q, dout, out and lse: their scores are 0,
+        # P = 1 on visible keys (finite), dP = delta = 0, so they add exactly 0 to dk and dv.
+        q_tiles, dout_tiles, out_tiles, lse_tiles = (
+            _to_tiles(x[batch.rows], batch, bs, acc)
+            for x in (rows.q, rows.dout, rows.out, rows.lse.T.unsqueeze(-1)))
+        k_listed, v_listed = _gather(k_flat, keys, acc), _gather(v_flat, keys, acc)
+        scores = _listed_scores(problem, q_tiles, k_listed, keys)
+        tile_dq, listed_dk, listed_dv = _softmax_backward(
+            scores, lse_tiles, q_tiles, k_listed, v_listed, dout_tiles, out_tiles,
+            problem.softmax_scale)
+        dq[batch.rows] = _from_tiles(tile_dq, bs.row_block_size, batch.row_end - batch.row_start)
+        # Sentinel slots scatter exact zeros (their P and dS are 0) onto the sentinel key.
+        destination = keys.kv_rows.view(-1)
+        dk_flat.index_add_(0, destination, listed_dk.reshape(-1, head_dim))
+        dv_flat.index_add_(0, destination, listed_dv.reshape(-1, head_dim))
+
+
+def _tile_batches(problem: AttentionProblem, bs, acc: torch.dtype,
+                  budget: int) -> Iterator[_TileBatch]:
+    """Yield batches of consecutive tiles of one sequence whose temporaries fit ``budget``.
+
+    Sequences without keys or lists are skipped: their rows see nothing.
+    """
+    if _listed_key_width(bs) == 0:
+        return
+    tiles_per_batch = max(1, budget // _bytes_per_tile(problem, bs, acc))
+    tile_rows = bs.row_block_size
+    first_tile = 0  # the validation checked bs.row_block_offsets equals these
+    for _, q0, q1, k0, k1 in problem.sequences():
+        num_tiles = -(-(q1 - q0) // tile_rows)
+        for t0 in range(0, num_tiles if k1 > k0 else 0, tiles_per_batch):
+            t1 = min(num_tiles, t0 + tiles_per_batch)
+            yield _TileBatch(first_tile=first_tile + t0, first_local_tile=t0, num_tiles=t1 - t0,
+                             row_start=q0 + t0 * tile_rows, row_end=min(q1, q0 + t1 * tile_rows),
+                             key_start=k0, num_keys=k1 - k0)
+        first_tile += num_tiles
+
+
+def _listed_key_width(bs) -> int:
+    """L: keys per (tile, list head) after gathering, the longest lists' blocks."""
+    return (bs.full_index.shape[-1] + bs.mask_index.shape[-1]) * bs.col_block_size
+
+
+def _bytes_per_tile(problem: AttentionProblem, bs, acc: torch.dtype) -> int:
+    """Temporaries one query tile adds to a batch, in the backward (the worst case)."""
+    element = torch.finfo(acc).bits // 8
+    listed_keys, tile_rows = _listed_key_width(bs), bs.row_block_size
+    # (H x tile rows x L): scores, P, dP/dS, a matmul's transposed copy, and the masks (as the
+    # dense chunks); (Hs x L): the gathered k and v, their gradients, and the index tensors;
+    # q, dout, out and dq of the tile's rows.
+    return (problem.num_heads * tile_rows * listed_keys * (4 * element + 4)
+            + bs.num_heads * listed_keys * (4 * problem.head_dim * element + 3 * 8)
+            + 4 * problem.num_heads * tile_rows * problem.head_dim * element)
+
+
+def _listed_keys(problem: AttentionProblem, bs, batch: _TileBatch, device) -> _ListedKeys:
+    """Expand the compact lists of ``batch``'s tiles to key positions (no host sync)."""
+    tiles = slice(batch.first_tile, batch.first_tile + batch.num_tiles)
+    key_in_block = torch.arange(bs.col_block_size, device=device)
+
+    def expand(count, index):
+        count, index = count[tiles], index[tiles]  # (tiles, Hs), (tiles, Hs, K)
+        in_list = torch.arange(index.shape[-1], device=device) < count.unsqueeze(-1)
+        keys = (index.long().unsqueeze(-1) * bs.col_block_size + key_in_block).flatten(-2)
+        listed = in_list.repeat_interleave(bs.col_block_size, dim=-1) & (keys < batch.num_keys)
+        return keys, listed
+
+    full_keys, full_listed = expand(bs.full_count, bs.full_index)
+    mask_keys, mask_listed = expand(bs.mask_count, bs.mask_index)
+    keys = torch.cat([full_keys, mask_keys], dim=-1)
+    listed = torch.cat([full_listed, mask_listed], dim=-1)
+    kv_head = torch.arange(bs.num_heads, device=device) // (bs.num_heads // problem.num_kv_heads)
+    kv_rows = (keys.masked_fill(~listed, 0) + batch.key_start) * problem.num_kv_heads
+    kv_rows += kv_head.unsqueeze(-1)
+
+    by_rule = None
+    if _has_rule(problem) and mask_keys.shape[-1]:
+        first_row = (batch.first_local_tile
+                     + torch.arange(batch.num_tiles, device=device)) * bs.row_block_size
+        rows = first_row.unsqueeze(-1) + torch.arange(bs.row_block_size, device=device)
+        by_rule = _rule(problem, rows[:, None, :, None], mask_keys.unsqueeze(-2))
+    return _ListedKeys(kv_rows=kv_rows, listed=listed, mask_start=full_keys.shape[-1],
+                       by_rule=by_rule)
+
+
+def _gather(x_flat: torch.Tensor, keys: _ListedKeys, acc: torch.dtype) -> torch.Tensor:
+    """Rows of ``x_flat (Tk * Hkv, D)`` at the listed keys: ``(tiles, Hs, L, D)`` in ``acc``.
+
+    Sentinel slots read as zeros, so what an unlisted key holds (even inf or NaN) never reaches
+    a result: the masked score's P is 0, and 0 times a zero value is 0.
+    """
+    gathered = x_flat.index_select(0, keys.kv_rows.view(-1)).to(acc)
+    gathered = gathered.view(*keys.kv_rows.shape, x_flat.shape[-1])
+    return gathered.masked_fill_(~keys.listed.unsqueeze(-1), 0)
+
+
+def _listed_scores(problem: AttentionProblem, q_tiles, k_listed, keys: _ListedKeys):
+    """``scale * q k^T`` per (tile, list head) with invisible entries at -inf:
+    ``(tiles, Hs, H / Hs * tile rows, L)``."""
+    # Scale q (rows x D), not the scores (rows x L): L is many times D.
+    scores = torch.matmul(q_tiles * problem.softmax_scale, k_listed.transpose(-1, -2))
+    num_tiles, list_heads, _, num_keys = scores.shape
+    tile_rows = 1 if keys.by_rule is None else keys.by_rule.shape[-2]
+    per_row = scores.view(num_tiles, list_heads, -1, tile_rows, num_keys)  # (.., H / Hs, ..)
+    per_row.masked_fill_(~keys.listed[:, :, None, None, :], float("-inf"))
+    if keys.by_rule is not None:
+        per_row[..., keys.mask_start:].masked_fill_(~keys.by_rule.unsqueeze(2), float("-inf"))
+    return scores
+
+
+def _to_tiles(x: torch.Tensor, batch: _TileBatch, bs, acc: torch.dtype) -> torch.Tensor:
+    """Rows ``(rows, H, D)`` of a batch to ``(tiles, Hs, H / Hs * tile rows, D)`` in ``acc``;
+    a partial last tile is padded with zero rows. Query head h = list head * H / Hs + g."""
+    padded_rows = batch.num_tiles * bs.row_block_size
+    x = x.to(acc)
+    if x.shape[0] < padded_rows:
+        x = torch.cat([x, x.new_zeros(padded_rows - x.shape[0], *x.shape[1:])])
+    heads, dim = x.shape[1], x.shape[2]
+    list_heads = bs.num_heads
+    return (x.reshape(batch.num_tiles, bs.row_block_size, list_heads, heads // list_heads, dim)
+            .permute(0, 2, 3, 1, 4).reshape(batch.num_tiles, list_heads, -1, dim))
+
+
+def _from_tiles(x: torch.Tensor, tile_rows: int, num_rows: int) -> torch.Tensor:
+    """Inverse of :func:`_to_tiles`: ``(rows, H, D)``, padding rows dropped."""
+    num_tiles, list_heads, _, dim = x.shape
+    return (x.view(num_tiles, list_heads, -1, tile_rows, dim).permute(0, 3, 1, 2, 4)
+            .reshape(num_tiles * tile_rows, -1, dim)[:num_rows])
+
+
+# --- the causal/window rule ----------------------------------------------------------------------
+
+def _has_rule(problem: AttentionProblem) -> bool:
+    left, right = problem.window_size
+    return problem.causal or left >= 0 or right >= 0
+
+
+def _rule(problem: AttentionProblem, rows: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """Whether row ``rows`` sees key ``keys`` under causal and window (broadcast shapes)."""
+    positions = (keys + 1) * problem.compress_factor - 1  # the key's last token
+    left, right = problem.window_size
+    visible = torch.ones(torch.broadcast_shapes(rows.shape, positions.shape), dtype=torch.bool,
+                         device=keys.device)
+    if problem.causal:
+        visible &= positions <= rows
+    if left >= 0:
+        visible &= positions >= rows - left
+    if right >= 0:
+        visible &= positions <= rows + right
+    return visible
 
 
 # --- layout helpers ------------------------------------------------------------------------------

@@ -275,7 +275,7 @@ def test_chunks_bound_memory_at_32k():
     for causal in (False, True):
         problem = validate_attention_forward(q, k, k, causal=causal)
         rows_covered = 0
-        for r0, r1, c0, c1 in fallback._chunks(problem, None, seqlen, seqlen, torch.float32,
+        for r0, r1, c0, c1 in fallback._chunks(problem, seqlen, seqlen, torch.float32,
                                                budget):
             assert r0 == rows_covered and r1 > r0
             assert heads * (r1 - r0) * (c1 - c0) * (4 * 4 + 4) <= budget  # fp32 temps + masks
