@@ -74,7 +74,7 @@ def _as_cute(t: torch.Tensor | None, tvm_ffi: bool = False):
 
     if t is None:
         return None
-    return from_dlpack(t, assumed_align=16 if t.element_size() == 2 else 4,
+    return from_dlpack(t.detach(), assumed_align=16 if t.element_size() == 2 else 4,
                        enable_tvm_ffi=tvm_ffi).mark_layout_dynamic(leading_dim=t.dim() - 1)
 
 

@@ -224,16 +224,20 @@ class FlashAttentionForwardSm90:
         sparse_head = Int32(0)
         num_mask_blocks = Int32(0)
         num_iters = Int32(0)
+        tile_in_sequence = m_block * self.tile_m < seqlen_q
         if const_expr(spec.block_sparse):
-            sparse_row = mRowBlockOffsets[batch] + m_block
-            sparse_head = head // (cute.size(mQ.shape[2]) // cute.size(mFullCount.shape[1]))
-            num_mask_blocks = mMaskCount[sparse_row, sparse_head]
-            num_iters = num_mask_blocks + mFullCount[sparse_row, sparse_head]
+            # Only tiles inside the sequence have a row in the lists: reading a row for a tile
+            # past the end read past the lists' allocation (an illegal address in training).
+            if tile_in_sequence:
+                sparse_row = mRowBlockOffsets[batch] + m_block
+                sparse_head = head // (cute.size(mQ.shape[2]) // cute.size(mFullCount.shape[1]))
+                num_mask_blocks = mMaskCount[sparse_row, sparse_head]
+                num_iters = num_mask_blocks + mFullCount[sparse_row, sparse_head]
         else:
             n_min, n_max = block_range.n_block_min_max(m_block, seqlen_q, seqlen_k)
             num_iters = cutlass.max(n_max - n_min, 0)
 
-        if m_block * self.tile_m < seqlen_q:
+        if tile_in_sequence:
             if warp_idx < 4:
                 cute.arch.setmaxregister_decrease(self.producer_regs)
                 if warp_idx == 0:

@@ -130,7 +130,9 @@ def test_padded_gqa_matches_fallback(group):
 @pytest.mark.parametrize("dim", [64, 128])
 def test_block_sparse_matches_fallback(tile_n, sparse_heads, dim):
     gen = torch.Generator().manual_seed(2)
-    lengths = [1500, 129, 700]
+    # A long sequence before short ones: the grid covers the longest sequence's tiles, so most
+    # CTAs of the short ones lie past their end and must not read the lists at all.
+    lengths = [4000, 1500, 129, 700, 130]
     heads, heads_kv = 8, 2
     hs = heads if sparse_heads == "per_head" else heads_kv
     bs = _random_block_sparse(lengths, lengths, hs, 128, tile_n, 0.3, gen)
