@@ -36,8 +36,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import kernels  # noqa: E402
 from nsa import nsa  # noqa: E402
-from _common import (add_problem_arguments, attention_tflops, causal_pairs, nsa_options,  # noqa: E402
-                     nsa_pairs, problem_defaults_epilog, random_gate, random_qkv,
+from _common import (add_problem_arguments, attention_tflops, causal_pairs,  # noqa: E402
+                     nsa_options, nsa_pairs, problem_defaults_epilog, random_gate, random_qkv,
                      resolve_problem_arguments, time_ms)
 
 METHODS = ("nsa", "dense", "sdpa", "fa4", "fla-nsa")
@@ -214,6 +214,15 @@ def format_table(results: list[Result], baseline: str) -> str:
     return "\n".join(lines)
 
 
+def attention_backends(args) -> dict[str, str]:
+    """Which path our attention calls take for this dtype, head dim and device."""
+    q, k, v = random_qkv((1, 256, args.heads, args.head_dim), (1, 256, args.kv_heads,
+                         args.head_dim), args.torch_dtype, args.device)
+    return {direction: kernels.which_backend(q, k, v, causal=True,
+                                             backward=direction == "backward")
+            for direction in ("forward", "backward")}
+
+
 def run_metadata(args, argv) -> dict:
     device = (torch.cuda.get_device_name(args.device) if args.device.type == "cuda"
               else f"cpu ({platform.processor() or platform.machine()}, "
@@ -224,9 +233,7 @@ def run_metadata(args, argv) -> dict:
         "command": " ".join(["python", "tools/bench_nsa_vs_dense.py", *argv]),
         "device": device,
         "torch": torch.__version__,
-        "backend": {method: kernels.which_backend(*random_qkv(
-            (1, 256, args.heads, args.head_dim), (1, 256, args.kv_heads, args.head_dim),
-            args.torch_dtype, args.device), causal=True) for method in ("dense",)},
+        "backend": attention_backends(args),
         "problem": {key: getattr(args, key) for key in (
             "batch", "heads", "kv_heads", "head_dim", "dtype", "compress_block_size",
             "selected_block_size", "num_selected_blocks", "window_size", "gate", "warmup",
@@ -267,8 +274,8 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     metadata = run_metadata(args, argv)
-    print(f"{metadata['device']}, torch {metadata['torch']}, dense backend: "
-          f"{metadata['backend']['dense']}")
+    print(f"{metadata['device']}, torch {metadata['torch']}; our attention: forward "
+          f"{metadata['backend']['forward']}, backward {metadata['backend']['backward']}")
     print(f"B={args.batch} H={args.heads} Hkv={args.kv_heads} D={args.head_dim} {args.dtype}; "
           f"NSA l={args.compress_block_size} l'={args.selected_block_size} "
           f"n={args.num_selected_blocks} w={args.window_size} "

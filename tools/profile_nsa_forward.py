@@ -60,7 +60,9 @@ def profile(seqlen: int, args) -> dict:
         num_cmp_selected_blocks=args.num_cmp_selected_blocks, q_tile=SELECTION_Q_TILE,
         cmp_kv_block=CMP_KV_BLOCK, **nsa_options(args))
     l = config.compress_block_size
-    timed = lambda fn: time_ms(fn, args.device, warmup=args.warmup, repeats=args.repeats)  # noqa: E731
+
+    def timed(fn) -> float:
+        return time_ms(fn, args.device, warmup=args.warmup, repeats=args.repeats)
 
     # Each stage as NSAFunction.forward runs it; the next stage reads this one's outputs.
     def compress_kv():
