@@ -1,9 +1,21 @@
 #!/usr/bin/env bash
-# One device-machine session: GPU tests, then the kernel benchmark; full logs under $OUT.
-#   source .device/activate.sh && bash tools/device_check.sh [pytest args...]
+# One device-machine session: every GPU test, the kernel benchmark against FA4, NSA against dense
+# attention, FA4 and fla, and the training example; full logs under $OUT, a short summary last.
+#   source .device/activate.sh && bash tools/device_check.sh
 set -uo pipefail
 out=${OUT:-/tmp/nsa-device-out}
 mkdir -p "$out"
 python3 -c 'import torch; print(torch.__version__, torch.cuda.get_device_name())'
-python3 -m pytest -m gpu -q -x "${@:-tests}" 2>&1 | tee "$out/gpu_tests.log" | tail -25
-python3 tools/bench_kernels.py --json "$out/bench_kernels.json" ${BENCH_ARGS:-} 2>&1 | tee "$out/bench.log" | tail -20
+python3 -m pytest -m gpu -q -p no:warnings tests > "$out/gpu_tests.log" 2>&1
+python3 tools/bench_kernels.py --reps 20 --json "$out/bench_kernels.json" > "$out/bench_kernels.log" 2>&1
+python3 tools/bench_nsa_vs_dense.py --seqlens 16384,65536 --passes fwd --methods nsa,fa4,sdpa --json "$out/bench_nsa_fwd.json" \
+    > "$out/bench_nsa_fwd.log" 2>&1
+python3 tools/bench_nsa_vs_dense.py --seqlens 16384 --passes fwd+bwd --methods nsa,fa4 --warmup 1 --repeats 3 \
+    --json "$out/bench_nsa_fwdbwd.json" > "$out/bench_nsa_fwdbwd.log" 2>&1
+python3 tools/train_packed.py --steps ${TRAIN_STEPS:-150} --no-progress --json "$out/train.json" \
+    > "$out/train.log" 2>&1
+echo "== GPU tests";        tail -3 "$out/gpu_tests.log"
+echo "== kernels vs FA4";   tail -13 "$out/bench_kernels.log"
+echo "== NSA fwd";          tail -12 "$out/bench_nsa_fwd.log"
+echo "== NSA fwd+bwd";      tail -6 "$out/bench_nsa_fwdbwd.log"
+echo "== train";            tail -4 "$out/train.log"
