@@ -1,19 +1,28 @@
 """Block selection, batched: the causal selection rule of docs/interfaces.md on whole tensors.
 
 `nsa.reference.select_blocks_reference` spells the rule out one tile at a time; this module
-computes the same lists for all tiles of all sequences at once, in chunks of tiles so that the
-score tensor stays bounded (SCORE_CHUNK_ELEMENTS) whatever the sequence lengths:
+computes the same lists for all tiles of all sequences at once:
 
-1. scoring queries: per tile, the mean of the q_tile rows ending at its anchor (float32);
-2. one batched GEMM per chunk (all KV groups at once) against the compressed keys of the chunk's
-   sequences, a softmax per query head over the tokens the anchor sees, a sum over the group;
+1. scoring queries: per tile, the mean of the q_tile rows ending at its anchor (float32),
+   gathered in a few large chunks of rows (GATHER_CHUNK_ELEMENTS);
+2. one batched GEMM per chunk of tiles (all KV groups at once) against the compressed keys of the
+   chunk's sequences, a softmax per query head over the tokens the anchor sees, a sum over the
+   group; chunks bound the score tensor (SCORE_CHUNK_ELEMENTS), and up to long contexts
+   (~128K tokens with 32 heads) one chunk holds every tile;
 3. per tile, the token probabilities summed per block, forced blocks ranked first, candidates by
    importance, everything else last; a stable descending sort keeps ties at the lower index;
    the first num_selected_blocks entries are the selection.
+
+Cost on a GPU is launches and host syncs, not math, so the work is a fixed number of whole-tensor
+ops per chunk and the host reads the sequence bounds once (one sync per call). The per-tile
+geometry is derived on the device from cu_seqlens; the chunk plan is host arithmetic on the bounds
+just read.
 """
 from __future__ import annotations
 
+from bisect import bisect_right
 from dataclasses import dataclass
+from itertools import accumulate
 
 import torch
 from torch import Tensor
@@ -22,9 +31,14 @@ from nsa.compression import compute_dtype
 from nsa.selection_rule import (CMP_KV_BLOCK, SELECTION_Q_TILE, BlockSelection,
                                 cmp_selection_width)
 
-# Upper bound on the elements of one chunk's score tensor (heads x tiles x compressed tokens),
-# counting the gathered scoring rows too; a chunk holds at least one tile.
-SCORE_CHUNK_ELEMENTS = 1 << 24
+# Upper bound on one chunk's heads x tiles x (compressed tokens + D): the score tensor plus the
+# scoring queries it is computed from; a chunk holds at least one tile.
+SCORE_CHUNK_ELEMENTS = 1 << 26
+
+# Upper bound on the q elements (rows x H x D) gathered at once for the scoring queries.
+GATHER_CHUNK_ELEMENTS = 1 << 26
+
+_INF = float("inf")
 
 
 @dataclass(frozen=True)
@@ -39,6 +53,24 @@ class _Tiles:
 
     def __getitem__(self, rows: slice) -> "_Tiles":
         return _Tiles(*(getattr(self, f)[rows] for f in self.__dataclass_fields__))
+
+
+@dataclass(frozen=True)
+class _BlockRanges:
+    """Per q tile (R,) int64: what the rule makes of each block b of one branch.
+
+    Block 0 is forced where `block0` is +inf (-inf: the sequence has no block); blocks
+    1 <= b < candidate_end are candidates, candidate_end <= b < forced_end forced (the diagonal),
+    the rest never selected. Every branch of the rule has this shape (docs/interfaces.md).
+    """
+
+    candidate_end: Tensor
+    forced_end: Tensor
+    block0: Tensor | float  # (R,) float32 or a constant: the ranking key of block 0
+
+    def __getitem__(self, rows: slice) -> "_BlockRanges":
+        block0 = self.block0 if isinstance(self.block0, float) else self.block0[rows]
+        return _BlockRanges(self.candidate_end[rows], self.forced_end[rows], block0)
 
 
 @dataclass(frozen=True)
@@ -59,86 +91,112 @@ def select_blocks(q: Tensor, k_cmp: Tensor, cu_seqlens: Tensor, cu_seqlens_cmp: 
     ascending, -1 padded (see BlockSelection). Not differentiable (selection is discrete).
     """
     l, l_sel = compress_block_size, selected_block_size
-    heads, kv_heads = q.shape[1], k_cmp.shape[1]
-    device = q.device
-    cu_host, cu_cmp_host = cu_seqlens.tolist(), cu_seqlens_cmp.tolist()
+    heads, dim = q.shape[1:]
+    kv_heads = k_cmp.shape[1]
+    # The only device -> host read: the sequence bounds, for the shapes and the chunk plan.
+    bounds = torch.cat([cu_seqlens.to(torch.int64), cu_seqlens_cmp.to(torch.int64)]).tolist()
+    cu_host, cu_cmp_host = bounds[:cu_seqlens.numel()], bounds[cu_seqlens.numel():]
     lengths = [end - start for start, end in zip(cu_host, cu_host[1:])]
-    tiles_per_seq = [-(-n // q_tile) for n in lengths]
-    num_tiles = sum(tiles_per_seq)
-    offsets = torch.tensor([0] + tiles_per_seq, device=device).cumsum(0).to(torch.int32)
-    tiles = _tile_layout(cu_seqlens, cu_seqlens_cmp, offsets, num_tiles, q_tile, l, causal)
-
-    selected = torch.full((num_tiles, kv_heads, num_selected_blocks), -1, dtype=torch.int32,
-                          device=device)
-    cmp_selected = None
+    num_tiles = sum(-(-n // q_tile) for n in lengths)
+    offsets, tiles = _tile_layout(cu_seqlens, cu_seqlens_cmp, num_tiles, q_tile, l, causal)
+    width = None
     if num_cmp_selected_blocks is not None:
         width = cmp_selection_width(q_tile, l, cmp_kv_block, num_cmp_selected_blocks)
-        cmp_selected = torch.full((num_tiles, kv_heads, width), -1, dtype=torch.int32,
-                                  device=device)
+    if num_tiles == 0:
+        return _empty_selection(q.device, kv_heads, num_selected_blocks, width, offsets)
 
-    for chunk in _plan_chunks(lengths, cu_cmp_host, q_tile, l, causal, heads,
-                              q.shape[-1] * q_tile):
+    q_bar = _scoring_queries(q, tiles, q_tile, causal)
+    keys = k_cmp.to(q_bar.dtype).permute(1, 2, 0)  # (Hkv, D, Tc)
+    ranges = _selection_ranges(tiles, l_sel, q_tile, causal)
+    cmp_ranges = None if width is None else _cmp_selection_ranges(tiles, l, cmp_kv_block,
+                                                                  q_tile, causal)
+    selected, cmp_selected = [], []
+    for chunk in _plan_chunks(lengths, cu_cmp_host, q_tile, l, causal, heads, dim):
         part = tiles[chunk.tiles]
-        q_bar = _scoring_queries(q, part, q_tile, causal)
-        token_weight = _anchor_token_weights(q_bar, k_cmp[chunk.tokens], part,
+        token_weight = _anchor_token_weights(q_bar[chunk.tiles], keys[..., chunk.tokens], part,
                                              chunk.tokens.start, softmax_scale)
-        max_blocks = -(-chunk.longest // l_sel)
-        forced, candidate = _selection_masks(part, max_blocks, l_sel, q_tile, causal)
-        importance = _block_sums(token_weight, part, chunk.tokens.start, l_sel // l, max_blocks)
-        selected[chunk.tiles] = _top_blocks(importance, forced, candidate, num_selected_blocks)
-        if cmp_selected is not None:
-            max_cmp_blocks = -(-(chunk.longest // l) // cmp_kv_block)
-            forced, candidate = _cmp_selection_masks(part, max_cmp_blocks, l, cmp_kv_block,
-                                                     q_tile, causal)
+        importance = _block_sums(token_weight, part, chunk.tokens.start, l_sel // l,
+                                 -(-chunk.longest // l_sel))
+        selected.append(_top_blocks(_ranking_keys(importance, ranges[chunk.tiles]),
+                                    num_selected_blocks))
+        if cmp_ranges is not None:
             importance = _block_sums(token_weight, part, chunk.tokens.start, cmp_kv_block,
-                                     max_cmp_blocks)
-            cmp_selected[chunk.tiles] = _top_blocks(importance, forced, candidate,
-                                                    cmp_selected.shape[-1],
-                                                    num_cmp_selected_blocks)
-    return BlockSelection(selected=selected, cmp_selected=cmp_selected, row_block_offsets=offsets)
+                                     -(-(chunk.longest // l) // cmp_kv_block))
+            cmp_selected.append(_top_blocks(_ranking_keys(importance, cmp_ranges[chunk.tiles]),
+                                            width, num_cmp_selected_blocks))
+    return BlockSelection(selected=_cat(selected),
+                          cmp_selected=_cat(cmp_selected) if cmp_ranges is not None else None,
+                          row_block_offsets=offsets)
+
+
+def _cat(parts: list[Tensor]) -> Tensor:
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def _empty_selection(device: torch.device, kv_heads: int, num_selected_blocks: int,
+                     width: int | None, offsets: Tensor) -> BlockSelection:
+    def lists(n):
+        return torch.empty((0, kv_heads, n), dtype=torch.int32, device=device)
+    return BlockSelection(selected=lists(num_selected_blocks),
+                          cmp_selected=None if width is None else lists(width),
+                          row_block_offsets=offsets)
 
 
 # --- layout and chunking -------------------------------------------------------------------------
 
-def _tile_layout(cu_seqlens: Tensor, cu_seqlens_cmp: Tensor, offsets: Tensor, num_tiles: int,
-                 q_tile: int, l: int, causal: bool) -> _Tiles:
+def _tile_layout(cu_seqlens: Tensor, cu_seqlens_cmp: Tensor, num_tiles: int, q_tile: int,
+                 l: int, causal: bool) -> tuple[Tensor, _Tiles]:
+    """(S+1,) int32 first tile of each sequence, and the tiles, computed on the device
+    (num_tiles, known on the host, sizes the result without a sync)."""
     cu, cu_cmp = cu_seqlens.to(torch.int64), cu_seqlens_cmp.to(torch.int64)
-    offsets = offsets.to(torch.int64)
-    sequence = torch.repeat_interleave(torch.arange(cu.numel() - 1, device=cu.device),
-                                       offsets.diff(), output_size=num_tiles)
-    anchor = (torch.arange(num_tiles, device=cu.device) - offsets[sequence]) * q_tile
-    cmp_len = cu_cmp.diff()[sequence]
-    return _Tiles(seq_start=cu[sequence], seq_len=cu.diff()[sequence], anchor=anchor,
-                  cmp_start=cu_cmp[sequence],
-                  cmp_seen=(anchor + 1) // l if causal else cmp_len)
+    seq_len = cu.diff()
+    offsets = torch.cat([cu.new_zeros(1), ((seq_len + q_tile - 1) // q_tile).cumsum(0)])
+    tile = torch.arange(num_tiles, device=cu.device)
+    sequence = torch.searchsorted(offsets[1:], tile, right=True)
+    # Per sequence: row start, rows, compressed start, compressed tokens; one gather to tiles.
+    per_sequence = torch.stack([cu[:-1], seq_len, cu_cmp[:-1], cu_cmp.diff(), offsets[:-1]], 1)
+    seq_start, seq_len, cmp_start, cmp_len, first_tile = per_sequence[sequence].unbind(1)
+    anchor = (tile - first_tile) * q_tile
+    tiles = _Tiles(seq_start=seq_start, seq_len=seq_len, anchor=anchor, cmp_start=cmp_start,
+                   cmp_seen=(anchor + 1) // l if causal else cmp_len)
+    return offsets.to(torch.int32), tiles
 
 
 def _plan_chunks(lengths: list[int], cu_cmp: list[int], q_tile: int, l: int, causal: bool,
                  heads: int, rows_per_tile: int) -> list[_Chunk]:
-    """Consecutive tiles grouped so that heads x tiles x (tokens + gathered rows) stays under
+    """Consecutive tiles grouped so that heads x tiles x (tokens + rows_per_tile) stays under
     SCORE_CHUNK_ELEMENTS. Short sequences share a chunk; a long one is split over several.
 
-    Tiles come in packed order, so the last token a tile may score never decreases: a chunk's
-    tokens run from its first tile's sequence start to its last tile's last visible token.
+    Tiles come in packed order, so the last token a tile may score never decreases and a chunk's
+    cost grows with its last tile: each chunk is the longest run that fits, found by bisection
+    (host arithmetic, O(chunks x log tiles)). A chunk's tokens run from its first tile's sequence
+    start to its last tile's last visible token.
     """
+    tile_offsets = list(accumulate((-(-n // q_tile) for n in lengths), initial=0))
+    num_tiles = tile_offsets[-1]
+
+    def sequence_of(tile: int) -> int:
+        return bisect_right(tile_offsets, tile) - 1
+
+    def token_end(tile: int) -> int:  # one past the last packed token the tile may score
+        s = sequence_of(tile)
+        if not causal:
+            return cu_cmp[s + 1]
+        return cu_cmp[s] + ((tile - tile_offsets[s]) * q_tile + 1) // l
+
     chunks: list[_Chunk] = []
-    first_tile = tile = 0
-    first_token = last_token = longest = 0
-    for s, n in enumerate(lengths):
-        for t in range(-(-n // q_tile)):
-            seen = (t * q_tile + 1) // l if causal else cu_cmp[s + 1] - cu_cmp[s]
-            if tile == first_tile:
-                first_token = cu_cmp[s]
-            cost = heads * (tile - first_tile + 1) * (cu_cmp[s] + seen - first_token
-                                                      + rows_per_tile)
-            if tile > first_tile and cost > SCORE_CHUNK_ELEMENTS:
-                chunks.append(_Chunk(slice(first_tile, tile), slice(first_token, last_token),
-                                     longest))
-                first_tile, first_token, longest = tile, cu_cmp[s], 0
-            last_token, longest = cu_cmp[s] + seen, max(longest, n)
-            tile += 1
-    if tile > first_tile:
-        chunks.append(_Chunk(slice(first_tile, tile), slice(first_token, last_token), longest))
+    first = 0
+    while first < num_tiles:
+        first_token = cu_cmp[sequence_of(first)]
+
+        def cost(last: int) -> int:
+            return heads * (last - first + 1) * (token_end(last) - first_token + rows_per_tile)
+
+        last = first + bisect_right(range(first + 1, num_tiles), SCORE_CHUNK_ELEMENTS, key=cost)
+        longest = max(lengths[sequence_of(first):sequence_of(last) + 1])
+        chunks.append(_Chunk(slice(first, last + 1), slice(first_token, token_end(last)),
+                             longest))
+        first = last + 1
     return chunks
 
 
@@ -148,40 +206,46 @@ def _scoring_queries(q: Tensor, tiles: _Tiles, q_tile: int, causal: bool) -> Ten
     """(tiles, H, D): per tile the mean of q over its scoring rows.
 
     Causal: the q_tile rows ending at the anchor; otherwise the tile's own rows. Summed directly
-    (not as a difference of prefix sums, whose float32 cancellation grows with the sequence).
+    (not as a difference of prefix sums, whose float32 cancellation grows with the sequence), over
+    rows gathered in q's dtype in chunks of at most GATHER_CHUNK_ELEMENTS elements; rows outside
+    the sequence are zeroed, then the sum accumulates in the compute dtype.
     """
     offset = torch.arange(q_tile, device=q.device)
     local = tiles.anchor[:, None] + (offset - (q_tile - 1) if causal else offset)
     valid = (local >= 0) & (local < tiles.seq_len[:, None])
     rows = (tiles.seq_start[:, None] + local).clamp(0, q.shape[0] - 1)
-    gathered = q[rows.flatten()].unflatten(0, rows.shape).to(compute_dtype(q.dtype))
-    summed = (gathered * valid[..., None, None]).sum(dim=1)
-    return summed / valid.sum(dim=1)[:, None, None]
+    per_chunk = max(1, GATHER_CHUNK_ELEMENTS // (q_tile * q.shape[1] * q.shape[2]))
+    dtype = compute_dtype(q.dtype)
+    sums = []
+    for start in range(0, rows.shape[0], per_chunk):
+        part = rows[start:start + per_chunk]
+        gathered = q.index_select(0, part.flatten()).unflatten(0, part.shape)
+        gathered.masked_fill_(~valid[start:start + per_chunk, :, None, None], 0)
+        sums.append(gathered.sum(dim=1, dtype=dtype))
+    return _cat(sums) / valid.sum(dim=1)[:, None, None]
 
 
-def _anchor_token_weights(q_bar: Tensor, k_cmp: Tensor, tiles: _Tiles, first_token: int,
+def _anchor_token_weights(q_bar: Tensor, keys: Tensor, tiles: _Tiles, first_token: int,
                           softmax_scale: float) -> Tensor:
     """(Hkv, tiles, tokens): softmax over the tokens each anchor sees, summed over the group.
 
-    k_cmp holds the chunk's packed compressed tokens; a tile's visible ones are the contiguous
-    range [cmp_start, cmp_start + cmp_seen) of its own sequence.
+    keys (Hkv, D, tokens) holds the chunk's packed compressed tokens; a tile's visible ones are the
+    contiguous range [cmp_start, cmp_start + cmp_seen) of its own sequence.
     """
     num_tiles, heads, dim = q_bar.shape
-    num_tokens, kv_heads = k_cmp.shape[:2]
+    kv_heads, _, num_tokens = keys.shape
     if num_tokens == 0:  # no anchor of the chunk sees a compressed token yet
         return q_bar.new_zeros(kv_heads, num_tiles, 0)
     group = heads // kv_heads
     queries = q_bar.view(num_tiles, kv_heads, group, dim).permute(1, 0, 2, 3)
     queries = queries.reshape(kv_heads, num_tiles * group, dim)
-    keys = k_cmp.to(q_bar.dtype).permute(1, 2, 0)  # (Hkv, D, tokens)
     scores = torch.bmm(queries, keys).view(kv_heads, num_tiles, group, num_tokens)
 
     token = torch.arange(num_tokens, device=q_bar.device)
-    first = tiles.cmp_start - first_token
-    seen = (token >= first[:, None]) & (token < (first + tiles.cmp_seen)[:, None])
-    seen = seen[None, :, None, :]
+    first = (tiles.cmp_start - first_token)[:, None]
+    unseen = (token < first) | (token >= first + tiles.cmp_seen[:, None])
     # A masked softmax that gives an anchor seeing nothing all-zero weights instead of NaN.
-    scores.mul_(softmax_scale).masked_fill_(~seen, float("-inf"))
+    scores.mul_(softmax_scale).masked_fill_(unseen[None, :, None, :], float("-inf"))
     row_max = scores.amax(dim=-1, keepdim=True).clamp_min(torch.finfo(scores.dtype).min)
     weights = scores.sub_(row_max).exp_()
     weights.div_(weights.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(scores.dtype).tiny))
@@ -192,69 +256,78 @@ def _block_sums(token_weight: Tensor, tiles: _Tiles, first_token: int, tokens_pe
                 num_blocks: int) -> Tensor:
     """(Hkv, tiles, num_blocks): the weights of each tile's own tokens summed per block."""
     kv_heads, num_tiles, num_tokens = token_weight.shape
-    local = torch.arange(num_blocks * tokens_per_block, device=token_weight.device)
-    column = tiles.cmp_start[:, None] - first_token + local
-    own = local < tiles.cmp_seen[:, None]
     if num_tokens == 0:
         return token_weight.new_zeros(kv_heads, num_tiles, num_blocks)
-    gathered = token_weight.gather(2, column.clamp(0, num_tokens - 1).expand(kv_heads, -1, -1))
-    gathered = gathered * own
+    local = torch.arange(num_blocks * tokens_per_block, device=token_weight.device)
+    column = (tiles.cmp_start[:, None] - first_token + local).clamp_(0, num_tokens - 1)
+    gathered = token_weight.gather(2, column.expand(kv_heads, -1, -1))
+    gathered.mul_(local < tiles.cmp_seen[:, None])
+    if tokens_per_block == 1:
+        return gathered
     return gathered.view(kv_heads, num_tiles, num_blocks, tokens_per_block).sum(dim=-1)
 
 
 # --- the rule ------------------------------------------------------------------------------------
 
-def _selection_masks(tiles: _Tiles, num_blocks: int, l_sel: int, q_tile: int, causal: bool
-                     ) -> tuple[Tensor, Tensor]:
-    """(tiles, blocks) forced and candidate masks of the selected branch."""
-    block = torch.arange(num_blocks, device=tiles.anchor.device)[None, :]
-    a, n = tiles.anchor[:, None], tiles.seq_len[:, None]
-    if causal:
-        e = torch.minimum(a + q_tile, n)
-        forced = (block == 0) | ((block * l_sel < e) & ((block + 1) * l_sel > a))
-        candidate = (block >= 1) & ((block + 1) * l_sel <= a)
-    else:
-        forced = block == 0
-        candidate = (block >= 1) & ((block + 1) * l_sel <= n)
-    return forced.expand(tiles.anchor.numel(), -1), candidate & ~forced
+def _selection_ranges(tiles: _Tiles, l_sel: int, q_tile: int, causal: bool) -> _BlockRanges:
+    """The selected branch: block 0 always forced.
 
-
-def _cmp_selection_masks(tiles: _Tiles, num_blocks: int, l: int, cmp_kv_block: int, q_tile: int,
-                         causal: bool) -> tuple[Tensor, Tensor]:
-    """(tiles, blocks) forced and candidate masks of the sparse compressed branch."""
-    block = torch.arange(num_blocks, device=tiles.anchor.device)[None, :]
-    num_cmp = (tiles.seq_len // l)[:, None]
-    exists = block * cmp_kv_block < num_cmp
+    Causal: candidates c >= 1 with (c+1) l' <= a, i.e. c < a // l'; forced diagonal: the blocks
+    overlapping [a, e), i.e. a // l' <= c < ceil(e / l'), right after the candidates.
+    Non-causal: candidates are the complete blocks, c < n // l'; nothing else is forced.
+    """
     if not causal:
-        return exists & (block == 0), exists & (block >= 1)
-    anchor_seen = tiles.cmp_seen[:, None]
-    tile_seen = torch.minimum(tiles.anchor + q_tile, tiles.seq_len)[:, None] // l
-    # Blocks [1, seen_whole) are candidates, [seen_whole, ceil(tile_seen / B)) the diagonal.
-    seen_whole = torch.where(anchor_seen >= num_cmp, -(-num_cmp // cmp_kv_block),
-                             anchor_seen // cmp_kv_block)
-    diagonal = (block >= seen_whole) & (block < -(-tile_seen // cmp_kv_block))
-    forced = exists & ((block == 0) | diagonal)
-    candidate = (block >= 1) & (block < seen_whole)
-    return forced, candidate
+        complete = tiles.seq_len // l_sel
+        return _BlockRanges(complete, complete, _INF)
+    end = torch.minimum(tiles.anchor + q_tile, tiles.seq_len)
+    return _BlockRanges(tiles.anchor // l_sel, (end + l_sel - 1) // l_sel, _INF)
 
 
-def _top_blocks(importance: Tensor, forced: Tensor, candidate: Tensor, width: int,
-                num_candidates: int | None = None) -> Tensor:
+def _cmp_selection_ranges(tiles: _Tiles, l: int, cmp_kv_block: int, q_tile: int,
+                          causal: bool) -> _BlockRanges:
+    """The sparse compressed branch: blocks of cmp_kv_block compressed tokens.
+
+    Block 0 is forced when the sequence has a compressed token. Causal: candidates are the blocks
+    the anchor sees whole (a partial last block counts once all its tokens are seen), the
+    diagonal runs from there to the last block the tile's last row sees part of.
+    Non-causal: every other existing block is a candidate.
+    """
+    num_cmp = tiles.seq_len // l
+    exists = (num_cmp + cmp_kv_block - 1) // cmp_kv_block
+    block0 = torch.where(exists > 0, _INF, -_INF)
+    if not causal:
+        return _BlockRanges(exists, exists, block0)
+    tile_seen = torch.minimum(tiles.anchor + q_tile, tiles.seq_len) // l
+    seen_whole = torch.where(tiles.cmp_seen >= num_cmp, exists, tiles.cmp_seen // cmp_kv_block)
+    return _BlockRanges(seen_whole, (tile_seen + cmp_kv_block - 1) // cmp_kv_block, block0)
+
+
+def _ranking_keys(importance: Tensor, ranges: _BlockRanges) -> Tensor:
+    """(tiles, Hkv, blocks) float32: +inf forced, importance for candidates, -inf otherwise."""
+    block = torch.arange(importance.shape[-1], device=importance.device)
+    candidate = (block < ranges.candidate_end[:, None])[:, None]
+    rest = torch.where(block < ranges.forced_end[:, None], _INF, -_INF)[:, None]
+    key = torch.where(candidate, importance.permute(1, 0, 2), rest)
+    if key.shape[-1]:
+        block0 = ranges.block0
+        key[..., 0] = block0 if isinstance(block0, float) else block0[:, None]
+    return key
+
+
+def _top_blocks(key: Tensor, width: int, num_candidates: int | None = None) -> Tensor:
     """(tiles, Hkv, width) int32: forced blocks, then the best candidates, ascending, -1 padded.
 
-    Keeps the forced blocks plus num_candidates candidates, or as many as fit in `width` when
-    None. A stable descending sort on (forced: +inf, candidate: importance, other: -inf) puts
-    equal importances in block order, so ties go to the lower block index.
+    Keeps the forced blocks (key +inf) plus num_candidates candidates, or as many as fit in
+    `width` when None. A stable descending sort puts equal importances in block order, so ties go
+    to the lower block index.
     """
-    key = torch.where(candidate[None], importance, float("-inf"))
-    key = torch.where(forced[None], float("inf"), key).permute(1, 0, 2)  # (tiles, Hkv, blocks)
     if key.shape[-1] < width:
-        key = torch.nn.functional.pad(key, (0, width - key.shape[-1]), value=float("-inf"))
+        key = torch.nn.functional.pad(key, (0, width - key.shape[-1]), value=-_INF)
     ranked_key, ranked = key.sort(dim=-1, descending=True, stable=True)
-    keep = ranked_key[..., :width] > float("-inf")
+    keep = ranked_key[..., :width] > -_INF
     if num_candidates is not None:
         position = torch.arange(width, device=key.device)
-        keep &= position < forced.sum(dim=-1)[:, None, None] + num_candidates
+        keep &= position < (key == _INF).sum(dim=-1, keepdim=True) + num_candidates
     past_end = key.shape[-1]  # sorts after every real block, then becomes the -1 padding
     chosen = torch.where(keep, ranked[..., :width], past_end).sort(dim=-1).values
-    return torch.where(chosen == past_end, -1, chosen).to(torch.int32)
+    return chosen.masked_fill_(chosen == past_end, -1).to(torch.int32)
