@@ -38,15 +38,33 @@ class TileGeometry:
 
 
 def tile_geometry(cu_q: Tensor, cu_k: Tensor, q_tile: int) -> TileGeometry:
-    """cu_q, cu_k: checked (S+1,) int64 cumulative lengths on one device."""
+    """cu_q, cu_k: checked (S+1,) int64 cumulative lengths on one device.
+
+    Reads the device once (the number of tiles sizes every per-tile tensor); the per-sequence
+    quantities reach the tiles in one gather.
+    """
     seqlen_q, seqlen_k = cu_q.diff(), cu_k.diff()
-    tiles = ceil_div(seqlen_q, q_tile)
-    offsets = offsets_from_counts(tiles)
-    sequence = torch.repeat_interleave(torch.arange(tiles.numel(), device=cu_q.device), tiles)
-    local_tile = torch.arange(sequence.numel(), device=cu_q.device) - offsets[sequence]
+    offsets = offsets_from_counts(ceil_div(seqlen_q, q_tile))
+    num_tiles = int(offsets[-1])
+    tile = torch.arange(num_tiles, device=cu_q.device)
+    sequence = torch.searchsorted(offsets[1:], tile, right=True)
+    per_sequence = torch.stack([offsets[:-1], seqlen_q, seqlen_k], dim=1)[sequence]
+    first_tile, tile_seqlen_q, tile_seqlen_k = per_sequence.unbind(1)
+    local_tile = tile - first_tile
     first_row = local_tile * q_tile
-    last_row = torch.minimum(first_row + q_tile, seqlen_q[sequence]) - 1
-    return TileGeometry(offsets, sequence, local_tile, first_row, last_row, seqlen_k[sequence])
+    last_row = torch.minimum(first_row + q_tile, tile_seqlen_q) - 1
+    return TileGeometry(offsets, sequence, local_tile, first_row, last_row, tile_seqlen_k)
+
+
+def max_diagonal_blocks(q_tile: int, compress_factor: int, block_size: int) -> int:
+    """A host bound on the diagonal blocks of one tile (`diagonal_block_range`), for any tile.
+
+    The last row sees at most m = ceil((q_tile - 1) / compress_factor) keys more than the first,
+    and the blocks from the first row's partly seen one to the last row's span at most
+    ceil(m / block_size) + 1 blocks.
+    """
+    extra_keys = -(-(q_tile - 1) // compress_factor)
+    return -(-extra_keys // block_size) + 1
 
 
 def visible_block_range(geometry: TileGeometry, *, block_size: int, compress_factor: int = 1,
@@ -59,14 +77,18 @@ def visible_block_range(geometry: TileGeometry, *, block_size: int, compress_fac
     the block's last existing key", and "some row sees some key" is "the last row sees its first
     key". A sequence's partial last block counts as full once its existing keys are all seen.
     """
-    seqlen_k = geometry.seqlen_k
-    num_blocks = ceil_div(seqlen_k, block_size)
     if not causal:
+        num_blocks = ceil_div(geometry.seqlen_k, block_size)
         return num_blocks, num_blocks
-    seen_by_first, seen_by_last = _keys_seen(geometry, compress_factor)
-    n_full = torch.where(seen_by_first >= seqlen_k, num_blocks, seen_by_first // block_size)
-    n_visible = ceil_div(seen_by_last, block_size)
-    return n_full, n_visible
+    return _causal_block_range(geometry.seqlen_k, *_keys_seen(geometry, compress_factor),
+                               block_size)
+
+
+def _causal_block_range(seqlen_k: Tensor, seen_by_first: Tensor, seen_by_last: Tensor,
+                        block_size: int) -> tuple[Tensor, Tensor]:
+    n_full = torch.where(seen_by_first >= seqlen_k, ceil_div(seqlen_k, block_size),
+                         seen_by_first // block_size)
+    return n_full, ceil_div(seen_by_last, block_size)
 
 
 def diagonal_block_range(geometry: TileGeometry, *, block_size: int,
@@ -77,9 +99,9 @@ def diagonal_block_range(geometry: TileGeometry, *, block_size: int,
     They are the mask blocks [n_full, n_visible) except when no row sees more than the anchor:
     then a block the anchor sees only part of is still a mask block but not a diagonal one.
     """
-    n_full, n_visible = visible_block_range(geometry, block_size=block_size,
-                                            compress_factor=compress_factor)
     seen_by_first, seen_by_last = _keys_seen(geometry, compress_factor)
+    n_full, n_visible = _causal_block_range(geometry.seqlen_k, seen_by_first, seen_by_last,
+                                            block_size)
     return n_full, torch.where(seen_by_last > seen_by_first, n_visible, n_full)
 
 

@@ -7,7 +7,9 @@ every existing key, a **mask** block by at least one row at one key; an invisibl
 listed. Lists are sorted, duplicate-free and -1 padded to the longest list.
 
 The selected and compressed builders work in O(R * k) memory: causal structure is two per-tile
-thresholds (`visible_block_range`), never a (tiles x blocks) table.
+thresholds (`visible_block_range`), never a (tiles x blocks) table. They run a fixed number of
+whole-tensor ops; the device is read only by the argument checks, for the number of tiles and
+for the widths of the padded lists (the lengths of the longest lists are data).
 """
 from __future__ import annotations
 
@@ -16,9 +18,10 @@ from torch import Tensor
 
 from sparsity._checks import (check_block_indices, check_cu_seqlens, check_matching_sequences,
                               check_positive_int, check_same_device, check_tensor)
-from sparsity._geometry import (TileGeometry, ceil_div, diagonal_block_range, tile_geometry,
-                               visible_block_range)
-from sparsity._lists import compact_block_lists
+from sparsity._geometry import (TileGeometry, ceil_div, diagonal_block_range,
+                               max_diagonal_blocks, tile_geometry, visible_block_range)
+from sparsity._lists import (compact_block_lists, compact_block_lists_below, padded_range,
+                             range_lists)
 from sparsity.block_sparse import INDEX_DTYPE, BlockSparseTensors, uniform_cu_seqlens
 
 NOT_LISTED, MASK_BLOCK, FULL_BLOCK = 0, 1, 2  # tile classes of the dense-mask builder
@@ -50,7 +53,9 @@ def build_selected_block_sparse(selected: Tensor, *, cu_seqlens_q: Tensor, cu_se
         raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
     device = check_tensor(selected, "selected").device
     cu_q = check_cu_seqlens(cu_seqlens_q, "cu_seqlens_q", device)
-    cu_k = check_cu_seqlens(cu_seqlens_k, "cu_seqlens_k", device)
+    # Self-attention passes one tensor twice: check (and read) it once.
+    cu_k = cu_q if cu_seqlens_k is cu_seqlens_q else check_cu_seqlens(cu_seqlens_k,
+                                                                      "cu_seqlens_k", device)
     check_matching_sequences(cu_q, "cu_seqlens_q", cu_k, "cu_seqlens_k")
     geometry = tile_geometry(cu_q, cu_k, q_tile)
     picks = check_block_indices(selected, "selected", geometry.num_tiles)
@@ -62,7 +67,7 @@ def build_selected_block_sparse(selected: Tensor, *, cu_seqlens_q: Tensor, cu_se
                                                selected_block_size, kv_block, causal)
     n_full, n_visible = visible_block_range(geometry, block_size=kv_block, causal=causal)
     kernel_blocks = kernel_blocks.masked_fill(kernel_blocks >= n_visible[:, None, None], -1)
-    lists = compact_block_lists(kernel_blocks, kernel_blocks < n_full[:, None, None])
+    lists = compact_block_lists_below(kernel_blocks, n_full[:, None, None])
     return _assemble(lists, geometry, q_tile, kv_block)
 
 
@@ -98,20 +103,18 @@ def build_compressed_block_sparse(*, cu_seqlens_q: Tensor, cu_seqlens_k_cmp: Ten
     n_full, n_visible = visible_block_range(geometry, block_size=kv_block,
                                             compress_factor=compress_factor, causal=True)
     if selected is None:
-        zero = torch.zeros_like(n_full)
-        full_count, full_index = _range_lists(zero, n_full)
-        mask_count, mask_index = _range_lists(n_full, n_visible)
-        return _assemble((full_count, full_index, mask_count, mask_index), geometry, q_tile,
-                         kv_block)
+        lists = range_lists(torch.zeros_like(n_full), n_visible, n_full)
+        return _assemble(lists, geometry, q_tile, kv_block)
 
     heads = picks.shape[1]
-    _, diagonal = _range_lists(*diagonal_block_range(geometry, block_size=kv_block,
-                                                     compress_factor=compress_factor))
+    diagonal = padded_range(*diagonal_block_range(geometry, block_size=kv_block,
+                                                  compress_factor=compress_factor),
+                            width=max_diagonal_blocks(q_tile, compress_factor, kv_block))
     first_block = torch.where(n_visible > 0, 0, -1)[:, None, None]
     candidates = torch.cat([picks, first_block.expand(-1, heads, 1),
-                            diagonal.to(torch.int64).expand(-1, heads, -1)], dim=-1)
+                            diagonal[:, None, :].expand(-1, heads, -1)], dim=-1)
     candidates = candidates.masked_fill(candidates >= n_visible[:, None, None], -1)
-    lists = compact_block_lists(candidates, candidates < n_full[:, None, None])
+    lists = compact_block_lists_below(candidates, n_full[:, None, None])
     return _assemble(lists, geometry, q_tile, kv_block)
 
 
@@ -176,15 +179,6 @@ def _assemble(lists, geometry: TileGeometry, q_tile: int, kv_block: int) -> Bloc
         full_count=full_count, full_index=full_index, mask_count=mask_count,
         mask_index=mask_index, row_block_size=q_tile, col_block_size=kv_block,
         row_block_offsets=geometry.row_block_offsets.to(INDEX_DTYPE))
-
-
-def _range_lists(start: Tensor, stop: Tensor) -> tuple[Tensor, Tensor]:
-    """Per tile the blocks [start, stop) as (count (R, 1), index (R, 1, K)) lists, -1 padded."""
-    count = stop - start
-    width = int(count.max()) if count.numel() else 0
-    slots = torch.arange(width, device=start.device)
-    index = torch.where(slots < count[:, None], start[:, None] + slots, -1)
-    return count[:, None].to(INDEX_DTYPE), index[:, None, :].to(INDEX_DTYPE).contiguous()
 
 
 def _split_selected_blocks(picks: Tensor, ratio: int) -> Tensor:
