@@ -2,8 +2,11 @@
 from __future__ import annotations
 
 import argparse
+import datetime
+import json
 import statistics
 import time
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -197,3 +200,12 @@ def attention_tflops(pairs: int, batch: int, heads: int, head_dim: int, ms: floa
     (QK^T and PV), 2.5x that more for the backward (the usual flash-attention count)."""
     flops = 4 * head_dim * pairs * batch * heads * (3.5 if backward else 1.0)
     return flops / (ms * 1e-3) / 1e12
+
+
+def write_results_json(path: Path, tool: str, argv: list[str], device: str, results) -> None:
+    """Write {"meta": tool, device, torch, date, command; "results": results} to `path`."""
+    meta = {"tool": tool, "device": device, "torch": torch.__version__,
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "command": " ".join(["python", f"tools/{tool}.py", *argv])}
+    path.write_text(json.dumps({"meta": meta, "results": results}, indent=2))
+    print(f"wrote {path}")

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from pathlib import Path
 
@@ -20,20 +19,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import _common  # noqa: E402  (tools/ is on sys.path when run as a script)
 
-def time_ms(fn, warmup: int = 3, reps: int = 10) -> float:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+
+def time_ms(fn, reps: int = 10) -> float:
+    """Median CUDA-event time of fn() in ms after 3 untimed calls."""
+    return _common.time_ms(fn, torch.device("cuda"), warmup=3, repeats=reps)
 
 
 def random_block_lists(num_rows: int, num_heads: int, num_blocks: int, density: float, seed: int):

@@ -16,8 +16,6 @@ Per sequence length N it reports, all measured on real tensors of the run:
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import sys
 from pathlib import Path
 
@@ -32,8 +30,9 @@ from nsa.compression import compress, compressed_block_rows, compressed_cu_seqle
 from nsa.selection import select_blocks  # noqa: E402
 from nsa.validation import validate_nsa_arguments  # noqa: E402
 from sparsity import row_block_offsets_from_cu_seqlens, transpose_block_sparse  # noqa: E402
-from _common import (add_problem_arguments, nsa_options, positive_int,  # noqa: E402
-                     problem_defaults_epilog, random_gate, random_qkv, resolve_problem_arguments)
+from _common import (  # noqa: E402
+    add_problem_arguments, nsa_options, positive_int, problem_defaults_epilog,
+    random_gate, random_qkv, resolve_problem_arguments, write_results_json)
 
 MiB = 2 ** 20
 
@@ -187,11 +186,7 @@ def main(argv=None) -> int:
         results.append(diagnose(seqlen, args))
         print(format_result(results[-1]))
     if args.json:
-        meta = {"tool": "diagnose_memory", "device": device, "torch": torch.__version__,
-                "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                "command": " ".join(["python", "tools/diagnose_memory.py", *argv])}
-        args.json.write_text(json.dumps({"meta": meta, "results": results}, indent=2))
-        print(f"wrote {args.json}")
+        write_results_json(args.json, "diagnose_memory", argv, device, results)
     return 0
 
 

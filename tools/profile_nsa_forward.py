@@ -12,8 +12,6 @@ GPU and perf_counter on the CPU. The last row times nsa() end to end for compari
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import sys
 from pathlib import Path
 
@@ -29,9 +27,10 @@ from nsa.compression import (compress, compressed_block_rows, compressed_cu_seql
 from nsa.gating import gate_weights  # noqa: E402
 from nsa.selection import select_blocks  # noqa: E402
 from nsa.validation import validate_nsa_arguments  # noqa: E402
-from _common import (add_problem_arguments, cu_seqlens_of, nsa_options,  # noqa: E402
-                     positive_int, problem_defaults_epilog, random_gate, random_qkv,
-                     resolve_problem_arguments, time_ms, varlen_lengths)
+from _common import (  # noqa: E402
+    add_problem_arguments, cu_seqlens_of, nsa_options, positive_int,
+    problem_defaults_epilog, random_gate, random_qkv, resolve_problem_arguments,
+    time_ms, varlen_lengths, write_results_json)
 
 STAGES = ("compress k, v", "select blocks", "build block lists", "compressed branch",
           "selected branch", "window branch", "gate + combine")
@@ -175,11 +174,7 @@ def main(argv=None) -> int:
         results.append(profile(seqlen, args))
         print(format_profile(results[-1]))
     if args.json:
-        meta = {"tool": "profile_nsa_forward", "device": device, "torch": torch.__version__,
-                "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                "command": " ".join(["python", "tools/profile_nsa_forward.py", *argv])}
-        args.json.write_text(json.dumps({"meta": meta, "results": results}, indent=2))
-        print(f"wrote {args.json}")
+        write_results_json(args.json, "profile_nsa_forward", argv, device, results)
     return 0
 
 

@@ -1,41 +1,15 @@
 """What makes select_blocks cheap on a GPU, checked on the CPU: a fixed number of torch ops per
 call whatever the number of sequences, one device -> host read, and a chunk plan equal to the
 plain greedy one (so the score tensor stays bounded the same way)."""
-from collections import Counter
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import nsa.selection as selection_module
 from nsa.compression import compress_kv
 from nsa.selection import select_blocks
 from nsa_testing import cu_seqlens_of
-
-# Ops after which the host waits for the device (on a GPU), and what reads a tensor to Python.
-SYNCING_OPS = {"_local_scalar_dense", "nonzero", "masked_select", "unique_consecutive",
-               "_unique2", "unique_dim", "item", "is_nonzero", "equal"}
-
-
-class OpCounter(TorchDispatchMode):
-    """Counts dispatched torch ops, and device reads (syncing ops plus Tensor.tolist calls)."""
-
-    def __init__(self, monkeypatch):
-        super().__init__()
-        self.ops, self.reads = Counter(), 0
-        tolist = torch.Tensor.tolist
-
-        def counted_tolist(tensor):
-            self.reads += 1
-            return tolist(tensor)
-        monkeypatch.setattr(torch.Tensor, "tolist", counted_tolist)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = func._schema.name.split("::")[-1]
-        self.ops[name] += 1
-        self.reads += name in SYNCING_OPS
-        return func(*args, **(kwargs or {}))
-
+from op_counting import OpCounter
 
 RULE = dict(compress_block_size=16, selected_block_size=32, num_selected_blocks=6, q_tile=64,
             cmp_kv_block=4, num_cmp_selected_blocks=2)

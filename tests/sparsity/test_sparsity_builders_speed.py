@@ -1,37 +1,13 @@
 """The shortcuts that keep the builders cheap on a GPU, each against the plain computation it
 replaces, and the number of device reads and ops they are left with."""
-from collections import Counter
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from sparsity import build_compressed_block_sparse, build_selected_block_sparse
 from sparsity._geometry import diagonal_block_range, max_diagonal_blocks, tile_geometry
 from sparsity._lists import compact_block_lists, compact_block_lists_below
-
-SYNCING_OPS = {"_local_scalar_dense", "nonzero", "masked_select", "unique_consecutive",
-               "_unique2", "unique_dim", "item", "is_nonzero", "equal"}
-
-
-class OpCounter(TorchDispatchMode):
-    """Counts dispatched torch ops, and device reads (syncing ops plus Tensor.tolist calls)."""
-
-    def __init__(self, monkeypatch):
-        super().__init__()
-        self.ops, self.reads = Counter(), 0
-        tolist = torch.Tensor.tolist
-
-        def counted_tolist(tensor):
-            self.reads += 1
-            return tolist(tensor)
-        monkeypatch.setattr(torch.Tensor, "tolist", counted_tolist)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = func._schema.name.split("::")[-1]
-        self.ops[name] += 1
-        self.reads += name in SYNCING_OPS
-        return func(*args, **(kwargs or {}))
+from op_counting import OpCounter
 
 
 def _cu(lengths):
