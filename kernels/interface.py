@@ -6,6 +6,11 @@ to 1, ``kernels.sm90.<direction>`` imports, and its ``can_run(q, k, v, **kwargs)
 kernel modules receive the keyword arguments already validated and normalised (scale resolved,
 ``max_seqlen_*`` filled in, ``window_size`` a tuple of ints). Only a failed import sends a call
 to the fallback; an error raised by a kernel is never swallowed.
+
+``attention_forward_trusted`` / ``attention_backward_trusted`` are the internal twins of the
+public functions for callers that already checked the sequence boundaries and hold them on the
+host (nsa's branches): the same checks without device reads (see ``kernels.validate``). They are
+not exported; user input always goes through the public, fully checking functions.
 """
 from __future__ import annotations
 
@@ -16,7 +21,8 @@ from types import ModuleType
 import torch
 
 from . import fallback
-from .validate import AttentionProblem, validate_attention_backward, validate_attention_forward
+from .validate import (AttentionProblem, validate_attention_backward, validate_attention_forward,
+                       validate_trusted_attention_backward, validate_trusted_attention_forward)
 
 DISABLE_ENV = "NSA_CUTE_DISABLE"
 FALLBACK = "fallback"
@@ -38,11 +44,7 @@ def attention_forward(
         max_seqlen_k=max_seqlen_k, softmax_scale=softmax_scale, causal=causal,
         compress_factor=compress_factor, window_size=window_size, block_sparse=block_sparse,
     )
-    kwargs = _normalised_kwargs(problem, cu_seqlens_q, cu_seqlens_k, block_sparse)
-    kernel, _ = _choose_kernel("forward", q, k, v, kwargs)
-    if kernel is not None:
-        return kernel.run(q, k, v, **kwargs)
-    return fallback.forward(problem, q, k, v, block_sparse)
+    return _run_forward(problem, q, k, v, cu_seqlens_q, cu_seqlens_k, block_sparse)
 
 
 def attention_backward(
@@ -61,6 +63,44 @@ def attention_backward(
         causal=causal, compress_factor=compress_factor, window_size=window_size,
         block_sparse=block_sparse, block_sparse_transposed=block_sparse_transposed,
     )
+    return _run_backward(problem, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
+                         block_sparse, block_sparse_transposed)
+
+
+def attention_forward_trusted(q, k, v, *, host_cu_seqlens, **kwargs):
+    """``attention_forward`` without device reads, for internal callers (nsa's branches).
+
+    ``host_cu_seqlens = (cu_q, cu_k)`` are the caller's host copies of the already checked
+    ``cu_seqlens_q/k`` values; ``block_sparse`` must come from ``sparsity``'s builders. Every
+    other check runs as in ``attention_forward`` (see ``validate_trusted_attention_forward``).
+    """
+    problem = validate_trusted_attention_forward(q, k, v, host_cu_seqlens=host_cu_seqlens,
+                                                 **kwargs)
+    return _run_forward(problem, q, k, v, kwargs.get("cu_seqlens_q"), kwargs.get("cu_seqlens_k"),
+                        kwargs.get("block_sparse"))
+
+
+def attention_backward_trusted(dout, q, k, v, out, lse, *, host_cu_seqlens, **kwargs):
+    """``attention_backward`` without device reads; trusts what ``attention_forward_trusted``
+    trusts."""
+    problem = validate_trusted_attention_backward(dout, q, k, v, out, lse,
+                                                  host_cu_seqlens=host_cu_seqlens, **kwargs)
+    return _run_backward(problem, dout, q, k, v, out, lse, kwargs.get("cu_seqlens_q"),
+                         kwargs.get("cu_seqlens_k"), kwargs.get("block_sparse"),
+                         kwargs.get("block_sparse_transposed"))
+
+
+def _run_forward(problem: AttentionProblem, q, k, v, cu_seqlens_q, cu_seqlens_k, block_sparse):
+    """The kernel when it applies, else the fallback, for a validated call."""
+    kwargs = _normalised_kwargs(problem, cu_seqlens_q, cu_seqlens_k, block_sparse)
+    kernel, _ = _choose_kernel("forward", q, k, v, kwargs)
+    if kernel is not None:
+        return kernel.run(q, k, v, **kwargs)
+    return fallback.forward(problem, q, k, v, block_sparse)
+
+
+def _run_backward(problem: AttentionProblem, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
+                  block_sparse, block_sparse_transposed):
     kwargs = _normalised_kwargs(problem, cu_seqlens_q, cu_seqlens_k, block_sparse)
     kwargs["block_sparse_transposed"] = block_sparse_transposed
     kernel, _ = _choose_kernel("backward", q, k, v, kwargs, problem)

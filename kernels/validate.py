@@ -7,6 +7,10 @@ resolved options) that the fallback and the kernels read instead of deriving the
 
 Checking values needs them on the host: for CUDA tensors the sequence boundaries cost one
 transfer; block-sparse lists are checked by ``sparsity.validate_block_sparse`` (a few more).
+Each transfer stalls the host until the GPU catches up, so a caller that has already checked the
+sequence boundaries, holds them on the host and built the block-sparse lists with ``sparsity``'s
+builders (nsa's branches, up to nine attention calls per layer) uses the ``trusted`` variants:
+the same checks and messages, no device read; only those values are taken on trust.
 """
 from __future__ import annotations
 
@@ -65,11 +69,35 @@ def validate_attention_forward(
     softmax_scale=None, causal=False, compress_factor=1, window_size=(-1, -1), block_sparse=None,
 ) -> AttentionProblem:
     """Check the arguments of ``attention_forward`` and describe the call."""
+    return _validate_forward(
+        q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+        max_seqlen_k=max_seqlen_k, softmax_scale=softmax_scale, causal=causal,
+        compress_factor=compress_factor, window_size=window_size, block_sparse=block_sparse,
+        host_cu_seqlens=None)
+
+
+def validate_trusted_attention_forward(q, k, v, *, host_cu_seqlens, **kwargs) -> AttentionProblem:
+    """``validate_attention_forward`` without a device read, for internal callers only.
+
+    ``host_cu_seqlens = (cu_q, cu_k)``: the values of ``cu_seqlens_q/k`` that the caller read and
+    checked itself (None for the padded layout). They are taken to equal the tensors, and the
+    contents of ``block_sparse`` (counts, indices, offsets) to be valid, as ``sparsity``'s
+    builders make them. Everything else is checked as the public path checks it, with the same
+    messages, including the host values themselves (start, order, end, ``max_seqlen_*``).
+    """
+    return _validate_forward(q, k, v, host_cu_seqlens=_host_pair(host_cu_seqlens), **kwargs)
+
+
+def _validate_forward(
+    q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
+    softmax_scale=None, causal=False, compress_factor=1, window_size=(-1, -1), block_sparse=None,
+    host_cu_seqlens,
+) -> AttentionProblem:
     varlen = _check_layout_and_tensors(q, k, v, cu_seqlens_q, cu_seqlens_k)
     num_heads, head_dim = q.shape[-2], q.shape[-1]
     num_kv_heads = k.shape[-2]
     if varlen:
-        cu_q, cu_k = _check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, q, k)
+        cu_q, cu_k = _check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, q, k, host_cu_seqlens)
         max_q = _check_max_seqlen("max_seqlen_q", max_seqlen_q, cu_q, "cu_seqlens_q")
         max_k = _check_max_seqlen("max_seqlen_k", max_seqlen_k, cu_k, "cu_seqlens_k")
     else:
@@ -97,7 +125,7 @@ def validate_attention_forward(
     if block_sparse is not None:
         heads = _check_block_sparse("block_sparse", block_sparse, num_heads=num_heads,
                                     num_kv_heads=num_kv_heads, cu_rows=cu_q, cu_cols=cu_k,
-                                    device=q.device)
+                                    device=q.device, check_contents=host_cu_seqlens is None)
         problem = _replace_block_sparse_heads(problem, heads)
     return problem
 
@@ -108,10 +136,32 @@ def validate_attention_backward(
     block_sparse=None, block_sparse_transposed=None,
 ) -> AttentionProblem:
     """Check the arguments of ``attention_backward`` and describe the call."""
-    problem = validate_attention_forward(
+    return _validate_backward(
+        dout, q, k, v, out, lse, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+        max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, softmax_scale=softmax_scale,
+        causal=causal, compress_factor=compress_factor, window_size=window_size,
+        block_sparse=block_sparse, block_sparse_transposed=block_sparse_transposed,
+        host_cu_seqlens=None)
+
+
+def validate_trusted_attention_backward(dout, q, k, v, out, lse, *, host_cu_seqlens,
+                                        **kwargs) -> AttentionProblem:
+    """``validate_attention_backward`` without a device read, for internal callers only; trusts
+    what :func:`validate_trusted_attention_forward` trusts (``block_sparse_transposed`` too)."""
+    return _validate_backward(dout, q, k, v, out, lse,
+                              host_cu_seqlens=_host_pair(host_cu_seqlens), **kwargs)
+
+
+def _validate_backward(
+    dout, q, k, v, out, lse, *, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
+    max_seqlen_k=None, softmax_scale=None, causal=False, compress_factor=1, window_size=(-1, -1),
+    block_sparse=None, block_sparse_transposed=None, host_cu_seqlens,
+) -> AttentionProblem:
+    problem = _validate_forward(
         q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
         max_seqlen_k=max_seqlen_k, softmax_scale=softmax_scale, causal=causal,
         compress_factor=compress_factor, window_size=window_size, block_sparse=block_sparse,
+        host_cu_seqlens=host_cu_seqlens,
     )
     for name, tensor in (("out", out), ("dout", dout)):
         _check_tensor(name, tensor)
@@ -152,7 +202,7 @@ def validate_attention_backward(
         _check_block_sparse("block_sparse_transposed", transposed,
                             num_heads=problem.block_sparse_heads, num_kv_heads=None,
                             cu_rows=problem.cu_seqlens_k, cu_cols=problem.cu_seqlens_q,
-                            device=q.device)
+                            device=q.device, check_contents=host_cu_seqlens is None)
     return problem
 
 
@@ -236,7 +286,18 @@ def _check_last_dim_contiguous(name: str, tensor: torch.Tensor) -> None:
 
 # --- sequences -----------------------------------------------------------------------------------
 
-def _check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, q, k) -> tuple[tuple[int, ...], tuple[int, ...]]:
+def _host_pair(host_cu_seqlens) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """The trusted callers' ``(cu_q, cu_k)`` as tuples of ints (None stays None: padded)."""
+    if host_cu_seqlens is None:
+        return None
+    if not isinstance(host_cu_seqlens, (tuple, list)) or len(host_cu_seqlens) != 2:
+        raise TypeError(f"host_cu_seqlens must be a pair (cu_q, cu_k) of int sequences, got "
+                        f"{type(host_cu_seqlens).__name__}")
+    return tuple(tuple(int(x) for x in cu) for cu in host_cu_seqlens)
+
+
+def _check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, q, k,
+                      host_cu_seqlens) -> tuple[tuple[int, ...], tuple[int, ...]]:
     for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
         _check_tensor(name, cu)
         if cu.dtype != torch.int32:
@@ -247,10 +308,16 @@ def _check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, q, k) -> tuple[tuple[int, ...]
     if cu_seqlens_q.numel() != cu_seqlens_k.numel():
         raise ValueError(f"cu_seqlens_k must have the length of cu_seqlens_q (S+1 = "
                          f"{cu_seqlens_q.numel()}), got {cu_seqlens_k.numel()}")
-    # One transfer for both: on CUDA this is the only synchronisation the sequence checks need.
-    host = torch.cat([cu_seqlens_q, cu_seqlens_k]).tolist()
     num = cu_seqlens_q.numel()
-    cu_q, cu_k = tuple(host[:num]), tuple(host[num:])
+    if host_cu_seqlens is None:
+        # One transfer for both: on CUDA the only synchronisation the sequence checks need.
+        host = torch.cat([cu_seqlens_q, cu_seqlens_k]).tolist()
+        cu_q, cu_k = tuple(host[:num]), tuple(host[num:])
+    else:
+        cu_q, cu_k = host_cu_seqlens
+        if (len(cu_q), len(cu_k)) != (num, num):
+            raise ValueError(f"host_cu_seqlens must hold the values of cu_seqlens_q and "
+                             f"cu_seqlens_k ({num} each), got {len(cu_q)} and {len(cu_k)}")
     for name, cu, total, tensor_name in (("cu_seqlens_q", cu_q, q.shape[0], "q"),
                                          ("cu_seqlens_k", cu_k, k.shape[0], "k")):
         if cu[0] != 0:
@@ -338,15 +405,26 @@ def _replace_block_sparse_heads(problem: AttentionProblem, heads: int) -> Attent
 
 # --- block sparsity ------------------------------------------------------------------------------
 
-def _check_block_sparse(name, bs, *, num_heads, num_kv_heads, cu_rows, cu_cols, device) -> int:
+def _check_block_sparse(name, bs, *, num_heads, num_kv_heads, cu_rows, cu_cols, device,
+                        check_contents: bool) -> int:
     """Check compact block-sparse lists against the sequences they index; return Hs.
 
     ``cu_rows`` are the sequence boundaries cut into row blocks (query tiles in the forward
     layout), ``cu_cols`` the ones cut into column blocks (KV blocks). The sparsity package owns
     the rules of the lists; this adds what only the attention call knows (heads, sequences).
+    Without ``check_contents`` only what needs no device read is checked: types, shapes, dtypes,
+    devices, heads and the number of sequences.
     """
     from sparsity import validate_block_sparse
 
+    if not check_contents:
+        validate_block_sparse(bs, name=name, num_heads=num_heads, num_kv_heads=num_kv_heads,
+                              device=device, check_contents=False)
+        if bs.row_block_offsets.numel() != len(cu_rows):
+            raise ValueError(f"{name}.row_block_offsets has {bs.row_block_offsets.numel() - 1} "
+                             "sequences but cu_seqlens_q does not describe the same number of "
+                             "sequences")
+        return bs.full_count.shape[1]
     as_tensor = lambda cu: torch.tensor(cu, dtype=torch.int32, device=device)  # noqa: E731
     validate_block_sparse(bs, name=name, num_heads=num_heads, num_kv_heads=num_kv_heads,
                           device=device, cu_seqlens_q=as_tensor(cu_rows),

@@ -6,7 +6,7 @@ from torch import Tensor
 
 from nsa.function import NSAFunction
 from nsa.selection_rule import CMP_KV_BLOCK, SELECTION_Q_TILE
-from nsa.validation import validate_nsa_arguments
+from nsa.validation import validate_nsa_call
 
 
 def nsa(q: Tensor, k: Tensor, v: Tensor, *, cu_seqlens: Tensor | None = None,
@@ -39,7 +39,7 @@ def nsa(q: Tensor, k: Tensor, v: Tensor, *, cu_seqlens: Tensor | None = None,
     _q_tile, _cmp_kv_block: test-only overrides of SELECTION_Q_TILE and CMP_KV_BLOCK, so tests
         can exercise many tiles at tiny sizes. The kernels are built for the defaults.
     """
-    config, max_seqlen = validate_nsa_arguments(
+    config, sequences = validate_nsa_call(
         q, k, v, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
         compress_block_size=compress_block_size, selected_block_size=selected_block_size,
         num_selected_blocks=num_selected_blocks, window_size=window_size, W_k=W_k, W_v=W_v,
@@ -47,13 +47,16 @@ def nsa(q: Tensor, k: Tensor, v: Tensor, *, cu_seqlens: Tensor | None = None,
         num_cmp_selected_blocks=num_cmp_selected_blocks, q_tile=_q_tile,
         cmp_kv_block=_cmp_kv_block)
     weights = tuple(None if W is None else W.contiguous() for W in (W_k, W_v, W_gate))
+    # The checks read cu_seqlens once; its values travel with the call from here on.
     if cu_seqlens is not None:
         return NSAFunction.apply(q.contiguous(), k.contiguous(), v.contiguous(), *weights,
-                                 cu_seqlens, max_seqlen, config)
-    # A padded batch is B sequences of N rows, packed (an empty batch as one empty sequence).
+                                 cu_seqlens, sequences.max_seqlen, config, sequences.cu_seqlens)
+    # A padded batch is B sequences of N rows, packed (an empty batch as one empty sequence);
+    # built on the device, so nothing waits on it (sequences.cu_seqlens holds the same values).
     batch, seqlen = q.shape[:2]
     cu_seqlens = torch.arange(max(batch, 1) + 1, dtype=torch.int32, device=q.device) * \
         (seqlen if batch else 0)
     packed = (x.reshape(batch * seqlen, *x.shape[2:]) for x in (q, k, v))
-    out = NSAFunction.apply(*packed, *weights, cu_seqlens, max_seqlen, config)
+    out = NSAFunction.apply(*packed, *weights, cu_seqlens, sequences.max_seqlen, config,
+                            sequences.cu_seqlens)
     return out.view(q.shape)

@@ -4,6 +4,11 @@ A `Branch` is the keyword arguments of kernels.attention_forward/backward for on
 sequences, the mask and the block-sparse lists), built once per nsa() call and replayed in the
 backward. The public functions below run one branch alone with the signatures of their
 `nsa.reference` counterparts, so the tests compare them piece by piece.
+
+Inside nsa() a branch also carries the host values of its cu_seqlens, which nsa() read and
+checked once, and calls the kernels' trusted entry points: the same checks without reading the
+device again (nine attention calls per layer would otherwise stall a GPU each time). Its lists
+come from `sparsity`'s builders, which check their inputs themselves.
 """
 from __future__ import annotations
 
@@ -12,11 +17,14 @@ from dataclasses import dataclass
 from torch import Tensor
 
 import kernels
+from kernels.interface import attention_backward_trusted, attention_forward_trusted
 from sparsity import (BlockSparseTensors, build_compressed_block_sparse,
                       build_selected_block_sparse)
 from nsa.selection_rule import CMP_KV_BLOCK, SELECTION_Q_TILE
 
 COMPRESSED, SELECTED, WINDOW = 0, 1, 2  # branch order, also the gate order of W_gate (H, 3, D)
+
+HostBounds = tuple[int, ...]  # the values of a (S+1,) cu_seqlens tensor, on the host
 
 
 @dataclass(frozen=True, eq=False)
@@ -27,6 +35,9 @@ class Branch:
 
     index: int  # COMPRESSED, SELECTED or WINDOW
     kernel_kwargs: dict
+    # The values of kernel_kwargs' (cu_seqlens_q, cu_seqlens_k) as nsa() checked them; None: the
+    # kernels check (and read) them on every call.
+    host_cu_seqlens: tuple[HostBounds, HostBounds] | None = None
 
     @property
     def reads_compressed(self) -> bool:
@@ -34,20 +45,29 @@ class Branch:
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """(out, lse) of this branch; k, v are the compressed ones for the compressed branch."""
-        return kernels.attention_forward(q, k, v, **self.kernel_kwargs)
+        if self.host_cu_seqlens is None:
+            return kernels.attention_forward(q, k, v, **self.kernel_kwargs)
+        return attention_forward_trusted(q, k, v, host_cu_seqlens=self.host_cu_seqlens,
+                                         **self.kernel_kwargs)
 
     def backward(self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor
                  ) -> tuple[Tensor, Tensor, Tensor]:
         """(dq, dk, dv), dk and dv summed over each KV group."""
-        return kernels.attention_backward(dout, q, k, v, out, lse, **self.kernel_kwargs)
+        if self.host_cu_seqlens is None:
+            return kernels.attention_backward(dout, q, k, v, out, lse, **self.kernel_kwargs)
+        return attention_backward_trusted(dout, q, k, v, out, lse,
+                                          host_cu_seqlens=self.host_cu_seqlens,
+                                          **self.kernel_kwargs)
 
 
 def compressed_branch(cu_seqlens: Tensor, cu_seqlens_cmp: Tensor, *, compress_block_size: int,
                       softmax_scale: float, causal: bool, cmp_selected: Tensor | None = None,
                       q_tile: int = SELECTION_Q_TILE, cmp_kv_block: int = CMP_KV_BLOCK,
-                      max_seqlen: int | None = None) -> Branch:
+                      max_seqlen: int | None = None,
+                      host_cu_seqlens: tuple[HostBounds, HostBounds] | None = None) -> Branch:
     """Attention to the compressed tokens: causal with compress_factor = l; block-sparse over
-    blocks of cmp_kv_block compressed tokens when cmp_selected (R, Hkv, n) is given."""
+    blocks of cmp_kv_block compressed tokens when cmp_selected (R, Hkv, n) is given.
+    host_cu_seqlens: the checked values of (cu_seqlens, cu_seqlens_cmp), if the caller has them."""
     block_sparse = None
     if cmp_selected is not None:
         block_sparse = _compressed_block_sparse(cu_seqlens, cu_seqlens_cmp, cmp_selected,
@@ -56,30 +76,38 @@ def compressed_branch(cu_seqlens: Tensor, cu_seqlens_cmp: Tensor, *, compress_bl
     return Branch(COMPRESSED, dict(
         cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens_cmp, max_seqlen_q=max_seqlen,
         max_seqlen_k=max_seqlen_cmp, softmax_scale=softmax_scale, causal=causal,
-        compress_factor=compress_block_size, block_sparse=block_sparse))
+        compress_factor=compress_block_size, block_sparse=block_sparse), host_cu_seqlens)
 
 
 def selected_branch(cu_seqlens: Tensor, selected: Tensor, *, selected_block_size: int,
                     softmax_scale: float, causal: bool, q_tile: int = SELECTION_Q_TILE,
-                    max_seqlen: int | None = None) -> Branch:
+                    max_seqlen: int | None = None,
+                    host_cu_seqlens: HostBounds | None = None) -> Branch:
     """Attention to the selected blocks (R, Hkv, k): kernel tiles of q_tile rows and
-    selected_block_size keys, causal inside the diagonal blocks."""
+    selected_block_size keys, causal inside the diagonal blocks.
+    host_cu_seqlens: the checked values of cu_seqlens, if the caller has them."""
     block_sparse = build_selected_block_sparse(
         selected, cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens, q_tile=q_tile,
         selected_block_size=selected_block_size, kv_block=selected_block_size, causal=causal)
     return Branch(SELECTED, dict(
         cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens, max_seqlen_q=max_seqlen,
         max_seqlen_k=max_seqlen, softmax_scale=softmax_scale, causal=causal,
-        block_sparse=block_sparse))
+        block_sparse=block_sparse), _self_attention(host_cu_seqlens))
 
 
 def window_branch(cu_seqlens: Tensor, *, window_size: int, softmax_scale: float,
-                  max_seqlen: int | None = None) -> Branch:
-    """Sliding window: row i sees keys i - window_size < j <= i."""
+                  max_seqlen: int | None = None,
+                  host_cu_seqlens: HostBounds | None = None) -> Branch:
+    """Sliding window: row i sees keys i - window_size < j <= i.
+    host_cu_seqlens: the checked values of cu_seqlens, if the caller has them."""
     return Branch(WINDOW, dict(
         cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens, max_seqlen_q=max_seqlen,
         max_seqlen_k=max_seqlen, softmax_scale=softmax_scale, causal=True,
-        window_size=(window_size - 1, 0)))
+        window_size=(window_size - 1, 0)), _self_attention(host_cu_seqlens))
+
+
+def _self_attention(host_cu_seqlens: HostBounds | None) -> tuple[HostBounds, HostBounds] | None:
+    return None if host_cu_seqlens is None else (host_cu_seqlens, host_cu_seqlens)
 
 
 def compressed_attention(q: Tensor, k_cmp: Tensor, v_cmp: Tensor, cu_seqlens: Tensor,

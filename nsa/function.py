@@ -5,6 +5,10 @@ It saves the inputs, the compact block-sparse lists and each branch's lse, never
 the backward recomputes one branch at a time (its output is needed for dO.O and the gate
 gradients), runs that branch's attention backward with dO_b = g_b * dO, adds its dq/dk/dv into
 the running sums and frees the branch's tensors before the next, so the peak is one branch.
+
+The sequence bounds live on the host too (`PackedSequences`, as nsa() read them while checking):
+the compressed bounds, the number of compressed tokens and every kernel call's checks use those
+values, so after the checks only selection and the block-list builders read the device.
 """
 from __future__ import annotations
 
@@ -17,22 +21,27 @@ from nsa.compression import (compress, compress_backward, compressed_block_rows,
 from nsa.config import NSAConfig
 from nsa.gating import NUM_BRANCHES, gate_backward, gate_weights
 from nsa.selection import select_blocks
+from nsa.validation import PackedSequences
 
 
 class NSAFunction(torch.autograd.Function):
     """nsa() on packed tensors: q (T, H, D), k, v (T, Hkv, D), cu_seqlens (S+1,) int32.
 
     Arguments are trusted (nsa() validates them); gradients flow to q, k, v, W_k, W_v, W_gate.
+    host_cu_seqlens: cu_seqlens's values as nsa() read them; None reads them here (once).
     """
 
     @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, W_k: Tensor | None, W_v: Tensor | None,
                 W_gate: Tensor | None, cu_seqlens: Tensor, max_seqlen: int,
-                config: NSAConfig) -> Tensor:
+                config: NSAConfig, host_cu_seqlens: tuple[int, ...] | None = None) -> Tensor:
+        if host_cu_seqlens is None:
+            host_cu_seqlens = tuple(cu_seqlens.tolist())
+        sequences = PackedSequences(tuple(host_cu_seqlens), max_seqlen)
         cu_seqlens_cmp = compressed_cu_seqlens(cu_seqlens, config.compress_block_size)
-        rows = _compressed_rows(cu_seqlens, cu_seqlens_cmp, config)
+        rows = _compressed_rows(cu_seqlens, cu_seqlens_cmp, sequences, config)
         k_cmp = compress(k, rows, W_k)  # compute dtype: the selection scores read it
-        branches = _plan_branches(q, k_cmp, cu_seqlens, cu_seqlens_cmp, max_seqlen, config)
+        branches = _plan_branches(q, k_cmp, cu_seqlens, cu_seqlens_cmp, sequences, config)
         k_cmp, v_cmp = k_cmp.to(k.dtype), compress(v, rows, W_v).to(v.dtype)
         del rows
 
@@ -48,7 +57,7 @@ class NSAFunction(torch.autograd.Function):
         del k_cmp, v_cmp
 
         ctx.save_for_backward(q, k, v, W_k, W_v, W_gate, cu_seqlens, cu_seqlens_cmp, *lses)
-        ctx.branches, ctx.config = branches, config
+        ctx.branches, ctx.config, ctx.sequences = branches, config, sequences
         return out.to(q.dtype)
 
     @staticmethod
@@ -68,7 +77,7 @@ class NSAFunction(torch.autograd.Function):
         branch: Branch
         for branch, lse in zip(ctx.branches, lses):
             if branch.reads_compressed:
-                rows = _compressed_rows(cu_seqlens, cu_seqlens_cmp, config)
+                rows = _compressed_rows(cu_seqlens, cu_seqlens_cmp, ctx.sequences, config)
                 keys = compress(k, rows, W_k).to(k.dtype)
                 values = compress(v, rows, W_v).to(v.dtype)
             else:
@@ -99,30 +108,35 @@ class NSAFunction(torch.autograd.Function):
         if dW_v is not None:
             dW_v = dW_v.to(W_v.dtype)
         return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dW_k, dW_v, dW_gate,
-                None, None, None)
+                None, None, None, None)
 
 
-def _compressed_rows(cu_seqlens: Tensor, cu_seqlens_cmp: Tensor, config: NSAConfig) -> Tensor:
-    return compressed_block_rows(cu_seqlens, cu_seqlens_cmp, config.compress_block_size,
-                                 int(cu_seqlens_cmp[-1]))
+def _compressed_rows(cu_seqlens: Tensor, cu_seqlens_cmp: Tensor, sequences: PackedSequences,
+                     config: NSAConfig) -> Tensor:
+    l = config.compress_block_size
+    num_compressed = sequences.compressed_cu_seqlens(l)[-1]
+    return compressed_block_rows(cu_seqlens, cu_seqlens_cmp, l, num_compressed)
 
 
 def _plan_branches(q: Tensor, k_cmp: Tensor, cu_seqlens: Tensor, cu_seqlens_cmp: Tensor,
-                   max_seqlen: int, config: NSAConfig) -> list[Branch]:
+                   sequences: PackedSequences, config: NSAConfig) -> list[Branch]:
     """Select blocks (scored against k_cmp in the compute dtype); describe the branches that run."""
     selection = select_blocks(q, k_cmp, cu_seqlens, cu_seqlens_cmp, **config.selection_kwargs())
-    scale = config.softmax_scale
+    scale, max_seqlen, host = config.softmax_scale, sequences.max_seqlen, sequences.cu_seqlens
+    host_cmp = sequences.compressed_cu_seqlens(config.compress_block_size)
     branches = [
         compressed_branch(cu_seqlens, cu_seqlens_cmp,
                           compress_block_size=config.compress_block_size, softmax_scale=scale,
                           causal=config.causal, cmp_selected=selection.cmp_selected,
                           q_tile=config.q_tile, cmp_kv_block=config.cmp_kv_block,
-                          max_seqlen=max_seqlen),
+                          max_seqlen=max_seqlen, host_cu_seqlens=(host, host_cmp)),
         selected_branch(cu_seqlens, selection.selected,
                         selected_block_size=config.selected_block_size, softmax_scale=scale,
-                        causal=config.causal, q_tile=config.q_tile, max_seqlen=max_seqlen),
+                        causal=config.causal, q_tile=config.q_tile, max_seqlen=max_seqlen,
+                        host_cu_seqlens=host),
     ]
     if config.window_size > 0:
         branches.append(window_branch(cu_seqlens, window_size=config.window_size,
-                                      softmax_scale=scale, max_seqlen=max_seqlen))
+                                      softmax_scale=scale, max_seqlen=max_seqlen,
+                                      host_cu_seqlens=host))
     return branches

@@ -2,12 +2,15 @@
 
 Each failure raises TypeError (wrong kind of value) or ValueError (right kind, wrong value) whose
 message names the argument and the form it should have. Reading cu_seqlens's values is the one
-host transfer the checks need.
+host transfer the checks need; the values read are returned (`PackedSequences`) so that the rest
+of the call never reads them again.
 """
 from __future__ import annotations
 
 import math
 import numbers
+from dataclasses import dataclass
+from itertools import accumulate
 
 import torch
 from torch import Tensor
@@ -18,11 +21,35 @@ from nsa.selection_rule import min_selected_blocks
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
-def validate_nsa_arguments(q, k, v, *, cu_seqlens, max_seqlen, compress_block_size,
-                           selected_block_size, num_selected_blocks, window_size, W_k, W_v,
-                           W_gate, causal, softmax_scale, num_cmp_selected_blocks, q_tile,
-                           cmp_kv_block) -> tuple[NSAConfig, int]:
-    """The resolved options and max_seqlen, or an error naming the first bad argument."""
+@dataclass(frozen=True)
+class PackedSequences:
+    """The sequences of one checked nsa() call as packed rows, on the host.
+
+    A padded batch (B, N) is B sequences of N rows (an empty batch one empty sequence), exactly as
+    nsa() packs it.
+    """
+
+    cu_seqlens: tuple[int, ...]  # (S+1,) the values of the packed cu_seqlens tensor
+    max_seqlen: int
+
+    def compressed_cu_seqlens(self, compress_block_size: int) -> tuple[int, ...]:
+        """The values of nsa.compression.compressed_cu_seqlens, without reading the device."""
+        counts = ((b - a) // compress_block_size
+                  for a, b in zip(self.cu_seqlens, self.cu_seqlens[1:]))
+        return tuple(accumulate(counts, initial=0))
+
+
+def validate_nsa_arguments(q, k, v, **kwargs) -> tuple[NSAConfig, int]:
+    """The resolved options and max_seqlen (see validate_nsa_call)."""
+    config, sequences = validate_nsa_call(q, k, v, **kwargs)
+    return config, sequences.max_seqlen
+
+
+def validate_nsa_call(q, k, v, *, cu_seqlens, max_seqlen, compress_block_size,
+                      selected_block_size, num_selected_blocks, window_size, W_k, W_v, W_gate,
+                      causal, softmax_scale, num_cmp_selected_blocks, q_tile,
+                      cmp_kv_block) -> tuple[NSAConfig, PackedSequences]:
+    """The resolved options and the sequences, or an error naming the first bad argument."""
     q_tile = _positive_int("_q_tile", q_tile)
     cmp_kv_block = _positive_int("_cmp_kv_block", cmp_kv_block)
     config = NSAConfig(
@@ -45,11 +72,14 @@ def validate_nsa_arguments(q, k, v, *, cu_seqlens, max_seqlen, compress_block_si
     _check_weight("W_v", W_v, (kv_heads, head_dim, head_dim), "(Hkv, D, D)", q)
     _check_weight("W_gate", W_gate, (heads, 3, head_dim), "(H, 3, D)", q)
     if varlen:
-        max_seqlen = _check_cu_seqlens(cu_seqlens, max_seqlen, q)
+        sequences = _check_cu_seqlens(cu_seqlens, max_seqlen, q)
     else:
-        max_seqlen = _check_padded_max_seqlen(max_seqlen, q.shape[1])
+        batch, seqlen = q.shape[:2]
+        sequences = PackedSequences(
+            cu_seqlens=tuple(i * (seqlen if batch else 0) for i in range(max(batch, 1) + 1)),
+            max_seqlen=_check_padded_max_seqlen(max_seqlen, seqlen))
     scale = _softmax_scale(softmax_scale, head_dim)
-    return NSAConfig(**{**config.__dict__, "softmax_scale": scale}), max_seqlen
+    return NSAConfig(**{**config.__dict__, "softmax_scale": scale}), sequences
 
 
 # --- tensors -------------------------------------------------------------------------------------
@@ -102,7 +132,7 @@ def _check_weight(name: str, W, shape: tuple[int, ...], form: str, q: Tensor) ->
         raise ValueError(f"{name} must be on q's device ({q.device}), got {W.device}")
 
 
-def _check_cu_seqlens(cu_seqlens, max_seqlen, q: Tensor) -> int:
+def _check_cu_seqlens(cu_seqlens, max_seqlen, q: Tensor) -> PackedSequences:
     _tensor("cu_seqlens", cu_seqlens)
     if cu_seqlens.dtype != torch.int32:
         raise TypeError(f"cu_seqlens must be int32, got {cu_seqlens.dtype}")
@@ -122,12 +152,12 @@ def _check_cu_seqlens(cu_seqlens, max_seqlen, q: Tensor) -> int:
                          f"got {cu[-1]}")
     longest = max(b - a for a, b in zip(cu, cu[1:]))
     if max_seqlen is None:
-        return longest
+        return PackedSequences(tuple(cu), longest)
     max_seqlen = _int("max_seqlen", max_seqlen)
     if max_seqlen < longest:
         raise ValueError(f"max_seqlen must be >= the longest sequence in cu_seqlens ({longest}), "
                          f"got {max_seqlen}")
-    return max_seqlen
+    return PackedSequences(tuple(cu), max_seqlen)
 
 
 def _check_padded_max_seqlen(max_seqlen, seqlen: int) -> int:
