@@ -28,7 +28,8 @@ def check_same_device(tensor: Tensor, device: torch.device, name: str, reference
 def check_cu_seqlens(cu_seqlens, name: str, device: torch.device | None = None) -> Tensor:
     """Checks a (S+1,) cumulative-length tensor and returns it as int64 (same device).
 
-    The int64 copy keeps the builders' position arithmetic safe for any total length.
+    The int64 copy keeps the builders' position arithmetic safe for any total length. The values
+    are read to the host once (one device sync on a GPU) and checked there.
     """
     check_tensor(cu_seqlens, name)
     if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1:
@@ -37,12 +38,12 @@ def check_cu_seqlens(cu_seqlens, name: str, device: torch.device | None = None) 
         raise ValueError(f"{name} must be int32 (or int64), got {cu_seqlens.dtype}")
     if device is not None:
         check_same_device(cu_seqlens, device, name, "the other index tensors")
-    cu = cu_seqlens.to(torch.int64)
-    if int(cu[0]) != 0:
-        raise ValueError(f"{name} must start at 0, got {int(cu[0])}")
-    if cu.numel() > 1 and bool((cu.diff() < 0).any()):
+    bounds = cu_seqlens.tolist()
+    if bounds[0] != 0:
+        raise ValueError(f"{name} must start at 0, got {bounds[0]}")
+    if any(b < a for a, b in zip(bounds, bounds[1:])):
         raise ValueError(f"{name} must be non-decreasing (cumulative sequence lengths)")
-    return cu
+    return cu_seqlens.to(torch.int64)
 
 
 def check_matching_sequences(cu_a: Tensor, name_a: str, cu_b: Tensor, name_b: str) -> None:
@@ -64,7 +65,8 @@ def check_block_indices(indices, name: str, num_rows: int) -> Tensor:
                          "q tiles in total (sum over sequences of ceil(seqlen_q / q_tile))")
     if indices.shape[1] < 1:
         raise ValueError(f"{name} must have at least one head, got shape {tuple(indices.shape)}")
-    if indices.numel() > 0 and int(indices.min()) < -1:
+    lowest = int(indices.min()) if indices.numel() > 0 else -1  # the one device read
+    if lowest < -1:
         raise ValueError(f"{name} entries must be block indices >= 0 or -1 (padding), "
-                         f"got {int(indices.min())}")
+                         f"got {lowest}")
     return indices.to(torch.int64)
