@@ -45,6 +45,13 @@ def resolve_device(name: str | None) -> torch.device:
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def describe_device(device: torch.device) -> str:
+    """The GPU's name, or "cpu (N threads)", for a tool's header and JSON."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"cpu ({torch.get_num_threads()} threads)"
+
+
 def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)

@@ -31,7 +31,7 @@ from nsa.selection import select_blocks  # noqa: E402
 from nsa.validation import validate_nsa_arguments  # noqa: E402
 from sparsity import row_block_offsets_from_cu_seqlens, transpose_block_sparse  # noqa: E402
 from _common import (  # noqa: E402
-    add_problem_arguments, nsa_options, positive_int, problem_defaults_epilog,
+    add_problem_arguments, describe_device, nsa_options, positive_int, problem_defaults_epilog,
     random_gate, random_qkv, resolve_problem_arguments, write_results_json)
 
 MiB = 2 ** 20
@@ -173,8 +173,7 @@ def parse_args(argv):
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
-    device = (torch.cuda.get_device_name(args.device) if args.device.type == "cuda"
-              else f"cpu ({torch.get_num_threads()} threads)")
+    device = describe_device(args.device)
     print(f"{device}, torch {torch.__version__}; B={args.batch} H={args.heads} "
           f"Hkv={args.kv_heads} D={args.head_dim} {args.dtype}; l={args.compress_block_size} "
           f"l'={args.selected_block_size} n={args.num_selected_blocks} w={args.window_size}")

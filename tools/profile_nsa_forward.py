@@ -28,7 +28,7 @@ from nsa.gating import gate_weights  # noqa: E402
 from nsa.selection import select_blocks  # noqa: E402
 from nsa.validation import validate_nsa_arguments  # noqa: E402
 from _common import (  # noqa: E402
-    add_problem_arguments, cu_seqlens_of, nsa_options, positive_int,
+    add_problem_arguments, describe_device, cu_seqlens_of, nsa_options, positive_int,
     problem_defaults_epilog, random_gate, random_qkv, resolve_problem_arguments,
     time_ms, varlen_lengths, write_results_json)
 
@@ -164,8 +164,7 @@ def parse_args(argv):
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
-    device = (torch.cuda.get_device_name(args.device) if args.device.type == "cuda"
-              else f"cpu ({torch.get_num_threads()} threads)")
+    device = describe_device(args.device)
     print(f"{device}, torch {torch.__version__}; H={args.heads} Hkv={args.kv_heads} "
           f"D={args.head_dim} {args.dtype}; l={args.compress_block_size} "
           f"l'={args.selected_block_size} n={args.num_selected_blocks} w={args.window_size}")
