@@ -65,7 +65,10 @@ def _spec_for(q, causal, window_size, block_sparse, compress_factor=1):
 
 @functools.lru_cache(maxsize=64)
 def _uniform_cu_seqlens(batch: int, seqlen: int, device: torch.device) -> torch.Tensor:
-    return torch.arange(0, batch + 1, device=device, dtype=torch.int32) * seqlen
+    """Cached per shape, so a padded launch allocates nothing extra."""
+    from sparsity import uniform_cu_seqlens
+
+    return uniform_cu_seqlens(batch, seqlen, device=device)
 
 
 def _as_cute(t: torch.Tensor | None, tvm_ffi: bool = False):
@@ -90,19 +93,25 @@ def _tvm_ffi_available() -> bool:
     return True
 
 
+def _typed_scalars(scalars):
+    """(max_seqlen_q, softmax_scale, compress_factor, window left, window right) as DSL types."""
+    import cutlass
+
+    max_seqlen_q, scale, compress_factor, left, right = scalars
+    return (cutlass.Int32(max_seqlen_q), cutlass.Float32(scale), cutlass.Int32(compress_factor),
+            cutlass.Int32(left), cutlass.Int32(right))
+
+
 def _launch(spec, tensors, scalars, sparse):
     """Compile on first use, then launch on the current stream."""
-    import cutlass
     from cutlass.cute.runtime import make_fake_stream
 
     from kernels.sm90.compile import compiled_forward
 
-    max_seqlen_q, scale, compress_factor, left, right = scalars
-    typed_scalars = (cutlass.Int32(max_seqlen_q), cutlass.Float32(scale),
-                     cutlass.Int32(compress_factor), cutlass.Int32(left), cutlass.Int32(right))
     if _tvm_ffi_available():
+        # Python scalars go straight through; the typed ones are needed only to compile.
         kernel = compiled_forward(spec, lambda: (
-            *(_as_cute(t, True) for t in tensors), *typed_scalars,
+            *(_as_cute(t, True) for t in tensors), *_typed_scalars(scalars),
             *(_as_cute(t, True) for t in sparse), make_fake_stream(use_tvm_ffi_env_stream=True),
         ), tvm_ffi=True)
         kernel(*tensors, *scalars, *sparse)
@@ -110,8 +119,8 @@ def _launch(spec, tensors, scalars, sparse):
     import cuda.bindings.driver as cuda
 
     stream = cuda.CUstream(torch.cuda.current_stream(tensors[0].device).cuda_stream)
-    args = (*(_as_cute(t) for t in tensors), *typed_scalars, *(_as_cute(t) for t in sparse),
-            stream)
+    args = (*(_as_cute(t) for t in tensors), *_typed_scalars(scalars),
+            *(_as_cute(t) for t in sparse), stream)
     compiled_forward(spec, lambda: args)(*args)
 
 
