@@ -81,5 +81,5 @@ def compile_forward_on_fake_tensors(spec: FwdSpec):
     kernel = FlashAttentionForwardSm90(spec)
     return cute.compile(
         kernel, *tensors, cutlass.Int32(1), cutlass.Float32(1.0), cutlass.Int32(1),
-        cutlass.Int32(0), cutlass.Int32(0), *sparse, make_fake_stream(),
+        cutlass.Int32(0), cutlass.Int32(0), cutlass.Int32(132), *sparse, make_fake_stream(),
     )

@@ -22,6 +22,9 @@ class FwdSpec:
     tile_m: int = 128          # query rows per CTA (two consumer warpgroups of 64 rows)
     tile_n: int = 128          # keys per KV tile; the block-sparse column block size
     num_stages: int = 2        # K and V pipeline depth
+    q_stages: int = 1          # Q buffers: 2 lets a persistent CTA load the next tile's Q early
+    persistent: bool = False   # one CTA per SM walking tiles (kernels/sm90/tile_scheduler.py)
+    heads_fastest: bool = False  # tile order: a GQA group's heads side by side (L2 sharing)
 
     @property
     def masks_rows(self) -> bool:

@@ -1,0 +1,128 @@
+"""Time compile-time variants of the sm90 forward kernel against each other and FA4.
+
+The dispatcher (`kernels/sm90/forward.py::_spec_for`) picks a tile schedule per case; this
+script is how those picks are measured. For each case it runs the default spec and the
+variants (persistent CTAs, GQA heads side by side in the tile order, a second Q buffer), checks
+every variant's output and lse against the one-CTA-per-tile kernel (they must agree exactly:
+the schedule does not change the arithmetic), and prints a table with FA4 from the same run.
+
+    python tools/tune_sm90_forward.py --seqlens 16384 65536 --json tune.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import _common  # noqa: E402
+
+VARIANTS = {
+    "grid": dict(persistent=False, heads_fastest=False, q_stages=1),
+    "grid+heads": dict(persistent=False, heads_fastest=True, q_stages=1),
+    "persistent": dict(persistent=True, heads_fastest=False, q_stages=1),
+    "persistent+heads": dict(persistent=True, heads_fastest=True, q_stages=1),
+    "persistent+q2": dict(persistent=True, heads_fastest=False, q_stages=2),
+    "persistent+heads+q2": dict(persistent=True, heads_fastest=True, q_stages=2),
+    "persistent+q2+n64": dict(persistent=True, heads_fastest=False, q_stages=2, tile_n=64),
+    "persistent+n64+s4": dict(persistent=True, heads_fastest=False, tile_n=64, num_stages=4),
+}
+
+
+def cases(n: int, heads: int, heads_kv: int, dim: int):
+    """(name, attended pairs per head, kwargs for run, FA4 kwargs or None, kv length)."""
+    window = 512
+    yield ("causal window 512", sum(min(i + 1, window) for i in range(n)),
+           dict(causal=True, window_size=(window - 1, 0)),
+           dict(causal=True, window_size=(window - 1, 0)), n)
+    cf = 64
+    yield ("compress_factor 64", sum((i + 1) // cf for i in range(n)),
+           dict(causal=True, compress_factor=cf), None, n // cf)
+    yield ("dense causal", n * (n + 1) / 2, dict(causal=True), dict(causal=True), n)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seqlens", type=int, nargs="+", default=[16384, 65536])
+    parser.add_argument("--heads", type=int, default=32)
+    parser.add_argument("--heads-kv", type=int, default=8)
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--skip-dense", action="store_true", help="leave out dense causal")
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        parser.error("needs a CUDA GPU (sm_90)")
+    from kernels.sm90.forward import run
+
+    device = torch.device("cuda")
+    variants = args.variants.split(",")
+    rows = []
+    for n in args.seqlens:
+        torch.manual_seed(0)
+        q = torch.randn(n, args.heads, args.head_dim, device=device, dtype=torch.bfloat16)
+        for name, pairs, kwargs, fa4_kwargs, n_k in cases(n, args.heads, args.heads_kv,
+                                                          args.head_dim):
+            if args.skip_dense and name == "dense causal":
+                continue
+            k = torch.randn(n_k, args.heads_kv, args.head_dim, device=device,
+                            dtype=torch.bfloat16)
+            v = torch.randn_like(k)
+            cu_q = torch.tensor([0, n], dtype=torch.int32, device=device)
+            cu_k = torch.tensor([0, n_k], dtype=torch.int32, device=device)
+            call = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=n, max_seqlen_k=n_k,
+                        softmax_scale=args.head_dim ** -0.5, **kwargs)
+            tflops = lambda ms: 4 * args.head_dim * pairs * args.heads / (ms * 1e-3) / 1e12
+            fa4_ms = None
+            if fa4_kwargs is not None:
+                try:
+                    from flash_attn.cute.interface import flash_attn_func
+
+                    fa4_ms = _common.time_ms(
+                        lambda: flash_attn_func(q[None], k[None], v[None], **fa4_kwargs),
+                        device, warmup=3, repeats=args.reps)
+                except ImportError:
+                    pass
+            reference = None
+            for variant in variants:
+                overrides = VARIANTS[variant]
+                try:
+                    out, lse = run(q, k, v, spec_overrides=overrides, **call)
+                    torch.cuda.synchronize()
+                except Exception as error:  # report a variant that cannot launch, go on
+                    rows.append(dict(seqlen=n, case=name, variant=variant, error=repr(error)))
+                    print(f"{n} {name} {variant}: {error!r}", file=sys.stderr)
+                    continue
+                if reference is None:
+                    reference = (out, lse)
+                diff = max((out.float() - reference[0].float()).abs().max().item(),
+                           (lse - reference[1]).nan_to_num(0.0, 0.0, 0.0).abs().max().item())
+                ms = _common.time_ms(lambda: run(q, k, v, spec_overrides=overrides, **call),
+                                     device, warmup=3, repeats=args.reps)
+                rows.append(dict(seqlen=n, case=name, variant=variant, ms=ms,
+                                 tflops=tflops(ms), fa4_ms=fa4_ms,
+                                 fa4_over_ours=fa4_ms / ms if fa4_ms else None,
+                                 max_diff_vs_first=diff))
+    print(f"\n{_common.describe_device(device)}, bf16, B=1, H={args.heads}, "
+          f"Hkv={args.heads_kv}, D={args.head_dim}, medians of {args.reps}")
+    print(f"{'N':>6} {'case':<19} {'variant':<20} {'ms':>8} {'TFLOP/s':>8} {'FA4 ms':>8} "
+          f"{'FA4/ours':>8} {'diff':>8}")
+    for r in rows:
+        if "error" in r:
+            print(f"{r['seqlen']:>6} {r['case']:<19} {r['variant']:<20} error")
+            continue
+        fa4 = f"{r['fa4_ms']:.3f}" if r["fa4_ms"] else "-"
+        ratio = f"{r['fa4_over_ours']:.2f}" if r["fa4_over_ours"] else "-"
+        print(f"{r['seqlen']:>6} {r['case']:<19} {r['variant']:<20} {r['ms']:>8.3f} "
+              f"{r['tflops']:>8.0f} {fa4:>8} {ratio:>8} {r['max_diff_vs_first']:>8.1e}")
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
