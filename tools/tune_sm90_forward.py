@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
+import statistics
 import sys
 from pathlib import Path
 
@@ -22,14 +24,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import _common  # noqa: E402
 
 VARIANTS = {
-    "grid": dict(persistent=False, heads_fastest=False, q_stages=1),
-    "grid+heads": dict(persistent=False, heads_fastest=True, q_stages=1),
-    "persistent": dict(persistent=True, heads_fastest=False, q_stages=1),
-    "persistent+heads": dict(persistent=True, heads_fastest=True, q_stages=1),
-    "persistent+q2": dict(persistent=True, heads_fastest=False, q_stages=2),
-    "persistent+heads+q2": dict(persistent=True, heads_fastest=True, q_stages=2),
-    "persistent+q2+n64": dict(persistent=True, heads_fastest=False, q_stages=2, tile_n=64),
-    "persistent+n64+s4": dict(persistent=True, heads_fastest=False, tile_n=64, num_stages=4),
+    "grid": dict(persistent=False, heads_fastest=False, q_stages=1, pingpong=False),
+    "grid+heads": dict(persistent=False, heads_fastest=True, q_stages=1, pingpong=False),
+    "grid+pingpong": dict(persistent=False, heads_fastest=False, q_stages=1, pingpong=True),
+    "persistent": dict(persistent=True, heads_fastest=False, q_stages=1, pingpong=False),
+    "persistent+pingpong": dict(persistent=True, heads_fastest=False, q_stages=1, pingpong=True),
+    "persistent+q2": dict(persistent=True, heads_fastest=False, q_stages=2, pingpong=False),
+    "persistent+q2+pingpong": dict(persistent=True, heads_fastest=False, q_stages=2,
+                                   pingpong=True),
+    "persistent+q2+n64": dict(persistent=True, heads_fastest=False, q_stages=2, tile_n=64,
+                              pingpong=False),
 }
 
 
@@ -51,7 +55,8 @@ def main(argv=None):
     parser.add_argument("--heads", type=int, default=32)
     parser.add_argument("--heads-kv", type=int, default=8)
     parser.add_argument("--head-dim", type=int, default=128)
-    parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--reps", type=int, default=10, help="timed calls per round")
+    parser.add_argument("--rounds", type=int, default=5, help="round-robin rounds (median)")
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--skip-dense", action="store_true", help="leave out dense causal")
     parser.add_argument("--json", type=Path, default=None)
@@ -78,17 +83,17 @@ def main(argv=None):
             call = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=n, max_seqlen_k=n_k,
                         softmax_scale=args.head_dim ** -0.5, **kwargs)
             tflops = lambda ms: 4 * args.head_dim * pairs * args.heads / (ms * 1e-3) / 1e12
-            fa4_ms = None
+            reference = None
+            timed = {}
             if fa4_kwargs is not None:
                 try:
                     from flash_attn.cute.interface import flash_attn_func
 
-                    fa4_ms = _common.time_ms(
-                        lambda: flash_attn_func(q[None], k[None], v[None], **fa4_kwargs),
-                        device, warmup=3, repeats=args.reps)
+                    timed["FA4"] = lambda: flash_attn_func(q[None], k[None], v[None],
+                                                           **fa4_kwargs)
                 except ImportError:
                     pass
-            reference = None
+            diffs = {}
             for variant in variants:
                 overrides = VARIANTS[variant]
                 try:
@@ -100,25 +105,39 @@ def main(argv=None):
                     continue
                 if reference is None:
                     reference = (out, lse)
-                diff = max((out.float() - reference[0].float()).abs().max().item(),
-                           (lse - reference[1]).nan_to_num(0.0, 0.0, 0.0).abs().max().item())
-                ms = _common.time_ms(lambda: run(q, k, v, spec_overrides=overrides, **call),
-                                     device, warmup=3, repeats=args.reps)
+                diffs[variant] = max(
+                    (out.float() - reference[0].float()).abs().max().item(),
+                    (lse - reference[1]).nan_to_num(0.0, 0.0, 0.0).abs().max().item())
+                timed[variant] = (lambda o: lambda: run(q, k, v, spec_overrides=o, **call))(
+                    overrides)
+            # Round robin in a shuffled order, median over rounds: clocks and neighbours drift
+            # during a run, and timing variants back to back would hand the drift to one of them.
+            samples = {key: [] for key in timed}
+            order = list(timed)
+            generator = random.Random(0)
+            for _ in range(args.rounds):
+                generator.shuffle(order)
+                for key in order:
+                    samples[key].append(_common.time_ms(timed[key], device, warmup=2,
+                                                        repeats=args.reps))
+            fa4_ms = statistics.median(samples["FA4"]) if "FA4" in samples else None
+            for variant in diffs:
+                ms = statistics.median(samples[variant])
                 rows.append(dict(seqlen=n, case=name, variant=variant, ms=ms,
                                  tflops=tflops(ms), fa4_ms=fa4_ms,
                                  fa4_over_ours=fa4_ms / ms if fa4_ms else None,
-                                 max_diff_vs_first=diff))
+                                 max_diff_vs_first=diffs[variant]))
     print(f"\n{_common.describe_device(device)}, bf16, B=1, H={args.heads}, "
-          f"Hkv={args.heads_kv}, D={args.head_dim}, medians of {args.reps}")
-    print(f"{'N':>6} {'case':<19} {'variant':<20} {'ms':>8} {'TFLOP/s':>8} {'FA4 ms':>8} "
+          f"Hkv={args.heads_kv}, D={args.head_dim}, medians of {args.rounds} rounds x {args.reps} calls, variants interleaved")
+    print(f"{'N':>6} {'case':<19} {'variant':<24} {'ms':>8} {'TFLOP/s':>8} {'FA4 ms':>8} "
           f"{'FA4/ours':>8} {'diff':>8}")
     for r in rows:
         if "error" in r:
-            print(f"{r['seqlen']:>6} {r['case']:<19} {r['variant']:<20} error")
+            print(f"{r['seqlen']:>6} {r['case']:<19} {r['variant']:<24} error")
             continue
         fa4 = f"{r['fa4_ms']:.3f}" if r["fa4_ms"] else "-"
         ratio = f"{r['fa4_over_ours']:.2f}" if r["fa4_over_ours"] else "-"
-        print(f"{r['seqlen']:>6} {r['case']:<19} {r['variant']:<20} {r['ms']:>8.3f} "
+        print(f"{r['seqlen']:>6} {r['case']:<19} {r['variant']:<24} {r['ms']:>8.3f} "
               f"{r['tflops']:>8.0f} {fa4:>8} {ratio:>8} {r['max_diff_vs_first']:>8.1e}")
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))

@@ -77,3 +77,18 @@ class BlockRange:
         if const_expr(self.has_window_left):
             needs = needs | (key_first < self.key_limit_left(row_last))
         return needs
+
+    @cute.jit
+    def unmasked_tiles(self, m_block: Int32, seqlen_q: Int32, seqlen_k: Int32):
+        """[lo, hi): the KV tiles every row of query tile m_block sees completely (may be empty,
+        lo >= hi). The others that the tile visits need the in-register mask."""
+        row_first = m_block * self.tile_m
+        row_last = cutlass.min(row_first + self.tile_m, seqlen_q) - 1
+        key_end = seqlen_k
+        if const_expr(self.causal or self.has_window_right):
+            key_end = cutlass.min(key_end, self.key_limit_right(row_first))
+        hi = key_end // self.tile_n
+        lo = Int32(0)
+        if const_expr(self.has_window_left):
+            lo = (self.key_limit_left(row_last) + self.tile_n - 1) // self.tile_n
+        return lo, hi

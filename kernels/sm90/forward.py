@@ -48,27 +48,13 @@ def can_run(q, k, v, *, block_sparse=None, **_) -> tuple[bool, str]:
 
 
 def _spec_for(q, causal, window_size, block_sparse, compress_factor=1):
-    from kernels.sm90.spec import FwdSpec
+    from kernels.sm90.spec import choose_spec
 
-    left, right = window_size
-    # Short KV ranges per query tile (a causal window, compressed keys): one CTA per SM walking
-    # tiles, so a tile's output store and the next tile's Q load overlap the compute (H100:
-    # window 512 at 16K 0.430 -> 0.405 ms, compress_factor 64 at 16K 0.250 -> 0.184 ms; dense
-    # causal is 25% slower persistent, its long tiles need the hardware's own scheduling).
-    short_kv = block_sparse is None and (compress_factor != 1 or (causal and left >= 0))
-    return FwdSpec(
-        dtype=str(q.dtype).removeprefix("torch."),
-        head_dim=q.shape[-1],
-        causal=bool(causal),
-        has_window_left=left >= 0,
-        has_window_right=right >= 0 and not causal,
-        block_sparse=block_sparse is not None,
-        compressed=compress_factor != 1,
-        tile_m=TILE_M,
-        tile_n=block_sparse.col_block_size if block_sparse is not None else 128,
-        persistent=short_kv,
-        q_stages=2 if short_kv else 1,
-    )
+    return choose_spec(
+        dtype=str(q.dtype).removeprefix("torch."), head_dim=q.shape[-1], causal=causal,
+        window_size=window_size, compress_factor=compress_factor,
+        sparse_block_size=block_sparse.col_block_size if block_sparse is not None else None,
+        tile_m=TILE_M)
 
 
 @functools.lru_cache(maxsize=8)

@@ -38,6 +38,10 @@ from kernels.sm90.spec import FwdSpec
 from kernels.sm90.tile_scheduler import TileOrder
 
 _WARPGROUP = 128
+# Named barriers: 0 is __syncthreads; 1 + wg guards warpgroup wg's output staging; 3 + wg is
+# warpgroup wg's turn to issue wgmma under `FwdSpec.pingpong`.
+_EPILOGUE_BARRIER = 1
+_TURN_BARRIER = 3
 
 
 class FlashAttentionForwardSm90:
@@ -249,6 +253,11 @@ class FlashAttentionForwardSm90:
                                  v_producer=v_producer)
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
+            if const_expr(spec.pingpong):
+                # Warpgroup 0 takes the first turn.
+                if tidx // _WARPGROUP == 1:
+                    cute.arch.barrier_arrive(barrier_id=_TURN_BARRIER,
+                                             number_of_threads=2 * _WARPGROUP)
             if const_expr(spec.persistent):
                 tile = first_tile
                 while tile < num_tiles:
@@ -430,38 +439,74 @@ class FlashAttentionForwardSm90:
             n_block, is_mask_tile = self.kv_tile_at(
                 0, n_max, num_mask_blocks, mFullIndex, mMaskIndex, sparse_row, sparse_head)
             k_handle = k_consumer.wait_and_advance()
+            self.wait_turn(tidx)
             tiled_mma_qk = self.gemm(tiled_mma_qk, acc_s, sQ_stage,
                       tSrK[None, None, None, self.stage_index(k_handle, self.spec.num_stages)], zero_init=True)
+            self.pass_turn(tidx)
             warpgroup.wait_group(0)
             k_handle.release()
             mask_fn(acc_s, n_block=n_block, is_mask_tile=is_mask_tile)
-            softmax_step(acc_s, row_max, row_sum, correction, scale_log2)
+            softmax_step(acc_s, row_max, row_sum, correction, scale_log2, is_first=True)
             r_p_as_acc.store(acc_s.load().to(self.dtype))
         # Intra-warpgroup overlap: S = Q K_j^T and O += P_{j-1} V_{j-1} are issued together,
-        # so the tensor cores work on P V while this warpgroup runs the softmax of S.
-        for it in cutlass.range(1, num_iters, unroll=1):
-            n_block, is_mask_tile = self.kv_tile_at(
-                it, n_max, num_mask_blocks, mFullIndex, mMaskIndex, sparse_row, sparse_head)
-            k_handle = k_consumer.wait_and_advance()
-            tiled_mma_qk = self.gemm(tiled_mma_qk, acc_s, sQ_stage,
-                      tSrK[None, None, None, self.stage_index(k_handle, self.spec.num_stages)], zero_init=True)
-            v_handle = v_consumer.wait_and_advance()
-            tiled_mma_pv = self.gemm(tiled_mma_pv, acc_o, r_p, tOrV[None, None, None, self.stage_index(v_handle, self.spec.num_stages)],
-                      zero_init=False)
-            warpgroup.wait_group(1)
-            k_handle.release()
-            mask_fn(acc_s, n_block=n_block, is_mask_tile=is_mask_tile)
-            softmax_step(acc_s, row_max, row_sum, correction, scale_log2)
-            warpgroup.wait_group(0)
-            v_handle.release()
-            rescale_rows(acc_o, correction)
-            r_p_as_acc.store(acc_s.load().to(self.dtype))
+        # so the tensor cores work on P V while this warpgroup runs the softmax of S. Each loop
+        # below has one compile-time mask kind: a runtime branch between the wgmma issue and its
+        # wait makes ptxas place the wait at the branch's merge point, before the softmax, and
+        # the overlap is lost (seen in SASS: WARPGROUP.DEPBAR ahead of the MUFU.EX2 block).
+        step = partial(
+            self.kv_step, tidx=tidx, sQ_stage=sQ_stage, tSrK=tSrK, tOrV=tOrV, acc_s=acc_s,
+            acc_o=acc_o, r_p=r_p, r_p_as_acc=r_p_as_acc, row_max=row_max, row_sum=row_sum,
+            correction=correction, scale_log2=scale_log2, t_coord=t_coord,
+            block_range=block_range, m_block=m_block, seqlen_k=seqlen_k)
+        if const_expr(self.spec.block_sparse):
+            for it in cutlass.range(1, num_mask_blocks, unroll=1):
+                k_consumer, v_consumer, tiled_mma_qk, tiled_mma_pv = step(
+                    n_block=mMaskIndex[sparse_row, sparse_head, it], mask="causal_window",
+                    k_consumer=k_consumer, v_consumer=v_consumer, tiled_mma_qk=tiled_mma_qk,
+                    tiled_mma_pv=tiled_mma_pv)
+            first_full = cutlass.max(num_mask_blocks, 1)
+            if seqlen_k % self.tile_n == 0:
+                for it in cutlass.range(first_full, num_iters, unroll=1):
+                    k_consumer, v_consumer, tiled_mma_qk, tiled_mma_pv = step(
+                        n_block=mFullIndex[sparse_row, sparse_head, it - num_mask_blocks],
+                        mask=None, k_consumer=k_consumer, v_consumer=v_consumer,
+                        tiled_mma_qk=tiled_mma_qk, tiled_mma_pv=tiled_mma_pv)
+            else:
+                # Some "full" block may cross the sequence end: mask keys past it everywhere.
+                for it in cutlass.range(first_full, num_iters, unroll=1):
+                    k_consumer, v_consumer, tiled_mma_qk, tiled_mma_pv = step(
+                        n_block=mFullIndex[sparse_row, sparse_head, it - num_mask_blocks],
+                        mask="seqlen", k_consumer=k_consumer, v_consumer=v_consumer,
+                        tiled_mma_qk=tiled_mma_qk, tiled_mma_pv=tiled_mma_pv)
+        else:
+            # Tiles are visited from n_max - 1 down: masked ones (diagonal, sequence end), then
+            # unmasked ones, then masked ones again (the left window edge).
+            unmasked_lo, unmasked_hi = block_range.unmasked_tiles(m_block, seqlen_q, seqlen_k)
+            it_unmasked = cutlass.min(cutlass.max(n_max - unmasked_hi, 1), num_iters)
+            it_masked_left = cutlass.min(cutlass.max(n_max - unmasked_lo, it_unmasked),
+                                         num_iters)
+            for it in cutlass.range(1, it_unmasked, unroll=1):
+                k_consumer, v_consumer, tiled_mma_qk, tiled_mma_pv = step(
+                    n_block=n_max - 1 - it, mask="causal_window", k_consumer=k_consumer,
+                    v_consumer=v_consumer, tiled_mma_qk=tiled_mma_qk, tiled_mma_pv=tiled_mma_pv)
+            for it in cutlass.range(it_unmasked, it_masked_left, unroll=1):
+                k_consumer, v_consumer, tiled_mma_qk, tiled_mma_pv = step(
+                    n_block=n_max - 1 - it, mask=None, k_consumer=k_consumer,
+                    v_consumer=v_consumer, tiled_mma_qk=tiled_mma_qk, tiled_mma_pv=tiled_mma_pv)
+            if const_expr(self.spec.has_window_left):
+                for it in cutlass.range(it_masked_left, num_iters, unroll=1):
+                    k_consumer, v_consumer, tiled_mma_qk, tiled_mma_pv = step(
+                        n_block=n_max - 1 - it, mask="causal_window", k_consumer=k_consumer,
+                        v_consumer=v_consumer, tiled_mma_qk=tiled_mma_qk,
+                        tiled_mma_pv=tiled_mma_pv)
         # Every Q K^T product of this tile is done: the producer may load the next tile's Q.
         q_handle.release()
         if num_iters > 0:
             v_handle = v_consumer.wait_and_advance()
+            self.wait_turn(tidx)
             tiled_mma_pv = self.gemm(tiled_mma_pv, acc_o, r_p, tOrV[None, None, None, self.stage_index(v_handle, self.spec.num_stages)],
                       zero_init=False)
+            self.pass_turn(tidx)
             warpgroup.wait_group(0)
             v_handle.release()
 
@@ -471,6 +516,52 @@ class FlashAttentionForwardSm90:
             tidx, tiled_mma_epilogue, acc_o, lse, sO, tma_atom_o, mO_tma, mO, mLSE, offset_q,
             seqlen_q, head, m_block)
         return q_consumer, k_consumer, v_consumer
+
+    @cute.jit
+    def kv_step(
+        self, n_block: Int32, mask: cutlass.Constexpr, k_consumer, v_consumer,
+        tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma, tidx: Int32, sQ_stage, tSrK,
+        tOrV, acc_s, acc_o, r_p, r_p_as_acc, row_max, row_sum, correction, scale_log2: Float32,
+        t_coord, block_range: BlockRange, m_block: Int32, seqlen_k: Int32,
+    ):
+        """One steady-state iteration: S = Q K_n^T and O += P_prev V_prev in flight together,
+        then mask (`mask`: None, "seqlen" or "causal_window") and softmax of S while P V runs."""
+        k_handle = k_consumer.wait_and_advance()
+        self.wait_turn(tidx)
+        tiled_mma_qk = self.gemm(
+            tiled_mma_qk, acc_s, sQ_stage,
+            tSrK[None, None, None, self.stage_index(k_handle, self.spec.num_stages)],
+            zero_init=True)
+        v_handle = v_consumer.wait_and_advance()
+        tiled_mma_pv = self.gemm(
+            tiled_mma_pv, acc_o, r_p,
+            tOrV[None, None, None, self.stage_index(v_handle, self.spec.num_stages)],
+            zero_init=False)
+        self.pass_turn(tidx)
+        warpgroup.wait_group(1)
+        k_handle.release()
+        if const_expr(mask is not None):
+            apply_mask(acc_s, t_coord, block_range, m_block, n_block, seqlen_k,
+                       mask == "causal_window")
+        softmax_step(acc_s, row_max, row_sum, correction, scale_log2)
+        warpgroup.wait_group(0)
+        v_handle.release()
+        rescale_rows(acc_o, correction)
+        r_p_as_acc.store(acc_s.load().to(self.dtype))
+        return k_consumer, v_consumer, tiled_mma_qk, tiled_mma_pv
+
+    def wait_turn(self, tidx: Int32):
+        """`pingpong`: wait until the other consumer warpgroup has issued its wgmma."""
+        if const_expr(self.spec.pingpong):
+            cute.arch.barrier(barrier_id=_TURN_BARRIER + tidx // _WARPGROUP,
+                              number_of_threads=2 * _WARPGROUP)
+
+    def pass_turn(self, tidx: Int32):
+        """`pingpong`: let the other consumer warpgroup issue next, while this one computes
+        its softmax, so the tensor cores always have one warpgroup's work."""
+        if const_expr(self.spec.pingpong):
+            cute.arch.barrier_arrive(barrier_id=_TURN_BARRIER + 1 - tidx // _WARPGROUP,
+                                     number_of_threads=2 * _WARPGROUP)
 
     @staticmethod
     def stage_index(handle, num_stages: int):
@@ -539,11 +630,11 @@ class FlashAttentionForwardSm90:
                 # sO may still be read by this warpgroup's previous tile's TMA store.
                 if tidx % _WARPGROUP == 0:
                     cute.arch.cp_async_bulk_wait_group(0, read=True)
-                cute.arch.barrier(barrier_id=1 + wg, number_of_threads=_WARPGROUP)
+                cute.arch.barrier(barrier_id=_EPILOGUE_BARRIER + wg, number_of_threads=_WARPGROUP)
             t_so = thr.partition_C(sO[None, None, wg])
             t_so.store(r_o.load())
             cute.arch.fence_proxy("async.shared", space="cta")
-            cute.arch.barrier(barrier_id=1 + wg, number_of_threads=_WARPGROUP)
+            cute.arch.barrier(barrier_id=_EPILOGUE_BARRIER + wg, number_of_threads=_WARPGROUP)
             if tidx % _WARPGROUP == 0:
                 mO_seq = cute.domain_offset((offset_q, 0), mO_tma[None, None, head])
                 gO = cute.local_tile(mO_seq, (64, self.head_dim), (half, 0))

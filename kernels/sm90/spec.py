@@ -25,8 +25,41 @@ class FwdSpec:
     q_stages: int = 1          # Q buffers: 2 lets a persistent CTA load the next tile's Q early
     persistent: bool = False   # one CTA per SM walking tiles (kernels/sm90/tile_scheduler.py)
     heads_fastest: bool = False  # tile order: a GQA group's heads side by side (L2 sharing)
+    pingpong: bool = False     # consumer warpgroups take turns issuing wgmma (named barriers)
 
     @property
     def masks_rows(self) -> bool:
         """Whether any in-tile mask beyond the sequence end exists."""
         return self.causal or self.has_window_left or self.has_window_right
+
+
+def choose_spec(
+    *, dtype: str, head_dim: int, causal: bool, window_size: tuple[int, int],
+    compress_factor: int = 1, sparse_block_size: int | None = None, tile_m: int = 128,
+) -> FwdSpec:
+    """The kernel variant the dispatcher compiles for a call (tools/tune_sm90_forward.py
+    measures the alternatives)."""
+    left, right = window_size
+    # Short KV ranges per query tile (a causal window, compressed keys): one CTA per SM walking
+    # tiles with two Q buffers, so a tile's output store and the next tile's Q load overlap the
+    # compute. H100, same run (tools/tune_sm90_forward.py): window 512 at 64K 1.72 -> 1.56 ms,
+    # 1.50 ms with ping-pong; compress_factor 64 at 16K 0.246 -> 0.172 ms, at 64K 1.49 -> 1.19
+    # ms. Dense causal runs 10% slower persistent: its long tiles load-balance better as one CTA
+    # per tile. Ping-pong helps the window (its loop has two masked tiles of five), not the
+    # compressed branch.
+    window = causal and left >= 0
+    short_kv = sparse_block_size is None and (compress_factor != 1 or window)
+    return FwdSpec(
+        dtype=dtype,
+        head_dim=head_dim,
+        causal=bool(causal),
+        has_window_left=left >= 0,
+        has_window_right=right >= 0 and not causal,
+        block_sparse=sparse_block_size is not None,
+        compressed=compress_factor != 1,
+        tile_m=tile_m,
+        tile_n=sparse_block_size if sparse_block_size is not None else 128,
+        persistent=short_kv,
+        q_stages=2 if short_kv else 1,
+        pingpong=short_kv and window and compress_factor == 1,
+    )

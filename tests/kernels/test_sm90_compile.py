@@ -3,39 +3,65 @@
 CuTe DSL compiles for a target architecture on any machine (CUTE_DSL_ARCH=sm_90a, set in
 tests/conftest.py) from fake tensors with symbolic extents. This catches DSL errors in every
 compile-time branch in CI; numerics and speed are checked on the GPU (test_sm90_forward.py).
+The specs come from the dispatcher's own `choose_spec`, so a new dispatch choice is compiled
+here as soon as it exists.
 """
+import dataclasses
+
 import pytest
 
 pytest.importorskip("cutlass")
 
 from kernels.sm90.compile import compile_forward_on_fake_tensors  # noqa: E402
-from kernels.sm90.spec import FwdSpec  # noqa: E402
+from kernels.sm90.spec import choose_spec  # noqa: E402
 
-# (causal, window left, window right, block-sparse, compressed, tile_n): NSA's branches first.
-MASK_VARIANTS = {
-    "compressed-causal": (True, False, False, False, True, 128),
-    "window-causal": (True, True, False, False, False, 128),
-    "selected-sparse64": (True, False, False, True, False, 64),
-    "causal": (True, False, False, False, False, 128),
-    "sparse128": (False, False, False, True, False, 128),
-    "dense": (False, False, False, False, False, 128),
-    "window-both-sides-compressed": (False, True, True, False, True, 128),
+# Calls as NSA's branches and kernels.flash_attn_func make them:
+# (causal, window_size, compress_factor, block-sparse column block size).
+CALLS = {
+    "compressed-causal": (True, (-1, -1), 64, None),
+    "window-causal": (True, (511, 0), 1, None),
+    "selected-sparse64": (True, (-1, -1), 1, 64),
+    "causal": (True, (-1, -1), 1, None),
+    "sparse128": (False, (-1, -1), 1, 128),
+    "dense": (False, (-1, -1), 1, None),
+    "window-both-sides-compressed": (False, (300, 100), 16, None),
 }
 
 
-def _spec(dtype, head_dim, variant):
-    causal, left, right, sparse, compressed, tile_n = MASK_VARIANTS[variant]
-    return FwdSpec(dtype=dtype, head_dim=head_dim, causal=causal, has_window_left=left,
-                   has_window_right=right, block_sparse=sparse, compressed=compressed,
-                   tile_n=tile_n)
+def _spec(dtype, head_dim, call):
+    causal, window, cf, sparse = CALLS[call]
+    return choose_spec(dtype=dtype, head_dim=head_dim, causal=causal, window_size=window,
+                       compress_factor=cf, sparse_block_size=sparse)
 
 
-@pytest.mark.parametrize("variant", list(MASK_VARIANTS))
+@pytest.mark.parametrize("call", list(CALLS))
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-def test_forward_variant_compiles_for_sm90a(dtype, head_dim, variant):
-    compiled = compile_forward_on_fake_tensors(_spec(dtype, head_dim, variant))
+def test_dispatched_variant_compiles_for_sm90a(dtype, head_dim, call):
+    compiled = compile_forward_on_fake_tensors(_spec(dtype, head_dim, call))
     assert callable(compiled)
+
+
+# Schedules that tools/tune_sm90_forward.py times against the dispatched one.
+SCHEDULES = [
+    dict(persistent=False, q_stages=1),
+    dict(persistent=True, q_stages=1, heads_fastest=True),
+    dict(pingpong=True),
+]
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES, ids=lambda s: "-".join(f"{k}{v}" for k, v in s.items()))
+@pytest.mark.parametrize("call", ["window-causal", "selected-sparse64"])
+def test_schedule_variants_compile_for_sm90a(call, schedule):
+    spec = dataclasses.replace(_spec("bfloat16", 128, call), **schedule)
+    assert callable(compile_forward_on_fake_tensors(spec))
+
+
+def test_dispatch_picks_persistent_tiles_for_short_kv_ranges():
+    assert _spec("bfloat16", 128, "window-causal").persistent
+    assert _spec("bfloat16", 128, "compressed-causal").persistent
+    assert not _spec("bfloat16", 128, "causal").persistent
+    assert not _spec("bfloat16", 128, "selected-sparse64").persistent
 
 
 def test_compile_cache_returns_the_same_kernel():

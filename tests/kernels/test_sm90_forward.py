@@ -161,6 +161,8 @@ SCHEDULES = {
     "persistent": dict(persistent=True),
     "persistent+heads": dict(persistent=True, heads_fastest=True),
     "persistent+heads+q2": dict(persistent=True, heads_fastest=True, q_stages=2),
+    "pingpong": dict(pingpong=True),
+    "persistent+q2+pingpong": dict(persistent=True, q_stages=2, pingpong=True),
 }
 SCHEDULE_CASES = {
     # lengths (query; keys are lengths // cf), H, Hkv, D, causal, cf, window, block-sparse density
@@ -194,8 +196,8 @@ def test_tile_schedules_match_the_grid_kernel(case, schedule):
         kwargs["block_sparse"] = _random_block_sparse(
             lengths, lengths_k, heads_kv, 128, 64, density, torch.Generator().manual_seed(5))
     _check(q, k, v, **kwargs)
-    grid_out, grid_lse = run(q, k, v, spec_overrides=dict(persistent=False, heads_fastest=False,
-                                                          q_stages=1), **kwargs)
+    grid_out, grid_lse = run(q, k, v, spec_overrides=dict(
+        persistent=False, heads_fastest=False, q_stages=1, pingpong=False), **kwargs)
     out, lse = run(q, k, v, spec_overrides=SCHEDULES[schedule], **kwargs)
     torch.cuda.synchronize()
     assert torch.equal(out, grid_out)
