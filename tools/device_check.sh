@@ -8,6 +8,9 @@ mkdir -p "$out"
 python3 -c 'import torch; print(torch.__version__, torch.cuda.get_device_name())'
 python3 -m pytest -m gpu -q -p no:warnings tests > "$out/gpu_tests.log" 2>&1
 python3 tools/bench_kernels.py --reps 20 --json "$out/bench_kernels.json" > "$out/bench_kernels.log" 2>&1
+python3 tools/tune_sm90_forward.py --json "$out/tune.json" > "$out/tune.log" 2>&1
+python3 tools/profile_nsa_forward.py --seqlens 16384,65536 --repeats 5 --json "$out/profile_nsa.json" \
+    > "$out/profile_nsa.log" 2>&1
 python3 tools/bench_nsa_vs_dense.py --seqlens 16384,65536 --passes fwd --methods nsa,fa4,sdpa --json "$out/bench_nsa_fwd.json" \
     > "$out/bench_nsa_fwd.log" 2>&1
 python3 tools/bench_nsa_vs_dense.py --seqlens 16384 --passes fwd+bwd --methods nsa,fa4 --warmup 1 --repeats 3 \
@@ -16,6 +19,8 @@ python3 tools/train_packed.py --steps ${TRAIN_STEPS:-150} --no-progress --json "
     > "$out/train.log" 2>&1
 echo "== GPU tests";        tail -3 "$out/gpu_tests.log"
 echo "== kernels vs FA4";   tail -13 "$out/bench_kernels.log"
+echo "== tile schedules";   tail -28 "$out/tune.log"
+echo "== NSA fwd profile";  tail -16 "$out/profile_nsa.log"
 echo "== NSA fwd";          tail -12 "$out/bench_nsa_fwd.log"
 echo "== NSA fwd+bwd";      tail -6 "$out/bench_nsa_fwdbwd.log"
 echo "== train";            tail -4 "$out/train.log"
