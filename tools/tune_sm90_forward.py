@@ -34,6 +34,13 @@ VARIANTS = {
                                    pingpong=True),
     "persistent+q2+n64": dict(persistent=True, heads_fastest=False, q_stages=2, tile_n=64,
                               pingpong=False),
+    # 64-row tiles, one consumer warpgroup, two CTAs per SM (tile_n 64 so that both fit).
+    "m64": dict(persistent=False, heads_fastest=False, q_stages=1, pingpong=False, tile_m=64,
+                tile_n=64),
+    "m64+persistent": dict(persistent=True, heads_fastest=False, q_stages=1, pingpong=False,
+                           tile_m=64, tile_n=64),
+    "m64+persistent+q2": dict(persistent=True, heads_fastest=False, q_stages=2, pingpong=False,
+                              tile_m=64, tile_n=64),
 }
 
 

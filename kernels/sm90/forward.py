@@ -148,6 +148,11 @@ def run(
     spec = _spec_for(q, causal, window_size, block_sparse, compress_factor)
     if spec_overrides:
         spec = dataclasses.replace(spec, **spec_overrides)
+        if block_sparse is not None and (spec.tile_m, spec.tile_n) != (
+                block_sparse.row_block_size, block_sparse.col_block_size):
+            raise ValueError(f"spec_overrides: tile {spec.tile_m}x{spec.tile_n} differs from the "
+                             f"block-sparse blocks {block_sparse.row_block_size}x"
+                             f"{block_sparse.col_block_size}")
     if max_seqlen_q > 0 and total_q > 0:
         scalars = (max_seqlen_q, softmax_scale, compress_factor, max(window_size[0], 0),
                    max(window_size[1], 0), _num_sms(q.device))

@@ -45,16 +45,26 @@ _TURN_BARRIER = 3
 
 
 class FlashAttentionForwardSm90:
-    num_consumer_warpgroups = 2
-    num_threads = _WARPGROUP * (1 + num_consumer_warpgroups)
     producer_regs = 24
-    consumer_regs = 240
 
     def __init__(self, spec: FwdSpec):
         self.spec = spec
         self.dtype = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}[spec.dtype]
         self.tile_m, self.tile_n, self.head_dim = spec.tile_m, spec.tile_n, spec.head_dim
-        assert self.tile_m == 64 * self.num_consumer_warpgroups
+        # One consumer warpgroup per 64 query rows. With one (tile_m 64) two CTAs share an SM
+        # (smem and registers are sized for it), so one CTA's prologue and output store overlap
+        # the other's math; with two, one CTA fills the SM.
+        assert self.tile_m in (64, 128)
+        self.num_consumer_warpgroups = self.tile_m // 64
+        self.num_threads = _WARPGROUP * (1 + self.num_consumer_warpgroups)
+        self.ctas_per_sm = 3 - self.num_consumer_warpgroups
+        # The SM's 64K registers: the producer warpgroup keeps 24 per thread, the consumers
+        # take the rest (a multiple of 8).
+        per_cta = 65536 // self.ctas_per_sm
+        self.consumer_regs = min(
+            240, (per_cta - _WARPGROUP * self.producer_regs)
+            // (_WARPGROUP * self.num_consumer_warpgroups) // 8 * 8)
+        assert not (spec.pingpong and self.num_consumer_warpgroups != 2)
 
     # ------------------------------------------------------------------ host side
     @cute.jit
@@ -148,7 +158,7 @@ class FlashAttentionForwardSm90:
             cute.size(mQ.shape[1]), cute.size(mCuSeqlensQ.shape[0]) - 1)
         num_ctas = tile_order.num_tiles()
         if const_expr(self.spec.persistent):
-            num_ctas = cutlass.min(num_ctas, num_sms)
+            num_ctas = cutlass.min(num_ctas, num_sms * self.ctas_per_sm)
         scale_log2 = softmax_scale * Float32(1.4426950408889634)
         self.kernel(
             tma_atom_q, tma_q, tma_atom_k, tma_k, tma_atom_v, tma_v,
@@ -157,7 +167,9 @@ class FlashAttentionForwardSm90:
             mFullCount, mFullIndex, mMaskCount, mMaskIndex, mRowBlockOffsets,
             sQ_layout, sK_layout, sV_layout, sO_layout, tiled_mma_qk, tiled_mma_pv,
             tiled_mma_epilogue,
-        ).launch(grid=(num_ctas, 1, 1), block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
+        ).launch(grid=(num_ctas, 1, 1), block=[self.num_threads, 1, 1], stream=stream,
+                        min_blocks_per_mp=self.ctas_per_sm,
+                        preferred_smem_carveout=100 if self.ctas_per_sm > 1 else None)
 
     # ------------------------------------------------------------------ device side
     @cute.kernel

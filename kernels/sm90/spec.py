@@ -19,7 +19,7 @@ class FwdSpec:
     has_window_right: bool
     block_sparse: bool         # iterate compact full/mask lists instead of a block range
     compressed: bool = False   # compress_factor may exceed 1 (its value is a runtime argument)
-    tile_m: int = 128          # query rows per CTA (two consumer warpgroups of 64 rows)
+    tile_m: int = 128          # query rows per CTA: 128 (two consumer warpgroups) or 64 (one; two CTAs per SM)
     tile_n: int = 128          # keys per KV tile; the block-sparse column block size
     num_stages: int = 2        # K and V pipeline depth
     q_stages: int = 1          # Q buffers: 2 lets a persistent CTA load the next tile's Q early
@@ -40,15 +40,20 @@ def choose_spec(
     """The kernel variant the dispatcher compiles for a call (tools/tune_sm90_forward.py
     measures the alternatives)."""
     left, right = window_size
-    # Short KV ranges per query tile (a causal window, compressed keys): one CTA per SM walking
+    # Short KV ranges per query tile (a causal window, compressed keys): persistent CTAs walking
     # tiles with two Q buffers, so a tile's output store and the next tile's Q load overlap the
     # compute. H100, same run (tools/tune_sm90_forward.py): window 512 at 64K 1.72 -> 1.56 ms,
-    # 1.50 ms with ping-pong; compress_factor 64 at 16K 0.246 -> 0.172 ms, at 64K 1.49 -> 1.19
-    # ms. Dense causal runs 10% slower persistent: its long tiles load-balance better as one CTA
-    # per tile. Ping-pong helps the window (its loop has two masked tiles of five), not the
-    # compressed branch.
-    window = causal and left >= 0
+    # 1.50 ms with ping-pong, 1.48-1.49 ms with 64x64 tiles and two CTAs per SM (two runs,
+    # 4-5% ahead of ping-pong; equal at 16K); compress_factor 64 at 16K 0.246 -> 0.172 ms, at
+    # 64K 1.49 -> 1.19 ms (64-row tiles: equal at 16K, 12% slower at 64K). Dense causal runs
+    # 10% slower persistent: its long tiles balance better as one CTA per tile.
+    window = causal and left >= 0 and compress_factor == 1
     short_kv = sparse_block_size is None and (compress_factor != 1 or window)
+    small_tiles = short_kv and window
+    if sparse_block_size is not None:
+        tile_n = sparse_block_size
+    else:
+        tile_n = 64 if small_tiles else 128
     return FwdSpec(
         dtype=dtype,
         head_dim=head_dim,
@@ -57,9 +62,8 @@ def choose_spec(
         has_window_right=right >= 0 and not causal,
         block_sparse=sparse_block_size is not None,
         compressed=compress_factor != 1,
-        tile_m=tile_m,
-        tile_n=sparse_block_size if sparse_block_size is not None else 128,
+        tile_m=64 if small_tiles else tile_m,
+        tile_n=tile_n,
         persistent=short_kv,
         q_stages=2 if short_kv else 1,
-        pingpong=short_kv and window and compress_factor == 1,
     )

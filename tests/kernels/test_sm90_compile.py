@@ -46,7 +46,8 @@ def test_dispatched_variant_compiles_for_sm90a(dtype, head_dim, call):
 SCHEDULES = [
     dict(persistent=False, q_stages=1),
     dict(persistent=True, q_stages=1, heads_fastest=True),
-    dict(pingpong=True),
+    dict(pingpong=True, tile_m=128, tile_n=128),
+    dict(tile_m=64, tile_n=64, persistent=False),
 ]
 
 
@@ -58,7 +59,8 @@ def test_schedule_variants_compile_for_sm90a(call, schedule):
 
 
 def test_dispatch_picks_persistent_tiles_for_short_kv_ranges():
-    assert _spec("bfloat16", 128, "window-causal").persistent
+    window = _spec("bfloat16", 128, "window-causal")
+    assert window.persistent and (window.tile_m, window.tile_n) == (64, 64)
     assert _spec("bfloat16", 128, "compressed-causal").persistent
     assert not _spec("bfloat16", 128, "causal").persistent
     assert not _spec("bfloat16", 128, "selected-sparse64").persistent

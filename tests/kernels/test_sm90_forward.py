@@ -60,12 +60,12 @@ def _random_block_sparse(lengths_q, lengths_k, heads, tile_m, tile_n, density, g
         row_block_size=tile_m, col_block_size=tile_n, row_block_offsets=offsets.cuda())
 
 
-def _check(q, k, v, **kwargs):
+def _check(q, k, v, spec_overrides=None, **kwargs):
     from kernels.sm90.forward import can_run, run
 
     ok, reason = can_run(q, k, v, **kwargs)
     assert ok, reason
-    out, lse = run(q, k, v, **kwargs)
+    out, lse = run(q, k, v, spec_overrides=spec_overrides, **kwargs)
     ref_out, ref_lse = attention_forward_fallback(q.float(), k.float(), v.float(), **kwargs)
     torch.cuda.synchronize()
     assert not out.isnan().any()
@@ -161,8 +161,11 @@ SCHEDULES = {
     "persistent": dict(persistent=True),
     "persistent+heads": dict(persistent=True, heads_fastest=True),
     "persistent+heads+q2": dict(persistent=True, heads_fastest=True, q_stages=2),
-    "pingpong": dict(pingpong=True),
-    "persistent+q2+pingpong": dict(persistent=True, q_stages=2, pingpong=True),
+    "pingpong": dict(pingpong=True, tile_m=128),
+    "persistent+q2+pingpong": dict(persistent=True, q_stages=2, pingpong=True, tile_m=128),
+    "m64": dict(tile_m=64, tile_n=64, pingpong=False),
+    "m64+persistent+q2": dict(tile_m=64, tile_n=64, persistent=True, q_stages=2,
+                              pingpong=False),
 }
 SCHEDULE_CASES = {
     # lengths (query; keys are lengths // cf), H, Hkv, D, causal, cf, window, block-sparse density
@@ -177,12 +180,15 @@ SCHEDULE_CASES = {
 @pytest.mark.parametrize("schedule", list(SCHEDULES))
 @pytest.mark.parametrize("case", list(SCHEDULE_CASES))
 def test_tile_schedules_match_the_grid_kernel(case, schedule):
-    """Persistent CTAs, GQA-grouped tile order and a second Q buffer change only which CTA runs
-    which tile: outputs must equal the one-CTA-per-tile kernel's bit for bit and match the
-    fallback."""
+    """Persistent CTAs, GQA-grouped tile order, a second Q buffer, ping-pong and two CTAs per SM
+    change only which CTA runs which tile and when: outputs must equal those of the one-CTA-per-
+    tile kernel with the same tile shape bit for bit, and match the fallback."""
     from kernels.sm90.forward import run
 
     lengths, heads, heads_kv, dim, causal, cf, window, density = SCHEDULE_CASES[case]
+    if density is not None and (SCHEDULES[schedule].get("tile_m", 128) != 128
+                                or "tile_n" in SCHEDULES[schedule]):
+        pytest.skip("block-sparse lists fix the tile to their 128x64 blocks")
     torch.manual_seed(4)
     lengths_k = [n // cf for n in lengths]
     q = torch.randn(sum(lengths), heads, dim, device="cuda", dtype=torch.bfloat16)
@@ -195,10 +201,13 @@ def test_tile_schedules_match_the_grid_kernel(case, schedule):
     if density is not None:
         kwargs["block_sparse"] = _random_block_sparse(
             lengths, lengths_k, heads_kv, 128, 64, density, torch.Generator().manual_seed(5))
-    _check(q, k, v, **kwargs)
+    schedule = SCHEDULES[schedule]
+    _check(q, k, v, spec_overrides=schedule, **kwargs)
+    same_tile = {key: schedule[key] for key in ("tile_m", "tile_n") if key in schedule}
     grid_out, grid_lse = run(q, k, v, spec_overrides=dict(
-        persistent=False, heads_fastest=False, q_stages=1, pingpong=False), **kwargs)
-    out, lse = run(q, k, v, spec_overrides=SCHEDULES[schedule], **kwargs)
+        persistent=False, heads_fastest=False, q_stages=1, pingpong=False, **same_tile),
+        **kwargs)
+    out, lse = run(q, k, v, spec_overrides=schedule, **kwargs)
     torch.cuda.synchronize()
     assert torch.equal(out, grid_out)
     assert torch.equal(lse, grid_lse)
