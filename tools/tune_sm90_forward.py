@@ -135,7 +135,8 @@ def main(argv=None):
                                  fa4_over_ours=fa4_ms / ms if fa4_ms else None,
                                  max_diff_vs_first=diffs[variant]))
     print(f"\n{_common.describe_device(device)}, bf16, B=1, H={args.heads}, "
-          f"Hkv={args.heads_kv}, D={args.head_dim}, medians of {args.rounds} rounds x {args.reps} calls, variants interleaved")
+          f"Hkv={args.heads_kv}, D={args.head_dim}, medians of {args.rounds} rounds x "
+          f"{args.reps} calls, variants interleaved")
     print(f"{'N':>6} {'case':<19} {'variant':<24} {'ms':>8} {'TFLOP/s':>8} {'FA4 ms':>8} "
           f"{'FA4/ours':>8} {'diff':>8}")
     for r in rows:

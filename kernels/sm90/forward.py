@@ -43,7 +43,8 @@ def can_run(q, k, v, *, block_sparse=None, **_) -> tuple[bool, str]:
         if block_sparse.row_block_size != TILE_M:
             return False, f"block-sparse row_block_size {block_sparse.row_block_size} != {TILE_M}"
         if block_sparse.col_block_size not in SPARSE_TILE_N:
-            return False, f"block-sparse col_block_size {block_sparse.col_block_size} not in {SPARSE_TILE_N}"
+            return False, (f"block-sparse col_block_size {block_sparse.col_block_size} not in "
+                           f"{SPARSE_TILE_N}")
     return True, "sm90 CuTe DSL kernel"
 
 

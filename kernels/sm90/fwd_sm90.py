@@ -452,8 +452,9 @@ class FlashAttentionForwardSm90:
                 0, n_max, num_mask_blocks, mFullIndex, mMaskIndex, sparse_row, sparse_head)
             k_handle = k_consumer.wait_and_advance()
             self.wait_turn(tidx)
+            k_stage = self.stage_index(k_handle, self.spec.num_stages)
             tiled_mma_qk = self.gemm(tiled_mma_qk, acc_s, sQ_stage,
-                      tSrK[None, None, None, self.stage_index(k_handle, self.spec.num_stages)], zero_init=True)
+                                     tSrK[None, None, None, k_stage], zero_init=True)
             self.pass_turn(tidx)
             warpgroup.wait_group(0)
             k_handle.release()
@@ -516,8 +517,9 @@ class FlashAttentionForwardSm90:
         if num_iters > 0:
             v_handle = v_consumer.wait_and_advance()
             self.wait_turn(tidx)
-            tiled_mma_pv = self.gemm(tiled_mma_pv, acc_o, r_p, tOrV[None, None, None, self.stage_index(v_handle, self.spec.num_stages)],
-                      zero_init=False)
+            v_stage = self.stage_index(v_handle, self.spec.num_stages)
+            tiled_mma_pv = self.gemm(tiled_mma_pv, acc_o, r_p, tOrV[None, None, None, v_stage],
+                                     zero_init=False)
             self.pass_turn(tidx)
             warpgroup.wait_group(0)
             v_handle.release()

@@ -51,7 +51,8 @@ SCHEDULES = [
 ]
 
 
-@pytest.mark.parametrize("schedule", SCHEDULES, ids=lambda s: "-".join(f"{k}{v}" for k, v in s.items()))
+@pytest.mark.parametrize("schedule", SCHEDULES,
+                         ids=lambda s: "-".join(f"{k}{v}" for k, v in s.items()))
 @pytest.mark.parametrize("call", ["window-causal", "selected-sparse64"])
 def test_schedule_variants_compile_for_sm90a(call, schedule):
     spec = dataclasses.replace(_spec("bfloat16", 128, call), **schedule)
