@@ -255,14 +255,17 @@ class FlashAttentionForwardSm90:
             if warp_idx == 0:
                 if const_expr(spec.persistent):
                     tile = first_tile
+                    coords = tile_order.coords(first_tile)
+                    step = tile_order.coords(tile_stride)
                     while tile < num_tiles:
                         q_producer, k_producer, v_producer = produce_tile(
-                            tile, q_producer=q_producer, k_producer=k_producer,
+                            coords, q_producer=q_producer, k_producer=k_producer,
                             v_producer=v_producer)
                         tile += tile_stride
+                        coords = tile_order.advance(coords, step)
                 else:
-                    produce_tile(first_tile, q_producer=q_producer, k_producer=k_producer,
-                                 v_producer=v_producer)
+                    produce_tile(tile_order.coords(first_tile), q_producer=q_producer,
+                                 k_producer=k_producer, v_producer=v_producer)
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
             if const_expr(spec.pingpong):
@@ -272,25 +275,28 @@ class FlashAttentionForwardSm90:
                                              number_of_threads=2 * _WARPGROUP)
             if const_expr(spec.persistent):
                 tile = first_tile
+                coords = tile_order.coords(first_tile)
+                step = tile_order.coords(tile_stride)
                 while tile < num_tiles:
                     q_consumer, k_consumer, v_consumer = consume_tile(
-                        tile, q_consumer=q_consumer, k_consumer=k_consumer,
+                        coords, q_consumer=q_consumer, k_consumer=k_consumer,
                         v_consumer=v_consumer)
                     tile += tile_stride
+                    coords = tile_order.advance(coords, step)
             else:
-                consume_tile(first_tile, q_consumer=q_consumer, k_consumer=k_consumer,
-                             v_consumer=v_consumer)
+                consume_tile(tile_order.coords(first_tile), q_consumer=q_consumer,
+                             k_consumer=k_consumer, v_consumer=v_consumer)
             # The last output's TMA store must have read shared memory before the CTA exits.
             if tidx % _WARPGROUP == 0:
                 cute.arch.cp_async_bulk_wait_group(0, read=True)
 
     @cute.jit
     def produce_tile(
-        self, tile: Int32, tile_work, tma_atom_q, mQ, tma_atom_k, mK, tma_atom_v, mVt, sQ, sK,
+        self, coords, tile_work, tma_atom_q, mQ, tma_atom_k, mK, tma_atom_v, mVt, sQ, sK,
         sV, q_producer, k_producer, v_producer, mFullIndex, mMaskIndex,
     ):
         (m_block, head, _, offset_q, _, offset_k, _, head_kv, in_sequence, n_max,
-         num_iters, num_mask_blocks, sparse_row, sparse_head) = tile_work(tile)
+         num_iters, num_mask_blocks, sparse_row, sparse_head) = tile_work(coords)
         if in_sequence:
             q_producer, k_producer, v_producer = self.produce(
                 tma_atom_q, mQ, tma_atom_k, mK, tma_atom_v, mVt, sQ, sK, sV,
@@ -302,12 +308,12 @@ class FlashAttentionForwardSm90:
 
     @cute.jit
     def consume_tile(
-        self, tile: Int32, tile_work, tidx: Int32, sQ, sK, sV, q_consumer, k_consumer,
+        self, coords, tile_work, tidx: Int32, sQ, sK, sV, q_consumer, k_consumer,
         v_consumer, tiled_mma_qk, tiled_mma_pv, tiled_mma_epilogue, sO, tma_atom_o, mO_tma,
         mO, mLSE, softmax_scale, scale_log2, block_range, mFullIndex, mMaskIndex,
     ):
         (m_block, head, _, offset_q, seqlen_q, _, seqlen_k, _, in_sequence, n_max,
-         num_iters, num_mask_blocks, sparse_row, sparse_head) = tile_work(tile)
+         num_iters, num_mask_blocks, sparse_row, sparse_head) = tile_work(coords)
         if in_sequence:
             q_consumer, k_consumer, v_consumer = self.consume(
                 tidx, sQ, sK, sV, q_consumer, k_consumer, v_consumer,
@@ -321,13 +327,14 @@ class FlashAttentionForwardSm90:
 
     @cute.jit
     def tile_work(
-        self, tile: Int32, tile_order: TileOrder, block_range: BlockRange, mQ: cute.Tensor,
+        self, coords, tile_order: TileOrder, block_range: BlockRange, mQ: cute.Tensor,
         mK: cute.Tensor, mCuSeqlensQ: cute.Tensor, mCuSeqlensK: cute.Tensor,
         mFullCount: Optional[cute.Tensor], mMaskCount: Optional[cute.Tensor],
         mRowBlockOffsets: Optional[cute.Tensor],
     ):
-        """Where work tile `tile` lies and which KV tiles it visits (a range or compact lists)."""
-        m_block, head, batch = tile_order.decode(tile)
+        """Where the work tile at `coords` lies and which KV tiles it visits (a range or
+        compact lists)."""
+        m_block, head, batch = tile_order.unpack(coords)
         offset_q = mCuSeqlensQ[batch]
         seqlen_q = mCuSeqlensQ[batch + 1] - offset_q
         offset_k = mCuSeqlensK[batch]

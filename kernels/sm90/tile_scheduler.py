@@ -32,17 +32,43 @@ class TileOrder:
     def num_tiles(self) -> Int32:
         return self.num_m_blocks * self.num_heads * self.num_seqs
 
-    @cute.jit
-    def decode(self, tile: Int32):
-        """(m_block, head, batch) of linear tile index `tile`."""
+    def _radices(self):
+        """Extents of the (fastest, middle, slowest) coordinates of the tile order."""
         if const_expr(self.heads_fastest):
-            head = tile % self.num_heads
-            rest = tile // self.num_heads
-            m_from_end = rest % self.num_m_blocks
-            batch = rest // self.num_m_blocks
+            return self.num_heads, self.num_m_blocks
+        return self.num_m_blocks, self.num_heads
+
+    @cute.jit
+    def coords(self, tile: Int32):
+        """Mixed-radix digits (fastest, middle, slowest) of linear tile index `tile` (two
+        integer divisions: call it once per CTA, then `advance`)."""
+        fast_extent, mid_extent = self._radices()
+        fast = tile % fast_extent
+        rest = tile // fast_extent
+        return fast, rest % mid_extent, rest // mid_extent
+
+    @cute.jit
+    def advance(self, coords, step):
+        """coords of tile + s, given `step` = coords(s) with s the persistent grid stride: a
+        carry chain of adds and compares instead of the two integer divisions of `coords`
+        (about 60 dependent instructions that sat at the start of every tile)."""
+        fast_extent, mid_extent = self._radices()
+        fast = coords[0] + step[0]
+        carry = Int32(0)
+        if fast >= fast_extent:
+            fast = fast - fast_extent
+            carry = Int32(1)
+        mid = coords[1] + step[1] + carry
+        carry = Int32(0)
+        if mid >= mid_extent:
+            mid = mid - mid_extent
+            carry = Int32(1)
+        return fast, mid, coords[2] + step[2] + carry
+
+    def unpack(self, coords):
+        """(m_block, head, batch) of tile coordinates; query tiles count from the last one."""
+        if const_expr(self.heads_fastest):
+            head, m_from_end, batch = coords
         else:
-            m_from_end = tile % self.num_m_blocks
-            rest = tile // self.num_m_blocks
-            head = rest % self.num_heads
-            batch = rest // self.num_heads
+            m_from_end, head, batch = coords
         return self.num_m_blocks - 1 - m_from_end, head, batch
