@@ -3,15 +3,20 @@
 One kernel, every feature a compile-time switch of `FwdSpec`: causal with a compress factor,
 left/right windows, block sparsity from compact lists, varlen, GQA. Structure:
 
-- CTA = 3 warpgroups. Warpgroup 0 is the producer: one warp issues TMA loads of the Q tile
-  and of K/V tiles into a `num_stages` deep pipeline. Warpgroups 1 and 2 are consumers, each
-  owning 64 query rows: S = Q K^T (wgmma, operands in smem), online softmax in registers,
-  O += P V (wgmma, P from registers).
+- CTA = 1 producer + `tile_m / 64` consumer warpgroups. One warp of the producer issues TMA
+  loads of the Q tile (`q_stages` buffers) and of K/V tiles into a `num_stages` deep pipeline.
+  Each consumer warpgroup owns 64 query rows: S = Q K^T (wgmma, operands in smem), online
+  softmax in registers, O += P V (wgmma, P from registers), issued so that the softmax of one
+  KV tile runs while the tensor cores do the P V of the previous one.
+- Which query tiles a CTA takes comes from `tile_scheduler.TileOrder`: one per CTA, or a
+  persistent walk (one or two CTAs per SM) that overlaps a tile's output store and the next
+  tile's Q load with compute.
 - Every sequence is addressed through cu_seqlens (a padded batch is B equal sequences), so one
   code path serves both layouts; rows and keys past a sequence's end are masked, never stored.
 - The visited KV tiles are either a contiguous range (dense: causal, compress factor and window
   cut it before any load) or the compact full/mask lists of the block-sparse tensors. Tiles
-  that every row sees completely skip the in-register mask.
+  that every row sees completely skip the in-register mask; each mask kind has its own loop
+  (see `consume`).
 
 Tensors as the kernel sees them: q, o (T, H, D); k, v (Tk, Hkv, D); lse (H, T) float32.
 """
