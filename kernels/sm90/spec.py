@@ -48,7 +48,9 @@ def choose_spec(
     # 4-5% ahead of ping-pong; equal at 16K); compress_factor 64 at 16K 0.246 -> 0.172 ms, at
     # 64K 1.49 -> 1.19 ms (64-row tiles: equal at 16K, 12% slower at 64K). Dense causal runs
     # 10% slower persistent: its long tiles balance better as one CTA per tile.
-    window = causal and left >= 0 and compress_factor == 1
+    # Measured at window 512 (short) and without a window (dense); a window as long as a few
+    # thousand keys behaves like dense, so only windows under 2048 keys count as short.
+    window = causal and 0 <= left < 2048 and compress_factor == 1
     short_kv = sparse_block_size is None and (compress_factor != 1 or window)
     small_tiles = short_kv and window
     if sparse_block_size is not None:

@@ -64,6 +64,8 @@ def test_dispatch_picks_persistent_tiles_for_short_kv_ranges():
     assert window.persistent and (window.tile_m, window.tile_n) == (64, 64)
     assert _spec("bfloat16", 128, "compressed-causal").persistent
     assert not _spec("bfloat16", 128, "causal").persistent
+    long_window = choose_spec(dtype="bfloat16", head_dim=128, causal=True, window_size=(8191, 0))
+    assert not long_window.persistent and long_window.tile_m == 128
     assert not _spec("bfloat16", 128, "selected-sparse64").persistent
 
 
