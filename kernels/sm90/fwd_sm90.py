@@ -242,8 +242,6 @@ class FlashAttentionForwardSm90:
             mCuSeqlensQ=mCuSeqlensQ, mCuSeqlensK=mCuSeqlensK, mFullCount=mFullCount,
             mMaskCount=mMaskCount, mRowBlockOffsets=mRowBlockOffsets)
 
-        # Both roles walk the same tiles in the same order; the pipelines keep them in step.
-        # Without `persistent` each CTA has exactly one tile (grid = number of tiles) and no loop.
         produce_tile = partial(
             self.produce_tile, tile_work=tile_work, tma_atom_q=tma_atom_q, mQ=mQ,
             tma_atom_k=tma_atom_k, mK=mK, tma_atom_v=tma_atom_v, mVt=mVt, sQ=sQ, sK=sK, sV=sV,
@@ -258,19 +256,8 @@ class FlashAttentionForwardSm90:
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(self.producer_regs)
             if warp_idx == 0:
-                if const_expr(spec.persistent):
-                    tile = first_tile
-                    coords = tile_order.coords(first_tile)
-                    step = tile_order.coords(tile_stride)
-                    while tile < num_tiles:
-                        q_producer, k_producer, v_producer = produce_tile(
-                            coords, q_producer=q_producer, k_producer=k_producer,
-                            v_producer=v_producer)
-                        tile += tile_stride
-                        coords = tile_order.advance(coords, step)
-                else:
-                    produce_tile(tile_order.coords(first_tile), q_producer=q_producer,
-                                 k_producer=k_producer, v_producer=v_producer)
+                self.walk_tiles(tile_order, first_tile, tile_stride, num_tiles, produce_tile,
+                                (q_producer, k_producer, v_producer))
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
             if const_expr(spec.pingpong):
@@ -278,27 +265,35 @@ class FlashAttentionForwardSm90:
                 if tidx // _WARPGROUP == 1:
                     cute.arch.barrier_arrive(barrier_id=_TURN_BARRIER,
                                              number_of_threads=2 * _WARPGROUP)
-            if const_expr(spec.persistent):
-                tile = first_tile
-                coords = tile_order.coords(first_tile)
-                step = tile_order.coords(tile_stride)
-                while tile < num_tiles:
-                    q_consumer, k_consumer, v_consumer = consume_tile(
-                        coords, q_consumer=q_consumer, k_consumer=k_consumer,
-                        v_consumer=v_consumer)
-                    tile += tile_stride
-                    coords = tile_order.advance(coords, step)
-            else:
-                consume_tile(tile_order.coords(first_tile), q_consumer=q_consumer,
-                             k_consumer=k_consumer, v_consumer=v_consumer)
+            self.walk_tiles(tile_order, first_tile, tile_stride, num_tiles, consume_tile,
+                            (q_consumer, k_consumer, v_consumer))
             # The last output's TMA store must have read shared memory before the CTA exits.
             if tidx % _WARPGROUP == 0:
                 cute.arch.cp_async_bulk_wait_group(0, read=True)
 
     @cute.jit
+    def walk_tiles(
+        self, tile_order: TileOrder, first_tile: Int32, tile_stride: Int32, num_tiles: Int32,
+        tile_fn, pipelines,
+    ):
+        """Run tile_fn(coords, *pipelines) -> pipelines on this CTA's tiles: only `first_tile`,
+        or with `persistent` every tile_stride-th one from it. The producer warp and the
+        consumer warpgroups both walk through here, so they visit the same tiles in order."""
+        if const_expr(self.spec.persistent):
+            tile = first_tile
+            coords = tile_order.coords(first_tile)
+            step = tile_order.coords(tile_stride)
+            while tile < num_tiles:
+                pipelines = tile_fn(coords, *pipelines)
+                tile += tile_stride
+                coords = tile_order.advance(coords, step)
+        else:
+            tile_fn(tile_order.coords(first_tile), *pipelines)
+
+    @cute.jit
     def produce_tile(
-        self, coords, tile_work, tma_atom_q, mQ, tma_atom_k, mK, tma_atom_v, mVt, sQ, sK,
-        sV, q_producer, k_producer, v_producer, mFullIndex, mMaskIndex,
+        self, coords, q_producer, k_producer, v_producer, tile_work, tma_atom_q, mQ,
+        tma_atom_k, mK, tma_atom_v, mVt, sQ, sK, sV, mFullIndex, mMaskIndex,
     ):
         (m_block, head, _, offset_q, _, offset_k, _, head_kv, in_sequence, n_max,
          num_iters, num_mask_blocks, sparse_row, sparse_head) = tile_work(coords)
@@ -313,8 +308,8 @@ class FlashAttentionForwardSm90:
 
     @cute.jit
     def consume_tile(
-        self, coords, tile_work, tidx: Int32, sQ, sK, sV, q_consumer, k_consumer,
-        v_consumer, tiled_mma_qk, tiled_mma_pv, tiled_mma_epilogue, sO, tma_atom_o, mO_tma,
+        self, coords, q_consumer, k_consumer, v_consumer, tile_work, tidx: Int32, sQ, sK, sV,
+        tiled_mma_qk, tiled_mma_pv, tiled_mma_epilogue, sO, tma_atom_o, mO_tma,
         mO, mLSE, softmax_scale, scale_log2, block_range, mFullIndex, mMaskIndex,
     ):
         (m_block, head, _, offset_q, seqlen_q, _, seqlen_k, _, in_sequence, n_max,
