@@ -148,6 +148,15 @@ def add_problem_arguments(parser: argparse.ArgumentParser) -> None:
     timing.add_argument("--repeats", type=positive_int, default=5, help="timed calls (median)")
 
 
+def add_kernel_shape_arguments(parser: argparse.ArgumentParser) -> None:
+    """The attention shape of the kernel benchmarks (bench_kernels, tune_sm90_forward): issue
+    3's H100 configuration by default."""
+    parser.add_argument("--seqlens", type=int, nargs="+", default=[16384, 65536])
+    parser.add_argument("--heads", type=int, default=32)
+    parser.add_argument("--heads-kv", type=int, default=8)
+    parser.add_argument("--head-dim", type=int, default=128)
+
+
 def problem_defaults_epilog() -> str:
     return "Per-device defaults: " + "; ".join(
         f"{device}: " + ", ".join(f"{key}={value}" for key, value in defaults.items())
@@ -165,6 +174,13 @@ def resolve_problem_arguments(args: argparse.Namespace, parser: argparse.Argumen
     if args.window_size < 0:
         parser.error(f"--window-size must be >= 0, got {args.window_size}")
     args.torch_dtype = DTYPES[args.dtype]
+
+
+def problem_summary(args: argparse.Namespace) -> str:
+    """The heads, dtype and NSA options of a resolved problem, for a tool's header line."""
+    return (f"H={args.heads} Hkv={args.kv_heads} D={args.head_dim} {args.dtype}; "
+            f"l={args.compress_block_size} l'={args.selected_block_size} "
+            f"n={args.num_selected_blocks} w={args.window_size}")
 
 
 def nsa_options(args: argparse.Namespace) -> dict:
@@ -186,6 +202,20 @@ def causal_pairs(seqlen: int) -> int:
     return seqlen * (seqlen + 1) // 2
 
 
+def capped_causal_pairs(seqlen: int, cap: int) -> int:
+    """Pairs of causal attention where row i sees at most `cap` keys: sum of min(i + 1, cap)
+    (a sliding window of `cap` tokens; 0 gives 0)."""
+    cap = min(cap, seqlen)
+    return cap * (cap + 1) // 2 + (seqlen - cap) * cap
+
+
+def compressed_pairs(seqlen: int, compress_factor: int) -> int:
+    """Pairs of causal attention over keys compressed by `compress_factor`: row i sees
+    floor((i + 1) / compress_factor) keys."""
+    full, rest = divmod(seqlen, compress_factor)
+    return compress_factor * full * (full - 1) // 2 + full * (rest + 1)
+
+
 def nsa_pairs(seqlen: int, compress_block_size: int, selected_block_size: int,
               num_selected_blocks: int, window_size: int) -> int:
     """(row, key) pairs NSA's three branches attend to in one sequence, an upper bound.
@@ -194,11 +224,9 @@ def nsa_pairs(seqlen: int, compress_block_size: int, selected_block_size: int,
     l' keys, and never more than the i + 1 keys in the past. Window: min(i + 1, w). Selection
     scoring is not counted.
     """
-    rows = torch.arange(1, seqlen + 1, dtype=torch.float64)  # i + 1
-    compressed = torch.floor(rows / compress_block_size)
-    selected = torch.clamp(rows, max=num_selected_blocks * selected_block_size)
-    window = torch.clamp(rows, max=window_size)
-    return int((compressed + selected + window).sum())
+    return (compressed_pairs(seqlen, compress_block_size)
+            + capped_causal_pairs(seqlen, num_selected_blocks * selected_block_size)
+            + capped_causal_pairs(seqlen, window_size))
 
 
 def attention_tflops(pairs: int, batch: int, heads: int, head_dim: int, ms: float, *,

@@ -62,15 +62,17 @@ def bench_seqlen(n: int, heads: int, heads_kv: int, dim: int, reps: int) -> list
     rows = []
 
     def record(case, pairs, ms_ours, ms_fa4):
-        tflops = lambda ms: 4 * dim * pairs * heads / (ms * 1e-3) / 1e12 if ms else None
+        def tflops(ms):
+            if ms is None:
+                return None
+            return _common.attention_tflops(pairs, 1, heads, dim, ms, backward=False)
         rows.append(dict(seqlen=n, case=case, ours_ms=ms_ours, fa4_ms=ms_fa4,
                          ours_tflops=tflops(ms_ours), fa4_tflops=tflops(ms_fa4),
                          ratio=(ms_fa4 / ms_ours) if ms_fa4 else None))
 
-    causal_pairs = n * (n + 1) / 2
     base = dict(max_seqlen_q=n, max_seqlen_k=n, softmax_scale=scale)
     f = fa4(q, k, v, causal=True)
-    record("dense causal", causal_pairs, time_ms(ours(q, k, v, causal=True, **base), reps=reps),
+    record("dense causal", _common.causal_pairs(n), time_ms(ours(q, k, v, causal=True, **base), reps=reps),
            time_ms(f, reps=reps) if f else None)
 
     num_tiles = n // 128
@@ -102,7 +104,7 @@ def bench_seqlen(n: int, heads: int, heads_kv: int, dim: int, reps: int) -> list
                time_ms(ours(q, k, v, causal=False, block_sparse=bs, **base), reps=reps), ms_fa4)
 
     window = 512
-    pairs = sum(min(i + 1, window) for i in range(n))
+    pairs = _common.capped_causal_pairs(n, window)
     f = fa4(q, k, v, causal=True, window_size=(window - 1, 0))
     record("causal window 512", pairs,
            time_ms(ours(q, k, v, causal=True, window_size=(window - 1, 0), **base), reps=reps),
@@ -111,7 +113,7 @@ def bench_seqlen(n: int, heads: int, heads_kv: int, dim: int, reps: int) -> list
     cf = 64
     kc = torch.randn(1, n // cf, heads_kv, dim, device="cuda", dtype=torch.bfloat16)
     vc = torch.randn_like(kc)
-    pairs = sum((i + 1) // cf for i in range(n))
+    pairs = _common.compressed_pairs(n, cf)
     record("compress_factor 64", pairs,
            time_ms(ours(q, kc, vc, causal=True, compress_factor=cf, max_seqlen_q=n,
                         max_seqlen_k=n // cf, softmax_scale=scale), reps=reps), None)
@@ -120,10 +122,7 @@ def bench_seqlen(n: int, heads: int, heads_kv: int, dim: int, reps: int) -> list
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seqlens", type=int, nargs="+", default=[16384, 65536])
-    parser.add_argument("--heads", type=int, default=32)
-    parser.add_argument("--heads-kv", type=int, default=8)
-    parser.add_argument("--head-dim", type=int, default=128)
+    _common.add_kernel_shape_arguments(parser)
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)

@@ -32,7 +32,7 @@ from nsa.validation import validate_nsa_arguments  # noqa: E402
 from sparsity import row_block_offsets_from_cu_seqlens, transpose_block_sparse  # noqa: E402
 from _common import (  # noqa: E402
     add_problem_arguments, describe_device, nsa_options, positive_int, problem_defaults_epilog,
-    random_gate, random_qkv, resolve_problem_arguments, write_results_json)
+    problem_summary, random_gate, random_qkv, resolve_problem_arguments, write_results_json)
 
 MiB = 2 ** 20
 
@@ -174,9 +174,7 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     device = describe_device(args.device)
-    print(f"{device}, torch {torch.__version__}; B={args.batch} H={args.heads} "
-          f"Hkv={args.kv_heads} D={args.head_dim} {args.dtype}; l={args.compress_block_size} "
-          f"l'={args.selected_block_size} n={args.num_selected_blocks} w={args.window_size}")
+    print(f"{device}, torch {torch.__version__}; B={args.batch} {problem_summary(args)}")
     if args.device.type != "cuda":
         print("CPU: peak memory needs CUDA's allocator statistics; saved-for-backward and "
               "metadata bytes are measured")

@@ -29,8 +29,8 @@ from nsa.selection import select_blocks  # noqa: E402
 from nsa.validation import validate_nsa_arguments  # noqa: E402
 from _common import (  # noqa: E402
     add_problem_arguments, describe_device, cu_seqlens_of, nsa_options, positive_int,
-    problem_defaults_epilog, random_gate, random_qkv, resolve_problem_arguments,
-    time_ms, varlen_lengths, write_results_json)
+    problem_defaults_epilog, problem_summary, random_gate, random_qkv,
+    resolve_problem_arguments, time_ms, varlen_lengths, write_results_json)
 
 STAGES = ("compress k, v", "select blocks", "build block lists", "compressed branch",
           "selected branch", "window branch", "gate + combine")
@@ -165,9 +165,7 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     device = describe_device(args.device)
-    print(f"{device}, torch {torch.__version__}; H={args.heads} Hkv={args.kv_heads} "
-          f"D={args.head_dim} {args.dtype}; l={args.compress_block_size} "
-          f"l'={args.selected_block_size} n={args.num_selected_blocks} w={args.window_size}")
+    print(f"{device}, torch {torch.__version__}; {problem_summary(args)}")
     results = []
     for seqlen in args.seqlens:
         results.append(profile(seqlen, args))

@@ -44,24 +44,21 @@ VARIANTS = {
 }
 
 
-def cases(n: int, heads: int, heads_kv: int, dim: int):
+def cases(n: int):
     """(name, attended pairs per head, kwargs for run, FA4 kwargs or None, kv length)."""
     window = 512
-    yield ("causal window 512", sum(min(i + 1, window) for i in range(n)),
+    yield ("causal window 512", _common.capped_causal_pairs(n, window),
            dict(causal=True, window_size=(window - 1, 0)),
            dict(causal=True, window_size=(window - 1, 0)), n)
     cf = 64
-    yield ("compress_factor 64", sum((i + 1) // cf for i in range(n)),
+    yield ("compress_factor 64", _common.compressed_pairs(n, cf),
            dict(causal=True, compress_factor=cf), None, n // cf)
-    yield ("dense causal", n * (n + 1) / 2, dict(causal=True), dict(causal=True), n)
+    yield ("dense causal", _common.causal_pairs(n), dict(causal=True), dict(causal=True), n)
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seqlens", type=int, nargs="+", default=[16384, 65536])
-    parser.add_argument("--heads", type=int, default=32)
-    parser.add_argument("--heads-kv", type=int, default=8)
-    parser.add_argument("--head-dim", type=int, default=128)
+    _common.add_kernel_shape_arguments(parser)
     parser.add_argument("--reps", type=int, default=10, help="timed calls per round")
     parser.add_argument("--rounds", type=int, default=5, help="round-robin rounds (median)")
     parser.add_argument("--variants", default=",".join(VARIANTS))
@@ -78,8 +75,7 @@ def main(argv=None):
     for n in args.seqlens:
         torch.manual_seed(0)
         q = torch.randn(n, args.heads, args.head_dim, device=device, dtype=torch.bfloat16)
-        for name, pairs, kwargs, fa4_kwargs, n_k in cases(n, args.heads, args.heads_kv,
-                                                          args.head_dim):
+        for name, pairs, kwargs, fa4_kwargs, n_k in cases(n):
             if args.skip_dense and name == "dense causal":
                 continue
             k = torch.randn(n_k, args.heads_kv, args.head_dim, device=device,
@@ -89,7 +85,9 @@ def main(argv=None):
             cu_k = torch.tensor([0, n_k], dtype=torch.int32, device=device)
             call = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=n, max_seqlen_k=n_k,
                         softmax_scale=args.head_dim ** -0.5, **kwargs)
-            tflops = lambda ms: 4 * args.head_dim * pairs * args.heads / (ms * 1e-3) / 1e12
+            def tflops(ms, pairs=pairs):
+                return _common.attention_tflops(pairs, 1, args.heads, args.head_dim, ms,
+                                                backward=False)
             reference = None
             timed = {}
             if fa4_kwargs is not None:

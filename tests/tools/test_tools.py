@@ -211,6 +211,14 @@ def test_nsa_pairs_matches_a_row_by_row_count(common):
     assert common.causal_pairs(n) == sum(i + 1 for i in range(n))
 
 
+@pytest.mark.parametrize("n", [0, 1, 63, 64, 65, 1000])
+def test_closed_form_pair_counts_match_row_by_row_counts(common, n):
+    for cap in (0, 1, 40, 512, 5000):
+        assert common.capped_causal_pairs(n, cap) == sum(min(i + 1, cap) for i in range(n))
+    for factor in (1, 2, 16, 64):
+        assert common.compressed_pairs(n, factor) == sum((i + 1) // factor for i in range(n))
+
+
 def test_varlen_lengths_split_exactly(common):
     lengths = common.varlen_lengths(1000, 7, torch.Generator().manual_seed(0))
     assert len(lengths) == 7 and sum(lengths) == 1000 and min(lengths) >= 1
