@@ -28,11 +28,6 @@ class FwdSpec:
     heads_fastest: bool = False  # tile order: a GQA group's heads side by side (L2 sharing)
     pingpong: bool = False     # consumer warpgroups take turns issuing wgmma (named barriers)
 
-    @property
-    def masks_rows(self) -> bool:
-        """Whether any in-tile mask beyond the sequence end exists."""
-        return self.causal or self.has_window_left or self.has_window_right
-
 
 def choose_spec(
     *, dtype: str, head_dim: int, causal: bool, window_size: tuple[int, int],
