@@ -32,6 +32,10 @@ VARIANTS = {
     "persistent+q2": dict(persistent=True, heads_fastest=False, q_stages=2, pingpong=False),
     "persistent+q2+pingpong": dict(persistent=True, heads_fastest=False, q_stages=2,
                                    pingpong=True),
+    "persistent+q2+heads": dict(persistent=True, heads_fastest=True, q_stages=2,
+                                pingpong=False),
+    "persistent+q2+n64+heads": dict(persistent=True, heads_fastest=True, q_stages=2, tile_n=64,
+                                    pingpong=False),
     "persistent+q2+n64": dict(persistent=True, heads_fastest=False, q_stages=2, tile_n=64,
                               pingpong=False),
     # 64-row tiles, one consumer warpgroup, two CTAs per SM (tile_n 64 so that both fit).
@@ -41,6 +45,8 @@ VARIANTS = {
                            tile_m=64, tile_n=64),
     "m64+persistent+q2": dict(persistent=True, heads_fastest=False, q_stages=2, pingpong=False,
                               tile_m=64, tile_n=64),
+    "m64+persistent+q2+heads": dict(persistent=True, heads_fastest=True, q_stages=2,
+                                    pingpong=False, tile_m=64, tile_n=64),
 }
 
 

@@ -25,7 +25,7 @@ _DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
 
 
 def fake_arguments(spec: FwdSpec):
-    """Fake tensors standing for (q, k, v, out, lse, cu_q, cu_k, [block-sparse five])."""
+    """Fake tensors standing for (q, k, v, out, lse, cu_q, cu_k), (block-sparse five, trace)."""
     dtype = _DTYPES[spec.dtype]
     d = spec.head_dim
     total_q, total_k, heads, heads_kv = (cute.sym_int() for _ in range(4))
@@ -52,7 +52,11 @@ def fake_arguments(spec: FwdSpec):
             make_fake_compact_tensor(cutlass.Int32, (rows, sheads, km), stride_order=(2, 1, 0)),
             make_fake_compact_tensor(cutlass.Int32, (num_seqs,), assumed_align=4),
         )
-    return (q, k, v, o, lse, cu_q, cu_k), sparse
+    trace = None
+    if spec.trace:
+        trace = make_fake_compact_tensor(
+            cutlass.Int64, tuple(cute.sym_int() for _ in range(4)), stride_order=(3, 2, 1, 0))
+    return (q, k, v, o, lse, cu_q, cu_k), (*sparse, trace)
 
 
 _COMPILED: dict[tuple[FwdSpec, bool], object] = {}

@@ -103,7 +103,7 @@ def _typed_scalars(scalars):
             cutlass.Int32(left), cutlass.Int32(right), cutlass.Int32(num_sms))
 
 
-def _launch(spec, tensors, scalars, sparse):
+def _launch(spec, tensors, scalars, optional):
     """Compile on first use, then launch on the current stream."""
     from cutlass.cute.runtime import make_fake_stream
 
@@ -113,25 +113,27 @@ def _launch(spec, tensors, scalars, sparse):
         # Python scalars go straight through; the typed ones are needed only to compile.
         kernel = compiled_forward(spec, lambda: (
             *(_as_cute(t, True) for t in tensors), *_typed_scalars(scalars),
-            *(_as_cute(t, True) for t in sparse), make_fake_stream(use_tvm_ffi_env_stream=True),
+            *(_as_cute(t, True) for t in optional), make_fake_stream(use_tvm_ffi_env_stream=True),
         ), tvm_ffi=True)
-        kernel(*tensors, *scalars, *sparse)
+        kernel(*tensors, *scalars, *optional)
         return
     import cuda.bindings.driver as cuda
 
     stream = cuda.CUstream(torch.cuda.current_stream(tensors[0].device).cuda_stream)
     args = (*(_as_cute(t) for t in tensors), *_typed_scalars(scalars),
-            *(_as_cute(t) for t in sparse), stream)
+            *(_as_cute(t) for t in optional), stream)
     compiled_forward(spec, lambda: args)(*args)
 
 
 def run(
     q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
     softmax_scale=None, causal=False, compress_factor=1, window_size=(-1, -1),
-    block_sparse=None, spec_overrides=None,
+    block_sparse=None, spec_overrides=None, trace=False,
 ):
     """(out, lse) of the sm90 kernel. `spec_overrides` (a dict of `FwdSpec` fields) replaces the
-    dispatcher's compile-time choices; tools/tune_sm90_forward.py uses it to time variants."""
+    dispatcher's compile-time choices; tools/tune_sm90_forward.py uses it to time variants.
+    `trace=True` launches the traced build and returns (out, lse, per-tile timestamps), see
+    kernels/sm90/trace.py."""
     padded = q.dim() == 4
     if padded:
         batch, seqlen_q, num_heads, head_dim = q.shape
@@ -154,17 +156,31 @@ def run(
             raise ValueError(f"spec_overrides: tile {spec.tile_m}x{spec.tile_n} differs from the "
                              f"block-sparse blocks {block_sparse.row_block_size}x"
                              f"{block_sparse.col_block_size}")
+    trace_buffer = None
+    if trace:
+        from kernels.sm90.trace import trace_shape
+
+        spec = dataclasses.replace(spec, trace=True)
+        num_tiles = (-(-max_seqlen_q // spec.tile_m) * num_heads
+                     * (cu_seqlens_q.numel() - 1))
+        num_ctas = num_tiles
+        if spec.persistent:
+            num_ctas = min(num_tiles, _num_sms(q.device) * spec.ctas_per_sm)
+        trace_buffer = torch.zeros(trace_shape(num_ctas, spec.tile_m, num_tiles),
+                                   dtype=torch.int64, device=q.device)
     if max_seqlen_q > 0 and total_q > 0:
         scalars = (max_seqlen_q, softmax_scale, compress_factor, max(window_size[0], 0),
                    max(window_size[1], 0), _num_sms(q.device))
         tensors = (q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)
-        sparse = (None,) * 5
+        optional = (None,) * 5
         if block_sparse is not None:
             bs = block_sparse
-            sparse = (bs.full_count, bs.full_index, bs.mask_count, bs.mask_index,
-                      bs.row_block_offsets)
-        _launch(spec, tensors, scalars, sparse)
+            optional = (bs.full_count, bs.full_index, bs.mask_count, bs.mask_index,
+                        bs.row_block_offsets)
+        _launch(spec, tensors, scalars, (*optional, trace_buffer))
     if padded:
         out = out.view(batch, seqlen_q, num_heads, head_dim)
         lse = lse.view(num_heads, batch, seqlen_q).permute(1, 0, 2).contiguous()
+    if trace:
+        return out, lse, trace_buffer
     return out, lse

@@ -41,6 +41,7 @@ from kernels.sm90.mask import apply_mask
 from kernels.sm90.softmax import rescale_rows, softmax_finalize, softmax_init, softmax_step
 from kernels.sm90.spec import FwdSpec
 from kernels.sm90.tile_scheduler import TileOrder
+from kernels.sm90 import trace
 
 _WARPGROUP = 128
 # Named barriers: 0 is __syncthreads; 1 + wg guards warpgroup wg's output staging; 3 + wg is
@@ -62,7 +63,7 @@ class FlashAttentionForwardSm90:
         assert self.tile_m in (64, 128)
         self.num_consumer_warpgroups = self.tile_m // 64
         self.num_threads = _WARPGROUP * (1 + self.num_consumer_warpgroups)
-        self.ctas_per_sm = 3 - self.num_consumer_warpgroups
+        self.ctas_per_sm = spec.ctas_per_sm
         # The SM's 64K registers: the producer warpgroup keeps 24 per thread, the consumers
         # take the rest (a multiple of 8).
         per_cta = 65536 // self.ctas_per_sm
@@ -93,6 +94,7 @@ class FlashAttentionForwardSm90:
         mMaskCount: Optional[cute.Tensor],
         mMaskIndex: Optional[cute.Tensor],
         mRowBlockOffsets: Optional[cute.Tensor],  # (S+1,) int32
+        mTrace: Optional[cute.Tensor],  # int64, kernels/sm90/trace.py (FwdSpec.trace only)
         stream: cuda.CUstream,
     ):
         dtype = self.dtype
@@ -169,7 +171,7 @@ class FlashAttentionForwardSm90:
             tma_atom_q, tma_q, tma_atom_k, tma_k, tma_atom_v, tma_v,
             tma_atom_o, tma_o, mO, mLSE, mCuSeqlensQ, mCuSeqlensK, softmax_scale, scale_log2,
             compress_factor, window_left, window_right, tile_order,
-            mFullCount, mFullIndex, mMaskCount, mMaskIndex, mRowBlockOffsets,
+            mFullCount, mFullIndex, mMaskCount, mMaskIndex, mRowBlockOffsets, mTrace,
             sQ_layout, sK_layout, sV_layout, sO_layout, tiled_mma_qk, tiled_mma_pv,
             tiled_mma_epilogue,
         ).launch(grid=(num_ctas, 1, 1), block=[self.num_threads, 1, 1], stream=stream,
@@ -190,7 +192,7 @@ class FlashAttentionForwardSm90:
         tile_order: TileOrder,
         mFullCount: Optional[cute.Tensor], mFullIndex: Optional[cute.Tensor],
         mMaskCount: Optional[cute.Tensor], mMaskIndex: Optional[cute.Tensor],
-        mRowBlockOffsets: Optional[cute.Tensor],
+        mRowBlockOffsets: Optional[cute.Tensor], mTrace: Optional[cute.Tensor],
         sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
         sV_layout: cute.ComposedLayout, sO_layout: cute.ComposedLayout,
         tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma,
@@ -245,14 +247,14 @@ class FlashAttentionForwardSm90:
         produce_tile = partial(
             self.produce_tile, tile_work=tile_work, tma_atom_q=tma_atom_q, mQ=mQ,
             tma_atom_k=tma_atom_k, mK=mK, tma_atom_v=tma_atom_v, mVt=mVt, sQ=sQ, sK=sK, sV=sV,
-            mFullIndex=mFullIndex, mMaskIndex=mMaskIndex)
+            mFullIndex=mFullIndex, mMaskIndex=mMaskIndex, m_trace=mTrace)
         consume_tile = partial(
             self.consume_tile, tile_work=tile_work, tidx=tidx - _WARPGROUP, sQ=sQ, sK=sK, sV=sV,
             tiled_mma_qk=tiled_mma_qk, tiled_mma_pv=tiled_mma_pv,
             tiled_mma_epilogue=tiled_mma_epilogue, sO=sO, tma_atom_o=tma_atom_o,
             mO_tma=mO_tma, mO=mO, mLSE=mLSE, softmax_scale=softmax_scale,
             scale_log2=scale_log2, block_range=block_range, mFullIndex=mFullIndex,
-            mMaskIndex=mMaskIndex)
+            mMaskIndex=mMaskIndex, m_trace=mTrace)
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(self.producer_regs)
             if warp_idx == 0:
@@ -276,44 +278,56 @@ class FlashAttentionForwardSm90:
         self, tile_order: TileOrder, first_tile: Int32, tile_stride: Int32, num_tiles: Int32,
         tile_fn, pipelines,
     ):
-        """Run tile_fn(coords, *pipelines) -> pipelines on this CTA's tiles: only `first_tile`,
-        or with `persistent` every tile_stride-th one from it. The producer warp and the
-        consumer warpgroups both walk through here, so they visit the same tiles in order."""
+        """Run tile_fn(coords, iteration, *pipelines) -> pipelines on this CTA's tiles: only
+        `first_tile`, or with `persistent` every tile_stride-th one from it (`iteration` counts
+        them). The producer warp and the consumer warpgroups both walk through here, so they
+        visit the same tiles in order."""
         if const_expr(self.spec.persistent):
             tile = first_tile
+            iteration = Int32(0)
             coords = tile_order.coords(first_tile)
             step = tile_order.coords(tile_stride)
             while tile < num_tiles:
-                pipelines = tile_fn(coords, *pipelines)
+                pipelines = tile_fn(coords, iteration, *pipelines)
                 tile += tile_stride
+                iteration += 1
                 coords = tile_order.advance(coords, step)
         else:
-            tile_fn(tile_order.coords(first_tile), *pipelines)
+            tile_fn(tile_order.coords(first_tile), Int32(0), *pipelines)
 
     @cute.jit
     def produce_tile(
-        self, coords, q_producer, k_producer, v_producer, tile_work, tma_atom_q, mQ,
-        tma_atom_k, mK, tma_atom_v, mVt, sQ, sK, sV, mFullIndex, mMaskIndex,
+        self, coords, iteration, q_producer, k_producer, v_producer, tile_work, tma_atom_q, mQ,
+        tma_atom_k, mK, tma_atom_v, mVt, sQ, sK, sV, mFullIndex, mMaskIndex, m_trace,
     ):
+        mark = trace.marker(m_trace, 0, iteration, cute.arch.lane_idx() == 0,
+                            trace.PRODUCER_EVENTS)
+        mark("start")
         (m_block, head, _, offset_q, _, offset_k, _, head_kv, in_sequence, n_max,
          num_iters, num_mask_blocks, sparse_row, sparse_head) = tile_work(coords)
+        mark("work")
         if in_sequence:
             q_producer, k_producer, v_producer = self.produce(
                 tma_atom_q, mQ, tma_atom_k, mK, tma_atom_v, mVt, sQ, sK, sV,
                 q_producer, k_producer, v_producer,
                 offset_q, offset_k, head, head_kv, m_block, n_max, num_iters,
-                num_mask_blocks, mFullIndex, mMaskIndex, sparse_row, sparse_head,
+                num_mask_blocks, mFullIndex, mMaskIndex, sparse_row, sparse_head, mark,
             )
         return q_producer, k_producer, v_producer
 
     @cute.jit
     def consume_tile(
-        self, coords, q_consumer, k_consumer, v_consumer, tile_work, tidx: Int32, sQ, sK, sV,
-        tiled_mma_qk, tiled_mma_pv, tiled_mma_epilogue, sO, tma_atom_o, mO_tma,
-        mO, mLSE, softmax_scale, scale_log2, block_range, mFullIndex, mMaskIndex,
+        self, coords, iteration, q_consumer, k_consumer, v_consumer, tile_work, tidx: Int32, sQ,
+        sK, sV, tiled_mma_qk, tiled_mma_pv, tiled_mma_epilogue, sO, tma_atom_o, mO_tma,
+        mO, mLSE, softmax_scale, scale_log2, block_range, mFullIndex, mMaskIndex, m_trace,
     ):
+        mark = trace.marker(m_trace, 1 + tidx // _WARPGROUP, iteration,
+                            tidx % _WARPGROUP == 0, trace.CONSUMER_EVENTS)
+        mark("start")
         (m_block, head, _, offset_q, seqlen_q, _, seqlen_k, _, in_sequence, n_max,
          num_iters, num_mask_blocks, sparse_row, sparse_head) = tile_work(coords)
+        mark("work")
+        mark("kv_tiles", num_iters)
         if in_sequence:
             q_consumer, k_consumer, v_consumer = self.consume(
                 tidx, sQ, sK, sV, q_consumer, k_consumer, v_consumer,
@@ -321,7 +335,7 @@ class FlashAttentionForwardSm90:
                 mO_tma, mO, mLSE, softmax_scale, scale_log2,
                 block_range, offset_q, seqlen_q, seqlen_k, head, m_block, n_max,
                 num_iters, num_mask_blocks, mFullIndex, mMaskIndex, sparse_row,
-                sparse_head,
+                sparse_head, mark,
             )
         return q_consumer, k_consumer, v_consumer
 
@@ -388,7 +402,7 @@ class FlashAttentionForwardSm90:
         q_producer, k_producer, v_producer,
         offset_q: Int32, offset_k: Int32, head: Int32, head_kv: Int32, m_block: Int32,
         n_max: Int32, num_iters: Int32, num_mask_blocks: Int32,
-        mFullIndex, mMaskIndex, sparse_row: Int32, sparse_head: Int32,
+        mFullIndex, mMaskIndex, sparse_row: Int32, sparse_head: Int32, mark,
     ):
         mQ_seq = cute.domain_offset((offset_q, 0), mQ[None, None, head])
         gQ = cute.local_tile(mQ_seq, (self.tile_m, self.head_dim), (m_block, 0))
@@ -408,15 +422,19 @@ class FlashAttentionForwardSm90:
 
         q_handle = q_producer.acquire_and_advance()
         cute.copy(tma_atom_q, tQgQ, tQsQ[(None, q_handle.index)], tma_bar_ptr=q_handle.barrier)
+        mark("q_issued")
         for it in cutlass.range(num_iters, unroll=1):
             n_block, _ = self.kv_tile_at(
                 it, n_max, num_mask_blocks, mFullIndex, mMaskIndex, sparse_row, sparse_head)
             k_handle = k_producer.acquire_and_advance()
             cute.copy(tma_atom_k, tKgK[(None, n_block)], tKsK[(None, k_handle.index)],
                       tma_bar_ptr=k_handle.barrier)
+            if it == 0:
+                mark("k0_issued")
             v_handle = v_producer.acquire_and_advance()
             cute.copy(tma_atom_v, tVgV[(None, n_block)], tVsV[(None, v_handle.index)],
                       tma_bar_ptr=v_handle.barrier)
+        mark("done")
         return q_producer, k_producer, v_producer
 
     @cute.jit
@@ -428,7 +446,7 @@ class FlashAttentionForwardSm90:
         scale_log2: Float32,
         block_range: BlockRange, offset_q: Int32, seqlen_q: Int32, seqlen_k: Int32,
         head: Int32, m_block: Int32, n_max: Int32, num_iters: Int32, num_mask_blocks: Int32,
-        mFullIndex, mMaskIndex, sparse_row: Int32, sparse_head: Int32,
+        mFullIndex, mMaskIndex, sparse_row: Int32, sparse_head: Int32, mark,
     ):
         thr_qk = tiled_mma_qk.get_slice(tidx)
         thr_pv = tiled_mma_pv.get_slice(tidx)
@@ -453,21 +471,25 @@ class FlashAttentionForwardSm90:
                           m_block=m_block, seqlen_q=seqlen_q, seqlen_k=seqlen_k)
 
         q_handle = q_consumer.wait_and_advance()
+        mark("q_ready")
         sQ_stage = tSrQ[None, None, None, self.stage_index(q_handle, self.spec.q_stages)]
         if num_iters > 0:
             n_block, is_mask_tile = self.kv_tile_at(
                 0, n_max, num_mask_blocks, mFullIndex, mMaskIndex, sparse_row, sparse_head)
             k_handle = k_consumer.wait_and_advance()
+            mark("k0_ready")
             self.wait_turn(tidx)
             k_stage = self.stage_index(k_handle, self.spec.num_stages)
             tiled_mma_qk = self.gemm(tiled_mma_qk, acc_s, sQ_stage,
                                      tSrK[None, None, None, k_stage], zero_init=True)
             self.pass_turn(tidx)
             warpgroup.wait_group(0)
+            mark("s0_done")
             k_handle.release()
             mask_fn(acc_s, n_block=n_block, is_mask_tile=is_mask_tile)
             softmax_step(acc_s, row_max, row_sum, correction, scale_log2, is_first=True)
             r_p_as_acc.store(acc_s.load().to(self.dtype))
+            mark("softmax0_done")
         # Intra-warpgroup overlap: S = Q K_j^T and O += P_{j-1} V_{j-1} are issued together,
         # so the tensor cores work on P V while this warpgroup runs the softmax of S. Each loop
         # below has one compile-time mask kind: a runtime branch between the wgmma issue and its
@@ -519,23 +541,28 @@ class FlashAttentionForwardSm90:
                         n_block=n_max - 1 - it, mask="causal_window", k_consumer=k_consumer,
                         v_consumer=v_consumer, tiled_mma_qk=tiled_mma_qk,
                         tiled_mma_pv=tiled_mma_pv)
+        mark("loop_done")
         # Every Q K^T product of this tile is done: the producer may load the next tile's Q.
         q_handle.release()
         if num_iters > 0:
             v_handle = v_consumer.wait_and_advance()
+            mark("v_last_ready")
             self.wait_turn(tidx)
             v_stage = self.stage_index(v_handle, self.spec.num_stages)
             tiled_mma_pv = self.gemm(tiled_mma_pv, acc_o, r_p, tOrV[None, None, None, v_stage],
                                      zero_init=False)
             self.pass_turn(tidx)
             warpgroup.wait_group(0)
+            mark("pv_last_done")
             v_handle.release()
 
         lse = cute.make_rmem_tensor(cute.make_layout(num_rows), Float32)
         softmax_finalize(acc_o, row_max, row_sum, softmax_scale, lse)
+        mark("finalized")
         self.store_output(
             tidx, tiled_mma_epilogue, acc_o, lse, sO, tma_atom_o, mO_tma, mO, mLSE, offset_q,
             seqlen_q, head, m_block)
+        mark("stored")
         return q_consumer, k_consumer, v_consumer
 
     @cute.jit

@@ -27,6 +27,12 @@ class FwdSpec:
     persistent: bool = False   # one CTA per SM walking tiles (kernels/sm90/tile_scheduler.py)
     heads_fastest: bool = False  # tile order: a GQA group's heads side by side (L2 sharing)
     pingpong: bool = False     # consumer warpgroups take turns issuing wgmma (named barriers)
+    trace: bool = False        # diagnostic build: per-tile phase timestamps (kernels/sm90/trace.py)
+
+    @property
+    def ctas_per_sm(self) -> int:
+        """Two CTAs share an SM with one consumer warpgroup (64-row tiles), else one."""
+        return 3 - self.tile_m // 64
 
 
 def choose_spec(
