@@ -35,9 +35,12 @@ def phase_table(buffer: torch.Tensor) -> list[tuple[str, int, str, float, float]
     consumer_kv = data[:, 1, :, KV_TILES_SLOT]
     rows = []
     for role in range(roles):
-        events = PRODUCER_EVENTS if role == 0 else CONSUMER_EVENTS
+        all_events = PRODUCER_EVENTS if role == 0 else CONSUMER_EVENTS
         name = "producer" if role == 0 else f"consumer wg{role - 1}"
-        stamps = data[:, role, :, :len(events)]
+        # Only the events this build stamps (the others stay 0).
+        present = [i for i, _ in enumerate(all_events) if bool((data[:, role, :, i] > 0).any())]
+        events = [all_events[i] for i in present]
+        stamps = data[:, role, :, present]
         valid = stamps[..., 0] > 0
         # A tile's period runs from its start to the next tile's start on the same CTA.
         period = torch.full(valid.shape, -1, dtype=torch.int64)

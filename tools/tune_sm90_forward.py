@@ -45,6 +45,11 @@ VARIANTS = {
                            tile_m=64, tile_n=64),
     "m64+persistent+q2": dict(persistent=True, heads_fastest=False, q_stages=2, pingpong=False,
                               tile_m=64, tile_n=64),
+    # 64-row tiles with 128-key KV tiles: one K and one V buffer so that two CTAs fit an SM.
+    "m64+n128+s1+persistent+q2": dict(persistent=True, heads_fastest=False, q_stages=2,
+                                      pingpong=False, tile_m=64, tile_n=128, num_stages=1),
+    "persistent+q2+pingpong+heads": dict(persistent=True, heads_fastest=True, q_stages=2,
+                                         pingpong=True),
     "m64+persistent+q2+heads": dict(persistent=True, heads_fastest=True, q_stages=2,
                                     pingpong=False, tile_m=64, tile_n=64),
 }

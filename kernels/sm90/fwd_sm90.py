@@ -679,8 +679,12 @@ class FlashAttentionForwardSm90:
                 if tidx % _WARPGROUP == 0:
                     cute.arch.cp_async_bulk_wait_group(0, read=True)
                 cute.arch.barrier(barrier_id=_EPILOGUE_BARRIER + wg, number_of_threads=_WARPGROUP)
-            t_so = thr.partition_C(sO[None, None, wg])
-            t_so.store(r_o.load())
+            # stmatrix: 8 instructions per thread instead of 32 scalar stores.
+            store_atom = sm90_utils.get_smem_store_op(utils.LayoutEnum.ROW_MAJOR, self.dtype,
+                                                      Float32)
+            thr_store = cute.make_tiled_copy_C(store_atom, tiled_mma_epilogue).get_slice(
+                tidx % _WARPGROUP)
+            cute.copy(store_atom, thr_store.retile(r_o), thr_store.partition_D(sO[None, None, wg]))
             cute.arch.fence_proxy("async.shared", space="cta")
             cute.arch.barrier(barrier_id=_EPILOGUE_BARRIER + wg, number_of_threads=_WARPGROUP)
             if tidx % _WARPGROUP == 0:
