@@ -3,9 +3,8 @@
 ncu tells how the warps stall on average; it does not tell which phase of a work tile the time
 goes to. A traced build writes the SM's cycle counter (clock64) at fixed points of every tile
 into an int64 buffer of shape (CTAs, roles, tiles per CTA, slots): role 0 is the producer warp,
-role 1 + w consumer warpgroup w. Events a build does not pass stay 0 (a persistent consumer
-writes a tile's output inside the next tile, at "flushed"). `tools/trace_sm90_forward.py`
-turns the buffer into a table.
+role 1 + w consumer warpgroup w; events a tile does not pass stay 0.
+`tools/trace_sm90_forward.py` turns the buffer into a table.
 
 The untraced kernel has no trace argument at all (the switch is compile-time), so it is
 unchanged by this module.
@@ -24,13 +23,13 @@ CONSUMER_EVENTS = (
     "work",           # tile coordinates, sequence bounds and KV range computed
     "q_ready",        # the tile's Q is in smem
     "k0_ready",       # the first K tile is in smem (its Q K^T is issued next)
-    "flushed",        # persistent: the previous tile's output written
     "s0_done",        # first S = Q K^T finished
     "softmax0_done",  # its mask + softmax done, P in registers
     "loop_done",      # every later KV tile done (S, softmax, P V of the previous one)
     "v_last_ready",   # the last V tile is in smem (its P V is issued next)
-    "pv_last_done",   # one tile per CTA: the last P V finished
-    "stored",         # one tile per CTA: output written
+    "pv_last_done",   # the last P V finished
+    "finalized",      # O normalised, lse computed
+    "stored",         # O in smem and its TMA store issued (or stored from registers)
 )
 PRODUCER_EVENTS = (
     "start",       # produce_tile entered

@@ -59,6 +59,13 @@ def test_schedule_variants_compile_for_sm90a(call, schedule):
     assert callable(compile_forward_on_fake_tensors(spec))
 
 
+@pytest.mark.parametrize("call", ["compressed-causal", "selected-sparse64"])
+def test_traced_build_compiles_for_sm90a(call):
+    """The diagnostic build (tools/trace_sm90_forward.py): every stamp names a known event."""
+    spec = dataclasses.replace(_spec("bfloat16", 128, call), trace=True)
+    assert callable(compile_forward_on_fake_tensors(spec))
+
+
 def test_dispatch_picks_persistent_tiles_for_short_kv_ranges():
     window = _spec("bfloat16", 128, "window-causal")
     assert window.persistent and (window.tile_m, window.tile_n) == (64, 64)
