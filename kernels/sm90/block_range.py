@@ -20,7 +20,7 @@ class BlockRange:
     has_window_left: cutlass.Constexpr[bool]
     has_window_right: cutlass.Constexpr[bool]
     compressed: cutlass.Constexpr[bool]  # False: compress_factor is 1 and no division is emitted
-    compress_factor: Int32
+    compress_factor: object  # compressed: a cute.FastDivmodDivisorV2, else an unused Int32
     window_left: Int32
     window_right: Int32
 
@@ -51,7 +51,7 @@ class BlockRange:
             first_pos = cutlass.max(row - self.window_left, 0)
             limit = first_pos
             if const_expr(self.compressed):
-                limit = (first_pos + 1 + self.compress_factor - 1) // self.compress_factor - 1
+                limit = (first_pos + self.compress_factor.divisor) // self.compress_factor - 1
         return limit
 
     @cute.jit

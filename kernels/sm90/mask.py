@@ -25,6 +25,10 @@ def apply_mask(
     c_mn = acc_mn_view(t_coord)
     key_base = n_block * block_range.tile_n
     check_left = const_expr(with_causal_window and block_range.has_window_left)
+    # Columns relative to this thread's first one: compile-time constants once LLVM folds
+    # them, so each element costs one compare against an immediate and one select (with the
+    # column itself, ptxas materialised all 32 columns with an add each).
+    col_base = c_mn[0, 0][1]
     for r in cutlass.range_constexpr(cute.size(s_mn, mode=[0])):
         row = m_block * block_range.tile_m + c_mn[r, 0][0]
         hi = seqlen_k - key_base
@@ -33,9 +37,11 @@ def apply_mask(
             hi = cutlass.min(hi, block_range.key_limit_right(row) - key_base)
         if const_expr(check_left):
             lo = block_range.key_limit_left(row) - key_base
+        hi = hi - col_base
+        lo = lo - col_base
         # Selects, not branches: one compare (two with a left window) per element.
         for c in cutlass.range_constexpr(cute.size(s_mn, mode=[1])):
-            col = c_mn[0, c][1]
+            col = c_mn[0, c][1] - col_base
             if const_expr(check_left):
                 keep = (col < hi) & (col >= lo)
                 s_mn[r, c] = s_mn[r, c] if keep else -Float32.inf
