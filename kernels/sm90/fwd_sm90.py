@@ -169,8 +169,8 @@ class FlashAttentionForwardSm90:
         scale_log2 = softmax_scale * Float32(1.4426950408889634)
         if const_expr(self.spec.compressed):
             # A multiply-and-shift divisor: the divisions by the compress factor sit on every
-            # tile's critical path (KV range, mask limits), as integer divides they cost ~20
-            # dependent instructions each.
+            # tile's critical path (KV range, mask limits), and as integer divides they cost
+            # about 20 dependent instructions each.
             compress_factor = cute.fast_divmod_create_divisor_v2(compress_factor)
         self.kernel(
             tma_atom_q, tma_q, tma_atom_k, tma_k, tma_atom_v, tma_v,
@@ -252,6 +252,13 @@ class FlashAttentionForwardSm90:
             self.produce_tile, tile_work=tile_work, tma_atom_q=tma_atom_q, mQ=mQ,
             tma_atom_k=tma_atom_k, mK=mK, tma_atom_v=tma_atom_v, mVt=mVt, sQ=sQ, sK=sK, sV=sV,
             mFullIndex=mFullIndex, mMaskIndex=mMaskIndex, m_trace=mTrace)
+        consume_tile = partial(
+            self.consume_tile, tile_work=tile_work, tidx=tidx - _WARPGROUP, sQ=sQ, sK=sK, sV=sV,
+            tiled_mma_qk=tiled_mma_qk, tiled_mma_pv=tiled_mma_pv,
+            tiled_mma_epilogue=tiled_mma_epilogue, sO=sO, tma_atom_o=tma_atom_o,
+            mO_tma=mO_tma, mO=mO, mLSE=mLSE, softmax_scale=softmax_scale,
+            scale_log2=scale_log2, block_range=block_range, mFullIndex=mFullIndex,
+            mMaskIndex=mMaskIndex, m_trace=mTrace)
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(self.producer_regs)
             if warp_idx == 0:
@@ -264,31 +271,8 @@ class FlashAttentionForwardSm90:
                 if tidx // _WARPGROUP == 1:
                     cute.arch.barrier_arrive(barrier_id=_TURN_BARRIER,
                                              number_of_threads=2 * _WARPGROUP)
-            consumer_tidx = tidx - _WARPGROUP
-            # A tile's finished output (in the input dtype) and lse: a persistent consumer
-            # stores them from the next tile, while that tile's first Q K^T runs.
-            thr_pv = tiled_mma_pv.get_slice(consumer_tidx)
-            done_o = cute.make_rmem_tensor(
-                thr_pv.partition_shape_C((self.tile_m, self.head_dim)), self.dtype)
-            done_lse = cute.make_rmem_tensor(
-                cute.make_layout(cute.size(acc_mn_view(done_o), mode=[0])), Float32)
-            store = partial(
-                self.store_output, tidx=consumer_tidx, tiled_mma_epilogue=tiled_mma_epilogue,
-                r_o=done_o, lse=done_lse, sO=sO, tma_atom_o=tma_atom_o, mO_tma=mO_tma, mO=mO,
-                mLSE=mLSE)
-            consume_tile = partial(
-                self.consume_tile, tile_work=tile_work, tidx=consumer_tidx, sQ=sQ, sK=sK,
-                sV=sV, tiled_mma_qk=tiled_mma_qk, tiled_mma_pv=tiled_mma_pv, done_o=done_o,
-                done_lse=done_lse, store=store, softmax_scale=softmax_scale,
-                scale_log2=scale_log2, block_range=block_range, mFullIndex=mFullIndex,
-                mMaskIndex=mMaskIndex, m_trace=mTrace)
-            # (output pending, its offset_q, seqlen_q, head, m_block)
-            no_output = (cutlass.Boolean(False), Int32(0), Int32(0), Int32(0), Int32(0))
-            carried = self.walk_tiles(tile_order, first_tile, tile_stride, num_tiles,
-                                      consume_tile, (q_consumer, k_consumer, v_consumer,
-                                                     *no_output))
-            if const_expr(spec.persistent):
-                self.store_pending(carried[3:], store)
+            self.walk_tiles(tile_order, first_tile, tile_stride, num_tiles, consume_tile,
+                            (q_consumer, k_consumer, v_consumer))
             # The last output's TMA store must have read shared memory before the CTA exits.
             if tidx % _WARPGROUP == 0:
                 cute.arch.cp_async_bulk_wait_group(0, read=True)
@@ -298,10 +282,10 @@ class FlashAttentionForwardSm90:
         self, tile_order: TileOrder, first_tile: Int32, tile_stride: Int32, num_tiles: Int32,
         tile_fn, pipelines,
     ):
-        """Run tile_fn(coords, iteration, *state) -> state on this CTA's tiles: only
+        """Run tile_fn(coords, iteration, *pipelines) -> pipelines on this CTA's tiles: only
         `first_tile`, or with `persistent` every tile_stride-th one from it (`iteration` counts
-        them); returns the last state. The producer warp and the consumer warpgroups both walk
-        through here, so they visit the same tiles in order."""
+        them). The producer warp and the consumer warpgroups both walk through here, so they
+        visit the same tiles in order."""
         if const_expr(self.spec.persistent):
             tile = first_tile
             iteration = Int32(0)
@@ -313,8 +297,7 @@ class FlashAttentionForwardSm90:
                 iteration += 1
                 coords = tile_order.advance(coords, step)
         else:
-            pipelines = tile_fn(tile_order.coords(first_tile), Int32(0), *pipelines)
-        return pipelines
+            tile_fn(tile_order.coords(first_tile), Int32(0), *pipelines)
 
     @cute.jit
     def produce_tile(
@@ -338,10 +321,9 @@ class FlashAttentionForwardSm90:
 
     @cute.jit
     def consume_tile(
-        self, coords, iteration, q_consumer, k_consumer, v_consumer, pending, out_offset_q,
-        out_seqlen_q, out_head, out_m_block, tile_work, tidx: Int32, sQ, sK, sV, tiled_mma_qk,
-        tiled_mma_pv, done_o, done_lse, store, softmax_scale, scale_log2, block_range,
-        mFullIndex, mMaskIndex, m_trace,
+        self, coords, iteration, q_consumer, k_consumer, v_consumer, tile_work, tidx: Int32, sQ,
+        sK, sV, tiled_mma_qk, tiled_mma_pv, tiled_mma_epilogue, sO, tma_atom_o, mO_tma,
+        mO, mLSE, softmax_scale, scale_log2, block_range, mFullIndex, mMaskIndex, m_trace,
     ):
         mark = trace.marker(m_trace, 1 + tidx // _WARPGROUP, iteration,
                             tidx % _WARPGROUP == 0, trace.CONSUMER_EVENTS)
@@ -350,16 +332,16 @@ class FlashAttentionForwardSm90:
          num_iters, num_mask_blocks, sparse_row, sparse_head) = tile_work(coords)
         mark("work")
         mark("kv_tiles", num_iters)
-        pending_output = (pending, out_offset_q, out_seqlen_q, out_head, out_m_block)
         if in_sequence:
-            q_consumer, k_consumer, v_consumer, pending_output = self.consume(
-                tidx, sQ, sK, sV, q_consumer, k_consumer, v_consumer, pending_output,
-                tiled_mma_qk, tiled_mma_pv, done_o, done_lse, store, softmax_scale, scale_log2,
+            q_consumer, k_consumer, v_consumer = self.consume(
+                tidx, sQ, sK, sV, q_consumer, k_consumer, v_consumer,
+                tiled_mma_qk, tiled_mma_pv, tiled_mma_epilogue, sO, tma_atom_o,
+                mO_tma, mO, mLSE, softmax_scale, scale_log2,
                 block_range, offset_q, seqlen_q, seqlen_k, head, m_block, n_max,
                 num_iters, num_mask_blocks, mFullIndex, mMaskIndex, sparse_row,
                 sparse_head, mark,
             )
-        return (q_consumer, k_consumer, v_consumer, *pending_output)
+        return q_consumer, k_consumer, v_consumer
 
     @cute.jit
     def tile_work(
@@ -461,9 +443,11 @@ class FlashAttentionForwardSm90:
 
     @cute.jit
     def consume(
-        self, tidx: Int32, sQ, sK, sV, q_consumer, k_consumer, v_consumer, pending_output,
-        tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma, done_o: cute.Tensor,
-        done_lse: cute.Tensor, store, softmax_scale: Float32, scale_log2: Float32,
+        self, tidx: Int32, sQ, sK, sV, q_consumer, k_consumer, v_consumer,
+        tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma,
+        tiled_mma_epilogue: cute.TiledMma, sO: cute.Tensor, tma_atom_o: cute.CopyAtom,
+        mO_tma: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor, softmax_scale: Float32,
+        scale_log2: Float32,
         block_range: BlockRange, offset_q: Int32, seqlen_q: Int32, seqlen_k: Int32,
         head: Int32, m_block: Int32, n_max: Int32, num_iters: Int32, num_mask_blocks: Int32,
         mFullIndex, mMaskIndex, sparse_row: Int32, sparse_head: Int32, mark,
@@ -503,11 +487,6 @@ class FlashAttentionForwardSm90:
             tiled_mma_qk = self.gemm(tiled_mma_qk, acc_s, sQ_stage,
                                      tSrK[None, None, None, k_stage], zero_init=True)
             self.pass_turn(tidx)
-            if const_expr(self.spec.persistent):
-                # The previous tile's output is stored while the tensor cores run Q K^T (in
-                # this branch: ptxas cannot tell that two branches on num_iters agree, and a
-                # path mixing them would make it serialize every wgmma).
-                self.store_pending(pending_output, store)
             warpgroup.wait_group(0)
             mark("s0_done")
             k_handle.release()
@@ -569,9 +548,6 @@ class FlashAttentionForwardSm90:
         mark("loop_done")
         # Every Q K^T product of this tile is done: the producer may load the next tile's Q.
         q_handle.release()
-        if const_expr(self.spec.persistent):
-            if num_iters == 0:
-                self.store_pending(pending_output, store)
         if num_iters > 0:
             v_handle = v_consumer.wait_and_advance()
             mark("v_last_ready")
@@ -584,21 +560,14 @@ class FlashAttentionForwardSm90:
             mark("pv_last_done")
             v_handle.release()
 
-        softmax_finalize(acc_o, row_max, row_sum, softmax_scale, done_lse)
-        done_o.store(acc_o.load().to(self.dtype))
+        lse = cute.make_rmem_tensor(cute.make_layout(num_rows), Float32)
+        softmax_finalize(acc_o, row_max, row_sum, softmax_scale, lse)
         mark("finalized")
-        this_output = (cutlass.Boolean(True), offset_q, seqlen_q, head, m_block)
-        if const_expr(not self.spec.persistent):
-            self.store_pending(this_output, store)
-            mark("stored")
-        return q_consumer, k_consumer, v_consumer, this_output
-
-    @cute.jit
-    def store_pending(self, pending_output, store):
-        """Store a finished tile's output (done_o, done_lse), if there is one."""
-        pending, offset_q, seqlen_q, head, m_block = pending_output
-        if pending:
-            store(offset_q=offset_q, seqlen_q=seqlen_q, head=head, m_block=m_block)
+        self.store_output(
+            tidx, tiled_mma_epilogue, acc_o, lse, sO, tma_atom_o, mO_tma, mO, mLSE, offset_q,
+            seqlen_q, head, m_block)
+        mark("stored")
+        return q_consumer, k_consumer, v_consumer
 
     @cute.jit
     def kv_step(
@@ -689,7 +658,7 @@ class FlashAttentionForwardSm90:
 
     @cute.jit
     def store_output(
-        self, tidx: Int32, tiled_mma_epilogue: cute.TiledMma, r_o: cute.Tensor,
+        self, tidx: Int32, tiled_mma_epilogue: cute.TiledMma, acc_o: cute.Tensor,
         lse: cute.Tensor, sO: cute.Tensor, tma_atom_o: cute.CopyAtom, mO_tma: cute.Tensor,
         mO: cute.Tensor, mLSE: cute.Tensor, offset_q: Int32, seqlen_q: Int32, head: Int32,
         m_block: Int32,
@@ -702,6 +671,8 @@ class FlashAttentionForwardSm90:
         """
         wg = tidx // _WARPGROUP
         thr = tiled_mma_epilogue.get_slice(tidx % _WARPGROUP)
+        r_o = cute.make_rmem_tensor_like(acc_o, self.dtype)
+        r_o.store(acc_o.load().to(self.dtype))
         half = m_block * self.num_consumer_warpgroups + wg
         first_row = half * 64
         co_mn = acc_mn_view(thr.partition_C(cute.make_identity_tensor((64, self.head_dim))))
