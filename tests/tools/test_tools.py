@@ -25,6 +25,7 @@ TOOL_DESCRIPTIONS = {
     "bench_nsa_vs_dense": "vs dense causal attention",
     "plot_bench": "Charts (PNG)",
     "diagnose_memory": "size of the sparsity metadata",
+    "trace_sm90_forward": "Where a work tile's time goes",
 }
 
 
@@ -239,3 +240,37 @@ def test_int_list_rejects_bad_lists(common, text):
     import argparse
     with pytest.raises(argparse.ArgumentTypeError):
         common.int_list(text)
+
+
+def test_trace_phase_table_reads_cycles_per_phase(common):
+    """tools/trace_sm90_forward.py's table from a synthetic buffer with known phase lengths."""
+    pytest.importorskip("cutlass")
+    trace_tool = load_tool("trace_sm90_forward")
+    from kernels.sm90.trace import (CONSUMER_EVENTS, KV_TILES_SLOT, PRODUCER_EVENTS,
+                                    trace_shape)
+
+    ctas, roles, tiles, slots = trace_shape(num_ctas=2, tile_m=128, num_tiles=6)
+    assert (ctas, roles, tiles, slots) == (2, 3, 3, len(CONSUMER_EVENTS) + 1)
+    buffer = torch.zeros(ctas, roles, tiles, slots, dtype=torch.int64)
+    period = 1000
+    for cta in range(ctas):
+        for tile in range(tiles):
+            start = 5000 + tile * period
+            kv_tiles = 1 + tile % 2
+            buffer[cta, 0, tile, :len(PRODUCER_EVENTS)] = start + torch.arange(
+                len(PRODUCER_EVENTS)) * 10
+            for role in (1, 2):
+                # Consumer phase i lasts 20 * i cycles; the last event is never stamped.
+                steps = torch.tensor([20 * i for i in range(len(CONSUMER_EVENTS) - 1)])
+                buffer[cta, role, tile, :len(CONSUMER_EVENTS) - 1] = start + steps.cumsum(0)
+                buffer[cta, role, tile, KV_TILES_SLOT] = kv_tiles
+    rows = {(role, kv, phase): median
+            for role, kv, phase, median, _ in trace_tool.phase_table(buffer)}
+    names = CONSUMER_EVENTS
+    assert rows[("consumer wg0", 1, f"{names[0]} -> {names[1]}")] == 20
+    assert rows[("consumer wg1", 2, f"{names[2]} -> {names[3]}")] == 60
+    assert ("consumer wg0", 1, f"{names[-2]} -> {names[-1]}") not in rows  # never stamped
+    assert rows[("consumer wg0", 1, "tile period")] == period
+    assert rows[("producer", 2, f"{PRODUCER_EVENTS[0]} -> {PRODUCER_EVENTS[1]}")] == 10
+    # The producer issued Q at start + 20; consumer warpgroup 0 saw it at start + 60.
+    assert rows[("producer->wg0", 1, "Q issued -> ready")] == 60 - 20
