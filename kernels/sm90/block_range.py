@@ -65,20 +65,6 @@ class BlockRange:
         return n_min, n_max
 
     @cute.jit
-    def tile_needs_mask(self, m_block: Int32, n_block: Int32, seqlen_q: Int32, seqlen_k: Int32):
-        """True unless every row of the query tile sees every key of KV tile n_block."""
-        row_first = m_block * self.tile_m
-        row_last = cutlass.min(row_first + self.tile_m, seqlen_q) - 1
-        key_first = n_block * self.tile_n
-        key_end = key_first + self.tile_n
-        needs = key_end > seqlen_k
-        if const_expr(self.causal or self.has_window_right):
-            needs = needs | (key_end > self.key_limit_right(row_first))
-        if const_expr(self.has_window_left):
-            needs = needs | (key_first < self.key_limit_left(row_last))
-        return needs
-
-    @cute.jit
     def unmasked_tiles(self, m_block: Int32, seqlen_q: Int32, seqlen_k: Int32):
         """[lo, hi): the KV tiles every row of query tile m_block sees completely (may be empty,
         lo >= hi). The others that the tile visits need the in-register mask."""

@@ -471,8 +471,13 @@ class FlashAttentionForwardSm90:
         # P of the previous tile, in registers as the A operand of the P @ V wgmma.
         r_p = cute.make_rmem_tensor(acc_as_a_operand_layout(acc_s.layout), self.dtype)
         r_p_as_acc = cute.make_tensor(r_p.iterator, acc_s.layout)
+        # Dense: the KV tiles every row sees completely; the others get the in-register mask.
+        unmasked_lo, unmasked_hi = Int32(0), Int32(0)
+        if const_expr(not self.spec.block_sparse):
+            unmasked_lo, unmasked_hi = block_range.unmasked_tiles(m_block, seqlen_q, seqlen_k)
         mask_fn = partial(self.mask_scores, t_coord=t_coord, block_range=block_range,
-                          m_block=m_block, seqlen_q=seqlen_q, seqlen_k=seqlen_k)
+                          m_block=m_block, seqlen_k=seqlen_k, unmasked_lo=unmasked_lo,
+                          unmasked_hi=unmasked_hi)
 
         q_handle = q_consumer.wait_and_advance()
         mark("q_ready")
@@ -527,7 +532,6 @@ class FlashAttentionForwardSm90:
         else:
             # Tiles are visited from n_max - 1 down: masked ones (diagonal, sequence end), then
             # unmasked ones, then masked ones again (the left window edge).
-            unmasked_lo, unmasked_hi = block_range.unmasked_tiles(m_block, seqlen_q, seqlen_k)
             it_unmasked = cutlass.min(cutlass.max(n_max - unmasked_hi, 1), num_iters)
             it_masked_left = cutlass.min(cutlass.max(n_max - unmasked_lo, it_unmasked),
                                          num_iters)
@@ -630,16 +634,17 @@ class FlashAttentionForwardSm90:
     @cute.jit
     def mask_scores(
         self, acc_s: cute.Tensor, t_coord: cute.Tensor, block_range: BlockRange, m_block: Int32,
-        n_block: Int32, is_mask_tile, seqlen_q: Int32, seqlen_k: Int32,
+        n_block: Int32, is_mask_tile, seqlen_k: Int32, unmasked_lo: Int32, unmasked_hi: Int32,
     ):
-        """Mask only where needed: "mask" tiles and tiles crossing the sequence end."""
+        """Mask only where needed: "mask" tiles and tiles crossing the sequence end
+        (block-sparse), tiles outside [unmasked_lo, unmasked_hi) (dense)."""
         if const_expr(self.spec.block_sparse):
             if is_mask_tile:
                 apply_mask(acc_s, t_coord, block_range, m_block, n_block, seqlen_k, True)
             elif (n_block + 1) * self.tile_n > seqlen_k:
                 apply_mask(acc_s, t_coord, block_range, m_block, n_block, seqlen_k, False)
         else:
-            if block_range.tile_needs_mask(m_block, n_block, seqlen_q, seqlen_k):
+            if (n_block < unmasked_lo) | (n_block >= unmasked_hi):
                 apply_mask(acc_s, t_coord, block_range, m_block, n_block, seqlen_k, True)
 
     @cute.jit
