@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # _common, tune_sm90_forward
 
 import _common  # noqa: E402
 from tune_sm90_forward import VARIANTS, cases  # noqa: E402
@@ -66,6 +67,18 @@ def phase_table(buffer: torch.Tensor) -> list[tuple[str, int, str, float, float]
             if delay.numel():
                 rows.append(("producer->wg0", int(kv), f"{load} issued -> ready",
                              float(delay.median()), float(delay.float().mean())))
+        # Two consumer warpgroups in the same phase at the same time contend for one unit
+        # (tensor cores, MUFU) while the others idle; how far apart they run shows whether a
+        # schedule (ping-pong) really puts one's softmax under the other's products.
+        if roles > 2:
+            other = data[:, 2]
+            both = sel & (other[..., 0] > 0)
+            for event in ("s0_done", "softmax0_done"):
+                i = CONSUMER_EVENTS.index(event)
+                apart = (other[..., i] - consumer[..., i])[both & (other[..., i] > 0)]
+                if apart.numel():
+                    rows.append(("wg1 - wg0", int(kv), event, float(apart.median()),
+                                 float(apart.float().mean())))
     return rows
 
 

@@ -274,3 +274,5 @@ def test_trace_phase_table_reads_cycles_per_phase(common):
     assert rows[("producer", 2, f"{PRODUCER_EVENTS[0]} -> {PRODUCER_EVENTS[1]}")] == 10
     # The producer issued Q at start + 20; consumer warpgroup 0 saw it at start + 60.
     assert rows[("producer->wg0", 1, "Q issued -> ready")] == 60 - 20
+    # Both warpgroups were stamped at the same cycles: no offset between them.
+    assert rows[("wg1 - wg0", 2, "s0_done")] == 0
