@@ -237,6 +237,18 @@ def attention_tflops(pairs: int, batch: int, heads: int, head_dim: int, ms: floa
     return flops / (ms * 1e-3) / 1e12
 
 
+def measure_seqlens(tool: str, argv: list[str], args, device: str, measure, describe) -> list:
+    """results = [measure(seqlen, args) for each of args.seqlens], each printed with describe
+    as it comes, and written with write_results_json when args.json is set."""
+    results = []
+    for seqlen in args.seqlens:
+        results.append(measure(seqlen, args))
+        print(describe(results[-1]))
+    if args.json:
+        write_results_json(args.json, tool, argv, device, results)
+    return results
+
+
 def write_results_json(path: Path, tool: str, argv: list[str], device: str, results) -> None:
     """Write {"meta": tool, device, torch, date, command; "results": results} to `path`."""
     meta = {"tool": tool, "device": device, "torch": torch.__version__,

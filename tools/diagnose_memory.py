@@ -31,8 +31,8 @@ from nsa.selection import select_blocks  # noqa: E402
 from nsa.validation import validate_nsa_arguments  # noqa: E402
 from sparsity import row_block_offsets_from_cu_seqlens, transpose_block_sparse  # noqa: E402
 from _common import (  # noqa: E402
-    add_problem_arguments, describe_device, nsa_options, positive_int, problem_defaults_epilog,
-    problem_summary, random_gate, random_qkv, resolve_problem_arguments, write_results_json)
+    add_problem_arguments, describe_device, measure_seqlens, nsa_options, positive_int,
+    problem_defaults_epilog, problem_summary, random_gate, random_qkv, resolve_problem_arguments)
 
 MiB = 2 ** 20
 
@@ -178,12 +178,7 @@ def main(argv=None) -> int:
     if args.device.type != "cuda":
         print("CPU: peak memory needs CUDA's allocator statistics; saved-for-backward and "
               "metadata bytes are measured")
-    results = []
-    for seqlen in args.seqlens:
-        results.append(diagnose(seqlen, args))
-        print(format_result(results[-1]))
-    if args.json:
-        write_results_json(args.json, "diagnose_memory", argv, device, results)
+    measure_seqlens("diagnose_memory", argv, args, device, diagnose, format_result)
     return 0
 
 

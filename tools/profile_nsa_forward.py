@@ -28,9 +28,9 @@ from nsa.gating import gate_weights  # noqa: E402
 from nsa.selection import select_blocks  # noqa: E402
 from nsa.validation import validate_nsa_arguments  # noqa: E402
 from _common import (  # noqa: E402
-    add_problem_arguments, describe_device, cu_seqlens_of, nsa_options, positive_int,
-    problem_defaults_epilog, problem_summary, random_gate, random_qkv,
-    resolve_problem_arguments, time_ms, varlen_lengths, write_results_json)
+    add_problem_arguments, cu_seqlens_of, describe_device, measure_seqlens, nsa_options,
+    positive_int, problem_defaults_epilog, problem_summary, random_gate, random_qkv,
+    resolve_problem_arguments, time_ms, varlen_lengths)
 
 STAGES = ("compress k, v", "select blocks", "build block lists", "compressed branch",
           "selected branch", "window branch", "gate + combine")
@@ -166,12 +166,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     device = describe_device(args.device)
     print(f"{device}, torch {torch.__version__}; {problem_summary(args)}")
-    results = []
-    for seqlen in args.seqlens:
-        results.append(profile(seqlen, args))
-        print(format_profile(results[-1]))
-    if args.json:
-        write_results_json(args.json, "profile_nsa_forward", argv, device, results)
+    measure_seqlens("profile_nsa_forward", argv, args, device, profile, format_profile)
     return 0
 
 

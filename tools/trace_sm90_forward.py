@@ -11,7 +11,6 @@ with each other, and speeds with tools/tune_sm90_forward.py.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 from pathlib import Path
 
@@ -21,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # _common, tune_sm90_forward
 
 import _common  # noqa: E402
-from tune_sm90_forward import VARIANTS, cases  # noqa: E402
+from tune_sm90_forward import VARIANTS, case_inputs, cases  # noqa: E402
 
 CASE_NAMES = {"window": "causal window 512", "compressed": "compress_factor 64",
               "dense": "dense causal"}
@@ -101,12 +100,8 @@ def main(argv=None):
         q = torch.randn(n, args.heads, args.head_dim, device=device, dtype=torch.bfloat16)
         case = next(c for c in cases(n) if c[0] == CASE_NAMES[args.case])
         name, _, kwargs, _, n_k = case
-        k = torch.randn(n_k, args.heads_kv, args.head_dim, device=device, dtype=torch.bfloat16)
-        v = torch.randn_like(k)
-        call = dict(cu_seqlens_q=torch.tensor([0, n], dtype=torch.int32, device=device),
-                    cu_seqlens_k=torch.tensor([0, n_k], dtype=torch.int32, device=device),
-                    max_seqlen_q=n, max_seqlen_k=n_k, softmax_scale=args.head_dim ** -0.5,
-                    spec_overrides=overrides, **kwargs)
+        k, v, call = case_inputs(q, n, n_k, kwargs, args.heads_kv)
+        call["spec_overrides"] = overrides
         plain_ms = _common.time_ms(lambda: run(q, k, v, **call), device, warmup=3, repeats=20)
         out, lse = run(q, k, v, **call)
         for _ in range(3):  # warm-up launches of the traced build; keep the last buffer

@@ -67,6 +67,17 @@ def cases(n: int):
     yield ("dense causal", _common.causal_pairs(n), dict(causal=True), dict(causal=True), n)
 
 
+def case_inputs(q, n: int, n_k: int, kwargs: dict, heads_kv: int):
+    """Random k, v (n_k keys) for query q of one length-n sequence, and the `run` keywords of
+    the case."""
+    k = torch.randn(n_k, heads_kv, q.shape[-1], device=q.device, dtype=q.dtype)
+    v = torch.randn_like(k)
+    call = dict(cu_seqlens_q=torch.tensor([0, n], dtype=torch.int32, device=q.device),
+                cu_seqlens_k=torch.tensor([0, n_k], dtype=torch.int32, device=q.device),
+                max_seqlen_q=n, max_seqlen_k=n_k, softmax_scale=q.shape[-1] ** -0.5, **kwargs)
+    return k, v, call
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     _common.add_kernel_shape_arguments(parser)
@@ -89,13 +100,7 @@ def main(argv=None):
         for name, pairs, kwargs, fa4_kwargs, n_k in cases(n):
             if args.skip_dense and name == "dense causal":
                 continue
-            k = torch.randn(n_k, args.heads_kv, args.head_dim, device=device,
-                            dtype=torch.bfloat16)
-            v = torch.randn_like(k)
-            cu_q = torch.tensor([0, n], dtype=torch.int32, device=device)
-            cu_k = torch.tensor([0, n_k], dtype=torch.int32, device=device)
-            call = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=n, max_seqlen_k=n_k,
-                        softmax_scale=args.head_dim ** -0.5, **kwargs)
+            k, v, call = case_inputs(q, n, n_k, kwargs, args.heads_kv)
             def tflops(ms, pairs=pairs):
                 return _common.attention_tflops(pairs, 1, args.heads, args.head_dim, ms,
                                                 backward=False)
