@@ -4,7 +4,9 @@ Cases (bf16, B=1, D=128, H=32, Hkv=8 by default): dense causal; block-sparse wit
 25% and 5% of the 128x128 KV blocks per q tile (non-causal, all blocks "full", the same lists for
 both kernels); causal sliding window 512; compress_factor 64 over N/64 compressed keys (no FA4
 equivalent: compared with our own dense causal figure). TFLOP/s count only the attended pairs
-(4 * D flops per pair). CUDA-event timings after warm-up, medians. Prints a table, writes JSON.
+(4 * D flops per pair). CUDA-event timings of the device work alone (a spin kernel queued ahead of
+each start event hides the host's launch overhead, which is the same for both kernels' callers
+but not kernel time), after warm-up, medians. Prints a table, writes JSON.
 
     python tools/bench_kernels.py --seqlens 16384 65536 --json out.json
 """
@@ -23,8 +25,8 @@ import _common  # noqa: E402  (tools/ is on sys.path when run as a script)
 
 
 def time_ms(fn, reps: int = 10) -> float:
-    """Median CUDA-event time of fn() in ms after 3 untimed calls."""
-    return _common.time_ms(fn, torch.device("cuda"), warmup=3, repeats=reps)
+    """Median CUDA-event device time of fn() in ms after 3 untimed calls."""
+    return _common.time_ms(fn, torch.device("cuda"), warmup=3, repeats=reps, gpu_only=True)
 
 
 def random_block_lists(num_rows: int, num_heads: int, num_blocks: int, density: float, seed: int):

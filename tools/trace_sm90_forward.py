@@ -102,13 +102,14 @@ def main(argv=None):
         name, _, kwargs, _, n_k = case
         k, v, call = case_inputs(q, n, n_k, kwargs, args.heads_kv)
         call["spec_overrides"] = overrides
-        plain_ms = _common.time_ms(lambda: run(q, k, v, **call), device, warmup=3, repeats=20)
+        plain_ms = _common.time_ms(lambda: run(q, k, v, **call), device, warmup=3, repeats=20,
+                                   gpu_only=True)
         out, lse = run(q, k, v, **call)
         for _ in range(3):  # warm-up launches of the traced build; keep the last buffer
             traced_out, traced_lse, buffer = run(q, k, v, trace=True, **call)
         if not (torch.equal(out, traced_out) and torch.equal(lse, traced_lse)):
             raise SystemExit("the traced build computed a different result")
-        traced_ms = _common.time_ms(lambda: run(q, k, v, trace=True, **call), device,
+        traced_ms = _common.time_ms(lambda: run(q, k, v, trace=True, **call), device, gpu_only=True,
                                     warmup=1, repeats=10)
         torch.cuda.synchronize()
         if args.save:

@@ -140,7 +140,7 @@ def main(argv=None):
                 generator.shuffle(order)
                 for key in order:
                     samples[key].append(_common.time_ms(timed[key], device, warmup=2,
-                                                        repeats=args.reps))
+                                                        repeats=args.reps, gpu_only=True))
             fa4_ms = statistics.median(samples["FA4"]) if "FA4" in samples else None
             for variant in diffs:
                 ms = statistics.median(samples[variant])
