@@ -50,6 +50,13 @@ VARIANTS = {
                                       pingpong=False, tile_m=64, tile_n=128, num_stages=1),
     "persistent+q2+pingpong+heads": dict(persistent=True, heads_fastest=True, q_stages=2,
                                          pingpong=True),
+    # A tile's output stored under the next tile's first Q K^T.
+    "persistent+q2+defer": dict(persistent=True, heads_fastest=False, q_stages=2,
+                                pingpong=False, defer_store=True),
+    "persistent+q2+pingpong+defer": dict(persistent=True, heads_fastest=False, q_stages=2,
+                                         pingpong=True, defer_store=True),
+    "m64+persistent+q2+defer": dict(persistent=True, heads_fastest=False, q_stages=2,
+                                    pingpong=False, tile_m=64, tile_n=64, defer_store=True),
     "m64+persistent+q2+heads": dict(persistent=True, heads_fastest=True, q_stages=2,
                                     pingpong=False, tile_m=64, tile_n=64),
 }

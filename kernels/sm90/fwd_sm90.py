@@ -71,6 +71,7 @@ class FlashAttentionForwardSm90:
             240, (per_cta - _WARPGROUP * self.producer_regs)
             // (_WARPGROUP * self.num_consumer_warpgroups) // 8 * 8)
         assert not (spec.pingpong and self.num_consumer_warpgroups != 2)
+        assert not (spec.defer_store and not spec.persistent)
 
     # ------------------------------------------------------------------ host side
     @cute.jit
@@ -252,13 +253,16 @@ class FlashAttentionForwardSm90:
             self.produce_tile, tile_work=tile_work, tma_atom_q=tma_atom_q, mQ=mQ,
             tma_atom_k=tma_atom_k, mK=mK, tma_atom_v=tma_atom_v, mVt=mVt, sQ=sQ, sK=sK, sV=sV,
             mFullIndex=mFullIndex, mMaskIndex=mMaskIndex, m_trace=mTrace)
+        deferred = None
+        if const_expr(spec.defer_store):
+            deferred = self.make_deferred_output(tiled_mma_pv, tidx - _WARPGROUP)
         consume_tile = partial(
             self.consume_tile, tile_work=tile_work, tidx=tidx - _WARPGROUP, sQ=sQ, sK=sK, sV=sV,
             tiled_mma_qk=tiled_mma_qk, tiled_mma_pv=tiled_mma_pv,
             tiled_mma_epilogue=tiled_mma_epilogue, sO=sO, tma_atom_o=tma_atom_o,
             mO_tma=mO_tma, mO=mO, mLSE=mLSE, softmax_scale=softmax_scale,
             scale_log2=scale_log2, block_range=block_range, mFullIndex=mFullIndex,
-            mMaskIndex=mMaskIndex, m_trace=mTrace)
+            mMaskIndex=mMaskIndex, m_trace=mTrace, deferred=deferred)
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(self.producer_regs)
             if warp_idx == 0:
@@ -273,6 +277,9 @@ class FlashAttentionForwardSm90:
                                              number_of_threads=2 * _WARPGROUP)
             self.walk_tiles(tile_order, first_tile, tile_stride, num_tiles, consume_tile,
                             (q_consumer, k_consumer, v_consumer))
+            if const_expr(spec.defer_store):
+                self.store_deferred(deferred, tidx - _WARPGROUP, tiled_mma_epilogue, sO,
+                                    tma_atom_o, mO_tma, mO, mLSE)
             # The last output's TMA store must have read shared memory before the CTA exits.
             if tidx % _WARPGROUP == 0:
                 cute.arch.cp_async_bulk_wait_group(0, read=True)
@@ -324,6 +331,7 @@ class FlashAttentionForwardSm90:
         self, coords, iteration, q_consumer, k_consumer, v_consumer, tile_work, tidx: Int32, sQ,
         sK, sV, tiled_mma_qk, tiled_mma_pv, tiled_mma_epilogue, sO, tma_atom_o, mO_tma,
         mO, mLSE, softmax_scale, scale_log2, block_range, mFullIndex, mMaskIndex, m_trace,
+        deferred=None,
     ):
         mark = trace.marker(m_trace, 1 + tidx // _WARPGROUP, iteration,
                             tidx % _WARPGROUP == 0, trace.CONSUMER_EVENTS)
@@ -332,15 +340,20 @@ class FlashAttentionForwardSm90:
          num_iters, num_mask_blocks, sparse_row, sparse_head) = tile_work(coords)
         mark("work")
         mark("kv_tiles", num_iters)
+        consume = partial(
+            self.consume, tidx, sQ, sK, sV, q_consumer, k_consumer, v_consumer,
+            tiled_mma_qk, tiled_mma_pv, tiled_mma_epilogue, sO, tma_atom_o,
+            mO_tma, mO, mLSE, softmax_scale, scale_log2,
+            block_range, offset_q, seqlen_q, seqlen_k, head, m_block, n_max,
+            num_iters, num_mask_blocks, mFullIndex, mMaskIndex, sparse_row,
+            sparse_head, mark)
         if in_sequence:
-            q_consumer, k_consumer, v_consumer = self.consume(
-                tidx, sQ, sK, sV, q_consumer, k_consumer, v_consumer,
-                tiled_mma_qk, tiled_mma_pv, tiled_mma_epilogue, sO, tma_atom_o,
-                mO_tma, mO, mLSE, softmax_scale, scale_log2,
-                block_range, offset_q, seqlen_q, seqlen_k, head, m_block, n_max,
-                num_iters, num_mask_blocks, mFullIndex, mMaskIndex, sparse_row,
-                sparse_head, mark,
-            )
+            q_consumer, k_consumer, v_consumer = consume(deferred)
+        elif const_expr(deferred is not None):
+            # A tile past its sequence's end: only the previous tile's output to store.
+            self.store_deferred(deferred, tidx, tiled_mma_epilogue, sO, tma_atom_o, mO_tma,
+                                mO, mLSE)
+            deferred[2][1] = 0  # nothing left to store
         return q_consumer, k_consumer, v_consumer
 
     @cute.jit
@@ -450,8 +463,10 @@ class FlashAttentionForwardSm90:
         scale_log2: Float32,
         block_range: BlockRange, offset_q: Int32, seqlen_q: Int32, seqlen_k: Int32,
         head: Int32, m_block: Int32, n_max: Int32, num_iters: Int32, num_mask_blocks: Int32,
-        mFullIndex, mMaskIndex, sparse_row: Int32, sparse_head: Int32, mark,
+        mFullIndex, mMaskIndex, sparse_row: Int32, sparse_head: Int32, mark, deferred,
     ):
+        """One query tile: its KV tiles, then its output (stored now, or with `deferred` kept
+        in registers and stored by the next tile, which also stores the one before it)."""
         thr_qk = tiled_mma_qk.get_slice(tidx)
         thr_pv = tiled_mma_pv.get_slice(tidx)
         tSrQ = thr_qk.make_fragment_A(thr_qk.partition_A(sQ))
@@ -475,9 +490,8 @@ class FlashAttentionForwardSm90:
         unmasked_lo, unmasked_hi = Int32(0), Int32(0)
         if const_expr(not self.spec.block_sparse):
             unmasked_lo, unmasked_hi = block_range.unmasked_tiles(m_block, seqlen_q, seqlen_k)
-        mask_fn = partial(self.mask_scores, t_coord=t_coord, block_range=block_range,
-                          m_block=m_block, seqlen_k=seqlen_k, unmasked_lo=unmasked_lo,
-                          unmasked_hi=unmasked_hi)
+        store = partial(self.store_output, tidx=tidx, tiled_mma_epilogue=tiled_mma_epilogue,
+                        sO=sO, tma_atom_o=tma_atom_o, mO_tma=mO_tma, mO=mO, mLSE=mLSE)
 
         q_handle = q_consumer.wait_and_advance()
         mark("q_ready")
@@ -492,18 +506,77 @@ class FlashAttentionForwardSm90:
             tiled_mma_qk = self.gemm(tiled_mma_qk, acc_s, sQ_stage,
                                      tSrK[None, None, None, k_stage], zero_init=True)
             self.pass_turn(tidx)
+            if const_expr(deferred is not None):
+                # The previous tile's output goes out while the tensor cores run this Q K^T.
+                # Its branches touch no wgmma register, and every path reaches the wait.
+                self.store_deferred(deferred, tidx, tiled_mma_epilogue, sO, tma_atom_o,
+                                    mO_tma, mO, mLSE)
+                mark("prev_stored")
             warpgroup.wait_group(0)
             mark("s0_done")
             k_handle.release()
-            mask_fn(acc_s, n_block=n_block, is_mask_tile=is_mask_tile)
+            self.mask_scores(acc_s, t_coord, block_range, m_block, n_block, is_mask_tile,
+                             seqlen_k, unmasked_lo, unmasked_hi)
             softmax_step(acc_s, row_max, row_sum, correction, scale_log2, is_first=True)
             r_p_as_acc.store(acc_s.load().to(self.dtype))
             mark("softmax0_done")
-        # Intra-warpgroup overlap: S = Q K_j^T and O += P_{j-1} V_{j-1} are issued together,
-        # so the tensor cores work on P V while this warpgroup runs the softmax of S. Each loop
-        # below has one compile-time mask kind: a runtime branch between the wgmma issue and its
-        # wait makes ptxas place the wait at the branch's merge point, before the softmax, and
-        # the overlap is lost (seen in SASS: WARPGROUP.DEPBAR ahead of the MUFU.EX2 block).
+        elif const_expr(deferred is not None):
+            self.store_deferred(deferred, tidx, tiled_mma_epilogue, sO, tma_atom_o, mO_tma,
+                                mO, mLSE)
+        k_consumer, v_consumer, tiled_mma_qk, tiled_mma_pv = self.later_kv_tiles(
+            tidx, sQ_stage, tSrK, tOrV, acc_s, acc_o, r_p, r_p_as_acc, row_max, row_sum,
+            correction, scale_log2, t_coord, block_range, m_block, seqlen_k, n_max,
+            num_iters, num_mask_blocks, unmasked_lo, unmasked_hi, mFullIndex, mMaskIndex,
+            sparse_row, sparse_head, k_consumer, v_consumer, tiled_mma_qk, tiled_mma_pv)
+        mark("loop_done")
+        # Every Q K^T product of this tile is done: the producer may load the next tile's Q.
+        q_handle.release()
+        if num_iters > 0:
+            v_handle = v_consumer.wait_and_advance()
+            mark("v_last_ready")
+            self.wait_turn(tidx)
+            v_stage = self.stage_index(v_handle, self.spec.num_stages)
+            tiled_mma_pv = self.gemm(tiled_mma_pv, acc_o, r_p, tOrV[None, None, None, v_stage],
+                                     zero_init=False)
+            self.pass_turn(tidx)
+            warpgroup.wait_group(0)
+            mark("pv_last_done")
+            v_handle.release()
+
+        lse = cute.make_rmem_tensor(cute.make_layout(num_rows), Float32)
+        softmax_finalize(acc_o, row_max, row_sum, softmax_scale, lse)
+        if const_expr(deferred is not None):
+            out, out_lse, where = deferred
+            out.store(acc_o.load().to(self.dtype))
+            out_lse.store(lse.load())
+            for i, value in enumerate((offset_q, seqlen_q, head, m_block)):
+                where[i] = value
+            mark("finalized")
+        else:
+            mark("finalized")
+            r_o = cute.make_rmem_tensor_like(acc_o, self.dtype)
+            r_o.store(acc_o.load().to(self.dtype))
+            store(r_o, lse, offset_q, seqlen_q, head, m_block)
+            mark("stored")
+        return q_consumer, k_consumer, v_consumer
+
+    @cute.jit
+    def later_kv_tiles(
+        self, tidx: Int32, sQ_stage, tSrK, tOrV, acc_s, acc_o, r_p, r_p_as_acc, row_max,
+        row_sum, correction, scale_log2: Float32, t_coord, block_range: BlockRange,
+        m_block: Int32, seqlen_k: Int32, n_max: Int32, num_iters: Int32,
+        num_mask_blocks: Int32, unmasked_lo: Int32, unmasked_hi: Int32, mFullIndex,
+        mMaskIndex, sparse_row: Int32, sparse_head: Int32, k_consumer, v_consumer,
+        tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma,
+    ):
+        """KV tiles 1 .. num_iters-1 of a query tile (tile 0's softmax is done, its P in r_p).
+
+        Intra-warpgroup overlap: S = Q K_j^T and O += P_{j-1} V_{j-1} are issued together,
+        so the tensor cores work on P V while this warpgroup runs the softmax of S. Each loop
+        below has one compile-time mask kind: a runtime branch between the wgmma issue and its
+        wait makes ptxas place the wait at the branch's merge point, before the softmax, and
+        the overlap is lost (seen in SASS: WARPGROUP.DEPBAR ahead of the MUFU.EX2 block).
+        """
         step = partial(
             self.kv_step, tidx=tidx, sQ_stage=sQ_stage, tSrK=tSrK, tOrV=tOrV, acc_s=acc_s,
             acc_o=acc_o, r_p=r_p, r_p_as_acc=r_p_as_acc, row_max=row_max, row_sum=row_sum,
@@ -549,29 +622,28 @@ class FlashAttentionForwardSm90:
                         n_block=n_max - 1 - it, mask="causal_window", k_consumer=k_consumer,
                         v_consumer=v_consumer, tiled_mma_qk=tiled_mma_qk,
                         tiled_mma_pv=tiled_mma_pv)
-        mark("loop_done")
-        # Every Q K^T product of this tile is done: the producer may load the next tile's Q.
-        q_handle.release()
-        if num_iters > 0:
-            v_handle = v_consumer.wait_and_advance()
-            mark("v_last_ready")
-            self.wait_turn(tidx)
-            v_stage = self.stage_index(v_handle, self.spec.num_stages)
-            tiled_mma_pv = self.gemm(tiled_mma_pv, acc_o, r_p, tOrV[None, None, None, v_stage],
-                                     zero_init=False)
-            self.pass_turn(tidx)
-            warpgroup.wait_group(0)
-            mark("pv_last_done")
-            v_handle.release()
+        return k_consumer, v_consumer, tiled_mma_qk, tiled_mma_pv
 
-        lse = cute.make_rmem_tensor(cute.make_layout(num_rows), Float32)
-        softmax_finalize(acc_o, row_max, row_sum, softmax_scale, lse)
-        mark("finalized")
-        self.store_output(
-            tidx, tiled_mma_epilogue, acc_o, lse, sO, tma_atom_o, mO_tma, mO, mLSE, offset_q,
-            seqlen_q, head, m_block)
-        mark("stored")
-        return q_consumer, k_consumer, v_consumer
+    def make_deferred_output(self, tiled_mma_pv: cute.TiledMma, tidx: Int32):
+        """`defer_store`: registers that carry a finished tile's output to the next tile:
+        O converted to the output type, lse, and (offset_q, seqlen_q, head, m_block). They
+        start as a tile of zero rows, which stores nothing."""
+        thr_pv = tiled_mma_pv.get_slice(tidx)
+        acc_like = thr_pv.make_fragment_C(thr_pv.partition_shape_C((self.tile_m, self.head_dim)))
+        out = cute.make_rmem_tensor_like(acc_like, self.dtype)
+        out_lse = cute.make_rmem_tensor(
+            cute.make_layout(cute.size(acc_mn_view(acc_like), mode=[0])), Float32)
+        where = cute.make_rmem_tensor(cute.make_layout(4), Int32)
+        where.fill(0)
+        return out, out_lse, where
+
+    @cute.jit
+    def store_deferred(self, deferred, tidx: Int32, tiled_mma_epilogue, sO, tma_atom_o,
+                       mO_tma, mO, mLSE):
+        out, out_lse, where = deferred
+        self.store_output(out, out_lse, where[0], where[1], where[2], where[3], tidx=tidx,
+                          tiled_mma_epilogue=tiled_mma_epilogue, sO=sO, tma_atom_o=tma_atom_o,
+                          mO_tma=mO_tma, mO=mO, mLSE=mLSE)
 
     @cute.jit
     def kv_step(
@@ -663,10 +735,9 @@ class FlashAttentionForwardSm90:
 
     @cute.jit
     def store_output(
-        self, tidx: Int32, tiled_mma_epilogue: cute.TiledMma, acc_o: cute.Tensor,
-        lse: cute.Tensor, sO: cute.Tensor, tma_atom_o: cute.CopyAtom, mO_tma: cute.Tensor,
-        mO: cute.Tensor, mLSE: cute.Tensor, offset_q: Int32, seqlen_q: Int32, head: Int32,
-        m_block: Int32,
+        self, r_o: cute.Tensor, lse: cute.Tensor, offset_q: Int32, seqlen_q: Int32, head: Int32,
+        m_block: Int32, tidx: Int32, tiled_mma_epilogue: cute.TiledMma, sO: cute.Tensor,
+        tma_atom_o: cute.CopyAtom, mO_tma: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
     ):
         """Each consumer warpgroup writes its 64 rows of O and lse.
 
@@ -676,8 +747,6 @@ class FlashAttentionForwardSm90:
         """
         wg = tidx // _WARPGROUP
         thr = tiled_mma_epilogue.get_slice(tidx % _WARPGROUP)
-        r_o = cute.make_rmem_tensor_like(acc_o, self.dtype)
-        r_o.store(acc_o.load().to(self.dtype))
         half = m_block * self.num_consumer_warpgroups + wg
         first_row = half * 64
         co_mn = acc_mn_view(thr.partition_C(cute.make_identity_tensor((64, self.head_dim))))

@@ -27,6 +27,8 @@ class FwdSpec:
     persistent: bool = False   # one CTA per SM walking tiles (kernels/sm90/tile_scheduler.py)
     heads_fastest: bool = False  # tile order: a GQA group's heads side by side (L2 sharing)
     pingpong: bool = False     # consumer warpgroups take turns issuing wgmma (named barriers)
+    defer_store: bool = False  # persistent: a tile's output is stored under the next tile's
+                               # first Q K^T instead of after its own last P V
     trace: bool = False        # diagnostic build: per-tile phase timestamps (kernels/sm90/trace.py)
 
     @property

@@ -23,13 +23,15 @@ CONSUMER_EVENTS = (
     "work",           # tile coordinates, sequence bounds and KV range computed
     "q_ready",        # the tile's Q is in smem
     "k0_ready",       # the first K tile is in smem (its Q K^T is issued next)
+    "prev_stored",    # `defer_store`: the previous tile's output stored under that Q K^T
     "s0_done",        # first S = Q K^T finished
     "softmax0_done",  # its mask + softmax done, P in registers
     "loop_done",      # every later KV tile done (S, softmax, P V of the previous one)
     "v_last_ready",   # the last V tile is in smem (its P V is issued next)
     "pv_last_done",   # the last P V finished
     "finalized",      # O normalised, lse computed
-    "stored",         # O in smem and its TMA store issued (or stored from registers)
+    "stored",         # O in smem and its TMA store issued (or stored from registers); with
+                      # `defer_store` this comes in the next tile, as "prev_stored"
 )
 PRODUCER_EVENTS = (
     "start",       # produce_tile entered
