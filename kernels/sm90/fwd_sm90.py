@@ -36,6 +36,7 @@ from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from kernels.sm90.block_range import BlockRange
+from kernels.sm90.epilogue import OutputStore
 from kernels.sm90.layouts import acc_as_a_operand_layout, acc_mn_view
 from kernels.sm90.mask import apply_mask
 from kernels.sm90.softmax import rescale_rows, softmax_finalize, softmax_init, softmax_step
@@ -44,9 +45,8 @@ from kernels.sm90.tile_scheduler import TileOrder
 from kernels.sm90 import trace
 
 _WARPGROUP = 128
-# Named barriers: 0 is __syncthreads; 1 + wg guards warpgroup wg's output staging; 3 + wg is
-# warpgroup wg's turn to issue wgmma under `FwdSpec.pingpong`.
-_EPILOGUE_BARRIER = 1
+# Named barriers: 0 is __syncthreads; 3 + wg is warpgroup wg's turn to issue wgmma under
+# `FwdSpec.pingpong`; the output store's are in kernels/sm90/epilogue.py.
 _TURN_BARRIER = 3
 
 
@@ -154,6 +154,10 @@ class FlashAttentionForwardSm90:
             mbar_q: cute.struct.MemRange[cutlass.Int64, 2 * self.spec.q_stages]
             mbar_k: cute.struct.MemRange[cutlass.Int64, 2 * stages]
             mbar_v: cute.struct.MemRange[cutlass.Int64, 2 * stages]
+            # Before sQ, in the padding to its 1024-byte alignment: two 64-row CTAs fill the
+            # SM's 228 KiB to the byte, and 256 more bytes after sO left room for only one.
+            sLSE: cute.struct.Align[
+                cute.struct.MemRange[Float32, 64 * self.num_consumer_warpgroups], 16]
             sQ: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sQ_layout)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sK_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sV_layout)], 1024]
@@ -240,6 +244,11 @@ class FlashAttentionForwardSm90:
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
         sO = storage.sO.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
+        out_store = OutputStore(
+            self.head_dim, self.num_consumer_warpgroups, spec.persistent,
+            spec.store_warp, tiled_mma_epilogue, sO,
+            storage.sLSE.get_tensor(cute.make_layout((64, self.num_consumer_warpgroups))),
+            tma_atom_o, mO_tma, mO, mLSE)
         block_range = BlockRange(
             self.tile_m, self.tile_n, spec.causal, spec.has_window_left, spec.has_window_right,
             spec.compressed, compress_factor, window_left, window_right,
@@ -259,8 +268,7 @@ class FlashAttentionForwardSm90:
         consume_tile = partial(
             self.consume_tile, tile_work=tile_work, tidx=tidx - _WARPGROUP, sQ=sQ, sK=sK, sV=sV,
             tiled_mma_qk=tiled_mma_qk, tiled_mma_pv=tiled_mma_pv,
-            tiled_mma_epilogue=tiled_mma_epilogue, sO=sO, tma_atom_o=tma_atom_o,
-            mO_tma=mO_tma, mO=mO, mLSE=mLSE, softmax_scale=softmax_scale,
+            out_store=out_store, softmax_scale=softmax_scale,
             scale_log2=scale_log2, block_range=block_range, mFullIndex=mFullIndex,
             mMaskIndex=mMaskIndex, m_trace=mTrace, deferred=deferred)
         if warp_idx < 4:
@@ -268,6 +276,12 @@ class FlashAttentionForwardSm90:
             if warp_idx == 0:
                 self.walk_tiles(tile_order, first_tile, tile_stride, num_tiles, produce_tile,
                                 (q_producer, k_producer, v_producer))
+            if const_expr(spec.store_warp):
+                if warp_idx == 1:
+                    out_store.begin(tidx)
+                    self.walk_tiles(tile_order, first_tile, tile_stride, num_tiles,
+                                    partial(self.drain_tile, tile_work=tile_work,
+                                            out_store=out_store), ())
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
             if const_expr(spec.pingpong):
@@ -278,11 +292,8 @@ class FlashAttentionForwardSm90:
             self.walk_tiles(tile_order, first_tile, tile_stride, num_tiles, consume_tile,
                             (q_consumer, k_consumer, v_consumer))
             if const_expr(spec.defer_store):
-                self.store_deferred(deferred, tidx - _WARPGROUP, tiled_mma_epilogue, sO,
-                                    tma_atom_o, mO_tma, mO, mLSE)
-            # The last output's TMA store must have read shared memory before the CTA exits.
-            if tidx % _WARPGROUP == 0:
-                cute.arch.cp_async_bulk_wait_group(0, read=True)
+                self.store_deferred(deferred, tidx - _WARPGROUP, out_store)
+            out_store.finish(tidx - _WARPGROUP)
 
     @cute.jit
     def walk_tiles(
@@ -329,9 +340,8 @@ class FlashAttentionForwardSm90:
     @cute.jit
     def consume_tile(
         self, coords, iteration, q_consumer, k_consumer, v_consumer, tile_work, tidx: Int32, sQ,
-        sK, sV, tiled_mma_qk, tiled_mma_pv, tiled_mma_epilogue, sO, tma_atom_o, mO_tma,
-        mO, mLSE, softmax_scale, scale_log2, block_range, mFullIndex, mMaskIndex, m_trace,
-        deferred=None,
+        sK, sV, tiled_mma_qk, tiled_mma_pv, out_store, softmax_scale, scale_log2, block_range,
+        mFullIndex, mMaskIndex, m_trace, deferred=None,
     ):
         mark = trace.marker(m_trace, 1 + tidx // _WARPGROUP, iteration,
                             tidx % _WARPGROUP == 0, trace.CONSUMER_EVENTS)
@@ -342,8 +352,7 @@ class FlashAttentionForwardSm90:
         mark("kv_tiles", num_iters)
         consume = partial(
             self.consume, tidx, sQ, sK, sV, q_consumer, k_consumer, v_consumer,
-            tiled_mma_qk, tiled_mma_pv, tiled_mma_epilogue, sO, tma_atom_o,
-            mO_tma, mO, mLSE, softmax_scale, scale_log2,
+            tiled_mma_qk, tiled_mma_pv, out_store, softmax_scale, scale_log2,
             block_range, offset_q, seqlen_q, seqlen_k, head, m_block, n_max,
             num_iters, num_mask_blocks, mFullIndex, mMaskIndex, sparse_row,
             sparse_head, mark)
@@ -351,8 +360,7 @@ class FlashAttentionForwardSm90:
             q_consumer, k_consumer, v_consumer = consume(deferred)
         elif const_expr(deferred is not None):
             # A tile past its sequence's end: only the previous tile's output to store.
-            self.store_deferred(deferred, tidx, tiled_mma_epilogue, sO, tma_atom_o, mO_tma,
-                                mO, mLSE)
+            self.store_deferred(deferred, tidx, out_store)
             deferred[2][1] = 0  # nothing left to store
         return q_consumer, k_consumer, v_consumer
 
@@ -458,9 +466,7 @@ class FlashAttentionForwardSm90:
     def consume(
         self, tidx: Int32, sQ, sK, sV, q_consumer, k_consumer, v_consumer,
         tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma,
-        tiled_mma_epilogue: cute.TiledMma, sO: cute.Tensor, tma_atom_o: cute.CopyAtom,
-        mO_tma: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor, softmax_scale: Float32,
-        scale_log2: Float32,
+        out_store: OutputStore, softmax_scale: Float32, scale_log2: Float32,
         block_range: BlockRange, offset_q: Int32, seqlen_q: Int32, seqlen_k: Int32,
         head: Int32, m_block: Int32, n_max: Int32, num_iters: Int32, num_mask_blocks: Int32,
         mFullIndex, mMaskIndex, sparse_row: Int32, sparse_head: Int32, mark, deferred,
@@ -490,8 +496,6 @@ class FlashAttentionForwardSm90:
         unmasked_lo, unmasked_hi = Int32(0), Int32(0)
         if const_expr(not self.spec.block_sparse):
             unmasked_lo, unmasked_hi = block_range.unmasked_tiles(m_block, seqlen_q, seqlen_k)
-        store = partial(self.store_output, tidx=tidx, tiled_mma_epilogue=tiled_mma_epilogue,
-                        sO=sO, tma_atom_o=tma_atom_o, mO_tma=mO_tma, mO=mO, mLSE=mLSE)
 
         q_handle = q_consumer.wait_and_advance()
         mark("q_ready")
@@ -509,8 +513,7 @@ class FlashAttentionForwardSm90:
             if const_expr(deferred is not None):
                 # The previous tile's output goes out while the tensor cores run this Q K^T.
                 # Its branches touch no wgmma register, and every path reaches the wait.
-                self.store_deferred(deferred, tidx, tiled_mma_epilogue, sO, tma_atom_o,
-                                    mO_tma, mO, mLSE)
+                self.store_deferred(deferred, tidx, out_store)
                 mark("prev_stored")
             warpgroup.wait_group(0)
             mark("s0_done")
@@ -521,8 +524,7 @@ class FlashAttentionForwardSm90:
             r_p_as_acc.store(acc_s.load().to(self.dtype))
             mark("softmax0_done")
         elif const_expr(deferred is not None):
-            self.store_deferred(deferred, tidx, tiled_mma_epilogue, sO, tma_atom_o, mO_tma,
-                                mO, mLSE)
+            self.store_deferred(deferred, tidx, out_store)
         k_consumer, v_consumer, tiled_mma_qk, tiled_mma_pv = self.later_kv_tiles(
             tidx, sQ_stage, tSrK, tOrV, acc_s, acc_o, r_p, r_p_as_acc, row_max, row_sum,
             correction, scale_log2, t_coord, block_range, m_block, seqlen_k, n_max,
@@ -556,7 +558,7 @@ class FlashAttentionForwardSm90:
             mark("finalized")
             r_o = cute.make_rmem_tensor_like(acc_o, self.dtype)
             r_o.store(acc_o.load().to(self.dtype))
-            store(r_o, lse, offset_q, seqlen_q, head, m_block)
+            out_store.write(r_o, lse, offset_q, seqlen_q, head, m_block, tidx)
             mark("stored")
         return q_consumer, k_consumer, v_consumer
 
@@ -638,12 +640,17 @@ class FlashAttentionForwardSm90:
         return out, out_lse, where
 
     @cute.jit
-    def store_deferred(self, deferred, tidx: Int32, tiled_mma_epilogue, sO, tma_atom_o,
-                       mO_tma, mO, mLSE):
+    def store_deferred(self, deferred, tidx: Int32, out_store: OutputStore):
         out, out_lse, where = deferred
-        self.store_output(out, out_lse, where[0], where[1], where[2], where[3], tidx=tidx,
-                          tiled_mma_epilogue=tiled_mma_epilogue, sO=sO, tma_atom_o=tma_atom_o,
-                          mO_tma=mO_tma, mO=mO, mLSE=mLSE)
+        out_store.write(out, out_lse, where[0], where[1], where[2], where[3], tidx)
+
+    @cute.jit
+    def drain_tile(self, coords, iteration, tile_work, out_store: OutputStore):
+        """The storer warp's part of a tile (`FwdSpec.store_warp`)."""
+        (m_block, head, _, offset_q, seqlen_q, _, _, _, in_sequence, _, _, _, _,
+         _) = tile_work(coords)
+        out_store.drain(offset_q, seqlen_q, head, m_block, in_sequence, cute.arch.lane_idx())
+        return ()
 
     @cute.jit
     def kv_step(
@@ -732,56 +739,3 @@ class FlashAttentionForwardSm90:
             cute.gemm(tiled_mma, acc, t_a[None, None, k], t_b[None, None, k], acc)
         warpgroup.commit_group()
         return tiled_mma
-
-    @cute.jit
-    def store_output(
-        self, r_o: cute.Tensor, lse: cute.Tensor, offset_q: Int32, seqlen_q: Int32, head: Int32,
-        m_block: Int32, tidx: Int32, tiled_mma_epilogue: cute.TiledMma, sO: cute.Tensor,
-        tma_atom_o: cute.CopyAtom, mO_tma: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
-    ):
-        """Each consumer warpgroup writes its 64 rows of O and lse.
-
-        A half inside the sequence goes registers -> smem -> one TMA store; a half crossing the
-        sequence end is stored straight from registers, row by row, so no other sequence's rows
-        are touched.
-        """
-        wg = tidx // _WARPGROUP
-        thr = tiled_mma_epilogue.get_slice(tidx % _WARPGROUP)
-        half = m_block * self.num_consumer_warpgroups + wg
-        first_row = half * 64
-        co_mn = acc_mn_view(thr.partition_C(cute.make_identity_tensor((64, self.head_dim))))
-        o_mn = acc_mn_view(r_o)
-        if first_row + 64 <= seqlen_q:
-            if const_expr(self.spec.persistent):
-                # sO may still be read by this warpgroup's previous tile's TMA store.
-                if tidx % _WARPGROUP == 0:
-                    cute.arch.cp_async_bulk_wait_group(0, read=True)
-                cute.arch.barrier(barrier_id=_EPILOGUE_BARRIER + wg, number_of_threads=_WARPGROUP)
-            # stmatrix: 8 instructions per thread instead of 32 scalar stores.
-            store_atom = sm90_utils.get_smem_store_op(utils.LayoutEnum.ROW_MAJOR, self.dtype,
-                                                      Float32)
-            thr_store = cute.make_tiled_copy_C(store_atom, tiled_mma_epilogue).get_slice(
-                tidx % _WARPGROUP)
-            cute.copy(store_atom, thr_store.retile(r_o), thr_store.partition_D(sO[None, None, wg]))
-            cute.arch.fence_proxy("async.shared", space="cta")
-            cute.arch.barrier(barrier_id=_EPILOGUE_BARRIER + wg, number_of_threads=_WARPGROUP)
-            if tidx % _WARPGROUP == 0:
-                mO_seq = cute.domain_offset((offset_q, 0), mO_tma[None, None, head])
-                gO = cute.local_tile(mO_seq, (64, self.head_dim), (half, 0))
-                tOsO, tOgO = cpasync.tma_partition(
-                    tma_atom_o, 0, cute.make_layout(1),
-                    cute.group_modes(sO, 0, 2), cute.group_modes(gO, 0, 2))
-                cute.copy(tma_atom_o, tOsO[(None, wg)], tOgO)
-                cute.arch.cp_async_bulk_commit_group()
-        else:
-            mO_seq = cute.domain_offset((offset_q, 0), mO[None, head, None])
-            go_mn = acc_mn_view(thr.partition_C(
-                cute.local_tile(mO_seq, (64, self.head_dim), (half, 0))))
-            for r in cutlass.range_constexpr(cute.size(o_mn, mode=[0])):
-                if first_row + co_mn[r, 0][0] < seqlen_q:
-                    for c in cutlass.range_constexpr(cute.size(o_mn, mode=[1])):
-                        go_mn[r, c] = o_mn[r, c]
-        for r in cutlass.range_constexpr(cute.size(o_mn, mode=[0])):
-            row = first_row + co_mn[r, 0][0]
-            if row < seqlen_q and co_mn[r, 0][1] == 0:
-                mLSE[head, offset_q + row] = lse[r]

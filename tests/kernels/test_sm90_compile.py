@@ -48,6 +48,8 @@ SCHEDULES = [
     dict(persistent=True, q_stages=1, heads_fastest=True),
     dict(pingpong=True, tile_m=128, tile_n=128),
     dict(tile_m=64, tile_n=64, persistent=False),
+    dict(persistent=True, q_stages=2, store_warp=True, defer_store=True),
+    dict(persistent=False, q_stages=1, store_warp=True, defer_store=False),
 ]
 
 
@@ -69,7 +71,8 @@ def test_traced_build_compiles_for_sm90a(call):
 def test_dispatch_picks_persistent_tiles_for_short_kv_ranges():
     window = _spec("bfloat16", 128, "window-causal")
     assert window.persistent and (window.tile_m, window.tile_n) == (64, 64)
-    assert _spec("bfloat16", 128, "compressed-causal").persistent
+    compressed = _spec("bfloat16", 128, "compressed-causal")
+    assert compressed.persistent and compressed.pingpong and compressed.store_warp
     assert not _spec("bfloat16", 128, "causal").persistent
     long_window = choose_spec(dtype="bfloat16", head_dim=128, causal=True, window_size=(8191, 0))
     assert not long_window.persistent and long_window.tile_m == 128

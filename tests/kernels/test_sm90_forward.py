@@ -166,6 +166,16 @@ SCHEDULES = {
     "m64": dict(tile_m=64, tile_n=64, pingpong=False),
     "m64+persistent+q2": dict(tile_m=64, tile_n=64, persistent=True, q_stages=2,
                               pingpong=False),
+    # The output's path: stored by a storer warp, or under the next tile's first Q K^T.
+    "grid+store_warp": dict(persistent=False, q_stages=1, store_warp=True, defer_store=False),
+    "persistent+q2+store_warp": dict(persistent=True, q_stages=2, store_warp=True,
+                                     defer_store=False, tile_m=128),
+    "persistent+q2+defer": dict(persistent=True, q_stages=2, store_warp=False,
+                                defer_store=True, tile_m=128),
+    "persistent+q2+store_warp+defer": dict(persistent=True, q_stages=2, store_warp=True,
+                                           defer_store=True, pingpong=True, tile_m=128),
+    "m64+persistent+q2+store_warp": dict(tile_m=64, tile_n=64, persistent=True, q_stages=2,
+                                         pingpong=False, store_warp=True),
 }
 SCHEDULE_CASES = {
     # lengths (query; keys are lengths // cf), H, Hkv, D, causal, cf, window, block-sparse density
@@ -205,7 +215,8 @@ def test_tile_schedules_match_the_grid_kernel(case, schedule):
     _check(q, k, v, spec_overrides=schedule, **kwargs)
     same_tile = {key: schedule[key] for key in ("tile_m", "tile_n") if key in schedule}
     grid_out, grid_lse = run(q, k, v, spec_overrides=dict(
-        persistent=False, heads_fastest=False, q_stages=1, pingpong=False, **same_tile),
+        persistent=False, heads_fastest=False, q_stages=1, pingpong=False, store_warp=False,
+        defer_store=False, **same_tile),
         **kwargs)
     out, lse = run(q, k, v, spec_overrides=schedule, **kwargs)
     torch.cuda.synchronize()

@@ -1,0 +1,165 @@
+"""Where a finished query tile's output goes: O (T, H, D) and lse (H, T).
+
+Each consumer warpgroup owns 64 rows of the tile. Rows inside the sequence go registers ->
+smem (stmatrix) -> one TMA store; a 64-row half that crosses the sequence end is stored
+straight from registers, row by row, so no other sequence's rows are touched.
+
+Two ways to finish the smem path (`FwdSpec.store_warp`):
+- the consumer warpgroup itself issues the TMA store and writes lse from registers;
+- a storer warp of the producer warpgroup does both (`drain`): the consumers stage O and lse in
+  smem, fence, arrive on a named barrier and go on to the next tile, so the store's barrier
+  waits, the TMA issue and the lse writes leave the consumers' critical path (about 1,100
+  cycles of a 6,000-cycle compressed tile, tools/trace_sm90_forward.py).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.utils as utils
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import Float32, Int32, const_expr
+from cutlass.cute.nvgpu import cpasync
+
+from kernels.sm90.layouts import acc_mn_view
+
+_WARPGROUP = 128
+_ROWS = 64  # rows of one consumer warpgroup
+# Named barriers (0 is __syncthreads; 3 and 4 are the ping-pong turns): 1 + wg guards
+# warpgroup wg's staging when it stores itself; with a storer warp, 5 + wg says "staged"
+# and 7 + wg says "staging buffer free".
+_EPILOGUE_BARRIER = 1
+_STAGED_BARRIER = 5
+_FREE_BARRIER = 7
+_WITH_STORER = _WARPGROUP + 32
+
+
+@dataclass(frozen=True)
+class OutputStore:
+    """A CTA's output path; built once in the kernel, used by the consumer warpgroups
+    (`write`, `finish`) and the storer warp (`begin`, `drain`)."""
+    head_dim: cutlass.Constexpr[int]
+    num_warpgroups: cutlass.Constexpr[int]
+    persistent: cutlass.Constexpr[bool]
+    store_warp: cutlass.Constexpr[bool]
+    tiled_mma: cute.TiledMma  # one warpgroup's 64 x head_dim accumulator layout
+    sO: cute.Tensor           # (64, head_dim, warpgroup) staging, swizzled
+    sLSE: cute.Tensor         # (64, warpgroup) float32 staging (storer warp only)
+    tma_atom: cute.CopyAtom
+    mO_tma: cute.Tensor       # (T, D, H) view for the TMA store
+    mO: cute.Tensor           # (T, H, D)
+    mLSE: cute.Tensor         # (H, T)
+
+    @cute.jit
+    def begin(self, tidx: Int32):
+        """Storer warp: every warpgroup's staging buffer starts free."""
+        if const_expr(self.store_warp):
+            for wg in cutlass.range_constexpr(self.num_warpgroups):
+                cute.arch.barrier_arrive(barrier_id=_FREE_BARRIER + wg,
+                                         number_of_threads=_WITH_STORER)
+
+    @cute.jit
+    def write(self, r_o: cute.Tensor, lse: cute.Tensor, offset_q: Int32, seqlen_q: Int32,
+              head: Int32, m_block: Int32, tidx: Int32):
+        """Consumer warpgroup side: write (or stage) this warpgroup's 64 rows of O and lse.
+        `tidx` counts the consumer threads from 0; r_o is O in the output type."""
+        wg = tidx // _WARPGROUP
+        thr = self.tiled_mma.get_slice(tidx % _WARPGROUP)
+        half = m_block * self.num_warpgroups + wg
+        first_row = half * _ROWS
+        co_mn = acc_mn_view(thr.partition_C(cute.make_identity_tensor((_ROWS, self.head_dim))))
+        o_mn = acc_mn_view(r_o)
+        if first_row + _ROWS <= seqlen_q:
+            if const_expr(self.store_warp):
+                cute.arch.barrier(barrier_id=_FREE_BARRIER + wg, number_of_threads=_WITH_STORER)
+            elif const_expr(self.persistent):
+                # sO may still be read by this warpgroup's previous tile's TMA store.
+                if tidx % _WARPGROUP == 0:
+                    cute.arch.cp_async_bulk_wait_group(0, read=True)
+                cute.arch.barrier(barrier_id=_EPILOGUE_BARRIER + wg,
+                                  number_of_threads=_WARPGROUP)
+            # stmatrix: 8 instructions per thread instead of 32 scalar stores.
+            store_atom = sm90_utils.get_smem_store_op(utils.LayoutEnum.ROW_MAJOR, self.sO.element_type,
+                                                      Float32)
+            thr_store = cute.make_tiled_copy_C(store_atom, self.tiled_mma).get_slice(
+                tidx % _WARPGROUP)
+            cute.copy(store_atom, thr_store.retile(r_o),
+                      thr_store.partition_D(self.sO[None, None, wg]))
+            cute.arch.fence_proxy("async.shared", space="cta")
+            if const_expr(self.store_warp):
+                for r in cutlass.range_constexpr(cute.size(o_mn, mode=[0])):
+                    if co_mn[r, 0][1] == 0:
+                        self.sLSE[co_mn[r, 0][0], wg] = lse[r]
+                cute.arch.barrier_arrive(barrier_id=_STAGED_BARRIER + wg,
+                                         number_of_threads=_WITH_STORER)
+            else:
+                cute.arch.barrier(barrier_id=_EPILOGUE_BARRIER + wg,
+                                  number_of_threads=_WARPGROUP)
+                if tidx % _WARPGROUP == 0:
+                    self.issue_tma_store(offset_q, head, half, wg)
+                self.write_lse(lse, co_mn, offset_q, seqlen_q, head, first_row)
+        else:
+            mO_seq = cute.domain_offset((offset_q, 0), self.mO[None, head, None])
+            go_mn = acc_mn_view(thr.partition_C(
+                cute.local_tile(mO_seq, (_ROWS, self.head_dim), (half, 0))))
+            for r in cutlass.range_constexpr(cute.size(o_mn, mode=[0])):
+                if first_row + co_mn[r, 0][0] < seqlen_q:
+                    for c in cutlass.range_constexpr(cute.size(o_mn, mode=[1])):
+                        go_mn[r, c] = o_mn[r, c]
+            self.write_lse(lse, co_mn, offset_q, seqlen_q, head, first_row)
+
+    @cute.jit
+    def write_lse(self, lse: cute.Tensor, co_mn: cute.Tensor, offset_q: Int32, seqlen_q: Int32,
+                  head: Int32, first_row: Int32):
+        """lse of this thread's rows inside the sequence, from registers (one thread of the
+        four that share a row writes it)."""
+        for r in cutlass.range_constexpr(cute.size(co_mn, mode=[0])):
+            row = first_row + co_mn[r, 0][0]
+            if row < seqlen_q and co_mn[r, 0][1] == 0:
+                self.mLSE[head, offset_q + row] = lse[r]
+
+    @cute.jit
+    def drain(self, offset_q: Int32, seqlen_q: Int32, head: Int32, m_block: Int32,
+              in_sequence, lane: Int32):
+        """Storer warp side, per tile: for each warpgroup whose 64 rows went through smem, wait
+        until they are staged, TMA-store O, write lse, and free the buffer once the store has
+        read it."""
+        if in_sequence:
+            for wg in cutlass.range_constexpr(self.num_warpgroups):
+                half = m_block * self.num_warpgroups + wg
+                if half * _ROWS + _ROWS <= seqlen_q:
+                    cute.arch.barrier(barrier_id=_STAGED_BARRIER + wg,
+                                      number_of_threads=_WITH_STORER)
+                    if lane == 0:
+                        self.issue_tma_store(offset_q, head, half, wg)
+                    for i in cutlass.range_constexpr(_ROWS // 32):
+                        row = lane + 32 * i
+                        self.mLSE[head, offset_q + half * _ROWS + row] = self.sLSE[row, wg]
+                    if lane == 0:
+                        cute.arch.cp_async_bulk_wait_group(0, read=True)
+                    cute.arch.sync_warp()
+                    cute.arch.barrier_arrive(barrier_id=_FREE_BARRIER + wg,
+                                             number_of_threads=_WITH_STORER)
+
+    @cute.jit
+    def issue_tma_store(self, offset_q: Int32, head: Int32, half: Int32, wg):
+        mO_seq = cute.domain_offset((offset_q, 0), self.mO_tma[None, None, head])
+        gO = cute.local_tile(mO_seq, (_ROWS, self.head_dim), (half, 0))
+        tOsO, tOgO = cpasync.tma_partition(
+            self.tma_atom, 0, cute.make_layout(1),
+            cute.group_modes(self.sO, 0, 2), cute.group_modes(gO, 0, 2))
+        cute.copy(self.tma_atom, tOsO[(None, wg)], tOgO)
+        cute.arch.cp_async_bulk_commit_group()
+
+    @cute.jit
+    def finish(self, tidx: Int32):
+        """Consumer side, before the CTA exits: the last TMA store has read shared memory.
+        With a storer warp, its last "free" arrival (one more than the tiles it drained,
+        counting `begin`) is matched here, and comes only after that store's read."""
+        if const_expr(self.store_warp):
+            cute.arch.barrier(barrier_id=_FREE_BARRIER + tidx // _WARPGROUP,
+                              number_of_threads=_WITH_STORER)
+        else:
+            if tidx % _WARPGROUP == 0:
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
