@@ -16,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # _common, tune and tr
 
 import _common  # noqa: E402
 from trace_sm90_forward import CASE_NAMES  # noqa: E402
-from tune_sm90_forward import VARIANTS, case_inputs, cases  # noqa: E402
+from tune_sm90_forward import case_inputs, cases, variant_overrides  # noqa: E402
 
 
 def main(argv=None):
@@ -37,7 +37,7 @@ def main(argv=None):
         q = torch.randn(n, args.heads, args.head_dim, device=device, dtype=torch.bfloat16)
         _, _, kwargs, _, n_k = next(c for c in cases(n) if c[0] == CASE_NAMES[args.case])
         k, v, call = case_inputs(q, n, n_k, kwargs, args.heads_kv)
-        call["spec_overrides"] = VARIANTS[args.variant] if args.variant else None
+        call["spec_overrides"] = variant_overrides(args.variant) if args.variant else None
         for _ in range(args.warmup):
             run(q, k, v, **call)
         torch.cuda.synchronize()

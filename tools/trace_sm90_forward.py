@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # _common, tune_sm90_forward
 
 import _common  # noqa: E402
-from tune_sm90_forward import VARIANTS, case_inputs, cases  # noqa: E402
+from tune_sm90_forward import case_inputs, cases, variant_overrides  # noqa: E402
 
 CASE_NAMES = {"window": "causal window 512", "compressed": "compress_factor 64",
               "dense": "dense causal"}
@@ -94,7 +94,7 @@ def main(argv=None):
     from kernels.sm90.forward import run
 
     device = torch.device("cuda")
-    overrides = VARIANTS[args.variant] if args.variant else None
+    overrides = variant_overrides(args.variant) if args.variant else None
     for n in args.seqlens:
         torch.manual_seed(0)
         q = torch.randn(n, args.heads, args.head_dim, device=device, dtype=torch.bfloat16)

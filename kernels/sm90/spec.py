@@ -55,10 +55,10 @@ def choose_spec(
     # 10% slower persistent: its long tiles balance better as one CTA per tile.
     # Measured at window 512 (short) and without a window (dense); a window as long as a few
     # thousand keys behaves like dense, so only windows under 2048 keys count as short.
-    # Compressed keys (session 4, GPU time only): the output store handed to a storer warp and
-    # ping-pong between the consumer warpgroups, 0.130 -> 0.122 ms at 16K, 1.050 -> 1.033 ms
-    # at 64K; storing a tile's output under the next tile's first Q K^T (`defer_store`) gained
-    # nothing measurable on top.
+    # The output store handed to a storer warp (session 4, device time only, two runs): window
+    # 512 0.327 -> 0.322 ms at 16K, 1.323 -> 1.301 at 64K; compressed keys with ping-pong too,
+    # 0.128 -> 0.123 ms at 16K, 1.041 -> 1.024 at 64K (ping-pong alone: no change). Storing a
+    # tile's output under the next tile's first Q K^T (`defer_store`) adds 0-1%, not taken.
     window = causal and 0 <= left < 2048 and compress_factor == 1
     short_kv = sparse_block_size is None and (compress_factor != 1 or window)
     small_tiles = short_kv and window
@@ -79,5 +79,5 @@ def choose_spec(
         persistent=short_kv,
         q_stages=2 if short_kv else 1,
         pingpong=short_kv and not small_tiles,
-        store_warp=short_kv and not small_tiles,
+        store_warp=short_kv,
     )
