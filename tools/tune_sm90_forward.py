@@ -68,6 +68,11 @@ VARIANTS = {
                                             pingpong=True, store_warp=True, defer_store=True),
     "m64+persistent+q2+sw": dict(persistent=True, heads_fastest=False, q_stages=2,
                                  pingpong=False, tile_m=64, tile_n=64, store_warp=True),
+    # 192-row tiles: three consumer warpgroups at 160 registers (64-key tiles so that fits).
+    "m192+n64+persistent+q2+sw": dict(persistent=True, heads_fastest=False, q_stages=2,
+                                      pingpong=False, tile_m=192, tile_n=64, store_warp=True),
+    "m192+n64+persistent+q2": dict(persistent=True, heads_fastest=False, q_stages=2,
+                                   pingpong=False, tile_m=192, tile_n=64),
     "m64+persistent+q2+heads": dict(persistent=True, heads_fastest=True, q_stages=2,
                                     pingpong=False, tile_m=64, tile_n=64),
 }

@@ -26,12 +26,12 @@ from kernels.sm90.layouts import acc_mn_view
 
 _WARPGROUP = 128
 _ROWS = 64  # rows of one consumer warpgroup
-# Named barriers (0 is __syncthreads; 3 and 4 are the ping-pong turns): 1 + wg guards
-# warpgroup wg's staging when it stores itself; with a storer warp, 5 + wg says "staged"
-# and 7 + wg says "staging buffer free".
+# Named barriers (0 is __syncthreads; 3 and 4 are the ping-pong turns, used with two
+# warpgroups only): 1 + wg guards warpgroup wg's staging when it stores itself; with a storer
+# warp, 5 + wg says "staged" and 8 + wg says "staging buffer free" (wg < 3).
 _EPILOGUE_BARRIER = 1
 _STAGED_BARRIER = 5
-_FREE_BARRIER = 7
+_FREE_BARRIER = 8
 _WITH_STORER = _WARPGROUP + 32
 
 

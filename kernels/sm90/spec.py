@@ -19,8 +19,9 @@ class FwdSpec:
     has_window_right: bool
     block_sparse: bool         # iterate compact full/mask lists instead of a block range
     compressed: bool = False   # compress_factor may exceed 1 (its value is a runtime argument)
-    tile_m: int = 128          # query rows per CTA: 128 (two consumer warpgroups) or 64 (one
-                               # consumer warpgroup, sized for two CTAs per SM)
+    tile_m: int = 128          # query rows per CTA, 64 per consumer warpgroup: 128 (two), 192
+                               # (three, 160 registers each: tile_n 64) or 64 (one, sized for
+                               # two CTAs per SM)
     tile_n: int = 128          # keys per KV tile; the block-sparse column block size
     num_stages: int = 2        # K and V pipeline depth
     q_stages: int = 1          # Q buffers: 2 lets a persistent CTA load the next tile's Q early
@@ -36,7 +37,7 @@ class FwdSpec:
     @property
     def ctas_per_sm(self) -> int:
         """Two CTAs share an SM with one consumer warpgroup (64-row tiles), else one."""
-        return 3 - self.tile_m // 64
+        return 2 if self.tile_m == 64 else 1
 
 
 def choose_spec(

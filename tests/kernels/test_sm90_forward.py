@@ -176,6 +176,8 @@ SCHEDULES = {
                                            defer_store=True, pingpong=True, tile_m=128),
     "m64+persistent+q2+store_warp": dict(tile_m=64, tile_n=64, persistent=True, q_stages=2,
                                          pingpong=False, store_warp=True),
+    "m192+persistent+q2+store_warp": dict(tile_m=192, tile_n=64, persistent=True, q_stages=2,
+                                          pingpong=False, store_warp=True),
 }
 SCHEDULE_CASES = {
     # lengths (query; keys are lengths // cf), H, Hkv, D, causal, cf, window, block-sparse density
