@@ -68,25 +68,6 @@ VARIANTS = {
                                             pingpong=True, store_warp=True, defer_store=True),
     "m64+persistent+q2+sw": dict(persistent=True, heads_fastest=False, q_stages=2,
                                  pingpong=False, tile_m=64, tile_n=64, store_warp=True),
-    # Deeper Q prefetch (the tail of the Q waits) and 64-key tiles (less padding on short
-    # compressed ranges); three Q buffers fit with 64-key tiles or one K/V stage.
-    "persistent+q2+pingpong+sw+n64": dict(persistent=True, heads_fastest=False, q_stages=2,
-                                          pingpong=True, store_warp=True, tile_n=64),
-    "persistent+q3+pingpong+sw+n64": dict(persistent=True, heads_fastest=False, q_stages=3,
-                                          pingpong=True, store_warp=True, tile_n=64),
-    "persistent+q3+pingpong+sw+s1": dict(persistent=True, heads_fastest=False, q_stages=3,
-                                         pingpong=True, store_warp=True, num_stages=1),
-    "persistent+q2+pingpong+sw+early": dict(persistent=True, heads_fastest=False, q_stages=2,
-                                            pingpong=True, store_warp=True, early_q=True),
-    "persistent+q3+pingpong+sw+n64+early": dict(persistent=True, heads_fastest=False,
-                                                q_stages=3, pingpong=True, store_warp=True,
-                                                tile_n=64, early_q=True),
-    "m192+n64+persistent+q2+sw+early": dict(persistent=True, heads_fastest=False, q_stages=2,
-                                            pingpong=False, tile_m=192, tile_n=64,
-                                            store_warp=True, early_q=True),
-    "m64+persistent+q2+sw+early": dict(persistent=True, heads_fastest=False, q_stages=2,
-                                       pingpong=False, tile_m=64, tile_n=64, store_warp=True,
-                                       early_q=True),
     # 192-row tiles: three consumer warpgroups at 160 registers (64-key tiles so that fits).
     "m192+n64+persistent+q2+sw": dict(persistent=True, heads_fastest=False, q_stages=2,
                                       pingpong=False, tile_m=192, tile_n=64, store_warp=True),
@@ -98,9 +79,9 @@ VARIANTS = {
 
 
 def variant_overrides(name: str) -> dict:
-    """FwdSpec fields of a variant; the switches added in session 4 that it does not name are off
-    (not the dispatcher's picks), so a variant means the same kernel whatever the dispatch."""
-    return dict(store_warp=False, defer_store=False, early_q=False) | VARIANTS[name]
+    """FwdSpec fields of a variant; the output-path switches it does not name are off (not the
+    dispatcher's picks), so a variant means the same kernel whatever the dispatch."""
+    return dict(store_warp=False, defer_store=False) | VARIANTS[name]
 
 
 def cases(n: int):

@@ -72,7 +72,6 @@ class FlashAttentionForwardSm90:
             // (_WARPGROUP * self.num_consumer_warpgroups) // 8 * 8)
         assert not (spec.pingpong and self.num_consumer_warpgroups != 2)
         assert not (spec.defer_store and not spec.persistent)
-        assert not (spec.early_q and (not spec.persistent or spec.q_stages < 2))
 
     # ------------------------------------------------------------------ host side
     @cute.jit
@@ -275,13 +274,8 @@ class FlashAttentionForwardSm90:
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(self.producer_regs)
             if warp_idx == 0:
-                if const_expr(spec.early_q):
-                    self.produce_tiles_early_q(
-                        tile_order, first_tile, tile_stride, num_tiles, produce_tile,
-                        q_producer, k_producer, v_producer)
-                else:
-                    self.walk_tiles(tile_order, first_tile, tile_stride, num_tiles,
-                                    produce_tile, (q_producer, k_producer, v_producer))
+                self.walk_tiles(tile_order, first_tile, tile_stride, num_tiles, produce_tile,
+                                (q_producer, k_producer, v_producer))
             if const_expr(spec.store_warp):
                 if warp_idx == 1:
                     out_store.begin(tidx)
@@ -324,51 +318,22 @@ class FlashAttentionForwardSm90:
             tile_fn(tile_order.coords(first_tile), Int32(0), *pipelines)
 
     @cute.jit
-    def produce_tiles_early_q(
-        self, tile_order: TileOrder, first_tile: Int32, tile_stride: Int32, num_tiles: Int32,
-        produce_tile, q_producer, k_producer, v_producer,
-    ):
-        """`early_q`: the persistent walk of `walk_tiles`, with each tile's Q load issued one
-        tile early (before the previous tile's K/V loads, which wait for K/V stages)."""
-        tile = first_tile
-        iteration = Int32(0)
-        coords = tile_order.coords(first_tile)
-        step = tile_order.coords(tile_stride)
-        q_producer, k_producer, v_producer = produce_tile(
-            coords, iteration, q_producer, k_producer, v_producer, load_kv=False)
-        while tile < num_tiles:
-            next_coords = tile_order.advance(coords, step)
-            if tile + tile_stride < num_tiles:
-                q_producer, k_producer, v_producer = produce_tile(
-                    next_coords, iteration + 1, q_producer, k_producer, v_producer,
-                    load_kv=False)
-            q_producer, k_producer, v_producer = produce_tile(
-                coords, iteration, q_producer, k_producer, v_producer, load_q=False)
-            tile += tile_stride
-            iteration += 1
-            coords = next_coords
-
-    @cute.jit
     def produce_tile(
         self, coords, iteration, q_producer, k_producer, v_producer, tile_work, tma_atom_q, mQ,
         tma_atom_k, mK, tma_atom_v, mVt, sQ, sK, sV, mFullIndex, mMaskIndex, m_trace,
-        load_q: cutlass.Constexpr[bool] = True, load_kv: cutlass.Constexpr[bool] = True,
     ):
         mark = trace.marker(m_trace, 0, iteration, cute.arch.lane_idx() == 0,
                             trace.PRODUCER_EVENTS)
-        if const_expr(load_kv):
-            mark("start")
+        mark("start")
         (m_block, head, _, offset_q, _, offset_k, _, head_kv, in_sequence, n_max,
          num_iters, num_mask_blocks, sparse_row, sparse_head) = tile_work(coords)
-        if const_expr(load_kv):
-            mark("work")
+        mark("work")
         if in_sequence:
             q_producer, k_producer, v_producer = self.produce(
                 tma_atom_q, mQ, tma_atom_k, mK, tma_atom_v, mVt, sQ, sK, sV,
                 q_producer, k_producer, v_producer,
                 offset_q, offset_k, head, head_kv, m_block, n_max, num_iters,
                 num_mask_blocks, mFullIndex, mMaskIndex, sparse_row, sparse_head, mark,
-                load_q, load_kv,
             )
         return q_producer, k_producer, v_producer
 
@@ -463,9 +428,7 @@ class FlashAttentionForwardSm90:
         offset_q: Int32, offset_k: Int32, head: Int32, head_kv: Int32, m_block: Int32,
         n_max: Int32, num_iters: Int32, num_mask_blocks: Int32,
         mFullIndex, mMaskIndex, sparse_row: Int32, sparse_head: Int32, mark,
-        load_q: cutlass.Constexpr[bool] = True, load_kv: cutlass.Constexpr[bool] = True,
     ):
-        """Issue the tile's Q load and/or its K/V loads (`early_q` issues them apart)."""
         mQ_seq = cute.domain_offset((offset_q, 0), mQ[None, None, head])
         gQ = cute.local_tile(mQ_seq, (self.tile_m, self.head_dim), (m_block, 0))
         tQsQ, tQgQ = cpasync.tma_partition(
@@ -482,13 +445,9 @@ class FlashAttentionForwardSm90:
             tma_atom_v, 0, cute.make_layout(1),
             cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2))
 
-        if const_expr(load_q):
-            q_handle = q_producer.acquire_and_advance()
-            cute.copy(tma_atom_q, tQgQ, tQsQ[(None, q_handle.index)],
-                      tma_bar_ptr=q_handle.barrier)
-            mark("q_issued")
-        if const_expr(not load_kv):
-            return q_producer, k_producer, v_producer
+        q_handle = q_producer.acquire_and_advance()
+        cute.copy(tma_atom_q, tQgQ, tQsQ[(None, q_handle.index)], tma_bar_ptr=q_handle.barrier)
+        mark("q_issued")
         for it in cutlass.range(num_iters, unroll=1):
             n_block, _ = self.kv_tile_at(
                 it, n_max, num_mask_blocks, mFullIndex, mMaskIndex, sparse_row, sparse_head)

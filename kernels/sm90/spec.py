@@ -30,9 +30,6 @@ class FwdSpec:
     pingpong: bool = False     # consumer warpgroups take turns issuing wgmma (named barriers)
     defer_store: bool = False  # persistent: a tile's output is stored under the next tile's
                                # first Q K^T instead of after its own last P V
-    early_q: bool = False      # persistent, q_stages >= 2: the producer loads the next tile's Q
-                               # before this tile's K/V, so a long tile's K/V loads do not hold
-                               # it back
     store_warp: bool = False   # a producer-warpgroup warp TMA-stores the output and writes lse;
                                # the consumers only stage them (kernels/sm90/epilogue.py)
     trace: bool = False        # diagnostic build: per-tile phase timestamps (kernels/sm90/trace.py)

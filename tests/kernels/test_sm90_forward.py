@@ -176,12 +176,6 @@ SCHEDULES = {
                                            defer_store=True, pingpong=True, tile_m=128),
     "m64+persistent+q2+store_warp": dict(tile_m=64, tile_n=64, persistent=True, q_stages=2,
                                          pingpong=False, store_warp=True),
-    "persistent+q3+n64+pingpong+store_warp": dict(persistent=True, q_stages=3, tile_n=64,
-                                                  pingpong=True, store_warp=True, tile_m=128),
-    "persistent+q2+early_q": dict(persistent=True, q_stages=2, early_q=True, pingpong=True,
-                                  store_warp=True, tile_m=128),
-    "m64+persistent+q2+early_q": dict(tile_m=64, tile_n=64, persistent=True, q_stages=2,
-                                      pingpong=False, store_warp=True, early_q=True),
     "m192+persistent+q2+store_warp": dict(tile_m=192, tile_n=64, persistent=True, q_stages=2,
                                           pingpong=False, store_warp=True),
 }
@@ -224,7 +218,7 @@ def test_tile_schedules_match_the_grid_kernel(case, schedule):
     same_tile = {key: schedule[key] for key in ("tile_m", "tile_n") if key in schedule}
     grid_out, grid_lse = run(q, k, v, spec_overrides=dict(
         persistent=False, heads_fastest=False, q_stages=1, pingpong=False, store_warp=False,
-        defer_store=False, early_q=False, **same_tile),
+        defer_store=False, **same_tile),
         **kwargs)
     out, lse = run(q, k, v, spec_overrides=schedule, **kwargs)
     torch.cuda.synchronize()
