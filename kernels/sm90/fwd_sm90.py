@@ -520,12 +520,7 @@ class FlashAttentionForwardSm90:
             k_handle.release()
             self.mask_scores(acc_s, t_coord, block_range, m_block, n_block, is_mask_tile,
                              seqlen_k, unmasked_lo, unmasked_hi)
-            live_cols = None
-            if const_expr(self.spec.compressed and not self.spec.block_sparse):
-                live_cols = self.live_columns(tidx, block_range, m_block, n_block, seqlen_q,
-                                              seqlen_k)
-            softmax_step(acc_s, row_max, row_sum, correction, scale_log2, is_first=True,
-                         live_cols=live_cols)
+            softmax_step(acc_s, row_max, row_sum, correction, scale_log2, is_first=True)
             r_p_as_acc.store(acc_s.load().to(self.dtype))
             mark("softmax0_done")
         elif const_expr(deferred is not None):
@@ -714,16 +709,6 @@ class FlashAttentionForwardSm90:
         if num_stages == 1:
             return 0
         return cute.arch.make_warp_uniform(handle.index)
-
-    @cute.jit
-    def live_columns(self, tidx: Int32, block_range: BlockRange, m_block: Int32,
-                     n_block: Int32, seqlen_q: Int32, seqlen_k: Int32) -> Int32:
-        """Columns of KV tile n_block that the last row of this warpgroup's 64 may see (every
-        row above it sees no more): the first KV tile's softmax skips the groups past it."""
-        last_row = cutlass.min(m_block * self.tile_m + (tidx // _WARPGROUP + 1) * 64,
-                               seqlen_q) - 1
-        key_end = cutlass.min(block_range.key_limit_right(last_row), seqlen_k)
-        return cute.arch.make_warp_uniform(key_end - n_block * self.tile_n)
 
     @cute.jit
     def mask_scores(

@@ -7,7 +7,7 @@ becomes NaN; at the end it gets out = 0 and lse = -inf.
 """
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32, const_expr
+from cutlass import Float32, const_expr
 
 from kernels.sm90.layouts import acc_mn_view
 
@@ -49,20 +49,14 @@ def _reduce_row(s_mn: cute.Tensor, r: int, op, init=None, lanes: int = 4):
 @cute.jit
 def softmax_step(
     acc_s: cute.Tensor, row_max: cute.Tensor, row_sum: cute.Tensor, correction: cute.Tensor,
-    scale_log2: Float32, is_first: cutlass.Constexpr[bool] = False, live_cols=None,
+    scale_log2: Float32, is_first: cutlass.Constexpr[bool] = False,
 ):
     """Turn scores acc_s into unnormalised probabilities, update max and sum.
 
     Writes each row's rescale factor for the output accumulator into `correction`; the caller
     applies it (`rescale_rows`) once the P @ V product still reading the old output is done.
     `is_first` (the first KV tile of a query tile): no previous max or sum to fold in.
-    `live_cols` (warp-uniform; only where no wgmma is in flight, since its branches would pull
-    the wait up): columns from it on are masked in every row of the tile, so their groups of 8
-    get P = 0 without an exponential each.
     """
-    if const_expr(live_cols is not None):
-        _softmax_first_live(acc_s, row_max, row_sum, scale_log2, live_cols)
-        return
     s_mn = acc_mn_view(acc_s)
     for r in cutlass.range_constexpr(cute.size(s_mn, mode=[0])):
         tile_max = _reduce_row(s_mn, r, cute.arch.fmax)
@@ -83,44 +77,6 @@ def softmax_step(
             row_sum[r] = _reduce_row(s_mn, r, _add)
         else:
             row_sum[r] = _reduce_row(s_mn, r, _add, init=row_sum[r] * correction[r])
-
-
-@cute.jit
-def _softmax_first_live(acc_s: cute.Tensor, row_max: cute.Tensor, row_sum: cute.Tensor,
-                        scale_log2: Float32, live_cols: Int32):
-    """`softmax_step(is_first=True)` that skips the exponentials of column chunks no row sees.
-
-    The accumulator's columns per thread come in pairs, one pair per group of 8 (layouts.py),
-    so mn-view column c lies in keys [8 * (c // 2), 8 * (c // 2) + 8). A chunk of 32 keys (8
-    of this thread's columns) is dead when its first key is >= live_cols: one uniform branch
-    per chunk (per group of 8, the branches cost more than the exponentials they skip).
-    Compressed keys make this pay: a query tile's rows see nearly the same keys (2 more per 128
-    rows at compress factor 64), so the diagonal KV tile is on average half dead.
-    """
-    s_mn = acc_mn_view(acc_s)
-    num_rows = cute.size(s_mn, mode=[0])
-    num_cols = cute.size(s_mn, mode=[1])
-    max_scaled = cute.make_rmem_tensor(cute.make_layout(num_rows), Float32)
-    for r in cutlass.range_constexpr(num_rows):
-        tile_max = _quad_allreduce(_reduce_row(s_mn, r, cute.arch.fmax), cute.arch.fmax)
-        row_max[r] = tile_max
-        safe_max = tile_max
-        if tile_max == -Float32.inf:
-            safe_max = Float32(0.0)
-        max_scaled[r] = safe_max * scale_log2
-    chunk = 8  # mn-view columns per branch: 32 keys
-    for first in cutlass.range_constexpr(0, num_cols, chunk):
-        if first * 4 < live_cols:
-            for r in cutlass.range_constexpr(num_rows):
-                for c in cutlass.range_constexpr(first, min(first + chunk, num_cols)):
-                    s_mn[r, c] = cute.math.exp2(s_mn[r, c] * scale_log2 - max_scaled[r],
-                                                fastmath=True)
-        else:
-            for r in cutlass.range_constexpr(num_rows):
-                for c in cutlass.range_constexpr(first, min(first + chunk, num_cols)):
-                    s_mn[r, c] = Float32(0.0)
-    for r in cutlass.range_constexpr(num_rows):
-        row_sum[r] = _reduce_row(s_mn, r, _add)
 
 
 @cute.jit
