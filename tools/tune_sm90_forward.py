@@ -68,6 +68,15 @@ VARIANTS = {
                                             pingpong=True, store_warp=True, defer_store=True),
     "m64+persistent+q2+sw": dict(persistent=True, heads_fastest=False, q_stages=2,
                                  pingpong=False, tile_m=64, tile_n=64, store_warp=True),
+    # 128x128 tiles whatever the dispatch (windows dispatch 64x64).
+    "m128+persistent+q2+sw": dict(persistent=True, heads_fastest=False, q_stages=2,
+                                  pingpong=False, tile_m=128, tile_n=128, store_warp=True),
+    "m128+persistent+q2+pingpong+sw": dict(persistent=True, heads_fastest=False, q_stages=2,
+                                           pingpong=True, tile_m=128, tile_n=128,
+                                           store_warp=True),
+    "m64+persistent+q2+sw+defer": dict(persistent=True, heads_fastest=False, q_stages=2,
+                                       pingpong=False, tile_m=64, tile_n=64, store_warp=True,
+                                       defer_store=True),
     # 192-row tiles: three consumer warpgroups at 160 registers (64-key tiles so that fits).
     "m192+n64+persistent+q2+sw": dict(persistent=True, heads_fastest=False, q_stages=2,
                                       pingpong=False, tile_m=192, tile_n=64, store_warp=True),
