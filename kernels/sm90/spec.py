@@ -48,25 +48,20 @@ def choose_spec(
     measures the alternatives)."""
     left, right = window_size
     # Short KV ranges per query tile (a causal window, compressed keys): persistent CTAs walking
-    # tiles with two Q buffers, so a tile's output store and the next tile's Q load overlap the
-    # compute. H100, same run (tools/tune_sm90_forward.py): window 512 at 64K 1.72 -> 1.56 ms,
-    # 1.50 ms with ping-pong, 1.48-1.49 ms with 64x64 tiles and two CTAs per SM (two runs,
-    # 4-5% ahead of ping-pong; equal at 16K); compress_factor 64 at 16K 0.246 -> 0.172 ms, at
-    # 64K 1.49 -> 1.19 ms (64-row tiles: equal at 16K, 12% slower at 64K). Dense causal runs
-    # 10% slower persistent: its long tiles balance better as one CTA per tile.
-    # Measured at window 512 (short) and without a window (dense); a window as long as a few
-    # thousand keys behaves like dense, so only windows under 2048 keys count as short.
-    # The output store handed to a storer warp (session 4, device time only, two runs): window
-    # 512 0.327 -> 0.322 ms at 16K, 1.323 -> 1.301 at 64K; compressed keys with ping-pong too,
-    # 0.128 -> 0.123 ms at 16K, 1.041 -> 1.024 at 64K (ping-pong alone: no change). Storing a
-    # tile's output under the next tile's first Q K^T (`defer_store`) adds 0-1%, not taken.
+    # 128x128 tiles with two Q buffers, ping-pong between the consumer warpgroups, and the
+    # output store handed to a storer warp, so a tile's store and the next tile's Q load
+    # overlap the compute. H100, device time, interleaved (tools/tune_sm90_forward.py, session
+    # 4): window 512 0.319 -> 0.295 ms at 16K and 1.282 -> 1.204 at 64K against the session-3
+    # pick (64x64 tiles, two CTAs per SM, which led before the storer warp); compressed keys
+    # 0.128 -> 0.121-0.123 ms at 16K, 1.041 -> 1.02-1.06 at 64K (ping-pong alone: no change).
+    # Storing a tile's output under the next tile's first Q K^T (`defer_store`) adds 0-1%,
+    # not taken. Dense causal runs 10% slower persistent: its long tiles balance better as one
+    # CTA per tile. Measured at window 512 (short) and without a window (dense); a window as
+    # long as a few thousand keys behaves like dense, so only windows under 2048 keys count as
+    # short.
     window = causal and 0 <= left < 2048 and compress_factor == 1
     short_kv = sparse_block_size is None and (compress_factor != 1 or window)
-    small_tiles = short_kv and window
-    if sparse_block_size is not None:
-        tile_n = sparse_block_size
-    else:
-        tile_n = 64 if small_tiles else 128
+    tile_n = sparse_block_size if sparse_block_size is not None else 128
     return FwdSpec(
         dtype=dtype,
         head_dim=head_dim,
@@ -75,10 +70,10 @@ def choose_spec(
         has_window_right=right >= 0 and not causal,
         block_sparse=sparse_block_size is not None,
         compressed=compress_factor != 1,
-        tile_m=64 if small_tiles else tile_m,
+        tile_m=tile_m,
         tile_n=tile_n,
         persistent=short_kv,
         q_stages=2 if short_kv else 1,
-        pingpong=short_kv and not small_tiles,
+        pingpong=short_kv and tile_m == 128,
         store_warp=short_kv,
     )

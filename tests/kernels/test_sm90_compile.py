@@ -70,8 +70,8 @@ def test_traced_build_compiles_for_sm90a(call):
 
 def test_dispatch_picks_persistent_tiles_for_short_kv_ranges():
     window = _spec("bfloat16", 128, "window-causal")
-    assert window.persistent and (window.tile_m, window.tile_n) == (64, 64)
-    assert window.store_warp and not window.pingpong
+    assert window.persistent and (window.tile_m, window.tile_n) == (128, 128)
+    assert window.store_warp and window.pingpong
     compressed = _spec("bfloat16", 128, "compressed-causal")
     assert compressed.persistent and compressed.pingpong and compressed.store_warp
     assert not _spec("bfloat16", 128, "causal").persistent
