@@ -47,7 +47,7 @@ SCHEDULES = [
     dict(persistent=False, q_stages=1),
     dict(persistent=True, q_stages=1, heads_fastest=True),
     dict(pingpong=True, tile_m=128, tile_n=128),
-    dict(tile_m=64, tile_n=64, persistent=False),
+    dict(tile_m=64, tile_n=64, persistent=False, pingpong=False),
     dict(persistent=True, q_stages=2, store_warp=True, defer_store=True),
     dict(persistent=False, q_stages=1, store_warp=True, defer_store=False),
 ]
