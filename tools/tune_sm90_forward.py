@@ -68,7 +68,14 @@ VARIANTS = {
                                             pingpong=True, store_warp=True, defer_store=True),
     "m64+persistent+q2+sw": dict(persistent=True, heads_fastest=False, q_stages=2,
                                  pingpong=False, tile_m=64, tile_n=64, store_warp=True),
-    # 128x128 tiles whatever the dispatch (windows dispatch 64x64).
+    # A tile's last P V under the next tile's first softmax.
+    "persistent+q2+pingpong+sw+overlap": dict(persistent=True, heads_fastest=False,
+                                              q_stages=2, pingpong=True, store_warp=True,
+                                              tile_m=128, tile_n=128, overlap_tiles=True),
+    "persistent+q2+sw+overlap": dict(persistent=True, heads_fastest=False, q_stages=2,
+                                     pingpong=False, store_warp=True, tile_m=128, tile_n=128,
+                                     overlap_tiles=True),
+    # 128x128 tiles whatever the dispatch.
     "m128+persistent+q2+sw": dict(persistent=True, heads_fastest=False, q_stages=2,
                                   pingpong=False, tile_m=128, tile_n=128, store_warp=True),
     "m128+persistent+q2+pingpong+sw": dict(persistent=True, heads_fastest=False, q_stages=2,
@@ -90,7 +97,7 @@ VARIANTS = {
 def variant_overrides(name: str) -> dict:
     """FwdSpec fields of a variant; the output-path switches it does not name are off (not the
     dispatcher's picks), so a variant means the same kernel whatever the dispatch."""
-    return dict(store_warp=False, defer_store=False) | VARIANTS[name]
+    return dict(store_warp=False, defer_store=False, overlap_tiles=False) | VARIANTS[name]
 
 
 def cases(n: int):

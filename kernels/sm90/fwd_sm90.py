@@ -72,6 +72,8 @@ class FlashAttentionForwardSm90:
             // (_WARPGROUP * self.num_consumer_warpgroups) // 8 * 8)
         assert not (spec.pingpong and self.num_consumer_warpgroups != 2)
         assert not (spec.defer_store and not spec.persistent)
+        assert not (spec.overlap_tiles and (not spec.persistent or spec.defer_store
+                                            or spec.block_sparse))
 
     # ------------------------------------------------------------------ host side
     @cute.jit
@@ -265,6 +267,8 @@ class FlashAttentionForwardSm90:
         deferred = None
         if const_expr(spec.defer_store):
             deferred = self.make_deferred_output(tiled_mma_pv, tidx - _WARPGROUP)
+        if const_expr(spec.overlap_tiles):
+            deferred = self.make_overlap_state(tiled_mma_qk, tiled_mma_pv, tidx - _WARPGROUP)
         consume_tile = partial(
             self.consume_tile, tile_work=tile_work, tidx=tidx - _WARPGROUP, sQ=sQ, sK=sK, sV=sV,
             tiled_mma_qk=tiled_mma_qk, tiled_mma_pv=tiled_mma_pv,
@@ -289,10 +293,14 @@ class FlashAttentionForwardSm90:
                 if tidx // _WARPGROUP == 1:
                     cute.arch.barrier_arrive(barrier_id=_TURN_BARRIER,
                                              number_of_threads=2 * _WARPGROUP)
-            self.walk_tiles(tile_order, first_tile, tile_stride, num_tiles, consume_tile,
-                            (q_consumer, k_consumer, v_consumer))
+            q_consumer, k_consumer, v_consumer = self.walk_tiles(
+                tile_order, first_tile, tile_stride, num_tiles, consume_tile,
+                (q_consumer, k_consumer, v_consumer))
             if const_expr(spec.defer_store):
                 self.store_deferred(deferred, tidx - _WARPGROUP, out_store)
+            if const_expr(spec.overlap_tiles):
+                self.drain_overlap(deferred, tidx - _WARPGROUP, v_consumer, tiled_mma_pv, sV,
+                                   out_store, softmax_scale)
             out_store.finish(tidx - _WARPGROUP)
 
     @cute.jit
@@ -315,7 +323,8 @@ class FlashAttentionForwardSm90:
                 iteration += 1
                 coords = tile_order.advance(coords, step)
         else:
-            tile_fn(tile_order.coords(first_tile), Int32(0), *pipelines)
+            pipelines = tile_fn(tile_order.coords(first_tile), Int32(0), *pipelines)
+        return pipelines
 
     @cute.jit
     def produce_tile(
@@ -328,14 +337,33 @@ class FlashAttentionForwardSm90:
         (m_block, head, _, offset_q, _, offset_k, _, head_kv, in_sequence, n_max,
          num_iters, num_mask_blocks, sparse_row, sparse_head) = tile_work(coords)
         mark("work")
+        overlap = const_expr(self.spec.overlap_tiles)
+        if const_expr(overlap):
+            # `overlap_tiles`: every tile's Q, so that the consumers wait for it unconditionally
+            # (rows past a sequence's end are read, never used; past the tensor, TMA fills 0).
+            q_producer = self.load_q(tma_atom_q, mQ, sQ, q_producer, offset_q, head, m_block)
+            mark("q_issued")
         if in_sequence:
             q_producer, k_producer, v_producer = self.produce(
                 tma_atom_q, mQ, tma_atom_k, mK, tma_atom_v, mVt, sQ, sK, sV,
                 q_producer, k_producer, v_producer,
                 offset_q, offset_k, head, head_kv, m_block, n_max, num_iters,
                 num_mask_blocks, mFullIndex, mMaskIndex, sparse_row, sparse_head, mark,
+                load_q=not overlap,
             )
         return q_producer, k_producer, v_producer
+
+    @cute.jit
+    def load_q(self, tma_atom_q, mQ, sQ, q_producer, offset_q: Int32, head: Int32,
+               m_block: Int32):
+        mQ_seq = cute.domain_offset((offset_q, 0), mQ[None, None, head])
+        gQ = cute.local_tile(mQ_seq, (self.tile_m, self.head_dim), (m_block, 0))
+        tQsQ, tQgQ = cpasync.tma_partition(
+            tma_atom_q, 0, cute.make_layout(1),
+            cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2))
+        q_handle = q_producer.acquire_and_advance()
+        cute.copy(tma_atom_q, tQgQ, tQsQ[(None, q_handle.index)], tma_bar_ptr=q_handle.barrier)
+        return q_producer
 
     @cute.jit
     def consume_tile(
@@ -356,7 +384,12 @@ class FlashAttentionForwardSm90:
             block_range, offset_q, seqlen_q, seqlen_k, head, m_block, n_max,
             num_iters, num_mask_blocks, mFullIndex, mMaskIndex, sparse_row,
             sparse_head, mark)
-        if in_sequence:
+        if const_expr(self.spec.overlap_tiles):
+            q_consumer, k_consumer, v_consumer = self.consume_overlapped(
+                tidx, sQ, sK, sV, q_consumer, k_consumer, v_consumer, tiled_mma_qk,
+                tiled_mma_pv, out_store, softmax_scale, scale_log2, block_range, offset_q,
+                seqlen_q, seqlen_k, head, m_block, n_max, num_iters, in_sequence, deferred)
+        elif in_sequence:
             q_consumer, k_consumer, v_consumer = consume(deferred)
         elif const_expr(deferred is not None):
             # A tile past its sequence's end: only the previous tile's output to store.
@@ -428,12 +461,11 @@ class FlashAttentionForwardSm90:
         offset_q: Int32, offset_k: Int32, head: Int32, head_kv: Int32, m_block: Int32,
         n_max: Int32, num_iters: Int32, num_mask_blocks: Int32,
         mFullIndex, mMaskIndex, sparse_row: Int32, sparse_head: Int32, mark,
+        load_q: cutlass.Constexpr[bool] = True,
     ):
-        mQ_seq = cute.domain_offset((offset_q, 0), mQ[None, None, head])
-        gQ = cute.local_tile(mQ_seq, (self.tile_m, self.head_dim), (m_block, 0))
-        tQsQ, tQgQ = cpasync.tma_partition(
-            tma_atom_q, 0, cute.make_layout(1),
-            cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2))
+        if const_expr(load_q):
+            q_producer = self.load_q(tma_atom_q, mQ, sQ, q_producer, offset_q, head, m_block)
+            mark("q_issued")
         mK_seq = cute.domain_offset((offset_k, 0), mK[None, None, head_kv])
         gK = cute.local_tile(mK_seq, (self.tile_n, self.head_dim), (None, 0))
         tKsK, tKgK = cpasync.tma_partition(
@@ -445,9 +477,6 @@ class FlashAttentionForwardSm90:
             tma_atom_v, 0, cute.make_layout(1),
             cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2))
 
-        q_handle = q_producer.acquire_and_advance()
-        cute.copy(tma_atom_q, tQgQ, tQsQ[(None, q_handle.index)], tma_bar_ptr=q_handle.barrier)
-        mark("q_issued")
         for it in cutlass.range(num_iters, unroll=1):
             n_block, _ = self.kv_tile_at(
                 it, n_max, num_mask_blocks, mFullIndex, mMaskIndex, sparse_row, sparse_head)
@@ -561,6 +590,167 @@ class FlashAttentionForwardSm90:
             out_store.write(r_o, lse, offset_q, seqlen_q, head, m_block, tidx)
             mark("stored")
         return q_consumer, k_consumer, v_consumer
+
+    def make_overlap_state(self, tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma,
+                           tidx: Int32):
+        """`overlap_tiles`: what a tile leaves for the next one to finish: the output
+        accumulator and P awaiting the last P V, the row max and sum, and (offset_q, seqlen_q,
+        head, m_block, pending) of that tile (pending 0: nothing left)."""
+        thr_qk = tiled_mma_qk.get_slice(tidx)
+        thr_pv = tiled_mma_pv.get_slice(tidx)
+        acc_o = thr_pv.make_fragment_C(thr_pv.partition_shape_C((self.tile_m, self.head_dim)))
+        acc_s = thr_qk.make_fragment_C(thr_qk.partition_shape_C((self.tile_m, self.tile_n)))
+        r_p = cute.make_rmem_tensor(acc_as_a_operand_layout(acc_s.layout), self.dtype)
+        num_rows = cute.size(acc_mn_view(acc_o), mode=[0])
+        row_max = cute.make_rmem_tensor(cute.make_layout(num_rows), Float32)
+        row_sum = cute.make_rmem_tensor(cute.make_layout(num_rows), Float32)
+        where = cute.make_rmem_tensor(cute.make_layout(5), Int32)
+        where.fill(0)
+        return acc_o, r_p, row_max, row_sum, where
+
+    @cute.jit
+    def consume_overlapped(
+        self, tidx: Int32, sQ, sK, sV, q_consumer, k_consumer, v_consumer,
+        tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma, out_store: OutputStore,
+        softmax_scale: Float32, scale_log2: Float32, block_range: BlockRange, offset_q: Int32,
+        seqlen_q: Int32, seqlen_k: Int32, head: Int32, m_block: Int32, n_max: Int32,
+        num_iters: Int32, in_sequence, state,
+    ):
+        """`overlap_tiles`: one query tile, software-pipelined with its neighbours.
+
+        The previous tile's last `P V` is issued together with this tile's first `Q K^T` and runs
+        under this tile's first softmax; the previous output is finalised and stored after it.
+        This tile's own last `P V` waits for the next tile. Each branch below issues and waits
+        for its own wgmma (ptxas serialises every wgmma when a runtime branch separates a
+        product from its wait or wraps the KV loops), and every tile waits for its Q (the
+        producer loads one per tile), so the loops and the Q release stay at the top level.
+        """
+        acc_o, r_p, row_max, row_sum, where = state
+        thr_qk = tiled_mma_qk.get_slice(tidx)
+        thr_pv = tiled_mma_pv.get_slice(tidx)
+        tSrQ = thr_qk.make_fragment_A(thr_qk.partition_A(sQ))
+        tSrK = thr_qk.make_fragment_B(thr_qk.partition_B(sK))
+        tOrV = thr_pv.make_fragment_B(thr_pv.partition_B(sV))
+        acc_s = thr_qk.make_fragment_C(thr_qk.partition_shape_C((self.tile_m, self.tile_n)))
+        r_p_as_acc = cute.make_tensor(r_p.iterator, acc_s.layout)
+        t_coord = thr_qk.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n)))
+        num_rows = cute.size(row_max)
+        correction = cute.make_rmem_tensor(cute.make_layout(num_rows), Float32)
+        prev_max = cute.make_rmem_tensor(cute.make_layout(num_rows), Float32)
+        prev_sum = cute.make_rmem_tensor(cute.make_layout(num_rows), Float32)
+        unmasked_lo, unmasked_hi = block_range.unmasked_tiles(m_block, seqlen_q, seqlen_k)
+        iters = num_iters
+        if not in_sequence:
+            iters = Int32(0)
+        active = iters > 0
+        pending = where[4] != 0
+        finish = partial(self.finish_pending, tidx=tidx, out_store=out_store,
+                         softmax_scale=softmax_scale)
+
+        q_handle = q_consumer.wait_and_advance()
+        sQ_stage = tSrQ[None, None, None, self.stage_index(q_handle, self.spec.q_stages)]
+        n_block = n_max - 1
+        if active & pending:
+            k_handle = k_consumer.wait_and_advance()
+            v_handle = v_consumer.wait_and_advance()
+            self.wait_turn(tidx)
+            tiled_mma_qk = self.gemm(
+                tiled_mma_qk, acc_s, sQ_stage,
+                tSrK[None, None, None, self.stage_index(k_handle, self.spec.num_stages)],
+                zero_init=True)
+            tiled_mma_pv = self.gemm(
+                tiled_mma_pv, acc_o, r_p,
+                tOrV[None, None, None, self.stage_index(v_handle, self.spec.num_stages)],
+                zero_init=False)
+            self.pass_turn(tidx)
+            warpgroup.wait_group(1)
+            k_handle.release()
+            prev_max.store(row_max.load())
+            prev_sum.store(row_sum.load())
+            softmax_init(row_max, row_sum)
+            # Always masked, with selects only: a runtime "needs a mask?" branch here would
+            # pull the wait for the previous tile's P V above the softmax.
+            apply_mask(acc_s, t_coord, block_range, m_block, n_block, seqlen_k, True)
+            softmax_step(acc_s, row_max, row_sum, correction, scale_log2, is_first=True)
+            warpgroup.wait_group(0)
+            v_handle.release()
+            finish(acc_o, prev_max, prev_sum, where)
+            acc_o.fill(0.0)
+            r_p_as_acc.store(acc_s.load().to(self.dtype))
+        elif active:
+            k_handle = k_consumer.wait_and_advance()
+            self.wait_turn(tidx)
+            tiled_mma_qk = self.gemm(
+                tiled_mma_qk, acc_s, sQ_stage,
+                tSrK[None, None, None, self.stage_index(k_handle, self.spec.num_stages)],
+                zero_init=True)
+            self.pass_turn(tidx)
+            warpgroup.wait_group(0)
+            k_handle.release()
+            softmax_init(row_max, row_sum)
+            # Always masked, with selects only: a runtime "needs a mask?" branch here would
+            # pull the wait for the previous tile's P V above the softmax.
+            apply_mask(acc_s, t_coord, block_range, m_block, n_block, seqlen_k, True)
+            softmax_step(acc_s, row_max, row_sum, correction, scale_log2, is_first=True)
+            acc_o.fill(0.0)
+            r_p_as_acc.store(acc_s.load().to(self.dtype))
+        elif pending:
+            tiled_mma_pv, v_consumer = self.last_pv(tidx, v_consumer, tiled_mma_pv, acc_o, r_p,
+                                                    tOrV)
+            finish(acc_o, row_max, row_sum, where)
+        if (not active) & in_sequence:
+            # No key to attend: out 0, lse -inf, stored now (after the previous tile's).
+            acc_o.fill(0.0)
+            softmax_init(row_max, row_sum)
+            where[0], where[1], where[2], where[3] = offset_q, seqlen_q, head, m_block
+            finish(acc_o, row_max, row_sum, where)
+        k_consumer, v_consumer, tiled_mma_qk, tiled_mma_pv = self.later_kv_tiles(
+            tidx, sQ_stage, tSrK, tOrV, acc_s, acc_o, r_p, r_p_as_acc, row_max, row_sum,
+            correction, scale_log2, t_coord, block_range, m_block, seqlen_k, n_max,
+            iters, Int32(0), unmasked_lo, unmasked_hi, None, None, Int32(0), Int32(0),
+            k_consumer, v_consumer, tiled_mma_qk, tiled_mma_pv)
+        q_handle.release()
+        where[0], where[1], where[2], where[3] = offset_q, seqlen_q, head, m_block
+        where[4] = Int32(0)
+        if active:
+            where[4] = Int32(1)
+        return q_consumer, k_consumer, v_consumer
+
+    @cute.jit
+    def last_pv(self, tidx: Int32, v_consumer, tiled_mma_pv: cute.TiledMma, acc_o, r_p, tOrV):
+        """O += P V for the last KV tile of a query tile, waited for."""
+        v_handle = v_consumer.wait_and_advance()
+        self.wait_turn(tidx)
+        tiled_mma_pv = self.gemm(
+            tiled_mma_pv, acc_o, r_p,
+            tOrV[None, None, None, self.stage_index(v_handle, self.spec.num_stages)],
+            zero_init=False)
+        self.pass_turn(tidx)
+        warpgroup.wait_group(0)
+        v_handle.release()
+        return tiled_mma_pv, v_consumer
+
+    @cute.jit
+    def finish_pending(self, acc_o, row_max, row_sum, where, tidx: Int32,
+                       out_store: OutputStore, softmax_scale: Float32):
+        """Normalise a finished tile's output and store it with its lse."""
+        lse = cute.make_rmem_tensor(cute.make_layout(cute.size(row_max)), Float32)
+        softmax_finalize(acc_o, row_max, row_sum, softmax_scale, lse)
+        r_o = cute.make_rmem_tensor_like(acc_o, self.dtype)
+        r_o.store(acc_o.load().to(self.dtype))
+        out_store.write(r_o, lse, where[0], where[1], where[2], where[3], tidx)
+
+    @cute.jit
+    def drain_overlap(self, state, tidx: Int32, v_consumer, tiled_mma_pv: cute.TiledMma, sV,
+                      out_store: OutputStore, softmax_scale: Float32):
+        """`overlap_tiles`, after the last tile: its last P V and output."""
+        acc_o, r_p, row_max, row_sum, where = state
+        thr_pv = tiled_mma_pv.get_slice(tidx)
+        tOrV = thr_pv.make_fragment_B(thr_pv.partition_B(sV))
+        if where[4] != 0:
+            tiled_mma_pv, v_consumer = self.last_pv(tidx, v_consumer, tiled_mma_pv, acc_o, r_p,
+                                                    tOrV)
+            self.finish_pending(acc_o, row_max, row_sum, where, tidx, out_store, softmax_scale)
 
     @cute.jit
     def later_kv_tiles(

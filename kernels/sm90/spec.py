@@ -30,6 +30,8 @@ class FwdSpec:
     pingpong: bool = False     # consumer warpgroups take turns issuing wgmma (named barriers)
     defer_store: bool = False  # persistent: a tile's output is stored under the next tile's
                                # first Q K^T instead of after its own last P V
+    overlap_tiles: bool = False  # persistent: a tile's last P V runs under the next tile's
+                                 # first softmax; its output is finalised and stored after
     store_warp: bool = False   # a producer-warpgroup warp TMA-stores the output and writes lse;
                                # the consumers only stage them (kernels/sm90/epilogue.py)
     trace: bool = False        # diagnostic build: per-tile phase timestamps (kernels/sm90/trace.py)

@@ -176,6 +176,11 @@ SCHEDULES = {
                                            defer_store=True, pingpong=True, tile_m=128),
     "m64+persistent+q2+store_warp": dict(tile_m=64, tile_n=64, persistent=True, q_stages=2,
                                          pingpong=False, store_warp=True),
+    # A tile's last P V under the next tile's first softmax (not for block-sparse lists).
+    "persistent+q2+overlap": dict(persistent=True, q_stages=2, overlap_tiles=True,
+                                  pingpong=True, store_warp=True, tile_m=128),
+    "m64+persistent+q2+overlap": dict(tile_m=64, tile_n=64, persistent=True, q_stages=2,
+                                      pingpong=False, store_warp=True, overlap_tiles=True),
     "m192+persistent+q2+store_warp": dict(tile_m=192, tile_n=64, persistent=True, q_stages=2,
                                           pingpong=False, store_warp=True),
 }
@@ -201,6 +206,8 @@ def test_tile_schedules_match_the_grid_kernel(case, schedule):
     if density is not None and (SCHEDULES[schedule].get("tile_m", 128) != 128
                                 or "tile_n" in SCHEDULES[schedule]):
         pytest.skip("block-sparse lists fix the tile to their 128x64 blocks")
+    if density is not None and SCHEDULES[schedule].get("overlap_tiles"):
+        pytest.skip("overlap_tiles walks a KV range, not block-sparse lists")
     torch.manual_seed(4)
     lengths_k = [n // cf for n in lengths]
     q = torch.randn(sum(lengths), heads, dim, device="cuda", dtype=torch.bfloat16)
@@ -218,7 +225,7 @@ def test_tile_schedules_match_the_grid_kernel(case, schedule):
     same_tile = {key: schedule[key] for key in ("tile_m", "tile_n") if key in schedule}
     grid_out, grid_lse = run(q, k, v, spec_overrides=dict(
         persistent=False, heads_fastest=False, q_stages=1, pingpong=False, store_warp=False,
-        defer_store=False, **same_tile),
+        defer_store=False, overlap_tiles=False, **same_tile),
         **kwargs)
     out, lse = run(q, k, v, spec_overrides=schedule, **kwargs)
     torch.cuda.synchronize()
