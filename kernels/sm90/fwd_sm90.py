@@ -310,8 +310,9 @@ class FlashAttentionForwardSm90:
     ):
         """Run tile_fn(coords, iteration, *pipelines) -> pipelines on this CTA's tiles: only
         `first_tile`, or with `persistent` every tile_stride-th one from it (`iteration` counts
-        them). The producer warp and the consumer warpgroups both walk through here, so they
-        visit the same tiles in order."""
+        them), and return the pipelines after the last one. The producer warp, the consumer
+        warpgroups and the storer warp all walk through here, so they visit the same tiles in
+        order."""
         if const_expr(self.spec.persistent):
             tile = first_tile
             iteration = Int32(0)
