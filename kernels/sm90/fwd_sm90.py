@@ -536,9 +536,7 @@ class FlashAttentionForwardSm90:
             k_handle = k_consumer.wait_and_advance()
             mark("k0_ready")
             self.wait_turn(tidx)
-            k_stage = self.stage_index(k_handle, self.spec.num_stages)
-            tiled_mma_qk = self.gemm(tiled_mma_qk, acc_s, sQ_stage,
-                                     tSrK[None, None, None, k_stage], zero_init=True)
+            tiled_mma_qk = self.gemm_qk(tiled_mma_qk, acc_s, sQ_stage, tSrK, k_handle)
             self.pass_turn(tidx)
             if const_expr(deferred is not None):
                 # The previous tile's output goes out while the tensor cores run this Q K^T.
@@ -564,16 +562,8 @@ class FlashAttentionForwardSm90:
         # Every Q K^T product of this tile is done: the producer may load the next tile's Q.
         q_handle.release()
         if num_iters > 0:
-            v_handle = v_consumer.wait_and_advance()
-            mark("v_last_ready")
-            self.wait_turn(tidx)
-            v_stage = self.stage_index(v_handle, self.spec.num_stages)
-            tiled_mma_pv = self.gemm(tiled_mma_pv, acc_o, r_p, tOrV[None, None, None, v_stage],
-                                     zero_init=False)
-            self.pass_turn(tidx)
-            warpgroup.wait_group(0)
-            mark("pv_last_done")
-            v_handle.release()
+            tiled_mma_pv, v_consumer = self.last_pv(tidx, v_consumer, tiled_mma_pv, acc_o, r_p,
+                                                    tOrV, mark)
 
         lse = cute.make_rmem_tensor(cute.make_layout(num_rows), Float32)
         softmax_finalize(acc_o, row_max, row_sum, softmax_scale, lse)
@@ -651,28 +641,24 @@ class FlashAttentionForwardSm90:
         q_handle = q_consumer.wait_and_advance()
         sQ_stage = tSrQ[None, None, None, self.stage_index(q_handle, self.spec.q_stages)]
         n_block = n_max - 1
+        # The first KV tile's mask and softmax: always masked, with selects only (a runtime
+        # "needs a mask?" branch would pull the wait for the previous tile's P V above them).
+        first_softmax = partial(self.first_softmax_masked, row_max=row_max, row_sum=row_sum,
+                                correction=correction, scale_log2=scale_log2, t_coord=t_coord,
+                                block_range=block_range, m_block=m_block, n_block=n_block,
+                                seqlen_k=seqlen_k)
         if active & pending:
             k_handle = k_consumer.wait_and_advance()
             v_handle = v_consumer.wait_and_advance()
             self.wait_turn(tidx)
-            tiled_mma_qk = self.gemm(
-                tiled_mma_qk, acc_s, sQ_stage,
-                tSrK[None, None, None, self.stage_index(k_handle, self.spec.num_stages)],
-                zero_init=True)
-            tiled_mma_pv = self.gemm(
-                tiled_mma_pv, acc_o, r_p,
-                tOrV[None, None, None, self.stage_index(v_handle, self.spec.num_stages)],
-                zero_init=False)
+            tiled_mma_qk = self.gemm_qk(tiled_mma_qk, acc_s, sQ_stage, tSrK, k_handle)
+            tiled_mma_pv = self.gemm_pv(tiled_mma_pv, acc_o, r_p, tOrV, v_handle)
             self.pass_turn(tidx)
             warpgroup.wait_group(1)
             k_handle.release()
             prev_max.store(row_max.load())
             prev_sum.store(row_sum.load())
-            softmax_init(row_max, row_sum)
-            # Always masked, with selects only: a runtime "needs a mask?" branch here would
-            # pull the wait for the previous tile's P V above the softmax.
-            apply_mask(acc_s, t_coord, block_range, m_block, n_block, seqlen_k, True)
-            softmax_step(acc_s, row_max, row_sum, correction, scale_log2, is_first=True)
+            first_softmax(acc_s)
             warpgroup.wait_group(0)
             v_handle.release()
             finish(acc_o, prev_max, prev_sum, where)
@@ -681,18 +667,11 @@ class FlashAttentionForwardSm90:
         elif active:
             k_handle = k_consumer.wait_and_advance()
             self.wait_turn(tidx)
-            tiled_mma_qk = self.gemm(
-                tiled_mma_qk, acc_s, sQ_stage,
-                tSrK[None, None, None, self.stage_index(k_handle, self.spec.num_stages)],
-                zero_init=True)
+            tiled_mma_qk = self.gemm_qk(tiled_mma_qk, acc_s, sQ_stage, tSrK, k_handle)
             self.pass_turn(tidx)
             warpgroup.wait_group(0)
             k_handle.release()
-            softmax_init(row_max, row_sum)
-            # Always masked, with selects only: a runtime "needs a mask?" branch here would
-            # pull the wait for the previous tile's P V above the softmax.
-            apply_mask(acc_s, t_coord, block_range, m_block, n_block, seqlen_k, True)
-            softmax_step(acc_s, row_max, row_sum, correction, scale_log2, is_first=True)
+            first_softmax(acc_s)
             acc_o.fill(0.0)
             r_p_as_acc.store(acc_s.load().to(self.dtype))
         elif pending:
@@ -718,18 +697,30 @@ class FlashAttentionForwardSm90:
         return q_consumer, k_consumer, v_consumer
 
     @cute.jit
-    def last_pv(self, tidx: Int32, v_consumer, tiled_mma_pv: cute.TiledMma, acc_o, r_p, tOrV):
-        """O += P V for the last KV tile of a query tile, waited for."""
+    def last_pv(self, tidx: Int32, v_consumer, tiled_mma_pv: cute.TiledMma, acc_o, r_p, tOrV,
+                mark=None):
+        """O += P V for the last KV tile of a query tile, waited for. Returns the rebound
+        TiledMma and V consumer (the DSL sees a pipeline advance only through a rebind)."""
         v_handle = v_consumer.wait_and_advance()
+        if const_expr(mark is not None):
+            mark("v_last_ready")
         self.wait_turn(tidx)
-        tiled_mma_pv = self.gemm(
-            tiled_mma_pv, acc_o, r_p,
-            tOrV[None, None, None, self.stage_index(v_handle, self.spec.num_stages)],
-            zero_init=False)
+        tiled_mma_pv = self.gemm_pv(tiled_mma_pv, acc_o, r_p, tOrV, v_handle)
         self.pass_turn(tidx)
         warpgroup.wait_group(0)
+        if const_expr(mark is not None):
+            mark("pv_last_done")
         v_handle.release()
         return tiled_mma_pv, v_consumer
+
+    @cute.jit
+    def first_softmax_masked(self, acc_s, row_max, row_sum, correction, scale_log2: Float32,
+                             t_coord, block_range: BlockRange, m_block: Int32, n_block: Int32,
+                             seqlen_k: Int32):
+        """`overlap_tiles`: a tile's first KV tile, masked and turned into probabilities."""
+        softmax_init(row_max, row_sum)
+        apply_mask(acc_s, t_coord, block_range, m_block, n_block, seqlen_k, True)
+        softmax_step(acc_s, row_max, row_sum, correction, scale_log2, is_first=True)
 
     @cute.jit
     def finish_pending(self, acc_o, row_max, row_sum, where, tidx: Int32,
@@ -854,15 +845,9 @@ class FlashAttentionForwardSm90:
         then mask (`mask`: None, "seqlen" or "causal_window") and softmax of S while P V runs."""
         k_handle = k_consumer.wait_and_advance()
         self.wait_turn(tidx)
-        tiled_mma_qk = self.gemm(
-            tiled_mma_qk, acc_s, sQ_stage,
-            tSrK[None, None, None, self.stage_index(k_handle, self.spec.num_stages)],
-            zero_init=True)
+        tiled_mma_qk = self.gemm_qk(tiled_mma_qk, acc_s, sQ_stage, tSrK, k_handle)
         v_handle = v_consumer.wait_and_advance()
-        tiled_mma_pv = self.gemm(
-            tiled_mma_pv, acc_o, r_p,
-            tOrV[None, None, None, self.stage_index(v_handle, self.spec.num_stages)],
-            zero_init=False)
+        tiled_mma_pv = self.gemm_pv(tiled_mma_pv, acc_o, r_p, tOrV, v_handle)
         self.pass_turn(tidx)
         warpgroup.wait_group(1)
         k_handle.release()
@@ -916,6 +901,22 @@ class FlashAttentionForwardSm90:
         else:
             if (n_block < unmasked_lo) | (n_block >= unmasked_hi):
                 apply_mask(acc_s, t_coord, block_range, m_block, n_block, seqlen_k, True)
+
+    @cute.jit
+    def gemm_qk(self, tiled_mma_qk: cute.TiledMma, acc_s, sQ_stage, tSrK, k_handle):
+        """Issue S = Q K^T on the K stage `k_handle` holds."""
+        return self.gemm(
+            tiled_mma_qk, acc_s, sQ_stage,
+            tSrK[None, None, None, self.stage_index(k_handle, self.spec.num_stages)],
+            zero_init=True)
+
+    @cute.jit
+    def gemm_pv(self, tiled_mma_pv: cute.TiledMma, acc_o, r_p, tOrV, v_handle):
+        """Issue O += P V on the V stage `v_handle` holds."""
+        return self.gemm(
+            tiled_mma_pv, acc_o, r_p,
+            tOrV[None, None, None, self.stage_index(v_handle, self.spec.num_stages)],
+            zero_init=False)
 
     @cute.jit
     def gemm(self, tiled_mma, acc, t_a, t_b, zero_init: cutlass.Constexpr[bool]):
