@@ -15,16 +15,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # _common, tune and trace tools
 
 import _common  # noqa: E402
-from trace_sm90_forward import CASE_NAMES  # noqa: E402
-from tune_sm90_forward import case_inputs, cases, variant_overrides  # noqa: E402
+from tune_sm90_forward import add_one_case_arguments, one_case  # noqa: E402
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    _common.add_kernel_shape_arguments(parser)
-    parser.add_argument("--case", choices=sorted(CASE_NAMES), default="compressed")
-    parser.add_argument("--variant", default=None,
-                        help="a tools/tune_sm90_forward.py variant (default: the dispatcher's)")
+    add_one_case_arguments(parser)
     parser.add_argument("--warmup", type=_common.positive_int, default=3)
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -33,11 +29,7 @@ def main(argv=None):
 
     device = torch.device("cuda")
     for n in args.seqlens:
-        torch.manual_seed(0)
-        q = torch.randn(n, args.heads, args.head_dim, device=device, dtype=torch.bfloat16)
-        _, _, kwargs, _, n_k = next(c for c in cases(n) if c[0] == CASE_NAMES[args.case])
-        k, v, call = case_inputs(q, n, n_k, kwargs, args.heads_kv)
-        call["spec_overrides"] = variant_overrides(args.variant) if args.variant else None
+        _, q, k, v, call = one_case(args, n, device)
         for _ in range(args.warmup):
             run(q, k, v, **call)
         torch.cuda.synchronize()

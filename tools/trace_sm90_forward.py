@@ -20,10 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # _common, tune_sm90_forward
 
 import _common  # noqa: E402
-from tune_sm90_forward import case_inputs, cases, variant_overrides  # noqa: E402
-
-CASE_NAMES = {"window": "causal window 512", "compressed": "compress_factor 64",
-              "dense": "dense causal"}
+from tune_sm90_forward import add_one_case_arguments, one_case  # noqa: E402
 
 
 def phase_table(buffer: torch.Tensor) -> list[tuple[str, int, str, float, float]]:
@@ -83,10 +80,7 @@ def phase_table(buffer: torch.Tensor) -> list[tuple[str, int, str, float, float]
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    _common.add_kernel_shape_arguments(parser)
-    parser.add_argument("--case", choices=sorted(CASE_NAMES), default="compressed")
-    parser.add_argument("--variant", default=None,
-                        help="a tools/tune_sm90_forward.py variant (default: the dispatcher's)")
+    add_one_case_arguments(parser)
     parser.add_argument("--save", type=Path, default=None, help="write the raw buffer (.pt)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -94,14 +88,8 @@ def main(argv=None):
     from kernels.sm90.forward import run
 
     device = torch.device("cuda")
-    overrides = variant_overrides(args.variant) if args.variant else None
     for n in args.seqlens:
-        torch.manual_seed(0)
-        q = torch.randn(n, args.heads, args.head_dim, device=device, dtype=torch.bfloat16)
-        case = next(c for c in cases(n) if c[0] == CASE_NAMES[args.case])
-        name, _, kwargs, _, n_k = case
-        k, v, call = case_inputs(q, n, n_k, kwargs, args.heads_kv)
-        call["spec_overrides"] = overrides
+        name, q, k, v, call = one_case(args, n, device)
         plain_ms = _common.time_ms(lambda: run(q, k, v, **call), device, warmup=3, repeats=20,
                                    gpu_only=True)
         out, lse = run(q, k, v, **call)

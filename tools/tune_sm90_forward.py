@@ -112,6 +112,30 @@ def cases(n: int):
     yield ("dense causal", _common.causal_pairs(n), dict(causal=True), dict(causal=True), n)
 
 
+# --case names of the tools that run one case (trace_sm90_forward, launch_sm90_forward).
+CASE_NAMES = {"window": "causal window 512", "compressed": "compress_factor 64",
+              "dense": "dense causal"}
+
+
+def add_one_case_arguments(parser: argparse.ArgumentParser) -> None:
+    """Kernel shape, --case and --variant, for the tools that run one case."""
+    _common.add_kernel_shape_arguments(parser)
+    parser.add_argument("--case", choices=sorted(CASE_NAMES), default="compressed")
+    parser.add_argument("--variant", default=None,
+                        help="a tools/tune_sm90_forward.py variant (default: the dispatcher's)")
+
+
+def one_case(args: argparse.Namespace, n: int, device: torch.device):
+    """(case name, q, k, v, `run` keywords) of --case at length n (seeded random inputs), with
+    --variant's spec overrides."""
+    torch.manual_seed(0)
+    q = torch.randn(n, args.heads, args.head_dim, device=device, dtype=torch.bfloat16)
+    name, _, kwargs, _, n_k = next(c for c in cases(n) if c[0] == CASE_NAMES[args.case])
+    k, v, call = case_inputs(q, n, n_k, kwargs, args.heads_kv)
+    call["spec_overrides"] = variant_overrides(args.variant) if args.variant else None
+    return name, q, k, v, call
+
+
 def case_inputs(q, n: int, n_k: int, kwargs: dict, heads_kv: int):
     """Random k, v (n_k keys) for query q of one length-n sequence, and the `run` keywords of
     the case."""
