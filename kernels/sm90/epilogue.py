@@ -52,7 +52,7 @@ class OutputStore:
     mLSE: cute.Tensor         # (H, T)
 
     @cute.jit
-    def begin(self, tidx: Int32):
+    def begin(self):
         """Storer warp: every warpgroup's staging buffer starts free."""
         if const_expr(self.store_warp):
             for wg in cutlass.range_constexpr(self.num_warpgroups):

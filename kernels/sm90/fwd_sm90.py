@@ -264,17 +264,19 @@ class FlashAttentionForwardSm90:
             self.produce_tile, tile_work=tile_work, tma_atom_q=tma_atom_q, mQ=mQ,
             tma_atom_k=tma_atom_k, mK=mK, tma_atom_v=tma_atom_v, mVt=mVt, sQ=sQ, sK=sK, sV=sV,
             mFullIndex=mFullIndex, mMaskIndex=mMaskIndex, m_trace=mTrace)
-        deferred = None
+        # What a consumer tile leaves for the next one: its output (`defer_store`) or its
+        # unfinished accumulator (`overlap_tiles`).
+        carried = None
         if const_expr(spec.defer_store):
-            deferred = self.make_deferred_output(tiled_mma_pv, tidx - _WARPGROUP)
+            carried = self.make_deferred_output(tiled_mma_pv, tidx - _WARPGROUP)
         if const_expr(spec.overlap_tiles):
-            deferred = self.make_overlap_state(tiled_mma_qk, tiled_mma_pv, tidx - _WARPGROUP)
+            carried = self.make_overlap_state(tiled_mma_qk, tiled_mma_pv, tidx - _WARPGROUP)
         consume_tile = partial(
             self.consume_tile, tile_work=tile_work, tidx=tidx - _WARPGROUP, sQ=sQ, sK=sK, sV=sV,
             tiled_mma_qk=tiled_mma_qk, tiled_mma_pv=tiled_mma_pv,
             out_store=out_store, softmax_scale=softmax_scale,
             scale_log2=scale_log2, block_range=block_range, mFullIndex=mFullIndex,
-            mMaskIndex=mMaskIndex, m_trace=mTrace, deferred=deferred)
+            mMaskIndex=mMaskIndex, m_trace=mTrace, carried=carried)
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(self.producer_regs)
             if warp_idx == 0:
@@ -282,7 +284,7 @@ class FlashAttentionForwardSm90:
                                 (q_producer, k_producer, v_producer))
             if const_expr(spec.store_warp):
                 if warp_idx == 1:
-                    out_store.begin(tidx)
+                    out_store.begin()
                     self.walk_tiles(tile_order, first_tile, tile_stride, num_tiles,
                                     partial(self.drain_tile, tile_work=tile_work,
                                             out_store=out_store), ())
@@ -297,9 +299,9 @@ class FlashAttentionForwardSm90:
                 tile_order, first_tile, tile_stride, num_tiles, consume_tile,
                 (q_consumer, k_consumer, v_consumer))
             if const_expr(spec.defer_store):
-                self.store_deferred(deferred, tidx - _WARPGROUP, out_store)
+                self.store_deferred(carried, tidx - _WARPGROUP, out_store)
             if const_expr(spec.overlap_tiles):
-                self.drain_overlap(deferred, tidx - _WARPGROUP, v_consumer, tiled_mma_pv, sV,
+                self.drain_overlap(carried, tidx - _WARPGROUP, v_consumer, tiled_mma_pv, sV,
                                    out_store, softmax_scale)
             out_store.finish(tidx - _WARPGROUP)
 
@@ -370,7 +372,7 @@ class FlashAttentionForwardSm90:
     def consume_tile(
         self, coords, iteration, q_consumer, k_consumer, v_consumer, tile_work, tidx: Int32, sQ,
         sK, sV, tiled_mma_qk, tiled_mma_pv, out_store, softmax_scale, scale_log2, block_range,
-        mFullIndex, mMaskIndex, m_trace, deferred=None,
+        mFullIndex, mMaskIndex, m_trace, carried=None,
     ):
         mark = trace.marker(m_trace, 1 + tidx // _WARPGROUP, iteration,
                             tidx % _WARPGROUP == 0, trace.CONSUMER_EVENTS)
@@ -389,13 +391,13 @@ class FlashAttentionForwardSm90:
             q_consumer, k_consumer, v_consumer = self.consume_overlapped(
                 tidx, sQ, sK, sV, q_consumer, k_consumer, v_consumer, tiled_mma_qk,
                 tiled_mma_pv, out_store, softmax_scale, scale_log2, block_range, offset_q,
-                seqlen_q, seqlen_k, head, m_block, n_max, num_iters, in_sequence, deferred)
+                seqlen_q, seqlen_k, head, m_block, n_max, num_iters, in_sequence, carried)
         elif in_sequence:
-            q_consumer, k_consumer, v_consumer = consume(deferred)
-        elif const_expr(deferred is not None):
+            q_consumer, k_consumer, v_consumer = consume(carried)
+        elif const_expr(carried is not None):
             # A tile past its sequence's end: only the previous tile's output to store.
-            self.store_deferred(deferred, tidx, out_store)
-            deferred[2][1] = 0  # nothing left to store
+            self.store_deferred(carried, tidx, out_store)
+            carried[2][1] = 0  # nothing left to store
         return q_consumer, k_consumer, v_consumer
 
     @cute.jit
