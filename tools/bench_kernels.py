@@ -119,6 +119,12 @@ def bench_seqlen(n: int, heads: int, heads_kv: int, dim: int, reps: int) -> list
     record("compress_factor 64", pairs,
            time_ms(ours(q, kc, vc, causal=True, compress_factor=cf, max_seqlen_q=n,
                         max_seqlen_k=n // cf, softmax_scale=scale), reps=reps), None)
+    # The compressed case's memory floor: its kernel must read Q and write O (same bytes as
+    # this copy); no attention kernel of that shape can beat a plain device copy of them.
+    out = torch.empty_like(q)
+    rows.append(dict(seqlen=n, case="Q -> O copy (floor)", ours_ms=time_ms(
+        lambda: out.copy_(q), reps=reps), fa4_ms=None, ours_tflops=None, fa4_tflops=None,
+        ratio=None))
     return rows
 
 

@@ -91,13 +91,24 @@ VARIANTS = {
                                    pingpong=False, tile_m=192, tile_n=64),
     "m64+persistent+q2+heads": dict(persistent=True, heads_fastest=True, q_stages=2,
                                     pingpong=False, tile_m=64, tile_n=64),
+    # The first (diagonal) KV tile multiplied only as far as each warpgroup's rows see.
+    "m128+persistent+q2+pingpong+sw+narrow": dict(persistent=True, heads_fastest=False,
+                                                  q_stages=2, pingpong=True, tile_m=128,
+                                                  tile_n=128, store_warp=True,
+                                                  narrow_first_tile=True),
+    "m128+persistent+q2+sw+narrow": dict(persistent=True, heads_fastest=False, q_stages=2,
+                                         pingpong=False, tile_m=128, tile_n=128,
+                                         store_warp=True, narrow_first_tile=True),
+    "grid+narrow": dict(persistent=False, heads_fastest=False, q_stages=1, pingpong=False,
+                        narrow_first_tile=True),
 }
 
 
 def variant_overrides(name: str) -> dict:
     """FwdSpec fields of a variant; the output-path switches it does not name are off (not the
     dispatcher's picks), so a variant means the same kernel whatever the dispatch."""
-    return dict(store_warp=False, defer_store=False, overlap_tiles=False) | VARIANTS[name]
+    return dict(store_warp=False, defer_store=False, overlap_tiles=False,
+                narrow_first_tile=False) | VARIANTS[name]
 
 
 def cases(n: int):

@@ -37,7 +37,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from kernels.sm90.block_range import BlockRange
 from kernels.sm90.epilogue import OutputStore
-from kernels.sm90.layouts import acc_as_a_operand_layout, acc_mn_view
+from kernels.sm90.layouts import acc_as_a_operand_layout, acc_columns, acc_mn_view
 from kernels.sm90.mask import apply_mask
 from kernels.sm90.softmax import rescale_rows, softmax_finalize, softmax_init, softmax_step
 from kernels.sm90.spec import FwdSpec
@@ -74,6 +74,8 @@ class FlashAttentionForwardSm90:
         assert not (spec.defer_store and not spec.persistent)
         assert not (spec.overlap_tiles and (not spec.persistent or spec.defer_store
                                             or spec.block_sparse))
+        assert not (spec.narrow_first_tile and (spec.block_sparse or spec.overlap_tiles
+                                                or spec.defer_store or spec.tile_n % 32))
 
     # ------------------------------------------------------------------ host side
     @cute.jit
@@ -532,26 +534,40 @@ class FlashAttentionForwardSm90:
         q_handle = q_consumer.wait_and_advance()
         mark("q_ready")
         sQ_stage = tSrQ[None, None, None, self.stage_index(q_handle, self.spec.q_stages)]
+        first_chunks = Int32(self.tile_n // 32)
         if num_iters > 0:
             n_block, is_mask_tile = self.kv_tile_at(
                 0, n_max, num_mask_blocks, mFullIndex, mMaskIndex, sparse_row, sparse_head)
             k_handle = k_consumer.wait_and_advance()
             mark("k0_ready")
-            self.wait_turn(tidx)
-            tiled_mma_qk = self.gemm_qk(tiled_mma_qk, acc_s, sQ_stage, tSrK, k_handle)
-            self.pass_turn(tidx)
-            if const_expr(deferred is not None):
-                # The previous tile's output goes out while the tensor cores run this Q K^T.
-                # Its branches touch no wgmma register, and every path reaches the wait.
-                self.store_deferred(deferred, tidx, out_store)
-                mark("prev_stored")
-            warpgroup.wait_group(0)
-            mark("s0_done")
-            k_handle.release()
-            self.mask_scores(acc_s, t_coord, block_range, m_block, n_block, is_mask_tile,
-                             seqlen_k, unmasked_lo, unmasked_hi)
-            softmax_step(acc_s, row_max, row_sum, correction, scale_log2, is_first=True)
-            r_p_as_acc.store(acc_s.load().to(self.dtype))
+            if const_expr(self.spec.narrow_first_tile):
+                first_chunks = self.visible_chunks(tidx, block_range, m_block, n_block,
+                                                   seqlen_q, seqlen_k)
+                # One compiled path per width: wgmma shapes and register views are static.
+                for chunks in cutlass.range_constexpr(1, self.tile_n // 32 + 1):
+                    if first_chunks == chunks:
+                        tiled_mma_qk = self.first_scores(
+                            chunks * 32, tidx, tiled_mma_qk, acc_s, r_p_as_acc, sQ, sK,
+                            q_handle, k_handle, row_max, row_sum, correction, scale_log2,
+                            t_coord, block_range, m_block, n_block, is_mask_tile, seqlen_k,
+                            unmasked_lo, unmasked_hi, mark)
+            else:
+                self.wait_turn(tidx)
+                tiled_mma_qk = self.gemm_qk(tiled_mma_qk, acc_s, sQ_stage, tSrK, k_handle)
+                self.pass_turn(tidx)
+                if const_expr(deferred is not None):
+                    # The previous tile's output goes out while the tensor cores run this
+                    # Q K^T. Its branches touch no wgmma register, and every path reaches
+                    # the wait.
+                    self.store_deferred(deferred, tidx, out_store)
+                    mark("prev_stored")
+                warpgroup.wait_group(0)
+                mark("s0_done")
+                k_handle.release()
+                self.mask_scores(acc_s, t_coord, block_range, m_block, n_block, is_mask_tile,
+                                 seqlen_k, unmasked_lo, unmasked_hi)
+                softmax_step(acc_s, row_max, row_sum, correction, scale_log2, is_first=True)
+                r_p_as_acc.store(acc_s.load().to(self.dtype))
             mark("softmax0_done")
         elif const_expr(deferred is not None):
             self.store_deferred(deferred, tidx, out_store)
@@ -564,8 +580,13 @@ class FlashAttentionForwardSm90:
         # Every Q K^T product of this tile is done: the producer may load the next tile's Q.
         q_handle.release()
         if num_iters > 0:
+            last_chunks = Int32(self.tile_n // 32)
+            if const_expr(self.spec.narrow_first_tile):
+                if num_iters == 1:
+                    # The last KV tile is the narrowed first one: P is zero past its width.
+                    last_chunks = first_chunks
             tiled_mma_pv, v_consumer = self.last_pv(tidx, v_consumer, tiled_mma_pv, acc_o, r_p,
-                                                    tOrV, mark)
+                                                    tOrV, mark, last_chunks)
 
         lse = cute.make_rmem_tensor(cute.make_layout(num_rows), Float32)
         softmax_finalize(acc_o, row_max, row_sum, softmax_scale, lse)
@@ -700,14 +721,23 @@ class FlashAttentionForwardSm90:
 
     @cute.jit
     def last_pv(self, tidx: Int32, v_consumer, tiled_mma_pv: cute.TiledMma, acc_o, r_p, tOrV,
-                mark=None):
+                mark=None, chunks=None):
         """O += P V for the last KV tile of a query tile, waited for. Returns the rebound
-        TiledMma and V consumer (the DSL sees a pipeline advance only through a rebind)."""
+        TiledMma and V consumer (the DSL sees a pipeline advance only through a rebind).
+        `chunks` (`narrow_first_tile`): only the first chunks * 32 keys of P are nonzero, so
+        only their k-blocks are multiplied."""
         v_handle = v_consumer.wait_and_advance()
         if const_expr(mark is not None):
             mark("v_last_ready")
         self.wait_turn(tidx)
-        tiled_mma_pv = self.gemm_pv(tiled_mma_pv, acc_o, r_p, tOrV, v_handle)
+        if const_expr(chunks is None or not self.spec.narrow_first_tile):
+            tiled_mma_pv = self.gemm_pv(tiled_mma_pv, acc_o, r_p, tOrV, v_handle)
+        else:
+            for width_chunks in cutlass.range_constexpr(1, self.tile_n // 32 + 1):
+                if chunks == width_chunks:
+                    r_p_width = cute.make_tensor(r_p.iterator, acc_as_a_operand_layout(
+                        cute.make_layout(((2, 2, width_chunks * 4), 1, 1))))
+                    tiled_mma_pv = self.gemm_pv(tiled_mma_pv, acc_o, r_p_width, tOrV, v_handle)
         self.pass_turn(tidx)
         warpgroup.wait_group(0)
         if const_expr(mark is not None):
@@ -887,6 +917,81 @@ class FlashAttentionForwardSm90:
         if num_stages == 1:
             return 0
         return cute.arch.make_warp_uniform(handle.index)
+
+    @cute.jit
+    def visible_chunks(self, tidx: Int32, block_range: BlockRange, m_block: Int32,
+                       n_block: Int32, seqlen_q: Int32, seqlen_k: Int32) -> Int32:
+        """`narrow_first_tile`: how many 32-key chunks of KV tile n_block this warpgroup's
+        rows may see, 1 .. tile_n / 32 (its last row sees the most)."""
+        first_row = m_block * self.tile_m + tidx // _WARPGROUP * 64
+        last_row = cutlass.min(first_row + 64, seqlen_q) - 1
+        key_end = cutlass.min(block_range.key_limit_right(last_row), seqlen_k)
+        chunks = (key_end - n_block * self.tile_n + 31) // 32
+        chunks = cutlass.min(cutlass.max(chunks, 1), self.tile_n // 32)
+        return cute.arch.make_warp_uniform(chunks)
+
+    @cute.jit
+    def first_scores(
+        self, width: cutlass.Constexpr[int], tidx: Int32, tiled_mma_qk: cute.TiledMma, acc_s,
+        r_p_as_acc, sQ, sK, q_handle, k_handle, row_max, row_sum, correction,
+        scale_log2: Float32, t_coord, block_range: BlockRange, m_block: Int32, n_block: Int32,
+        is_mask_tile, seqlen_k: Int32, unmasked_lo: Int32, unmasked_hi: Int32, mark,
+    ):
+        """`narrow_first_tile`: S = Q K^T, mask and softmax over the first `width` keys of the
+        first KV tile (the rest of the tile is past every row of this warpgroup); P past
+        `width` is zero. Returns the TiledMma (rebound when width is the whole tile)."""
+        s = acc_s
+        if const_expr(width != self.tile_n):
+            # Its own registers: as a view of acc_s (which the full-width wgmmas of the loop
+            # use), ptxas serialised every wgmma of the kernel (C7511, "insufficient register
+            # resources for the wgmma pipeline"), no spill.
+            s = cute.make_rmem_tensor(cute.make_layout(((2, 2, width // 8), 1, 1)), Float32)
+        self.wait_turn(tidx)
+        if const_expr(width == self.tile_n):
+            thr_qk = tiled_mma_qk.get_slice(tidx)
+            tiled_mma_qk = self.gemm_qk(
+                tiled_mma_qk, acc_s,
+                thr_qk.make_fragment_A(thr_qk.partition_A(sQ))[
+                    None, None, None, self.stage_index(q_handle, self.spec.q_stages)],
+                thr_qk.make_fragment_B(thr_qk.partition_B(sK)), k_handle)
+        else:
+            self.gemm_qk_columns(width, tidx, s, sQ, sK, q_handle, k_handle)
+        self.pass_turn(tidx)
+        warpgroup.wait_group(0)
+        mark("s0_done")
+        k_handle.release()
+        self.mask_scores(s, t_coord, block_range, m_block, n_block, is_mask_tile, seqlen_k,
+                         unmasked_lo, unmasked_hi)
+        softmax_step(s, row_max, row_sum, correction, scale_log2, is_first=True)
+        acc_columns(r_p_as_acc, 0, width).store(s.load().to(self.dtype))
+        for start in cutlass.range_constexpr(width, self.tile_n, 32):
+            acc_columns(r_p_as_acc, start, 32).fill(0.0)
+        return tiled_mma_qk
+
+    @cute.jit
+    def gemm_qk_columns(self, width: cutlass.Constexpr[int], tidx: Int32, acc_s, sQ, sK,
+                        q_handle, k_handle):
+        """Issue S = Q K[:width]^T into acc_s, a 64 x width fragment: one wgmma per k-block
+        (96 keys as 64 + 32, each writing its columns' registers)."""
+        pieces = [(64, 0), (32, 64)] if width == 96 else [(width, 0)]
+        q_stage = self.stage_index(q_handle, self.spec.q_stages)
+        k_stage = self.stage_index(k_handle, self.spec.num_stages)
+        warpgroup.fence()
+        for piece, start in pieces:
+            mma = sm90_utils.make_trivial_tiled_mma(
+                self.dtype, self.dtype, warpgroup.OperandMajorMode.K,
+                warpgroup.OperandMajorMode.K, Float32, (self.num_consumer_warpgroups, 1, 1),
+                (64, piece))
+            thr = mma.get_slice(tidx)
+            t_a = thr.make_fragment_A(thr.partition_A(sQ))[None, None, None, q_stage]
+            # The keys [start, start + piece) of the K stage, as a piece-row tile.
+            sK_piece = cute.flat_divide(sK, (piece,))[None, start // piece, None, None]
+            t_b = thr.make_fragment_B(thr.partition_B(sK_piece))[None, None, None, k_stage]
+            acc = acc_columns(acc_s, start, piece)
+            for k in cutlass.range_constexpr(cute.size(t_a, mode=[2])):
+                mma.set(warpgroup.Field.ACCUMULATE, k != 0)
+                cute.gemm(mma, acc, t_a[None, None, k], t_b[None, None, k], acc)
+        warpgroup.commit_group()
 
     @cute.jit
     def mask_scores(

@@ -34,3 +34,21 @@ def acc_as_a_operand_layout(acc_layout: cute.Layout) -> cute.Layout:
         ((s[0][0], s[0][1], 2), s[1], (s[0][2] // 2, s[2])),
         stride=((d[0][0], d[0][1], d[0][2]), d[1], (d[0][2] * 2, d[2])),
     )
+
+
+def acc_columns(acc: cute.Tensor, start: int, width: int) -> cute.Tensor:
+    """Columns [start, start + width) of a 64 x N accumulator fragment, as the fragment of a
+    64 x width wgmma (same per-thread order).
+
+    The N/8 column groups are the outermost value mode, so a block of columns is a contiguous
+    run of registers: a prefix when start is 0 (any width that is a multiple of 8), else the
+    block start/width of equal blocks (start a multiple of width).
+    """
+    groups = width // 8
+    if start == 0:
+        return cute.make_tensor(acc.iterator, cute.make_layout(((2, 2, groups), 1, 1)))
+    assert start % width == 0, "a column block starts at a multiple of its width"
+    total_groups = cute.size(acc, mode=[0]) // 4
+    blocks = cute.make_tensor(acc.iterator, cute.make_layout(
+        ((2, 2, groups), 1, 1, total_groups // groups), stride=((1, 2, 4), 0, 0, 4 * groups)))
+    return blocks[None, None, None, start // width]

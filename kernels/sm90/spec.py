@@ -34,6 +34,8 @@ class FwdSpec:
                                  # first softmax; its output is finalised and stored after
     store_warp: bool = False   # a producer-warpgroup warp TMA-stores the output and writes lse;
                                # the consumers only stage them (kernels/sm90/epilogue.py)
+    narrow_first_tile: bool = False  # the first (diagonal) KV tile is multiplied and softmaxed
+                                     # only as far as each warpgroup's rows see, in 32-key steps
     trace: bool = False        # diagnostic build: per-tile phase timestamps (kernels/sm90/trace.py)
 
     @property

@@ -183,6 +183,12 @@ SCHEDULES = {
                                       pingpong=False, store_warp=True, overlap_tiles=True),
     "m192+persistent+q2+store_warp": dict(tile_m=192, tile_n=64, persistent=True, q_stages=2,
                                           pingpong=False, store_warp=True),
+    # The first KV tile multiplied only as far as each warpgroup sees (an arithmetic switch:
+    # the one-CTA kernel it is compared with has it too).
+    "narrow": dict(narrow_first_tile=True, pingpong=False),
+    "persistent+q2+pingpong+store_warp+narrow": dict(
+        persistent=True, q_stages=2, pingpong=True, store_warp=True, tile_m=128, tile_n=128,
+        narrow_first_tile=True),
 }
 SCHEDULE_CASES = {
     # lengths (query; keys are lengths // cf), H, Hkv, D, causal, cf, window, block-sparse density
@@ -206,8 +212,9 @@ def test_tile_schedules_match_the_grid_kernel(case, schedule):
     if density is not None and (SCHEDULES[schedule].get("tile_m", 128) != 128
                                 or "tile_n" in SCHEDULES[schedule]):
         pytest.skip("block-sparse lists fix the tile to their 128x64 blocks")
-    if density is not None and SCHEDULES[schedule].get("overlap_tiles"):
-        pytest.skip("overlap_tiles walks a KV range, not block-sparse lists")
+    if density is not None and (SCHEDULES[schedule].get("overlap_tiles")
+                                or SCHEDULES[schedule].get("narrow_first_tile")):
+        pytest.skip("overlap_tiles and narrow_first_tile walk a KV range, not block-sparse lists")
     torch.manual_seed(4)
     lengths_k = [n // cf for n in lengths]
     q = torch.randn(sum(lengths), heads, dim, device="cuda", dtype=torch.bfloat16)
@@ -222,7 +229,8 @@ def test_tile_schedules_match_the_grid_kernel(case, schedule):
             lengths, lengths_k, heads_kv, 128, 64, density, torch.Generator().manual_seed(5))
     schedule = SCHEDULES[schedule]
     _check(q, k, v, spec_overrides=schedule, **kwargs)
-    same_tile = {key: schedule[key] for key in ("tile_m", "tile_n") if key in schedule}
+    same_tile = {key: schedule[key] for key in ("tile_m", "tile_n", "narrow_first_tile")
+                 if key in schedule}
     grid_out, grid_lse = run(q, k, v, spec_overrides=dict(
         persistent=False, heads_fastest=False, q_stages=1, pingpong=False, store_warp=False,
         defer_store=False, overlap_tiles=False, **same_tile),
