@@ -99,6 +99,13 @@ VARIANTS = {
     "m128+persistent+q2+sw+narrow": dict(persistent=True, heads_fastest=False, q_stages=2,
                                          pingpong=False, tile_m=128, tile_n=128,
                                          store_warp=True, narrow_first_tile=True),
+    "m192+n64+persistent+q2+sw+narrow": dict(persistent=True, heads_fastest=False,
+                                             q_stages=2, pingpong=False, tile_m=192,
+                                             tile_n=64, store_warp=True,
+                                             narrow_first_tile=True),
+    "m64+persistent+q2+sw+narrow": dict(persistent=True, heads_fastest=False, q_stages=2,
+                                        pingpong=False, tile_m=64, tile_n=64, store_warp=True,
+                                        narrow_first_tile=True),
     "grid+narrow": dict(persistent=False, heads_fastest=False, q_stages=1, pingpong=False,
                         narrow_first_tile=True),
 }

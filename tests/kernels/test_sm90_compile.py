@@ -80,6 +80,7 @@ def test_dispatch_picks_persistent_tiles_for_short_kv_ranges():
     assert window.store_warp and window.pingpong
     compressed = _spec("bfloat16", 128, "compressed-causal")
     assert compressed.persistent and compressed.pingpong and compressed.store_warp
+    assert compressed.narrow_first_tile and not window.narrow_first_tile
     assert not _spec("bfloat16", 128, "causal").persistent
     long_window = choose_spec(dtype="bfloat16", head_dim=128, causal=True, window_size=(8191, 0))
     assert not long_window.persistent and long_window.tile_m == 128
