@@ -276,3 +276,14 @@ def test_trace_phase_table_reads_cycles_per_phase(common):
     assert rows[("producer->wg0", 1, "Q issued -> ready")] == 60 - 20
     # Both warpgroups were stamped at the same cycles: no offset between them.
     assert rows[("wg1 - wg0", 2, "s0_done")] == 0
+
+
+def test_bench_kernels_summary_gives_compressed_and_floor_as_shares_of_dense():
+    bench = load_tool("bench_kernels")
+    rows = [dict(seqlen=n, case=case, ours_tflops=tflops) for n, case, tflops in [
+        (16384, "dense causal", 700.0), (16384, "compress_factor 64", 280.0),
+        (16384, "Q -> O copy (floor)", 364.0), (65536, "dense causal", 680.0),
+        (65536, "compress_factor 64", 544.0)]]
+    assert bench.summary(rows) == [
+        "N=16384: of our dense causal TFLOP/s: compress_factor 64 40%, Q -> O copy (floor) 52%",
+        "N=65536: of our dense causal TFLOP/s: compress_factor 64 80%"]
