@@ -40,6 +40,35 @@ def random_block_lists(num_rows: int, num_heads: int, num_blocks: int, density: 
     return count, index
 
 
+def block_sparse_case(n: int, heads: int, density: float):
+    """Random lists of `density` of the 128x128 KV blocks per query tile and head (all "full",
+    no mask), as our BlockSparseTensors and as FA4's (None without FA4), and the attended pairs
+    per head."""
+    from sparsity import BlockSparseTensors
+
+    num_tiles = n // 128
+    count, index = random_block_lists(num_tiles, heads, num_tiles, density, seed=1)
+    ours_lists = BlockSparseTensors(
+        full_count=count.transpose(0, 1).contiguous(),
+        full_index=index.transpose(0, 1).contiguous(),
+        mask_count=torch.zeros_like(count).transpose(0, 1).contiguous(),
+        mask_index=torch.full((num_tiles, heads, 1), -1, dtype=torch.int32, device="cuda"),
+        row_block_size=128, col_block_size=128,
+        row_block_offsets=torch.tensor([0, num_tiles], dtype=torch.int32, device="cuda"),
+    )
+    fa4_lists = None
+    try:
+        from flash_attn.cute.block_sparsity import BlockSparseTensorsTorch
+
+        fa4_lists = BlockSparseTensorsTorch(
+            mask_block_cnt=torch.zeros_like(count)[None],
+            mask_block_idx=torch.zeros_like(index)[None],
+            full_block_cnt=count[None], full_block_idx=index[None], block_size=(128, 128))
+    except Exception as error:  # no FA4, or its block-sparse API differs between releases
+        print(f"FA4 block-sparse unavailable: {error!r}", file=sys.stderr)
+    return ours_lists, fa4_lists, count.sum().item() / heads * 128 * 128
+
+
 def ours(q, k, v, **kwargs):
     from kernels.sm90.forward import run
 
@@ -55,7 +84,6 @@ def fa4(q, k, v, **kwargs):
 
 
 def bench_seqlen(n: int, heads: int, heads_kv: int, dim: int, reps: int) -> list[dict]:
-    from sparsity import BlockSparseTensors
 
     torch.manual_seed(0)
     q = torch.randn(1, n, heads, dim, device="cuda", dtype=torch.bfloat16)
@@ -78,31 +106,12 @@ def bench_seqlen(n: int, heads: int, heads_kv: int, dim: int, reps: int) -> list
     record("dense causal", _common.causal_pairs(n), time_ms(ours(q, k, v, causal=True, **base), reps=reps),
            time_ms(f, reps=reps) if f else None)
 
-    num_tiles = n // 128
     for density in (0.25, 0.05):
-        count, index = random_block_lists(num_tiles, heads, num_tiles, density, seed=1)
-        bs = BlockSparseTensors(
-            full_count=count.transpose(0, 1).contiguous(),
-            full_index=index.transpose(0, 1).contiguous(),
-            mask_count=torch.zeros_like(count).transpose(0, 1).contiguous(),
-            mask_index=torch.full((num_tiles, heads, 1), -1, dtype=torch.int32, device="cuda"),
-            row_block_size=128, col_block_size=128,
-            row_block_offsets=torch.tensor([0, num_tiles], dtype=torch.int32, device="cuda"),
-        )
-        pairs = count.sum().item() / heads * 128 * 128
+        bs, fa4_bs, pairs = block_sparse_case(n, heads, density)
         ms_fa4 = None
-        try:
-            from flash_attn.cute.block_sparsity import BlockSparseTensorsTorch
-
-            fa4_bs = BlockSparseTensorsTorch(
-                mask_block_cnt=torch.zeros_like(count)[None],
-                mask_block_idx=torch.zeros_like(index)[None],
-                full_block_cnt=count[None], full_block_idx=index[None],
-                block_size=(128, 128))
+        if fa4_bs is not None:
             f = fa4(q, k, v, causal=False, block_sparse_tensors=fa4_bs)
             ms_fa4 = time_ms(f, reps=reps) if f else None
-        except Exception as error:  # FA4's block-sparse API differs between releases
-            print(f"FA4 block-sparse unavailable: {error!r}", file=sys.stderr)
         record(f"block-sparse {int(density * 100)}%", pairs,
                time_ms(ours(q, k, v, causal=False, block_sparse=bs, **base), reps=reps), ms_fa4)
 

@@ -118,21 +118,39 @@ def variant_overrides(name: str) -> dict:
                 narrow_first_tile=False) | VARIANTS[name]
 
 
-def cases(n: int):
-    """(name, attended pairs per head, kwargs for run, FA4 kwargs or None, kv length)."""
-    window = 512
-    yield ("causal window 512", _common.capped_causal_pairs(n, window),
-           dict(causal=True, window_size=(window - 1, 0)),
-           dict(causal=True, window_size=(window - 1, 0)), n)
-    cf = 64
-    yield ("compress_factor 64", _common.compressed_pairs(n, cf),
-           dict(causal=True, compress_factor=cf), None, n // cf)
-    yield ("dense causal", _common.causal_pairs(n), dict(causal=True), dict(causal=True), n)
+def cases(n: int, heads: int, names=("window", "compressed", "dense")):
+    """(name, attended pairs per head, kwargs for run, FA4 kwargs or None, kv length) of the
+    short case names in `names` (CASE_NAMES)."""
+    for short in names:
+        if short == "window":
+            window = 512
+            yield ("causal window 512", _common.capped_causal_pairs(n, window),
+                   dict(causal=True, window_size=(window - 1, 0)),
+                   dict(causal=True, window_size=(window - 1, 0)), n)
+        elif short == "compressed":
+            cf = 64
+            yield ("compress_factor 64", _common.compressed_pairs(n, cf),
+                   dict(causal=True, compress_factor=cf), None, n // cf)
+        elif short == "dense":
+            yield ("dense causal", _common.causal_pairs(n), dict(causal=True),
+                   dict(causal=True), n)
+        else:  # sparse5, sparse25: bench_kernels' random 128x128 lists
+            import bench_kernels
+
+            density = int(short.removeprefix("sparse")) / 100
+            ours_lists, fa4_lists, pairs = bench_kernels.block_sparse_case(n, heads, density)
+            fa4_kwargs = None
+            if fa4_lists is not None:
+                fa4_kwargs = dict(causal=False, block_sparse_tensors=fa4_lists)
+            yield (CASE_NAMES[short], pairs, dict(causal=False, block_sparse=ours_lists),
+                   fa4_kwargs, n)
 
 
-# --case names of the tools that run one case (trace_sm90_forward, launch_sm90_forward).
+# --case names (--cases here; one --case for the tools that run one: trace_sm90_forward,
+# launch_sm90_forward).
 CASE_NAMES = {"window": "causal window 512", "compressed": "compress_factor 64",
-              "dense": "dense causal"}
+              "dense": "dense causal", "sparse5": "block-sparse 5%",
+              "sparse25": "block-sparse 25%"}
 
 
 def add_one_case_arguments(parser: argparse.ArgumentParser) -> None:
@@ -148,7 +166,7 @@ def one_case(args: argparse.Namespace, n: int, device: torch.device):
     --variant's spec overrides."""
     torch.manual_seed(0)
     q = torch.randn(n, args.heads, args.head_dim, device=device, dtype=torch.bfloat16)
-    name, _, kwargs, _, n_k = next(c for c in cases(n) if c[0] == CASE_NAMES[args.case])
+    name, _, kwargs, _, n_k = next(cases(n, args.heads, [args.case]))
     k, v, call = case_inputs(q, n, n_k, kwargs, args.heads_kv)
     call["spec_overrides"] = variant_overrides(args.variant) if args.variant else None
     return name, q, k, v, call
@@ -171,9 +189,16 @@ def main(argv=None):
     parser.add_argument("--reps", type=int, default=10, help="timed calls per round")
     parser.add_argument("--rounds", type=int, default=5, help="round-robin rounds (median)")
     parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--cases", default="window,compressed,dense",
+                        help=f"comma-separated, of {','.join(CASE_NAMES)}")
     parser.add_argument("--skip-dense", action="store_true", help="leave out dense causal")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
+    case_names = [name for name in args.cases.split(",")
+                  if not (args.skip_dense and name == "dense")]
+    unknown = sorted(set(case_names) - set(CASE_NAMES))
+    if unknown:
+        parser.error(f"--cases: unknown {unknown}; choose from {sorted(CASE_NAMES)}")
     if not torch.cuda.is_available():
         parser.error("needs a CUDA GPU (sm_90)")
     from kernels.sm90.forward import run
@@ -184,9 +209,7 @@ def main(argv=None):
     for n in args.seqlens:
         torch.manual_seed(0)
         q = torch.randn(n, args.heads, args.head_dim, device=device, dtype=torch.bfloat16)
-        for name, pairs, kwargs, fa4_kwargs, n_k in cases(n):
-            if args.skip_dense and name == "dense causal":
-                continue
+        for name, pairs, kwargs, fa4_kwargs, n_k in cases(n, args.heads, case_names):
             k, v, call = case_inputs(q, n, n_k, kwargs, args.heads_kv)
             def tflops(ms, pairs=pairs):
                 return _common.attention_tflops(pairs, 1, args.heads, args.head_dim, ms,

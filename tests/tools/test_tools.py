@@ -287,3 +287,10 @@ def test_bench_kernels_summary_gives_compressed_and_floor_as_shares_of_dense():
     assert bench.summary(rows) == [
         "N=16384: of our dense causal TFLOP/s: compress_factor 64 40%, Q -> O copy (floor) 52%",
         "N=65536: of our dense causal TFLOP/s: compress_factor 64 80%"]
+
+
+def test_tune_rejects_unknown_cases_before_needing_a_gpu(capsys):
+    tune = load_tool("tune_sm90_forward")
+    with pytest.raises(SystemExit):
+        tune.main(["--cases", "window,bogus"])
+    assert "--cases: unknown ['bogus']" in capsys.readouterr().err
