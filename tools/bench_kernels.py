@@ -40,33 +40,34 @@ def random_block_lists(num_rows: int, num_heads: int, num_blocks: int, density: 
     return count, index
 
 
-def block_sparse_case(n: int, heads: int, density: float):
-    """Random lists of `density` of the 128x128 KV blocks per query tile and head (all "full",
-    no mask), as our BlockSparseTensors and as FA4's (None without FA4), and the attended pairs
-    per head."""
+def block_sparse_case(n: int, heads: int, density: float, block_n: int = 128):
+    """Random lists of `density` of the block_n-key KV blocks per 128-row query tile and head
+    (all "full", no mask), as our BlockSparseTensors and as FA4's (None without FA4 or for
+    block_n other than 128), and the attended pairs per head."""
     from sparsity import BlockSparseTensors
 
-    num_tiles = n // 128
-    count, index = random_block_lists(num_tiles, heads, num_tiles, density, seed=1)
+    num_rows, num_blocks = n // 128, n // block_n
+    count, index = random_block_lists(num_rows, heads, num_blocks, density, seed=1)
     ours_lists = BlockSparseTensors(
         full_count=count.transpose(0, 1).contiguous(),
         full_index=index.transpose(0, 1).contiguous(),
         mask_count=torch.zeros_like(count).transpose(0, 1).contiguous(),
-        mask_index=torch.full((num_tiles, heads, 1), -1, dtype=torch.int32, device="cuda"),
-        row_block_size=128, col_block_size=128,
-        row_block_offsets=torch.tensor([0, num_tiles], dtype=torch.int32, device="cuda"),
+        mask_index=torch.full((num_rows, heads, 1), -1, dtype=torch.int32, device="cuda"),
+        row_block_size=128, col_block_size=block_n,
+        row_block_offsets=torch.tensor([0, num_rows], dtype=torch.int32, device="cuda"),
     )
     fa4_lists = None
     try:
         from flash_attn.cute.block_sparsity import BlockSparseTensorsTorch
 
-        fa4_lists = BlockSparseTensorsTorch(
-            mask_block_cnt=torch.zeros_like(count)[None],
-            mask_block_idx=torch.zeros_like(index)[None],
-            full_block_cnt=count[None], full_block_idx=index[None], block_size=(128, 128))
+        if block_n == 128:
+            fa4_lists = BlockSparseTensorsTorch(
+                mask_block_cnt=torch.zeros_like(count)[None],
+                mask_block_idx=torch.zeros_like(index)[None],
+                full_block_cnt=count[None], full_block_idx=index[None], block_size=(128, 128))
     except Exception as error:  # no FA4, or its block-sparse API differs between releases
         print(f"FA4 block-sparse unavailable: {error!r}", file=sys.stderr)
-    return ours_lists, fa4_lists, count.sum().item() / heads * 128 * 128
+    return ours_lists, fa4_lists, count.sum().item() / heads * 128 * block_n
 
 
 def ours(q, k, v, **kwargs):

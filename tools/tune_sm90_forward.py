@@ -30,6 +30,8 @@ VARIANTS = {
     "persistent": dict(persistent=True, heads_fastest=False, q_stages=1, pingpong=False),
     "persistent+pingpong": dict(persistent=True, heads_fastest=False, q_stages=1, pingpong=True),
     "persistent+q2": dict(persistent=True, heads_fastest=False, q_stages=2, pingpong=False),
+    "persistent+q2+sw": dict(persistent=True, heads_fastest=False, q_stages=2, pingpong=False,
+                             store_warp=True),
     "persistent+q2+pingpong": dict(persistent=True, heads_fastest=False, q_stages=2,
                                    pingpong=True),
     "persistent+q2+heads": dict(persistent=True, heads_fastest=True, q_stages=2,
@@ -134,11 +136,15 @@ def cases(n: int, heads: int, names=("window", "compressed", "dense")):
         elif short == "dense":
             yield ("dense causal", _common.causal_pairs(n), dict(causal=True),
                    dict(causal=True), n)
-        else:  # sparse5, sparse25: bench_kernels' random 128x128 lists
+        else:  # bench_kernels' random lists: 5% / 25% of 128x128 blocks, or 16 64-key blocks
             import bench_kernels
 
-            density = int(short.removeprefix("sparse")) / 100
-            ours_lists, fa4_lists, pairs = bench_kernels.block_sparse_case(n, heads, density)
+            if short == "selected16":
+                density, block_n = 16 / (n // 64), 64
+            else:
+                density, block_n = int(short.removeprefix("sparse")) / 100, 128
+            ours_lists, fa4_lists, pairs = bench_kernels.block_sparse_case(
+                n, heads, density, block_n)
             fa4_kwargs = None
             if fa4_lists is not None:
                 fa4_kwargs = dict(causal=False, block_sparse_tensors=fa4_lists)
@@ -150,7 +156,7 @@ def cases(n: int, heads: int, names=("window", "compressed", "dense")):
 # launch_sm90_forward).
 CASE_NAMES = {"window": "causal window 512", "compressed": "compress_factor 64",
               "dense": "dense causal", "sparse5": "block-sparse 5%",
-              "sparse25": "block-sparse 25%"}
+              "sparse25": "block-sparse 25%", "selected16": "16 64-key blocks"}
 
 
 def add_one_case_arguments(parser: argparse.ArgumentParser) -> None:

@@ -55,6 +55,8 @@ def _spec_for(q, causal, window_size, block_sparse, compress_factor=1):
         dtype=str(q.dtype).removeprefix("torch."), head_dim=q.shape[-1], causal=causal,
         window_size=window_size, compress_factor=compress_factor,
         sparse_block_size=block_sparse.col_block_size if block_sparse is not None else None,
+        sparse_list_capacity=(block_sparse.full_index.shape[-1] + block_sparse.mask_index.shape[-1]
+                              if block_sparse is not None else None),
         tile_m=TILE_M)
 
 

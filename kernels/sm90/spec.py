@@ -46,7 +46,8 @@ class FwdSpec:
 
 def choose_spec(
     *, dtype: str, head_dim: int, causal: bool, window_size: tuple[int, int],
-    compress_factor: int = 1, sparse_block_size: int | None = None, tile_m: int = 128,
+    compress_factor: int = 1, sparse_block_size: int | None = None,
+    sparse_list_capacity: int | None = None, tile_m: int = 128,
 ) -> FwdSpec:
     """The kernel variant the dispatcher compiles for a call (tools/tune_sm90_forward.py
     measures the alternatives)."""
@@ -69,8 +70,17 @@ def choose_spec(
     # interleaved, 0.122-0.124 -> 0.115-0.116 ms at 16K, 1.02-1.06 -> 1.00-1.06 at 64K. Windows
     # keep the full tile (0.305-0.310 vs 0.306 ms at 16K, 1.217-1.273 vs 1.225-1.241 at 64K:
     # their diagonal tile is one of five).
+    #
+    # Block-sparse lists of at most 48 blocks per query tile (`sparse_list_capacity`, the
+    # lists' allocated length: NSA's selected branch lists 16-20) take the persistent
+    # schedule too, without ping-pong: session 5, interleaved against FA4 on the same random
+    # 128x128 lists, 5% at 16K (6 blocks) 0.404 -> 0.338 ms (FA4 0.382), 5% at 64K (26 blocks)
+    # 6.18 -> 5.97 (FA4 5.85), 25% at 16K (32 blocks) 1.703 -> 1.654; 25% at 64K (128
+    # blocks) 27.8 -> 28.1, slower, so long lists keep one CTA per tile.
     window = causal and 0 <= left < 2048 and compress_factor == 1
-    short_kv = sparse_block_size is None and (compress_factor != 1 or window)
+    short_lists = (sparse_block_size is not None and sparse_list_capacity is not None
+                   and sparse_list_capacity <= 48)
+    short_kv = (sparse_block_size is None and (compress_factor != 1 or window)) or short_lists
     tile_n = sparse_block_size if sparse_block_size is not None else 128
     return FwdSpec(
         dtype=dtype,
@@ -84,7 +94,7 @@ def choose_spec(
         tile_n=tile_n,
         persistent=short_kv,
         q_stages=2 if short_kv else 1,
-        pingpong=short_kv and tile_m == 128,
+        pingpong=short_kv and tile_m == 128 and not short_lists,
         store_warp=short_kv,
-        narrow_first_tile=short_kv and compress_factor != 1,
+        narrow_first_tile=short_kv and compress_factor != 1 and sparse_block_size is None,
     )

@@ -16,22 +16,24 @@ from kernels.sm90.compile import compile_forward_on_fake_tensors  # noqa: E402
 from kernels.sm90.spec import choose_spec  # noqa: E402
 
 # Calls as NSA's branches and kernels.flash_attn_func make them:
-# (causal, window_size, compress_factor, block-sparse column block size).
+# (causal, window_size, compress_factor, block-sparse column block size, list capacity).
 CALLS = {
-    "compressed-causal": (True, (-1, -1), 64, None),
-    "window-causal": (True, (511, 0), 1, None),
-    "selected-sparse64": (True, (-1, -1), 1, 64),
-    "causal": (True, (-1, -1), 1, None),
-    "sparse128": (False, (-1, -1), 1, 128),
-    "dense": (False, (-1, -1), 1, None),
-    "window-both-sides-compressed": (False, (300, 100), 16, None),
+    "compressed-causal": (True, (-1, -1), 64, None, None),
+    "window-causal": (True, (511, 0), 1, None, None),
+    "selected-sparse64": (True, (-1, -1), 1, 64, 200),
+    "selected-sparse64-short": (True, (-1, -1), 1, 64, 20),
+    "causal": (True, (-1, -1), 1, None, None),
+    "sparse128": (False, (-1, -1), 1, 128, 200),
+    "dense": (False, (-1, -1), 1, None, None),
+    "window-both-sides-compressed": (False, (300, 100), 16, None, None),
 }
 
 
 def _spec(dtype, head_dim, call):
-    causal, window, cf, sparse = CALLS[call]
+    causal, window, cf, sparse, capacity = CALLS[call]
     return choose_spec(dtype=dtype, head_dim=head_dim, causal=causal, window_size=window,
-                       compress_factor=cf, sparse_block_size=sparse)
+                       compress_factor=cf, sparse_block_size=sparse,
+                       sparse_list_capacity=capacity)
 
 
 @pytest.mark.parametrize("call", list(CALLS))
@@ -85,6 +87,9 @@ def test_dispatch_picks_persistent_tiles_for_short_kv_ranges():
     long_window = choose_spec(dtype="bfloat16", head_dim=128, causal=True, window_size=(8191, 0))
     assert not long_window.persistent and long_window.tile_m == 128
     assert not _spec("bfloat16", 128, "selected-sparse64").persistent
+    short_lists = _spec("bfloat16", 128, "selected-sparse64-short")
+    assert short_lists.persistent and short_lists.store_warp and not short_lists.pingpong
+    assert not short_lists.narrow_first_tile
 
 
 def test_compile_cache_returns_the_same_kernel():
