@@ -30,8 +30,6 @@ VARIANTS = {
     "persistent": dict(persistent=True, heads_fastest=False, q_stages=1, pingpong=False),
     "persistent+pingpong": dict(persistent=True, heads_fastest=False, q_stages=1, pingpong=True),
     "persistent+q2": dict(persistent=True, heads_fastest=False, q_stages=2, pingpong=False),
-    "persistent+q2+sw": dict(persistent=True, heads_fastest=False, q_stages=2, pingpong=False,
-                             store_warp=True),
     "persistent+q2+pingpong": dict(persistent=True, heads_fastest=False, q_stages=2,
                                    pingpong=True),
     "persistent+q2+heads": dict(persistent=True, heads_fastest=True, q_stages=2,
