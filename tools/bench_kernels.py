@@ -85,7 +85,6 @@ def fa4(q, k, v, **kwargs):
 
 
 def bench_seqlen(n: int, heads: int, heads_kv: int, dim: int, reps: int) -> list[dict]:
-
     torch.manual_seed(0)
     q = torch.randn(1, n, heads, dim, device="cuda", dtype=torch.bfloat16)
     k = torch.randn(1, n, heads_kv, dim, device="cuda", dtype=torch.bfloat16)
@@ -151,7 +150,6 @@ def summary(rows: list[dict]) -> list[str]:
                   ("compress_factor 64", "Q -> O copy (floor)") if by_case.get(case)]
         lines.append(f"N={n}: of our dense causal TFLOP/s: " + ", ".join(shares))
     return lines
-    return rows
 
 
 def main(argv=None):

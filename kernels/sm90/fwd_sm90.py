@@ -540,34 +540,23 @@ class FlashAttentionForwardSm90:
                 0, n_max, num_mask_blocks, mFullIndex, mMaskIndex, sparse_row, sparse_head)
             k_handle = k_consumer.wait_and_advance()
             mark("k0_ready")
+            first_scores = partial(
+                self.first_scores, tidx=tidx, acc_s=acc_s, r_p_as_acc=r_p_as_acc,
+                sQ_stage=sQ_stage, tSrK=tSrK, sQ=sQ, sK=sK, q_handle=q_handle,
+                k_handle=k_handle, row_max=row_max, row_sum=row_sum, correction=correction,
+                scale_log2=scale_log2, t_coord=t_coord, block_range=block_range,
+                m_block=m_block, n_block=n_block, is_mask_tile=is_mask_tile, seqlen_k=seqlen_k,
+                unmasked_lo=unmasked_lo, unmasked_hi=unmasked_hi, mark=mark)
             if const_expr(self.spec.narrow_first_tile):
                 first_chunks = self.visible_chunks(tidx, block_range, m_block, n_block,
                                                    seqlen_q, seqlen_k)
                 # One compiled path per width: wgmma shapes and register views are static.
                 for chunks in cutlass.range_constexpr(1, self.tile_n // 32 + 1):
                     if first_chunks == chunks:
-                        tiled_mma_qk = self.first_scores(
-                            chunks * 32, tidx, tiled_mma_qk, acc_s, r_p_as_acc, sQ, sK,
-                            q_handle, k_handle, row_max, row_sum, correction, scale_log2,
-                            t_coord, block_range, m_block, n_block, is_mask_tile, seqlen_k,
-                            unmasked_lo, unmasked_hi, mark)
+                        tiled_mma_qk = first_scores(chunks * 32, tiled_mma_qk=tiled_mma_qk)
             else:
-                self.wait_turn(tidx)
-                tiled_mma_qk = self.gemm_qk(tiled_mma_qk, acc_s, sQ_stage, tSrK, k_handle)
-                self.pass_turn(tidx)
-                if const_expr(deferred is not None):
-                    # The previous tile's output goes out while the tensor cores run this
-                    # Q K^T. Its branches touch no wgmma register, and every path reaches
-                    # the wait.
-                    self.store_deferred(deferred, tidx, out_store)
-                    mark("prev_stored")
-                warpgroup.wait_group(0)
-                mark("s0_done")
-                k_handle.release()
-                self.mask_scores(acc_s, t_coord, block_range, m_block, n_block, is_mask_tile,
-                                 seqlen_k, unmasked_lo, unmasked_hi)
-                softmax_step(acc_s, row_max, row_sum, correction, scale_log2, is_first=True)
-                r_p_as_acc.store(acc_s.load().to(self.dtype))
+                tiled_mma_qk = first_scores(self.tile_n, tiled_mma_qk=tiled_mma_qk,
+                                            deferred=deferred, out_store=out_store)
             mark("softmax0_done")
         elif const_expr(deferred is not None):
             self.store_deferred(deferred, tidx, out_store)
@@ -933,13 +922,15 @@ class FlashAttentionForwardSm90:
     @cute.jit
     def first_scores(
         self, width: cutlass.Constexpr[int], tidx: Int32, tiled_mma_qk: cute.TiledMma, acc_s,
-        r_p_as_acc, sQ, sK, q_handle, k_handle, row_max, row_sum, correction,
+        r_p_as_acc, sQ_stage, tSrK, sQ, sK, q_handle, k_handle, row_max, row_sum, correction,
         scale_log2: Float32, t_coord, block_range: BlockRange, m_block: Int32, n_block: Int32,
         is_mask_tile, seqlen_k: Int32, unmasked_lo: Int32, unmasked_hi: Int32, mark,
+        deferred=None, out_store=None,
     ):
-        """`narrow_first_tile`: S = Q K^T, mask and softmax over the first `width` keys of the
-        first KV tile (the rest of the tile is past every row of this warpgroup); P past
-        `width` is zero. Returns the TiledMma (rebound when width is the whole tile)."""
+        """The first KV tile of a query tile: S = Q K^T over its first `width` keys (all of
+        them, or with `narrow_first_tile` as far as this warpgroup's rows see), mask, softmax,
+        P into r_p_as_acc (zero past `width`). With `deferred`, the previous tile's output is
+        stored while the product runs. Returns the TiledMma (rebound at full width)."""
         s = acc_s
         if const_expr(width != self.tile_n):
             # Its own registers: as a view of acc_s (which the full-width wgmmas of the loop
@@ -948,24 +939,27 @@ class FlashAttentionForwardSm90:
             s = cute.make_rmem_tensor(cute.make_layout(((2, 2, width // 8), 1, 1)), Float32)
         self.wait_turn(tidx)
         if const_expr(width == self.tile_n):
-            thr_qk = tiled_mma_qk.get_slice(tidx)
-            tiled_mma_qk = self.gemm_qk(
-                tiled_mma_qk, acc_s,
-                thr_qk.make_fragment_A(thr_qk.partition_A(sQ))[
-                    None, None, None, self.stage_index(q_handle, self.spec.q_stages)],
-                thr_qk.make_fragment_B(thr_qk.partition_B(sK)), k_handle)
+            tiled_mma_qk = self.gemm_qk(tiled_mma_qk, acc_s, sQ_stage, tSrK, k_handle)
         else:
             self.gemm_qk_columns(width, tidx, s, sQ, sK, q_handle, k_handle)
         self.pass_turn(tidx)
+        if const_expr(deferred is not None):
+            # The previous tile's output goes out while the tensor cores run this Q K^T. Its
+            # branches touch no wgmma register, and every path reaches the wait.
+            self.store_deferred(deferred, tidx, out_store)
+            mark("prev_stored")
         warpgroup.wait_group(0)
         mark("s0_done")
         k_handle.release()
         self.mask_scores(s, t_coord, block_range, m_block, n_block, is_mask_tile, seqlen_k,
                          unmasked_lo, unmasked_hi)
         softmax_step(s, row_max, row_sum, correction, scale_log2, is_first=True)
-        acc_columns(r_p_as_acc, 0, width).store(s.load().to(self.dtype))
-        for start in cutlass.range_constexpr(width, self.tile_n, 32):
-            acc_columns(r_p_as_acc, start, 32).fill(0.0)
+        if const_expr(width == self.tile_n):
+            r_p_as_acc.store(acc_s.load().to(self.dtype))
+        else:
+            acc_columns(r_p_as_acc, 0, width).store(s.load().to(self.dtype))
+            for start in cutlass.range_constexpr(width, self.tile_n, 32):
+                acc_columns(r_p_as_acc, start, 32).fill(0.0)
         return tiled_mma_qk
 
     @cute.jit
