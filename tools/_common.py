@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import random
 import statistics
 import time
 from pathlib import Path
@@ -95,6 +96,25 @@ def time_ms(fn: Callable[[], object], device: torch.device, *, warmup: int = 2,
             fn()
             samples.append((time.perf_counter() - begin) * 1e3)
     return statistics.median(samples)
+
+
+def interleaved_medians(fns: dict[str, Callable[[], object]], device: torch.device, *,
+                        rounds: int, repeats: int, seed: int = 0) -> dict[str, float]:
+    """Median device time (ms) of each fn over `rounds` rounds of `repeats` calls, the fns
+    taken round robin in a shuffled order each round.
+
+    Clocks, power and neighbours drift over a run: timing one fn's calls after another's hands
+    that drift to one of them (a 64K block-sparse kernel read 0.80x FA4 when timed right after
+    FA4's calls and 0.99x alone, FINDINGS section 1). Interleaved, both see the same drift."""
+    samples: dict[str, list[float]] = {key: [] for key in fns}
+    order = list(fns)
+    generator = random.Random(seed)
+    for _ in range(rounds):
+        generator.shuffle(order)
+        for key in order:
+            samples[key].append(time_ms(fns[key], device, warmup=2, repeats=repeats,
+                                        gpu_only=True))
+    return {key: statistics.median(values) for key, values in samples.items()}
 
 
 def varlen_lengths(total: int, num_sequences: int, generator: torch.Generator) -> list[int]:

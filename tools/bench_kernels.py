@@ -6,7 +6,8 @@ both kernels); causal sliding window 512; compress_factor 64 over N/64 compresse
 equivalent: compared with our own dense causal figure). TFLOP/s count only the attended pairs
 (4 * D flops per pair). CUDA-event timings of the device work alone (a spin kernel queued ahead of
 each start event hides the host's launch overhead, which is the same for both kernels' callers
-but not kernel time), after warm-up, medians. Prints a table, writes JSON.
+but not kernel time), after warm-up; ours and FA4 alternate round by round and each reports
+the median of all its calls. Prints a table, writes JSON.
 
     python tools/bench_kernels.py --seqlens 16384 65536 --json out.json
 """
@@ -23,11 +24,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # _common, also when loaded by tests
 
 import _common  # noqa: E402
-
-
-def time_ms(fn, reps: int = 10) -> float:
-    """Median CUDA-event device time of fn() in ms after 3 untimed calls."""
-    return _common.time_ms(fn, torch.device("cuda"), warmup=3, repeats=reps, gpu_only=True)
 
 
 def random_block_lists(num_rows: int, num_heads: int, num_blocks: int, density: float, seed: int):
@@ -84,15 +80,49 @@ def fa4(q, k, v, **kwargs):
     return lambda: flash_attn_func(q, k, v, **kwargs)
 
 
-def bench_seqlen(n: int, heads: int, heads_kv: int, dim: int, reps: int) -> list[dict]:
+def bench_seqlen(n: int, heads: int, heads_kv: int, dim: int, reps: int,
+                 rounds: int) -> list[dict]:
+    """One row per case. Our kernel and FA4 are timed interleaved (`_common.interleaved_medians`):
+    each case's calls alternate between the two, so drift in clocks or power during the run
+    reaches both."""
     torch.manual_seed(0)
     q = torch.randn(1, n, heads, dim, device="cuda", dtype=torch.bfloat16)
     k = torch.randn(1, n, heads_kv, dim, device="cuda", dtype=torch.bfloat16)
     v = torch.randn_like(k)
     scale = dim ** -0.5
-    rows = []
+    base = dict(max_seqlen_q=n, max_seqlen_k=n, softmax_scale=scale)
+    cases = [("dense causal", _common.causal_pairs(n), ours(q, k, v, causal=True, **base),
+              fa4(q, k, v, causal=True))]
+    for density in (0.25, 0.05):
+        bs, fa4_bs, pairs = block_sparse_case(n, heads, density)
+        cases.append((f"block-sparse {int(density * 100)}%", pairs,
+                      ours(q, k, v, causal=False, block_sparse=bs, **base),
+                      fa4(q, k, v, causal=False, block_sparse_tensors=fa4_bs)
+                      if fa4_bs is not None else None))
+    window = 512
+    cases.append(("causal window 512", _common.capped_causal_pairs(n, window),
+                  ours(q, k, v, causal=True, window_size=(window - 1, 0), **base),
+                  fa4(q, k, v, causal=True, window_size=(window - 1, 0))))
+    cf = 64
+    kc = torch.randn(1, n // cf, heads_kv, dim, device="cuda", dtype=torch.bfloat16)
+    vc = torch.randn_like(kc)
+    pairs = _common.compressed_pairs(n, cf)
+    cases.append(("compress_factor 64", pairs,
+                  ours(q, kc, vc, causal=True, compress_factor=cf, max_seqlen_q=n,
+                       max_seqlen_k=n // cf, softmax_scale=scale), None))
+    # The compressed case's memory floor: its kernel must read Q and write O, the same bytes
+    # as this device copy (K, V and lse add 2%). The row's TFLOP/s is what the compressed case
+    # would reach in the copy's time: no kernel of that shape gets much past it.
+    out = torch.empty_like(q)
+    cases.append(("Q -> O copy (floor)", pairs, lambda: out.copy_(q), None))
 
-    def record(case, pairs, ms_ours, ms_fa4):
+    device = torch.device("cuda")
+    rows = []
+    for case, pairs, ours_fn, fa4_fn in cases:
+        fns = {"ours": ours_fn} | ({"fa4": fa4_fn} if fa4_fn else {})
+        ms = _common.interleaved_medians(fns, device, rounds=rounds, repeats=reps)
+        ms_ours, ms_fa4 = ms["ours"], ms.get("fa4")
+
         def tflops(ms):
             if ms is None:
                 return None
@@ -100,40 +130,6 @@ def bench_seqlen(n: int, heads: int, heads_kv: int, dim: int, reps: int) -> list
         rows.append(dict(seqlen=n, case=case, ours_ms=ms_ours, fa4_ms=ms_fa4,
                          ours_tflops=tflops(ms_ours), fa4_tflops=tflops(ms_fa4),
                          ratio=(ms_fa4 / ms_ours) if ms_fa4 else None))
-
-    base = dict(max_seqlen_q=n, max_seqlen_k=n, softmax_scale=scale)
-    f = fa4(q, k, v, causal=True)
-    record("dense causal", _common.causal_pairs(n), time_ms(ours(q, k, v, causal=True, **base), reps=reps),
-           time_ms(f, reps=reps) if f else None)
-
-    for density in (0.25, 0.05):
-        bs, fa4_bs, pairs = block_sparse_case(n, heads, density)
-        ms_fa4 = None
-        if fa4_bs is not None:
-            f = fa4(q, k, v, causal=False, block_sparse_tensors=fa4_bs)
-            ms_fa4 = time_ms(f, reps=reps) if f else None
-        record(f"block-sparse {int(density * 100)}%", pairs,
-               time_ms(ours(q, k, v, causal=False, block_sparse=bs, **base), reps=reps), ms_fa4)
-
-    window = 512
-    pairs = _common.capped_causal_pairs(n, window)
-    f = fa4(q, k, v, causal=True, window_size=(window - 1, 0))
-    record("causal window 512", pairs,
-           time_ms(ours(q, k, v, causal=True, window_size=(window - 1, 0), **base), reps=reps),
-           time_ms(f, reps=reps) if f else None)
-
-    cf = 64
-    kc = torch.randn(1, n // cf, heads_kv, dim, device="cuda", dtype=torch.bfloat16)
-    vc = torch.randn_like(kc)
-    pairs = _common.compressed_pairs(n, cf)
-    record("compress_factor 64", pairs,
-           time_ms(ours(q, kc, vc, causal=True, compress_factor=cf, max_seqlen_q=n,
-                        max_seqlen_k=n // cf, softmax_scale=scale), reps=reps), None)
-    # The compressed case's memory floor: its kernel must read Q and write O, the same bytes
-    # as this device copy (K, V and lse add 2%). The row's TFLOP/s is what the compressed case
-    # would reach in the copy's time: no kernel of that shape gets much past it.
-    out = torch.empty_like(q)
-    record("Q -> O copy (floor)", pairs, time_ms(lambda: out.copy_(q), reps=reps), None)
     return rows
 
 
@@ -155,16 +151,21 @@ def summary(rows: list[dict]) -> list[str]:
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     _common.add_kernel_shape_arguments(parser)
-    parser.add_argument("--reps", type=int, default=10)
+    parser.add_argument("--reps", type=_common.positive_int, default=10,
+                        help="timed calls per round (default 10)")
+    parser.add_argument("--rounds", type=_common.positive_int, default=5,
+                        help="rounds, each timing ours and FA4 in a shuffled order (default 5)")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         parser.error("needs a CUDA GPU (sm_90)")
     rows = []
     for n in args.seqlens:
-        rows += bench_seqlen(n, args.heads, args.heads_kv, args.head_dim, args.reps)
+        rows += bench_seqlen(n, args.heads, args.heads_kv, args.head_dim, args.reps,
+                             args.rounds)
     device = torch.cuda.get_device_name()
-    print(f"\n{device}, bf16, B=1, H={args.heads}, Hkv={args.heads_kv}, D={args.head_dim}")
+    print(f"\n{device}, bf16, B=1, H={args.heads}, Hkv={args.heads_kv}, D={args.head_dim}, "
+          f"medians of {args.rounds} rounds x {args.reps} calls, ours and FA4 interleaved")
     print(f"{'N':>7} {'case':<22} {'ours ms':>9} {'TFLOP/s':>8} {'FA4 ms':>9} {'TFLOP/s':>8} {'FA4/ours':>8}")
     fmt = lambda x, p: f"{x:.{p}f}" if x is not None else "-"
     for r in rows:

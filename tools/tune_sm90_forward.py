@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
-import statistics
 import sys
 from pathlib import Path
 
@@ -245,19 +243,11 @@ def main(argv=None):
                     (lse - reference[1]).nan_to_num(0.0, 0.0, 0.0).abs().max().item())
                 timed[variant] = (lambda o: lambda: run(q, k, v, spec_overrides=o, **call))(
                     overrides)
-            # Round robin in a shuffled order, median over rounds: clocks and neighbours drift
-            # during a run, and timing variants back to back would hand the drift to one of them.
-            samples = {key: [] for key in timed}
-            order = list(timed)
-            generator = random.Random(0)
-            for _ in range(args.rounds):
-                generator.shuffle(order)
-                for key in order:
-                    samples[key].append(_common.time_ms(timed[key], device, warmup=2,
-                                                        repeats=args.reps, gpu_only=True))
-            fa4_ms = statistics.median(samples["FA4"]) if "FA4" in samples else None
+            medians = _common.interleaved_medians(timed, device, rounds=args.rounds,
+                                                  repeats=args.reps)
+            fa4_ms = medians.get("FA4")
             for variant in diffs:
-                ms = statistics.median(samples[variant])
+                ms = medians[variant]
                 rows.append(dict(seqlen=n, case=name, variant=variant, ms=ms,
                                  tflops=tflops(ms), fa4_ms=fa4_ms,
                                  fa4_over_ours=fa4_ms / ms if fa4_ms else None,

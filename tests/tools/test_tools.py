@@ -234,6 +234,19 @@ def test_time_ms_warms_up_then_takes_the_median(common):
                         warmup=2, repeats=3)
     assert len(calls) == 5 and ms > 0
 
+def test_interleaved_medians_alternates_the_functions_round_by_round(common):
+    """Every round calls each function (2 warm-up + `repeats` timed calls) before the next
+    round starts, so no function's calls all come first; each gets its own median."""
+    log = []
+    slow = lambda: (log.append("slow"), sum(range(20000)))
+    fast = lambda: log.append("fast")
+    medians = common.interleaved_medians({"slow": slow, "fast": fast}, torch.device("cpu"),
+                                         rounds=4, repeats=3)
+    assert log.count("slow") == log.count("fast") == 4 * 5
+    rounds = [log[i:i + 10] for i in range(0, len(log), 10)]
+    assert all(sorted(set(r)) == ["fast", "slow"] and r.count("slow") == 5 for r in rounds)
+    assert set(medians) == {"slow", "fast"} and medians["slow"] > medians["fast"] > 0
+
 
 @pytest.mark.parametrize("text", ["", "12,x", "0,4", "-3"])
 def test_int_list_rejects_bad_lists(common, text):
