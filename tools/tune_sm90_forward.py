@@ -104,6 +104,15 @@ VARIANTS = {
     "m64+persistent+q2+sw+narrow": dict(persistent=True, heads_fastest=False, q_stages=2,
                                         pingpong=False, tile_m=64, tile_n=64, store_warp=True,
                                         narrow_first_tile=True),
+    # The dispatched short-range schedules with a GQA group's heads side by side in the tile
+    # order: the CTAs running at once then read one contiguous band of Q and O rows.
+    "m128+persistent+q2+pingpong+sw+narrow+heads": dict(
+        persistent=True, heads_fastest=True, q_stages=2, pingpong=True, tile_m=128, tile_n=128,
+        store_warp=True, narrow_first_tile=True),
+    "persistent+q2+pingpong+sw+heads": dict(persistent=True, heads_fastest=True, q_stages=2,
+                                            pingpong=True, store_warp=True),
+    "persistent+q2+sw+heads": dict(persistent=True, heads_fastest=True, q_stages=2,
+                                   pingpong=False, store_warp=True),
     "grid+narrow": dict(persistent=False, heads_fastest=False, q_stages=1, pingpong=False,
                         narrow_first_tile=True),
 }

@@ -16,7 +16,7 @@ import functools
 
 import cutlass
 import cutlass.cute as cute
-from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
+from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream, make_fake_tensor
 
 from kernels.sm90.fwd_sm90 import FlashAttentionForwardSm90
 from kernels.sm90.spec import FwdSpec
@@ -27,18 +27,16 @@ _DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
 def fake_arguments(spec: FwdSpec):
     """Fake tensors standing for (q, k, v, out, lse, cu_q, cu_k), (block-sparse five, trace)."""
     dtype = _DTYPES[spec.dtype]
-    d = spec.head_dim
-    total_q, total_k, heads, heads_kv = (cute.sym_int() for _ in range(4))
-    def seq_head_dim(total, nheads):
-        return make_fake_compact_tensor(dtype, (total, nheads, d), stride_order=(2, 1, 0),
-                                        assumed_align=16)
-    q = seq_head_dim(total_q, heads)
-    k = seq_head_dim(total_k, heads_kv)
-    v = seq_head_dim(total_k, heads_kv)
-    o = make_fake_compact_tensor(dtype, (total_q, heads, d), stride_order=(2, 1, 0),
-                                 assumed_align=16)
-    lse = make_fake_compact_tensor(cutlass.Float32, (heads, total_q), stride_order=(1, 0),
-                                   assumed_align=4)
+    # The launcher's tensors (forward.py `_as_cute`) have every extent and stride dynamic but
+    # the unit stride: (?, ?, ?):(?{i64}, ?{i64}, 1), so nothing is known of their
+    # divisibility. The fakes say the same, or a build could pass here and fail on the device
+    # (it did: a 32-bit store proven aligned only by a static head-dim stride).
+    def seq_head_dim():
+        return make_fake_tensor(dtype, tuple(cute.sym_int() for _ in range(3)),
+                                stride=(cute.sym_int(64), cute.sym_int(64), 1), assumed_align=16)
+    q, k, v, o = (seq_head_dim() for _ in range(4))
+    lse = make_fake_compact_tensor(cutlass.Float32, (cute.sym_int(), cute.sym_int()),
+                                   stride_order=(1, 0), assumed_align=4)
     num_seqs = cute.sym_int()
     cu_q = make_fake_compact_tensor(cutlass.Int32, (num_seqs,), assumed_align=4)
     cu_k = make_fake_compact_tensor(cutlass.Int32, (num_seqs,), assumed_align=4)

@@ -2,7 +2,10 @@
 
 Each consumer warpgroup owns 64 rows of the tile. Rows inside the sequence go registers ->
 smem (stmatrix) -> one TMA store; a 64-row half that crosses the sequence end is stored
-straight from registers, row by row, so no other sequence's rows are touched.
+straight from registers (32-bit stores of column pairs, each row predicated), so no other
+sequence's rows are touched. Registers are not the fast path for whole halves: each store
+instruction then writes 16 bytes into each of 8 rows, and a compressed tile's store phase took
+3,500 cycles instead of 960 (session 6, FINDINGS).
 
 Two ways to finish the smem path (`FwdSpec.store_warp`):
 - the consumer warpgroup itself issues the TMA store and writes lse from registers;
@@ -69,7 +72,6 @@ class OutputStore:
         half = m_block * self.num_warpgroups + wg
         first_row = half * _ROWS
         co_mn = acc_mn_view(thr.partition_C(cute.make_identity_tensor((_ROWS, self.head_dim))))
-        o_mn = acc_mn_view(r_o)
         if first_row + _ROWS <= seqlen_q:
             if const_expr(self.store_warp):
                 cute.arch.barrier(barrier_id=_FREE_BARRIER + wg, number_of_threads=_WITH_STORER)
@@ -88,7 +90,7 @@ class OutputStore:
                       thr_store.partition_D(self.sO[None, None, wg]))
             cute.arch.fence_proxy("async.shared", space="cta")
             if const_expr(self.store_warp):
-                for r in cutlass.range_constexpr(cute.size(o_mn, mode=[0])):
+                for r in cutlass.range_constexpr(cute.size(co_mn, mode=[0])):
                     if co_mn[r, 0][1] == 0:
                         self.sLSE[co_mn[r, 0][0], wg] = lse[r]
                 cute.arch.barrier_arrive(barrier_id=_STAGED_BARRIER + wg,
@@ -100,14 +102,36 @@ class OutputStore:
                     self.issue_tma_store(offset_q, head, half, wg)
                 self.write_lse(lse, co_mn, offset_q, seqlen_q, head, first_row)
         else:
-            mO_seq = cute.domain_offset((offset_q, 0), self.mO[None, head, None])
-            go_mn = acc_mn_view(thr.partition_C(
-                cute.local_tile(mO_seq, (_ROWS, self.head_dim), (half, 0))))
-            for r in cutlass.range_constexpr(cute.size(o_mn, mode=[0])):
-                if first_row + co_mn[r, 0][0] < seqlen_q:
-                    for c in cutlass.range_constexpr(cute.size(o_mn, mode=[1])):
-                        go_mn[r, c] = o_mn[r, c]
-            self.write_lse(lse, co_mn, offset_q, seqlen_q, head, first_row)
+            self.store_from_registers(thr, r_o, co_mn, lse, offset_q, seqlen_q, head, half,
+                                      first_row)
+
+    @cute.jit
+    def store_from_registers(self, thr, r_o: cute.Tensor, co_mn: cute.Tensor, lse: cute.Tensor,
+                             offset_q: Int32, seqlen_q: Int32, head: Int32, half: Int32,
+                             first_row: Int32):
+        """This thread's rows of O that lie inside the sequence, straight from registers: one
+        32-bit store per pair of adjacent columns (the accumulator holds columns in pairs),
+        then lse."""
+        mO_seq = cute.domain_offset((offset_q, 0), self.mO[None, head, None])
+        go_mn = acc_mn_view(thr.partition_C(
+            cute.local_tile(mO_seq, (_ROWS, self.head_dim), (half, 0))))
+        o_mn = acc_mn_view(r_o)
+        pair_store = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), r_o.element_type,
+                                         num_bits_per_copy=32)
+        num_pairs = cute.size(o_mn, mode=[1]) // 2
+        for r in cutlass.range_constexpr(cute.size(o_mn, mode=[0])):
+            if first_row + co_mn[r, 0][0] < seqlen_q:
+                for c in cutlass.range_constexpr(num_pairs):
+                    cute.copy(pair_store, self.column_pair(o_mn, r, c),
+                              self.column_pair(go_mn, r, c))
+        self.write_lse(lse, co_mn, offset_q, seqlen_q, head, first_row)
+
+    @staticmethod
+    def column_pair(t_mn: cute.Tensor, row: int, pair: int) -> cute.Tensor:
+        """Columns 2 * pair and 2 * pair + 1 of row `row` of an (rows, (2, V, N)) view: two
+        adjacent columns of the tile."""
+        return t_mn[row, (None, pair % cute.size(t_mn.shape[1][1]),
+                          pair // cute.size(t_mn.shape[1][1]))]
 
     @cute.jit
     def write_lse(self, lse: cute.Tensor, co_mn: cute.Tensor, offset_q: Int32, seqlen_q: Int32,

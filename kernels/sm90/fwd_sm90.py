@@ -37,7 +37,9 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from kernels.sm90.block_range import BlockRange
 from kernels.sm90.epilogue import OutputStore
-from kernels.sm90.layouts import acc_as_a_operand_layout, acc_columns, acc_mn_view
+from kernels.sm90.layouts import (
+    acc_as_a_operand_layout, acc_columns, acc_mn_view, with_row_strides_divisible,
+)
 from kernels.sm90.mask import apply_mask
 from kernels.sm90.softmax import rescale_rows, softmax_finalize, softmax_init, softmax_step
 from kernels.sm90.spec import FwdSpec
@@ -144,6 +146,7 @@ class FlashAttentionForwardSm90:
             load_op, mK_t, sK_one, (self.tile_n, self.head_dim))
         tma_atom_v, tma_v = cpasync.make_tiled_tma_atom(
             load_op, mVt, sV_one, (self.head_dim, self.tile_n))
+        mO = with_row_strides_divisible(mO, 8)  # proves the 32-bit stores of column pairs
         mO_t = cute.make_tensor(mO.iterator, cute.select(mO.layout, mode=[0, 2, 1]))
         tma_atom_o, tma_o = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileS2GOp(), mO_t, cute.slice_(sO_layout, (None, None, 0)),

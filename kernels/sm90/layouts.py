@@ -52,3 +52,13 @@ def acc_columns(acc: cute.Tensor, start: int, width: int) -> cute.Tensor:
     blocks = cute.make_tensor(acc.iterator, cute.make_layout(
         ((2, 2, groups), 1, 1, total_groups // groups), stride=((1, 2, 4), 0, 0, 4 * groups)))
     return blocks[None, None, None, start // width]
+
+
+def with_row_strides_divisible(t: cute.Tensor, divby: int) -> cute.Tensor:
+    """t with every stride but the last (1) asserted to be a multiple of `divby` elements.
+
+    The launcher passes fully dynamic strides, so the compiler knows nothing of their
+    alignment and refuses a 32-bit store of two 16-bit elements; kernels/sm90/forward.py
+    `can_run` only admits tensors whose strides are multiples of 8 elements (16 bytes)."""
+    strides = tuple(cute.assume(s, divby=divby) for s in t.stride[:-1]) + (t.stride[-1],)
+    return cute.make_tensor(t.iterator, cute.make_layout(t.shape, stride=strides))

@@ -77,6 +77,12 @@ def choose_spec(
     # 128x128 lists, 5% at 16K (6 blocks) 0.404 -> 0.338 ms (FA4 0.382), 5% at 64K (26 blocks)
     # 6.18 -> 5.97 (FA4 5.85), 25% at 16K (32 blocks) 1.703 -> 1.654; 25% at 64K (128
     # blocks) 27.8 -> 28.1, slower, so long lists keep one CTA per tile.
+    #
+    # Windows also put a GQA group's heads side by side in the tile order (`heads_fastest`):
+    # the CTAs running at once then share each K/V tile of the group in L2 and read one band of
+    # Q and O rows. Session 6, interleaved: 16K 0.303 -> 0.298 ms, 64K 1.209 -> 1.174 (FA4
+    # 0.338 / 1.416). Compressed keys do not gain (16K 0.116 -> 0.119, 64K 1.039 -> 1.022), nor
+    # short block-sparse lists, whose per-head lists share nothing (5% at 64K 5.95 -> 8.42).
     window = causal and 0 <= left < 2048 and compress_factor == 1
     short_lists = (sparse_block_size is not None and sparse_list_capacity is not None
                    and sparse_list_capacity <= 48)
@@ -93,6 +99,7 @@ def choose_spec(
         tile_m=tile_m,
         tile_n=tile_n,
         persistent=short_kv,
+        heads_fastest=window and sparse_block_size is None,
         q_stages=2 if short_kv else 1,
         pingpong=short_kv and tile_m == 128 and not short_lists,
         store_warp=short_kv,

@@ -79,10 +79,11 @@ def test_traced_build_compiles_for_sm90a(call):
 def test_dispatch_picks_persistent_tiles_for_short_kv_ranges():
     window = _spec("bfloat16", 128, "window-causal")
     assert window.persistent and (window.tile_m, window.tile_n) == (128, 128)
-    assert window.store_warp and window.pingpong
+    assert window.store_warp and window.pingpong and window.heads_fastest
     compressed = _spec("bfloat16", 128, "compressed-causal")
     assert compressed.persistent and compressed.pingpong and compressed.store_warp
     assert compressed.narrow_first_tile and not window.narrow_first_tile
+    assert not compressed.heads_fastest
     assert not _spec("bfloat16", 128, "causal").persistent
     long_window = choose_spec(dtype="bfloat16", head_dim=128, causal=True, window_size=(8191, 0))
     assert not long_window.persistent and long_window.tile_m == 128
