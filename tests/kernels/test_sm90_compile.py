@@ -96,3 +96,27 @@ def test_dispatch_picks_persistent_tiles_for_short_kv_ranges():
 def test_compile_cache_returns_the_same_kernel():
     spec = _spec("bfloat16", 128, "compressed-causal")
     assert compile_forward_on_fake_tensors(spec) is compile_forward_on_fake_tensors(spec)
+
+
+def test_launcher_built_arguments_compile_for_sm90a():
+    """The fake tensors above must be no more specific than what the launcher passes: build
+    the arguments exactly as kernels/sm90/forward.py does (`_as_cute` of torch tensors, here
+    small CPU ones: compiling reads only their dtype and layout) and compile from them. A build
+    that leaned on a static head-dim stride passed with fakes and failed on the device."""
+    import torch
+
+    from kernels.sm90.fwd_sm90 import FlashAttentionForwardSm90
+    from kernels.sm90.forward import _as_cute, _typed_scalars
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_fake_stream
+
+    spec = _spec("bfloat16", 128, "compressed-causal")
+    q = torch.randn(300, 4, 128, dtype=torch.bfloat16)
+    k = torch.randn(4, 2, 128, dtype=torch.bfloat16)
+    out = torch.empty_like(q)
+    lse = torch.empty(4, 300)
+    cu_q = torch.tensor([0, 300], dtype=torch.int32)
+    cu_k = torch.tensor([0, 4], dtype=torch.int32)
+    args = (*(_as_cute(t) for t in (q, k, k.clone(), out, lse, cu_q, cu_k)),
+            *_typed_scalars((300, 0.088, 64, 0, 0, 132)), *(None,) * 6, make_fake_stream())
+    assert callable(cute.compile(FlashAttentionForwardSm90(spec), *args))
