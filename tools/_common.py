@@ -100,8 +100,8 @@ def time_ms(fn: Callable[[], object], device: torch.device, *, warmup: int = 2,
 
 def interleaved_medians(fns: dict[str, Callable[[], object]], device: torch.device, *,
                         rounds: int, repeats: int, seed: int = 0) -> dict[str, float]:
-    """Median device time (ms) of each fn over `rounds` rounds of `repeats` calls, the fns
-    taken round robin in a shuffled order each round.
+    """Device time (ms) of each fn: the median over `rounds` rounds of each round's median of
+    `repeats` calls (`time_ms`), the fns taken round robin in a shuffled order each round.
 
     Clocks, power and neighbours drift over a run: timing one fn's calls after another's hands
     that drift to one of them (a 64K block-sparse kernel read 0.80x FA4 when timed right after

@@ -7,7 +7,7 @@ equivalent: compared with our own dense causal figure). TFLOP/s count only the a
 (4 * D flops per pair). CUDA-event timings of the device work alone (a spin kernel queued ahead of
 each start event hides the host's launch overhead, which is the same for both kernels' callers
 but not kernel time), after warm-up; ours and FA4 alternate round by round and each reports
-the median of all its calls. Prints a table, writes JSON.
+the median of its per-round medians. Prints a table, writes JSON.
 
     python tools/bench_kernels.py --seqlens 16384 65536 --json out.json
 """
@@ -120,8 +120,8 @@ def bench_seqlen(n: int, heads: int, heads_kv: int, dim: int, reps: int,
     rows = []
     for case, pairs, ours_fn, fa4_fn in cases:
         fns = {"ours": ours_fn} | ({"fa4": fa4_fn} if fa4_fn else {})
-        ms = _common.interleaved_medians(fns, device, rounds=rounds, repeats=reps)
-        ms_ours, ms_fa4 = ms["ours"], ms.get("fa4")
+        medians = _common.interleaved_medians(fns, device, rounds=rounds, repeats=reps)
+        ms_ours, ms_fa4 = medians["ours"], medians.get("fa4")
 
         def tflops(ms):
             if ms is None:

@@ -103,12 +103,12 @@ def test_launcher_built_arguments_compile_for_sm90a():
     the arguments exactly as kernels/sm90/forward.py does (`_as_cute` of torch tensors, here
     small CPU ones: compiling reads only their dtype and layout) and compile from them. A build
     that leaned on a static head-dim stride passed with fakes and failed on the device."""
-    import torch
-
-    from kernels.sm90.fwd_sm90 import FlashAttentionForwardSm90
-    from kernels.sm90.forward import _as_cute, _typed_scalars
     import cutlass.cute as cute
+    import torch
     from cutlass.cute.runtime import make_fake_stream
+
+    from kernels.sm90.forward import _as_cute, _typed_scalars
+    from kernels.sm90.fwd_sm90 import FlashAttentionForwardSm90
 
     spec = _spec("bfloat16", 128, "compressed-causal")
     q = torch.randn(300, 4, 128, dtype=torch.bfloat16)

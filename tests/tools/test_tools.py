@@ -234,6 +234,7 @@ def test_time_ms_warms_up_then_takes_the_median(common):
                         warmup=2, repeats=3)
     assert len(calls) == 5 and ms > 0
 
+
 def test_interleaved_medians_alternates_the_functions_round_by_round(common):
     """Every round calls each function (2 warm-up + `repeats` timed calls) before the next
     round starts, so no function's calls all come first; each gets its own median."""
