@@ -79,8 +79,13 @@ def compiled_forward(spec: FwdSpec, example_args, tvm_ffi: bool = False):
 @functools.lru_cache(maxsize=None)
 def compile_forward_on_fake_tensors(spec: FwdSpec):
     """Compile `spec` for sm_90a without a GPU (CUTE_DSL_ARCH=sm_90a); for build checks."""
-    tensors, sparse = fake_arguments(spec)
-    kernel = FlashAttentionForwardSm90(spec)
+    return compile_kernel_on_fake_tensors(FlashAttentionForwardSm90(spec))
+
+
+def compile_kernel_on_fake_tensors(kernel: FlashAttentionForwardSm90):
+    """`kernel` compiled on fake tensors (uncached); the kernel object keeps what its host side
+    built, such as `shared_storage`."""
+    tensors, sparse = fake_arguments(kernel.spec)
     return cute.compile(
         kernel, *tensors, cutlass.Int32(1), cutlass.Float32(1.0), cutlass.Int32(1),
         cutlass.Int32(0), cutlass.Int32(0), cutlass.Int32(132), *sparse, make_fake_stream(),

@@ -14,7 +14,7 @@ import os
 import torch
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
-SUPPORTED_HEAD_DIMS = (64, 128)
+SUPPORTED_HEAD_DIMS = (64, 128, 192, 256)
 TILE_M = 128
 SPARSE_TILE_N = (64, 128)
 
@@ -23,7 +23,8 @@ def _is_sm90(device: torch.device) -> bool:
     return torch.cuda.is_available() and torch.cuda.get_device_capability(device) == (9, 0)
 
 
-def can_run(q, k, v, *, block_sparse=None, **_) -> tuple[bool, str]:
+def can_run(q, k, v, *, block_sparse=None, causal=False, window_size=(-1, -1),
+            compress_factor=1, **_) -> tuple[bool, str]:
     """(ok, reason): whether the sm90 kernel computes this case."""
     if not q.is_cuda or not _is_sm90(q.device):
         return False, "needs an sm_90 GPU"
@@ -45,6 +46,10 @@ def can_run(q, k, v, *, block_sparse=None, **_) -> tuple[bool, str]:
         if block_sparse.col_block_size not in SPARSE_TILE_N:
             return False, (f"block-sparse col_block_size {block_sparse.col_block_size} not in "
                            f"{SPARSE_TILE_N}")
+    try:  # the tiles of some cases do not fit shared memory (wide heads with 128-key blocks)
+        _spec_for(q, causal, window_size, block_sparse, compress_factor)
+    except ValueError as error:
+        return False, str(error)
     return True, "sm90 CuTe DSL kernel"
 
 
@@ -153,6 +158,9 @@ def run(
     spec = _spec_for(q, causal, window_size, block_sparse, compress_factor)
     if spec_overrides:
         spec = dataclasses.replace(spec, **spec_overrides)
+        if not spec.fits_in_smem():
+            raise ValueError(f"spec_overrides: {spec_overrides} needs {spec.smem_bytes} bytes of "
+                             f"shared memory per CTA, more than an SM holds")
         if block_sparse is not None and (spec.tile_m, spec.tile_n) != (
                 block_sparse.row_block_size, block_sparse.col_block_size):
             raise ValueError(f"spec_overrides: tile {spec.tile_m}x{spec.tile_n} differs from the "

@@ -63,6 +63,7 @@ class FlashAttentionForwardSm90:
         # (smem and registers are sized for it), so one CTA's prologue and output store overlap
         # the other's math; with two, one CTA fills the SM.
         assert self.tile_m in (64, 128, 192)
+        assert spec.fits_in_smem(), f"{spec} needs {spec.smem_bytes} bytes of shared memory"
         self.num_consumer_warpgroups = self.tile_m // 64
         self.num_threads = _WARPGROUP * (1 + self.num_consumer_warpgroups)
         self.ctas_per_sm = spec.ctas_per_sm

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class FwdSpec:
     dtype: str                 # "bfloat16" | "float16"
-    head_dim: int              # 64 | 128 (q, k and v share it)
+    head_dim: int              # 64 | 128 | 192 | 256 (q, k and v share it)
     causal: bool
     has_window_left: bool      # window sizes themselves are runtime Int32
     has_window_right: bool
@@ -42,6 +42,33 @@ class FwdSpec:
     def ctas_per_sm(self) -> int:
         """Two CTAs share an SM with one consumer warpgroup (64-row tiles), else one."""
         return 2 if self.tile_m == 64 else 1
+
+    @property
+    def smem_bytes(self) -> int:
+        """Shared memory of one CTA, laid out as the kernel's `SharedStorage`: mbarriers and
+        the lse staging, then Q, K, V and O buffers, each 1024-byte aligned (16-bit
+        elements)."""
+        def aligned(size: int, to: int) -> int:
+            return -(-size // to) * to
+
+        barriers = 8 * 2 * (self.q_stages + 2 * self.num_stages)
+        size = aligned(barriers, 16) + 4 * self.tile_m  # lse: one float32 per row
+        for elements in (self.tile_m * self.q_stages, self.tile_n * self.num_stages,
+                         self.tile_n * self.num_stages, self.tile_m):
+            size = aligned(size, 1024) + 2 * elements * self.head_dim
+        return size
+
+    def fits_in_smem(self) -> bool:
+        """Whether `ctas_per_sm` CTAs of this spec fit one SM's shared memory."""
+        return (self.smem_bytes <= SMEM_PER_CTA
+                and self.ctas_per_sm * (self.smem_bytes + SMEM_RESERVED_PER_CTA) <= SMEM_PER_SM)
+
+
+# sm_90 (H100/H200): 228 KiB of shared memory per SM, of which one CTA may take 227 KiB; the
+# driver reserves 1 KiB per resident CTA.
+SMEM_PER_SM = 228 * 1024
+SMEM_PER_CTA = 227 * 1024
+SMEM_RESERVED_PER_CTA = 1024
 
 
 def choose_spec(
@@ -83,12 +110,18 @@ def choose_spec(
     # Q and O rows. Session 6, interleaved: 16K 0.303 -> 0.298 ms, 64K 1.209 -> 1.174 (FA4
     # 0.338 / 1.416). Compressed keys do not gain (16K 0.116 -> 0.119, 64K 1.039 -> 1.022), nor
     # short block-sparse lists, whose per-head lists share nothing (5% at 64K 5.95 -> 8.42).
+    # Head dims 192 and 256: the same kernel with 64-key tiles and one Q buffer, the largest
+    # pipeline that fits 227 KiB (192: K and V two stages each, 192 KiB; 256: one stage each,
+    # 192 KiB; two would take 256). Registers fit as they are (the output accumulator of 64
+    # rows x 256 columns is 128 per thread, scores and P of a 64-key tile 48 more; SASS shows
+    # no spills at 240).
+    wide = head_dim > 128
     window = causal and 0 <= left < 2048 and compress_factor == 1
     short_lists = (sparse_block_size is not None and sparse_list_capacity is not None
                    and sparse_list_capacity <= 48)
     short_kv = (sparse_block_size is None and (compress_factor != 1 or window)) or short_lists
-    tile_n = sparse_block_size if sparse_block_size is not None else 128
-    return FwdSpec(
+    tile_n = sparse_block_size if sparse_block_size is not None else (64 if wide else 128)
+    spec = FwdSpec(
         dtype=dtype,
         head_dim=head_dim,
         causal=bool(causal),
@@ -100,8 +133,13 @@ def choose_spec(
         tile_n=tile_n,
         persistent=short_kv,
         heads_fastest=window and sparse_block_size is None,
-        q_stages=2 if short_kv else 1,
+        q_stages=2 if short_kv and not wide else 1,
+        num_stages=1 if head_dim > 192 else 2,
         pingpong=short_kv and tile_m == 128 and not short_lists,
         store_warp=short_kv,
         narrow_first_tile=short_kv and compress_factor != 1 and sparse_block_size is None,
     )
+    if not spec.fits_in_smem():
+        raise ValueError(f"no sm90 forward variant for head_dim {head_dim} with "
+                         f"{tile_n}-key tiles fits shared memory ({spec.smem_bytes} bytes)")
+    return spec

@@ -37,11 +37,33 @@ def _spec(dtype, head_dim, call):
 
 
 @pytest.mark.parametrize("call", list(CALLS))
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", [64, 128, 192, 256])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_dispatched_variant_compiles_for_sm90a(dtype, head_dim, call):
-    compiled = compile_forward_on_fake_tensors(_spec(dtype, head_dim, call))
+    if head_dim > 128 and CALLS[call][3] == 128:
+        # 128-key tiles of a 192/256 head dim take more shared memory than an SM has: the
+        # dispatcher refuses them (and can_run sends such calls to the fallback).
+        with pytest.raises(ValueError, match="fits shared memory"):
+            _spec(dtype, head_dim, call)
+        return
+    spec = _spec(dtype, head_dim, call)
+    assert spec.fits_in_smem()
+    compiled = compile_forward_on_fake_tensors(spec)
     assert callable(compiled)
+
+
+@pytest.mark.parametrize("head_dim", [128, 192, 256])
+@pytest.mark.parametrize("call", ["compressed-causal", "causal", "selected-sparse64-short"])
+def test_smem_footprint_matches_the_kernel(call, head_dim):
+    """`FwdSpec.smem_bytes`, which the dispatcher checks against the SM's capacity, is the
+    size of the kernel's shared storage as the DSL lays it out."""
+    from kernels.sm90.compile import compile_kernel_on_fake_tensors
+    from kernels.sm90.fwd_sm90 import FlashAttentionForwardSm90
+
+    spec = _spec("bfloat16", head_dim, call)
+    kernel = FlashAttentionForwardSm90(spec)
+    compile_kernel_on_fake_tensors(kernel)
+    assert kernel.shared_storage.size_in_bytes() == spec.smem_bytes
 
 
 # Schedules that tools/tune_sm90_forward.py times against the dispatched one.
