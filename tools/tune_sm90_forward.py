@@ -48,6 +48,17 @@ VARIANTS = {
                                       pingpong=False, tile_m=64, tile_n=128, num_stages=1),
     "persistent+q2+pingpong+heads": dict(persistent=True, heads_fastest=True, q_stages=2,
                                          pingpong=True),
+    # One tile per CTA with the output staged in the Q buffer (`o_in_q`): the freed smem buys
+    # a deeper K/V pipeline or wider KV tiles (wide heads: s1 is the single-stage pick without
+    # it at head dim 256).
+    "grid+s1": dict(persistent=False, heads_fastest=False, q_stages=1, pingpong=False,
+                    num_stages=1),
+    "grid+oq": dict(persistent=False, heads_fastest=False, q_stages=1, pingpong=False,
+                    o_in_q=True, num_stages=2),
+    "grid+oq+s3": dict(persistent=False, heads_fastest=False, q_stages=1, pingpong=False,
+                       o_in_q=True, num_stages=3),
+    "grid+oq+n96": dict(persistent=False, heads_fastest=False, q_stages=1, pingpong=False,
+                        o_in_q=True, num_stages=2, tile_n=96),
     # A tile's output stored under the next tile's first Q K^T.
     "persistent+q2+defer": dict(persistent=True, heads_fastest=False, q_stages=2,
                                 pingpong=False, defer_store=True),
@@ -120,9 +131,12 @@ VARIANTS = {
 
 def variant_overrides(name: str) -> dict:
     """FwdSpec fields of a variant; the output-path switches it does not name are off (not the
-    dispatcher's picks), so a variant means the same kernel whatever the dispatch."""
+    dispatcher's picks), so a variant means the same kernel whatever the dispatch.
+    "dispatched" is the dispatcher's own pick (no overrides)."""
+    if name == "dispatched":
+        return {}
     return dict(store_warp=False, defer_store=False, overlap_tiles=False,
-                narrow_first_tile=False) | VARIANTS[name]
+                narrow_first_tile=False, o_in_q=False) | VARIANTS[name]
 
 
 def cases(n: int, heads: int, names=("window", "compressed", "dense")):
@@ -199,7 +213,8 @@ def main(argv=None):
     _common.add_kernel_shape_arguments(parser)
     parser.add_argument("--reps", type=int, default=10, help="timed calls per round")
     parser.add_argument("--rounds", type=int, default=5, help="round-robin rounds (median)")
-    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--variants", default=",".join(VARIANTS),
+                        help="comma-separated variant names, or 'dispatched'")
     parser.add_argument("--cases", default="window,compressed,dense",
                         help=f"comma-separated, of {','.join(CASE_NAMES)}")
     parser.add_argument("--skip-dense", action="store_true", help="leave out dense causal")

@@ -50,6 +50,8 @@ _WARPGROUP = 128
 # Named barriers: 0 is __syncthreads; 3 + wg is warpgroup wg's turn to issue wgmma under
 # `FwdSpec.pingpong`; the output store's are in kernels/sm90/epilogue.py.
 _TURN_BARRIER = 3
+# `FwdSpec.o_in_q`: the consumers meet here before staging the output in the Q buffer.
+_Q_DEAD_BARRIER = 11
 
 
 class FlashAttentionForwardSm90:
@@ -77,6 +79,7 @@ class FlashAttentionForwardSm90:
         assert not (spec.defer_store and not spec.persistent)
         assert not (spec.overlap_tiles and (not spec.persistent or spec.defer_store
                                             or spec.block_sparse))
+        assert not (spec.o_in_q and (spec.persistent or spec.q_stages != 1))
         assert not (spec.narrow_first_tile and (spec.block_sparse or spec.overlap_tiles
                                                 or spec.defer_store or spec.tile_n % 32))
 
@@ -155,23 +158,8 @@ class FlashAttentionForwardSm90:
         self.q_bytes = cute.size_in_bytes(dtype, sQ_one)
         self.kv_bytes = cute.size_in_bytes(dtype, sK_one)
 
-        stages = self.spec.num_stages
-
-        @cute.struct
-        class SharedStorage:
-            mbar_q: cute.struct.MemRange[cutlass.Int64, 2 * self.spec.q_stages]
-            mbar_k: cute.struct.MemRange[cutlass.Int64, 2 * stages]
-            mbar_v: cute.struct.MemRange[cutlass.Int64, 2 * stages]
-            # Before sQ, in the padding to its 1024-byte alignment: two 64-row CTAs fill the
-            # SM's 228 KiB to the byte, and 256 more bytes after sO left room for only one.
-            sLSE: cute.struct.Align[
-                cute.struct.MemRange[Float32, 64 * self.num_consumer_warpgroups], 16]
-            sQ: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sQ_layout)], 1024]
-            sK: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sK_layout)], 1024]
-            sV: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sV_layout)], 1024]
-            sO: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sO_layout)], 1024]
-
-        self.shared_storage = SharedStorage
+        self.shared_storage = self.shared_storage_struct(sQ_layout, sK_layout, sV_layout,
+                                                         sO_layout)
 
         tile_order = TileOrder(
             self.spec.heads_fastest, (max_seqlen_q + self.tile_m - 1) // self.tile_m,
@@ -195,6 +183,31 @@ class FlashAttentionForwardSm90:
         ).launch(grid=(num_ctas, 1, 1), block=[self.num_threads, 1, 1], stream=stream,
                         min_blocks_per_mp=self.ctas_per_sm,
                         preferred_smem_carveout=100 if self.ctas_per_sm > 1 else None)
+
+    def shared_storage_struct(self, sQ_layout, sK_layout, sV_layout, sO_layout):
+        """The CTA's shared memory (`FwdSpec.smem_bytes` computes its size). A plain method, not
+        traced: the optional output buffer needs a Python `if`, which the DSL rewrites inside
+        jit functions. Without it (`o_in_q`) the output is staged in the Q buffer."""
+        dtype, stages, q_stages = self.dtype, self.spec.num_stages, self.spec.q_stages
+        lse_rows = 64 * self.num_consumer_warpgroups
+
+        def aligned(element_type, count, alignment):
+            return cute.struct.Align[cute.struct.MemRange[element_type, count], alignment]
+
+        fields = dict(
+            mbar_q=cute.struct.MemRange[cutlass.Int64, 2 * q_stages],
+            mbar_k=cute.struct.MemRange[cutlass.Int64, 2 * stages],
+            mbar_v=cute.struct.MemRange[cutlass.Int64, 2 * stages],
+            # Before sQ, in the padding to its 1024-byte alignment: two 64-row CTAs fill the
+            # SM's 228 KiB to the byte, and 256 more bytes after sO left room for only one.
+            sLSE=aligned(Float32, lse_rows, 16),
+            sQ=aligned(dtype, cute.cosize(sQ_layout), 1024),
+            sK=aligned(dtype, cute.cosize(sK_layout), 1024),
+            sV=aligned(dtype, cute.cosize(sV_layout), 1024),
+        )
+        if not self.spec.o_in_q:
+            fields["sO"] = aligned(dtype, cute.cosize(sO_layout), 1024)
+        return cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
 
     # ------------------------------------------------------------------ device side
     @cute.kernel
@@ -251,7 +264,10 @@ class FlashAttentionForwardSm90:
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
-        sO = storage.sO.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
+        # `o_in_q`: the tile's Q is dead once every consumer's last Q K^T is done (the
+        # consumers meet at a barrier before staging), and no later Q comes (one tile per CTA).
+        sO = (storage.sQ if const_expr(spec.o_in_q) else storage.sO).get_tensor(
+            sO_layout.outer, swizzle=sO_layout.inner)
         out_store = OutputStore(
             self.head_dim, self.num_consumer_warpgroups, spec.persistent,
             spec.store_warp, tiled_mma_epilogue, sO,
@@ -594,6 +610,10 @@ class FlashAttentionForwardSm90:
             mark("finalized")
             r_o = cute.make_rmem_tensor_like(acc_o, self.dtype)
             r_o.store(acc_o.load().to(self.dtype))
+            if const_expr(self.spec.o_in_q):
+                # The output goes into the Q buffer: every consumer's products with Q are done.
+                cute.arch.barrier(barrier_id=_Q_DEAD_BARRIER,
+                                  number_of_threads=_WARPGROUP * self.num_consumer_warpgroups)
             out_store.write(r_o, lse, offset_q, seqlen_q, head, m_block, tidx)
             mark("stored")
         return q_consumer, k_consumer, v_consumer

@@ -36,6 +36,8 @@ class FwdSpec:
                                # the consumers only stage them (kernels/sm90/epilogue.py)
     narrow_first_tile: bool = False  # the first (diagonal) KV tile is multiplied and softmaxed
                                      # only as far as each warpgroup's rows see, in 32-key steps
+    o_in_q: bool = False       # one tile per CTA (not persistent, one Q buffer): the output is
+                               # staged in the Q buffer, which frees an output buffer's smem
     trace: bool = False        # diagnostic build: per-tile phase timestamps (kernels/sm90/trace.py)
 
     @property
@@ -46,15 +48,16 @@ class FwdSpec:
     @property
     def smem_bytes(self) -> int:
         """Shared memory of one CTA, laid out as the kernel's `SharedStorage`: mbarriers and
-        the lse staging, then Q, K, V and O buffers, each 1024-byte aligned (16-bit
-        elements)."""
+        the lse staging, then Q, K, V and (unless `o_in_q`) O buffers, each 1024-byte aligned
+        (16-bit elements)."""
         def aligned(size: int, to: int) -> int:
             return -(-size // to) * to
 
         barriers = 8 * 2 * (self.q_stages + 2 * self.num_stages)
         size = aligned(barriers, 16) + 4 * self.tile_m  # lse: one float32 per row
-        for elements in (self.tile_m * self.q_stages, self.tile_n * self.num_stages,
-                         self.tile_n * self.num_stages, self.tile_m):
+        buffers = [self.tile_m * self.q_stages, self.tile_n * self.num_stages,
+                   self.tile_n * self.num_stages] + ([] if self.o_in_q else [self.tile_m])
+        for elements in buffers:
             size = aligned(size, 1024) + 2 * elements * self.head_dim
         return size
 
@@ -134,7 +137,9 @@ def choose_spec(
         persistent=short_kv,
         heads_fastest=window and sparse_block_size is None,
         q_stages=2 if short_kv and not wide else 1,
-        num_stages=1 if head_dim > 192 else 2,
+        # A persistent CTA's next Q would land on an output staged in the Q buffer.
+        o_in_q=wide and not short_kv,
+        num_stages=1 if head_dim > 192 and short_kv else 2,
         pingpong=short_kv and tile_m == 128 and not short_lists,
         store_warp=short_kv,
         narrow_first_tile=short_kv and compress_factor != 1 and sparse_block_size is None,

@@ -77,6 +77,8 @@ SCHEDULES = [
     dict(persistent=True, q_stages=2, overlap_tiles=True, pingpong=True),
     dict(persistent=True, q_stages=2, pingpong=True, store_warp=True, tile_m=128, tile_n=128,
          narrow_first_tile=True),
+    dict(persistent=False, q_stages=1, pingpong=False, store_warp=False, o_in_q=True,
+         num_stages=3),
 ]
 
 

@@ -202,6 +202,14 @@ SCHEDULES = {
                                       narrow_first_tile=False),
     "m192+persistent+q2+store_warp": dict(tile_m=192, tile_n=64, persistent=True, q_stages=2,
                                           pingpong=False, store_warp=True),
+    # One tile per CTA, the output staged in the Q buffer; the freed smem as a third K/V
+    # stage or 96-key tiles.
+    "grid+o_in_q": dict(persistent=False, q_stages=1, pingpong=False, store_warp=False,
+                        o_in_q=True),
+    "grid+o_in_q+s3": dict(persistent=False, q_stages=1, pingpong=False, store_warp=False,
+                           o_in_q=True, num_stages=3),
+    "grid+o_in_q+n96": dict(persistent=False, q_stages=1, pingpong=False, store_warp=False,
+                            o_in_q=True, tile_n=96, narrow_first_tile=False),
     # The first KV tile multiplied only as far as each warpgroup sees (an arithmetic switch:
     # the one-CTA kernel it is compared with has it too).
     "narrow": dict(narrow_first_tile=True, pingpong=False),
@@ -252,7 +260,7 @@ def test_tile_schedules_match_the_grid_kernel(case, schedule):
                  if key in schedule}
     grid_out, grid_lse = run(q, k, v, spec_overrides=dict(
         persistent=False, heads_fastest=False, q_stages=1, pingpong=False, store_warp=False,
-        defer_store=False, overlap_tiles=False, **same_tile),
+        defer_store=False, overlap_tiles=False, o_in_q=False, **same_tile),
         **kwargs)
     out, lse = run(q, k, v, spec_overrides=schedule, **kwargs)
     torch.cuda.synchronize()
