@@ -57,6 +57,8 @@ VARIANTS = {
                     o_in_q=True, num_stages=2),
     "grid+oq+s3": dict(persistent=False, heads_fastest=False, q_stages=1, pingpong=False,
                        o_in_q=True, num_stages=3),
+    "grid+oq+narrow": dict(persistent=False, heads_fastest=False, q_stages=1, pingpong=False,
+                           o_in_q=True, num_stages=2, narrow_first_tile=True),
     "grid+oq+n96": dict(persistent=False, heads_fastest=False, q_stages=1, pingpong=False,
                         o_in_q=True, num_stages=2, tile_n=96),
     # A tile's output stored under the next tile's first Q K^T.

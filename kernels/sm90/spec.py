@@ -113,16 +113,24 @@ def choose_spec(
     # Q and O rows. Session 6, interleaved: 16K 0.303 -> 0.298 ms, 64K 1.209 -> 1.174 (FA4
     # 0.338 / 1.416). Compressed keys do not gain (16K 0.116 -> 0.119, 64K 1.039 -> 1.022), nor
     # short block-sparse lists, whose per-head lists share nothing (5% at 64K 5.95 -> 8.42).
-    # Head dims 192 and 256: the same kernel with 64-key tiles and one Q buffer, the largest
-    # pipeline that fits 227 KiB (192: K and V two stages each, 192 KiB; 256: one stage each,
-    # 192 KiB; two would take 256). Registers fit as they are (the output accumulator of 64
-    # rows x 256 columns is 128 per thread, scores and P of a 64-key tile 48 more; SASS shows
-    # no spills at 240).
+    # Head dims 192 and 256: the same kernel with 64-key tiles and one Q buffer. One tile per
+    # CTA stages the output in the Q buffer (`o_in_q`), which leaves room for two K/V stages at
+    # 256 (Q 64 + K 64 + V 64 KiB); the persistent schedule needs the Q buffer for the next
+    # tile, so at 256 it keeps one K/V stage (192 KiB with its output buffer). Registers fit as
+    # they are (the output accumulator of 64 rows x 256 columns is 128 per thread, scores and P
+    # of a 64-key tile 48 more; SASS shows no spills at 240). H100, session 7, interleaved
+    # (tune_sm90_forward.py, 16K): head dim 256 dense causal 8.21 -> 6.24-6.41 ms with two
+    # stages (FA4 5.67); windows 0.674 -> 0.612 ms (64K 2.691 -> 2.466) one tile per CTA with
+    # two stages, against the persistent schedule with one; compressed keys stay persistent
+    # (256: 0.233 vs 0.323 ms; 192: 0.183 vs 0.267). Head dim 192 keeps the head dim 128
+    # schedules (window: persistent 0.430 ms vs 0.506-0.518 one tile per CTA); its dense
+    # causal gains 1-2% from `o_in_q` and 96-key tiles, within noise, not taken.
     wide = head_dim > 128
     window = causal and 0 <= left < 2048 and compress_factor == 1
     short_lists = (sparse_block_size is not None and sparse_list_capacity is not None
                    and sparse_list_capacity <= 48)
     short_kv = (sparse_block_size is None and (compress_factor != 1 or window)) or short_lists
+    persistent = short_kv and not (window and head_dim > 192)
     tile_n = sparse_block_size if sparse_block_size is not None else (64 if wide else 128)
     spec = FwdSpec(
         dtype=dtype,
@@ -134,15 +142,16 @@ def choose_spec(
         compressed=compress_factor != 1,
         tile_m=tile_m,
         tile_n=tile_n,
-        persistent=short_kv,
-        heads_fastest=window and sparse_block_size is None,
-        q_stages=2 if short_kv and not wide else 1,
+        persistent=persistent,
+        heads_fastest=window and persistent and sparse_block_size is None,
+        q_stages=2 if persistent and not wide else 1,
         # A persistent CTA's next Q would land on an output staged in the Q buffer.
-        o_in_q=wide and not short_kv,
-        num_stages=1 if head_dim > 192 and short_kv else 2,
-        pingpong=short_kv and tile_m == 128 and not short_lists,
-        store_warp=short_kv,
-        narrow_first_tile=short_kv and compress_factor != 1 and sparse_block_size is None,
+        o_in_q=wide and not persistent,
+        num_stages=1 if head_dim > 192 and persistent else 2,
+        pingpong=persistent and tile_m == 128 and not short_lists,
+        store_warp=persistent,
+        narrow_first_tile=short_kv and sparse_block_size is None
+        and (compress_factor != 1 or not persistent),
     )
     if not spec.fits_in_smem():
         raise ValueError(f"no sm90 forward variant for head_dim {head_dim} with "

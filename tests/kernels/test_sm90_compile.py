@@ -117,6 +117,25 @@ def test_dispatch_picks_persistent_tiles_for_short_kv_ranges():
     assert not short_lists.narrow_first_tile
 
 
+def test_dispatch_sizes_wide_heads_to_shared_memory():
+    for head_dim in (192, 256):
+        dense = _spec("bfloat16", head_dim, "causal")
+        assert dense.tile_n == 64 and dense.o_in_q and not dense.persistent
+        assert dense.num_stages == 2 and dense.q_stages == 1
+        compressed = _spec("bfloat16", head_dim, "compressed-causal")
+        assert compressed.persistent and not compressed.o_in_q and compressed.q_stages == 1
+        assert compressed.num_stages == (1 if head_dim == 256 else 2)
+    # Head dim 256 windows: one tile per CTA, whose output shares the Q buffer, keeps two K/V
+    # stages (measured faster than the persistent schedule with one).
+    window = _spec("bfloat16", 256, "window-causal")
+    assert not window.persistent and window.o_in_q and window.num_stages == 2
+    assert _spec("bfloat16", 192, "window-causal").persistent
+    for head_dim in (64, 128, 192, 256):
+        for call in CALLS:
+            if head_dim <= 128 or CALLS[call][3] != 128:
+                assert _spec("bfloat16", head_dim, call).fits_in_smem()
+
+
 def test_compile_cache_returns_the_same_kernel():
     spec = _spec("bfloat16", 128, "compressed-causal")
     assert compile_forward_on_fake_tensors(spec) is compile_forward_on_fake_tensors(spec)

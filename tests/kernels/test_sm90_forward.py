@@ -94,10 +94,12 @@ DENSE_CASES = [
     ([4096], 4, 1, 64, True, 64, (-1, -1)),
     ([3000, 500], 4, 2, 128, True, 16, (700, 0)),
     ([1500], 4, 4, 64, False, 16, (300, 100)),
-    # Head dims 192 and 256: 64-key tiles, one Q buffer (256: one K/V stage).
+    # Head dims 192 and 256: 64-key tiles, one Q buffer, the output staged in it when one CTA
+    # takes one tile (256: dense and windows), one K/V stage for 256's persistent schedules.
     ([1000], 4, 4, 192, True, 1, (-1, -1)),
     ([777, 300], 8, 2, 256, False, 1, (-1, -1)),
     ([2048, 99], 8, 2, 192, True, 1, (511, 0)),
+    ([2048, 99], 8, 2, 256, True, 1, (511, 0)),
     ([4096, 1000], 8, 2, 256, True, 64, (-1, -1)),
     ([3000, 500], 4, 2, 192, True, 16, (700, 0)),
     ([1500], 4, 4, 256, False, 16, (300, 100)),
