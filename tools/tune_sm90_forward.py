@@ -61,6 +61,11 @@ VARIANTS = {
                            o_in_q=True, num_stages=2, narrow_first_tile=True),
     "grid+oq+n96": dict(persistent=False, heads_fastest=False, q_stages=1, pingpong=False,
                         o_in_q=True, num_stages=2, tile_n=96),
+    # FA4's wide-head tile widths (80 keys at head dim 256, 112 at 192 with a 192 V).
+    "grid+oq+n80": dict(persistent=False, heads_fastest=False, q_stages=1, pingpong=False,
+                        o_in_q=True, num_stages=2, tile_n=80),
+    "grid+oq+n112": dict(persistent=False, heads_fastest=False, q_stages=1, pingpong=False,
+                         o_in_q=True, num_stages=2, tile_n=112),
     # A tile's output stored under the next tile's first Q K^T.
     "persistent+q2+defer": dict(persistent=True, heads_fastest=False, q_stages=2,
                                 pingpong=False, defer_store=True),

@@ -124,7 +124,9 @@ def choose_spec(
     # two stages, against the persistent schedule with one; compressed keys stay persistent
     # (256: 0.233 vs 0.323 ms; 192: 0.183 vs 0.267). Head dim 192 keeps the head dim 128
     # schedules (window: persistent 0.430 ms vs 0.506-0.518 one tile per CTA); its dense
-    # causal gains 1-2% from `o_in_q` and 96-key tiles, within noise, not taken.
+    # causal gains 1-2% from `o_in_q` and 96- or 112-key tiles, within noise, not taken; head
+    # dim 256 dense takes 80-key tiles (6.64 -> 6.35 ms, FA4 5.81; 225 KiB), which windows
+    # cannot: `narrow_first_tile` works in 32-key steps.
     wide = head_dim > 128
     window = causal and 0 <= left < 2048 and compress_factor == 1
     short_lists = (sparse_block_size is not None and sparse_list_capacity is not None
@@ -132,6 +134,8 @@ def choose_spec(
     short_kv = (sparse_block_size is None and (compress_factor != 1 or window)) or short_lists
     persistent = short_kv and not (window and head_dim > 192)
     tile_n = sparse_block_size if sparse_block_size is not None else (64 if wide else 128)
+    if head_dim > 192 and not short_kv and sparse_block_size is None:
+        tile_n = 80  # FA4's width there; fits beside two stages with the output in the Q buffer
     spec = FwdSpec(
         dtype=dtype,
         head_dim=head_dim,

@@ -98,6 +98,7 @@ DENSE_CASES = [
     # takes one tile (256: dense and windows), one K/V stage for 256's persistent schedules.
     ([1000], 4, 4, 192, True, 1, (-1, -1)),
     ([777, 300], 8, 2, 256, False, 1, (-1, -1)),
+    ([1000, 130], 4, 2, 256, True, 1, (-1, -1)),
     ([2048, 99], 8, 2, 192, True, 1, (511, 0)),
     ([2048, 99], 8, 2, 256, True, 1, (511, 0)),
     ([4096, 1000], 8, 2, 256, True, 64, (-1, -1)),
