@@ -22,11 +22,14 @@ CASES = [
     ([1500, 77, 700], 8, 2, 128, dict()),
     ([2100], 16, 1, 64, dict(num_selected_blocks=8, window_size=256)),
     ([1000, 1030], 4, 4, 128, dict(num_cmp_selected_blocks=2)),
+    ([900, 300], 8, 2, 192, dict()),
+    ([700], 4, 1, 256, dict(window_size=256)),
 ]
 
 
 @requires_sm90
-@pytest.mark.parametrize("case", CASES, ids=["gqa4-varlen", "gqa16-d64", "sparse-compressed"])
+@pytest.mark.parametrize("case", CASES, ids=["gqa4-varlen", "gqa16-d64", "sparse-compressed",
+                                             "d192", "d256"])
 def test_nsa_on_kernels_matches_reference(case):
     lengths, heads, heads_kv, dim, options = case
     x = {n: (t.cuda() if isinstance(t, torch.Tensor) else t)
