@@ -141,6 +141,15 @@ def run(
     dispatcher's compile-time choices; tools/tune_sm90_forward.py uses it to time variants.
     `trace=True` launches the traced build and returns (out, lse, per-tile timestamps), see
     kernels/sm90/trace.py."""
+    # The public entry points send these to the fallback (can_run); a direct call must not
+    # compile an untested variant.
+    if q.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"q: dtype {q.dtype} is not supported by the sm90 kernel (bfloat16 or "
+                         f"float16; kernels.flash_attn_func falls back to torch for others)")
+    if q.shape[-1] not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(f"q: head dim {q.shape[-1]} is not supported by the sm90 kernel (one "
+                         f"of {SUPPORTED_HEAD_DIMS}; kernels.flash_attn_func falls back to torch "
+                         f"for others)")
     padded = q.dim() == 4
     if padded:
         batch, seqlen_q, num_heads, head_dim = q.shape

@@ -164,3 +164,17 @@ def test_launcher_built_arguments_compile_for_sm90a():
     args = (*(_as_cute(t) for t in (q, k, k.clone(), out, lse, cu_q, cu_k)),
             *_typed_scalars((300, 0.088, 64, 0, 0, 132)), *(None,) * 6, make_fake_stream())
     assert callable(cute.compile(FlashAttentionForwardSm90(spec), *args))
+
+
+@pytest.mark.parametrize("dtype, dim, match", [
+    ("float32", 128, "dtype torch.float32"), ("bfloat16", 96, "head dim 96")])
+def test_direct_kernel_call_rejects_unsupported_input_before_compiling(dtype, dim, match):
+    """kernels.sm90.forward.run (the tools' and tests' way in) refuses what the public entry
+    points would send to the fallback, before building a spec or touching the device."""
+    import torch
+
+    from kernels.sm90.forward import run
+
+    q = torch.randn(4, 2, dim).to(getattr(torch, dtype))
+    with pytest.raises(ValueError, match=match):
+        run(q, q, q, causal=True)
