@@ -59,6 +59,8 @@ VARIANTS = {
                        o_in_q=True, num_stages=3),
     "grid+oq+narrow": dict(persistent=False, heads_fastest=False, q_stages=1, pingpong=False,
                            o_in_q=True, num_stages=2, narrow_first_tile=True),
+    "grid+oq+pingpong": dict(persistent=False, heads_fastest=False, q_stages=1, pingpong=True,
+                             o_in_q=True, num_stages=2),
     "grid+oq+n96": dict(persistent=False, heads_fastest=False, q_stages=1, pingpong=False,
                         o_in_q=True, num_stages=2, tile_n=96),
     # FA4's wide-head tile widths (80 keys at head dim 256, 112 at 192 with a 192 V).
