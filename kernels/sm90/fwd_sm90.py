@@ -528,11 +528,8 @@ class FlashAttentionForwardSm90(OverlapTiles):
     ):
         """One query tile: its KV tiles, then its output (stored now, or with `deferred` kept
         in registers and stored by the next tile, which also stores the one before it)."""
-        thr_qk = tiled_mma_qk.get_slice(tidx)
-        thr_pv = tiled_mma_pv.get_slice(tidx)
-        tSrQ = thr_qk.make_fragment_A(thr_qk.partition_A(sQ))
-        tSrK = thr_qk.make_fragment_B(thr_qk.partition_B(sK))
-        tOrV = thr_pv.make_fragment_B(thr_pv.partition_B(sV))
+        thr_qk, thr_pv, tSrQ, tSrK, tOrV = self.operand_fragments(
+            tidx, tiled_mma_qk, tiled_mma_pv, sQ, sK, sV)
         acc_o = thr_pv.make_fragment_C(thr_pv.partition_shape_C((self.tile_m, self.head_dim)))
         acc_o.fill(0.0)
         s_shape = thr_qk.partition_shape_C((self.tile_m, self.tile_n))
@@ -618,6 +615,16 @@ class FlashAttentionForwardSm90(OverlapTiles):
             out_store.write(r_o, lse, offset_q, seqlen_q, head, m_block, tidx)
             mark("stored")
         return q_consumer, k_consumer, v_consumer
+
+    def operand_fragments(self, tidx: Int32, tiled_mma_qk: cute.TiledMma,
+                          tiled_mma_pv: cute.TiledMma, sQ, sK, sV):
+        """This thread's slices of the two products and its views of their smem operands:
+        (thr_qk, thr_pv, Q, K, V)."""
+        thr_qk = tiled_mma_qk.get_slice(tidx)
+        thr_pv = tiled_mma_pv.get_slice(tidx)
+        return (thr_qk, thr_pv, thr_qk.make_fragment_A(thr_qk.partition_A(sQ)),
+                thr_qk.make_fragment_B(thr_qk.partition_B(sK)),
+                thr_pv.make_fragment_B(thr_pv.partition_B(sV)))
 
     @cute.jit
     def last_pv(self, tidx: Int32, v_consumer, tiled_mma_pv: cute.TiledMma, acc_o, r_p, tOrV,

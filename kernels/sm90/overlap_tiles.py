@@ -57,11 +57,8 @@ class OverlapTiles:
         producer loads one per tile), so the loops and the Q release stay at the top level.
         """
         acc_o, r_p, row_max, row_sum, where = state
-        thr_qk = tiled_mma_qk.get_slice(tidx)
-        thr_pv = tiled_mma_pv.get_slice(tidx)
-        tSrQ = thr_qk.make_fragment_A(thr_qk.partition_A(sQ))
-        tSrK = thr_qk.make_fragment_B(thr_qk.partition_B(sK))
-        tOrV = thr_pv.make_fragment_B(thr_pv.partition_B(sV))
+        thr_qk, _, tSrQ, tSrK, tOrV = self.operand_fragments(
+            tidx, tiled_mma_qk, tiled_mma_pv, sQ, sK, sV)
         acc_s = thr_qk.make_fragment_C(thr_qk.partition_shape_C((self.tile_m, self.tile_n)))
         r_p_as_acc = cute.make_tensor(r_p.iterator, acc_s.layout)
         t_coord = thr_qk.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n)))
