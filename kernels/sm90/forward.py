@@ -24,7 +24,7 @@ def _is_sm90(device: torch.device) -> bool:
 
 
 def can_run(q, k, v, *, block_sparse=None, causal=False, window_size=(-1, -1),
-            compress_factor=1, **_) -> tuple[bool, str]:
+            compress_factor=1, max_seqlen_k=None, **_) -> tuple[bool, str]:
     """(ok, reason): whether the sm90 kernel computes this case."""
     if not q.is_cuda or not _is_sm90(q.device):
         return False, "needs an sm_90 GPU"
@@ -47,22 +47,23 @@ def can_run(q, k, v, *, block_sparse=None, causal=False, window_size=(-1, -1),
             return False, (f"block-sparse col_block_size {block_sparse.col_block_size} not in "
                            f"{SPARSE_TILE_N}")
     try:  # the tiles of some cases do not fit shared memory (wide heads with 128-key blocks)
-        _spec_for(q, causal, window_size, block_sparse, compress_factor)
+        _spec_for(q, causal, window_size, block_sparse, compress_factor, max_seqlen_k)
     except ValueError as error:
         return False, str(error)
     return True, "sm90 CuTe DSL kernel"
 
 
-def _spec_for(q, causal, window_size, block_sparse, compress_factor=1):
+def _spec_for(q, causal, window_size, block_sparse, compress_factor=1, max_seqlen_k=None):
+    """The dispatched spec (`choose_spec`, cached: `can_run` and `run` ask for the same one)."""
     from kernels.sm90.spec import choose_spec
 
     return choose_spec(
         dtype=str(q.dtype).removeprefix("torch."), head_dim=q.shape[-1], causal=causal,
-        window_size=window_size, compress_factor=compress_factor,
+        window_size=tuple(window_size), compress_factor=compress_factor,
         sparse_block_size=block_sparse.col_block_size if block_sparse is not None else None,
         sparse_list_capacity=(block_sparse.full_index.shape[-1] + block_sparse.mask_index.shape[-1]
                               if block_sparse is not None else None),
-        tile_m=TILE_M)
+        tile_m=TILE_M, max_seqlen_k=max_seqlen_k)
 
 
 @functools.lru_cache(maxsize=8)
@@ -157,14 +158,14 @@ def run(
         q, k, v = (t.reshape(-1, *t.shape[2:]) for t in (q, k, v))
         cu_seqlens_q = _uniform_cu_seqlens(batch, seqlen_q, q.device)
         cu_seqlens_k = _uniform_cu_seqlens(batch, seqlen_k, q.device)
-        max_seqlen_q = seqlen_q
+        max_seqlen_q, max_seqlen_k = seqlen_q, seqlen_k
     total_q, num_heads, head_dim = q.shape
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(head_dim)
     out = torch.empty((total_q, num_heads, head_dim), dtype=q.dtype, device=q.device)
     lse = torch.empty((num_heads, total_q), dtype=torch.float32, device=q.device)
 
-    spec = _spec_for(q, causal, window_size, block_sparse, compress_factor)
+    spec = _spec_for(q, causal, window_size, block_sparse, compress_factor, max_seqlen_k)
     if spec_overrides:
         spec = dataclasses.replace(spec, **spec_overrides)
         if not spec.fits_in_smem():

@@ -7,6 +7,7 @@ argument, so one compiled kernel serves every sequence length and batch.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 
@@ -74,13 +75,18 @@ SMEM_PER_CTA = 227 * 1024
 SMEM_RESERVED_PER_CTA = 1024
 
 
+# Cached: `can_run` and `run` both ask for the spec of every launch (a frozen dataclass, safe
+# to share).
+@functools.lru_cache(maxsize=256)
 def choose_spec(
     *, dtype: str, head_dim: int, causal: bool, window_size: tuple[int, int],
     compress_factor: int = 1, sparse_block_size: int | None = None,
     sparse_list_capacity: int | None = None, tile_m: int = 128,
+    max_seqlen_k: int | None = None,
 ) -> FwdSpec:
     """The kernel variant the dispatcher compiles for a call (tools/tune_sm90_forward.py
-    measures the alternatives)."""
+    measures the alternatives). `max_seqlen_k` (the longest key sequence; None: unknown) only
+    picks among compiled variants: it is not part of the compile key."""
     left, right = window_size
     # Short KV ranges per query tile (a causal window, compressed keys): persistent CTAs walking
     # 128x128 tiles with two Q buffers, ping-pong between the consumer warpgroups, and the
@@ -127,11 +133,25 @@ def choose_spec(
     # causal gains 1-2% from `o_in_q` and 96- or 112-key tiles, within noise, not taken; head
     # dim 256 dense takes 80-key tiles (6.64 -> 6.35 ms, FA4 5.81; 225 KiB), which windows
     # cannot: `narrow_first_tile` works in 32-key steps.
+    #
+    # Dense attention over packed short sequences (every key sequence <= 4096, head dims 64
+    # and 128) is a short KV range too: each 128-row tile sees at most 32 KV tiles, and one
+    # CTA per tile spends much of each tile on its prologue and epilogue. It takes the window
+    # schedule (persistent, two Q buffers, ping-pong, storer warp, GQA heads side by side).
+    # Session 8, H100, interleaved, 16K tokens, H=32, Hkv=8, D=128 (FINDINGS section 1):
+    # causal 64 x 256 0.206 -> 0.141 ms (FA4 0.230), 8 x 2048 0.513 -> 0.452 (FA4 0.524),
+    # 4 x 4096 0.883 -> 0.837 (FA4 0.883), 32 random lengths 0.409 -> 0.298 (FA4 0.342);
+    # non-causal alike; 2 x 8192 a tie, 1 x 16384 3% slower, so longer sequences keep one CTA
+    # per tile. Narrowing the diagonal tile adds nothing there (+-2%).
     wide = head_dim > 128
     window = causal and 0 <= left < 2048 and compress_factor == 1
+    short_sequences = (max_seqlen_k is not None and max_seqlen_k <= 4096 and not wide
+                       and compress_factor == 1 and left < 0 and (causal or right < 0)
+                       and sparse_block_size is None)
     short_lists = (sparse_block_size is not None and sparse_list_capacity is not None
                    and sparse_list_capacity <= 48)
-    short_kv = (sparse_block_size is None and (compress_factor != 1 or window)) or short_lists
+    short_kv = ((sparse_block_size is None and (compress_factor != 1 or window))
+                or short_lists or short_sequences)
     persistent = short_kv and not (window and head_dim > 192)
     tile_n = sparse_block_size if sparse_block_size is not None else (64 if wide else 128)
     if head_dim > 192 and not short_kv and sparse_block_size is None:
@@ -147,7 +167,7 @@ def choose_spec(
         tile_m=tile_m,
         tile_n=tile_n,
         persistent=persistent,
-        heads_fastest=window and persistent and sparse_block_size is None,
+        heads_fastest=(window or short_sequences) and persistent and sparse_block_size is None,
         q_stages=2 if persistent and not wide else 1,
         # A persistent CTA's next Q would land on an output staged in the Q buffer.
         o_in_q=wide and not persistent,

@@ -15,25 +15,27 @@ pytest.importorskip("cutlass")
 from kernels.sm90.compile import compile_forward_on_fake_tensors  # noqa: E402
 from kernels.sm90.spec import choose_spec  # noqa: E402
 
-# Calls as NSA's branches and kernels.flash_attn_func make them:
-# (causal, window_size, compress_factor, block-sparse column block size, list capacity).
+# Calls as NSA's branches and kernels.flash_attn_func make them: (causal, window_size,
+# compress_factor, block-sparse column block size, list capacity, max_seqlen_k).
 CALLS = {
-    "compressed-causal": (True, (-1, -1), 64, None, None),
-    "window-causal": (True, (511, 0), 1, None, None),
-    "selected-sparse64": (True, (-1, -1), 1, 64, 200),
-    "selected-sparse64-short": (True, (-1, -1), 1, 64, 20),
-    "causal": (True, (-1, -1), 1, None, None),
-    "sparse128": (False, (-1, -1), 1, 128, 200),
-    "dense": (False, (-1, -1), 1, None, None),
-    "window-both-sides-compressed": (False, (300, 100), 16, None, None),
+    "compressed-causal": (True, (-1, -1), 64, None, None, 256),
+    "window-causal": (True, (511, 0), 1, None, None, 16384),
+    "selected-sparse64": (True, (-1, -1), 1, 64, 200, 16384),
+    "selected-sparse64-short": (True, (-1, -1), 1, 64, 20, 16384),
+    "causal": (True, (-1, -1), 1, None, None, 16384),
+    "causal-short-sequences": (True, (-1, 0), 1, None, None, 512),
+    "sparse128": (False, (-1, -1), 1, 128, 200, 16384),
+    "dense": (False, (-1, -1), 1, None, None, None),
+    "dense-short-sequences": (False, (-1, -1), 1, None, None, 4096),
+    "window-both-sides-compressed": (False, (300, 100), 16, None, None, 1024),
 }
 
 
 def _spec(dtype, head_dim, call):
-    causal, window, cf, sparse, capacity = CALLS[call]
+    causal, window, cf, sparse, capacity, max_seqlen_k = CALLS[call]
     return choose_spec(dtype=dtype, head_dim=head_dim, causal=causal, window_size=window,
                        compress_factor=cf, sparse_block_size=sparse,
-                       sparse_list_capacity=capacity)
+                       sparse_list_capacity=capacity, max_seqlen_k=max_seqlen_k)
 
 
 @pytest.mark.parametrize("call", list(CALLS))
@@ -115,6 +117,25 @@ def test_dispatch_picks_persistent_tiles_for_short_kv_ranges():
     short_lists = _spec("bfloat16", 128, "selected-sparse64-short")
     assert short_lists.persistent and short_lists.store_warp and not short_lists.pingpong
     assert not short_lists.narrow_first_tile
+
+
+def test_dispatch_picks_the_window_schedule_for_packed_short_sequences():
+    for call in ("causal-short-sequences", "dense-short-sequences"):
+        for head_dim in (64, 128):
+            spec = _spec("bfloat16", head_dim, call)
+            assert spec.persistent and spec.q_stages == 2 and spec.pingpong
+            assert spec.store_warp and spec.heads_fastest and not spec.narrow_first_tile
+        # Wide heads were not measured there: they keep their one-tile-per-CTA schedule.
+        assert not _spec("bfloat16", 256, call).persistent
+
+    def causal_spec(max_seqlen_k):
+        return choose_spec(dtype="bfloat16", head_dim=128, causal=True, window_size=(-1, 0),
+                           max_seqlen_k=max_seqlen_k)
+    assert causal_spec(4096).persistent
+    assert not causal_spec(4097).persistent and not causal_spec(None).persistent
+    # The compressed branch keeps its own schedule whatever its (short) key length.
+    compressed = _spec("bfloat16", 128, "compressed-causal")
+    assert compressed.narrow_first_tile and not compressed.heads_fastest
 
 
 def test_dispatch_sizes_wide_heads_to_shared_memory():

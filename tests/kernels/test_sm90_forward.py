@@ -81,7 +81,10 @@ def _check(q, k, v, spec_overrides=None, **kwargs):
 
 
 DENSE_CASES = [
-    # (lengths, H, Hkv, D, causal, cf, window)
+    # (lengths, H, Hkv, D, causal, cf, window). Sequences of at most 4096 keys take the
+    # persistent short-sequence schedule; longer ones one CTA per tile (`choose_spec`).
+    ([5000, 77], 8, 2, 128, True, 1, (-1, -1)),
+    ([4200], 4, 4, 64, False, 1, (-1, -1)),
     ([1000], 4, 4, 128, True, 1, (-1, -1)),
     ([1000], 4, 4, 64, True, 1, (-1, -1)),
     ([777], 8, 2, 128, False, 1, (-1, -1)),
@@ -219,6 +222,10 @@ SCHEDULES = {
     "persistent+q2+pingpong+store_warp+narrow": dict(
         persistent=True, q_stages=2, pingpong=True, store_warp=True, tile_m=128, tile_n=128,
         narrow_first_tile=True),
+    # Windows' and packed short sequences' dispatched schedule.
+    "persistent+q2+pingpong+store_warp+heads": dict(
+        persistent=True, q_stages=2, pingpong=True, store_warp=True, heads_fastest=True,
+        tile_m=128, tile_n=128),
 }
 SCHEDULE_CASES = {
     # lengths (query; keys are lengths // cf), H, Hkv, D, causal, cf, window, block-sparse density

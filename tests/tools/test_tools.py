@@ -294,12 +294,16 @@ def test_trace_phase_table_reads_cycles_per_phase(common):
 
 def test_bench_kernels_summary_gives_compressed_and_floor_as_shares_of_dense():
     bench = load_tool("bench_kernels")
-    rows = [dict(seqlen=n, case=case, ours_tflops=tflops) for n, case, tflops in [
-        (16384, "dense causal", 700.0), (16384, "compress_factor 64", 280.0),
-        (16384, "Q -> O copy (floor)", 364.0), (65536, "dense causal", 680.0),
-        (65536, "compress_factor 64", 544.0)]]
+    rows = [dict(seqlen=n, case=case, ours_tflops=tflops, fa4_tflops=fa4)
+            for n, case, tflops, fa4 in [
+                (16384, "dense causal", 700.0, 730.0), (16384, "compress_factor 64", 280.0, None),
+                (16384, "Q -> O copy (floor)", 364.0, None),
+                (16384, bench.PACKED_CASE, 245.0, 146.0), (65536, "dense causal", 680.0, None),
+                (65536, "compress_factor 64", 544.0, None)]]
     assert bench.summary(rows) == [
-        "N=16384: of our dense causal TFLOP/s: compress_factor 64 40%, Q -> O copy (floor) 52%",
+        "N=16384: of our dense causal TFLOP/s: compress_factor 64 40%, Q -> O copy (floor) 52%, "
+        f"{bench.PACKED_CASE} (ours, of its own dense) 35%, "
+        f"{bench.PACKED_CASE} (fa4, of its own dense) 20%",
         "N=65536: of our dense causal TFLOP/s: compress_factor 64 80%"]
 
 
