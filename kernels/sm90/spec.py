@@ -134,18 +134,20 @@ def choose_spec(
     # dim 256 dense takes 80-key tiles (6.64 -> 6.35 ms, FA4 5.81; 225 KiB), which windows
     # cannot: `narrow_first_tile` works in 32-key steps.
     #
-    # Dense attention over packed short sequences (every key sequence <= 4096, head dims 64
-    # and 128) is a short KV range too: each 128-row tile sees at most 32 KV tiles, and one
-    # CTA per tile spends much of each tile on its prologue and epilogue. It takes the window
-    # schedule (persistent, two Q buffers, ping-pong, storer warp, GQA heads side by side).
-    # Session 8, H100, interleaved, 16K tokens, H=32, Hkv=8, D=128 (FINDINGS section 1):
-    # causal 64 x 256 0.206 -> 0.141 ms (FA4 0.230), 8 x 2048 0.513 -> 0.452 (FA4 0.524),
-    # 4 x 4096 0.883 -> 0.837 (FA4 0.883), 32 random lengths 0.409 -> 0.298 (FA4 0.342);
-    # non-causal alike; 2 x 8192 a tie, 1 x 16384 3% slower, so longer sequences keep one CTA
-    # per tile. Narrowing the diagonal tile adds nothing there (+-2%).
+    # Dense attention over packed short sequences (every key sequence <= 4096, head dims 64 to
+    # 192) is a short KV range too: each 128-row tile sees at most 32 KV tiles, and one CTA per
+    # tile spends much of each tile on its prologue and epilogue. It takes the window schedule
+    # (persistent, ping-pong, storer warp, GQA heads side by side; two Q buffers up to 128).
+    # Session 8, H100, interleaved, 16K tokens, H=32, Hkv=8 (FINDINGS section 1): D=128 causal
+    # 64 x 256 0.206 -> 0.141 ms (FA4 0.230), 8 x 2048 0.513 -> 0.452 (FA4 0.524), 4 x 4096
+    # 0.883 -> 0.837 (FA4 0.883), 32 random lengths 0.409 -> 0.298 (FA4 0.342); non-causal
+    # alike; 2 x 8192 a tie, 1 x 16384 3% slower, so longer sequences keep one CTA per tile.
+    # D=192: 64 x 256 0.262 -> 0.209, 4 x 4096 1.336 -> 1.292, 32 random lengths 0.524 ->
+    # 0.424. Not D=256, whose persistent schedule has one K/V stage: 4 x 4096 1.70 -> 2.42.
+    # Narrowing the diagonal tile adds nothing there (+-2%).
     wide = head_dim > 128
     window = causal and 0 <= left < 2048 and compress_factor == 1
-    short_sequences = (max_seqlen_k is not None and max_seqlen_k <= 4096 and not wide
+    short_sequences = (max_seqlen_k is not None and max_seqlen_k <= 4096 and head_dim <= 192
                        and compress_factor == 1 and left < 0 and (causal or right < 0)
                        and sparse_block_size is None)
     short_lists = (sparse_block_size is not None and sparse_list_capacity is not None

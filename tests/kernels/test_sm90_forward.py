@@ -100,6 +100,8 @@ DENSE_CASES = [
     # Head dims 192 and 256: 64-key tiles, one Q buffer, the output staged in it when one CTA
     # takes one tile (256: dense and windows), one K/V stage for 256's persistent schedules.
     ([1000], 4, 4, 192, True, 1, (-1, -1)),
+    ([777, 1500], 8, 2, 192, False, 1, (-1, -1)),
+    ([4500], 4, 2, 192, True, 1, (-1, -1)),
     ([777, 300], 8, 2, 256, False, 1, (-1, -1)),
     ([1000, 130], 4, 2, 256, True, 1, (-1, -1)),
     ([2048, 99], 8, 2, 192, True, 1, (511, 0)),
