@@ -135,6 +135,11 @@ VARIANTS = {
                                    pingpong=False, store_warp=True),
     "grid+narrow": dict(persistent=False, heads_fastest=False, q_stages=1, pingpong=False,
                         narrow_first_tile=True),
+    # Head dim 256's persistent schedule (one Q buffer, one K/V stage, 64-key tiles), for
+    # cases whose dispatch is one tile per CTA there (packed short sequences).
+    "persistent+s1+n64+pingpong+sw+heads": dict(persistent=True, heads_fastest=True,
+                                                q_stages=1, pingpong=True, store_warp=True,
+                                                num_stages=1, tile_n=64),
 }
 
 
@@ -148,22 +153,40 @@ def variant_overrides(name: str) -> dict:
                 narrow_first_tile=False, o_in_q=False) | VARIANTS[name]
 
 
+def packed_lengths(n: int, short: str) -> list[int]:
+    """The sequence lengths of a packed case: "packed<L>" is n / L sequences of L tokens,
+    "mixed<S>" S random lengths (seeded) summing to n."""
+    if short.startswith("packed"):
+        length = int(short.removeprefix("packed"))
+        if n % length:
+            raise ValueError(f"{short}: {n} tokens are not a whole number of {length}-token "
+                             f"sequences")
+        return [length] * (n // length)
+    return _common.varlen_lengths(n, int(short.removeprefix("mixed")),
+                                  torch.Generator().manual_seed(0))
+
+
 def cases(n: int, heads: int, names=("window", "compressed", "dense")):
-    """(name, attended pairs per head, kwargs for run, FA4 kwargs or None, kv length) of the
-    short case names in `names` (CASE_NAMES)."""
+    """(name, attended pairs per head, kwargs for run, FA4 kwargs or None, kv length, packed
+    sequence lengths or None for one sequence of n) of the case names in `names`
+    (CASE_NAMES)."""
     for short in names:
-        if short == "window":
+        if short.startswith(("packed", "mixed")):  # dense causal over packed sequences
+            lengths = packed_lengths(n, short)
+            yield (CASE_NAMES[short], sum(_common.causal_pairs(m) for m in lengths),
+                   dict(causal=True), dict(causal=True), n, lengths)
+        elif short == "window":
             window = 512
             yield ("causal window 512", _common.capped_causal_pairs(n, window),
                    dict(causal=True, window_size=(window - 1, 0)),
-                   dict(causal=True, window_size=(window - 1, 0)), n)
+                   dict(causal=True, window_size=(window - 1, 0)), n, None)
         elif short == "compressed":
             cf = 64
             yield ("compress_factor 64", _common.compressed_pairs(n, cf),
-                   dict(causal=True, compress_factor=cf), None, n // cf)
+                   dict(causal=True, compress_factor=cf), None, n // cf, None)
         elif short == "dense":
             yield ("dense causal", _common.causal_pairs(n), dict(causal=True),
-                   dict(causal=True), n)
+                   dict(causal=True), n, None)
         else:  # bench_kernels' random lists: 5% / 25% of 128x128 blocks, or 16 64-key blocks
             import bench_kernels
 
@@ -177,14 +200,17 @@ def cases(n: int, heads: int, names=("window", "compressed", "dense")):
             if fa4_lists is not None:
                 fa4_kwargs = dict(causal=False, block_sparse_tensors=fa4_lists)
             yield (CASE_NAMES[short], pairs, dict(causal=False, block_sparse=ours_lists),
-                   fa4_kwargs, n)
+                   fa4_kwargs, n, None)
 
 
 # --case names (--cases here; one --case for the tools that run one: trace_sm90_forward,
 # launch_sm90_forward).
 CASE_NAMES = {"window": "causal window 512", "compressed": "compress_factor 64",
               "dense": "dense causal", "sparse5": "block-sparse 5%",
-              "sparse25": "block-sparse 25%", "selected16": "16 64-key blocks"}
+              "sparse25": "block-sparse 25%", "selected16": "16 64-key blocks",
+              "packed256": "causal 256-token seqs", "packed1024": "causal 1024-token seqs",
+              "packed4096": "causal 4096-token seqs", "packed8192": "causal 8192-token seqs",
+              "mixed32": "causal 32 random seqs"}
 
 
 def add_one_case_arguments(parser: argparse.ArgumentParser) -> None:
@@ -200,20 +226,26 @@ def one_case(args: argparse.Namespace, n: int, device: torch.device):
     --variant's spec overrides."""
     torch.manual_seed(0)
     q = torch.randn(n, args.heads, args.head_dim, device=device, dtype=torch.bfloat16)
-    name, _, kwargs, _, n_k = next(cases(n, args.heads, [args.case]))
-    k, v, call = case_inputs(q, n, n_k, kwargs, args.heads_kv)
+    name, _, kwargs, _, n_k, lengths = next(cases(n, args.heads, [args.case]))
+    k, v, call = case_inputs(q, n, n_k, kwargs, args.heads_kv, lengths)
     call["spec_overrides"] = variant_overrides(args.variant) if args.variant else None
     return name, q, k, v, call
 
 
-def case_inputs(q, n: int, n_k: int, kwargs: dict, heads_kv: int):
-    """Random k, v (n_k keys) for query q of one length-n sequence, and the `run` keywords of
-    the case."""
+def case_inputs(q, n: int, n_k: int, kwargs: dict, heads_kv: int, lengths=None):
+    """Random k, v (n_k keys) for query q of one length-n sequence (or of packed sequences of
+    `lengths`, keys alike), and the `run` keywords of the case."""
     k = torch.randn(n_k, heads_kv, q.shape[-1], device=q.device, dtype=q.dtype)
     v = torch.randn_like(k)
-    call = dict(cu_seqlens_q=torch.tensor([0, n], dtype=torch.int32, device=q.device),
-                cu_seqlens_k=torch.tensor([0, n_k], dtype=torch.int32, device=q.device),
-                max_seqlen_q=n, max_seqlen_k=n_k, softmax_scale=q.shape[-1] ** -0.5, **kwargs)
+    if lengths is None:
+        cu_q = torch.tensor([0, n], dtype=torch.int32, device=q.device)
+        cu_k = torch.tensor([0, n_k], dtype=torch.int32, device=q.device)
+        max_q, max_k = n, n_k
+    else:
+        cu_q = cu_k = _common.cu_seqlens_of(lengths, q.device)
+        max_q = max_k = max(lengths)
+    call = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q, max_seqlen_k=max_k,
+                softmax_scale=q.shape[-1] ** -0.5, **kwargs)
     return k, v, call
 
 
@@ -244,8 +276,8 @@ def main(argv=None):
     for n in args.seqlens:
         torch.manual_seed(0)
         q = torch.randn(n, args.heads, args.head_dim, device=device, dtype=torch.bfloat16)
-        for name, pairs, kwargs, fa4_kwargs, n_k in cases(n, args.heads, case_names):
-            k, v, call = case_inputs(q, n, n_k, kwargs, args.heads_kv)
+        for name, pairs, kwargs, fa4_kwargs, n_k, lengths in cases(n, args.heads, case_names):
+            k, v, call = case_inputs(q, n, n_k, kwargs, args.heads_kv, lengths)
             def tflops(ms, pairs=pairs):
                 return _common.attention_tflops(pairs, 1, args.heads, args.head_dim, ms,
                                                 backward=False)
@@ -253,10 +285,16 @@ def main(argv=None):
             timed = {}
             if fa4_kwargs is not None:
                 try:
-                    from flash_attn.cute.interface import flash_attn_func
+                    from flash_attn.cute.interface import flash_attn_func, flash_attn_varlen_func
 
-                    timed["FA4"] = lambda: flash_attn_func(q[None], k[None], v[None],
-                                                           **fa4_kwargs)
+                    if lengths is None:
+                        timed["FA4"] = lambda: flash_attn_func(q[None], k[None], v[None],
+                                                               **fa4_kwargs)
+                    else:
+                        packed = {key: call[key] for key in (
+                            "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k")}
+                        timed["FA4"] = lambda: flash_attn_varlen_func(q, k, v, **packed,
+                                                                      **fa4_kwargs)
                 except ImportError:
                     pass
             diffs = {}

@@ -312,3 +312,16 @@ def test_tune_rejects_unknown_cases_before_needing_a_gpu(capsys):
     with pytest.raises(SystemExit):
         tune.main(["--cases", "window,bogus"])
     assert "--cases: unknown ['bogus']" in capsys.readouterr().err
+
+
+def test_tune_packed_cases_split_the_tokens_into_sequences():
+    tune = load_tool("tune_sm90_forward")
+    assert tune.packed_lengths(16384, "packed256") == [256] * 64
+    mixed = tune.packed_lengths(16384, "mixed32")
+    assert len(mixed) == 32 and sum(mixed) == 16384 and min(mixed) >= 1
+    assert mixed == tune.packed_lengths(16384, "mixed32")  # seeded
+    with pytest.raises(ValueError, match="packed1024"):
+        tune.packed_lengths(1500, "packed1024")
+    name, pairs, kwargs, fa4_kwargs, n_k, lengths = next(tune.cases(1024, 4, ["packed256"]))
+    assert lengths == [256] * 4 and n_k == 1024 and kwargs == dict(causal=True)
+    assert pairs == 4 * 256 * 257 // 2
