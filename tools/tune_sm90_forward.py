@@ -135,6 +135,17 @@ VARIANTS = {
                                    pingpong=False, store_warp=True),
     "grid+narrow": dict(persistent=False, heads_fastest=False, q_stages=1, pingpong=False,
                         narrow_first_tile=True),
+    # 192x128 tiles, three consumer warpgroups (head dim 64: FA3's tile for it; 160 registers
+    # hold a 64-column output, 128-key scores and P).
+    "grid+m128": dict(persistent=False, heads_fastest=False, q_stages=1, pingpong=False,
+                      tile_m=128, tile_n=128),
+    "grid+m192+s3": dict(persistent=False, heads_fastest=False, q_stages=1, pingpong=False,
+                         tile_m=192, tile_n=128, num_stages=3),
+    "grid+m192": dict(persistent=False, heads_fastest=False, q_stages=1, pingpong=False,
+                      tile_m=192, tile_n=128),
+    "m192+persistent+q2+sw+heads": dict(persistent=True, heads_fastest=True, q_stages=2,
+                                        pingpong=False, tile_m=192, tile_n=128,
+                                        store_warp=True),
     # Head dim 256's persistent schedule (one Q buffer, one K/V stage, 64-key tiles), for
     # cases whose dispatch is one tile per CTA there (packed short sequences).
     "persistent+s1+n64+pingpong+sw+heads": dict(persistent=True, heads_fastest=True,
@@ -187,6 +198,8 @@ def cases(n: int, heads: int, names=("window", "compressed", "dense")):
         elif short == "dense":
             yield ("dense causal", _common.causal_pairs(n), dict(causal=True),
                    dict(causal=True), n, None)
+        elif short == "full":
+            yield ("dense non-causal", n * n, dict(causal=False), dict(causal=False), n, None)
         else:  # bench_kernels' random lists: 5% / 25% of 128x128 blocks, or 16 64-key blocks
             import bench_kernels
 
@@ -206,7 +219,7 @@ def cases(n: int, heads: int, names=("window", "compressed", "dense")):
 # --case names (--cases here; one --case for the tools that run one: trace_sm90_forward,
 # launch_sm90_forward).
 CASE_NAMES = {"window": "causal window 512", "compressed": "compress_factor 64",
-              "dense": "dense causal", "sparse5": "block-sparse 5%",
+              "dense": "dense causal", "full": "dense non-causal", "sparse5": "block-sparse 5%",
               "sparse25": "block-sparse 25%", "selected16": "16 64-key blocks",
               "packed256": "causal 256-token seqs", "packed1024": "causal 1024-token seqs",
               "packed4096": "causal 4096-token seqs", "packed8192": "causal 8192-token seqs",

@@ -21,8 +21,8 @@ class FwdSpec:
     block_sparse: bool         # iterate compact full/mask lists instead of a block range
     compressed: bool = False   # compress_factor may exceed 1 (its value is a runtime argument)
     tile_m: int = 128          # query rows per CTA, 64 per consumer warpgroup: 128 (two), 192
-                               # (three, 160 registers each: tile_n 64) or 64 (one, sized for
-                               # two CTAs per SM)
+                               # (three, 160 registers each: tile_n 64, or 128 at head dim 64)
+                               # or 64 (one, sized for two CTAs per SM)
     tile_n: int = 128          # keys per KV tile; the block-sparse column block size
     num_stages: int = 2        # K and V pipeline depth
     q_stages: int = 1          # Q buffers: 2 lets a persistent CTA load the next tile's Q early
@@ -155,6 +155,16 @@ def choose_spec(
     short_kv = ((sparse_block_size is None and (compress_factor != 1 or window))
                 or short_lists or short_sequences)
     persistent = short_kv and not (window and head_dim > 192)
+    # Head dim 64 over long KV ranges: 192x128 tiles, three consumer warpgroups (FA3's tile
+    # there). At 64 columns the output accumulator is 32 registers per thread, so 160 hold it
+    # beside 128-key scores and P (SASS: no spills), and a CTA has 50% more rows to hide each
+    # warpgroup's softmax under the others' products. Session 8, H100, interleaved
+    # (tune_sm90_forward.py --head-dim 64): dense causal 16K 2.708 -> 2.196 ms (FA4 1.879),
+    # 64K 42.20 -> 34.82 (FA4 32.11). Short ranges keep 128-row tiles (192 rows: packed
+    # 4096-token sequences 0.632 -> 0.686 ms, window 512 0.244 -> 0.317); block-sparse lists
+    # are built for 128-row tiles.
+    if head_dim == 64 and not short_kv and sparse_block_size is None:
+        tile_m = 192
     tile_n = sparse_block_size if sparse_block_size is not None else (64 if wide else 128)
     if head_dim > 192 and not short_kv and sparse_block_size is None:
         tile_n = 80  # FA4's width there; fits beside two stages with the output in the Q buffer

@@ -54,7 +54,7 @@ def test_dispatched_variant_compiles_for_sm90a(dtype, head_dim, call):
     assert callable(compiled)
 
 
-@pytest.mark.parametrize("head_dim", [128, 192, 256])
+@pytest.mark.parametrize("head_dim", [64, 128, 192, 256])
 @pytest.mark.parametrize("call", ["compressed-causal", "causal", "selected-sparse64-short"])
 def test_smem_footprint_matches_the_kernel(call, head_dim):
     """`FwdSpec.smem_bytes`, which the dispatcher checks against the SM's capacity, is the
@@ -137,6 +137,17 @@ def test_dispatch_picks_the_window_schedule_for_packed_short_sequences():
     # The compressed branch keeps its own schedule whatever its (short) key length.
     compressed = _spec("bfloat16", 128, "compressed-causal")
     assert compressed.narrow_first_tile and not compressed.heads_fastest
+
+
+def test_dispatch_gives_head_dim_64_192_row_tiles_over_long_ranges():
+    for call in ("causal", "dense"):
+        spec = _spec("bfloat16", 64, call)
+        assert (spec.tile_m, spec.tile_n) == (192, 128) and not spec.persistent
+        assert not spec.pingpong  # turns are for two warpgroups
+    for call in ("causal-short-sequences", "window-causal", "compressed-causal",
+                 "selected-sparse64"):
+        assert _spec("bfloat16", 64, call).tile_m == 128
+    assert _spec("bfloat16", 128, "causal").tile_m == 128
 
 
 def test_dispatch_sizes_wide_heads_to_shared_memory():

@@ -84,7 +84,8 @@ DENSE_CASES = [
     # (lengths, H, Hkv, D, causal, cf, window). Sequences of at most 4096 keys take the
     # persistent short-sequence schedule; longer ones one CTA per tile (`choose_spec`).
     ([5000, 77], 8, 2, 128, True, 1, (-1, -1)),
-    ([4200], 4, 4, 64, False, 1, (-1, -1)),
+    ([4200], 4, 4, 64, False, 1, (-1, -1)),  # head dim 64 over long ranges: 192-row tiles
+    ([5000, 300], 8, 2, 64, True, 1, (-1, -1)),
     ([1000], 4, 4, 128, True, 1, (-1, -1)),
     ([1000], 4, 4, 64, True, 1, (-1, -1)),
     ([777], 8, 2, 128, False, 1, (-1, -1)),
