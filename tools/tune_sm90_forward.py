@@ -139,6 +139,8 @@ VARIANTS = {
     # hold a 64-column output, 128-key scores and P).
     "grid+m128": dict(persistent=False, heads_fastest=False, q_stages=1, pingpong=False,
                       tile_m=128, tile_n=128),
+    "grid+m192+pingpong": dict(persistent=False, heads_fastest=False, q_stages=1, pingpong=True,
+                               tile_m=192, tile_n=128),
     "grid+m192+s3": dict(persistent=False, heads_fastest=False, q_stages=1, pingpong=False,
                          tile_m=192, tile_n=128, num_stages=3),
     "grid+m192": dict(persistent=False, heads_fastest=False, q_stages=1, pingpong=False,

@@ -29,9 +29,9 @@ from kernels.sm90.layouts import acc_mn_view
 
 _WARPGROUP = 128
 _ROWS = 64  # rows of one consumer warpgroup
-# Named barriers (0 is __syncthreads; 3 and 4 are the ping-pong turns, used with two
-# warpgroups only): 1 + wg guards warpgroup wg's staging when it stores itself; with a storer
-# warp, 5 + wg says "staged" and 8 + wg says "staging buffer free" (wg < 3).
+# Named barriers (0 is __syncthreads; 11 and 12-14 belong to kernels/sm90/fwd_sm90.py): 1 + wg
+# guards warpgroup wg's staging when it stores itself; with a storer warp, 5 + wg says "staged"
+# and 8 + wg says "staging buffer free" (wg < 3).
 _EPILOGUE_BARRIER = 1
 _STAGED_BARRIER = 5
 _FREE_BARRIER = 8

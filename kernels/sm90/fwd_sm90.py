@@ -48,9 +48,9 @@ from kernels.sm90.tile_scheduler import TileOrder
 from kernels.sm90 import trace
 
 _WARPGROUP = 128
-# Named barriers: 0 is __syncthreads; 3 + wg is warpgroup wg's turn to issue wgmma under
-# `FwdSpec.pingpong`; the output store's are in kernels/sm90/epilogue.py.
-_TURN_BARRIER = 3
+# Named barriers: 0 is __syncthreads; 12 + wg is warpgroup wg's turn to issue wgmma under
+# `FwdSpec.pingpong` (wg < 3); the output store's (1-10) are in kernels/sm90/epilogue.py.
+_TURN_BARRIER = 12
 # `FwdSpec.o_in_q`: the consumers meet here before staging the output in the Q buffer.
 _Q_DEAD_BARRIER = 11
 
@@ -76,7 +76,7 @@ class FlashAttentionForwardSm90(OverlapTiles):
         self.consumer_regs = min(
             240, (per_cta - _WARPGROUP * self.producer_regs)
             // (_WARPGROUP * self.num_consumer_warpgroups) // 8 * 8)
-        assert not (spec.pingpong and self.num_consumer_warpgroups != 2)
+        assert not (spec.pingpong and self.num_consumer_warpgroups == 1)
         assert not (spec.defer_store and not spec.persistent)
         assert not (spec.overlap_tiles and (not spec.persistent or spec.defer_store
                                             or spec.block_sparse))
@@ -314,7 +314,7 @@ class FlashAttentionForwardSm90(OverlapTiles):
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
             if const_expr(spec.pingpong):
-                # Warpgroup 0 takes the first turn.
+                # Warpgroup 0 takes the first turn (it arrives on its own turn barrier).
                 if tidx // _WARPGROUP == 1:
                     cute.arch.barrier_arrive(barrier_id=_TURN_BARRIER,
                                              number_of_threads=2 * _WARPGROUP)
@@ -770,16 +770,20 @@ class FlashAttentionForwardSm90(OverlapTiles):
         return k_consumer, v_consumer, tiled_mma_qk, tiled_mma_pv
 
     def wait_turn(self, tidx: Int32):
-        """`pingpong`: wait until the other consumer warpgroup has issued its wgmma."""
+        """`pingpong`: wait until the previous consumer warpgroup in turn order has issued its
+        wgmma."""
         if const_expr(self.spec.pingpong):
             cute.arch.barrier(barrier_id=_TURN_BARRIER + tidx // _WARPGROUP,
                               number_of_threads=2 * _WARPGROUP)
 
     def pass_turn(self, tidx: Int32):
-        """`pingpong`: let the other consumer warpgroup issue next, while this one computes
-        its softmax, so the tensor cores always have one warpgroup's work."""
+        """`pingpong`: let the next consumer warpgroup (round robin over two or three) issue,
+        while this one computes its softmax, so the tensor cores always have work queued.
+        Every warpgroup of a tile takes the same number of turns (one per KV tile and one for
+        the last P V), so the order never deadlocks."""
         if const_expr(self.spec.pingpong):
-            cute.arch.barrier_arrive(barrier_id=_TURN_BARRIER + 1 - tidx // _WARPGROUP,
+            next_wg = (tidx // _WARPGROUP + 1) % self.num_consumer_warpgroups
+            cute.arch.barrier_arrive(barrier_id=_TURN_BARRIER + next_wg,
                                      number_of_threads=2 * _WARPGROUP)
 
     @staticmethod

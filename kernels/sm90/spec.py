@@ -155,14 +155,16 @@ def choose_spec(
     short_kv = ((sparse_block_size is None and (compress_factor != 1 or window))
                 or short_lists or short_sequences)
     persistent = short_kv and not (window and head_dim > 192)
-    # Head dim 64 over long KV ranges: 192x128 tiles, three consumer warpgroups (FA3's tile
-    # there). At 64 columns the output accumulator is 32 registers per thread, so 160 hold it
-    # beside 128-key scores and P (SASS: no spills), and a CTA has 50% more rows to hide each
-    # warpgroup's softmax under the others' products. Session 8, H100, interleaved
-    # (tune_sm90_forward.py --head-dim 64): dense causal 16K 2.708 -> 2.196 ms (FA4 1.879),
-    # 64K 42.20 -> 34.82 (FA4 32.11). Short ranges keep 128-row tiles (192 rows: packed
-    # 4096-token sequences 0.632 -> 0.686 ms, window 512 0.244 -> 0.317); block-sparse lists
-    # are built for 128-row tiles.
+    # Head dim 64 over long KV ranges: 192x128 tiles, three consumer warpgroups taking turns
+    # round robin (FA3's tile and scheduling there). At 64 columns the output accumulator is 32
+    # registers per thread, so 160 hold it beside 128-key scores and P (SASS: no spills), and
+    # a CTA has 50% more rows to hide each warpgroup's softmax under the others' products.
+    # Session 8, H100, interleaved (tune_sm90_forward.py --head-dim 64): dense causal 16K
+    # 2.708 -> 2.196 ms with 192-row tiles (FA4 1.879), 64K 42.20 -> 34.82 (FA4 32.11); the
+    # turns then 2.32 -> 2.10 (FA4 1.95) and 34.76 -> 33.31 (FA4 31.94); non-causal 16K 5.23
+    # -> 4.07 -> 3.97 (FA4 3.80). Short ranges keep 128-row tiles (192 rows: packed 4096-token
+    # sequences 0.632 -> 0.686 ms, window 512 0.244 -> 0.317); block-sparse lists are built
+    # for 128-row tiles.
     if head_dim == 64 and not short_kv and sparse_block_size is None:
         tile_m = 192
     tile_n = sparse_block_size if sparse_block_size is not None else (64 if wide else 128)
@@ -184,7 +186,7 @@ def choose_spec(
         # A persistent CTA's next Q would land on an output staged in the Q buffer.
         o_in_q=wide and not persistent,
         num_stages=1 if head_dim > 192 and persistent else 2,
-        pingpong=persistent and tile_m == 128 and not short_lists,
+        pingpong=(persistent and tile_m == 128 and not short_lists) or tile_m == 192,
         store_warp=persistent,
         narrow_first_tile=short_kv and sparse_block_size is None
         and (compress_factor != 1 or not persistent),

@@ -73,6 +73,7 @@ SCHEDULES = [
     dict(persistent=False, q_stages=1),
     dict(persistent=True, q_stages=1, heads_fastest=True),
     dict(pingpong=True, tile_m=128, tile_n=128),
+    dict(pingpong=True, tile_m=192, tile_n=64, persistent=True, q_stages=2, store_warp=True),
     dict(tile_m=64, tile_n=64, persistent=False, pingpong=False),
     dict(persistent=True, q_stages=2, store_warp=True, defer_store=True),
     dict(persistent=False, q_stages=1, store_warp=True, defer_store=False),
@@ -143,7 +144,7 @@ def test_dispatch_gives_head_dim_64_192_row_tiles_over_long_ranges():
     for call in ("causal", "dense"):
         spec = _spec("bfloat16", 64, call)
         assert (spec.tile_m, spec.tile_n) == (192, 128) and not spec.persistent
-        assert not spec.pingpong  # turns are for two warpgroups
+        assert spec.pingpong  # three warpgroups, round robin
     for call in ("causal-short-sequences", "window-causal", "compressed-causal",
                  "selected-sparse64"):
         assert _spec("bfloat16", 64, call).tile_m == 128

@@ -211,6 +211,10 @@ SCHEDULES = {
                                       narrow_first_tile=False),
     "m192+persistent+q2+store_warp": dict(tile_m=192, tile_n=64, persistent=True, q_stages=2,
                                           pingpong=False, store_warp=True),
+    # Three warpgroups taking turns round robin.
+    "m192+pingpong": dict(tile_m=192, tile_n=64, pingpong=True),
+    "m192+persistent+q2+pingpong+store_warp": dict(tile_m=192, tile_n=64, persistent=True,
+                                                   q_stages=2, pingpong=True, store_warp=True),
     # One tile per CTA, the output staged in the Q buffer; the freed smem as a third K/V
     # stage or 96-key tiles.
     "grid+o_in_q": dict(persistent=False, q_stages=1, pingpong=False, store_warp=False,
