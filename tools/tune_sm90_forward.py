@@ -157,6 +157,10 @@ VARIANTS = {
     "persistent+s1+n64+pingpong+sw+heads": dict(persistent=True, heads_fastest=True,
                                                 q_stages=1, pingpong=True, store_warp=True,
                                                 num_stages=1, tile_n=64),
+    # ... or with 48-key tiles, which leave room for two K/V stages beside the output buffer.
+    "persistent+n48+pingpong+sw+heads": dict(persistent=True, heads_fastest=True, q_stages=1,
+                                             pingpong=True, store_warp=True, num_stages=2,
+                                             tile_n=48),
 }
 
 
