@@ -149,6 +149,12 @@ VARIANTS = {
                          tile_m=192, tile_n=128, num_stages=3),
     "grid+m192": dict(persistent=False, heads_fastest=False, q_stages=1, pingpong=False,
                       tile_m=192, tile_n=128),
+    "m192+n64+persistent+q2+pingpong+sw+narrow": dict(
+        persistent=True, heads_fastest=False, q_stages=2, pingpong=True, tile_m=192, tile_n=64,
+        store_warp=True, narrow_first_tile=True),
+    "m192+persistent+q2+pingpong+sw+heads": dict(persistent=True, heads_fastest=True,
+                                                 q_stages=2, pingpong=True, tile_m=192,
+                                                 tile_n=128, store_warp=True),
     "m192+persistent+q2+sw+heads": dict(persistent=True, heads_fastest=True, q_stages=2,
                                         pingpong=False, tile_m=192, tile_n=128,
                                         store_warp=True),
