@@ -26,6 +26,7 @@ TOOL_DESCRIPTIONS = {
     "plot_bench": "Charts (PNG)",
     "diagnose_memory": "size of the sparsity metadata",
     "trace_sm90_forward": "Where a work tile's time goes",
+    "dispatch_table": "dispatch at a glance",
 }
 
 
@@ -325,3 +326,9 @@ def test_tune_packed_cases_split_the_tokens_into_sequences():
     name, pairs, kwargs, fa4_kwargs, n_k, lengths = next(tune.cases(1024, 4, ["packed256"]))
     assert lengths == [256] * 4 and n_k == 1024 and kwargs == dict(causal=True)
     assert pairs == 4 * 256 * 257 // 2
+
+
+def test_docs_dispatch_table_is_the_dispatchers():
+    table = load_tool("dispatch_table").table()
+    docs = (REPO / "docs" / "kernels.md").read_text()
+    assert "\n".join(table) in docs, "docs/kernels.md: rerun `python tools/dispatch_table.py`"
