@@ -172,7 +172,9 @@ VARIANTS = {
 
 def variant_overrides(name: str) -> dict:
     """FwdSpec fields of a variant; the output-path switches it does not name are off (not the
-    dispatcher's picks), so a variant means the same kernel whatever the dispatch.
+    dispatcher's picks), so a variant means the same kernel whatever the dispatch. Fields it
+    does not name at all keep the dispatcher's pick: a variant without tile_m/tile_n runs
+    192x128 tiles at head dim 64 over long ranges, 128x128 (or 64-key) tiles elsewhere.
     "dispatched" is the dispatcher's own pick (no overrides)."""
     if name == "dispatched":
         return {}

@@ -46,6 +46,8 @@ def can_run(q, k, v, *, block_sparse=None, causal=False, window_size=(-1, -1),
         if block_sparse.col_block_size not in SPARSE_TILE_N:
             return False, (f"block-sparse col_block_size {block_sparse.col_block_size} not in "
                            f"{SPARSE_TILE_N}")
+    if q.dim() == 4:  # padded batch: every key sequence is k.shape[1] long (as `run` takes it)
+        max_seqlen_k = k.shape[1]
     try:  # the tiles of some cases do not fit shared memory (wide heads with 128-key blocks)
         _spec_for(q, causal, window_size, block_sparse, compress_factor, max_seqlen_k)
     except ValueError as error:
@@ -59,7 +61,7 @@ def _spec_for(q, causal, window_size, block_sparse, compress_factor=1, max_seqle
 
     return choose_spec(
         dtype=str(q.dtype).removeprefix("torch."), head_dim=q.shape[-1], causal=causal,
-        window_size=tuple(window_size), compress_factor=compress_factor,
+        window_size=window_size, compress_factor=compress_factor,
         sparse_block_size=block_sparse.col_block_size if block_sparse is not None else None,
         sparse_list_capacity=(block_sparse.full_index.shape[-1] + block_sparse.mask_index.shape[-1]
                               if block_sparse is not None else None),

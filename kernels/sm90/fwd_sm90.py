@@ -49,7 +49,7 @@ from kernels.sm90 import trace
 
 _WARPGROUP = 128
 # Named barriers: 0 is __syncthreads; 12 + wg is warpgroup wg's turn to issue wgmma under
-# `FwdSpec.pingpong` (wg < 3); the output store's (1-10) are in kernels/sm90/epilogue.py.
+# `FwdSpec.pingpong` (wg < 3); the output store's (1-3 and 5-10) are in kernels/sm90/epilogue.py.
 _TURN_BARRIER = 12
 # `FwdSpec.o_in_q`: the consumers meet here before staging the output in the Q buffer.
 _Q_DEAD_BARRIER = 11

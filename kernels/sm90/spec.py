@@ -75,9 +75,10 @@ SMEM_PER_CTA = 227 * 1024
 SMEM_RESERVED_PER_CTA = 1024
 
 
-# Cached: `can_run` and `run` both ask for the spec of every launch (a frozen dataclass, safe
-# to share).
-@functools.lru_cache(maxsize=256)
+# Packed sequences of at most this many keys take the persistent short-range schedule.
+SHORT_SEQUENCE_KEYS = 4096
+
+
 def choose_spec(
     *, dtype: str, head_dim: int, causal: bool, window_size: tuple[int, int],
     compress_factor: int = 1, sparse_block_size: int | None = None,
@@ -87,6 +88,24 @@ def choose_spec(
     """The kernel variant the dispatcher compiles for a call (tools/tune_sm90_forward.py
     measures the alternatives). `max_seqlen_k` (the longest key sequence; None: unknown) only
     picks among compiled variants: it is not part of the compile key."""
+    # The cached choice sees hashable, coarse arguments: a list window and every distinct
+    # max_seqlen_k would otherwise fail to hash or crowd the cache.
+    return _choose_spec(
+        dtype=dtype, head_dim=head_dim, causal=bool(causal),
+        window_size=(int(window_size[0]), int(window_size[1])),
+        compress_factor=compress_factor, sparse_block_size=sparse_block_size,
+        sparse_list_capacity=sparse_list_capacity, tile_m=tile_m,
+        short_keys=max_seqlen_k is not None and max_seqlen_k <= SHORT_SEQUENCE_KEYS)
+
+
+# Cached: `can_run` and `run` both ask for the spec of every launch (a frozen dataclass, safe
+# to share).
+@functools.lru_cache(maxsize=256)
+def _choose_spec(
+    *, dtype: str, head_dim: int, causal: bool, window_size: tuple[int, int],
+    compress_factor: int, sparse_block_size: int | None, sparse_list_capacity: int | None,
+    tile_m: int, short_keys: bool,
+) -> FwdSpec:
     left, right = window_size
     # Short KV ranges per query tile (a causal window, compressed keys): persistent CTAs walking
     # 128x128 tiles with two Q buffers, ping-pong between the consumer warpgroups, and the
@@ -147,7 +166,7 @@ def choose_spec(
     # Narrowing the diagonal tile adds nothing there (+-2%).
     wide = head_dim > 128
     window = causal and 0 <= left < 2048 and compress_factor == 1
-    short_sequences = (max_seqlen_k is not None and max_seqlen_k <= 4096 and head_dim <= 192
+    short_sequences = (short_keys and head_dim <= 192
                        and compress_factor == 1 and left < 0 and (causal or right < 0)
                        and sparse_block_size is None)
     short_lists = (sparse_block_size is not None and sparse_list_capacity is not None

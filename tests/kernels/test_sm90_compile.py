@@ -135,6 +135,10 @@ def test_dispatch_picks_the_window_schedule_for_packed_short_sequences():
                            max_seqlen_k=max_seqlen_k)
     assert causal_spec(4096).persistent
     assert not causal_spec(4097).persistent and not causal_spec(None).persistent
+    # A list window (flash-attn callers pass them) picks what the tuple does, and key lengths
+    # on one side of the bound share one cached spec.
+    assert choose_spec(dtype="bfloat16", head_dim=128, causal=True, window_size=[-1, 0],
+                       max_seqlen_k=1000) is causal_spec(4096)
     # The compressed branch keeps its own schedule whatever its (short) key length.
     compressed = _spec("bfloat16", 128, "compressed-causal")
     assert compressed.narrow_first_tile and not compressed.heads_fastest

@@ -81,11 +81,14 @@ def _check(q, k, v, spec_overrides=None, **kwargs):
 
 
 DENSE_CASES = [
-    # (lengths, H, Hkv, D, causal, cf, window). Sequences of at most 4096 keys take the
-    # persistent short-sequence schedule; longer ones one CTA per tile (`choose_spec`).
+    # (lengths, H, Hkv, D, causal, cf, window). Dense sequences of at most 4096 keys take the
+    # persistent short-sequence schedule at head dims up to 192; longer ones, and head dim 256,
+    # one CTA per tile (`choose_spec`).
     ([5000, 77], 8, 2, 128, True, 1, (-1, -1)),
     ([4200], 4, 4, 64, False, 1, (-1, -1)),  # head dim 64 over long ranges: 192-row tiles
     ([5000, 300], 8, 2, 64, True, 1, (-1, -1)),
+    ([4500, 300], 4, 2, 64, False, 1, (100, 50)),  # 192-row tiles with both window edges
+    ([5000, 77], 8, 2, 64, True, 1, (2500, 0)),  # a long window: 192-row tiles too
     ([1000], 4, 4, 128, True, 1, (-1, -1)),
     ([1000], 4, 4, 64, True, 1, (-1, -1)),
     ([777], 8, 2, 128, False, 1, (-1, -1)),
@@ -180,72 +183,95 @@ def test_many_short_sequences():
            max_seqlen_k=max(lengths), softmax_scale=0.09, causal=True)
 
 
+# One CTA per query tile, every output-path switch off: the baseline each schedule below adds
+# to. Entries spell out the schedule they test, since the dispatcher's own pick for a case
+# (persistent for short ranges and packed short sequences) would otherwise leak in.
+GRID = dict(persistent=False, heads_fastest=False, q_stages=1, pingpong=False, store_warp=False,
+            defer_store=False, overlap_tiles=False, o_in_q=False)
 SCHEDULES = {
-    "grid+heads": dict(heads_fastest=True),
-    "persistent": dict(persistent=True),
-    "persistent+heads": dict(persistent=True, heads_fastest=True),
-    "persistent+heads+q2": dict(persistent=True, heads_fastest=True, q_stages=2),
-    "pingpong": dict(pingpong=True, tile_m=128),
-    "persistent+q2+pingpong": dict(persistent=True, q_stages=2, pingpong=True, tile_m=128),
-    "m64": dict(tile_m=64, tile_n=64, pingpong=False),
-    "m64+persistent+q2": dict(tile_m=64, tile_n=64, persistent=True, q_stages=2,
-                              pingpong=False),
+    "grid+heads": GRID | dict(heads_fastest=True),
+    "persistent": GRID | dict(persistent=True),
+    "persistent+heads": GRID | dict(persistent=True, heads_fastest=True),
+    "persistent+heads+q2": GRID | dict(persistent=True, heads_fastest=True, q_stages=2),
+    "pingpong": GRID | dict(pingpong=True, tile_m=128),
+    "persistent+q2+pingpong": GRID | dict(persistent=True, q_stages=2, pingpong=True, tile_m=128),
+    "m64": GRID | dict(tile_m=64, tile_n=64),
+    "m64+persistent+q2": GRID | dict(tile_m=64, tile_n=64, persistent=True, q_stages=2),
     # The output's path: stored by a storer warp, or under the next tile's first Q K^T.
-    "grid+store_warp": dict(persistent=False, q_stages=1, store_warp=True, defer_store=False),
-    "persistent+q2+store_warp": dict(persistent=True, q_stages=2, store_warp=True,
-                                     defer_store=False, tile_m=128),
-    "persistent+q2+defer": dict(persistent=True, q_stages=2, store_warp=False,
-                                defer_store=True, tile_m=128,
-                                narrow_first_tile=False),
-    "persistent+q2+store_warp+defer": dict(persistent=True, q_stages=2, store_warp=True,
-                                           defer_store=True, pingpong=True, tile_m=128,
-                                           narrow_first_tile=False),
-    "m64+persistent+q2+store_warp": dict(tile_m=64, tile_n=64, persistent=True, q_stages=2,
-                                         pingpong=False, store_warp=True),
+    "grid+store_warp": GRID | dict(store_warp=True),
+    "persistent+q2+store_warp": GRID | dict(persistent=True, q_stages=2, store_warp=True,
+                                            tile_m=128),
+    "persistent+q2+defer": GRID | dict(persistent=True, q_stages=2, defer_store=True,
+                                       tile_m=128, narrow_first_tile=False),
+    "persistent+q2+store_warp+defer": GRID | dict(persistent=True, q_stages=2, store_warp=True,
+                                                  defer_store=True, pingpong=True, tile_m=128,
+                                                  narrow_first_tile=False),
+    "m64+persistent+q2+store_warp": GRID | dict(tile_m=64, tile_n=64, persistent=True,
+                                                q_stages=2, store_warp=True),
     # A tile's last P V under the next tile's first softmax (not for block-sparse lists).
-    "persistent+q2+overlap": dict(persistent=True, q_stages=2, overlap_tiles=True,
-                                  pingpong=True, store_warp=True, tile_m=128,
-                                  narrow_first_tile=False),
-    "m64+persistent+q2+overlap": dict(tile_m=64, tile_n=64, persistent=True, q_stages=2,
-                                      pingpong=False, store_warp=True, overlap_tiles=True,
-                                      narrow_first_tile=False),
-    "m192+persistent+q2+store_warp": dict(tile_m=192, tile_n=64, persistent=True, q_stages=2,
-                                          pingpong=False, store_warp=True),
+    "persistent+q2+overlap": GRID | dict(persistent=True, q_stages=2, overlap_tiles=True,
+                                         pingpong=True, store_warp=True, tile_m=128,
+                                         narrow_first_tile=False),
+    "m64+persistent+q2+overlap": GRID | dict(tile_m=64, tile_n=64, persistent=True, q_stages=2,
+                                             store_warp=True, overlap_tiles=True,
+                                             narrow_first_tile=False),
+    "m192+persistent+q2+store_warp": GRID | dict(tile_m=192, tile_n=64, persistent=True,
+                                                 q_stages=2, store_warp=True),
     # Three warpgroups taking turns round robin.
-    "m192+pingpong": dict(tile_m=192, tile_n=64, pingpong=True),
-    "m192+persistent+q2+pingpong+store_warp": dict(tile_m=192, tile_n=64, persistent=True,
-                                                   q_stages=2, pingpong=True, store_warp=True),
+    "m192+pingpong": GRID | dict(tile_m=192, tile_n=64, pingpong=True),
+    "m192+persistent+q2+pingpong+store_warp": GRID | dict(
+        tile_m=192, tile_n=64, persistent=True, q_stages=2, pingpong=True, store_warp=True),
     # One tile per CTA, the output staged in the Q buffer; the freed smem as a third K/V
     # stage or 96-key tiles.
-    "grid+o_in_q": dict(persistent=False, q_stages=1, pingpong=False, store_warp=False,
-                        o_in_q=True),
-    "grid+o_in_q+s3": dict(persistent=False, q_stages=1, pingpong=False, store_warp=False,
-                           o_in_q=True, num_stages=3),
-    "grid+o_in_q+n96": dict(persistent=False, q_stages=1, pingpong=False, store_warp=False,
-                            o_in_q=True, tile_n=96, narrow_first_tile=False),
+    "grid+o_in_q": GRID | dict(o_in_q=True),
+    "grid+o_in_q+s3": GRID | dict(o_in_q=True, num_stages=3),
+    "grid+o_in_q+n96": GRID | dict(o_in_q=True, tile_n=96, narrow_first_tile=False),
     # The first KV tile multiplied only as far as each warpgroup sees (an arithmetic switch:
     # the one-CTA kernel it is compared with has it too).
-    "narrow": dict(narrow_first_tile=True, pingpong=False),
-    "persistent+q2+pingpong+store_warp+narrow": dict(
+    "narrow": GRID | dict(narrow_first_tile=True),
+    "persistent+q2+pingpong+store_warp+narrow": GRID | dict(
         persistent=True, q_stages=2, pingpong=True, store_warp=True, tile_m=128, tile_n=128,
         narrow_first_tile=True),
     # Windows' and packed short sequences' dispatched schedule.
-    "persistent+q2+pingpong+store_warp+heads": dict(
+    "persistent+q2+pingpong+store_warp+heads": GRID | dict(
         persistent=True, q_stages=2, pingpong=True, store_warp=True, heads_fastest=True,
         tile_m=128, tile_n=128),
+    # Head dim 64 over long ranges: 192x128 tiles, three warpgroups' turns (dispatched), and
+    # the same tile persistent.
+    "m192n128+pingpong": GRID | dict(tile_m=192, tile_n=128, pingpong=True),
+    "m192n128+pingpong+heads": GRID | dict(tile_m=192, tile_n=128, pingpong=True,
+                                           heads_fastest=True),
+    "m192n128+persistent+q2+pingpong+store_warp": GRID | dict(
+        tile_m=192, tile_n=128, persistent=True, q_stages=2, pingpong=True, store_warp=True),
 }
 SCHEDULE_CASES = {
     # lengths (query; keys are lengths // cf), H, Hkv, D, causal, cf, window, block-sparse density
-    "varlen-causal": ([3000, 129, 1, 700], 8, 2, 128, True, 1, (-1, -1), None),
+    # A sequence over 4096 keys: the dispatcher's own pick is one CTA per tile.
+    "varlen-causal": ([5000, 129, 1, 700], 8, 2, 128, True, 1, (-1, -1), None),
     "window": ([5000, 300], 8, 2, 128, True, 1, (511, 0), None),
     "compressed": ([9000, 1000, 64], 8, 2, 128, True, 64, (-1, -1), None),
     "sparse64": ([4000, 1500, 129], 8, 2, 64, True, 1, (-1, -1), 0.3),
+    "dense64": ([5000, 130, 1, 900], 8, 2, 64, True, 1, (-1, -1), None),
 }
 
 
+def _schedule_applies(case, schedule):
+    """Whether a schedule can run a case: block-sparse lists fix the tile to their 128x64 blocks
+    and are not a KV range to overlap or narrow; 192x128 tiles are for head dim 64 (at 128
+    they spill), whose case runs them and the short-range schedules only."""
+    fields, dim, density = SCHEDULES[schedule], SCHEDULE_CASES[case][3], SCHEDULE_CASES[case][7]
+    if density is not None:
+        return (fields.get("tile_m", 128) == 128 and "tile_n" not in fields
+                and not fields.get("overlap_tiles") and not fields.get("narrow_first_tile"))
+    if case == "dense64":
+        return schedule.startswith("m192n128") or schedule in (
+            "persistent+q2+pingpong+store_warp+heads", "grid+heads", "persistent+q2+store_warp")
+    return not schedule.startswith("m192n128") or dim == 64
+
+
 @requires_sm90
-@pytest.mark.parametrize("schedule", list(SCHEDULES))
-@pytest.mark.parametrize("case", list(SCHEDULE_CASES))
+@pytest.mark.parametrize("case,schedule", [(c, s) for c in SCHEDULE_CASES for s in SCHEDULES
+                                           if _schedule_applies(c, s)])
 def test_tile_schedules_match_the_grid_kernel(case, schedule):
     """Persistent CTAs, GQA-grouped tile order, a second Q buffer, ping-pong and two CTAs per SM
     change only which CTA runs which tile and when: outputs must equal those of the one-CTA-per-
@@ -253,12 +279,6 @@ def test_tile_schedules_match_the_grid_kernel(case, schedule):
     from kernels.sm90.forward import run
 
     lengths, heads, heads_kv, dim, causal, cf, window, density = SCHEDULE_CASES[case]
-    if density is not None and (SCHEDULES[schedule].get("tile_m", 128) != 128
-                                or "tile_n" in SCHEDULES[schedule]):
-        pytest.skip("block-sparse lists fix the tile to their 128x64 blocks")
-    if density is not None and (SCHEDULES[schedule].get("overlap_tiles")
-                                or SCHEDULES[schedule].get("narrow_first_tile")):
-        pytest.skip("overlap_tiles and narrow_first_tile walk a KV range, not block-sparse lists")
     torch.manual_seed(4)
     lengths_k = [n // cf for n in lengths]
     q = torch.randn(sum(lengths), heads, dim, device="cuda", dtype=torch.bfloat16)
@@ -275,10 +295,7 @@ def test_tile_schedules_match_the_grid_kernel(case, schedule):
     _check(q, k, v, spec_overrides=schedule, **kwargs)
     same_tile = {key: schedule[key] for key in ("tile_m", "tile_n", "narrow_first_tile")
                  if key in schedule}
-    grid_out, grid_lse = run(q, k, v, spec_overrides=dict(
-        persistent=False, heads_fastest=False, q_stages=1, pingpong=False, store_warp=False,
-        defer_store=False, overlap_tiles=False, o_in_q=False, **same_tile),
-        **kwargs)
+    grid_out, grid_lse = run(q, k, v, spec_overrides=GRID | same_tile, **kwargs)
     out, lse = run(q, k, v, spec_overrides=schedule, **kwargs)
     torch.cuda.synchronize()
     assert torch.equal(out, grid_out)
