@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from kernels.gated_sum import GatedSum
 from nsa.branches import Branch, compressed_branch, selected_branch, window_branch
 from nsa.compression import (compress, compress_backward, compressed_block_rows,
                              compressed_cu_seqlens, compute_dtype)
@@ -45,20 +46,21 @@ class NSAFunction(torch.autograd.Function):
         k_cmp, v_cmp = k_cmp.to(k.dtype), compress(v, rows, W_v).to(v.dtype)
         del rows
 
-        gates = gate_weights(q, W_gate, config.branches)
-        out = torch.zeros(q.shape, dtype=compute_dtype(q.dtype), device=q.device)
+        # One pass over the branch outputs on sm90; elsewhere a float32 sum that frees each
+        # output as it is added (kernels/gated_sum.py).
+        out = GatedSum(gate_weights(q, W_gate, config.branches), like=q)
         lses = []
         for branch in branches:
             keys, values = (k_cmp, v_cmp) if branch.reads_compressed else (k, v)
             branch_out, lse = branch.forward(q, keys, values)
-            out.addcmul_(gates[..., branch.index, None], branch_out)
+            out.add(branch.index, branch_out)
             lses.append(lse)
             del branch_out
         del k_cmp, v_cmp
 
         ctx.save_for_backward(q, k, v, W_k, W_v, W_gate, cu_seqlens, cu_seqlens_cmp, *lses)
         ctx.branches, ctx.config, ctx.sequences = branches, config, sequences
-        return out.to(q.dtype)
+        return out.result()
 
     @staticmethod
     def backward(ctx, dout: Tensor):

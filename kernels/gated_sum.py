@@ -1,0 +1,99 @@
+"""GatedSum: out = sum_b g[..., b] * o_b over branch outputs that arrive one at a time.
+
+NSA's forward combines its branch outputs with per-row, per-head gates. Two ways, one result
+(float32 sums, rounded once to the output dtype):
+
+- sm90 (CuTe DSL, `kernels.sm90.gated_sum`): keeps the branch outputs until `result()`, then
+  one pass reads each once and writes the sum into the first one's storage. Peak memory: the
+  terms themselves.
+- torch (everywhere else): a float32 (float64 for float64) accumulator updated as each term
+  arrives, so a term can be freed right after `add`. Peak memory: the accumulator (twice a
+  half-precision term) and one term.
+
+On an H100 the torch path takes 4.9 ms for 3 terms of 64K x 32 x 128 bf16 (FINDINGS section 2,
+session 9), which made it the largest single stage of `nsa()`'s forward at 64K.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import Tensor
+
+from .interface import DISABLE_ENV, _device_unsupported
+
+KERNEL_DTYPES = (torch.bfloat16, torch.float16)
+
+
+class GatedSum:
+    """Accumulate `gates[..., column] * term` for terms shaped like `like`, then `result()`.
+
+    gates: (T, H, G) floating, on like's device; terms: (T, H, D) with like's shape and dtype.
+    """
+
+    def __init__(self, gates: Tensor, like: Tensor):
+        if gates.dim() != 3 or gates.shape[:2] != like.shape[:2]:
+            raise ValueError(f"gates: expected shape ({like.shape[0]}, {like.shape[1]}, G) for "
+                             f"terms of shape {tuple(like.shape)}, got {tuple(gates.shape)}")
+        if not gates.is_floating_point() or gates.device != like.device:
+            raise ValueError(f"gates: expected a floating tensor on {like.device}, got "
+                             f"{gates.dtype} on {gates.device}")
+        self.like = like
+        self.backend, self.reason = self._choose_backend(like)
+        accumulate = torch.promote_types(like.dtype, torch.float32)
+        if self.backend == "sm90":
+            self.gates = gates.to(torch.float32).contiguous()
+            self.terms: list[Tensor] = []
+            self.columns: list[int] = []
+        else:
+            self.gates = gates.to(accumulate)
+            self.total = torch.zeros(like.shape, dtype=accumulate, device=like.device)
+
+    @staticmethod
+    def _choose_backend(like: Tensor) -> tuple[str, str]:
+        """("sm90", "") or ("torch", why not the kernel)."""
+        if os.environ.get(DISABLE_ENV) == "1":
+            return "torch", f"{DISABLE_ENV}=1"
+        unsupported = _device_unsupported(like.device)
+        if unsupported:
+            return "torch", unsupported
+        if like.dtype not in KERNEL_DTYPES:
+            return "torch", f"dtype {like.dtype} (the kernel takes bfloat16/float16)"
+        if like.dim() != 3 or like.shape[-1] % 8:
+            return "torch", f"shape {tuple(like.shape)} (the kernel takes (T, H, D), D % 8 == 0)"
+        if like.numel() >= 2 ** 31:
+            return "torch", f"{like.numel()} elements (the kernel indexes 32-bit)"
+        try:
+            import kernels.sm90.gated_sum  # noqa: F401
+        except ImportError as error:
+            return "torch", f"kernels.sm90.gated_sum unavailable ({error})"
+        return "sm90", ""
+
+    def add(self, column: int, term: Tensor) -> None:
+        if term.shape != self.like.shape or term.dtype != self.like.dtype:
+            raise ValueError(f"term: expected {tuple(self.like.shape)} {self.like.dtype}, got "
+                             f"{tuple(term.shape)} {term.dtype}")
+        if not 0 <= column < self.gates.shape[-1]:
+            raise ValueError(f"column: {column} outside the {self.gates.shape[-1]} gate columns")
+        if self.backend == "sm90":
+            from kernels.sm90.gated_sum import MAX_TERMS
+
+            if len(self.terms) == MAX_TERMS:
+                raise ValueError(f"term: at most {MAX_TERMS} terms on the sm90 path")
+            self.terms.append(term.contiguous())
+            self.columns.append(column)
+        else:
+            self.total.addcmul_(self.gates[..., column, None], term)
+
+    def result(self) -> Tensor:
+        """The sum in like's dtype (zeros without terms). On the sm90 path it lives in the
+        first term's storage: that term must not be used afterwards."""
+        if self.backend != "sm90":
+            return self.total.to(self.like.dtype)
+        if not self.terms:
+            return torch.zeros_like(self.like)
+        from kernels.sm90 import gated_sum
+
+        out = gated_sum.run(self.terms, self.columns, self.gates)
+        self.terms.clear()
+        return out

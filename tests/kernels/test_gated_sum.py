@@ -1,0 +1,118 @@
+"""GatedSum (kernels/gated_sum.py): the gated combination of NSA's branch outputs.
+
+CPU: the torch path against an explicit float64 sum, the errors, the CuTe DSL kernel's sm_90a
+builds. GPU (sm_90): the kernel against the float64 sum, to one rounding of the output dtype.
+"""
+import pytest
+import torch
+
+from kernels.gated_sum import GatedSum
+
+
+def _problem(rows, heads, dim, dtype, terms, device="cpu", gate_width=3, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    outputs = [torch.randn(rows, heads, dim, generator=gen).to(device=device, dtype=dtype)
+               for _ in range(terms)]
+    gates = torch.rand(rows, heads, gate_width, generator=gen).to(device)
+    return outputs, gates
+
+
+def _exact(outputs, gates, columns):
+    return sum(gates[..., c, None].double() * o.double() for o, c in zip(outputs, columns))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float64])
+def test_torch_path_sums_in_float32_and_rounds_once(dtype):
+    outputs, gates = _problem(37, 3, 24, dtype, terms=3)
+    total = GatedSum(gates, like=outputs[0])
+    assert total.backend == "torch" and "cpu" in total.reason
+    for column, out in zip((2, 0, 1), outputs):
+        total.add(column, out)
+    result = total.result()
+    exact = _exact(outputs, gates, (2, 0, 1))
+    assert result.dtype == dtype and result.shape == outputs[0].shape
+    eps = torch.finfo(dtype).eps
+    torch.testing.assert_close(result.double(), exact, rtol=eps, atol=10 * eps)
+
+
+def test_no_terms_give_zeros():
+    outputs, gates = _problem(5, 2, 8, torch.bfloat16, terms=1)
+    assert torch.equal(GatedSum(gates, like=outputs[0]).result(), torch.zeros_like(outputs[0]))
+
+
+def test_bad_input_names_the_argument():
+    outputs, gates = _problem(6, 2, 8, torch.bfloat16, terms=2)
+    with pytest.raises(ValueError, match="gates: expected shape"):
+        GatedSum(gates[:5], like=outputs[0])
+    with pytest.raises(ValueError, match="gates: expected a floating tensor"):
+        GatedSum(gates.to(torch.int32), like=outputs[0])
+    total = GatedSum(gates, like=outputs[0])
+    with pytest.raises(ValueError, match="term: expected"):
+        total.add(0, outputs[1].float())
+    with pytest.raises(ValueError, match="term: expected"):
+        total.add(0, outputs[1][:3])
+    with pytest.raises(ValueError, match="column: 3 outside"):
+        total.add(3, outputs[1])
+
+
+def test_disable_env_keeps_the_torch_path(monkeypatch):
+    monkeypatch.setenv("NSA_CUTE_DISABLE", "1")
+    outputs, gates = _problem(4, 2, 8, torch.bfloat16, terms=1)
+    total = GatedSum(gates, like=outputs[0])
+    assert total.backend == "torch" and "NSA_CUTE_DISABLE" in total.reason
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("head_dim", [64, 128, 192, 256])
+@pytest.mark.parametrize("columns", [(0, 1), (0, 1, 2)], ids=["2terms", "3terms"])
+def test_kernel_builds_for_sm90(dtype, head_dim, columns):
+    pytest.importorskip("cutlass")  # CUTE_DSL_ARCH=sm_90a: tests/conftest.py
+    from kernels.sm90.gated_sum import GatedSumSpec, compile_gated_sum_on_fake_tensors
+
+    assert compile_gated_sum_on_fake_tensors(GatedSumSpec(dtype, head_dim, columns, 3))
+
+
+def test_kernel_spec_rejects_what_it_cannot_build():
+    pytest.importorskip("cutlass")
+    from kernels.sm90.gated_sum import GatedSumSpec
+
+    with pytest.raises(ValueError, match="head_dim 100"):
+        GatedSumSpec("bfloat16", 100, (0, 1), 3)
+    with pytest.raises(ValueError, match="columns"):
+        GatedSumSpec("bfloat16", 128, (0, 3), 3)
+    with pytest.raises(ValueError, match="dtype"):
+        GatedSumSpec("float32", 128, (0,), 3)
+
+
+def _sm90():
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _sm90(), reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("case", [
+    # rows, heads, head dim, gate columns of the terms (rows x heads x dim / 8 threads: never a
+    # whole number of 256-thread blocks, so the last block's bound check runs)
+    (1000, 3, 128, (0, 1, 2)),
+    (777, 32, 64, (0, 1)),
+    (513, 5, 192, (2, 0)),
+    (129, 7, 256, (1,)),
+    (16384, 32, 128, (0, 1, 2)),
+], ids=lambda c: f"T{c[0]}-H{c[1]}-D{c[2]}-cols{''.join(map(str, c[3]))}")
+def test_kernel_matches_the_exact_sum_to_one_rounding(case, dtype):
+    rows, heads, dim, columns = case
+    outputs, gates = _problem(rows, heads, dim, dtype, len(columns), device="cuda", seed=rows)
+    exact = _exact(outputs, gates, columns)
+    total = GatedSum(gates, like=outputs[0])
+    assert total.backend == "sm90", total.reason
+    for column, out in zip(columns, outputs):
+        total.add(column, out)
+    result = total.result()
+    torch.cuda.synchronize()
+    assert result.dtype == dtype and result.shape == (rows, heads, dim)
+    # One rounding of a float32 sum: within half an ulp of the exact value, plus float32 noise
+    # (~1e-7 of the terms' magnitude), and almost always the correctly rounded value itself.
+    error = (result.double() - exact).abs()
+    assert (error <= exact.abs() * torch.finfo(dtype).eps / 2 + 1e-6).all(), error.max()
+    assert (result != exact.to(dtype)).float().mean() < 1e-3
