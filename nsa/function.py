@@ -40,7 +40,7 @@ class NSAFunction(torch.autograd.Function):
             host_cu_seqlens = tuple(cu_seqlens.tolist())
         sequences = PackedSequences(tuple(host_cu_seqlens), max_seqlen)
         cu_seqlens_cmp = compressed_cu_seqlens(cu_seqlens, config.compress_block_size)
-        rows = _compressed_rows(cu_seqlens, cu_seqlens_cmp, sequences, config)
+        rows = compressed_rows(cu_seqlens, cu_seqlens_cmp, sequences, config)
         k_cmp = compress(k, rows, W_k)  # compute dtype: the selection scores read it
         branches = _plan_branches(q, k_cmp, cu_seqlens, cu_seqlens_cmp, sequences, config)
         k_cmp, v_cmp = k_cmp.to(k.dtype), compress(v, rows, W_v).to(v.dtype)
@@ -79,7 +79,7 @@ class NSAFunction(torch.autograd.Function):
         branch: Branch
         for branch, lse in zip(ctx.branches, lses):
             if branch.reads_compressed:
-                rows = _compressed_rows(cu_seqlens, cu_seqlens_cmp, ctx.sequences, config)
+                rows = compressed_rows(cu_seqlens, cu_seqlens_cmp, ctx.sequences, config)
                 keys = compress(k, rows, W_k).to(k.dtype)
                 values = compress(v, rows, W_v).to(v.dtype)
             else:
@@ -113,8 +113,9 @@ class NSAFunction(torch.autograd.Function):
                 None, None, None, None)
 
 
-def _compressed_rows(cu_seqlens: Tensor, cu_seqlens_cmp: Tensor, sequences: PackedSequences,
-                     config: NSAConfig) -> Tensor:
+def compressed_rows(cu_seqlens: Tensor, cu_seqlens_cmp: Tensor, sequences: PackedSequences,
+                    config: NSAConfig) -> Tensor:
+    """The rows of each compression block (`compressed_block_rows`), sized from host values."""
     l = config.compress_block_size
     num_compressed = sequences.compressed_cu_seqlens(l)[-1]
     return compressed_block_rows(cu_seqlens, cu_seqlens_cmp, l, num_compressed)
@@ -124,6 +125,13 @@ def _plan_branches(q: Tensor, k_cmp: Tensor, cu_seqlens: Tensor, cu_seqlens_cmp:
                    sequences: PackedSequences, config: NSAConfig) -> list[Branch]:
     """Select blocks (scored against k_cmp in the compute dtype); describe the branches that run."""
     selection = select_blocks(q, k_cmp, cu_seqlens, cu_seqlens_cmp, **config.selection_kwargs())
+    return describe_branches(selection, cu_seqlens, cu_seqlens_cmp, sequences, config)
+
+
+def describe_branches(selection, cu_seqlens: Tensor, cu_seqlens_cmp: Tensor,
+                      sequences: PackedSequences, config: NSAConfig) -> list[Branch]:
+    """The branches that run, their block-sparse lists built from `selection`
+    (`select_blocks`' result). tools/profile_nsa_forward.py times the stages as they run here."""
     scale, max_seqlen, host = config.softmax_scale, sequences.max_seqlen, sequences.cu_seqlens
     host_cmp = sequences.compressed_cu_seqlens(config.compress_block_size)
     branches = [

@@ -22,11 +22,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import kernels  # noqa: E402
 from kernels.gated_sum import GatedSum  # noqa: E402
 from nsa import CMP_KV_BLOCK, SELECTION_Q_TILE, nsa  # noqa: E402
-from nsa.branches import compressed_branch, selected_branch, window_branch  # noqa: E402
-from nsa.compression import compress, compressed_block_rows, compressed_cu_seqlens  # noqa: E402
+from nsa.compression import compress, compressed_cu_seqlens  # noqa: E402
+from nsa.function import compressed_rows, describe_branches  # noqa: E402
 from nsa.gating import gate_weights  # noqa: E402
 from nsa.selection import select_blocks  # noqa: E402
-from nsa.validation import validate_nsa_arguments  # noqa: E402
+from nsa.validation import validate_nsa_call  # noqa: E402
 from _common import (  # noqa: E402
     add_problem_arguments, cu_seqlens_of, describe_device, measure_seqlens, nsa_options,
     positive_int, problem_defaults_epilog, problem_summary, random_gate, random_qkv,
@@ -53,7 +53,7 @@ def profile(seqlen: int, args) -> dict:
     q, k, v, cu_seqlens, max_seqlen = packed_problem(seqlen, args)
     W_gate = random_gate(args.heads, args.head_dim, args.torch_dtype, args.device) \
         if args.gate else None
-    config, max_seqlen = validate_nsa_arguments(
+    config, sequences = validate_nsa_call(
         q, k, v, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, W_k=None, W_v=None,
         W_gate=W_gate, causal=True, softmax_scale=None,
         num_cmp_selected_blocks=args.num_cmp_selected_blocks, q_tile=SELECTION_Q_TILE,
@@ -63,30 +63,19 @@ def profile(seqlen: int, args) -> dict:
     def timed(fn) -> float:
         return time_ms(fn, args.device, warmup=args.warmup, repeats=args.repeats)
 
-    # Each stage as NSAFunction.forward runs it; the next stage reads this one's outputs.
+    # Each stage as NSAFunction.forward runs it, with the host copies of the sequence bounds it
+    # holds (so the branches take the trusted kernel entry, without device reads); the next
+    # stage reads this one's outputs.
     def compress_kv():
         cu_cmp = compressed_cu_seqlens(cu_seqlens, l)
-        rows = compressed_block_rows(cu_seqlens, cu_cmp, l, int(cu_cmp[-1]))
+        rows = compressed_rows(cu_seqlens, cu_cmp, sequences, config)
         return cu_cmp, compress(k, rows), compress(v, rows).to(v.dtype)
 
     def select():
         return select_blocks(q, k_cmp, cu_seqlens, cu_seqlens_cmp, **config.selection_kwargs())
 
     def build_branches():
-        scale = config.softmax_scale
-        branches = [
-            compressed_branch(cu_seqlens, cu_seqlens_cmp, compress_block_size=l,
-                              softmax_scale=scale, causal=True,
-                              cmp_selected=selection.cmp_selected, q_tile=config.q_tile,
-                              cmp_kv_block=config.cmp_kv_block, max_seqlen=max_seqlen),
-            selected_branch(cu_seqlens, selection.selected,
-                            selected_block_size=config.selected_block_size, softmax_scale=scale,
-                            causal=True, q_tile=config.q_tile, max_seqlen=max_seqlen),
-        ]
-        if config.window_size > 0:
-            branches.append(window_branch(cu_seqlens, window_size=config.window_size,
-                                          softmax_scale=scale, max_seqlen=max_seqlen))
-        return branches
+        return describe_branches(selection, cu_seqlens, cu_seqlens_cmp, sequences, config)
 
     def gate_and_combine():
         # On sm90 the sum lands in the first output's storage: the terms are copies made for
