@@ -10,17 +10,16 @@ NSA's forward combines its branch outputs with per-row, per-head gates. Two ways
   arrives, so a term can be freed right after `add`. Peak memory: the accumulator (twice a
   half-precision term) and one term.
 
-On an H100 the torch path takes 4.9 ms for 3 terms of 64K x 32 x 128 bf16 (FINDINGS section 2,
-session 9), which made it the largest single stage of `nsa()`'s forward at 64K.
+On an H100 the torch path took 4.65 ms for 3 terms of 64K x 32 x 128 bf16 in the forward
+profile, the largest single stage of `nsa()`'s forward at 64K; the kernel 0.87 ms (FINDINGS
+section 2, session 9).
 """
 from __future__ import annotations
-
-import os
 
 import torch
 from torch import Tensor
 
-from .interface import DISABLE_ENV, _device_unsupported
+from .interface import kernels_unavailable
 
 KERNEL_DTYPES = (torch.bfloat16, torch.float16)
 
@@ -40,6 +39,7 @@ class GatedSum:
                              f"{gates.dtype} on {gates.device}")
         self.like = like
         self.backend, self.reason = self._choose_backend(like)
+        self._result: Tensor | None = None
         accumulate = torch.promote_types(like.dtype, torch.float32)
         if self.backend == "sm90":
             self.gates = gates.to(torch.float32).contiguous()
@@ -52,11 +52,11 @@ class GatedSum:
     @staticmethod
     def _choose_backend(like: Tensor) -> tuple[str, str]:
         """("sm90", "") or ("torch", why not the kernel)."""
-        if os.environ.get(DISABLE_ENV) == "1":
-            return "torch", f"{DISABLE_ENV}=1"
-        unsupported = _device_unsupported(like.device)
+        unsupported = kernels_unavailable(like.device)
         if unsupported:
             return "torch", unsupported
+        if like.numel() == 0:
+            return "torch", "no elements (a kernel grid cannot be empty)"
         if like.dtype not in KERNEL_DTYPES:
             return "torch", f"dtype {like.dtype} (the kernel takes bfloat16/float16)"
         if like.dim() != 3 or like.shape[-1] % 8:
@@ -70,9 +70,13 @@ class GatedSum:
         return "sm90", ""
 
     def add(self, column: int, term: Tensor) -> None:
-        if term.shape != self.like.shape or term.dtype != self.like.dtype:
-            raise ValueError(f"term: expected {tuple(self.like.shape)} {self.like.dtype}, got "
-                             f"{tuple(term.shape)} {term.dtype}")
+        if self._result is not None:
+            raise RuntimeError("GatedSum.add after result()")
+        if (term.shape != self.like.shape or term.dtype != self.like.dtype
+                or term.device != self.like.device):
+            raise ValueError(f"term: expected {tuple(self.like.shape)} {self.like.dtype} on "
+                             f"{self.like.device}, got {tuple(term.shape)} {term.dtype} on "
+                             f"{term.device}")
         if not 0 <= column < self.gates.shape[-1]:
             raise ValueError(f"column: {column} outside the {self.gates.shape[-1]} gate columns")
         if self.backend == "sm90":
@@ -80,14 +84,24 @@ class GatedSum:
 
             if len(self.terms) == MAX_TERMS:
                 raise ValueError(f"term: at most {MAX_TERMS} terms on the sm90 path")
-            self.terms.append(term.contiguous())
+            term = term.contiguous()
+            if term.data_ptr() % 16:  # the kernel loads 16 bytes at a time
+                term = term.clone()
+            self.terms.append(term)
             self.columns.append(column)
         else:
             self.total.addcmul_(self.gates[..., column, None], term)
 
     def result(self) -> Tensor:
-        """The sum in like's dtype (zeros without terms). On the sm90 path it lives in the
-        first term's storage: that term must not be used afterwards."""
+        """The sum in like's dtype (zeros without terms); later calls return the same tensor.
+        On the sm90 path it is written over the first term as `add` kept it (the caller's
+        tensor when that was contiguous and 16-byte aligned, else a copy): a caller's first term
+        must not be used afterwards."""
+        if self._result is None:
+            self._result = self._sum()
+        return self._result
+
+    def _sum(self) -> Tensor:
         if self.backend != "sm90":
             return self.total.to(self.like.dtype)
         if not self.terms:

@@ -146,9 +146,7 @@ def _choose_kernel(direction: str, q, k, v, kwargs: dict,
     For the backward with block sparsity, fills ``kwargs["block_sparse_transposed"]`` when a
     kernel module is available and the caller did not pass one.
     """
-    if os.environ.get(DISABLE_ENV) == "1":
-        return None, f"{DISABLE_ENV}=1"
-    unsupported = _device_unsupported(q.device)
+    unsupported = kernels_unavailable(q.device)
     if unsupported:
         return None, unsupported
     try:
@@ -162,6 +160,14 @@ def _choose_kernel(direction: str, q, k, v, kwargs: dict,
     if not ok:
         return None, f"kernels.sm90.{direction}: {reason}"
     return kernel, ""
+
+
+def kernels_unavailable(device: torch.device) -> str:
+    """Why no CuTe DSL kernel runs on ``device`` (``NSA_CUTE_DISABLE=1``, not an sm_90 GPU);
+    empty when they can."""
+    if os.environ.get(DISABLE_ENV) == "1":
+        return f"{DISABLE_ENV}=1"
+    return _device_unsupported(device)
 
 
 def _device_unsupported(device: torch.device) -> str:

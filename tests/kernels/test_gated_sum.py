@@ -55,6 +55,23 @@ def test_bad_input_names_the_argument():
         total.add(3, outputs[1])
 
 
+def test_result_is_taken_once():
+    outputs, gates = _problem(6, 2, 8, torch.bfloat16, terms=2)
+    total = GatedSum(gates, like=outputs[0])
+    for column, out in enumerate(outputs):
+        total.add(column, out)
+    first = total.result()
+    assert total.result() is first
+    with pytest.raises(RuntimeError, match="after result"):
+        total.add(0, outputs[0])
+
+
+def test_term_on_another_device_is_refused():
+    outputs, gates = _problem(6, 2, 8, torch.float32, terms=1)
+    with pytest.raises(ValueError, match="term: expected .* on cpu, got .* on meta"):
+        GatedSum(gates, like=outputs[0]).add(0, outputs[0].to("meta"))
+
+
 def test_disable_env_keeps_the_torch_path(monkeypatch):
     monkeypatch.setenv("NSA_CUTE_DISABLE", "1")
     outputs, gates = _problem(4, 2, 8, torch.bfloat16, terms=1)
@@ -92,10 +109,10 @@ def _sm90():
 @pytest.mark.skipif(not _sm90(), reason="needs an sm_90 GPU")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("case", [
-    # rows, heads, head dim, gate columns of the terms (rows x heads x dim / 8 threads: never a
-    # whole number of 256-thread blocks, so the last block's bound check runs)
+    # rows, heads, head dim, gate columns of the terms (rows x heads x dim / 8 threads: all but
+    # the last case leave the last 256-thread block partly idle, so its bound check runs)
     (1000, 3, 128, (0, 1, 2)),
-    (777, 32, 64, (0, 1)),
+    (777, 31, 64, (0, 1)),
     (513, 5, 192, (2, 0)),
     (129, 7, 256, (1,)),
     (16384, 32, 128, (0, 1, 2)),
@@ -116,3 +133,34 @@ def test_kernel_matches_the_exact_sum_to_one_rounding(case, dtype):
     error = (result.double() - exact).abs()
     assert (error <= exact.abs() * torch.finfo(dtype).eps / 2 + 1e-6).all(), error.max()
     assert (result != exact.to(dtype)).float().mean() < 1e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _sm90(), reason="needs an sm_90 GPU")
+def test_kernel_takes_any_term_layout_and_broadcast_gates():
+    """Non-contiguous and misaligned terms are copied first, stride-0 (mean) gates and a gate
+    row of 2 work, the result lands in a contiguous first term, empty input stays on torch."""
+    rows, heads, dim = 300, 4, 128
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    base = torch.randn(rows, heads, dim + 8, device="cuda", dtype=torch.bfloat16, generator=gen)
+    strided = base[..., :dim]  # non-contiguous
+    flat = torch.randn(rows * heads * dim + 1, device="cuda", dtype=torch.bfloat16, generator=gen)
+    misaligned = flat[1:].view(rows, heads, dim)  # contiguous, 2 bytes off 16-byte alignment
+    first = torch.randn(rows, heads, dim, device="cuda", dtype=torch.bfloat16, generator=gen)
+    gates = torch.tensor([0.25, 0.75], device="cuda").expand(rows, heads, 2)  # stride 0
+    terms, columns = (first, strided, misaligned), (1, 0, 1)
+    exact = _exact(terms, gates, columns)
+    total = GatedSum(gates, like=first)
+    assert total.backend == "sm90", total.reason
+    for column, term in zip(columns, terms):
+        total.add(column, term)
+    result = total.result()
+    assert result.data_ptr() == first.data_ptr()
+    error = (result.double() - exact).abs()
+    assert (error <= exact.abs() * torch.finfo(torch.bfloat16).eps / 2 + 1e-6).all()
+
+    empty = torch.empty(0, heads, dim, device="cuda", dtype=torch.bfloat16)
+    total = GatedSum(torch.rand(0, heads, 3, device="cuda"), like=empty)
+    assert total.backend == "torch" and "no elements" in total.reason
+    total.add(0, empty)
+    assert total.result().shape == (0, heads, dim)

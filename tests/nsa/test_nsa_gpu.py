@@ -63,3 +63,16 @@ def test_nsa_padded_equals_packed_on_kernels():
     packed = nsa(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1),
                  cu_seqlens=cu_seqlens_of([1100, 1100]).cuda(), max_seqlen=1100)
     assert rel_err(padded.flatten(0, 1), packed) < 1e-3
+
+
+@requires_sm90
+def test_nsa_empty_inputs_on_the_gpu():
+    """No rows at all: every stage, the gated sum included, must take its empty path."""
+    q = torch.randn(0, 4, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k = torch.randn(0, 2, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    out = nsa(q, k, k, cu_seqlens=cu_seqlens_of([0, 0]).cuda())
+    out.sum().backward()
+    assert out.shape == (0, 4, 128) and q.grad.shape == q.shape
+    padded = nsa(*(torch.randn(0, 5, h, 128, device="cuda", dtype=torch.bfloat16)
+                   for h in (4, 2, 2)))
+    assert padded.shape == (0, 5, 4, 128)
