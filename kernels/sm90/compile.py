@@ -57,23 +57,29 @@ def fake_arguments(spec: FwdSpec):
     return (q, k, v, o, lse, cu_q, cu_k), (*sparse, trace)
 
 
-_COMPILED: dict[tuple[FwdSpec, bool], object] = {}
+_COMPILED: dict[tuple[type, object, bool], object] = {}
 
 
-def compiled_forward(spec: FwdSpec, example_args, tvm_ffi: bool = False):
-    """The kernel for `spec`, compiled on first use with `example_args()` (dynamic-layout cute
-    tensors, scalars, stream).
+def compiled_once(kernel_class: type, spec, example_args, tvm_ffi: bool = False):
+    """`kernel_class(spec)` compiled on first use with `example_args()` (dynamic-layout cute
+    tensors, scalars, stream), then cached in memory by (class, spec, tvm_ffi).
 
     With `tvm_ffi` the result is called with torch tensors and Python scalars on the current
     stream (apache-tvm-ffi), which costs far less host time per launch than converting every
     argument through DLPack; the example arguments then end with a fake env stream.
     """
-    kernel = _COMPILED.get((spec, tvm_ffi))
+    key = (kernel_class, spec, tvm_ffi)
+    kernel = _COMPILED.get(key)
     if kernel is None:
         options = "--enable-tvm-ffi" if tvm_ffi else None
-        kernel = cute.compile(FlashAttentionForwardSm90(spec), *example_args(), options=options)
-        _COMPILED[(spec, tvm_ffi)] = kernel
+        kernel = cute.compile(kernel_class(spec), *example_args(), options=options)
+        _COMPILED[key] = kernel
     return kernel
+
+
+def compiled_forward(spec: FwdSpec, example_args, tvm_ffi: bool = False):
+    """The forward kernel for `spec` (`compiled_once`)."""
+    return compiled_once(FlashAttentionForwardSm90, spec, example_args, tvm_ffi)
 
 
 @functools.lru_cache(maxsize=None)

@@ -110,17 +110,17 @@ def compile_gated_sum_on_fake_tensors(spec: GatedSumSpec):
 # Torch side: `run` launches on (T, H, D) tensors, compiling each spec once per process.
 # ------------------------------------------------------------------------------------------------
 
-_COMPILED: dict[tuple[GatedSumSpec, bool], object] = {}
-
 
 def run(terms, columns, gates):
     """sum_i gates[..., columns[i]] * terms[i], written into terms[0] and returned.
 
-    terms: 1-3 contiguous (T, H, D) bf16/fp16 tensors of one shape and dtype; gates: a
-    contiguous (T, H, G) float32 tensor; the caller (`kernels.GatedSum`) has checked all that.
+    terms: 1-3 contiguous, 16-byte aligned (T, H, D) bf16/fp16 tensors of one shape and dtype;
+    gates: a contiguous (T, H, G) float32 tensor; the caller (`kernels.GatedSum`) has made sure.
     """
     import torch
+    from cutlass.cute.runtime import make_fake_stream
 
+    from kernels.sm90.compile import compiled_once
     from kernels.sm90.forward import _as_cute, _tvm_ffi_available
 
     first = terms[0]
@@ -128,24 +128,14 @@ def run(terms, columns, gates):
                         tuple(columns), gates.shape[-1])
     flat = [t.view(-1) for t in terms] + [None] * (MAX_TERMS - len(terms))
     args = (gates.view(-1), flat[0], *flat)
-    tvm_ffi = _tvm_ffi_available()
-    kernel = _COMPILED.get((spec, tvm_ffi))
-    if tvm_ffi:
-        if kernel is None:
-            from cutlass.cute.runtime import make_fake_stream
-
-            kernel = cute.compile(GatedSumSm90(spec), *fake_arguments(spec),
-                                  make_fake_stream(use_tvm_ffi_env_stream=True),
-                                  options="--enable-tvm-ffi")
-            _COMPILED[(spec, tvm_ffi)] = kernel
-        kernel(*args)
+    if _tvm_ffi_available():
+        compiled_once(GatedSumSm90, spec, lambda: (
+            *fake_arguments(spec), make_fake_stream(use_tvm_ffi_env_stream=True)),
+            tvm_ffi=True)(*args)
         return first
     import cuda.bindings.driver as cuda
 
     stream = cuda.CUstream(torch.cuda.current_stream(first.device).cuda_stream)
     cute_args = (*(_as_cute(t) for t in args), stream)
-    if kernel is None:
-        kernel = cute.compile(GatedSumSm90(spec), *cute_args)
-        _COMPILED[(spec, tvm_ffi)] = kernel
-    kernel(*cute_args)
+    compiled_once(GatedSumSm90, spec, lambda: cute_args)(*cute_args)
     return first

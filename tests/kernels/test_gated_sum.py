@@ -164,3 +164,20 @@ def test_kernel_takes_any_term_layout_and_broadcast_gates():
     assert total.backend == "torch" and "no elements" in total.reason
     total.add(0, empty)
     assert total.result().shape == (0, heads, dim)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _sm90(), reason="needs an sm_90 GPU")
+def test_kernel_through_dlpack_equals_tvm_ffi(monkeypatch):
+    """The launch without apache-tvm-ffi (NSA_CUTE_TVM_FFI=0) computes the same sum."""
+    import kernels.sm90.forward as forward
+
+    outputs, gates = _problem(1000, 3, 128, torch.bfloat16, 3, device="cuda", seed=11)
+    results = []
+    for tvm_ffi in (True, False):
+        monkeypatch.setattr(forward, "_tvm_ffi_available", lambda tvm_ffi=tvm_ffi: tvm_ffi)
+        total = GatedSum(gates, like=outputs[0])
+        for column, out in enumerate(outputs):
+            total.add(column, out.clone())
+        results.append(total.result())
+    assert torch.equal(results[0], results[1])

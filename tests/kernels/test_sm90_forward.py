@@ -144,6 +144,24 @@ def test_padded_gqa_matches_fallback(group):
 
 
 @requires_sm90
+def test_dlpack_launch_matches_tvm_ffi(monkeypatch):
+    """The launch without apache-tvm-ffi (NSA_CUTE_TVM_FFI=0): same kernel, same output."""
+    import kernels.sm90.forward as forward
+
+    torch.manual_seed(6)
+    q = torch.randn(1500, 8, 128, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(1500, 2, 128, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    cu = _cu_seqlens([1000, 500], "cuda")
+    kwargs = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=1000, max_seqlen_k=1000,
+                  softmax_scale=0.1, causal=True)
+    out_ffi, lse_ffi = forward.run(q, k, v, **kwargs)
+    monkeypatch.setattr(forward, "_tvm_ffi_available", lambda: False)
+    out, lse = forward.run(q, k, v, **kwargs)
+    assert torch.equal(out, out_ffi) and torch.equal(lse, lse_ffi)
+
+
+@requires_sm90
 @pytest.mark.parametrize("tile_n", [64, 128])
 @pytest.mark.parametrize("sparse_heads", ["per_head", "per_kv_head"])
 @pytest.mark.parametrize("dim", [64, 128, 192, 256])
