@@ -21,9 +21,6 @@ from torch import Tensor
 
 from .interface import kernels_unavailable
 
-KERNEL_DTYPES = (torch.bfloat16, torch.float16)
-
-
 class GatedSum:
     """Accumulate `gates[..., column] * term` for terms shaped like `like`, then `result()`.
 
@@ -38,7 +35,7 @@ class GatedSum:
             raise ValueError(f"gates: expected a floating tensor on {like.device}, got "
                              f"{gates.dtype} on {gates.device}")
         self.like = like
-        self.backend, self.reason = self._choose_backend(like)
+        self.backend, self.reason = self.choose_backend(like)
         self._result: Tensor | None = None
         accumulate = torch.promote_types(like.dtype, torch.float32)
         if self.backend == "sm90":
@@ -50,24 +47,17 @@ class GatedSum:
             self.total = torch.zeros(like.shape, dtype=accumulate, device=like.device)
 
     @staticmethod
-    def _choose_backend(like: Tensor) -> tuple[str, str]:
-        """("sm90", "") or ("torch", why not the kernel)."""
+    def choose_backend(like: Tensor) -> tuple[str, str]:
+        """("sm90", "") or ("torch", why not the kernel), for terms shaped like `like`."""
         unsupported = kernels_unavailable(like.device)
         if unsupported:
             return "torch", unsupported
-        if like.numel() == 0:
-            return "torch", "no elements (a kernel grid cannot be empty)"
-        if like.dtype not in KERNEL_DTYPES:
-            return "torch", f"dtype {like.dtype} (the kernel takes bfloat16/float16)"
-        if like.dim() != 3 or like.shape[-1] % 8:
-            return "torch", f"shape {tuple(like.shape)} (the kernel takes (T, H, D), D % 8 == 0)"
-        if like.numel() >= 2 ** 31:
-            return "torch", f"{like.numel()} elements (the kernel indexes 32-bit)"
         try:
-            import kernels.sm90.gated_sum  # noqa: F401
+            from kernels.sm90 import gated_sum
         except ImportError as error:
             return "torch", f"kernels.sm90.gated_sum unavailable ({error})"
-        return "sm90", ""
+        ok, reason = gated_sum.can_run(like)
+        return ("sm90", "") if ok else ("torch", f"kernels.sm90.gated_sum: {reason}")
 
     def add(self, column: int, term: Tensor) -> None:
         if self._result is not None:

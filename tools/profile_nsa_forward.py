@@ -101,8 +101,7 @@ def profile(seqlen: int, args) -> dict:
         ms = timed(lambda: branch.forward(q, keys, values))
         rows.append((name, ms, kernels.which_backend(q, keys, values, **branch.kernel_kwargs)))
     combine_terms = [t.clone() for t in branch_outputs]
-    combine_backend = GatedSum(gate_weights(q, W_gate, config.branches), like=q).backend
-    rows.append((STAGES[6], timed(gate_and_combine), combine_backend))
+    rows.append((STAGES[6], timed(gate_and_combine), GatedSum.choose_backend(q)[0]))
 
     end_to_end = timed(lambda: nsa(
         q, k, v, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, W_gate=W_gate,

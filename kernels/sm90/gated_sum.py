@@ -107,8 +107,24 @@ def compile_gated_sum_on_fake_tensors(spec: GatedSumSpec):
 
 
 # ------------------------------------------------------------------------------------------------
-# Torch side: `run` launches on (T, H, D) tensors, compiling each spec once per process.
+# Torch side: `can_run` decides, `run` launches on (T, H, D) tensors, compiling each spec once
+# per process.
 # ------------------------------------------------------------------------------------------------
+
+
+def can_run(like) -> tuple[bool, str]:
+    """(ok, reason): whether the kernel sums terms shaped like `like` (device already checked)."""
+    dtype = str(like.dtype).removeprefix("torch.")
+    if dtype not in _DTYPES:
+        return False, f"dtype {like.dtype} (the kernel takes {'/'.join(_DTYPES)})"
+    if like.dim() != 3 or like.shape[-1] % VECTOR:
+        return False, (f"shape {tuple(like.shape)} (the kernel takes (T, H, D), "
+                       f"D % {VECTOR} == 0)")
+    if like.numel() == 0:
+        return False, "no elements (a kernel grid cannot be empty)"
+    if like.numel() >= 2 ** 31:
+        return False, f"{like.numel()} elements (the kernel indexes 32-bit)"
+    return True, "sm90 CuTe DSL kernel"
 
 
 def run(terms, columns, gates):
