@@ -78,3 +78,58 @@ class BlockRange:
         if const_expr(self.has_window_left):
             lo = (self.key_limit_left(row_last) + self.tile_n - 1) // self.tile_n
         return lo, hi
+
+    # -------------------------------------------------------------- backward (keys as rows)
+    # The backward walks, for one KV tile, the query tiles that see it: the same rule read the
+    # other way round. Key j at pos(j) is seen by rows pos(j) (causal) or pos(j) - right
+    # (window right) up to pos(j) + left (window left); no division by the compress factor.
+
+    @cute.jit
+    def key_position(self, key: Int32) -> Int32:
+        """pos(j) = (j + 1) * cf - 1: the last token key j stands for."""
+        pos = key
+        if const_expr(self.compressed):
+            pos = (key + 1) * self.compress_factor.divisor - 1
+        return pos
+
+    @cute.jit
+    def row_limit_low(self, key: Int32) -> Int32:
+        """First row that may see key `key` (ignoring seqlen_q)."""
+        limit = Int32(0)
+        if const_expr(self.causal):
+            limit = self.key_position(key)
+        if const_expr(self.has_window_right):
+            limit = cutlass.max(self.key_position(key) - self.window_right, 0)
+        return limit
+
+    @cute.jit
+    def row_limit_high(self, key: Int32) -> Int32:
+        """One past the last row that may see key `key` (ignoring seqlen_q)."""
+        limit = Int32(2**30)
+        if const_expr(self.has_window_left):
+            limit = self.key_position(key) + self.window_left + 1
+        return limit
+
+    @cute.jit
+    def m_block_min_max(self, n_block: Int32, seqlen_q: Int32, seqlen_k: Int32):
+        """[m_min, m_max) of query tiles with a row that sees some key of KV tile n_block."""
+        key_first = n_block * self.tile_n
+        key_last = cutlass.min(key_first + self.tile_n, seqlen_k) - 1
+        m_min = self.row_limit_low(key_first) // self.tile_m
+        row_end = cutlass.min(self.row_limit_high(key_last), seqlen_q)
+        m_max = (row_end + self.tile_m - 1) // self.tile_m
+        return m_min, m_max
+
+    @cute.jit
+    def unmasked_m_blocks(self, n_block: Int32, seqlen_q: Int32, seqlen_k: Int32):
+        """[lo, hi): query tiles every row of which sees every key of KV tile n_block (may be
+        empty). A KV tile crossing the sequence end is never unmasked."""
+        key_first = n_block * self.tile_n
+        key_last = key_first + self.tile_n - 1
+        lo = (self.row_limit_low(key_last) + self.tile_m - 1) // self.tile_m
+        hi = Int32(2**30)
+        if const_expr(self.has_window_left):
+            hi = self.row_limit_high(key_first) // self.tile_m
+        if key_last >= seqlen_k:
+            hi = Int32(0)
+        return lo, hi

@@ -96,3 +96,69 @@ def compile_kernel_on_fake_tensors(kernel: FlashAttentionForwardSm90):
         kernel, *tensors, cutlass.Int32(1), cutlass.Float32(1.0), cutlass.Int32(1),
         cutlass.Int32(0), cutlass.Int32(0), cutlass.Int32(132), *sparse, make_fake_stream(),
     )
+
+
+# ---------------------------------------------------------------------------- backward
+
+def fake_backward_arguments(spec):
+    """Fake tensors standing for the backward kernel's arguments, in order (the scalars and the
+    stream excluded): (q, k, v, dO, lse, dO.O, dQacc, dK, dV, cu_q, cu_k, q tile offsets),
+    (list offsets, list index, list mask counts, KV block offsets, forward full count, full
+    index, mask count, mask index, row offsets, semaphore)."""
+    from cutlass.cute.runtime import make_fake_tensor as fake
+
+    dtype = _DTYPES[spec.dtype]
+
+    def seq_head_dim(element=dtype, align=16):
+        return fake(element, tuple(cute.sym_int() for _ in range(3)),
+                    stride=(cute.sym_int(64), cute.sym_int(64), 1), assumed_align=align)
+
+    def rows(element, align=4):
+        return make_fake_compact_tensor(element, (cute.sym_int(),), assumed_align=align)
+
+    q, k, v, dout, dk, dv = (seq_head_dim() for _ in range(6))
+    # lse, dO.O: (H, P) with P a multiple of 64 (16-byte aligned rows for TMA).
+    lse, dpsum = (fake(cutlass.Float32, (cute.sym_int(), cute.sym_int()),
+                       stride=(cute.sym_int(64), 1), assumed_align=16) for _ in range(2))
+    dq_acc = fake(cutlass.Float32, tuple(cute.sym_int() for _ in range(3)),
+                  stride=(cute.sym_int(64), cute.sym_int(64), 1), assumed_align=16)
+    cu_q, cu_k, q_tiles = (rows(cutlass.Int32) for _ in range(3))
+    lists = (None,) * 4
+    if spec.block_sparse:
+        rk, hs = cute.sym_int(), cute.sym_int()
+        lists = (rows(cutlass.Int32), rows(cutlass.Int32),
+                 make_fake_compact_tensor(cutlass.Int32, (rk, hs), stride_order=(1, 0)),
+                 rows(cutlass.Int32))
+    forward_lists = (None,) * 5
+    semaphore = None
+    if spec.deterministic:
+        semaphore = make_fake_compact_tensor(cutlass.Int32, (cute.sym_int(), cute.sym_int()),
+                                             stride_order=(1, 0))
+        if spec.block_sparse:
+            r, hs, kf, km = (cute.sym_int() for _ in range(4))
+            forward_lists = (
+                make_fake_compact_tensor(cutlass.Int32, (r, hs), stride_order=(1, 0)),
+                make_fake_compact_tensor(cutlass.Int32, (r, hs, kf), stride_order=(2, 1, 0)),
+                make_fake_compact_tensor(cutlass.Int32, (r, hs), stride_order=(1, 0)),
+                make_fake_compact_tensor(cutlass.Int32, (r, hs, km), stride_order=(2, 1, 0)),
+                rows(cutlass.Int32))
+    return ((q, k, v, dout, lse, dpsum, dq_acc, dk, dv, cu_q, cu_k, q_tiles),
+            (*lists, *forward_lists, semaphore))
+
+
+def compiled_backward(spec, example_args, tvm_ffi: bool = False):
+    """The backward kernel for `spec` (`compiled_once`)."""
+    from kernels.sm90.bwd_sm90 import FlashAttentionBackwardSm90
+
+    return compiled_once(FlashAttentionBackwardSm90, spec, example_args, tvm_ffi)
+
+
+@functools.lru_cache(maxsize=None)
+def compile_backward_on_fake_tensors(spec):
+    """Compile backward `spec` for sm_90a without a GPU (CUTE_DSL_ARCH=sm_90a)."""
+    from kernels.sm90.bwd_sm90 import FlashAttentionBackwardSm90
+
+    tensors, optional = fake_backward_arguments(spec)
+    return cute.compile(
+        FlashAttentionBackwardSm90(spec), *tensors, cutlass.Int32(1), cutlass.Float32(1.0),
+        cutlass.Int32(1), cutlass.Int32(0), cutlass.Int32(0), *optional, make_fake_stream())

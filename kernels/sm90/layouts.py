@@ -62,3 +62,12 @@ def with_row_strides_divisible(t: cute.Tensor, divby: int) -> cute.Tensor:
     `can_run` only admits tensors whose strides are multiples of 8 elements (16 bytes)."""
     strides = tuple(cute.assume(s, divby=divby) for s in t.stride[:-1]) + (t.stride[-1],)
     return cute.make_tensor(t.iterator, cute.make_layout(t.shape, stride=strides))
+
+
+def transposed(t: cute.Tensor) -> cute.Tensor:
+    """The first two modes of a (swizzled) smem tensor swapped: the same bytes read as the
+    other operand major-ness (Q is the K-major B of S^T = K Q^T and the MN-major B of
+    dK = dS^T Q)."""
+    shape = (t.shape[1], t.shape[0], *t.shape[2:])
+    order = (1, 0, *range(2, cute.rank(t)))
+    return cute.composition(t, cute.make_ordered_layout(shape, order=order))

@@ -47,3 +47,40 @@ def apply_mask(
                 s_mn[r, c] = s_mn[r, c] if keep else -Float32.inf
             else:
                 s_mn[r, c] = s_mn[r, c] if col < hi else -Float32.inf
+
+
+@cute.jit
+def apply_mask_keys_as_rows(
+    acc_st: cute.Tensor,
+    t_coord: cute.Tensor,
+    block_range: BlockRange,
+    n_block: Int32,
+    m_block: Int32,
+    seqlen_q: Int32,
+    seqlen_k: Int32,
+    with_causal_window: cutlass.Constexpr[bool],
+):
+    """The backward's mask: acc_st holds S^T (rows are keys of KV tile n_block, columns rows of
+    query tile m_block). Per key, the rows that see it form one interval
+    (`BlockRange.row_limit_low/high`), so each element costs a compare or two, as in
+    `apply_mask`. with_causal_window=False masks only keys past the sequence end and rows past
+    its end."""
+    s_mn = acc_mn_view(acc_st)
+    c_mn = acc_mn_view(t_coord)
+    row_base = m_block * block_range.tile_m
+    col_base = c_mn[0, 0][1]
+    for r in cutlass.range_constexpr(cute.size(s_mn, mode=[0])):
+        key = n_block * block_range.tile_n + c_mn[r, 0][0]
+        lo = Int32(0)
+        hi = seqlen_q
+        if const_expr(with_causal_window):
+            lo = block_range.row_limit_low(key)
+            hi = cutlass.min(hi, block_range.row_limit_high(key))
+        if key >= seqlen_k:
+            hi = Int32(0)
+        lo = lo - row_base - col_base
+        hi = hi - row_base - col_base
+        for c in cutlass.range_constexpr(cute.size(s_mn, mode=[1])):
+            col = c_mn[0, c][1] - col_base
+            keep = (col < hi) & (col >= lo)
+            s_mn[r, c] = s_mn[r, c] if keep else -Float32.inf

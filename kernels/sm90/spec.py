@@ -214,3 +214,79 @@ def _choose_spec(
         raise ValueError(f"no sm90 forward variant for head_dim {head_dim} with "
                          f"{tile_n}-key tiles fits shared memory ({spec.smem_bytes} bytes)")
     return spec
+
+
+@dataclass(frozen=True)
+class BwdSpec:
+    """The compile key of the sm90 backward kernel (kernels/sm90/bwd_sm90.py).
+
+    One CTA owns one KV tile of one KV head and walks every query head of its GQA group over the
+    query tiles that see the tile, so dK and dV stay in registers and are written once: no
+    atomics, no float32 dK/dV buffers. dQ is accumulated in float32 with reductions in global
+    memory (ordered across CTAs by a semaphore when `deterministic`)."""
+    dtype: str                 # "bfloat16" | "float16"
+    head_dim: int              # 64 | 128
+    causal: bool
+    has_window_left: bool
+    has_window_right: bool
+    block_sparse: bool         # walk the transposed (CSR) lists instead of a query-tile range
+    compressed: bool = False
+    deterministic: bool = False  # dQ reductions in KV-tile order (a semaphore per query tile)
+    tile_n: int = 128          # keys per CTA, 64 per consumer warpgroup
+    tile_m: int = 64           # query rows per step
+    q_stages: int = 2          # Q (+ lse) and dO (+ dO.O) pipeline depth
+
+    @property
+    def num_consumer_warpgroups(self) -> int:
+        return self.tile_n // 64
+
+    @property
+    def ctas_per_sm(self) -> int:
+        """One consumer warpgroup (64-key tiles: NSA's blocks) is sized for two CTAs per SM."""
+        return 2 if self.tile_n == 64 else 1
+
+    @property
+    def smem_bytes(self) -> int:
+        """Shared memory of one CTA as `BackwardSm90.shared_storage_struct` lays it out."""
+        def aligned(size: int, to: int) -> int:
+            return -(-size // to) * to
+
+        barriers = 8 * 2 * (1 + 2 * self.q_stages)
+        size = aligned(barriers, 16)
+        size = aligned(size, 128) + 4 * self.tile_m * self.q_stages  # lse
+        size = aligned(size, 128) + 4 * self.tile_m * self.q_stages  # dO.O
+        buffers = [self.tile_n, self.tile_n, self.tile_m * self.q_stages,
+                   self.tile_m * self.q_stages]
+        for rows in buffers:
+            size = aligned(size, 1024) + 2 * rows * self.head_dim
+        return aligned(size, 1024) + 2 * self.tile_m * self.tile_n  # dS
+
+    def fits_in_smem(self) -> bool:
+        return (self.smem_bytes <= SMEM_PER_CTA
+                and self.ctas_per_sm * (self.smem_bytes + SMEM_RESERVED_PER_CTA) <= SMEM_PER_SM)
+
+
+BACKWARD_HEAD_DIMS = (64, 128)
+
+
+def choose_backward_spec(
+    *, dtype: str, head_dim: int, causal: bool, window_size: tuple[int, int],
+    compress_factor: int = 1, sparse_block_size: int | None = None,
+    deterministic: bool = False,
+) -> BwdSpec:
+    """The backward variant the dispatcher compiles for a call. Head dims above 128 do not fit:
+    dK and dV of a 64-key warpgroup slice take 64 x D float32 registers each per thread group
+    (128 + 128 per thread at D=256)."""
+    if head_dim not in BACKWARD_HEAD_DIMS:
+        raise ValueError(f"no sm90 backward variant for head_dim {head_dim} "
+                         f"(supported: {BACKWARD_HEAD_DIMS})")
+    left, right = int(window_size[0]), int(window_size[1])
+    tile_n = sparse_block_size if sparse_block_size is not None else 128
+    spec = BwdSpec(
+        dtype=dtype, head_dim=head_dim, causal=bool(causal), has_window_left=left >= 0,
+        has_window_right=right >= 0 and not causal, block_sparse=sparse_block_size is not None,
+        compressed=compress_factor != 1, deterministic=bool(deterministic), tile_n=tile_n)
+    if not spec.fits_in_smem():
+        raise ValueError(f"no sm90 backward variant for head_dim {head_dim} with {tile_n}-key "
+                         f"tiles fits shared memory ({spec.smem_bytes} bytes)")
+    return spec

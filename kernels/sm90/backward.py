@@ -1,0 +1,244 @@
+"""Torch entry to the sm90 backward kernel: `can_run` decides, `run` prepares, launches and
+finishes.
+
+Both take the keyword arguments of `kernels.attention_backward`, already validated and
+normalised by `kernels.validate` (`block_sparse_transposed`, a `sparsity.BlockSparseCSR`, is
+built by `kernels.interface` when the caller gave none). Three steps, no host read:
+
+1. preprocess (torch): lse * log2(e) (+inf where a row sees nothing) and rowsum(dO * O) in
+   float32, both scattered into a layout of 64-row query tiles per sequence (P slots per head,
+   +inf / 0 in the padding), and a zeroed float32 dQ accumulator in the same layout. Padding
+   the tiles makes every TMA load of a tile's row statistics 16-byte aligned, gives rows past a
+   sequence's end P = 0 for free, and keeps each tile's dQ rows contiguous;
+2. the kernel (kernels/sm90/bwd_sm90.py): dK, dV written in the input type, dQ reduced into
+   the accumulator;
+3. postprocess (torch): dQ = accumulator * softmax_scale gathered back to (T, H, D).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from kernels.sm90.forward import (SUPPORTED_DTYPES, _is_sm90, _tvm_ffi_available,
+                                  _uniform_cu_seqlens)
+
+SUPPORTED_HEAD_DIMS = (64, 128)
+STEP_ROWS = 64          # query rows per backward step (BwdSpec.tile_m)
+LIST_Q_TILE = 128       # block-sparse lists name query tiles of this many rows
+SPARSE_KV_BLOCKS = (64, 128)
+_LOG2_E = 1.4426950408889634
+# Rows per chunk of the preprocess and postprocess (bounds their float32 temporaries).
+_CHUNK_ROWS = 32768
+
+
+def can_run(q, k, v, *, block_sparse=None, causal=False, window_size=(-1, -1),
+            compress_factor=1, deterministic=False, **_) -> tuple[bool, str]:
+    """(ok, reason): whether the sm90 backward kernel computes this case."""
+    if not q.is_cuda or not _is_sm90(q.device):
+        return False, "needs an sm_90 GPU"
+    try:
+        import cutlass  # noqa: F401  (nvidia-cutlass-dsl)
+    except ImportError as error:
+        return False, f"CuTe DSL unavailable ({error})"
+    if q.dtype not in SUPPORTED_DTYPES:
+        return False, f"dtype {q.dtype} (kernel takes bfloat16/float16)"
+    head_dim = q.shape[-1]
+    if head_dim not in SUPPORTED_HEAD_DIMS:
+        return False, f"head dim {head_dim} (the backward kernel takes {SUPPORTED_HEAD_DIMS})"
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.stride(-1) != 1 or any(s % 8 for s in t.stride()[:-1]) or t.data_ptr() % 16:
+            return False, f"{name} needs a contiguous last dim and 16-byte aligned rows"
+    if block_sparse is not None:
+        if block_sparse.row_block_size != LIST_Q_TILE:
+            return False, (f"block-sparse row_block_size {block_sparse.row_block_size} != "
+                           f"{LIST_Q_TILE}")
+        if block_sparse.col_block_size not in SPARSE_KV_BLOCKS:
+            return False, (f"block-sparse col_block_size {block_sparse.col_block_size} not in "
+                           f"{SPARSE_KV_BLOCKS}")
+    try:
+        _spec_for(q, causal, window_size, block_sparse, compress_factor, deterministic)
+    except ValueError as error:
+        return False, str(error)
+    return True, "sm90 CuTe DSL kernel"
+
+
+def _spec_for(q, causal, window_size, block_sparse, compress_factor, deterministic):
+    from kernels.sm90.spec import choose_backward_spec
+
+    return choose_backward_spec(
+        dtype=str(q.dtype).removeprefix("torch."), head_dim=q.shape[-1], causal=causal,
+        window_size=window_size, compress_factor=compress_factor,
+        sparse_block_size=block_sparse.col_block_size if block_sparse is not None else None,
+        deterministic=deterministic)
+
+
+def run(
+    dout, q, k, v, out, lse, *, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
+    max_seqlen_k=None, softmax_scale=None, causal=False, compress_factor=1, window_size=(-1, -1),
+    block_sparse=None, block_sparse_transposed=None, deterministic=False, spec_overrides=None,
+):
+    """(dq, dk, dv) of the sm90 backward kernel; dk and dv summed over each KV group."""
+    import dataclasses
+
+    if q.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"q: dtype {q.dtype} is not supported by the sm90 backward kernel "
+                         f"(bfloat16 or float16)")
+    if q.shape[-1] not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(f"q: head dim {q.shape[-1]} is not supported by the sm90 backward "
+                         f"kernel (one of {SUPPORTED_HEAD_DIMS})")
+    padded = q.dim() == 4
+    if padded:
+        batch, seqlen_q, num_heads, head_dim = q.shape
+        seqlen_k = k.shape[1]
+        dout, q, k, v, out = (t.reshape(-1, *t.shape[2:]) for t in (dout, q, k, v, out))
+        lse = lse.permute(1, 0, 2).reshape(num_heads, batch * seqlen_q)
+        cu_seqlens_q = _uniform_cu_seqlens(batch, seqlen_q, q.device)
+        cu_seqlens_k = _uniform_cu_seqlens(batch, seqlen_k, q.device)
+        max_seqlen_q, max_seqlen_k = seqlen_q, seqlen_k
+    total_q, num_heads, head_dim = q.shape
+    dout, out = _aligned_rows(dout), _aligned_rows(out)
+    if softmax_scale is None:
+        softmax_scale = 1.0 / math.sqrt(head_dim)
+    spec = _spec_for(q, causal, window_size, block_sparse, compress_factor, deterministic)
+    if spec_overrides:
+        spec = dataclasses.replace(spec, **spec_overrides)
+
+    dk = torch.empty_like(k)
+    dv = torch.empty_like(v)
+    if total_q == 0 or max_seqlen_q == 0 or k.shape[0] == 0:
+        dq = torch.zeros_like(q)
+        dk.zero_()
+        dv.zero_()
+    else:
+        tiles = QueryTiles(cu_seqlens_q, total_q)
+        lse_log2, dpsum = tiles.row_statistics(dout, out, lse)
+        dq_acc = torch.zeros((num_heads, tiles.num_slots, head_dim), dtype=torch.float32,
+                             device=q.device)
+        semaphore = None
+        if spec.deterministic:
+            semaphore = torch.zeros((num_heads, tiles.num_slots // STEP_ROWS), dtype=torch.int32,
+                                    device=q.device)
+        lists = (None,) * 4
+        forward_lists = (None,) * 5
+        if spec.block_sparse:
+            csr = block_sparse_transposed
+            if csr is None:
+                from sparsity import transpose_block_sparse_csr
+
+                csr = transpose_block_sparse_csr(block_sparse, cu_seqlens_k=cu_seqlens_k,
+                                                 check=False)
+            lists = (csr.offsets, csr.index, csr.mask_count, csr.row_block_offsets)
+            if spec.deterministic:
+                bs = block_sparse
+                forward_lists = (bs.full_count, bs.full_index, bs.mask_count, bs.mask_index,
+                                 bs.row_block_offsets)
+        if max_seqlen_k > 0:
+            num_kv_tiles = -(-max_seqlen_k // spec.tile_n)
+            tensors = (q, k, v, dout, lse_log2, dpsum, dq_acc, dk, dv, cu_seqlens_q,
+                       cu_seqlens_k, tiles.tile_offsets)
+            scalars = (num_kv_tiles, softmax_scale, compress_factor, max(window_size[0], 0),
+                       max(window_size[1], 0))
+            _launch(spec, tensors, scalars, (*lists, *forward_lists, semaphore))
+        else:
+            dk.zero_()
+            dv.zero_()
+        dq = tiles.gather_dq(dq_acc, softmax_scale, q.dtype)
+    if padded:
+        dq = dq.view(batch, seqlen_q, num_heads, head_dim)
+        dk = dk.view(batch, seqlen_k, *dk.shape[1:])
+        dv = dv.view(batch, seqlen_k, *dv.shape[1:])
+    return dq, dk, dv
+
+
+class QueryTiles:
+    """The 64-row query tile layout of the kernel's row statistics and dQ accumulator.
+
+    Sequence s owns tiles tile_offsets[s] .. tile_offsets[s+1] - 1 (ceil(len / 64) of them);
+    packed row t of sequence s sits in slot 64 * tile_offsets[s] + (t - cu_seqlens[s]). The
+    number of slots is bounded from shapes (T + 64 S rounded to tiles), so nothing is read back
+    from the device."""
+
+    def __init__(self, cu_seqlens_q: torch.Tensor, total_q: int):
+        device = cu_seqlens_q.device
+        cu = cu_seqlens_q.to(torch.int64)
+        num_seqs = cu.numel() - 1
+        tiles = (cu.diff() + STEP_ROWS - 1) // STEP_ROWS
+        self.tile_offsets = torch.cat([cu.new_zeros(1), tiles.cumsum(0)]).to(torch.int32)
+        self.num_slots = STEP_ROWS * (total_q // STEP_ROWS + num_seqs)
+        rows = torch.arange(total_q, device=device)
+        sequence = torch.searchsorted(cu[1:], rows, right=True)
+        self.slot = STEP_ROWS * self.tile_offsets[sequence].to(torch.int64) + rows - cu[sequence]
+
+    def row_statistics(self, dout, out, lse):
+        """(lse * log2(e), rowsum(dO * O)) as (H, slots) float32, +inf / 0 in the padding."""
+        num_heads = dout.shape[1]
+        lse_log2 = torch.full((num_heads, self.num_slots), math.inf, dtype=torch.float32,
+                              device=dout.device)
+        dpsum = torch.zeros((num_heads, self.num_slots), dtype=torch.float32, device=dout.device)
+        scaled = lse.float() * _LOG2_E
+        # A row that sees nothing has lse = -inf: +inf makes its P = exp2(s - inf) exactly 0.
+        lse_log2[:, self.slot] = torch.where(torch.isneginf(scaled), math.inf, scaled)
+        for r0 in range(0, dout.shape[0], _CHUNK_ROWS):
+            r1 = min(r0 + _CHUNK_ROWS, dout.shape[0])
+            rowsum = (dout[r0:r1].float() * out[r0:r1].float()).sum(-1)  # (rows, H)
+            dpsum[:, self.slot[r0:r1]] = rowsum.t()
+        return lse_log2, dpsum
+
+    def gather_dq(self, dq_acc, softmax_scale: float, dtype) -> torch.Tensor:
+        """dQ (T, H, D) in `dtype` from the float32 accumulator (H, slots, D)."""
+        total_q = self.slot.numel()
+        dq = torch.empty((total_q, dq_acc.shape[0], dq_acc.shape[2]), dtype=dtype,
+                         device=dq_acc.device)
+        for r0 in range(0, total_q, _CHUNK_ROWS):
+            r1 = min(r0 + _CHUNK_ROWS, total_q)
+            dq[r0:r1] = (dq_acc[:, self.slot[r0:r1]] * softmax_scale).transpose(0, 1)
+        return dq
+
+
+def _as_cute(t: torch.Tensor | None, tvm_ffi: bool = False):
+    """A cute tensor view of t with every extent and stride dynamic but the last (stride 1).
+    Tensors of two or more modes are 16-byte aligned (TMA reads lse and dO.O; q, k, v and dO
+    are checked or copied so), the int32 vectors 4-byte."""
+    from cutlass.cute.runtime import from_dlpack
+
+    if t is None:
+        return None
+    return from_dlpack(t.detach(), assumed_align=16 if t.dim() > 1 else 4,
+                       enable_tvm_ffi=tvm_ffi).mark_layout_dynamic(leading_dim=t.dim() - 1)
+
+
+def _aligned_rows(t: torch.Tensor) -> torch.Tensor:
+    """t itself when its rows are 16-byte aligned with a unit last stride, else a copy."""
+    if t.stride(-1) != 1 or any(s % 8 for s in t.stride()[:-1]) or t.data_ptr() % 16:
+        return t.contiguous()
+    return t
+
+
+def _typed_scalars(scalars):
+    import cutlass
+
+    num_kv_tiles, scale, compress_factor, left, right = scalars
+    return (cutlass.Int32(num_kv_tiles), cutlass.Float32(scale), cutlass.Int32(compress_factor),
+            cutlass.Int32(left), cutlass.Int32(right))
+
+
+def _launch(spec, tensors, scalars, optional):
+    """Compile on first use, then launch on the current stream."""
+    from cutlass.cute.runtime import make_fake_stream
+
+    from kernels.sm90.compile import compiled_backward
+
+    if _tvm_ffi_available():
+        kernel = compiled_backward(spec, lambda: (
+            *(_as_cute(t, True) for t in tensors), *_typed_scalars(scalars),
+            *(_as_cute(t, True) for t in optional), make_fake_stream(use_tvm_ffi_env_stream=True),
+        ), tvm_ffi=True)
+        kernel(*tensors, *scalars, *optional)
+        return
+    import cuda.bindings.driver as cuda
+
+    stream = cuda.CUstream(torch.cuda.current_stream(tensors[0].device).cuda_stream)
+    args = (*(_as_cute(t) for t in tensors), *_typed_scalars(scalars),
+            *(_as_cute(t) for t in optional), stream)
+    compiled_backward(spec, lambda: args)(*args)

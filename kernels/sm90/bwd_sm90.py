@@ -1,0 +1,616 @@
+"""Flash-attention backward for Hopper (sm_90a), written in CuTe DSL.
+
+The forward's features as compile-time switches of `BwdSpec`: causal with a compress factor,
+left/right windows, block sparsity (the transposed lists, kernels/sm90/backward.py builds them),
+varlen, GQA. Structure:
+
+- CTA = one KV tile (`tile_n` keys: 64 per consumer warpgroup) of one KV head of one sequence,
+  launched as grid (KV tiles, Hkv, sequences). It walks every query head of the KV head's group
+  and, per head, the 64-row query tiles that see its keys (a range cut by causal x compress
+  factor and the window, or the transposed block-sparse list), so dK and dV are summed over the
+  group in registers and written once, in the input type: no atomics and no float32 buffers
+  for them (FA4 turns GQA packing off in its backward and pays for float32 dK/dV instead).
+- A producer warp TMA-loads K and V once, then per step Q and lse (`q_stages` deep) and dO and
+  dO.O. Each consumer warpgroup owns 64 keys and computes, per query tile, with wgmma:
+  S^T = K Q^T and dP^T = V dO^T (keys as rows, so P^T and dS^T are already laid out as the
+  register A operand of the next products), P^T = exp2(S^T * scale log2 e - lse log2 e),
+  dS^T = P^T (dP^T - dO.O), dV += P^T dO, dK += dS^T Q (A from registers), then writes dS^T to
+  shared memory for dQ = dS K, which is reduced (float32 adds) into a float32 accumulator laid
+  out per 64-row query tile (kernels/sm90/backward.py converts it).
+- Rows past a sequence's end carry lse = +inf in that layout, so their P is exactly 0 without
+  a mask; keys past the sequence end are masked and their dK/dV never stored.
+
+Tensors as the kernel sees them: q, dO (T, H, D); k, v, dK, dV (Tk, Hkv, D); lse and dO.O
+(H, P) float32 with P = 64 x (query tiles of all sequences); dQacc (H, P, D) float32.
+"""
+from __future__ import annotations
+
+from functools import partial
+from typing import Optional
+
+import cuda.bindings.driver as cuda
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils as utils
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import Float32, Int32, const_expr
+from cutlass.cute.nvgpu import cpasync, warpgroup
+
+from kernels.sm90.block_range import BlockRange
+from kernels.sm90.layouts import (acc_as_a_operand_layout, acc_mn_view, transposed,
+                                  with_row_strides_divisible)
+from kernels.sm90.mask import apply_mask_keys_as_rows
+from kernels.sm90.spec import BwdSpec
+
+_WARPGROUP = 128
+# Named barriers (0 is __syncthreads), among the consumer warpgroups: the dS buffer is free
+# (every warpgroup's previous dQ product is done) / written; the dQ reduction turn
+# (`deterministic`).
+_DS_FREE_BARRIER = 1
+_DS_FULL_BARRIER = 2
+_DQ_TURN_BARRIER = 3
+_LOG2_E = 1.4426950408889634
+
+
+class FlashAttentionBackwardSm90:
+    producer_regs = 24
+
+    def __init__(self, spec: BwdSpec):
+        self.spec = spec
+        self.dtype = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}[spec.dtype]
+        self.tile_m, self.tile_n, self.head_dim = spec.tile_m, spec.tile_n, spec.head_dim
+        assert self.tile_m == 64 and self.tile_n in (64, 128)
+        assert spec.fits_in_smem(), f"{spec} needs {spec.smem_bytes} bytes of shared memory"
+        self.num_wg = spec.num_consumer_warpgroups
+        self.num_consumer_threads = _WARPGROUP * self.num_wg
+        self.num_threads = _WARPGROUP * (1 + self.num_wg)
+        per_cta = 65536 // spec.ctas_per_sm
+        self.consumer_regs = min(
+            240, (per_cta - _WARPGROUP * self.producer_regs) // self.num_consumer_threads // 8 * 8)
+        # dQ = dS K in column passes of at most 64 columns per warpgroup: one warpgroup (64-key
+        # tiles, two CTAs per SM, 232 registers) would otherwise hold a 64 x 128 float32
+        # accumulator beside dK and dV.
+        self.dq_cols_per_wg = min(64, self.head_dim // self.num_wg)
+        self.dq_pass_cols = self.dq_cols_per_wg * self.num_wg
+        self.dq_passes = self.head_dim // self.dq_pass_cols
+
+    # ------------------------------------------------------------------ host side
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor,        # (T, H, D)
+        mK: cute.Tensor,        # (Tk, Hkv, D)
+        mV: cute.Tensor,        # (Tk, Hkv, D)
+        mdO: cute.Tensor,       # (T, H, D)
+        mLSE: cute.Tensor,      # (H, P) float32: lse * log2(e) per 64-row query tile, +inf pad
+        mDPsum: cute.Tensor,    # (H, P) float32: rowsum(dO * O), 0 pad
+        mdQacc: cute.Tensor,    # (H, P, D) float32, zeroed
+        mdK: cute.Tensor,       # (Tk, Hkv, D)
+        mdV: cute.Tensor,       # (Tk, Hkv, D)
+        mCuSeqlensQ: cute.Tensor,   # (S+1,) int32
+        mCuSeqlensK: cute.Tensor,   # (S+1,) int32
+        mQTileOffsets: cute.Tensor,  # (S+1,) int32: first 64-row tile of each sequence in P
+        num_kv_tiles: Int32,    # ceil(max_seqlen_k / tile_n): the grid's first extent
+        softmax_scale: Float32,
+        compress_factor: Int32,
+        window_left: Int32,
+        window_right: Int32,
+        mListOffsets: Optional[cute.Tensor],    # (Rk * Hs + 1,) int32: CSR of the transpose
+        mListIndex: Optional[cute.Tensor],      # (capacity,) int32: 128-row query tiles
+        mListMaskCount: Optional[cute.Tensor],  # (Rk, Hs) int32: mask entries come first
+        mKvBlockOffsets: Optional[cute.Tensor],  # (S+1,) int32: first KV block of a sequence
+        mFwdFullCount: Optional[cute.Tensor],   # forward lists (`deterministic` block-sparse:
+        mFwdFullIndex: Optional[cute.Tensor],   # the rank of a KV block in a query tile's list)
+        mFwdMaskCount: Optional[cute.Tensor],
+        mFwdMaskIndex: Optional[cute.Tensor],
+        mFwdRowOffsets: Optional[cute.Tensor],
+        mSemaphore: Optional[cute.Tensor],      # (H, P / 64) int32, zeroed (`deterministic`)
+        stream: cuda.CUstream,
+    ):
+        dtype = self.dtype
+        tm, tn, d = self.tile_m, self.tile_n, self.head_dim
+        # Views with the sequence first and the head last, for TMA.
+        mQ_t, mdO_t, mK_t, mV_t = (
+            cute.make_tensor(t.iterator, cute.select(t.layout, mode=[0, 2, 1]))
+            for t in (mQ, mdO, mK, mV))
+        mLSE_t, mDPsum_t = (cute.make_tensor(t.iterator, cute.select(t.layout, mode=[1, 0]))
+                            for t in (mLSE, mDPsum))
+
+        # S^T = K Q^T and dP^T = V dO^T: each warpgroup 64 keys x tm query rows.
+        tiled_mma_sdp = sm90_utils.make_trivial_tiled_mma(
+            dtype, dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K,
+            Float32, (self.num_wg, 1, 1), (64, tm))
+        # dV += P^T dO and dK += dS^T Q: A (P^T, dS^T) from registers, B = dO / Q read
+        # head-dim-major from the same smem.
+        tiled_mma_dkv = sm90_utils.make_trivial_tiled_mma(
+            dtype, dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN,
+            Float32, (self.num_wg, 1, 1), (64, d), warpgroup.OperandSource.RMEM)
+        # dQ = dS K: the warpgroups split the pass's columns.
+        tiled_mma_dq = sm90_utils.make_trivial_tiled_mma(
+            dtype, dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN,
+            Float32, (1, self.num_wg, 1), (64, self.dq_cols_per_wg))
+
+        row_major = utils.LayoutEnum.ROW_MAJOR
+        sQ_layout = sm90_utils.make_smem_layout_a(row_major, (tm, tn, d), dtype,
+                                                  self.spec.q_stages)
+        sK_layout = sm90_utils.make_smem_layout_a(row_major, (tn, tm, d), dtype, 1)
+        sdS_layout = sm90_utils.make_smem_layout_a(row_major, (tm, d, tn), dtype, 1)
+        sQ_one = cute.slice_(sQ_layout, (None, None, 0))
+        sK_one = cute.slice_(sK_layout, (None, None, 0))
+        load_op = cpasync.CopyBulkTensorTileG2SOp()
+        tma_atom_q, tma_q = cpasync.make_tiled_tma_atom(load_op, mQ_t, sQ_one, (tm, d))
+        tma_atom_do, tma_do = cpasync.make_tiled_tma_atom(load_op, mdO_t, sQ_one, (tm, d))
+        tma_atom_k, tma_k = cpasync.make_tiled_tma_atom(load_op, mK_t, sK_one, (tn, d))
+        tma_atom_v, tma_v = cpasync.make_tiled_tma_atom(load_op, mV_t, sK_one, (tn, d))
+        row_layout = cute.make_layout(tm)
+        tma_atom_lse, tma_lse = cpasync.make_tiled_tma_atom(load_op, mLSE_t, row_layout, (tm,))
+        tma_atom_dpsum, tma_dpsum = cpasync.make_tiled_tma_atom(load_op, mDPsum_t, row_layout,
+                                                                (tm,))
+        self.q_bytes = cute.size_in_bytes(dtype, sQ_one) + tm * 4
+        self.kv_bytes = 2 * cute.size_in_bytes(dtype, sK_one)
+        self.shared_storage = self.shared_storage_struct(sQ_layout, sK_layout, sdS_layout)
+
+        mdK = with_row_strides_divisible(mdK, 8)  # proves the 32-bit stores of column pairs
+        mdV = with_row_strides_divisible(mdV, 8)
+        if const_expr(self.spec.compressed):
+            compress_factor = cute.fast_divmod_create_divisor_v2(compress_factor)
+        self.kernel(
+            tma_atom_q, tma_q, tma_atom_do, tma_do, tma_atom_k, tma_k, tma_atom_v, tma_v,
+            tma_atom_lse, tma_lse, tma_atom_dpsum, tma_dpsum, mdQacc, mdK, mdV,
+            mCuSeqlensQ, mCuSeqlensK, mQTileOffsets, softmax_scale,
+            softmax_scale * Float32(_LOG2_E), compress_factor, window_left, window_right,
+            mListOffsets, mListIndex, mListMaskCount, mKvBlockOffsets, mFwdFullCount,
+            mFwdFullIndex, mFwdMaskCount, mFwdMaskIndex, mFwdRowOffsets, mSemaphore,
+            sQ_layout, sK_layout, sdS_layout, tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq,
+        ).launch(grid=(num_kv_tiles, cute.size(mK.shape[1]), cute.size(mCuSeqlensQ.shape[0]) - 1),
+                 block=[self.num_threads, 1, 1], stream=stream,
+                 min_blocks_per_mp=self.spec.ctas_per_sm,
+                 preferred_smem_carveout=100 if self.spec.ctas_per_sm > 1 else None)
+
+    def shared_storage_struct(self, sQ_layout, sK_layout, sdS_layout):
+        """The CTA's shared memory (`BwdSpec.smem_bytes` computes its size)."""
+        dtype, stages = self.dtype, self.spec.q_stages
+
+        def aligned(element_type, count, alignment):
+            return cute.struct.Align[cute.struct.MemRange[element_type, count], alignment]
+
+        fields = dict(
+            mbar_kv=cute.struct.MemRange[cutlass.Int64, 2],
+            mbar_q=cute.struct.MemRange[cutlass.Int64, 2 * stages],
+            mbar_do=cute.struct.MemRange[cutlass.Int64, 2 * stages],
+            sLSE=aligned(Float32, self.tile_m * stages, 128),
+            sDPsum=aligned(Float32, self.tile_m * stages, 128),
+            sK=aligned(dtype, cute.cosize(sK_layout), 1024),
+            sV=aligned(dtype, cute.cosize(sK_layout), 1024),
+            sQ=aligned(dtype, cute.cosize(sQ_layout), 1024),
+            sdO=aligned(dtype, cute.cosize(sQ_layout), 1024),
+            sdS=aligned(dtype, cute.cosize(sdS_layout), 1024),
+        )
+        return cute.struct(type("BackwardSharedStorage", (), {"__annotations__": fields}))
+
+    # ------------------------------------------------------------------ device side
+    @cute.kernel
+    def kernel(
+        self,
+        tma_atom_q: cute.CopyAtom, mQ: cute.Tensor, tma_atom_do: cute.CopyAtom, mdO: cute.Tensor,
+        tma_atom_k: cute.CopyAtom, mK: cute.Tensor, tma_atom_v: cute.CopyAtom, mV: cute.Tensor,
+        tma_atom_lse: cute.CopyAtom, mLSE: cute.Tensor, tma_atom_dpsum: cute.CopyAtom,
+        mDPsum: cute.Tensor, mdQacc: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor,
+        mCuSeqlensQ: cute.Tensor, mCuSeqlensK: cute.Tensor, mQTileOffsets: cute.Tensor,
+        softmax_scale: Float32, scale_log2: Float32, compress_factor, window_left: Int32,
+        window_right: Int32,
+        mListOffsets: Optional[cute.Tensor], mListIndex: Optional[cute.Tensor],
+        mListMaskCount: Optional[cute.Tensor], mKvBlockOffsets: Optional[cute.Tensor],
+        mFwdFullCount: Optional[cute.Tensor], mFwdFullIndex: Optional[cute.Tensor],
+        mFwdMaskCount: Optional[cute.Tensor], mFwdMaskIndex: Optional[cute.Tensor],
+        mFwdRowOffsets: Optional[cute.Tensor], mSemaphore: Optional[cute.Tensor],
+        sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
+        sdS_layout: cute.ComposedLayout, tiled_mma_sdp: cute.TiledMma,
+        tiled_mma_dkv: cute.TiledMma, tiled_mma_dq: cute.TiledMma,
+    ):
+        spec = self.spec
+        tidx, _, _ = cute.arch.thread_idx()
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        n_block, head_kv, batch = cute.arch.block_idx()
+
+        if warp_idx == 0:
+            for atom in (tma_atom_q, tma_atom_do, tma_atom_k, tma_atom_v, tma_atom_lse,
+                         tma_atom_dpsum):
+                cpasync.prefetch_descriptor(atom)
+
+        storage = utils.SmemAllocator().allocate(self.shared_storage)
+        producer_group = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
+        consumer_warps = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_wg * 4)
+        kv_producer, kv_consumer = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.mbar_kv.data_ptr(), num_stages=1,
+            producer_group=producer_group, consumer_group=consumer_warps,
+            tx_count=self.kv_bytes, defer_sync=True,
+        ).make_participants()
+        q_producer, q_consumer = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.mbar_q.data_ptr(), num_stages=spec.q_stages,
+            producer_group=producer_group, consumer_group=consumer_warps,
+            tx_count=self.q_bytes, defer_sync=True,
+        ).make_participants()
+        do_producer, do_consumer = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.mbar_do.data_ptr(), num_stages=spec.q_stages,
+            producer_group=producer_group, consumer_group=consumer_warps,
+            tx_count=self.q_bytes, defer_sync=True,
+        ).make_participants()
+        cute.arch.mbarrier_init_fence()
+        cute.arch.sync_threads()
+
+        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+        sdO = storage.sdO.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+        sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
+        sV = storage.sV.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
+        sdS = storage.sdS.get_tensor(sdS_layout.outer, swizzle=sdS_layout.inner)
+        rows_by_stage = cute.make_layout((self.tile_m, spec.q_stages))
+        sLSE = storage.sLSE.get_tensor(rows_by_stage)
+        sDPsum = storage.sDPsum.get_tensor(rows_by_stage)
+
+        offset_q = mCuSeqlensQ[batch]
+        seqlen_q = mCuSeqlensQ[batch + 1] - offset_q
+        offset_k = mCuSeqlensK[batch]
+        seqlen_k = mCuSeqlensK[batch + 1] - offset_k
+        num_heads = cute.size(mQ.shape[2])
+        group = num_heads // cute.size(mK.shape[2])
+        block_range = BlockRange(
+            self.tile_m, self.tile_n, spec.causal, spec.has_window_left, spec.has_window_right,
+            spec.compressed, compress_factor, window_left, window_right)
+        walk = partial(
+            self.walk_steps, block_range=block_range, n_block=n_block, head_kv=head_kv,
+            batch=batch, group=group, num_heads=num_heads, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
+            mListOffsets=mListOffsets, mListIndex=mListIndex, mListMaskCount=mListMaskCount,
+            mKvBlockOffsets=mKvBlockOffsets)
+        q_tile_offset = mQTileOffsets[batch]
+
+        # KV tiles past their sequence's end have nothing to do (the grid covers the longest).
+        if n_block * self.tile_n < seqlen_k:
+            if warp_idx < 4:
+                cute.arch.setmaxregister_decrease(self.producer_regs)
+                if warp_idx == 0:
+                    kv_handle = kv_producer.acquire_and_advance()
+                    for tma_atom, m_src, s_dst in ((tma_atom_k, mK, sK), (tma_atom_v, mV, sV)):
+                        self.load_tile(tma_atom, m_src, s_dst, kv_handle, offset_k, head_kv,
+                                       n_block, self.tile_n, 0)
+                    produce = partial(
+                        self.produce_step, tma_atom_q=tma_atom_q, mQ=mQ, tma_atom_do=tma_atom_do,
+                        mdO=mdO, tma_atom_lse=tma_atom_lse, mLSE=mLSE,
+                        tma_atom_dpsum=tma_atom_dpsum, mDPsum=mDPsum, sQ=sQ, sdO=sdO, sLSE=sLSE,
+                        sDPsum=sDPsum, offset_q=offset_q, q_tile_offset=q_tile_offset)
+                    walk(produce, (q_producer, do_producer))
+            else:
+                cute.arch.setmaxregister_increase(self.consumer_regs)
+                self.consume(
+                    tidx - _WARPGROUP, walk, kv_consumer, q_consumer, do_consumer,
+                    tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, sQ, sdO, sK, sV, sdS, sLSE,
+                    sDPsum, mdQacc, mdK, mdV, softmax_scale, scale_log2, block_range, n_block,
+                    head_kv, batch, offset_k, seqlen_q, seqlen_k, q_tile_offset, mSemaphore,
+                    mFwdFullCount, mFwdFullIndex, mFwdMaskCount, mFwdMaskIndex, mFwdRowOffsets)
+
+    @cute.jit
+    def walk_steps(
+        self, step_fn, state, block_range: BlockRange, n_block: Int32, head_kv: Int32,
+        batch: Int32, group: Int32, num_heads: Int32, seqlen_q: Int32, seqlen_k: Int32,
+        mListOffsets, mListIndex, mListMaskCount, mKvBlockOffsets,
+    ):
+        """Run step_fn(head, m_block, needs_mask, *state) -> state over the (query head, 64-row
+        query tile) pairs that see this CTA's KV tile, heads of the group outermost. The
+        producer warp and the consumer warpgroups both walk through here, so they agree on
+        every step."""
+        head_first = head_kv * group
+        if const_expr(self.spec.block_sparse):
+            kv_row = mKvBlockOffsets[batch] + n_block
+            list_heads = cute.size(mListMaskCount.shape[1])
+            for head_in_group in cutlass.range(group, unroll=1):
+                head = head_first + head_in_group
+                list_head = head // (num_heads // list_heads)
+                list_row = kv_row * list_heads + list_head
+                start = mListOffsets[list_row]
+                num_mask = mListMaskCount[kv_row, list_head]
+                # Full KV blocks crossing the sequence end still mask the keys past it.
+                full_needs_mask = (n_block + 1) * self.tile_n > seqlen_k
+                for entry in cutlass.range(start, mListOffsets[list_row + 1], unroll=1):
+                    q_tile = mListIndex[entry]
+                    needs_mask = full_needs_mask | (entry - start < num_mask)
+                    # The lists name 128-row query tiles: two 64-row steps each, the second
+                    # only if the sequence reaches it.
+                    for half in cutlass.range_constexpr(2):
+                        m_block = q_tile * 2 + half
+                        if m_block * self.tile_m < seqlen_q:
+                            state = step_fn(head, m_block, needs_mask, *state)
+        else:
+            m_min, m_max = block_range.m_block_min_max(n_block, seqlen_q, seqlen_k)
+            unmasked_lo, unmasked_hi = block_range.unmasked_m_blocks(n_block, seqlen_q, seqlen_k)
+            for head_in_group in cutlass.range(group, unroll=1):
+                for m_block in cutlass.range(m_min, m_max, unroll=1):
+                    needs_mask = (m_block < unmasked_lo) | (m_block >= unmasked_hi)
+                    state = step_fn(head_first + head_in_group, m_block, needs_mask, *state)
+        return state
+
+    @cute.jit
+    def load_tile(self, tma_atom, m_src, s_dst, handle, offset: Int32, head: Int32,
+                  block: Int32, rows: cutlass.Constexpr[int], stage):
+        """TMA-load rows [block * rows, +rows) of a sequence starting at `offset` (one head)."""
+        m_seq = cute.domain_offset((offset, 0), m_src[None, None, head])
+        g_tile = cute.local_tile(m_seq, (rows, self.head_dim), (block, 0))
+        t_s, t_g = cpasync.tma_partition(
+            tma_atom, 0, cute.make_layout(1), cute.group_modes(s_dst, 0, 2),
+            cute.group_modes(g_tile, 0, 2))
+        cute.copy(tma_atom, t_g, t_s[(None, stage)], tma_bar_ptr=handle.barrier)
+
+    @cute.jit
+    def load_rows(self, tma_atom, m_src, s_dst, handle, head: Int32, slot_tile: Int32, stage):
+        """TMA-load one query tile's 64 float32 row statistics (lse or dO.O)."""
+        g_rows = cute.local_tile(m_src[None, head], (self.tile_m,), (slot_tile,))
+        t_s, t_g = cpasync.tma_partition(tma_atom, 0, cute.make_layout(1), s_dst, g_rows)
+        cute.copy(tma_atom, t_g, t_s[(None, stage)], tma_bar_ptr=handle.barrier)
+
+    @cute.jit
+    def produce_step(
+        self, head: Int32, m_block: Int32, needs_mask, q_producer, do_producer, tma_atom_q, mQ,
+        tma_atom_do, mdO, tma_atom_lse, mLSE, tma_atom_dpsum, mDPsum, sQ, sdO, sLSE, sDPsum,
+        offset_q: Int32, q_tile_offset: Int32,
+    ):
+        slot_tile = q_tile_offset + m_block
+        q_handle = q_producer.acquire_and_advance()
+        self.load_tile(tma_atom_q, mQ, sQ, q_handle, offset_q, head, m_block, self.tile_m,
+                       q_handle.index)
+        self.load_rows(tma_atom_lse, mLSE, sLSE, q_handle, head, slot_tile, q_handle.index)
+        do_handle = do_producer.acquire_and_advance()
+        self.load_tile(tma_atom_do, mdO, sdO, do_handle, offset_q, head, m_block, self.tile_m,
+                       do_handle.index)
+        self.load_rows(tma_atom_dpsum, mDPsum, sDPsum, do_handle, head, slot_tile,
+                       do_handle.index)
+        return q_producer, do_producer
+
+    @cute.jit
+    def consume(
+        self, tidx: Int32, walk, kv_consumer, q_consumer, do_consumer,
+        tiled_mma_sdp: cute.TiledMma, tiled_mma_dkv: cute.TiledMma, tiled_mma_dq: cute.TiledMma,
+        sQ, sdO, sK, sV, sdS, sLSE, sDPsum, mdQacc, mdK, mdV, softmax_scale: Float32,
+        scale_log2: Float32, block_range: BlockRange, n_block: Int32, head_kv: Int32,
+        batch: Int32, offset_k: Int32, seqlen_q: Int32, seqlen_k: Int32, q_tile_offset: Int32,
+        mSemaphore, mFwdFullCount, mFwdFullIndex, mFwdMaskCount, mFwdMaskIndex, mFwdRowOffsets,
+    ):
+        """The consumer warpgroups' whole CTA: every step, then dK and dV."""
+        thr_sdp = tiled_mma_sdp.get_slice(tidx)
+        thr_dkv = tiled_mma_dkv.get_slice(tidx)
+        thr_dq = tiled_mma_dq.get_slice(tidx)
+        tSrK = thr_sdp.make_fragment_A(thr_sdp.partition_A(sK))
+        tSrV = thr_sdp.make_fragment_A(thr_sdp.partition_A(sV))
+        tSrQ = thr_sdp.make_fragment_B(thr_sdp.partition_B(sQ))
+        tSrdO = thr_sdp.make_fragment_B(thr_sdp.partition_B(sdO))
+        tdKrQ = thr_dkv.make_fragment_B(thr_dkv.partition_B(transposed(sQ)))
+        tdVrdO = thr_dkv.make_fragment_B(thr_dkv.partition_B(transposed(sdO)))
+        tdQrdS = thr_dq.make_fragment_A(thr_dq.partition_A(sdS))
+        # K read head-dim-major, one block of dq_pass_cols columns per pass.
+        sKt_passes = cute.flat_divide(transposed(sK), (self.dq_pass_cols,))
+        tdQrK = thr_dq.make_fragment_B(thr_dq.partition_B(sKt_passes[None, 0, None, None]))
+
+        acc_s = thr_sdp.make_fragment_C(thr_sdp.partition_shape_C((self.tile_n, self.tile_m)))
+        acc_dp = thr_sdp.make_fragment_C(thr_sdp.partition_shape_C((self.tile_n, self.tile_m)))
+        acc_dk = thr_dkv.make_fragment_C(thr_dkv.partition_shape_C((self.tile_n, self.head_dim)))
+        acc_dv = thr_dkv.make_fragment_C(thr_dkv.partition_shape_C((self.tile_n, self.head_dim)))
+        acc_dq = thr_dq.make_fragment_C(thr_dq.partition_shape_C((self.tile_m, self.dq_pass_cols)))
+        acc_dk.fill(0.0)
+        acc_dv.fill(0.0)
+        r_p = cute.make_rmem_tensor(acc_as_a_operand_layout(acc_s.layout), self.dtype)
+        r_ds = cute.make_rmem_tensor(acc_as_a_operand_layout(acc_s.layout), self.dtype)
+        t_coord = thr_sdp.partition_C(cute.make_identity_tensor((self.tile_n, self.tile_m)))
+        t_sdS = thr_sdp.partition_C(transposed(sdS[None, None, 0]))
+        dq_coord = thr_dq.partition_C(
+            cute.make_identity_tensor((self.tile_m, self.dq_pass_cols)))
+
+        kv_handle = kv_consumer.wait_and_advance()
+        step = partial(
+            self.consume_step, tidx=tidx, tSrK=tSrK, tSrV=tSrV, tSrQ=tSrQ, tSrdO=tSrdO,
+            tdKrQ=tdKrQ, tdVrdO=tdVrdO, tdQrdS=tdQrdS, tdQrK=tdQrK, sKt_passes=sKt_passes,
+            thr_dq=thr_dq, acc_s=acc_s, acc_dp=acc_dp, acc_dk=acc_dk, acc_dv=acc_dv,
+            acc_dq=acc_dq, r_p=r_p, r_ds=r_ds, t_coord=t_coord, t_sdS=t_sdS, dq_coord=dq_coord,
+            sLSE=sLSE, sDPsum=sDPsum, mdQacc=mdQacc, scale_log2=scale_log2,
+            block_range=block_range, n_block=n_block, batch=batch, seqlen_q=seqlen_q,
+            seqlen_k=seqlen_k, q_tile_offset=q_tile_offset, mSemaphore=mSemaphore,
+            mFwdFullCount=mFwdFullCount, mFwdFullIndex=mFwdFullIndex,
+            mFwdMaskCount=mFwdMaskCount, mFwdMaskIndex=mFwdMaskIndex,
+            mFwdRowOffsets=mFwdRowOffsets)
+        walk(step, (q_consumer, do_consumer, tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq))
+        kv_handle.release()
+
+        acc_dk.store(acc_dk.load() * softmax_scale)
+        for acc, m_out in ((acc_dk, mdK), (acc_dv, mdV)):
+            self.store_keys(thr_dkv, acc, m_out, offset_k, head_kv, n_block, seqlen_k)
+
+    @cute.jit
+    def consume_step(
+        self, head: Int32, m_block: Int32, needs_mask, q_consumer, do_consumer,
+        tiled_mma_sdp: cute.TiledMma, tiled_mma_dkv: cute.TiledMma, tiled_mma_dq: cute.TiledMma,
+        tidx: Int32, tSrK, tSrV, tSrQ, tSrdO, tdKrQ, tdVrdO, tdQrdS, tdQrK, sKt_passes, thr_dq,
+        acc_s, acc_dp, acc_dk, acc_dv, acc_dq, r_p, r_ds, t_coord, t_sdS, dq_coord, sLSE,
+        sDPsum, mdQacc, scale_log2: Float32, block_range: BlockRange, n_block: Int32,
+        batch: Int32, seqlen_q: Int32, seqlen_k: Int32, q_tile_offset: Int32, mSemaphore,
+        mFwdFullCount, mFwdFullIndex, mFwdMaskCount, mFwdMaskIndex, mFwdRowOffsets,
+    ):
+        """One (query head, 64-row query tile) against this CTA's keys."""
+        stages = self.spec.q_stages
+        q_handle = q_consumer.wait_and_advance()
+        q_stage = self.stage_index(q_handle, stages)
+        tiled_mma_sdp = self.gemm(tiled_mma_sdp, acc_s, tSrK[None, None, None, 0],
+                                  tSrQ[None, None, None, q_stage], zero_init=True)
+        do_handle = do_consumer.wait_and_advance()
+        do_stage = self.stage_index(do_handle, stages)
+        tiled_mma_sdp = self.gemm(tiled_mma_sdp, acc_dp, tSrV[None, None, None, 0],
+                                  tSrdO[None, None, None, do_stage], zero_init=True)
+        warpgroup.wait_group(1)
+        if needs_mask:
+            apply_mask_keys_as_rows(acc_s, t_coord, block_range, n_block, m_block, seqlen_q,
+                                    seqlen_k, True)
+        # P^T = exp2(S^T scale log2(e) - lse log2(e)); lse log2(e) is +inf for rows that see
+        # nothing and rows past the sequence, so their P is exactly 0.
+        s_mn = acc_mn_view(acc_s)
+        c_mn = acc_mn_view(t_coord)
+        for c in cutlass.range_constexpr(cute.size(s_mn, mode=[1])):
+            lse = sLSE[c_mn[0, c][1], q_stage]
+            for r in cutlass.range_constexpr(cute.size(s_mn, mode=[0])):
+                s_mn[r, c] = cute.math.exp2(s_mn[r, c] * scale_log2 - lse, fastmath=True)
+        cute.make_tensor(r_p.iterator, acc_s.layout).store(acc_s.load().to(self.dtype))
+        warpgroup.wait_group(0)
+        # dS^T = P^T (dP^T - dO.O)
+        dp_mn = acc_mn_view(acc_dp)
+        for c in cutlass.range_constexpr(cute.size(dp_mn, mode=[1])):
+            dpsum = sDPsum[c_mn[0, c][1], do_stage]
+            for r in cutlass.range_constexpr(cute.size(dp_mn, mode=[0])):
+                dp_mn[r, c] = s_mn[r, c] * (dp_mn[r, c] - dpsum)
+        r_ds_as_acc = cute.make_tensor(r_ds.iterator, acc_dp.layout)
+        r_ds_as_acc.store(acc_dp.load().to(self.dtype))
+        tiled_mma_dkv = self.gemm(tiled_mma_dkv, acc_dv, r_p, tdVrdO[None, None, None, do_stage],
+                                  zero_init=False)
+        tiled_mma_dkv = self.gemm(tiled_mma_dkv, acc_dk, r_ds, tdKrQ[None, None, None, q_stage],
+                                  zero_init=False)
+        # dS into shared memory for dQ = dS K, once every warpgroup's previous dQ read it.
+        cute.arch.barrier(barrier_id=_DS_FREE_BARRIER,
+                          number_of_threads=self.num_consumer_threads)
+        cute.autovec_copy(r_ds_as_acc, t_sdS)
+        cute.arch.fence_proxy("async.shared", space="cta")
+        cute.arch.barrier(barrier_id=_DS_FULL_BARRIER,
+                          number_of_threads=self.num_consumer_threads)
+
+        slot_tile = q_tile_offset + m_block
+        g_dq = cute.local_tile(mdQacc[head, None, None], (self.tile_m, self.head_dim),
+                               (slot_tile, 0))
+        if const_expr(self.spec.deterministic):
+            self.wait_dq_turn(tidx, mSemaphore, head, slot_tile, block_range, n_block, m_block,
+                              batch, seqlen_q, seqlen_k, mFwdFullCount, mFwdFullIndex,
+                              mFwdMaskCount, mFwdMaskIndex, mFwdRowOffsets)
+        for p in cutlass.range_constexpr(self.dq_passes):
+            tiled_mma_dq = self.gemm(
+                tiled_mma_dq, acc_dq, tdQrdS[None, None, None, 0],
+                self.dq_operand(thr_dq, sKt_passes, p, tdQrK), zero_init=True)
+            warpgroup.wait_group(0)
+            if const_expr(p == 0):
+                # The dK and dV products (issued before) are done too: Q and dO are free.
+                q_handle.release()
+                do_handle.release()
+            self.reduce_dq(acc_dq, dq_coord, g_dq, p)
+        if const_expr(self.spec.deterministic):
+            self.pass_dq_turn(tidx, mSemaphore, head, slot_tile)
+        return q_consumer, do_consumer, tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq
+
+    def dq_operand(self, thr_dq, sKt_passes, p: int, first_pass):
+        """K^T columns of dQ pass p as the B operand (pass 0's fragment is built once)."""
+        if p == 0:
+            return first_pass[None, None, None, 0]
+        return thr_dq.make_fragment_B(
+            thr_dq.partition_B(sKt_passes[None, p, None, None]))[None, None, None, 0]
+
+    @cute.jit
+    def reduce_dq(self, acc_dq: cute.Tensor, dq_coord: cute.Tensor, g_dq: cute.Tensor, p):
+        """acc_dq (columns of pass p) added into the float32 dQ accumulator of the tile."""
+        for i in cutlass.range_constexpr(cute.size(acc_dq)):
+            row, col = dq_coord[i]
+            offset = cute.crd2idx((row, p * self.dq_pass_cols + col), g_dq.layout)
+            cute.arch.red(g_dq.iterator + offset, acc_dq[i], op="add", dtype="f32",
+                          sem="relaxed", scope="gpu")
+
+    @cute.jit
+    def wait_dq_turn(self, tidx: Int32, mSemaphore, head: Int32, slot_tile: Int32,
+                     block_range: BlockRange, n_block: Int32, m_block: Int32, batch: Int32,
+                     seqlen_q: Int32, seqlen_k: Int32, mFwdFullCount, mFwdFullIndex,
+                     mFwdMaskCount, mFwdMaskIndex, mFwdRowOffsets):
+        """`deterministic`: wait until every KV tile before this one that adds into this
+        query tile's dQ has added (a fixed order: the float32 sums are then bitwise the same
+        run after run). A CTA only waits for lower KV tiles of its own (KV head, sequence),
+        which have lower block indices and were scheduled first, so the wait always ends."""
+        if tidx == 0:
+            earlier = self.kv_tiles_before(
+                block_range, n_block, m_block, head, batch, cute.size(mSemaphore.shape[0]),
+                seqlen_q, seqlen_k, mFwdFullCount, mFwdFullIndex, mFwdMaskCount, mFwdMaskIndex,
+                mFwdRowOffsets)
+            sem = mSemaphore.iterator + cute.crd2idx((head, slot_tile), mSemaphore.layout)
+            done = cute.arch.atomic_add(sem, Int32(0), sem="acquire", scope="gpu")
+            while done != earlier:
+                done = cute.arch.atomic_add(sem, Int32(0), sem="acquire", scope="gpu")
+        cute.arch.barrier(barrier_id=_DQ_TURN_BARRIER, number_of_threads=self.num_consumer_threads)
+
+    @cute.jit
+    def pass_dq_turn(self, tidx: Int32, mSemaphore, head: Int32, slot_tile: Int32):
+        cute.arch.fence_acq_rel_gpu()
+        cute.arch.barrier(barrier_id=_DQ_TURN_BARRIER, number_of_threads=self.num_consumer_threads)
+        if tidx == 0:
+            sem = mSemaphore.iterator + cute.crd2idx((head, slot_tile), mSemaphore.layout)
+            cute.arch.atomic_add(sem, Int32(1), sem="release", scope="gpu")
+
+    @cute.jit
+    def kv_tiles_before(self, block_range: BlockRange, n_block: Int32, m_block: Int32,
+                        head: Int32, batch: Int32, num_heads: Int32, seqlen_q: Int32,
+                        seqlen_k: Int32, mFwdFullCount, mFwdFullIndex, mFwdMaskCount, mFwdMaskIndex,
+                        mFwdRowOffsets) -> Int32:
+        """How many KV tiles below n_block visit query tile m_block (of this head)."""
+        count = Int32(0)
+        if const_expr(self.spec.block_sparse):
+            # The KV block's rank in the query tile's forward lists (they are the transpose's
+            # source, so both walks agree on who visits whom).
+            row = mFwdRowOffsets[batch] + m_block // 2
+            list_head = head // (num_heads // cute.size(mFwdFullCount.shape[1]))
+            for i in cutlass.range(mFwdFullCount[row, list_head], unroll=1):
+                if mFwdFullIndex[row, list_head, i] < n_block:
+                    count += 1
+            for i in cutlass.range(mFwdMaskCount[row, list_head], unroll=1):
+                if mFwdMaskIndex[row, list_head, i] < n_block:
+                    count += 1
+        else:
+            # Visitors of m_block form one run of KV tiles (the visited query tiles' ends rise
+            # with the KV tile): find its first tile, the first whose m_max passes m_block.
+            lo = Int32(0)
+            hi = n_block
+            while lo < hi:
+                mid = (lo + hi) // 2
+                _, m_max = block_range.m_block_min_max(mid, seqlen_q, seqlen_k)
+                if m_max > m_block:
+                    hi = mid
+                else:
+                    lo = mid + 1
+            count = n_block - lo
+        return count
+
+    @cute.jit
+    def store_keys(self, thr_dkv, acc: cute.Tensor, m_out: cute.Tensor, offset_k: Int32,
+                   head_kv: Int32, n_block: Int32, seqlen_k: Int32):
+        """dK or dV of this thread's keys inside the sequence, straight from registers (one
+        32-bit store per pair of adjacent columns)."""
+        out = cute.make_rmem_tensor_like(acc, self.dtype)
+        out.store(acc.load().to(self.dtype))
+        m_seq = cute.domain_offset((offset_k, 0), m_out[None, head_kv, None])
+        g_mn = acc_mn_view(thr_dkv.partition_C(
+            cute.local_tile(m_seq, (self.tile_n, self.head_dim), (n_block, 0))))
+        c_mn = acc_mn_view(thr_dkv.partition_C(
+            cute.make_identity_tensor((self.tile_n, self.head_dim))))
+        o_mn = acc_mn_view(out)
+        pair_store = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype,
+                                         num_bits_per_copy=32)
+        col_groups = cute.size(o_mn.shape[1][1])
+        num_pairs = cute.size(o_mn, mode=[1]) // 2
+        for r in cutlass.range_constexpr(cute.size(o_mn, mode=[0])):
+            if n_block * self.tile_n + c_mn[r, 0][0] < seqlen_k:
+                for c in cutlass.range_constexpr(num_pairs):
+                    pair = (None, c % col_groups, c // col_groups)
+                    cute.copy(pair_store, o_mn[r, pair], g_mn[r, pair])
+
+    @staticmethod
+    def stage_index(handle, num_stages: int):
+        """A pipeline stage index the compiler knows is warp-uniform (see the forward)."""
+        if num_stages == 1:
+            return 0
+        return cute.arch.make_warp_uniform(handle.index)
+
+    @cute.jit
+    def gemm(self, tiled_mma, acc, t_a, t_b, zero_init: cutlass.Constexpr[bool]):
+        """Issue (not wait for) acc (+)= A @ B over the k blocks; returns the TiledMma."""
+        warpgroup.fence()
+        for k in cutlass.range_constexpr(cute.size(t_a, mode=[2])):
+            tiled_mma.set(warpgroup.Field.ACCUMULATE, (not zero_init) or k != 0)
+            cute.gemm(tiled_mma, acc, t_a[None, None, k], t_b[None, None, k], acc)
+        warpgroup.commit_group()
+        return tiled_mma
