@@ -2,23 +2,30 @@
 
 Pure PyTorch, independent of any kernel: the BlockSparseTensors layout and its validation,
 builders (from selected blocks, for a compressed causal branch, from a dense mask) and the
-transpose the backward consumes. Varlen aware throughout; a padded batch is S equal-length
-sequences (`uniform_cu_seqlens`). The layout contract is docs/interfaces.md.
+transposes the backward consumes (padded, and BlockSparseCSR: O(listed entries)). Varlen aware
+throughout; a padded batch is S equal-length sequences (`uniform_cu_seqlens`). The layout
+contract is docs/interfaces.md.
 """
 from sparsity.block_sparse import (BlockSparseTensors, row_block_offsets_from_cu_seqlens,
                                    uniform_cu_seqlens, validate_block_sparse)
 from sparsity.builders import (build_block_sparse_from_mask, build_compressed_block_sparse,
                                build_selected_block_sparse)
+from sparsity.csr import (BlockSparseCSR, check_csr_matches, transpose_block_sparse_csr,
+                          validate_block_sparse_csr)
 from sparsity.transpose import transpose_block_sparse, transposed_list_lengths
 
 __all__ = [
+    "BlockSparseCSR",
     "BlockSparseTensors",
     "build_block_sparse_from_mask",
     "build_compressed_block_sparse",
     "build_selected_block_sparse",
+    "check_csr_matches",
     "row_block_offsets_from_cu_seqlens",
     "transpose_block_sparse",
+    "transpose_block_sparse_csr",
     "transposed_list_lengths",
     "uniform_cu_seqlens",
     "validate_block_sparse",
+    "validate_block_sparse_csr",
 ]

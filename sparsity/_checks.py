@@ -31,6 +31,17 @@ def check_cu_seqlens(cu_seqlens, name: str, device: torch.device | None = None) 
     The int64 copy keeps the builders' position arithmetic safe for any total length. The values
     are read to the host once (one device sync on a GPU) and checked there.
     """
+    check_cu_seqlens_layout(cu_seqlens, name, device)
+    bounds = cu_seqlens.tolist()
+    if bounds[0] != 0:
+        raise ValueError(f"{name} must start at 0, got {bounds[0]}")
+    if any(b < a for a, b in zip(bounds, bounds[1:])):
+        raise ValueError(f"{name} must be non-decreasing (cumulative sequence lengths)")
+    return cu_seqlens.to(torch.int64)
+
+
+def check_cu_seqlens_layout(cu_seqlens, name: str, device: torch.device | None = None) -> None:
+    """The checks of check_cu_seqlens that need no device read: type, shape, dtype, device."""
     check_tensor(cu_seqlens, name)
     if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1:
         raise ValueError(f"{name} must be a 1-D (S+1,) tensor, got shape {tuple(cu_seqlens.shape)}")
@@ -38,12 +49,6 @@ def check_cu_seqlens(cu_seqlens, name: str, device: torch.device | None = None) 
         raise ValueError(f"{name} must be int32 (or int64), got {cu_seqlens.dtype}")
     if device is not None:
         check_same_device(cu_seqlens, device, name, "the other index tensors")
-    bounds = cu_seqlens.tolist()
-    if bounds[0] != 0:
-        raise ValueError(f"{name} must start at 0, got {bounds[0]}")
-    if any(b < a for a, b in zip(bounds, bounds[1:])):
-        raise ValueError(f"{name} must be non-decreasing (cumulative sequence lengths)")
-    return cu_seqlens.to(torch.int64)
 
 
 def check_matching_sequences(cu_a: Tensor, name_a: str, cu_b: Tensor, name_b: str) -> None:

@@ -8,7 +8,8 @@ listed entries: O(entries + output), never a dense (tiles x blocks) table.
 
 The output is padded to its longest list like every BlockSparseTensors. A column block listed by
 nearly every tile (NSA's forced block 0) therefore makes the transpose O(column blocks x tiles);
-`transposed_list_lengths` gives the sizes before anything is allocated.
+`transposed_list_lengths` gives the sizes before anything is allocated. csr.py builds the same
+lists in CSR form, O(listed entries), without reading the device.
 """
 from __future__ import annotations
 
