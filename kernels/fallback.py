@@ -16,6 +16,9 @@ sparsity, varlen, GQA), in fp32 (fp64 for fp64 inputs), with memory bounded by
 The backward is the analytic one flash attention uses: recompute ``P = exp(S - lse)`` from the
 forward's ``lse``, ``delta = rowsum(dO * O)``, ``dS = P * (dP - delta)``; dK and dV are summed
 over the query heads of each KV group (scattered back with ``index_add_`` on the sparse path).
+Every sum runs in a fixed order except that scatter on CUDA, whose atomic adds land in any
+order: with ``deterministic=True`` it becomes a sorted accumulation there (``index_put_`` with
+``accumulate=True``), so the fallback's gradients are bit-identical from run to run.
 
 GQA is a reshape of q, never a copy of k and v: the dense path groups query heads by KV head,
 ``(Hkv, G * rows, D)``; the sparse path by list head, ``(tiles, Hs, H / Hs * tile rows, D)``.
@@ -55,7 +58,8 @@ def attention_forward_fallback(
 def attention_backward_fallback(
     dout, q, k, v, out, lse, *, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
     max_seqlen_k=None, softmax_scale=None, causal=False, compress_factor=1, window_size=(-1, -1),
-    block_sparse=None, block_sparse_transposed=None, chunk_budget_bytes=CHUNK_BUDGET_BYTES,
+    block_sparse=None, block_sparse_transposed=None, deterministic=False,
+    chunk_budget_bytes=CHUNK_BUDGET_BYTES,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Validate, then compute ``(dq, dk, dv)`` in torch; arguments as ``attention_backward``.
 
@@ -67,8 +71,10 @@ def attention_backward_fallback(
         max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, softmax_scale=softmax_scale,
         causal=causal, compress_factor=compress_factor, window_size=window_size,
         block_sparse=block_sparse, block_sparse_transposed=block_sparse_transposed,
+        deterministic=deterministic,
     )
-    return backward(problem, dout, q, k, v, out, lse, block_sparse, chunk_budget_bytes)
+    return backward(problem, dout, q, k, v, out, lse, block_sparse, chunk_budget_bytes,
+                    deterministic=deterministic)
 
 
 @torch.no_grad()
@@ -94,7 +100,7 @@ def forward(problem: AttentionProblem, q, k, v, block_sparse=None,
 
 @torch.no_grad()
 def backward(problem: AttentionProblem, dout, q, k, v, out, lse, block_sparse=None,
-             chunk_budget_bytes: int = CHUNK_BUDGET_BYTES):
+             chunk_budget_bytes: int = CHUNK_BUDGET_BYTES, *, deterministic: bool = False):
     """``(dq, dk, dv)`` for an already validated call; dk, dv summed over each KV group."""
     acc = _accumulation_dtype(q.dtype)
     rows = _BackwardRows(
@@ -106,7 +112,8 @@ def backward(problem: AttentionProblem, dout, q, k, v, out, lse, block_sparse=No
     if block_sparse is None:
         _dense_backward(problem, rows, dq, dk, dv, acc, chunk_budget_bytes)
     else:
-        _sparse_backward(problem, block_sparse, rows, dq, dk, dv, acc, chunk_budget_bytes)
+        _sparse_backward(problem, block_sparse, rows, dq, dk, dv, acc, chunk_budget_bytes,
+                         deterministic)
     return (dq.view(q.shape).to(q.dtype), dk.view(k.shape).to(k.dtype),
             dv.view(v.shape).to(v.dtype))
 
@@ -296,7 +303,8 @@ def _sparse_forward(problem, bs, q_rows, k_rows, v_rows, out, lse, acc, budget) 
         lse[:, batch.rows] = tile_lse.squeeze(-1).T.to(lse.dtype)
 
 
-def _sparse_backward(problem, bs, rows: _BackwardRows, dq, dk, dv, acc, budget) -> None:
+def _sparse_backward(problem, bs, rows: _BackwardRows, dq, dk, dv, acc, budget,
+                     deterministic: bool) -> None:
     head_dim = problem.head_dim
     k_flat, v_flat = rows.k.reshape(-1, head_dim), rows.v.reshape(-1, head_dim)
     dk_flat, dv_flat = dk.view(-1, head_dim), dv.view(-1, head_dim)
@@ -315,8 +323,20 @@ def _sparse_backward(problem, bs, rows: _BackwardRows, dq, dk, dv, acc, budget) 
         dq[batch.rows] = _from_tiles(tile_dq, bs.row_block_size, batch.row_end - batch.row_start)
         # Sentinel slots scatter exact zeros (their P and dS are 0) onto the sentinel key.
         destination = keys.kv_rows.view(-1)
-        dk_flat.index_add_(0, destination, listed_dk.reshape(-1, head_dim))
-        dv_flat.index_add_(0, destination, listed_dv.reshape(-1, head_dim))
+        _add_rows(dk_flat, destination, listed_dk.reshape(-1, head_dim), deterministic)
+        _add_rows(dv_flat, destination, listed_dv.reshape(-1, head_dim), deterministic)
+
+
+def _add_rows(target: torch.Tensor, rows: torch.Tensor, values: torch.Tensor,
+              deterministic: bool) -> None:
+    """``target[rows[i]] += values[i]``, duplicates summed. index_add_ adds atomically on CUDA, in
+    no fixed order; index_put_ with accumulate=True sorts the rows there and sums each one in
+    order (slower), which is what deterministic=True asks for. On the CPU index_add_ already
+    sums in order."""
+    if deterministic and target.is_cuda:
+        target.index_put_((rows,), values, accumulate=True)
+    else:
+        target.index_add_(0, rows, values)
 
 
 def _tile_batches(problem: AttentionProblem, bs, acc: torch.dtype,

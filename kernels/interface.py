@@ -7,6 +7,11 @@ kernel modules receive the keyword arguments already validated and normalised (s
 ``max_seqlen_*`` filled in, ``window_size`` a tuple of ints). Only a failed import sends a call
 to the fallback; an error raised by a kernel is never swallowed.
 
+The backward takes ``deterministic`` (default False, the fast mode): with True the gradients
+are bit-identical from run to run (a kernel sums its partial dQ in a fixed order rather than by
+atomic adds, and says no in ``can_run`` where it cannot; the fallback sorts its one scatter on
+CUDA, see ``kernels.fallback``).
+
 ``attention_forward_trusted`` / ``attention_backward_trusted`` are the internal twins of the
 public functions for callers that already checked the sequence boundaries and hold them on the
 host (nsa's branches): the same checks without device reads (see ``kernels.validate``). They are
@@ -21,8 +26,10 @@ from types import ModuleType
 import torch
 
 from . import fallback
-from .validate import (AttentionProblem, validate_attention_backward, validate_attention_forward,
-                       validate_trusted_attention_backward, validate_trusted_attention_forward)
+from .validate import (AttentionProblem, block_offsets, check_block_sparse_transposed,
+                       check_deterministic, validate_attention_backward,
+                       validate_attention_forward, validate_trusted_attention_backward,
+                       validate_trusted_attention_forward)
 
 DISABLE_ENV = "NSA_CUTE_DISABLE"
 FALLBACK = "fallback"
@@ -50,21 +57,25 @@ def attention_forward(
 def attention_backward(
     dout, q, k, v, out, lse, *, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
     max_seqlen_k=None, softmax_scale=None, causal=False, compress_factor=1, window_size=(-1, -1),
-    block_sparse=None, block_sparse_transposed=None,
+    block_sparse=None, block_sparse_transposed=None, deterministic=False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Attention backward: ``(dq, dk, dv)``, dk and dv summed over each KV group.
 
     ``out`` and ``lse`` are the forward's. ``block_sparse_transposed`` (the kernels' layout for
-    the backward) is built from ``block_sparse`` when a kernel needs it and it is not given.
+    the backward: a ``sparsity.BlockSparseCSR`` from ``sparsity.transpose_block_sparse_csr`` of
+    ``block_sparse``) is built when a kernel needs it and it is not given; pass it to build it
+    once for several backward calls over the same lists. ``deterministic=True`` asks for
+    gradients that are bit-identical from run to run, at some cost in speed.
     """
     problem = validate_attention_backward(
         dout, q, k, v, out, lse, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
         max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, softmax_scale=softmax_scale,
         causal=causal, compress_factor=compress_factor, window_size=window_size,
         block_sparse=block_sparse, block_sparse_transposed=block_sparse_transposed,
+        deterministic=deterministic,
     )
     return _run_backward(problem, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
-                         block_sparse, block_sparse_transposed)
+                         block_sparse, block_sparse_transposed, deterministic)
 
 
 def attention_forward_trusted(q, k, v, *, host_cu_seqlens, **kwargs):
@@ -82,12 +93,14 @@ def attention_forward_trusted(q, k, v, *, host_cu_seqlens, **kwargs):
 
 def attention_backward_trusted(dout, q, k, v, out, lse, *, host_cu_seqlens, **kwargs):
     """``attention_backward`` without device reads; trusts what ``attention_forward_trusted``
-    trusts."""
+    trusts, and that ``block_sparse_transposed`` (when given) is the transpose of
+    ``block_sparse``."""
     problem = validate_trusted_attention_backward(dout, q, k, v, out, lse,
                                                   host_cu_seqlens=host_cu_seqlens, **kwargs)
     return _run_backward(problem, dout, q, k, v, out, lse, kwargs.get("cu_seqlens_q"),
                          kwargs.get("cu_seqlens_k"), kwargs.get("block_sparse"),
-                         kwargs.get("block_sparse_transposed"))
+                         kwargs.get("block_sparse_transposed"),
+                         kwargs.get("deterministic", False))
 
 
 def _run_forward(problem: AttentionProblem, q, k, v, cu_seqlens_q, cu_seqlens_k, block_sparse):
@@ -100,29 +113,36 @@ def _run_forward(problem: AttentionProblem, q, k, v, cu_seqlens_q, cu_seqlens_k,
 
 
 def _run_backward(problem: AttentionProblem, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
-                  block_sparse, block_sparse_transposed):
+                  block_sparse, block_sparse_transposed, deterministic: bool):
     kwargs = _normalised_kwargs(problem, cu_seqlens_q, cu_seqlens_k, block_sparse)
-    kwargs["block_sparse_transposed"] = block_sparse_transposed
+    kwargs.update(block_sparse_transposed=block_sparse_transposed, deterministic=deterministic)
     kernel, _ = _choose_kernel("backward", q, k, v, kwargs, problem)
     if kernel is not None:
         return kernel.run(dout, q, k, v, out, lse, **kwargs)
-    return fallback.backward(problem, dout, q, k, v, out, lse, block_sparse)
+    return fallback.backward(problem, dout, q, k, v, out, lse, block_sparse,
+                             deterministic=deterministic)
 
 
 def which_backend(q, k, v, *, backward: bool = False, **kwargs) -> str:
     """Name the path a call with these arguments takes: ``"sm90"`` or ``"fallback (<why>)"``.
 
     ``kwargs`` are the keyword arguments of ``attention_forward`` (plus
-    ``block_sparse_transposed`` with ``backward=True``). Validates them like the call would.
+    ``block_sparse_transposed`` and ``deterministic`` with ``backward=True``). Validates them
+    like the call would.
     """
     transposed = kwargs.pop("block_sparse_transposed", None)
-    if transposed is not None and not backward:
-        raise ValueError("block_sparse_transposed only applies with backward=True")
+    deterministic = check_deterministic(kwargs.pop("deterministic", False))
+    if not backward and (transposed is not None or deterministic):
+        name = "block_sparse_transposed" if transposed is not None else "deterministic"
+        raise ValueError(f"{name} only applies with backward=True (the forward is deterministic)")
     problem = validate_attention_forward(q, k, v, **kwargs)
     normalised = _normalised_kwargs(problem, kwargs.get("cu_seqlens_q"),
                                     kwargs.get("cu_seqlens_k"), kwargs.get("block_sparse"))
     if backward:
-        normalised["block_sparse_transposed"] = transposed
+        if transposed is not None:
+            check_block_sparse_transposed(transposed, kwargs.get("block_sparse"), problem,
+                                          device=q.device, check_contents=True)
+        normalised.update(block_sparse_transposed=transposed, deterministic=deterministic)
     direction = "backward" if backward else "forward"
     kernel, reason = _choose_kernel(direction, q, k, v, normalised, problem)
     return SM90 if kernel is not None else f"{FALLBACK} ({reason})"
@@ -144,7 +164,8 @@ def _choose_kernel(direction: str, q, k, v, kwargs: dict,
     """The kernel module to run, or None and the reason the fallback runs.
 
     For the backward with block sparsity, fills ``kwargs["block_sparse_transposed"]`` when a
-    kernel module is available and the caller did not pass one.
+    kernel module is available and the caller did not pass one (built here, per call; callers
+    that run several backward calls over the same lists pass it instead).
     """
     unsupported = kernels_unavailable(q.device)
     if unsupported:
@@ -155,7 +176,8 @@ def _choose_kernel(direction: str, q, k, v, kwargs: dict,
         return None, f"kernels.sm90.{direction} unavailable ({error})"
     if (direction == "backward" and kwargs.get("block_sparse") is not None
             and kwargs.get("block_sparse_transposed") is None):
-        kwargs["block_sparse_transposed"] = _transpose(kwargs["block_sparse"], problem, q.device)
+        kwargs["block_sparse_transposed"] = _transpose(kwargs["block_sparse"], problem,
+                                                       kwargs["cu_seqlens_k"])
     ok, reason = kernel.can_run(q, k, v, **kwargs)
     if not ok:
         return None, f"kernels.sm90.{direction}: {reason}"
@@ -180,12 +202,34 @@ def _device_unsupported(device: torch.device) -> str:
     return ""
 
 
-def _transpose(block_sparse, problem: AttentionProblem, device):
-    """The backward layout (rows = KV blocks) of forward-layout lists."""
-    from sparsity import transpose_block_sparse
+def transpose_block_sparse_trusted(block_sparse, *, cu_seqlens_k, host_cu_seqlens_k):
+    """The ``block_sparse_transposed`` (a ``sparsity.BlockSparseCSR``) that the backward builds
+    for packed varlen lists over ``cu_seqlens_k``, for internal callers that run several backward
+    calls over the same lists (nsa) and pass it to ``attention_backward_trusted``. Trusts what
+    that function trusts: the lists come from ``sparsity``'s builders, ``host_cu_seqlens_k`` are
+    the checked values of ``cu_seqlens_k``. Reads nothing from the device."""
+    num_kv_blocks = block_offsets(host_cu_seqlens_k, block_sparse.col_block_size)[-1]
+    return _transpose_csr(block_sparse, num_kv_blocks, cu_seqlens_k=cu_seqlens_k)
 
-    offsets = [0]
-    for _, _, _, k0, k1 in problem.sequences():
-        offsets.append(offsets[-1] + -(-(k1 - k0) // block_sparse.col_block_size))
-    col_block_offsets = torch.tensor(offsets, dtype=torch.int32, device=device)
-    return transpose_block_sparse(block_sparse, col_block_offsets=col_block_offsets)
+
+def _transpose(block_sparse, problem: AttentionProblem, cu_seqlens_k):
+    """The backward layout (rows = KV blocks) of forward-layout lists that the call's checks have
+    passed."""
+    num_kv_blocks = problem.key_block_offsets(block_sparse.col_block_size)[-1]
+    if cu_seqlens_k is not None:
+        return _transpose_csr(block_sparse, num_kv_blocks, cu_seqlens_k=cu_seqlens_k)
+    # Padded: B sequences of max_seqlen_k keys. The offsets are made on the device: the host
+    # holds them too, but a host list copied to the GPU waits for the stream as a read would.
+    per_sequence = -(-problem.max_seqlen_k // block_sparse.col_block_size)
+    offsets = per_sequence * torch.arange(problem.num_seqs + 1, dtype=torch.int32,
+                                          device=block_sparse.full_count.device)
+    return _transpose_csr(block_sparse, num_kv_blocks, col_block_offsets=offsets)
+
+
+def _transpose_csr(block_sparse, num_kv_blocks: int, **kv_blocks):
+    from sparsity import transpose_block_sparse_csr
+
+    # check=False: the caller checked (or trusts) the lists and the sequences; the checks would
+    # read the device. The host count of KV blocks sizes the result without a read.
+    return transpose_block_sparse_csr(block_sparse, **kv_blocks, num_col_blocks=num_kv_blocks,
+                                      check=False)

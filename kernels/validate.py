@@ -11,6 +11,9 @@ Each transfer stalls the host until the GPU catches up, so a caller that has alr
 sequence boundaries, holds them on the host and built the block-sparse lists with ``sparsity``'s
 builders (nsa's branches, up to nine attention calls per layer) uses the ``trusted`` variants:
 the same checks and messages, no device read; only those values are taken on trust.
+
+The backward's ``deterministic`` switch is checked here too (a bool) but is not part of the
+problem: it chooses how a kernel sums dQ, never which function it computes.
 """
 from __future__ import annotations
 
@@ -63,6 +66,10 @@ class AttentionProblem:
             yield (s, self.cu_seqlens_q[s], self.cu_seqlens_q[s + 1],
                    self.cu_seqlens_k[s], self.cu_seqlens_k[s + 1])
 
+    def key_block_offsets(self, block_size: int) -> tuple[int, ...]:
+        """(S+1,) ``block_offsets`` of the keys: the rows of the transposed block-sparse lists."""
+        return block_offsets(self.cu_seqlens_k, block_size)
+
 
 def validate_attention_forward(
     q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
@@ -85,13 +92,14 @@ def validate_trusted_attention_forward(q, k, v, *, host_cu_seqlens, **kwargs) ->
     builders make them. Everything else is checked as the public path checks it, with the same
     messages, including the host values themselves (start, order, end, ``max_seqlen_*``).
     """
-    return _validate_forward(q, k, v, host_cu_seqlens=_host_pair(host_cu_seqlens), **kwargs)
+    return _validate_forward(q, k, v, host_cu_seqlens=_host_pair(host_cu_seqlens), trusted=True,
+                             **kwargs)
 
 
 def _validate_forward(
     q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
     softmax_scale=None, causal=False, compress_factor=1, window_size=(-1, -1), block_sparse=None,
-    host_cu_seqlens,
+    host_cu_seqlens, trusted: bool = False,
 ) -> AttentionProblem:
     varlen = _check_layout_and_tensors(q, k, v, cu_seqlens_q, cu_seqlens_k)
     num_heads, head_dim = q.shape[-2], q.shape[-1]
@@ -125,7 +133,7 @@ def _validate_forward(
     if block_sparse is not None:
         heads = _check_block_sparse("block_sparse", block_sparse, num_heads=num_heads,
                                     num_kv_heads=num_kv_heads, cu_rows=cu_q, cu_cols=cu_k,
-                                    device=q.device, check_contents=host_cu_seqlens is None)
+                                    device=q.device, check_contents=not trusted)
         problem = _replace_block_sparse_heads(problem, heads)
     return problem
 
@@ -133,7 +141,7 @@ def _validate_forward(
 def validate_attention_backward(
     dout, q, k, v, out, lse, *, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
     max_seqlen_k=None, softmax_scale=None, causal=False, compress_factor=1, window_size=(-1, -1),
-    block_sparse=None, block_sparse_transposed=None,
+    block_sparse=None, block_sparse_transposed=None, deterministic=False,
 ) -> AttentionProblem:
     """Check the arguments of ``attention_backward`` and describe the call."""
     return _validate_backward(
@@ -141,7 +149,7 @@ def validate_attention_backward(
         max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, softmax_scale=softmax_scale,
         causal=causal, compress_factor=compress_factor, window_size=window_size,
         block_sparse=block_sparse, block_sparse_transposed=block_sparse_transposed,
-        host_cu_seqlens=None)
+        deterministic=deterministic, host_cu_seqlens=None)
 
 
 def validate_trusted_attention_backward(dout, q, k, v, out, lse, *, host_cu_seqlens,
@@ -149,19 +157,20 @@ def validate_trusted_attention_backward(dout, q, k, v, out, lse, *, host_cu_seql
     """``validate_attention_backward`` without a device read, for internal callers only; trusts
     what :func:`validate_trusted_attention_forward` trusts (``block_sparse_transposed`` too)."""
     return _validate_backward(dout, q, k, v, out, lse,
-                              host_cu_seqlens=_host_pair(host_cu_seqlens), **kwargs)
+                              host_cu_seqlens=_host_pair(host_cu_seqlens), trusted=True, **kwargs)
 
 
 def _validate_backward(
     dout, q, k, v, out, lse, *, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
     max_seqlen_k=None, softmax_scale=None, causal=False, compress_factor=1, window_size=(-1, -1),
-    block_sparse=None, block_sparse_transposed=None, host_cu_seqlens,
+    block_sparse=None, block_sparse_transposed=None, deterministic=False, host_cu_seqlens,
+    trusted: bool = False,
 ) -> AttentionProblem:
     problem = _validate_forward(
         q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
         max_seqlen_k=max_seqlen_k, softmax_scale=softmax_scale, causal=causal,
         compress_factor=compress_factor, window_size=window_size, block_sparse=block_sparse,
-        host_cu_seqlens=host_cu_seqlens,
+        host_cu_seqlens=host_cu_seqlens, trusted=trusted,
     )
     for name, tensor in (("out", out), ("dout", dout)):
         _check_tensor(name, tensor)
@@ -182,27 +191,10 @@ def _validate_backward(
         raise TypeError(f"lse must be {lse_dtype(q.dtype)} for {q.dtype} inputs, got {lse.dtype}")
     _check_same_device("lse", lse, q)
 
+    check_deterministic(deterministic)
     if block_sparse_transposed is not None:
-        if block_sparse is None:
-            raise ValueError("block_sparse_transposed was given without block_sparse")
-        from sparsity import BlockSparseTensors
-
-        transposed = block_sparse_transposed
-        if not isinstance(transposed, BlockSparseTensors):
-            raise TypeError("block_sparse_transposed must be a BlockSparseTensors, got "
-                            f"{type(transposed).__name__}")
-        if (transposed.row_block_size, transposed.col_block_size) != (
-                block_sparse.col_block_size, block_sparse.row_block_size):
-            raise ValueError(
-                "block_sparse_transposed must swap the block sizes of block_sparse: expected "
-                f"row_block_size={block_sparse.col_block_size}, "
-                f"col_block_size={block_sparse.row_block_size}, got "
-                f"{transposed.row_block_size}, {transposed.col_block_size}")
-        # Rows are KV blocks and columns query tiles: the sequences swap roles.
-        _check_block_sparse("block_sparse_transposed", transposed,
-                            num_heads=problem.block_sparse_heads, num_kv_heads=None,
-                            cu_rows=problem.cu_seqlens_k, cu_cols=problem.cu_seqlens_q,
-                            device=q.device, check_contents=host_cu_seqlens is None)
+        check_block_sparse_transposed(block_sparse_transposed, block_sparse, problem,
+                                      device=q.device, check_contents=not trusted)
     return problem
 
 
@@ -334,6 +326,15 @@ def _lengths(cu: Sequence[int]) -> list[int]:
     return [b - a for a, b in zip(cu, cu[1:])]
 
 
+def block_offsets(cu: Sequence[int], block_size: int) -> tuple[int, ...]:
+    """Host values of sequence boundaries ``cu`` -> the first global block of each sequence when
+    every sequence is cut into blocks of ``block_size`` (the last one may be partial)."""
+    offsets = [0]
+    for length in _lengths(cu):
+        offsets.append(offsets[-1] + -(-length // block_size))
+    return tuple(offsets)
+
+
 def _check_max_seqlen(name: str, value, cu: tuple[int, ...], cu_name: str) -> int:
     longest = max(_lengths(cu))
     if value is None:
@@ -367,6 +368,12 @@ def _check_bool(name: str, value) -> bool:
     if not isinstance(value, bool):
         raise TypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
     return value
+
+
+def check_deterministic(value) -> bool:
+    """The backward's ``deterministic`` switch: a bool, so that a stray positional argument or
+    a string such as "false" is an error, not a silently truthy mode."""
+    return _check_bool("deterministic", value)
 
 
 def _check_softmax_scale(value, head_dim: int) -> float:
@@ -430,3 +437,40 @@ def _check_block_sparse(name, bs, *, num_heads, num_kv_heads, cu_rows, cu_cols, 
                           device=device, cu_seqlens_q=as_tensor(cu_rows),
                           cu_seqlens_k=as_tensor(cu_cols))
     return bs.full_count.shape[1]
+
+
+TRANSPOSED = "block_sparse_transposed"
+
+
+def check_block_sparse_transposed(transposed, block_sparse, problem: AttentionProblem, *, device,
+                                  check_contents: bool) -> None:
+    """Check the backward's transposed lists, a ``sparsity.BlockSparseCSR``, against the forward
+    lists ``block_sparse`` (already checked) and the sequences of ``problem``.
+
+    Rows are the KV blocks of every sequence (``row_block_offsets`` from ``cu_seqlens_k``), columns
+    its query tiles; the block sizes are the forward's, swapped. Without ``check_contents`` nothing
+    is read from the device: the lists are taken to be the transpose of ``block_sparse``, and
+    only their types, shapes, dtypes, devices, heads, block sizes and the numbers of rows and
+    sequences are checked. With it, their entries must equal that transpose.
+    """
+    if block_sparse is None:
+        raise ValueError(f"{TRANSPOSED} was given without block_sparse")
+    from sparsity import BlockSparseCSR, check_csr_matches
+
+    if not isinstance(transposed, BlockSparseCSR):
+        raise TypeError(f"{TRANSPOSED} must be a sparsity.BlockSparseCSR (build it with "
+                        f"sparsity.transpose_block_sparse_csr(block_sparse, ...)), got "
+                        f"{type(transposed).__name__}")
+    row_offsets = problem.key_block_offsets(block_sparse.col_block_size)
+    # The sparsity package owns the rules of the layout: first the checks without device reads.
+    check_csr_matches(transposed, block_sparse, num_col_blocks=row_offsets[-1], name=TRANSPOSED)
+    if not check_contents:
+        return
+    # The contents check transposes block_sparse over the CSR's own row offsets, so first make
+    # sure those are the sequences' KV blocks (else a kernel reads another sequence's keys).
+    if tuple(transposed.row_block_offsets.tolist()) != row_offsets:
+        raise ValueError(f"{TRANSPOSED}.row_block_offsets must be the first KV block of each "
+                         f"sequence, {list(row_offsets)}, got "
+                         f"{transposed.row_block_offsets.tolist()}")
+    check_csr_matches(transposed, block_sparse, num_col_blocks=row_offsets[-1], name=TRANSPOSED,
+                      check_contents=True)

@@ -14,8 +14,8 @@ def nsa(q: Tensor, k: Tensor, v: Tensor, *, cu_seqlens: Tensor | None = None,
         selected_block_size: int = 64, num_selected_blocks: int = 16, window_size: int = 512,
         W_k: Tensor | None = None, W_v: Tensor | None = None, W_gate: Tensor | None = None,
         causal: bool = True, softmax_scale: float | None = None,
-        num_cmp_selected_blocks: int | None = None, _q_tile: int = SELECTION_Q_TILE,
-        _cmp_kv_block: int = CMP_KV_BLOCK) -> Tensor:
+        num_cmp_selected_blocks: int | None = None, deterministic: bool = False,
+        _q_tile: int = SELECTION_Q_TILE, _cmp_kv_block: int = CMP_KV_BLOCK) -> Tensor:
     """Native Sparse Attention: compressed + selected + sliding-window branches, gated.
 
     Layouts: padded q (B, N, H, D), k, v (B, N, Hkv, D); or packed varlen q (T, H, D),
@@ -36,6 +36,10 @@ def nsa(q: Tensor, k: Tensor, v: Tensor, *, cu_seqlens: Tensor | None = None,
     softmax_scale: defaults to D ** -0.5.
     num_cmp_selected_blocks: None = dense compressed branch; an int n makes it block-sparse over
         blocks of 128 compressed tokens (block 0, the diagonal ones, the n best scored).
+    deterministic: True makes the backward bit-identical from run to run (the attention
+        kernels sum dQ in a fixed order; slower). False (the default) is the fast mode, whose
+        gradients may differ in the last bits between runs. The forward is deterministic either
+        way.
     _q_tile, _cmp_kv_block: test-only overrides of SELECTION_Q_TILE and CMP_KV_BLOCK, so tests
         can exercise many tiles at tiny sizes. The kernels are built for the defaults.
     """
@@ -45,7 +49,7 @@ def nsa(q: Tensor, k: Tensor, v: Tensor, *, cu_seqlens: Tensor | None = None,
         num_selected_blocks=num_selected_blocks, window_size=window_size, W_k=W_k, W_v=W_v,
         W_gate=W_gate, causal=causal, softmax_scale=softmax_scale,
         num_cmp_selected_blocks=num_cmp_selected_blocks, q_tile=_q_tile,
-        cmp_kv_block=_cmp_kv_block)
+        cmp_kv_block=_cmp_kv_block, deterministic=deterministic)
     weights = tuple(None if W is None else W.contiguous() for W in (W_k, W_v, W_gate))
     # The checks read cu_seqlens once; its values travel with the call from here on.
     if cu_seqlens is not None:

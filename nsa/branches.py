@@ -9,6 +9,10 @@ Inside nsa() a branch also carries the host values of its cu_seqlens, which nsa(
 checked once, and calls the kernels' trusted entry points: the same checks without reading the
 device again (nine attention calls per layer would otherwise stall a GPU each time). Its lists
 come from `sparsity`'s builders, which check their inputs themselves.
+
+The sm90 backward walks KV blocks and needs the lists transposed (`Branch.transposed_lists`);
+nsa() builds them once per call and passes them to each branch's backward, rather than letting
+every backward call build its own.
 """
 from __future__ import annotations
 
@@ -17,7 +21,8 @@ from dataclasses import dataclass
 from torch import Tensor
 
 import kernels
-from kernels.interface import attention_backward_trusted, attention_forward_trusted
+from kernels.interface import (attention_backward_trusted, attention_forward_trusted,
+                               kernels_unavailable, transpose_block_sparse_trusted)
 from sparsity import (BlockSparseTensors, build_compressed_block_sparse,
                       build_selected_block_sparse)
 from nsa.selection_rule import CMP_KV_BLOCK, SELECTION_Q_TILE
@@ -50,14 +55,30 @@ class Branch:
         return attention_forward_trusted(q, k, v, host_cu_seqlens=self.host_cu_seqlens,
                                          **self.kernel_kwargs)
 
-    def backward(self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor
+    def backward(self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                 *, deterministic: bool = False, block_sparse_transposed=None
                  ) -> tuple[Tensor, Tensor, Tensor]:
-        """(dq, dk, dv), dk and dv summed over each KV group."""
+        """(dq, dk, dv), dk and dv summed over each KV group. block_sparse_transposed: this
+        branch's `transposed_lists()`, or None (the kernels build them when they need them)."""
+        kwargs = dict(self.kernel_kwargs, deterministic=deterministic,
+                      block_sparse_transposed=block_sparse_transposed)
         if self.host_cu_seqlens is None:
-            return kernels.attention_backward(dout, q, k, v, out, lse, **self.kernel_kwargs)
+            return kernels.attention_backward(dout, q, k, v, out, lse, **kwargs)
         return attention_backward_trusted(dout, q, k, v, out, lse,
-                                          host_cu_seqlens=self.host_cu_seqlens,
-                                          **self.kernel_kwargs)
+                                          host_cu_seqlens=self.host_cu_seqlens, **kwargs)
+
+    def transposed_lists(self):
+        """This branch's block-sparse lists in the backward's layout (a sparsity.BlockSparseCSR)
+        when the sm90 backward will read them, built without reading the device. None without
+        lists, where no kernel runs (the fallback reads the forward lists: building them would
+        be wasted work), or without the host bounds (the kernels then build them per call)."""
+        block_sparse = self.kernel_kwargs.get("block_sparse")
+        if (block_sparse is None or self.host_cu_seqlens is None
+                or kernels_unavailable(block_sparse.full_count.device)):
+            return None
+        return transpose_block_sparse_trusted(block_sparse,
+                                              cu_seqlens_k=self.kernel_kwargs["cu_seqlens_k"],
+                                              host_cu_seqlens_k=self.host_cu_seqlens[1])
 
 
 def compressed_branch(cu_seqlens: Tensor, cu_seqlens_cmp: Tensor, *, compress_block_size: int,

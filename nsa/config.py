@@ -19,6 +19,9 @@ class NSAConfig:
     num_cmp_selected_blocks: int | None = None
     q_tile: int = SELECTION_Q_TILE
     cmp_kv_block: int = CMP_KV_BLOCK
+    # The backward's mode: bit-identical gradients from run to run (slower), not a change of
+    # the function; every branch's attention backward gets it.
+    deterministic: bool = False
 
     @property
     def branches(self) -> tuple[bool, bool, bool]:

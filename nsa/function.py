@@ -5,6 +5,9 @@ It saves the inputs, the compact block-sparse lists and each branch's lse, never
 the backward recomputes one branch at a time (its output is needed for dO.O and the gate
 gradients), runs that branch's attention backward with dO_b = g_b * dO, adds its dq/dk/dv into
 the running sums and frees the branch's tensors before the next, so the peak is one branch.
+The lists' transposes that the sm90 backward reads are built once, on the first backward, and
+kept with the saved lists (a retained graph's next backward reuses them); `config.deterministic`
+goes to every branch's attention backward.
 
 The sequence bounds live on the host too (`PackedSequences`, as nsa() read them while checking):
 the compressed bounds, the number of compressed tokens and every kernel call's checks use those
@@ -60,6 +63,7 @@ class NSAFunction(torch.autograd.Function):
 
         ctx.save_for_backward(q, k, v, W_k, W_v, W_gate, cu_seqlens, cu_seqlens_cmp, *lses)
         ctx.branches, ctx.config, ctx.sequences = branches, config, sequences
+        ctx.transposed_lists = None  # built by the first backward (`_transposed_lists`)
         return out.result()
 
     @staticmethod
@@ -75,6 +79,7 @@ class NSAFunction(torch.autograd.Function):
         dv = torch.zeros(v.shape, dtype=dtype, device=v.device)
         d_gates = torch.zeros(*q.shape[:2], NUM_BRANCHES, dtype=dtype, device=q.device)
         dW_k = dW_v = dW_gate = None
+        transposed = _transposed_lists(ctx)
 
         branch: Branch
         for branch, lse in zip(ctx.branches, lses):
@@ -89,7 +94,10 @@ class NSAFunction(torch.autograd.Function):
             # out = sum_b g_b o_b: dL/dg_b = <dO, o_b> per row and head, dL/do_b = g_b dO.
             d_gates[..., branch.index] = (dout.to(dtype) * branch_out.to(dtype)).sum(dim=-1)
             branch_dout = (gate * dout.to(dtype)).to(q.dtype)
-            dq_b, dk_b, dv_b = branch.backward(branch_dout, q, keys, values, branch_out, lse)
+            dq_b, dk_b, dv_b = branch.backward(
+                branch_dout, q, keys, values, branch_out, lse,
+                deterministic=config.deterministic,
+                block_sparse_transposed=transposed[branch.index])
             del branch_out, branch_dout, keys, values
             dq += dq_b
             if branch.reads_compressed:
@@ -111,6 +119,16 @@ class NSAFunction(torch.autograd.Function):
             dW_v = dW_v.to(W_v.dtype)
         return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dW_k, dW_v, dW_gate,
                 None, None, None, None)
+
+
+def _transposed_lists(ctx) -> dict:
+    """Branch index -> its lists' transpose for the sm90 backward (None where there is nothing
+    to transpose or no kernel runs); built on the first backward, not in the forward: a forward
+    cannot tell whether a backward will follow (under no_grad it still sees needs_input_grad)."""
+    if ctx.transposed_lists is None:
+        ctx.transposed_lists = {branch.index: branch.transposed_lists()
+                                for branch in ctx.branches}
+    return ctx.transposed_lists
 
 
 def compressed_rows(cu_seqlens: Tensor, cu_seqlens_cmp: Tensor, sequences: PackedSequences,

@@ -48,7 +48,7 @@ def validate_nsa_arguments(q, k, v, **kwargs) -> tuple[NSAConfig, int]:
 def validate_nsa_call(q, k, v, *, cu_seqlens, max_seqlen, compress_block_size,
                       selected_block_size, num_selected_blocks, window_size, W_k, W_v, W_gate,
                       causal, softmax_scale, num_cmp_selected_blocks, q_tile,
-                      cmp_kv_block) -> tuple[NSAConfig, PackedSequences]:
+                      cmp_kv_block, deterministic=False) -> tuple[NSAConfig, PackedSequences]:
     """The resolved options and the sequences, or an error naming the first bad argument."""
     q_tile = _positive_int("_q_tile", q_tile)
     cmp_kv_block = _positive_int("_cmp_kv_block", cmp_kv_block)
@@ -62,6 +62,7 @@ def validate_nsa_call(q, k, v, *, cu_seqlens, max_seqlen, compress_block_size,
         num_cmp_selected_blocks=None if num_cmp_selected_blocks is None else
         _int_at_least("num_cmp_selected_blocks", num_cmp_selected_blocks, 0),
         q_tile=q_tile, cmp_kv_block=cmp_kv_block,
+        deterministic=_bool("deterministic", deterministic),
     )
     _check_block_sizes(config)
 

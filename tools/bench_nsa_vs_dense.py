@@ -13,8 +13,20 @@ perf_counter on the CPU; inputs are random normal, never zeros. TFLOP/s counts t
 pairs each method attends (dense: the causal triangle; NSA: an upper bound over its three
 branches, see _common.nsa_pairs), 4*D flops per pair and head forward, 3.5x that for fwd+bwd.
 
+`--deterministic` passes deterministic=True to nsa() and to our dense attention (bit-identical
+gradients from run to run; the backward's slower mode).
+
+`--branch-profile` also times each NSA branch (compressed, selected, window) alone, forward and
+backward, on nsa()'s own inputs: the compressed keys, the block lists its selection builds and
+their transpose, built the way nsa.function.NSAFunction builds them (as
+tools/profile_nsa_forward.py runs the forward's stages). Each branch's backward runs on its
+forward's out and lse with a random dout, as nsa()'s backward calls it; the table gives backward
+vs forward time and the backend of each (sm90 or the fallback and why). `--methods none` runs the
+branch profile alone.
+
     python tools/bench_nsa_vs_dense.py --json bench.json            # per-device default sizes
     python tools/bench_nsa_vs_dense.py --seqlens 16384,65536 --heads 64 --kv-heads 4
+    python tools/bench_nsa_vs_dense.py --seqlens 65536 --methods none --branch-profile
     python tools/plot_bench.py bench.json                            # charts
 """
 from __future__ import annotations
@@ -35,9 +47,14 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import kernels  # noqa: E402
-from nsa import nsa  # noqa: E402
-from _common import (add_problem_arguments, attention_tflops, causal_pairs,  # noqa: E402
-                     nsa_options, nsa_pairs, problem_defaults_epilog, random_gate, random_qkv,
+from nsa import CMP_KV_BLOCK, SELECTION_Q_TILE, nsa  # noqa: E402
+from nsa.compression import compress, compressed_cu_seqlens  # noqa: E402
+from nsa.function import compressed_rows, describe_branches  # noqa: E402
+from nsa.selection import select_blocks  # noqa: E402
+from nsa.validation import validate_nsa_call  # noqa: E402
+from _common import (add_problem_arguments, attention_tflops, capped_causal_pairs,  # noqa: E402
+                     causal_pairs, compressed_pairs, cu_seqlens_of, nsa_options, nsa_pairs,
+                     problem_defaults_epilog, random_gate, random_qkv,
                      resolve_problem_arguments, time_ms)
 
 METHODS = ("nsa", "dense", "sdpa", "fa4", "fla-nsa")
@@ -63,12 +80,19 @@ class Result:
 def nsa_method(args) -> Callable:
     W_gate = random_gate(args.heads, args.head_dim, args.torch_dtype, args.device,
                          requires_grad=True) if args.gate else None
-    options = nsa_options(args)
+    options = nsa_options(args) | deterministic_option(args)
     return lambda q, k, v: nsa(q, k, v, W_gate=W_gate, **options)
 
 
 def dense_method(args) -> Callable:
-    return lambda q, k, v: kernels.flash_attn_func(q, k, v, causal=True)
+    options = deterministic_option(args)
+    return lambda q, k, v: kernels.flash_attn_func(q, k, v, causal=True, **options)
+
+
+def deterministic_option(args) -> dict:
+    """deterministic=True for our calls with --deterministic; nothing otherwise, so the default
+    runs call exactly what a user who never heard of the switch calls."""
+    return {"deterministic": True} if args.deterministic else {}
 
 
 def sdpa_method(args) -> Callable:
@@ -198,6 +222,102 @@ def benchmark(args) -> list[Result]:
 
 
 # ----------------------------------------------------------------------------------------------
+# Branch profile: each NSA branch alone, forward and backward, on nsa()'s own lists
+# ----------------------------------------------------------------------------------------------
+
+BRANCH_NAMES = ("compressed", "selected", "window")  # nsa.branches' order (and W_gate's)
+
+
+def nsa_branches(q, k, v, cu_seqlens, max_seqlen, args):
+    """(branches, k_cmp, v_cmp): nsa()'s branches for packed inputs, with their block lists
+    from nsa()'s own selection, as NSAFunction.forward builds them (no projections)."""
+    config, sequences = validate_nsa_call(
+        q, k, v, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, W_k=None, W_v=None, W_gate=None,
+        causal=True, softmax_scale=None, num_cmp_selected_blocks=None, q_tile=SELECTION_Q_TILE,
+        cmp_kv_block=CMP_KV_BLOCK, **nsa_options(args), **deterministic_option(args))
+    cu_seqlens_cmp = compressed_cu_seqlens(cu_seqlens, config.compress_block_size)
+    rows = compressed_rows(cu_seqlens, cu_seqlens_cmp, sequences, config)
+    k_cmp = compress(k, rows)  # the compute dtype: selection scores read it
+    selection = select_blocks(q, k_cmp, cu_seqlens, cu_seqlens_cmp, **config.selection_kwargs())
+    branches = describe_branches(selection, cu_seqlens, cu_seqlens_cmp, sequences, config)
+    return branches, k_cmp.to(k.dtype), compress(v, rows).to(v.dtype)
+
+
+def branch_pairs(name: str, seqlen: int, args) -> int:
+    """Attended (row, key) pairs of one branch in one sequence (the selected branch: an upper
+    bound, num_selected_blocks whole blocks per row, as _common.nsa_pairs counts it)."""
+    if name == "compressed":
+        return compressed_pairs(seqlen, args.compress_block_size)
+    if name == "selected":
+        return capped_causal_pairs(seqlen, args.num_selected_blocks * args.selected_block_size)
+    return capped_causal_pairs(seqlen, args.window_size)
+
+
+def profile_branches(seqlen: int, args) -> list[dict]:
+    """One row per branch at this N: forward and backward ms, their ratio, TFLOP/s and backends;
+    plus the time to build the transposed lists the sm90 backward reads (nsa() builds them once
+    per backward), for the branches that have lists."""
+    total = args.batch * seqlen
+    q, k, v = random_qkv((total, args.heads, args.head_dim),
+                         (total, args.kv_heads, args.head_dim), args.torch_dtype, args.device,
+                         seed=5)
+    cu_seqlens = cu_seqlens_of([seqlen] * args.batch, args.device)
+    branches, k_cmp, v_cmp = nsa_branches(q, k, v, cu_seqlens, seqlen, args)
+    generator = torch.Generator().manual_seed(9)
+
+    def timed(fn) -> float:
+        return time_ms(fn, args.device, warmup=args.warmup, repeats=args.repeats)
+
+    rows = []
+    for branch in branches:
+        name = BRANCH_NAMES[branch.index]
+        keys, values = (k_cmp, v_cmp) if branch.reads_compressed else (k, v)
+        out, lse = branch.forward(q, keys, values)
+        transposed = branch.transposed_lists()
+        # nsa()'s backward hands each branch g_b * dO: a random dout of the same magnitude.
+        dout = (torch.randn(q.shape, generator=generator) / len(branches)).to(
+            device=args.device, dtype=q.dtype)
+        backward_options = dict(deterministic=args.deterministic,
+                                block_sparse_transposed=transposed)
+        asked = {key: value for key, value in backward_options.items()
+                 if value is not None and value is not False}
+        fwd_ms = timed(lambda: branch.forward(q, keys, values))
+        bwd_ms = timed(lambda: branch.backward(dout, q, keys, values, out, lse,
+                                               **backward_options))
+        pairs = branch_pairs(name, seqlen, args)
+        fwd_tflops = attention_tflops(pairs, args.batch, args.heads, args.head_dim, fwd_ms,
+                                      backward=False)
+        row = dict(seqlen=seqlen, branch=name, fwd_ms=fwd_ms, bwd_ms=bwd_ms,
+                   bwd_over_fwd=bwd_ms / fwd_ms, fwd_tflops=fwd_tflops,
+                   bwd_tflops=fwd_tflops * fwd_ms / bwd_ms * 2.5,
+                   fwd_backend=kernels.which_backend(q, keys, values, **branch.kernel_kwargs),
+                   bwd_backend=kernels.which_backend(q, keys, values, backward=True, **asked,
+                                                     **branch.kernel_kwargs),
+                   transpose_ms=None)
+        if transposed is not None:
+            row["transpose_ms"] = timed(branch.transposed_lists)
+        rows.append(row)
+        del out, lse, transposed, dout
+    return rows
+
+
+def format_branch_profile(rows: list[dict]) -> str:
+    header = (f"{'N':>8}  {'branch':<11} {'fwd ms':>9} {'bwd ms':>9} {'bwd/fwd':>8} "
+              f"{'fwd TF/s':>9} {'bwd TF/s':>9} {'transpose':>10}  backend fwd | bwd")
+    lines = ["NSA branches alone on nsa()'s own lists (TF/s over attended pairs, the selected "
+             "branch's an upper bound; backward = 2.5x the forward's flops; transpose = building "
+             "the lists the sm90 backward reads, once per nsa() backward)",
+             header, "-" * len(header)]
+    for r in rows:
+        transpose = f"{r['transpose_ms']:10.3f}" if r["transpose_ms"] is not None \
+            else f"{'-':>10}"
+        lines.append(f"{r['seqlen']:>8}  {r['branch']:<11} {r['fwd_ms']:9.3f} {r['bwd_ms']:9.3f} "
+                     f"{r['bwd_over_fwd']:7.2f}x {r['fwd_tflops']:9.3f} {r['bwd_tflops']:9.3f} "
+                     f"{transpose}  {r['fwd_backend']} | {r['bwd_backend']}")
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------------------------
 # Output
 # ----------------------------------------------------------------------------------------------
 
@@ -218,9 +338,9 @@ def attention_backends(args) -> dict[str, str]:
     """Which path our attention calls take for this dtype, head dim and device."""
     q, k, v = random_qkv((1, 256, args.heads, args.head_dim), (1, 256, args.kv_heads,
                          args.head_dim), args.torch_dtype, args.device)
-    return {direction: kernels.which_backend(q, k, v, causal=True,
-                                             backward=direction == "backward")
-            for direction in ("forward", "backward")}
+    return {"forward": kernels.which_backend(q, k, v, causal=True),
+            "backward": kernels.which_backend(q, k, v, causal=True, backward=True,
+                                              **deterministic_option(args))}
 
 
 def run_metadata(args, argv) -> dict:
@@ -236,8 +356,8 @@ def run_metadata(args, argv) -> dict:
         "backend": attention_backends(args),
         "problem": {key: getattr(args, key) for key in (
             "batch", "heads", "kv_heads", "head_dim", "dtype", "compress_block_size",
-            "selected_block_size", "num_selected_blocks", "window_size", "gate", "warmup",
-            "repeats")},
+            "selected_block_size", "num_selected_blocks", "window_size", "gate", "deterministic",
+            "warmup", "repeats")},
         "baseline": args.baseline,
     }
 
@@ -248,16 +368,27 @@ def parse_args(argv):
         epilog=problem_defaults_epilog(), formatter_class=argparse.RawDescriptionHelpFormatter)
     add_problem_arguments(parser)
     parser.add_argument("--methods", default=",".join(METHODS),
-                        help=f"comma-separated subset of {','.join(METHODS)} (default: all)")
+                        help=f"comma-separated subset of {','.join(METHODS)} (default: all), "
+                             "or none (with --branch-profile: only the branches)")
     parser.add_argument("--passes", default=",".join(PASSES),
                         help="comma-separated subset of fwd,fwd+bwd (default: both)")
     parser.add_argument("--baseline", choices=["dense", "sdpa", "fa4"], default=None,
                         help="the speedup column's reference (default: fa4 if it runs, "
                              "else dense)")
+    parser.add_argument("--deterministic", action="store_true",
+                        help="deterministic=True for nsa() and our dense attention: "
+                             "bit-identical gradients from run to run (slower backward)")
+    parser.add_argument("--branch-profile", action="store_true",
+                        help="also time each NSA branch alone, forward and backward, on "
+                             "nsa()'s own lists (see the description)")
     parser.add_argument("--json", type=Path, help="write the results to this JSON file")
     args = parser.parse_args(argv)
     resolve_problem_arguments(args, parser)
     args.methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    if args.methods == ["none"]:
+        if not args.branch_profile:
+            parser.error("--methods none leaves nothing to run without --branch-profile")
+        args.methods = []
     unknown = sorted(set(args.methods) - set(METHODS))
     if unknown:
         parser.error(f"--methods: unknown {unknown}; expected a subset of {list(METHODS)}")
@@ -279,13 +410,22 @@ def main(argv=None) -> int:
     print(f"B={args.batch} H={args.heads} Hkv={args.kv_heads} D={args.head_dim} {args.dtype}; "
           f"NSA l={args.compress_block_size} l'={args.selected_block_size} "
           f"n={args.num_selected_blocks} w={args.window_size} "
-          f"{'learned' if args.gate else 'mean'} gates")
+          f"{'learned' if args.gate else 'mean'} gates"
+          f"{'; deterministic backward' if args.deterministic else ''}")
     results = benchmark(args)
-    print(format_table(results, args.baseline))
+    if results:
+        print(format_table(results, args.baseline))
+    branch_rows = []
+    if args.branch_profile:
+        for seqlen in args.seqlens:
+            branch_rows += profile_branches(seqlen, args)
+        print(format_branch_profile(branch_rows))
     if args.json:
         payload = {"meta": metadata, "results": [
             {**{k: v for k, v in asdict(r).items() if k != "pass_"}, "pass": r.pass_}
             for r in results]}
+        if args.branch_profile:
+            payload["branch_profile"] = branch_rows
         args.json.write_text(json.dumps(payload, indent=2))
         print(f"wrote {args.json}")
     return 0

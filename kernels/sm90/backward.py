@@ -28,6 +28,9 @@ STEP_ROWS = 64          # query rows per backward step (BwdSpec.tile_m)
 LIST_Q_TILE = 128       # block-sparse lists name query tiles of this many rows
 SPARSE_KV_BLOCKS = (64, 128)
 _LOG2_E = 1.4426950408889634
+# `BwdSpec.split_lists`: list entries (128-row query tiles) per work unit. NSA's lists average
+# about 8 entries per KV block; block 0's has one per query tile.
+LIST_CHUNK = 16
 # Rows per chunk of the preprocess and postprocess (bounds their float32 temporaries).
 _CHUNK_ROWS = 32768
 
@@ -104,8 +107,12 @@ def run(
     if spec_overrides:
         spec = dataclasses.replace(spec, **spec_overrides)
 
-    dk = torch.empty_like(k)
-    dv = torch.empty_like(v)
+    if spec.split_lists:  # float32 accumulators of the work units' partial sums
+        dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
+        dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
+    else:
+        dk = torch.empty_like(k)
+        dv = torch.empty_like(v)
     if total_q == 0 or max_seqlen_q == 0 or k.shape[0] == 0:
         dq = torch.zeros_like(q)
         dk.zero_()
@@ -121,29 +128,35 @@ def run(
                                     device=q.device)
         lists = (None,) * 4
         forward_lists = (None,) * 5
+        units = None
+        num_ctas = -(-max_seqlen_k // spec.tile_n)
         if spec.block_sparse:
             csr = block_sparse_transposed
             if csr is None:
                 from sparsity import transpose_block_sparse_csr
 
-                csr = transpose_block_sparse_csr(block_sparse, cu_seqlens_k=cu_seqlens_k,
-                                                 check=False)
+                # A direct call (kernels.interface always passes one): the checked build.
+                csr = transpose_block_sparse_csr(block_sparse, cu_seqlens_k=cu_seqlens_k)
             lists = (csr.offsets, csr.index, csr.mask_count, csr.row_block_offsets)
+            if spec.split_lists:
+                units = work_units(csr, LIST_CHUNK)
+                num_ctas = units.shape[0]
             if spec.deterministic:
                 bs = block_sparse
                 forward_lists = (bs.full_count, bs.full_index, bs.mask_count, bs.mask_index,
                                  bs.row_block_offsets)
-        if max_seqlen_k > 0:
-            num_kv_tiles = -(-max_seqlen_k // spec.tile_n)
+        if max_seqlen_k > 0 and num_ctas > 0:
             tensors = (q, k, v, dout, lse_log2, dpsum, dq_acc, dk, dv, cu_seqlens_q,
                        cu_seqlens_k, tiles.tile_offsets)
-            scalars = (num_kv_tiles, softmax_scale, compress_factor, max(window_size[0], 0),
+            scalars = (num_ctas, softmax_scale, compress_factor, max(window_size[0], 0),
                        max(window_size[1], 0))
-            _launch(spec, tensors, scalars, (*lists, *forward_lists, semaphore))
+            _launch(spec, tensors, scalars, (*lists, *forward_lists, semaphore, units))
         else:
             dk.zero_()
             dv.zero_()
         dq = tiles.gather_dq(dq_acc, softmax_scale, q.dtype)
+    if spec.split_lists:
+        dk, dv = dk.to(k.dtype), dv.to(v.dtype)
     if padded:
         dq = dq.view(batch, seqlen_q, num_heads, head_dim)
         dk = dk.view(batch, seqlen_k, *dk.shape[1:])
@@ -194,6 +207,32 @@ class QueryTiles:
             r1 = min(r0 + _CHUNK_ROWS, total_q)
             dq[r0:r1] = (dq_acc[:, self.slot[r0:r1]] * softmax_scale).transpose(0, 1)
         return dq
+
+
+def work_units(csr, chunk: int) -> torch.Tensor:
+    """(U, 5) int32 work units of `split_lists`: (sequence, KV block in it, list head, first
+    entry, end entry), each list cut into chunks of at most `chunk` entries. U is bounded from
+    shapes (lists + capacity / chunk), so nothing is read back from the device; units past the
+    real ones are empty (first = end) and their CTAs exit at once. Empty lists get no unit
+    (their keys' dK/dV stay 0 in the zeroed accumulators)."""
+    offsets = csr.offsets.to(torch.int64)
+    lengths = offsets.diff()
+    chunks = (lengths + chunk - 1) // chunk
+    ends = chunks.cumsum(0)
+    num_lists = lengths.numel()
+    unit = torch.arange(num_lists + csr.index.numel() // chunk, device=offsets.device)
+    owner = torch.searchsorted(ends, unit, right=True)
+    real = owner < num_lists
+    owner = owner.clamp(max=max(num_lists - 1, 0))
+    first = offsets[owner] + (unit - (ends[owner] - chunks[owner])) * chunk
+    end = torch.minimum(first + chunk, offsets[owner + 1])
+    first, end = torch.where(real, first, 0), torch.where(real, end, 0)
+    kv_row, list_head = owner // csr.num_heads, owner % csr.num_heads
+    block_offsets = csr.row_block_offsets.to(torch.int64)
+    sequence = torch.searchsorted(block_offsets[1:], kv_row, right=True)
+    sequence = sequence.clamp(max=block_offsets.numel() - 2)
+    return torch.stack([sequence, kv_row - block_offsets[sequence], list_head, first, end],
+                       dim=1).to(torch.int32).contiguous()
 
 
 def _as_cute(t: torch.Tensor | None, tvm_ffi: bool = False):

@@ -69,10 +69,8 @@ class FlashAttentionBackwardSm90:
         per_cta = 65536 // spec.ctas_per_sm
         self.consumer_regs = min(
             240, (per_cta - _WARPGROUP * self.producer_regs) // self.num_consumer_threads // 8 * 8)
-        # dQ = dS K in column passes of at most 64 columns per warpgroup: one warpgroup (64-key
-        # tiles, two CTAs per SM, 232 registers) would otherwise hold a 64 x 128 float32
-        # accumulator beside dK and dV.
-        self.dq_cols_per_wg = min(64, self.head_dim // self.num_wg)
+        # dQ = dS K in column passes of at most 64 columns per warpgroup.
+        self.dq_cols_per_wg = spec.dq_cols_per_warpgroup
         self.dq_pass_cols = self.dq_cols_per_wg * self.num_wg
         self.dq_passes = self.head_dim // self.dq_pass_cols
 
@@ -92,7 +90,7 @@ class FlashAttentionBackwardSm90:
         mCuSeqlensQ: cute.Tensor,   # (S+1,) int32
         mCuSeqlensK: cute.Tensor,   # (S+1,) int32
         mQTileOffsets: cute.Tensor,  # (S+1,) int32: first 64-row tile of each sequence in P
-        num_kv_tiles: Int32,    # ceil(max_seqlen_k / tile_n): the grid's first extent
+        num_kv_tiles: Int32,    # the grid's first extent: ceil(max_seqlen_k / tile_n), or U
         softmax_scale: Float32,
         compress_factor: Int32,
         window_left: Int32,
@@ -107,6 +105,8 @@ class FlashAttentionBackwardSm90:
         mFwdMaskIndex: Optional[cute.Tensor],
         mFwdRowOffsets: Optional[cute.Tensor],
         mSemaphore: Optional[cute.Tensor],      # (H, P / 64) int32, zeroed (`deterministic`)
+        mUnits: Optional[cute.Tensor],          # (U, 5) int32 (`split_lists`): sequence, KV
+                                                # block, list head, first and end list entry
         stream: cuda.CUstream,
     ):
         dtype = self.dtype
@@ -162,12 +162,18 @@ class FlashAttentionBackwardSm90:
             mCuSeqlensQ, mCuSeqlensK, mQTileOffsets, softmax_scale,
             softmax_scale * Float32(_LOG2_E), compress_factor, window_left, window_right,
             mListOffsets, mListIndex, mListMaskCount, mKvBlockOffsets, mFwdFullCount,
-            mFwdFullIndex, mFwdMaskCount, mFwdMaskIndex, mFwdRowOffsets, mSemaphore,
+            mFwdFullIndex, mFwdMaskCount, mFwdMaskIndex, mFwdRowOffsets, mSemaphore, mUnits,
             sQ_layout, sK_layout, sdS_layout, tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq,
-        ).launch(grid=(num_kv_tiles, cute.size(mK.shape[1]), cute.size(mCuSeqlensQ.shape[0]) - 1),
+        ).launch(grid=self.grid(num_kv_tiles, mK, mCuSeqlensQ),
                  block=[self.num_threads, 1, 1], stream=stream,
                  min_blocks_per_mp=self.spec.ctas_per_sm,
                  preferred_smem_carveout=100 if self.spec.ctas_per_sm > 1 else None)
+
+    def grid(self, num_kv_tiles, mK, mCuSeqlensQ):
+        """(KV tiles, Hkv, sequences), or one CTA per work unit with `split_lists`."""
+        if self.spec.split_lists:
+            return (num_kv_tiles, 1, 1)
+        return (num_kv_tiles, cute.size(mK.shape[1]), cute.size(mCuSeqlensQ.shape[0]) - 1)
 
     def shared_storage_struct(self, sQ_layout, sK_layout, sdS_layout):
         """The CTA's shared memory (`BwdSpec.smem_bytes` computes its size)."""
@@ -206,7 +212,7 @@ class FlashAttentionBackwardSm90:
         mFwdFullCount: Optional[cute.Tensor], mFwdFullIndex: Optional[cute.Tensor],
         mFwdMaskCount: Optional[cute.Tensor], mFwdMaskIndex: Optional[cute.Tensor],
         mFwdRowOffsets: Optional[cute.Tensor], mSemaphore: Optional[cute.Tensor],
-        sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
+        mUnits: Optional[cute.Tensor], sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
         sdS_layout: cute.ComposedLayout, tiled_mma_sdp: cute.TiledMma,
         tiled_mma_dkv: cute.TiledMma, tiled_mma_dq: cute.TiledMma,
     ):
@@ -214,6 +220,15 @@ class FlashAttentionBackwardSm90:
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         n_block, head_kv, batch = cute.arch.block_idx()
+        num_heads = cute.size(mQ.shape[2])
+        group = num_heads // cute.size(mK.shape[2])
+        # `split_lists`: a chunk [entry_lo, entry_hi) of one list (one list head's heads).
+        list_head, entry_lo, entry_hi = Int32(0), Int32(0), Int32(1)
+        if const_expr(spec.split_lists):
+            unit = n_block
+            batch, n_block, list_head = mUnits[unit, 0], mUnits[unit, 1], mUnits[unit, 2]
+            entry_lo, entry_hi = mUnits[unit, 3], mUnits[unit, 4]
+            head_kv = list_head * (num_heads // cute.size(mListMaskCount.shape[1])) // group
 
         if warp_idx == 0:
             for atom in (tma_atom_q, tma_atom_do, tma_atom_k, tma_atom_v, tma_atom_lse,
@@ -254,8 +269,6 @@ class FlashAttentionBackwardSm90:
         seqlen_q = mCuSeqlensQ[batch + 1] - offset_q
         offset_k = mCuSeqlensK[batch]
         seqlen_k = mCuSeqlensK[batch + 1] - offset_k
-        num_heads = cute.size(mQ.shape[2])
-        group = num_heads // cute.size(mK.shape[2])
         block_range = BlockRange(
             self.tile_m, self.tile_n, spec.causal, spec.has_window_left, spec.has_window_right,
             spec.compressed, compress_factor, window_left, window_right)
@@ -263,11 +276,12 @@ class FlashAttentionBackwardSm90:
             self.walk_steps, block_range=block_range, n_block=n_block, head_kv=head_kv,
             batch=batch, group=group, num_heads=num_heads, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
             mListOffsets=mListOffsets, mListIndex=mListIndex, mListMaskCount=mListMaskCount,
-            mKvBlockOffsets=mKvBlockOffsets)
+            mKvBlockOffsets=mKvBlockOffsets, list_head=list_head, entry_lo=entry_lo,
+            entry_hi=entry_hi)
         q_tile_offset = mQTileOffsets[batch]
 
         # KV tiles past their sequence's end have nothing to do (the grid covers the longest).
-        if n_block * self.tile_n < seqlen_k:
+        if (n_block * self.tile_n < seqlen_k) & (entry_lo < entry_hi):
             if warp_idx < 4:
                 cute.arch.setmaxregister_decrease(self.producer_regs)
                 if warp_idx == 0:
@@ -294,7 +308,8 @@ class FlashAttentionBackwardSm90:
     def walk_steps(
         self, step_fn, state, block_range: BlockRange, n_block: Int32, head_kv: Int32,
         batch: Int32, group: Int32, num_heads: Int32, seqlen_q: Int32, seqlen_k: Int32,
-        mListOffsets, mListIndex, mListMaskCount, mKvBlockOffsets,
+        mListOffsets, mListIndex, mListMaskCount, mKvBlockOffsets, list_head: Int32,
+        entry_lo: Int32, entry_hi: Int32,
     ):
         """Run step_fn(head, m_block, needs_mask, *state) -> state over the (query head, 64-row
         query tile) pairs that see this CTA's KV tile, heads of the group outermost. The
@@ -304,23 +319,23 @@ class FlashAttentionBackwardSm90:
         if const_expr(self.spec.block_sparse):
             kv_row = mKvBlockOffsets[batch] + n_block
             list_heads = cute.size(mListMaskCount.shape[1])
-            for head_in_group in cutlass.range(group, unroll=1):
-                head = head_first + head_in_group
-                list_head = head // (num_heads // list_heads)
-                list_row = kv_row * list_heads + list_head
-                start = mListOffsets[list_row]
-                num_mask = mListMaskCount[kv_row, list_head]
-                # Full KV blocks crossing the sequence end still mask the keys past it.
-                full_needs_mask = (n_block + 1) * self.tile_n > seqlen_k
-                for entry in cutlass.range(start, mListOffsets[list_row + 1], unroll=1):
-                    q_tile = mListIndex[entry]
-                    needs_mask = full_needs_mask | (entry - start < num_mask)
-                    # The lists name 128-row query tiles: two 64-row steps each, the second
-                    # only if the sequence reaches it.
-                    for half in cutlass.range_constexpr(2):
-                        m_block = q_tile * 2 + half
-                        if m_block * self.tile_m < seqlen_q:
-                            state = step_fn(head, m_block, needs_mask, *state)
+            heads_per_list = num_heads // list_heads
+            walk_list = partial(self.walk_list, step_fn=step_fn, mListOffsets=mListOffsets,
+                                mListIndex=mListIndex, mListMaskCount=mListMaskCount,
+                                kv_row=kv_row, list_heads=list_heads, n_block=n_block,
+                                seqlen_q=seqlen_q, seqlen_k=seqlen_k)
+            if const_expr(self.spec.split_lists):
+                for head_in_list in cutlass.range(heads_per_list, unroll=1):
+                    state = walk_list(state=state, head=list_head * heads_per_list + head_in_list,
+                                      list_head=list_head, entry_lo=entry_lo, entry_hi=entry_hi)
+            else:
+                for head_in_group in cutlass.range(group, unroll=1):
+                    head = head_first + head_in_group
+                    head_list = head // heads_per_list
+                    list_row = kv_row * list_heads + head_list
+                    state = walk_list(state=state, head=head, list_head=head_list,
+                                      entry_lo=mListOffsets[list_row],
+                                      entry_hi=mListOffsets[list_row + 1])
         else:
             m_min, m_max = block_range.m_block_min_max(n_block, seqlen_q, seqlen_k)
             unmasked_lo, unmasked_hi = block_range.unmasked_m_blocks(n_block, seqlen_q, seqlen_k)
@@ -328,6 +343,26 @@ class FlashAttentionBackwardSm90:
                 for m_block in cutlass.range(m_min, m_max, unroll=1):
                     needs_mask = (m_block < unmasked_lo) | (m_block >= unmasked_hi)
                     state = step_fn(head_first + head_in_group, m_block, needs_mask, *state)
+        return state
+
+    @cute.jit
+    def walk_list(self, step_fn, state, head: Int32, list_head: Int32, entry_lo: Int32,
+                  entry_hi: Int32, mListOffsets, mListIndex, mListMaskCount, kv_row: Int32,
+                  list_heads: Int32, n_block: Int32, seqlen_q: Int32, seqlen_k: Int32):
+        """The steps of list entries [entry_lo, entry_hi) of (kv_row, list_head) for `head`."""
+        start = mListOffsets[kv_row * list_heads + list_head]
+        num_mask = mListMaskCount[kv_row, list_head]
+        # Full KV blocks crossing the sequence end still mask the keys past it.
+        full_needs_mask = (n_block + 1) * self.tile_n > seqlen_k
+        for entry in cutlass.range(entry_lo, entry_hi, unroll=1):
+            q_tile = mListIndex[entry]
+            needs_mask = full_needs_mask | (entry - start < num_mask)
+            # The lists name 128-row query tiles: two 64-row steps each, the second only if
+            # the sequence reaches it.
+            for half in cutlass.range_constexpr(2):
+                m_block = q_tile * 2 + half
+                if m_block * self.tile_m < seqlen_q:
+                    state = step_fn(head, m_block, needs_mask, *state)
         return state
 
     @cute.jit
@@ -506,8 +541,11 @@ class FlashAttentionBackwardSm90:
             thr_dq.partition_B(sKt_passes[None, p, None, None]))[None, None, None, 0]
 
     @cute.jit
-    def reduce_dq(self, acc_dq: cute.Tensor, dq_coord: cute.Tensor, g_dq: cute.Tensor, p):
-        """acc_dq (columns of pass p) added into the float32 dQ accumulator of the tile."""
+    def reduce_dq(self, acc_dq: cute.Tensor, dq_coord: cute.Tensor, g_dq: cute.Tensor,
+                  p: cutlass.Constexpr[int]):
+        """acc_dq (columns of pass p) added into the tile's float32 dQ accumulator, one
+        reduction per element. The largest cost of the kernel today (FINDINGS: 12 of 21 ms at
+        16K); a TMA reduce-add of a staged block is the known way out."""
         for i in cutlass.range_constexpr(cute.size(acc_dq)):
             row, col = dq_coord[i]
             offset = cute.crd2idx((row, p * self.dq_pass_cols + col), g_dq.layout)
@@ -579,24 +617,35 @@ class FlashAttentionBackwardSm90:
     def store_keys(self, thr_dkv, acc: cute.Tensor, m_out: cute.Tensor, offset_k: Int32,
                    head_kv: Int32, n_block: Int32, seqlen_k: Int32):
         """dK or dV of this thread's keys inside the sequence, straight from registers (one
-        32-bit store per pair of adjacent columns)."""
-        out = cute.make_rmem_tensor_like(acc, self.dtype)
-        out.store(acc.load().to(self.dtype))
-        m_seq = cute.domain_offset((offset_k, 0), m_out[None, head_kv, None])
-        g_mn = acc_mn_view(thr_dkv.partition_C(
-            cute.local_tile(m_seq, (self.tile_n, self.head_dim), (n_block, 0))))
-        c_mn = acc_mn_view(thr_dkv.partition_C(
-            cute.make_identity_tensor((self.tile_n, self.head_dim))))
-        o_mn = acc_mn_view(out)
-        pair_store = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype,
-                                         num_bits_per_copy=32)
-        col_groups = cute.size(o_mn.shape[1][1])
-        num_pairs = cute.size(o_mn, mode=[1]) // 2
-        for r in cutlass.range_constexpr(cute.size(o_mn, mode=[0])):
-            if n_block * self.tile_n + c_mn[r, 0][0] < seqlen_k:
-                for c in cutlass.range_constexpr(num_pairs):
-                    pair = (None, c % col_groups, c // col_groups)
-                    cute.copy(pair_store, o_mn[r, pair], g_mn[r, pair])
+        32-bit store per pair of adjacent columns); with `split_lists` added into the float32
+        accumulator instead (several work units share a KV block)."""
+        if const_expr(self.spec.split_lists):
+            m_seq = cute.domain_offset((offset_k, 0), m_out[None, head_kv, None])
+            g_part = thr_dkv.partition_C(
+                cute.local_tile(m_seq, (self.tile_n, self.head_dim), (n_block, 0)))
+            coord = thr_dkv.partition_C(cute.make_identity_tensor((self.tile_n, self.head_dim)))
+            for i in cutlass.range_constexpr(cute.size(acc)):
+                if n_block * self.tile_n + coord[i][0] < seqlen_k:
+                    cute.arch.red(g_part.iterator + cute.crd2idx(i, g_part.layout), acc[i],
+                                  op="add", dtype="f32", sem="relaxed", scope="gpu")
+        else:
+            out = cute.make_rmem_tensor_like(acc, self.dtype)
+            out.store(acc.load().to(self.dtype))
+            m_seq = cute.domain_offset((offset_k, 0), m_out[None, head_kv, None])
+            g_mn = acc_mn_view(thr_dkv.partition_C(
+                cute.local_tile(m_seq, (self.tile_n, self.head_dim), (n_block, 0))))
+            c_mn = acc_mn_view(thr_dkv.partition_C(
+                cute.make_identity_tensor((self.tile_n, self.head_dim))))
+            o_mn = acc_mn_view(out)
+            pair_store = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype,
+                                             num_bits_per_copy=32)
+            col_groups = cute.size(o_mn.shape[1][1])
+            num_pairs = cute.size(o_mn, mode=[1]) // 2
+            for r in cutlass.range_constexpr(cute.size(o_mn, mode=[0])):
+                if n_block * self.tile_n + c_mn[r, 0][0] < seqlen_k:
+                    for c in cutlass.range_constexpr(num_pairs):
+                        pair = (None, c % col_groups, c // col_groups)
+                        cute.copy(pair_store, o_mn[r, pair], g_mn[r, pair])
 
     @staticmethod
     def stage_index(handle, num_stages: int):

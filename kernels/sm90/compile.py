@@ -104,7 +104,7 @@ def fake_backward_arguments(spec):
     """Fake tensors standing for the backward kernel's arguments, in order (the scalars and the
     stream excluded): (q, k, v, dO, lse, dO.O, dQacc, dK, dV, cu_q, cu_k, q tile offsets),
     (list offsets, list index, list mask counts, KV block offsets, forward full count, full
-    index, mask count, mask index, row offsets, semaphore)."""
+    index, mask count, mask index, row offsets, semaphore, work units)."""
     from cutlass.cute.runtime import make_fake_tensor as fake
 
     dtype = _DTYPES[spec.dtype]
@@ -116,7 +116,10 @@ def fake_backward_arguments(spec):
     def rows(element, align=4):
         return make_fake_compact_tensor(element, (cute.sym_int(),), assumed_align=align)
 
-    q, k, v, dout, dk, dv = (seq_head_dim() for _ in range(6))
+    q, k, v, dout = (seq_head_dim() for _ in range(4))
+    # `split_lists`: dK and dV are float32 accumulators (several work units per KV block).
+    dk, dv = (seq_head_dim(cutlass.Float32) if spec.split_lists else seq_head_dim()
+              for _ in range(2))
     # lse, dO.O: (H, P) with P a multiple of 64 (16-byte aligned rows for TMA).
     lse, dpsum = (fake(cutlass.Float32, (cute.sym_int(), cute.sym_int()),
                        stride=(cute.sym_int(64), 1), assumed_align=16) for _ in range(2))
@@ -142,8 +145,11 @@ def fake_backward_arguments(spec):
                 make_fake_compact_tensor(cutlass.Int32, (r, hs), stride_order=(1, 0)),
                 make_fake_compact_tensor(cutlass.Int32, (r, hs, km), stride_order=(2, 1, 0)),
                 rows(cutlass.Int32))
+    units = None
+    if spec.split_lists:
+        units = make_fake_compact_tensor(cutlass.Int32, (cute.sym_int(), 5), stride_order=(1, 0))
     return ((q, k, v, dout, lse, dpsum, dq_acc, dk, dv, cu_q, cu_k, q_tiles),
-            (*lists, *forward_lists, semaphore))
+            (*lists, *forward_lists, semaphore, units))
 
 
 def compiled_backward(spec, example_args, tvm_ffi: bool = False):

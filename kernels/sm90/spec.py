@@ -232,6 +232,9 @@ class BwdSpec:
     block_sparse: bool         # walk the transposed (CSR) lists instead of a query-tile range
     compressed: bool = False
     deterministic: bool = False  # dQ reductions in KV-tile order (a semaphore per query tile)
+    split_lists: bool = False  # block-sparse: work units of at most a chunk of list entries
+                               # (kernels/sm90/backward.py `work_units`); dK/dV partials are
+                               # then added into float32 accumulators
     tile_n: int = 128          # keys per CTA, 64 per consumer warpgroup
     tile_m: int = 64           # query rows per step
     q_stages: int = 2          # Q (+ lse) and dO (+ dO.O) pipeline depth
@@ -244,6 +247,12 @@ class BwdSpec:
     def ctas_per_sm(self) -> int:
         """One consumer warpgroup (64-key tiles: NSA's blocks) is sized for two CTAs per SM."""
         return 2 if self.tile_n == 64 else 1
+
+    @property
+    def dq_cols_per_warpgroup(self) -> int:
+        """Columns of dQ = dS K per warpgroup and pass (at most 64: one warpgroup of 232
+        registers cannot hold a 64 x 128 float32 accumulator beside dK and dV)."""
+        return min(64, self.head_dim // self.num_consumer_warpgroups)
 
     @property
     def smem_bytes(self) -> int:
@@ -282,10 +291,16 @@ def choose_backward_spec(
                          f"(supported: {BACKWARD_HEAD_DIMS})")
     left, right = int(window_size[0]), int(window_size[1])
     tile_n = sparse_block_size if sparse_block_size is not None else 128
+    q_stages = 2
     spec = BwdSpec(
         dtype=dtype, head_dim=head_dim, causal=bool(causal), has_window_left=left >= 0,
         has_window_right=right >= 0 and not causal, block_sparse=sparse_block_size is not None,
-        compressed=compress_factor != 1, deterministic=bool(deterministic), tile_n=tile_n)
+        compressed=compress_factor != 1, deterministic=bool(deterministic), tile_n=tile_n,
+        q_stages=q_stages,
+        # NSA lists block 0 in every query tile: one work unit per KV block would run N/128
+        # tiles where the average runs ~8. Split lists into chunks (not in deterministic mode,
+        # whose dK/dV must not depend on the order of float32 partial sums).
+        split_lists=sparse_block_size is not None and not deterministic)
     if not spec.fits_in_smem():
         raise ValueError(f"no sm90 backward variant for head_dim {head_dim} with {tile_n}-key "
                          f"tiles fits shared memory ({spec.smem_bytes} bytes)")

@@ -1,11 +1,12 @@
 """flash_attn_func / flash_attn_varlen_func on the fallback: float64 gradcheck at tiny sizes,
-agreement with attention_forward/backward, and the lse output."""
+agreement with attention_forward/backward, the lse output, and the deterministic mode."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from kernels import attention_backward, attention_forward, flash_attn_func, flash_attn_varlen_func
+from kernels import (attention_backward, attention_forward, flash_attn_func,
+                     flash_attn_varlen_func, interface)
 from reference_attention import one_thread, random_block_sparse  # noqa: F401 (fixture)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -81,3 +82,104 @@ def test_varlen_lse_layout_and_noncontiguous_dout():
     out2 = flash_attn_varlen_func(q, k, v, cu, cu, 7, 7, causal=True)
     out2.backward(weight.expand_as(out2).contiguous())
     assert torch.equal(q.grad, q_grad)
+
+
+# --- deterministic: a backward mode, not a different function ------------------------------------
+
+def _varlen_sparse_inputs(dtype=torch.float32, device="cpu"):
+    generator = torch.Generator().manual_seed(4)
+    seqlens = (5, 0, 11)
+    cu = torch.tensor([0, 5, 5, 16], dtype=torch.int32, device=device)
+    block_sparse = random_block_sparse(generator, seqlens, seqlens, heads=2, q_tile=4,
+                                       kv_block=2).to(device)
+    q, k, v = (torch.randn(16, heads, 8, generator=generator).to(device, dtype).requires_grad_()
+               for heads in (4, 2, 2))
+    return q, k, v, cu, block_sparse
+
+
+def _grads(function, inputs, dout):
+    for x in inputs:
+        x.grad = None
+    function(*inputs).backward(dout)
+    return [x.grad.clone() for x in inputs]
+
+
+@pytest.mark.parametrize("layout", ["padded-dense", "varlen-sparse"])
+def test_deterministic_gradients_equal_the_default_ones(layout):
+    if layout == "padded-dense":
+        generator = torch.Generator().manual_seed(5)
+        inputs = [torch.randn(2, 9, heads, 8, generator=generator, requires_grad=True)
+                  for heads in (4, 1, 1)]
+
+        def attention(q, k, v, deterministic):
+            return flash_attn_func(q, k, v, causal=True, window_size=(4, 0),
+                                   deterministic=deterministic)
+    else:
+        *inputs, cu, block_sparse = _varlen_sparse_inputs()
+
+        def attention(q, k, v, deterministic):
+            return flash_attn_varlen_func(q, k, v, cu, cu, 11, 11, causal=True,
+                                          block_sparse=block_sparse, deterministic=deterministic)
+
+    dout = torch.randn(inputs[0].shape, generator=torch.Generator().manual_seed(6))
+    default = _grads(lambda *x: attention(*x, False), inputs, dout)
+    deterministic = _grads(lambda *x: attention(*x, True), inputs, dout)
+    again = _grads(lambda *x: attention(*x, True), inputs, dout)
+    for a, b, c in zip(default, deterministic, again):
+        assert a.abs().sum() > 0
+        assert torch.equal(a, b) and torch.equal(b, c)
+
+
+def test_attention_backward_takes_deterministic():
+    q, k, v, cu, block_sparse = (x.detach() if isinstance(x, torch.Tensor) else x
+                                 for x in _varlen_sparse_inputs())
+    kwargs = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, block_sparse=block_sparse)
+    out, lse = attention_forward(q, k, v, **kwargs)
+    dout = torch.randn_like(out)
+    default = attention_backward(dout, q, k, v, out, lse, **kwargs)
+    deterministic = attention_backward(dout, q, k, v, out, lse, **kwargs, deterministic=True)
+    for a, b in zip(default, deterministic):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("value, error", [(1, TypeError), ("true", TypeError), (None, TypeError)])
+def test_deterministic_must_be_a_bool_and_is_checked_before_the_forward(value, error,
+                                                                        monkeypatch):
+    q, k, v, cu, block_sparse = _varlen_sparse_inputs()
+    ran = []
+    monkeypatch.setattr("kernels.autograd.attention_forward", lambda *a, **kw: ran.append(1))
+    with pytest.raises(error, match="^deterministic must be a bool"):
+        flash_attn_func(q[None], k[None], v[None], deterministic=value)
+    with pytest.raises(error, match="^deterministic must be a bool"):
+        flash_attn_varlen_func(q, k, v, cu, cu, 11, 11, deterministic=value)
+    assert not ran
+    out, lse = attention_forward(q.detach(), k.detach(), v.detach(), cu_seqlens_q=cu,
+                                 cu_seqlens_k=cu)
+    with pytest.raises(error, match="^deterministic must be a bool"):
+        attention_backward(out, q.detach(), k.detach(), v.detach(), out, lse, cu_seqlens_q=cu,
+                           cu_seqlens_k=cu, deterministic=value)
+
+
+@pytest.mark.gpu
+def test_deterministic_sparse_fallback_is_bitwise_repeatable_on_cuda(monkeypatch):
+    """On CUDA the sparse path's scatter of dK/dV is the one sum whose order is not fixed
+    (index_add_ adds atomically); deterministic=True sorts it. Many tiles list the same blocks
+    here, so atomic adds would collide."""
+    monkeypatch.setenv(interface.DISABLE_ENV, "1")  # the fallback, also on sm_90
+    generator = torch.Generator().manual_seed(7)
+    seqlens = (300, 257)
+    cu = torch.tensor([0, 300, 557], dtype=torch.int32, device="cuda")
+    block_sparse = random_block_sparse(generator, seqlens, seqlens, heads=1, q_tile=4,
+                                       kv_block=8).to("cuda")
+    q, k, v = (torch.randn(557, heads, 32, generator=generator).cuda() for heads in (8, 1, 1))
+    kwargs = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, block_sparse=block_sparse)
+    out, lse = attention_forward(q, k, v, **kwargs)
+    dout = torch.randn_like(out)
+    runs = [attention_backward(dout, q, k, v, out, lse, **kwargs, deterministic=True)
+            for _ in range(5)]
+    default = attention_backward(dout, q, k, v, out, lse, **kwargs)
+    for run in runs[1:]:
+        for a, b in zip(runs[0], run):
+            assert torch.equal(a, b)
+    for a, b in zip(runs[0], default):
+        torch.testing.assert_close(a, b)

@@ -13,8 +13,11 @@ from kernels import attention_backward, attention_forward, interface, which_back
 from kernels.fallback import attention_forward_fallback
 from reference_attention import one_thread, random_block_sparse  # noqa: F401 (fixture)
 
+from kernels.interface import attention_backward_trusted
+from op_counting import OpCounter
+from sparsity import BlockSparseCSR, check_csr_matches, transpose_block_sparse_csr
+
 pytestmark = pytest.mark.usefixtures("one_thread")
-from sparsity import transpose_block_sparse
 
 
 def _inputs(varlen=False):
@@ -92,11 +95,66 @@ def test_backward_kernel_gets_the_transposed_lists(fake_sm90):
     out, lse = attention_forward_fallback(q, k, v, block_sparse=block_sparse)
     attention_backward(torch.randn_like(out), q, k, v, out, lse, block_sparse=block_sparse)
     kwargs = fake_sm90["backward"].run_calls[-1]
-    expected = transpose_block_sparse(block_sparse,
-                                      col_block_offsets=torch.tensor([0, 5], dtype=torch.int32))
+    expected = transpose_block_sparse_csr(block_sparse,
+                                          col_block_offsets=torch.tensor([0, 5], dtype=torch.int32))
     assert kwargs["block_sparse"] is block_sparse
+    assert isinstance(kwargs["block_sparse_transposed"], BlockSparseCSR)
     assert kwargs["block_sparse_transposed"].equals(expected)
+    assert fake_sm90["backward"].can_run_calls[-1] == kwargs
     assert kwargs["max_seqlen_q"] == 10 and kwargs["cu_seqlens_q"] is None
+    assert kwargs["deterministic"] is False
+
+
+def _varlen_lists(cu_values=(0, 3, 3, 10)):
+    """Varlen inputs over sequences of 3, 0 and 7 rows, with random lists (tiles of 2, blocks
+    of 2 keys)."""
+    q, k, v = _inputs(varlen=True)
+    cu = torch.tensor(cu_values, dtype=torch.int32)
+    lengths = [b - a for a, b in zip(cu_values, cu_values[1:])]
+    block_sparse = random_block_sparse(torch.Generator().manual_seed(2), lengths, lengths,
+                                       heads=2, q_tile=2, kv_block=2)
+    return q, k, v, cu, block_sparse
+
+
+def test_backward_kernel_gets_varlen_transposed_lists_built_without_reads(fake_sm90,
+                                                                          monkeypatch):
+    q, k, v, cu, block_sparse = _varlen_lists()
+    out, lse = attention_forward_fallback(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu,
+                                          block_sparse=block_sparse)
+    dout = torch.randn_like(out)
+    host = (tuple(cu.tolist()),) * 2
+    counter = OpCounter(monkeypatch)
+    with counter:
+        attention_backward_trusted(dout, q, k, v, out, lse, host_cu_seqlens=host,
+                                   cu_seqlens_q=cu, cu_seqlens_k=cu, block_sparse=block_sparse)
+    assert counter.reads == 0
+    transposed = fake_sm90["backward"].run_calls[-1]["block_sparse_transposed"]
+    # The full check: the kernel got exactly the transpose, rows = the sequences' KV blocks.
+    check_csr_matches(transposed, block_sparse, num_col_blocks=6, check_contents=True)
+    assert transposed.row_block_offsets.tolist() == [0, 2, 2, 6]
+
+
+def test_backward_kernel_gets_the_callers_transposed_lists_and_deterministic(fake_sm90):
+    q, k, v, cu, block_sparse = _varlen_lists()
+    transposed = transpose_block_sparse_csr(block_sparse, cu_seqlens_k=cu)
+    out, lse = attention_forward_fallback(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu,
+                                          block_sparse=block_sparse)
+    attention_backward(torch.randn_like(out), q, k, v, out, lse, cu_seqlens_q=cu,
+                       cu_seqlens_k=cu, block_sparse=block_sparse,
+                       block_sparse_transposed=transposed, deterministic=True)
+    kwargs = fake_sm90["backward"].run_calls[-1]
+    assert kwargs["block_sparse_transposed"] is transposed  # passed on, not rebuilt
+    assert kwargs["deterministic"] is True
+    assert fake_sm90["backward"].can_run_calls[-1]["deterministic"] is True
+
+
+def test_which_backend_passes_deterministic_to_can_run(fake_sm90):
+    q, k, v = _inputs()
+    assert which_backend(q, k, v, backward=True, deterministic=True) == "sm90"
+    assert fake_sm90["backward"].can_run_calls[-1]["deterministic"] is True
+    fake_sm90["backward"].ok = False
+    assert which_backend(q, k, v, backward=True, deterministic=True) == (
+        "fallback (kernels.sm90.backward: fake says no)")
 
 
 def test_kernel_declining_means_fallback(fake_sm90):
@@ -138,3 +196,11 @@ def test_which_backend_validates():
         which_backend(q, k, v, window_size=(-3, 0))
     with pytest.raises(ValueError, match="^block_sparse_transposed"):
         which_backend(q, k, v, block_sparse_transposed=object())
+    with pytest.raises(ValueError, match="^deterministic only applies with backward=True"):
+        which_backend(q, k, v, deterministic=True)
+    with pytest.raises(TypeError, match="^deterministic must be a bool"):
+        which_backend(q, k, v, backward=True, deterministic=None)
+    with pytest.raises(TypeError, match="^block_sparse_transposed must be a sparsity"):
+        which_backend(q, k, v, backward=True, block_sparse=random_block_sparse(
+            torch.Generator().manual_seed(1), [10], [10], heads=2, q_tile=4, kv_block=2),
+            block_sparse_transposed=object())

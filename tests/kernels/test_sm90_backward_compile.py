@@ -53,8 +53,8 @@ def test_backward_smem_footprint_matches_the_kernel(tile_n):
     """`BwdSpec.smem_bytes` (what the dispatcher checks) is the DSL's shared storage size."""
     from kernels.sm90.bwd_sm90 import FlashAttentionBackwardSm90
 
-    spec = BwdSpec(dtype="bfloat16", head_dim=128, causal=True, has_window_left=False,
-                   has_window_right=False, block_sparse=tile_n == 64, tile_n=tile_n)
+    spec = choose_backward_spec(dtype="bfloat16", head_dim=128, causal=True,
+                                window_size=(-1, -1), sparse_block_size=tile_n)
     kernel = FlashAttentionBackwardSm90(spec)
     # compile_backward_on_fake_tensors caches per spec; build this object's storage itself.
     from cutlass.cute.runtime import make_fake_stream

@@ -2,15 +2,19 @@
 argument's name, before any compute; good input is described and normalised."""
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import pytest
 import torch
 
 from kernels import attention_backward, attention_forward
-from kernels.validate import validate_attention_forward
+from kernels.interface import attention_backward_trusted
+from kernels.validate import validate_attention_forward, validate_trusted_attention_backward
+from op_counting import OpCounter
 from reference_attention import random_block_sparse
-from sparsity import BlockSparseTensors, transpose_block_sparse
+from sparsity import (BlockSparseTensors, transpose_block_sparse, transpose_block_sparse_csr,
+                      validate_block_sparse_csr)
 
 H, HKV, D = 4, 2, 8
 CU = [0, 3, 3, 10]  # sequences of 3, 0 and 7 rows
@@ -174,37 +178,81 @@ def test_forward_rejects(error, name, q, k, v, kwargs):
         attention_forward(q, k, v, **kwargs)
 
 
+def csr(bs, col_block_offsets=(0, 3, 6), check=True):
+    """The backward's transposed lists of `bs` over sequences of 3 KV blocks (6 keys, blocks of
+    2) each, as the padded backward tests use them (or over other `col_block_offsets`)."""
+    return transpose_block_sparse_csr(bs, col_block_offsets=cu(list(col_block_offsets)),
+                                      num_col_blocks=col_block_offsets[-1], check=check)
+
+
+def padded_lists(heads=HKV, seed=1):
+    """Lists for `padded()`: 2 sequences of 6 rows, tiles of 4 rows, blocks of 2 keys."""
+    return random_block_sparse(torch.Generator().manual_seed(seed), (6, 6), (6, 6), heads=heads,
+                               q_tile=4, kv_block=2)
+
+
 def _bad_backward_inputs():
     """(case id, error, name, dout, out, lse, kwargs) for attention_backward on `padded()`."""
     q, k, v = padded()
     out, lse = attention_forward(q, k, v)
-    bs = sparse(seqlens=(6, 6), q_tile=4)
-    transposed = transpose_block_sparse(bs, col_block_offsets=cu([0, 3, 6]))
-    per_query_head = transpose_block_sparse(sparse(heads=H, seqlens=(6, 6), q_tile=4),
-                                            col_block_offsets=cu([0, 3, 6]))
+    bs = padded_lists()
+    transposed = csr(bs)
+    other_entries = csr(padded_lists(seed=2))
+    assert not other_entries.equals(transposed)
     return [
         ("dout-not-tensor", TypeError, "dout", None, out, lse, {}),
         ("dout-shape", ValueError, "dout", out[:, :5], out, lse, {}),
+        ("dout-heads", ValueError, "dout", out[:, :, :2], out, lse, {}),
         ("dout-dtype", TypeError, "dout", out.double(), out, lse, {}),
         ("dout-stride", ValueError, "dout", noncontiguous_last_dim(out), out, lse, {}),
+        ("dout-stride-0", ValueError, "dout", out[..., :1].expand(out.shape), out, lse, {}),
         ("dout-device", ValueError, "dout", out.to("meta"), out, lse, {}),
         ("out-shape", ValueError, "out", out, out[..., :4], lse, {}),
         ("out-dtype", TypeError, "out", out, out.half(), lse, {}),
         ("lse-varlen-layout", ValueError, "lse", out, out, lse.transpose(0, 1).flatten(1), {}),
         ("lse-dtype", TypeError, "lse", out, out, lse.double(), {}),
         ("lse-device", ValueError, "lse", out, out, lse.to("meta"), {}),
+        ("deterministic-int", TypeError, "deterministic", out, out, lse,
+         dict(deterministic=1)),
+        ("deterministic-str", TypeError, "deterministic", out, out, lse,
+         dict(deterministic="false")),
         ("transposed-without-lists", ValueError, "block_sparse_transposed", out, out, lse,
          dict(block_sparse_transposed=transposed)),
-        ("transposed-not-dataclass", TypeError, "block_sparse_transposed", out, out, lse,
+        ("transposed-not-csr", TypeError, "block_sparse_transposed", out, out, lse,
          dict(block_sparse=bs, block_sparse_transposed=object())),
+        # The padded transpose (BlockSparseTensors) is the sparsity package's too, but the
+        # backward takes the CSR only.
+        ("transposed-padded-layout", TypeError, "block_sparse_transposed", out, out, lse,
+         dict(block_sparse=bs, block_sparse_transposed=transpose_block_sparse(
+             bs, col_block_offsets=cu([0, 3, 6])))),
         ("transposed-block-sizes", ValueError, "block_sparse_transposed", out, out, lse,
-         dict(block_sparse=bs, block_sparse_transposed=bs)),
+         dict(block_sparse=bs, block_sparse_transposed=dataclasses.replace(
+             transposed, col_block_size=2))),
         ("transposed-heads", ValueError, "block_sparse_transposed", out, out, lse,
-         dict(block_sparse=bs, block_sparse_transposed=per_query_head)),
+         dict(block_sparse=bs, block_sparse_transposed=csr(padded_lists(heads=H)))),
+        ("transposed-kv-blocks", ValueError, "block_sparse_transposed", out, out, lse,
+         dict(block_sparse=bs, block_sparse_transposed=csr(bs, (0, 3, 7)))),
+        ("transposed-sequences", ValueError, "block_sparse_transposed", out, out, lse,
+         dict(block_sparse=bs, block_sparse_transposed=dataclasses.replace(
+             transposed, row_block_offsets=cu([0, 6])))),
+        ("transposed-offsets-dtype", ValueError, "block_sparse_transposed", out, out, lse,
+         dict(block_sparse=bs, block_sparse_transposed=dataclasses.replace(
+             transposed, offsets=transposed.offsets.long()))),
+        ("transposed-device", ValueError, "block_sparse_transposed", out, out, lse,
+         dict(block_sparse=bs, block_sparse_transposed=transposed.to("meta"))),
+        # Contents (the public path reads them): the right shapes, but not these sequences' KV
+        # blocks, or not the transpose of block_sparse.
+        ("transposed-row-offsets", ValueError, "block_sparse_transposed", out, out, lse,
+         dict(block_sparse=bs, block_sparse_transposed=csr(bs, (0, 4, 6), check=False))),
+        ("transposed-entries", ValueError, "block_sparse_transposed", out, out, lse,
+         dict(block_sparse=bs, block_sparse_transposed=other_entries)),
     ]
 
 
 BAD_BACKWARD = _bad_backward_inputs()
+# Cases the trusted path (no device reads) must still reject, with the same message.
+BAD_BACKWARD_WITHOUT_READS = [c for c in BAD_BACKWARD
+                              if c[0] not in ("transposed-row-offsets", "transposed-entries")]
 
 
 @pytest.mark.parametrize("error, name, dout, out, lse, kwargs", [c[1:] for c in BAD_BACKWARD],
@@ -215,13 +263,61 @@ def test_backward_rejects(error, name, dout, out, lse, kwargs):
         attention_backward(dout, q, k, v, out, lse, **kwargs)
 
 
+@pytest.mark.parametrize("error, name, dout, out, lse, kwargs",
+                         [c[1:] for c in BAD_BACKWARD_WITHOUT_READS],
+                         ids=[c[0] for c in BAD_BACKWARD_WITHOUT_READS])
+def test_trusted_backward_rejects_what_needs_no_read(error, name, dout, out, lse, kwargs):
+    q, k, v = padded()
+    with raises(error, name) as public:
+        attention_backward(dout, q, k, v, out, lse, **kwargs)
+    with raises(error, name) as trusted:
+        attention_backward_trusted(dout, q, k, v, out, lse, host_cu_seqlens=None, **kwargs)
+    assert str(trusted.value) == str(public.value)
+
+
+def test_trusted_backward_takes_transposed_lists_without_reads(monkeypatch):
+    q, k, v = padded()
+    bs = padded_lists()
+    transposed = csr(bs)
+    out, lse = attention_forward(q, k, v, block_sparse=bs)
+    dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(3))
+    public = attention_backward(dout, q, k, v, out, lse, block_sparse=bs,
+                                block_sparse_transposed=transposed)
+    counter = OpCounter(monkeypatch)
+    with counter:
+        validate_trusted_attention_backward(dout, q, k, v, out, lse, host_cu_seqlens=None,
+                                            block_sparse=bs, block_sparse_transposed=transposed)
+    assert counter.reads == 0
+    trusted = attention_backward_trusted(dout, q, k, v, out, lse, host_cu_seqlens=None,
+                                         block_sparse=bs, block_sparse_transposed=transposed)
+    for a, b in zip(public, trusted):
+        assert torch.equal(a, b)
+
+
 def test_backward_accepts_matching_transposed_lists():
     q, k, v = padded()
-    bs = sparse(seqlens=(6, 6), q_tile=4)
-    transposed = transpose_block_sparse(bs, col_block_offsets=cu([0, 3, 6]))
+    bs = padded_lists()
+    transposed = csr(bs)
+    validate_block_sparse_csr(transposed, num_heads=HKV)
     out, lse = attention_forward(q, k, v, block_sparse=bs)
-    grads = attention_backward(torch.randn_like(out), q, k, v, out, lse, block_sparse=bs,
+    dout = torch.randn_like(out)
+    grads = attention_backward(dout, q, k, v, out, lse, block_sparse=bs,
                                block_sparse_transposed=transposed)
+    assert all(torch.isfinite(g).all() for g in grads)
+    # The fallback reads the forward lists: the transpose changes nothing.
+    without = attention_backward(dout, q, k, v, out, lse, block_sparse=bs)
+    for a, b in zip(grads, without):
+        assert torch.equal(a, b)
+
+
+def test_varlen_backward_accepts_transposed_lists_of_empty_sequences():
+    q, k, v = packed()
+    bs = sparse(q_tile=2, kv_block=2)  # sequences of 3, 0 and 7 rows
+    transposed = transpose_block_sparse_csr(bs, cu_seqlens_k=cu())
+    out, lse = attention_forward(q, k, v, **varlen_kwargs(block_sparse=bs))
+    grads = attention_backward(torch.randn_like(out), q, k, v, out, lse,
+                               **varlen_kwargs(block_sparse=bs,
+                                               block_sparse_transposed=transposed))
     assert all(torch.isfinite(g).all() for g in grads)
 
 

@@ -8,20 +8,21 @@ from nsa_testing import (SMALL, cu_seqlens_of, differentiable, grads_of, random_
                          rel_err)
 
 
-def _nsa_and_reference(x: dict, dtype, **options):
+def _nsa_and_reference(x: dict, dtype, deterministic: bool = False, **options):
     """nsa() on x cast to dtype, and the float64 reference on the same (rounded) values; both
     with their gradients for one random dout."""
     kwargs = {**SMALL, **options}
     fast_in = differentiable(x, dtype)
     ref_in = differentiable({n: t.detach().to(dtype) if t is not None and t.is_floating_point()
                              else t for n, t in x.items()}, torch.float64)
-    out = nsa(**fast_in, **kwargs)
+    out = nsa(**fast_in, **kwargs, deterministic=deterministic)
     ref = nsa_reference(**ref_in, **kwargs)
     dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
     return out, ref, grads_of(out, fast_in, dout), grads_of(ref, ref_in, dout)
 
 
 def _assert_close_to_reference(x, dtype, tolerance, **options):
+    """The checks of nsa() against the reference; returns nsa()'s output and gradients."""
     out, ref, grads, ref_grads = _nsa_and_reference(x, dtype, **options)
     assert out.dtype == dtype and out.shape == x["q"].shape
     assert rel_err(out, ref) < tolerance
@@ -29,6 +30,7 @@ def _assert_close_to_reference(x, dtype, tolerance, **options):
     for name in ref_grads:
         assert grads[name].dtype == dtype
         assert rel_err(grads[name], ref_grads[name]) < tolerance, name
+    return out, grads
 
 
 CASES = {
@@ -59,6 +61,21 @@ def test_bfloat16_matches_reference(case):
     lengths, heads, kv_heads, options = CASES[case]
     x = random_inputs(lengths, heads, kv_heads, 16, seed=len(case) + 1)
     _assert_close_to_reference(x, torch.bfloat16, 1e-2, **options)
+
+
+@pytest.mark.parametrize("case", ["group4-odd", "sparse-compressed", "window-off"])
+def test_deterministic_matches_reference_and_the_default_mode(case):
+    """deterministic=True is a mode of the backward, not another function: the same gradients
+    as the reference, and on the CPU (the fallback, deterministic anyway) the same bits as the
+    default mode."""
+    lengths, heads, kv_heads, options = CASES[case]
+    x = random_inputs(lengths, heads, kv_heads, 8, seed=len(case) + 2)
+    out, grads = _assert_close_to_reference(x, torch.float32, 1e-4, deterministic=True,
+                                            **options)
+    default_out, _, default_grads, _ = _nsa_and_reference(x, torch.float32, **options)
+    assert torch.equal(out, default_out)
+    for name, grad in grads.items():
+        assert torch.equal(grad, default_grads[name]), name
 
 
 @pytest.mark.parametrize("gated", [True, False], ids=["gated", "ungated"])

@@ -1,11 +1,20 @@
-"""nsa() on an sm_90 GPU, with its branches on the CuTe DSL forward kernel, against the float64
+"""nsa() on an sm_90 GPU, with its branches on the CuTe DSL kernels, against the float64
 reference: outputs and every gradient, packed varlen and padded, GQA, default NSA geometry
-(compressed blocks of 64, selected blocks of 64, 128-row selection tiles, window 512)."""
+(compressed blocks of 64, selected blocks of 64, 128-row selection tiles, window 512).
+
+The backward tests assert that every branch's attention backward ran on the sm90 kernel
+(`kernels.which_backend(..., backward=True)` for the exact call each branch makes, recorded by
+wrapping `Branch.backward`): a silent fallback to torch fails them. `deterministic=True` must
+give bit-identical gradients of q, k, v, W_k, W_v and W_gate over three runs.
+
+    python -m pytest -q tests/nsa/test_nsa_gpu.py            # on an sm_90 GPU
+"""
 import pytest
 import torch
 
 import kernels
 from nsa import nsa, nsa_reference
+from nsa.branches import COMPRESSED, SELECTED, WINDOW, Branch
 from nsa_testing import cu_seqlens_of, differentiable, grads_of, random_inputs, rel_err
 
 pytestmark = pytest.mark.gpu
@@ -76,3 +85,112 @@ def test_nsa_empty_inputs_on_the_gpu():
     padded = nsa(*(torch.randn(0, 5, h, 128, device="cuda", dtype=torch.bfloat16)
                    for h in (4, 2, 2)))
     assert padded.shape == (0, 5, 4, 128)
+
+
+# ----------------------------------------------------------------------------------------------
+# The backward on the kernels
+# ----------------------------------------------------------------------------------------------
+
+BRANCH_NAMES = {COMPRESSED: "compressed", SELECTED: "selected", WINDOW: "window"}
+# bf16 kernels against a float64 reference; the backward's dS is rounded to bf16 before the
+# dQ/dK products (as in every flash attention), so gradients get twice the output's tolerance.
+OUT_TOLERANCE, GRAD_TOLERANCE = 1e-2, 2e-2
+
+
+@pytest.fixture
+def branch_backends(monkeypatch) -> dict:
+    """Branch name -> kernels.which_backend(backward=True) of the attention backward nsa() runs
+    for that branch, asked with exactly the call's arguments (transposed lists and
+    deterministic included)."""
+    backends = {}
+    original = Branch.backward
+
+    def recording_backward(self, dout, q, k, v, out, lse, **options):
+        asked = {name: value for name, value in options.items()
+                 if value is not None and value is not False}
+        backends[BRANCH_NAMES[self.index]] = kernels.which_backend(
+            q, k, v, backward=True, **asked, **self.kernel_kwargs)
+        return original(self, dout, q, k, v, out, lse, **options)
+
+    monkeypatch.setattr(Branch, "backward", recording_backward)
+    return backends
+
+
+def _assert_backward_on_kernels(backends: dict, window: bool = True):
+    expected = {"compressed", "selected"} | ({"window"} if window else set())
+    assert set(backends) == expected, backends
+    off_kernel = {name: backend for name, backend in backends.items() if backend != "sm90"}
+    assert not off_kernel, f"branch backward not on the sm90 kernel: {off_kernel}"
+
+
+def _gpu_inputs(lengths, heads, heads_kv, dim, seed, device="cuda"):
+    return {n: (t.to(device) if isinstance(t, torch.Tensor) else t)
+            for n, t in random_inputs(lengths, heads, heads_kv, dim, seed=seed).items()}
+
+
+def _random_dout(shape, device, seed):
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(shape, generator=generator, dtype=torch.float64).to(device)
+
+
+BACKWARD_CASES = {
+    # lengths (odd, some shorter than a 64-token block or a 128-row tile), H, Hkv, D, options
+    "gqa1-varlen": ([1500, 77, 700, 1, 300], 16, 16, 128, dict()),
+    "gqa4-varlen": ([1031, 63, 2050, 129], 16, 4, 128, dict()),
+    "gqa16-varlen": ([1500, 77, 700, 1, 300], 16, 1, 128, dict(window_size=256)),
+    "gqa4-varlen-d64-sparse-compressed": ([1000, 1030, 65], 16, 4, 64,
+                                          dict(num_cmp_selected_blocks=2)),
+}
+
+
+@requires_sm90
+@pytest.mark.parametrize("case", list(BACKWARD_CASES))
+def test_nsa_backward_on_kernels_matches_reference(case, branch_backends):
+    """Gradients of q, k, v, W_k, W_v and W_gate with every branch's backward on the kernels."""
+    lengths, heads, heads_kv, dim, options = BACKWARD_CASES[case]
+    x = _gpu_inputs(lengths, heads, heads_kv, dim, seed=11)
+    fast_in = differentiable(x, torch.bfloat16)
+    ref_in = differentiable({n: (t.detach().bfloat16() if isinstance(t, torch.Tensor)
+                                 and t.is_floating_point() else t) for n, t in x.items()},
+                            torch.float64)
+    out = nsa(**fast_in, max_seqlen=max(lengths), **options)
+    ref = nsa_reference(**ref_in, max_seqlen=max(lengths), **options)
+    assert rel_err(out, ref) < OUT_TOLERANCE
+    dout = _random_dout(out.shape, out.device, seed=5)
+    grads, ref_grads = grads_of(out, fast_in, dout), grads_of(ref, ref_in, dout)
+    _assert_backward_on_kernels(branch_backends)
+    assert set(grads) == {"q", "k", "v", "W_k", "W_v", "W_gate"}
+    for name in grads:
+        assert grads[name].dtype == torch.bfloat16, name
+        assert torch.isfinite(grads[name]).all(), f"{name} has NaN/inf"
+        err = rel_err(grads[name], ref_grads[name])
+        assert err < GRAD_TOLERANCE, f"{name}: relative error {err:.3e}"
+
+
+@requires_sm90
+@pytest.mark.parametrize("case", ["gqa4-varlen", "gqa4-varlen-d64-sparse-compressed"])
+def test_nsa_deterministic_backward_is_bitwise_stable(case, branch_backends):
+    """deterministic=True: three forward+backward runs give the same bits for every gradient,
+    with every branch's backward on the kernels, and gradients that match the reference."""
+    lengths, heads, heads_kv, dim, options = BACKWARD_CASES[case]
+    x = _gpu_inputs(lengths, heads, heads_kv, dim, seed=12)
+    fast_in = differentiable(x, torch.bfloat16)
+    dout = _random_dout(x["q"].shape, x["q"].device, seed=6)
+    runs = []
+    for _ in range(3):
+        out = nsa(**fast_in, max_seqlen=max(lengths), deterministic=True, **options)
+        runs.append(grads_of(out, fast_in, dout))
+    torch.cuda.synchronize()
+    _assert_backward_on_kernels(branch_backends)
+    for again in runs[1:]:
+        for name, grad in runs[0].items():
+            assert torch.equal(grad, again[name]), f"{name} differs between deterministic runs"
+
+    ref_in = differentiable({n: (t.detach().bfloat16() if isinstance(t, torch.Tensor)
+                                 and t.is_floating_point() else t) for n, t in x.items()},
+                            torch.float64)
+    ref = nsa_reference(**ref_in, max_seqlen=max(lengths), **options)
+    ref_grads = grads_of(ref, ref_in, dout)
+    for name, grad in runs[0].items():
+        err = rel_err(grad, ref_grads[name])
+        assert err < GRAD_TOLERANCE, f"{name}: relative error {err:.3e}"

@@ -27,6 +27,7 @@ TOOL_DESCRIPTIONS = {
     "diagnose_memory": "size of the sparsity metadata",
     "trace_sm90_forward": "Where a work tile's time goes",
     "dispatch_table": "dispatch at a glance",
+    "bench_kernels": "sm90 forward and backward kernels against FA4",
 }
 
 
@@ -71,11 +72,20 @@ def test_heads_not_a_multiple_of_kv_heads_is_rejected(name, capsys):
     assert "--kv-heads" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("option, value", [("--methods", "nsa,flash9"), ("--passes", "bwd")])
+@pytest.mark.parametrize("option, value", [("--methods", "nsa,flash9"), ("--passes", "bwd"),
+                                           ("--methods", "none")])
 def test_bench_rejects_unknown_methods_and_passes(option, value, capsys):
     with pytest.raises(SystemExit):
         load_tool("bench_nsa_vs_dense").main(["--device", "cpu", option, value])
     assert option in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("value", ["bwd,fwd+bwd", "", "fwd,bwd,dq"])
+def test_bench_kernels_rejects_unknown_passes_before_needing_a_gpu(value, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        load_tool("bench_kernels").main(["--passes", value])
+    assert exit_info.value.code == 2
+    assert "--passes" in capsys.readouterr().err
 
 
 # ----------------------------------------------------------------------------------------------
@@ -175,6 +185,37 @@ def test_bench_and_plot(tmp_path):
     png = tmp_path / "bench.png"
     assert load_tool("plot_bench").main([str(out), "--out", str(png)]) == 0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_branch_profile_times_each_branch_forward_and_backward(tmp_path):
+    """--branch-profile: each NSA branch alone on nsa()'s own lists, forward and backward (and
+    --deterministic passed through), here on the CPU's fallback; --methods none runs only it."""
+    out = tmp_path / "branches.json"
+    bench = load_tool("bench_nsa_vs_dense")
+    assert bench.main([*TINY, "--seqlens", "128,200", "--methods", "none", "--branch-profile",
+                       "--deterministic", "--json", str(out)]) == 0
+    payload = json.loads(out.read_text())
+    assert payload["results"] == [] and payload["meta"]["problem"]["deterministic"] is True
+    rows = payload["branch_profile"]
+    assert [(r["seqlen"], r["branch"]) for r in rows] == [
+        (n, branch) for n in (128, 200) for branch in ("compressed", "selected", "window")]
+    for row in rows:
+        assert row["fwd_ms"] > 0 and row["bwd_ms"] > 0 and row["bwd_tflops"] > 0
+        assert row["bwd_over_fwd"] == pytest.approx(row["bwd_ms"] / row["fwd_ms"])
+        assert row["fwd_backend"].startswith("fallback") and row["bwd_backend"].startswith(
+            "fallback")
+        assert row["transpose_ms"] is None  # no kernel reads transposed lists on the CPU
+
+
+def test_bench_deterministic_runs_nsa_forward_and_backward(tmp_path):
+    out = tmp_path / "deterministic.json"
+    bench = load_tool("bench_nsa_vs_dense")
+    assert bench.main([*TINY, "--methods", "nsa,dense", "--deterministic", "--json",
+                       str(out)]) == 0
+    rows = json.loads(out.read_text())["results"]
+    assert {(r["method"], r["pass"]) for r in rows} == {
+        (m, p) for m in ("nsa", "dense") for p in ("fwd", "fwd+bwd")}
+    assert all(r["status"] == "ok" and r["ms"] > 0 for r in rows)
 
 
 def test_plot_rejects_a_file_that_is_not_bench_json(tmp_path):
@@ -306,6 +347,54 @@ def test_bench_kernels_summary_gives_compressed_and_floor_as_shares_of_dense():
         f"{bench.PACKED_CASE} (ours, of its own dense) 35%, "
         f"{bench.PACKED_CASE} (fa4, of its own dense) 20%",
         "N=65536: of our dense causal TFLOP/s: compress_factor 64 80%"]
+
+
+@pytest.mark.parametrize("heads, rows, cols, width", [(2, 5, 7, 3), (3, 4, 9, 9), (1, 6, 1, 1)])
+def test_bench_kernels_transposed_lists_match_a_loop(heads, rows, cols, width):
+    """FA4's backward lists: per head and KV block, the ascending q tiles listing it."""
+    bench = load_tool("bench_kernels")
+    generator = torch.Generator().manual_seed(heads * 100 + cols)
+    count = torch.randint(0, width + 1, (heads, rows), generator=generator, dtype=torch.int32)
+    index = torch.stack([torch.stack([torch.randperm(cols, generator=generator)[:width].sort()
+                                      .values for _ in range(rows)]) for _ in range(heads)])
+    index = index.to(torch.int32)
+    t_count, t_index = bench.transposed_block_lists(count, index, cols)
+    assert t_count.shape == (heads, cols) and t_index.dtype == torch.int32
+    for h in range(heads):
+        for c in range(cols):
+            expected = [r for r in range(rows) if c in index[h, r, :count[h, r]].tolist()]
+            assert t_count[h, c] == len(expected)
+            assert t_index[h, c, :len(expected)].tolist() == expected
+
+
+def test_bench_kernels_rows_ratios_and_tables():
+    """Row fields (forward names unchanged, backward added), TFLOP/s (backward 2.5x the
+    forward's flops, forward+backward 3.5x), speed ratios FA4 / ours, 64-key shares, tables."""
+    bench = load_tool("bench_kernels")
+    pairs, heads, dim = 1e8, 32, 128
+    medians = {"ours fwd": 2.0, "fa4 fwd": 3.0, "ours bwd": 4.0, "fa4 bwd": 5.0,
+               "ours fwd+bwd": 6.0}
+    row = bench.make_row(16384, "block-sparse 25%", pairs, heads, dim, medians)
+    forward_tflops = 4 * dim * pairs * heads / 2e-3 / 1e12
+    assert row["ours_tflops"] == pytest.approx(forward_tflops)
+    assert row["ours_bwd_tflops"] == pytest.approx(2.5 * 4 * dim * pairs * heads / 4e-3 / 1e12)
+    assert row["ours_fwdbwd_tflops"] == pytest.approx(3.5 * 4 * dim * pairs * heads / 6e-3 / 1e12)
+    assert row["ratio"] == pytest.approx(1.5) and row["bwd_ratio"] == pytest.approx(1.25)
+    assert row["fa4_fwdbwd_ms"] is None and row["fwdbwd_ratio"] is None
+    forward_only = bench.make_row(16384, "dense causal", pairs, heads, dim,
+                                  {"ours fwd": 1.0, "fa4 fwd": 1.0})
+    assert forward_only["ratio"] == 1.0 and forward_only["ours_bwd_ms"] is None
+    small_blocks = bench.make_row(16384, "block-sparse 25%" + bench.SPARSE_64_SUFFIX, pairs,
+                                  heads, dim, {"ours fwd": 2.5, "ours bwd": 8.0})
+    rows = [row, forward_only, small_blocks]
+    assert bench.sparse_block_shares(rows) == [
+        "N=16384: ours at 64-key blocks, of ours at 128-key blocks (TFLOP/s): "
+        "block-sparse 25% fwd 80%, block-sparse 25% bwd 50%"]
+    assert small_blocks["ours_bwd_tflops_share_of_128key"] == pytest.approx(0.5)
+    assert len(bench.forward_table(rows)) == 4 and len(bench.backward_table(rows)) == 3
+    assert [line.split()[-4:] for line in bench.ratio_table(rows)[1:]] == [
+        ["1.50", "1.25", "-", f"{row['ours_bwd_tflops']:.0f}"],
+        ["1.00", "-", "-", "-"], ["-", "-", "-", f"{small_blocks['ours_bwd_tflops']:.0f}"]]
 
 
 def test_tune_rejects_unknown_cases_before_needing_a_gpu(capsys):

@@ -1,0 +1,77 @@
+"""The backward's host-side layouts, on the CPU: work units of split lists and the 64-row
+query tile layout of the row statistics and dQ (kernels/sm90/backward.py)."""
+import math
+
+import pytest
+import torch
+
+from kernels.sm90.backward import QueryTiles, work_units
+from sparsity import build_block_sparse_from_mask, transpose_block_sparse_csr
+
+
+def _nsa_like_lists(lengths, heads, kv_block, seed=0):
+    """Causal lists that always hold block 0 (NSA's forced block) plus random others."""
+    gen = torch.Generator().manual_seed(seed)
+    total = sum(lengths)
+    mask = torch.zeros(1, heads, total, total, dtype=torch.bool)
+    start = 0
+    for length in lengths:
+        tiles, blocks = -(-length // 128), -(-length // kv_block)
+        pick = torch.rand(heads, tiles, blocks, generator=gen) < 0.3
+        pick[..., 0] = True
+        dense = pick.repeat_interleave(128, 1).repeat_interleave(kv_block, 2)[:, :length, :length]
+        dense &= torch.ones(length, length, dtype=torch.bool).tril()
+        mask[0, :, start:start + length, start:start + length] = dense
+        start += length
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    bs = build_block_sparse_from_mask(mask, q_tile=128, kv_block=kv_block, cu_seqlens=cu)
+    return bs, cu
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 16])
+def test_work_units_cover_every_list_entry_once_in_chunks(chunk):
+    lengths = [1000, 1, 300, 2100]
+    bs, cu = _nsa_like_lists(lengths, heads=2, kv_block=64)
+    csr = transpose_block_sparse_csr(bs, cu_seqlens_k=cu)
+    units = work_units(csr, chunk)
+    assert units.dtype == torch.int32 and units.shape[1] == 5
+    offsets = csr.offsets.tolist()
+    blocks = csr.row_block_offsets.tolist()
+    covered = torch.zeros(offsets[-1], dtype=torch.int64)
+    for sequence, n_block, head, first, end in units.tolist():
+        if first == end:
+            continue  # an empty unit past the real ones
+        assert 0 < end - first <= chunk
+        kv_row = blocks[sequence] + n_block
+        assert blocks[sequence] <= kv_row < blocks[sequence + 1]
+        group = kv_row * csr.num_heads + head
+        assert offsets[group] <= first < end <= offsets[group + 1]
+        covered[first:end] += 1
+    assert torch.equal(covered, torch.ones_like(covered))
+    # The longest unit is bounded by the chunk, whatever the longest list (block 0's).
+    longest_list = max(b - a for a, b in zip(offsets, offsets[1:]))
+    assert longest_list > chunk
+
+
+def test_query_tiles_pad_each_sequence_to_whole_64_row_tiles():
+    cu = torch.tensor([0, 1, 65, 65, 300], dtype=torch.int32)
+    tiles = QueryTiles(cu, 300)
+    assert tiles.tile_offsets.tolist() == [0, 1, 2, 2, 6]
+    assert tiles.slot[:2].tolist() == [0, 64]          # sequence 1 starts at tile 1
+    assert tiles.slot[65].tolist() == 2 * 64           # the empty sequence takes no tile
+    assert tiles.num_slots >= 64 * 6
+    heads, dim = 3, 8
+    dout, out = torch.randn(300, heads, dim), torch.randn(300, heads, dim)
+    lse = torch.randn(heads, 300)
+    lse[1, 5] = -math.inf  # a row that sees nothing
+    lse_log2, dpsum = tiles.row_statistics(dout, out, lse)
+    assert torch.allclose(lse_log2[:, tiles.slot], torch.where(
+        torch.isneginf(lse), math.inf, lse * 1.4426950408889634))
+    assert lse_log2[1, tiles.slot[5]] == math.inf
+    assert torch.allclose(dpsum[:, tiles.slot], (dout * out).sum(-1).t())
+    padding = torch.ones(tiles.num_slots, dtype=torch.bool)
+    padding[tiles.slot] = False
+    assert torch.isinf(lse_log2[:, padding]).all() and (dpsum[:, padding] == 0).all()
+    acc = torch.randn(heads, tiles.num_slots, dim)
+    dq = tiles.gather_dq(acc, 0.5, torch.float32)
+    assert torch.equal(dq, (acc[:, tiles.slot] * 0.5).transpose(0, 1))

@@ -1,0 +1,192 @@
+"""What nsa()'s backward hands each branch's attention backward on an sm_90 GPU, checked on the
+CPU: the GPU is faked (the device check patched, `kernels.sm90.backward` replaced by a recording
+stand-in), so the dispatch runs here.
+
+The sm90 backward reads each block-sparse branch's lists transposed (a sparsity.BlockSparseCSR).
+nsa() builds those once per call, on its first backward, without reading the device, and passes
+them to the branches' backward calls with `deterministic`; on the CPU it builds none.
+"""
+from __future__ import annotations
+
+import sys
+import types
+
+import pytest
+import torch
+
+import nsa.branches as branches_module
+from kernels import interface
+from kernels.fallback import attention_backward_fallback
+from nsa import nsa
+from nsa_testing import SMALL, random_inputs
+from op_counting import OpCounter
+from sparsity import BlockSparseCSR
+
+LENGTHS = [40, 17, 29]
+GRAD_INPUTS = ("q", "k", "v", "W_k", "W_v", "W_gate")
+
+
+class RecordingBackward(types.ModuleType):
+    """Stands in for kernels.sm90.backward: records every call's keyword arguments and computes
+    the gradients with the fully checking fallback (which checks the transposed lists' contents
+    too), or returns zeros with `compute=False` (no device reads of its own)."""
+
+    def __init__(self):
+        super().__init__("kernels.sm90.backward")
+        self.calls, self.compute = [], True
+
+    def can_run(self, q, k, v, **kwargs):
+        return True, "recording stand-in"
+
+    def run(self, dout, q, k, v, out, lse, **kwargs):
+        self.calls.append(kwargs)
+        if not self.compute:
+            return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        return attention_backward_fallback(dout, q, k, v, out, lse, **kwargs)
+
+
+class DecliningForward(types.ModuleType):
+    """Stands in for kernels.sm90.forward: the forward stays on the fallback."""
+
+    def __init__(self):
+        super().__init__("kernels.sm90.forward")
+
+    def can_run(self, q, k, v, **kwargs):
+        return False, "forward stays on the fallback"
+
+
+@pytest.fixture
+def fake_sm90(monkeypatch) -> RecordingBackward:
+    monkeypatch.setattr(interface, "_device_unsupported", lambda device: "")
+    monkeypatch.delenv(interface.DISABLE_ENV, raising=False)
+    backward = RecordingBackward()
+    monkeypatch.setitem(sys.modules, "kernels.sm90.forward", DecliningForward())
+    monkeypatch.setitem(sys.modules, "kernels.sm90.backward", backward)
+    return backward
+
+
+@pytest.fixture
+def transpose_builds(monkeypatch) -> list:
+    """The lists nsa() transposed for the backward, one entry per build."""
+    builds = []
+    build = branches_module.transpose_block_sparse_trusted
+
+    def recording(block_sparse, **kwargs):
+        builds.append(block_sparse)
+        return build(block_sparse, **kwargs)
+    monkeypatch.setattr(branches_module, "transpose_block_sparse_trusted", recording)
+    return builds
+
+
+def _inputs(seed: int = 0) -> dict:
+    # float32: the sm90 gated sum takes bf16/fp16 only, so the faked GPU leaves it on torch.
+    inputs = random_inputs(LENGTHS, heads=4, kv_heads=2, head_dim=8, seed=seed,
+                           dtype=torch.float32)
+    for name in GRAD_INPUTS:
+        inputs[name].requires_grad_()
+    return inputs
+
+
+def _options(compressed: str, **extra) -> dict:
+    return dict(SMALL, num_cmp_selected_blocks=1 if compressed == "sparse" else None, **extra)
+
+
+def _backward(inputs: dict, options: dict, seed: int = 1) -> list[torch.Tensor]:
+    out = nsa(**inputs, **options)
+    out.backward(torch.randn(out.shape, generator=torch.Generator().manual_seed(seed)))
+    grads = [inputs[name].grad.clone() for name in GRAD_INPUTS]
+    for name in GRAD_INPUTS:
+        inputs[name].grad = None
+    return grads
+
+
+@pytest.mark.parametrize("compressed, deterministic", [("dense", False), ("sparse", True)])
+def test_each_branch_gets_its_transposed_lists_built_once(compressed, deterministic, fake_sm90,
+                                                          transpose_builds):
+    inputs = _inputs()
+    out = nsa(**inputs, **_options(compressed, deterministic=deterministic))
+    assert not transpose_builds  # the forward builds none: a backward may never come
+    dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(1))
+    out.backward(dout, retain_graph=True)
+
+    block_sparse_branches = 2 if compressed == "sparse" else 1
+    assert len(transpose_builds) == block_sparse_branches
+    calls = fake_sm90.calls
+    assert len(calls) == 3  # compressed, selected, window: each branch's backward on the kernel
+    assert all(call["deterministic"] is deterministic for call in calls)
+    transposed = [call["block_sparse_transposed"] for call in calls]
+    for call, lists in zip(calls, transposed):
+        # Built from the lists this call runs over (the fallback checked their contents).
+        assert (lists is None) == (call["block_sparse"] is None)
+        assert lists is None or isinstance(lists, BlockSparseCSR)
+    assert sum(lists is not None for lists in transposed) == block_sparse_branches
+
+    # A second backward through the retained graph reuses them.
+    out.backward(dout)
+    assert len(transpose_builds) == block_sparse_branches
+    assert all(a is b for a, b in zip(transposed, (c["block_sparse_transposed"]
+                                                   for c in calls[3:])))
+
+
+@pytest.mark.parametrize("compressed", ["dense", "sparse"])
+def test_gradients_on_the_faked_kernel_equal_the_cpu_ones(compressed, fake_sm90, monkeypatch):
+    """The stand-in computes with the fallback, so nsa()'s gradients must come out bit for bit
+    as on the plain CPU path: the transposed lists and deterministic change nothing else."""
+    on_kernel = _backward(_inputs(seed=2), _options(compressed, deterministic=True))
+    assert fake_sm90.calls
+    monkeypatch.setattr(interface, "_device_unsupported", lambda device: "tensors on cpu")
+    on_cpu = _backward(_inputs(seed=2), _options(compressed))
+    for a, b in zip(on_kernel, on_cpu):
+        assert a.abs().sum() > 0 and torch.equal(a, b)
+
+
+@pytest.mark.parametrize("compressed", ["dense", "sparse"])
+def test_building_the_transposed_lists_reads_nothing(compressed, fake_sm90, transpose_builds,
+                                                     monkeypatch):
+    fake_sm90.compute = False
+    inputs = _inputs(seed=3)
+    out = nsa(**inputs, **_options(compressed))
+    counter = OpCounter(monkeypatch)
+    with counter:
+        out.backward(torch.randn(out.shape, generator=torch.Generator().manual_seed(4)))
+    assert transpose_builds and counter.reads == 0
+
+
+def test_the_cpu_builds_no_transposed_lists(transpose_builds):
+    _backward(_inputs(seed=5), _options("sparse", deterministic=True))
+    assert not transpose_builds
+
+
+def _sm90() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _sm90(), reason="needs an sm_90 GPU")
+def test_transposed_lists_are_built_on_the_gpu_without_synchronising():
+    """On sm_90 nsa() builds the lists' transposes (selected and sparse compressed) in its
+    backward: no device read, and no host copy either (a host list copied to the GPU waits for
+    the stream as a read would). Checks the build alone: the kernels' own tests run the
+    backward."""
+    from sparsity import check_csr_matches
+
+    x = random_inputs([3000, 700, 1300], heads=4, kv_heads=2, head_dim=128, seed=6,
+                      dtype=torch.bfloat16)
+    x = {name: t.cuda() for name, t in x.items()}
+    x["q"].requires_grad_()
+    out = nsa(**x, num_cmp_selected_blocks=2)
+    branches = out.grad_fn.branches  # the NSAFunction's ctx
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        transposed = [branch.transposed_lists() for branch in branches]
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert sum(lists is not None for lists in transposed) == 2
+    for branch, lists in zip(branches, transposed):
+        block_sparse = branch.kernel_kwargs.get("block_sparse")
+        assert (lists is None) == (block_sparse is None)
+        if lists is not None:
+            num_kv_blocks = int(lists.row_block_offsets[-1])
+            check_csr_matches(lists, block_sparse, num_col_blocks=num_kv_blocks,
+                              check_contents=True)
