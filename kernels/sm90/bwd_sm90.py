@@ -39,6 +39,7 @@ from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from kernels.sm90.block_range import BlockRange
+from kernels.sm90.dq_accumulator import DqAccumulator
 from kernels.sm90.layouts import (acc_as_a_operand_layout, acc_mn_view, transposed,
                                   with_row_strides_divisible)
 from kernels.sm90.mask import apply_mask_keys_as_rows
@@ -50,7 +51,7 @@ _WARPGROUP = 128
 # (`deterministic`).
 _DS_FREE_BARRIER = 1
 _DS_FULL_BARRIER = 2
-_DQ_TURN_BARRIER = 3
+_DQ_TURN_BARRIER = 3  # 4 and 5 belong to kernels/sm90/dq_accumulator.py
 _LOG2_E = 1.4426950408889634
 
 
@@ -148,9 +149,19 @@ class FlashAttentionBackwardSm90:
         tma_atom_lse, tma_lse = cpasync.make_tiled_tma_atom(load_op, mLSE_t, row_layout, (tm,))
         tma_atom_dpsum, tma_dpsum = cpasync.make_tiled_tma_atom(load_op, mDPsum_t, row_layout,
                                                                 (tm,))
+        # `dq_tma_reduce`: each warpgroup stages its 64 x dq_cols float32 block of dQ in smem
+        # and its first warp adds it into the accumulator with a TMA reduce-add, which runs
+        # while the warpgroup goes on.
+        sdQ_layout = sm90_utils.make_smem_layout_a(
+            row_major, (tm, tm, self.dq_cols_per_wg), Float32, self.num_wg)
+        mdQacc_t = cute.make_tensor(mdQacc.iterator, cute.select(mdQacc.layout, mode=[1, 2, 0]))
+        tma_atom_dq, tma_dq = cpasync.make_tiled_tma_atom(
+            cpasync.CopyReduceBulkTensorTileS2GOp(), mdQacc_t,
+            cute.slice_(sdQ_layout, (None, None, 0)), (tm, self.dq_cols_per_wg))
         self.q_bytes = cute.size_in_bytes(dtype, sQ_one) + tm * 4
         self.kv_bytes = 2 * cute.size_in_bytes(dtype, sK_one)
-        self.shared_storage = self.shared_storage_struct(sQ_layout, sK_layout, sdS_layout)
+        self.shared_storage = self.shared_storage_struct(sQ_layout, sK_layout, sdS_layout,
+                                                         sdQ_layout)
 
         mdK = with_row_strides_divisible(mdK, 8)  # proves the 32-bit stores of column pairs
         mdV = with_row_strides_divisible(mdV, 8)
@@ -158,12 +169,14 @@ class FlashAttentionBackwardSm90:
             compress_factor = cute.fast_divmod_create_divisor_v2(compress_factor)
         self.kernel(
             tma_atom_q, tma_q, tma_atom_do, tma_do, tma_atom_k, tma_k, tma_atom_v, tma_v,
-            tma_atom_lse, tma_lse, tma_atom_dpsum, tma_dpsum, mdQacc, mdK, mdV,
+            tma_atom_lse, tma_lse, tma_atom_dpsum, tma_dpsum, mdQacc, tma_atom_dq, tma_dq,
+            mdK, mdV,
             mCuSeqlensQ, mCuSeqlensK, mQTileOffsets, softmax_scale,
             softmax_scale * Float32(_LOG2_E), compress_factor, window_left, window_right,
             mListOffsets, mListIndex, mListMaskCount, mKvBlockOffsets, mFwdFullCount,
             mFwdFullIndex, mFwdMaskCount, mFwdMaskIndex, mFwdRowOffsets, mSemaphore, mUnits,
-            sQ_layout, sK_layout, sdS_layout, tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq,
+            sQ_layout, sK_layout, sdS_layout, sdQ_layout, tiled_mma_sdp, tiled_mma_dkv,
+            tiled_mma_dq,
         ).launch(grid=self.grid(num_kv_tiles, mK, mCuSeqlensQ),
                  block=[self.num_threads, 1, 1], stream=stream,
                  min_blocks_per_mp=self.spec.ctas_per_sm,
@@ -175,7 +188,7 @@ class FlashAttentionBackwardSm90:
             return (num_kv_tiles, 1, 1)
         return (num_kv_tiles, cute.size(mK.shape[1]), cute.size(mCuSeqlensQ.shape[0]) - 1)
 
-    def shared_storage_struct(self, sQ_layout, sK_layout, sdS_layout):
+    def shared_storage_struct(self, sQ_layout, sK_layout, sdS_layout, sdQ_layout):
         """The CTA's shared memory (`BwdSpec.smem_bytes` computes its size)."""
         dtype, stages = self.dtype, self.spec.q_stages
 
@@ -194,6 +207,8 @@ class FlashAttentionBackwardSm90:
             sdO=aligned(dtype, cute.cosize(sQ_layout), 1024),
             sdS=aligned(dtype, cute.cosize(sdS_layout), 1024),
         )
+        if self.spec.dq_tma_reduce:
+            fields["sdQ"] = aligned(Float32, cute.cosize(sdQ_layout), 1024)
         return cute.struct(type("BackwardSharedStorage", (), {"__annotations__": fields}))
 
     # ------------------------------------------------------------------ device side
@@ -203,7 +218,8 @@ class FlashAttentionBackwardSm90:
         tma_atom_q: cute.CopyAtom, mQ: cute.Tensor, tma_atom_do: cute.CopyAtom, mdO: cute.Tensor,
         tma_atom_k: cute.CopyAtom, mK: cute.Tensor, tma_atom_v: cute.CopyAtom, mV: cute.Tensor,
         tma_atom_lse: cute.CopyAtom, mLSE: cute.Tensor, tma_atom_dpsum: cute.CopyAtom,
-        mDPsum: cute.Tensor, mdQacc: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor,
+        mDPsum: cute.Tensor, mdQacc: cute.Tensor, tma_atom_dq: cute.CopyAtom,
+        mdQacc_tma: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor,
         mCuSeqlensQ: cute.Tensor, mCuSeqlensK: cute.Tensor, mQTileOffsets: cute.Tensor,
         softmax_scale: Float32, scale_log2: Float32, compress_factor, window_left: Int32,
         window_right: Int32,
@@ -213,7 +229,8 @@ class FlashAttentionBackwardSm90:
         mFwdMaskCount: Optional[cute.Tensor], mFwdMaskIndex: Optional[cute.Tensor],
         mFwdRowOffsets: Optional[cute.Tensor], mSemaphore: Optional[cute.Tensor],
         mUnits: Optional[cute.Tensor], sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
-        sdS_layout: cute.ComposedLayout, tiled_mma_sdp: cute.TiledMma,
+        sdS_layout: cute.ComposedLayout, sdQ_layout: cute.ComposedLayout,
+        tiled_mma_sdp: cute.TiledMma,
         tiled_mma_dkv: cute.TiledMma, tiled_mma_dq: cute.TiledMma,
     ):
         spec = self.spec
@@ -261,6 +278,12 @@ class FlashAttentionBackwardSm90:
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sV = storage.sV.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sdS = storage.sdS.get_tensor(sdS_layout.outer, swizzle=sdS_layout.inner)
+        sdQ = None
+        if const_expr(spec.dq_tma_reduce):
+            sdQ = storage.sdQ.get_tensor(sdQ_layout.outer, swizzle=sdQ_layout.inner)
+        dq_accumulator = DqAccumulator(
+            spec.dq_tma_reduce, self.tile_m, self.dq_cols_per_wg, self.num_wg, self.dtype,
+            mdQacc, tma_atom_dq, mdQacc_tma, sdQ)
         rows_by_stage = cute.make_layout((self.tile_m, spec.q_stages))
         sLSE = storage.sLSE.get_tensor(rows_by_stage)
         sDPsum = storage.sDPsum.get_tensor(rows_by_stage)
@@ -300,7 +323,7 @@ class FlashAttentionBackwardSm90:
                 self.consume(
                     tidx - _WARPGROUP, walk, kv_consumer, q_consumer, do_consumer,
                     tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, sQ, sdO, sK, sV, sdS, sLSE,
-                    sDPsum, mdQacc, mdK, mdV, softmax_scale, scale_log2, block_range, n_block,
+                    sDPsum, dq_accumulator, mdK, mdV, softmax_scale, scale_log2, block_range, n_block,
                     head_kv, batch, offset_k, seqlen_q, seqlen_k, q_tile_offset, mSemaphore,
                     mFwdFullCount, mFwdFullIndex, mFwdMaskCount, mFwdMaskIndex, mFwdRowOffsets)
 
@@ -405,7 +428,8 @@ class FlashAttentionBackwardSm90:
     def consume(
         self, tidx: Int32, walk, kv_consumer, q_consumer, do_consumer,
         tiled_mma_sdp: cute.TiledMma, tiled_mma_dkv: cute.TiledMma, tiled_mma_dq: cute.TiledMma,
-        sQ, sdO, sK, sV, sdS, sLSE, sDPsum, mdQacc, mdK, mdV, softmax_scale: Float32,
+        sQ, sdO, sK, sV, sdS, sLSE, sDPsum, dq_accumulator: DqAccumulator, mdK, mdV,
+        softmax_scale: Float32,
         scale_log2: Float32, block_range: BlockRange, n_block: Int32, head_kv: Int32,
         batch: Int32, offset_k: Int32, seqlen_q: Int32, seqlen_k: Int32, q_tile_offset: Int32,
         mSemaphore, mFwdFullCount, mFwdFullIndex, mFwdMaskCount, mFwdMaskIndex, mFwdRowOffsets,
@@ -436,16 +460,14 @@ class FlashAttentionBackwardSm90:
         r_ds = cute.make_rmem_tensor(acc_as_a_operand_layout(acc_s.layout), self.dtype)
         t_coord = thr_sdp.partition_C(cute.make_identity_tensor((self.tile_n, self.tile_m)))
         t_sdS = thr_sdp.partition_C(transposed(sdS[None, None, 0]))
-        dq_coord = thr_dq.partition_C(
-            cute.make_identity_tensor((self.tile_m, self.dq_pass_cols)))
 
         kv_handle = kv_consumer.wait_and_advance()
         step = partial(
             self.consume_step, tidx=tidx, tSrK=tSrK, tSrV=tSrV, tSrQ=tSrQ, tSrdO=tSrdO,
             tdKrQ=tdKrQ, tdVrdO=tdVrdO, tdQrdS=tdQrdS, tdQrK=tdQrK, sKt_passes=sKt_passes,
             thr_dq=thr_dq, acc_s=acc_s, acc_dp=acc_dp, acc_dk=acc_dk, acc_dv=acc_dv,
-            acc_dq=acc_dq, r_p=r_p, r_ds=r_ds, t_coord=t_coord, t_sdS=t_sdS, dq_coord=dq_coord,
-            sLSE=sLSE, sDPsum=sDPsum, mdQacc=mdQacc, scale_log2=scale_log2,
+            acc_dq=acc_dq, r_p=r_p, r_ds=r_ds, t_coord=t_coord, t_sdS=t_sdS,
+            sLSE=sLSE, sDPsum=sDPsum, dq_accumulator=dq_accumulator, scale_log2=scale_log2,
             block_range=block_range, n_block=n_block, batch=batch, seqlen_q=seqlen_q,
             seqlen_k=seqlen_k, q_tile_offset=q_tile_offset, mSemaphore=mSemaphore,
             mFwdFullCount=mFwdFullCount, mFwdFullIndex=mFwdFullIndex,
@@ -453,6 +475,7 @@ class FlashAttentionBackwardSm90:
             mFwdRowOffsets=mFwdRowOffsets)
         walk(step, (q_consumer, do_consumer, tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq))
         kv_handle.release()
+        dq_accumulator.finish(tidx)
 
         acc_dk.store(acc_dk.load() * softmax_scale)
         for acc, m_out in ((acc_dk, mdK), (acc_dv, mdV)):
@@ -463,8 +486,8 @@ class FlashAttentionBackwardSm90:
         self, head: Int32, m_block: Int32, needs_mask, q_consumer, do_consumer,
         tiled_mma_sdp: cute.TiledMma, tiled_mma_dkv: cute.TiledMma, tiled_mma_dq: cute.TiledMma,
         tidx: Int32, tSrK, tSrV, tSrQ, tSrdO, tdKrQ, tdVrdO, tdQrdS, tdQrK, sKt_passes, thr_dq,
-        acc_s, acc_dp, acc_dk, acc_dv, acc_dq, r_p, r_ds, t_coord, t_sdS, dq_coord, sLSE,
-        sDPsum, mdQacc, scale_log2: Float32, block_range: BlockRange, n_block: Int32,
+        acc_s, acc_dp, acc_dk, acc_dv, acc_dq, r_p, r_ds, t_coord, t_sdS, sLSE,
+        sDPsum, dq_accumulator: DqAccumulator, scale_log2: Float32, block_range: BlockRange, n_block: Int32,
         batch: Int32, seqlen_q: Int32, seqlen_k: Int32, q_tile_offset: Int32, mSemaphore,
         mFwdFullCount, mFwdFullIndex, mFwdMaskCount, mFwdMaskIndex, mFwdRowOffsets,
     ):
@@ -513,8 +536,6 @@ class FlashAttentionBackwardSm90:
                           number_of_threads=self.num_consumer_threads)
 
         slot_tile = q_tile_offset + m_block
-        g_dq = cute.local_tile(mdQacc[head, None, None], (self.tile_m, self.head_dim),
-                               (slot_tile, 0))
         if const_expr(self.spec.deterministic):
             self.wait_dq_turn(tidx, mSemaphore, head, slot_tile, block_range, n_block, m_block,
                               batch, seqlen_q, seqlen_k, mFwdFullCount, mFwdFullIndex,
@@ -528,8 +549,9 @@ class FlashAttentionBackwardSm90:
                 # The dK and dV products (issued before) are done too: Q and dO are free.
                 q_handle.release()
                 do_handle.release()
-            self.reduce_dq(acc_dq, dq_coord, g_dq, p)
+            dq_accumulator.add(tidx, thr_dq, acc_dq, head, slot_tile, p)
         if const_expr(self.spec.deterministic):
+            dq_accumulator.settle(tidx)
             self.pass_dq_turn(tidx, mSemaphore, head, slot_tile)
         return q_consumer, do_consumer, tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq
 
@@ -539,18 +561,6 @@ class FlashAttentionBackwardSm90:
             return first_pass[None, None, None, 0]
         return thr_dq.make_fragment_B(
             thr_dq.partition_B(sKt_passes[None, p, None, None]))[None, None, None, 0]
-
-    @cute.jit
-    def reduce_dq(self, acc_dq: cute.Tensor, dq_coord: cute.Tensor, g_dq: cute.Tensor,
-                  p: cutlass.Constexpr[int]):
-        """acc_dq (columns of pass p) added into the tile's float32 dQ accumulator, one
-        reduction per element. The largest cost of the kernel today (FINDINGS: 12 of 21 ms at
-        16K); a TMA reduce-add of a staged block is the known way out."""
-        for i in cutlass.range_constexpr(cute.size(acc_dq)):
-            row, col = dq_coord[i]
-            offset = cute.crd2idx((row, p * self.dq_pass_cols + col), g_dq.layout)
-            cute.arch.red(g_dq.iterator + offset, acc_dq[i], op="add", dtype="f32",
-                          sem="relaxed", scope="gpu")
 
     @cute.jit
     def wait_dq_turn(self, tidx: Int32, mSemaphore, head: Int32, slot_tile: Int32,

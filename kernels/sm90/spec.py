@@ -235,6 +235,9 @@ class BwdSpec:
     split_lists: bool = False  # block-sparse: work units of at most a chunk of list entries
                                # (kernels/sm90/backward.py `work_units`); dK/dV partials are
                                # then added into float32 accumulators
+    dq_tma_reduce: bool = False  # dQ staged in smem and added with a TMA reduce-add per
+                                 # warpgroup instead of one red.global.add per element (not
+                                 # dispatched yet: GPU-untested, see FINDINGS session 10)
     tile_n: int = 128          # keys per CTA, 64 per consumer warpgroup
     tile_m: int = 64           # query rows per step
     q_stages: int = 2          # Q (+ lse) and dO (+ dO.O) pipeline depth
@@ -268,7 +271,11 @@ class BwdSpec:
                    self.tile_m * self.q_stages]
         for rows in buffers:
             size = aligned(size, 1024) + 2 * rows * self.head_dim
-        return aligned(size, 1024) + 2 * self.tile_m * self.tile_n  # dS
+        size = aligned(size, 1024) + 2 * self.tile_m * self.tile_n  # dS
+        if self.dq_tma_reduce:  # one 64-row float32 staging block per warpgroup
+            size = aligned(size, 1024) + 4 * self.tile_m * self.dq_cols_per_warpgroup * (
+                self.num_consumer_warpgroups)
+        return size
 
     def fits_in_smem(self) -> bool:
         return (self.smem_bytes <= SMEM_PER_CTA

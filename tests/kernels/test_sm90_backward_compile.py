@@ -74,3 +74,16 @@ def test_backward_dispatch_takes_the_list_block_as_the_key_tile():
     assert _backward_spec("bfloat16", 128, "selected-sparse64").ctas_per_sm == 2
     with pytest.raises(ValueError, match="head_dim 256"):
         choose_backward_spec(dtype="bfloat16", head_dim=256, causal=True, window_size=(-1, -1))
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_backward_tma_reduce_dq_variant_compiles_for_sm90a(head_dim, deterministic):
+    """`dq_tma_reduce` (not dispatched yet: it waits for a GPU run, FINDINGS session 10)."""
+    import dataclasses
+
+    spec = dataclasses.replace(
+        _backward_spec("bfloat16", head_dim, "causal", deterministic=deterministic),
+        dq_tma_reduce=True)
+    assert spec.fits_in_smem()
+    assert callable(compile_backward_on_fake_tensors(spec))
