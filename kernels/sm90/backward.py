@@ -20,8 +20,8 @@ import math
 
 import torch
 
-from kernels.sm90.forward import (SUPPORTED_DTYPES, _is_sm90, _tvm_ffi_available,
-                                  _uniform_cu_seqlens)
+from kernels.sm90.forward import (SUPPORTED_DTYPES, _is_sm90, _uniform_cu_seqlens,
+                                  launch_compiled)
 
 SUPPORTED_HEAD_DIMS = (64, 128)
 STEP_ROWS = 64          # query rows per backward step (BwdSpec.tile_m)
@@ -263,21 +263,7 @@ def _typed_scalars(scalars):
 
 
 def _launch(spec, tensors, scalars, optional):
-    """Compile on first use, then launch on the current stream."""
-    from cutlass.cute.runtime import make_fake_stream
-
     from kernels.sm90.compile import compiled_backward
 
-    if _tvm_ffi_available():
-        kernel = compiled_backward(spec, lambda: (
-            *(_as_cute(t, True) for t in tensors), *_typed_scalars(scalars),
-            *(_as_cute(t, True) for t in optional), make_fake_stream(use_tvm_ffi_env_stream=True),
-        ), tvm_ffi=True)
-        kernel(*tensors, *scalars, *optional)
-        return
-    import cuda.bindings.driver as cuda
-
-    stream = cuda.CUstream(torch.cuda.current_stream(tensors[0].device).cuda_stream)
-    args = (*(_as_cute(t) for t in tensors), *_typed_scalars(scalars),
-            *(_as_cute(t) for t in optional), stream)
-    compiled_backward(spec, lambda: args)(*args)
+    launch_compiled(compiled_backward, spec, tensors, scalars, _typed_scalars, optional,
+                    as_cute=_as_cute)

@@ -113,26 +113,33 @@ def _typed_scalars(scalars):
             cutlass.Int32(left), cutlass.Int32(right), cutlass.Int32(num_sms))
 
 
-def _launch(spec, tensors, scalars, optional):
-    """Compile on first use, then launch on the current stream."""
+def launch_compiled(compiled, spec, tensors, scalars, typed_scalars, optional, as_cute=None):
+    """Compile `spec` with `compiled` (`kernels.sm90.compile.compiled_*`) on first use, then
+    launch on the current stream; `typed_scalars` turns the Python scalars into DSL types (only
+    needed to compile). Shared by the forward, the backward and their tools."""
     from cutlass.cute.runtime import make_fake_stream
 
-    from kernels.sm90.compile import compiled_forward
-
+    as_cute = as_cute or _as_cute
     if _tvm_ffi_available():
         # Python scalars go straight through; the typed ones are needed only to compile.
-        kernel = compiled_forward(spec, lambda: (
-            *(_as_cute(t, True) for t in tensors), *_typed_scalars(scalars),
-            *(_as_cute(t, True) for t in optional), make_fake_stream(use_tvm_ffi_env_stream=True),
+        kernel = compiled(spec, lambda: (
+            *(as_cute(t, True) for t in tensors), *typed_scalars(scalars),
+            *(as_cute(t, True) for t in optional), make_fake_stream(use_tvm_ffi_env_stream=True),
         ), tvm_ffi=True)
         kernel(*tensors, *scalars, *optional)
         return
     import cuda.bindings.driver as cuda
 
     stream = cuda.CUstream(torch.cuda.current_stream(tensors[0].device).cuda_stream)
-    args = (*(_as_cute(t) for t in tensors), *_typed_scalars(scalars),
-            *(_as_cute(t) for t in optional), stream)
-    compiled_forward(spec, lambda: args)(*args)
+    args = (*(as_cute(t) for t in tensors), *typed_scalars(scalars),
+            *(as_cute(t) for t in optional), stream)
+    compiled(spec, lambda: args)(*args)
+
+
+def _launch(spec, tensors, scalars, optional):
+    from kernels.sm90.compile import compiled_forward
+
+    launch_compiled(compiled_forward, spec, tensors, scalars, _typed_scalars, optional)
 
 
 def run(
