@@ -107,7 +107,7 @@ def run(
     if spec_overrides:
         spec = dataclasses.replace(spec, **spec_overrides)
 
-    if spec.split_lists:  # float32 accumulators of the work units' partial sums
+    if spec.partial_dkv:  # float32 accumulators of several CTAs' partial sums
         dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
         dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
     else:
@@ -130,6 +130,10 @@ def run(
         forward_lists = (None,) * 5
         units = None
         num_ctas = -(-max_seqlen_k // spec.tile_n)
+        row_splits = 1
+        if spec.split_rows:
+            row_splits = _row_splits(num_ctas * k.shape[1] * (cu_seqlens_q.numel() - 1),
+                                     -(-max_seqlen_q // STEP_ROWS), q.device)
         if spec.block_sparse:
             csr = block_sparse_transposed
             if csr is None:
@@ -148,14 +152,14 @@ def run(
         if max_seqlen_k > 0 and num_ctas > 0:
             tensors = (q, k, v, dout, lse_log2, dpsum, dq_acc, dk, dv, cu_seqlens_q,
                        cu_seqlens_k, tiles.tile_offsets)
-            scalars = (num_ctas, softmax_scale, compress_factor, max(window_size[0], 0),
-                       max(window_size[1], 0))
+            scalars = (num_ctas, row_splits, softmax_scale, compress_factor,
+                       max(window_size[0], 0), max(window_size[1], 0))
             _launch(spec, tensors, scalars, (*lists, *forward_lists, semaphore, units))
         else:
             dk.zero_()
             dv.zero_()
         dq = tiles.gather_dq(dq_acc, softmax_scale, q.dtype)
-    if spec.split_lists:
+    if spec.partial_dkv:
         dk, dv = dk.to(k.dtype), dv.to(v.dtype)
     if padded:
         dq = dq.view(batch, seqlen_q, num_heads, head_dim)
@@ -209,6 +213,15 @@ class QueryTiles:
         return dq
 
 
+def _row_splits(num_ctas: int, max_query_tiles: int, device) -> int:
+    """`split_rows`: CTAs per KV tile so that the grid fills the GPU about twice (compressed
+    keys at 16K: 2 KV tiles x 8 KV heads = 16 CTAs otherwise), at most one per query tile."""
+    from kernels.sm90.forward import _num_sms
+
+    wanted = 2 * _num_sms(device) if device.type == "cuda" else 264
+    return max(1, min(-(-wanted // max(num_ctas, 1)), max_query_tiles))
+
+
 def work_units(csr, chunk: int) -> torch.Tensor:
     """(U, 5) int32 work units of `split_lists`: (sequence, KV block in it, list head, first
     entry, end entry), each list cut into chunks of at most `chunk` entries. U is bounded from
@@ -257,9 +270,9 @@ def _aligned_rows(t: torch.Tensor) -> torch.Tensor:
 def _typed_scalars(scalars):
     import cutlass
 
-    num_kv_tiles, scale, compress_factor, left, right = scalars
-    return (cutlass.Int32(num_kv_tiles), cutlass.Float32(scale), cutlass.Int32(compress_factor),
-            cutlass.Int32(left), cutlass.Int32(right))
+    num_kv_tiles, row_splits, scale, compress_factor, left, right = scalars
+    return (cutlass.Int32(num_kv_tiles), cutlass.Int32(row_splits), cutlass.Float32(scale),
+            cutlass.Int32(compress_factor), cutlass.Int32(left), cutlass.Int32(right))
 
 
 def _launch(spec, tensors, scalars, optional):

@@ -64,6 +64,11 @@ class FlashAttentionBackwardSm90:
         self.tile_m, self.tile_n, self.head_dim = spec.tile_m, spec.tile_n, spec.head_dim
         assert self.tile_m == 64 and self.tile_n in (64, 128)
         assert spec.fits_in_smem(), f"{spec} needs {spec.smem_bytes} bytes of shared memory"
+        # Float32 partial sums of dK/dV land in any order; split lists walk lists, split rows
+        # a query-tile range.
+        assert not (spec.deterministic and spec.partial_dkv)
+        assert not (spec.split_lists and not spec.block_sparse)
+        assert not (spec.split_rows and spec.block_sparse)
         self.num_wg = spec.num_consumer_warpgroups
         self.num_consumer_threads = _WARPGROUP * self.num_wg
         self.num_threads = _WARPGROUP * (1 + self.num_wg)
@@ -92,6 +97,7 @@ class FlashAttentionBackwardSm90:
         mCuSeqlensK: cute.Tensor,   # (S+1,) int32
         mQTileOffsets: cute.Tensor,  # (S+1,) int32: first 64-row tile of each sequence in P
         num_kv_tiles: Int32,    # the grid's first extent: ceil(max_seqlen_k / tile_n), or U
+        row_splits: Int32,      # `split_rows`: CTAs per KV tile (1 otherwise)
         softmax_scale: Float32,
         compress_factor: Int32,
         window_left: Int32,
@@ -171,21 +177,24 @@ class FlashAttentionBackwardSm90:
             tma_atom_q, tma_q, tma_atom_do, tma_do, tma_atom_k, tma_k, tma_atom_v, tma_v,
             tma_atom_lse, tma_lse, tma_atom_dpsum, tma_dpsum, mdQacc, tma_atom_dq, tma_dq,
             mdK, mdV,
-            mCuSeqlensQ, mCuSeqlensK, mQTileOffsets, softmax_scale,
+            mCuSeqlensQ, mCuSeqlensK, mQTileOffsets, row_splits, softmax_scale,
             softmax_scale * Float32(_LOG2_E), compress_factor, window_left, window_right,
             mListOffsets, mListIndex, mListMaskCount, mKvBlockOffsets, mFwdFullCount,
             mFwdFullIndex, mFwdMaskCount, mFwdMaskIndex, mFwdRowOffsets, mSemaphore, mUnits,
             sQ_layout, sK_layout, sdS_layout, sdQ_layout, tiled_mma_sdp, tiled_mma_dkv,
             tiled_mma_dq,
-        ).launch(grid=self.grid(num_kv_tiles, mK, mCuSeqlensQ),
+        ).launch(grid=self.grid(num_kv_tiles, row_splits, mK, mCuSeqlensQ),
                  block=[self.num_threads, 1, 1], stream=stream,
                  min_blocks_per_mp=self.spec.ctas_per_sm,
                  preferred_smem_carveout=100 if self.spec.ctas_per_sm > 1 else None)
 
-    def grid(self, num_kv_tiles, mK, mCuSeqlensQ):
-        """(KV tiles, Hkv, sequences), or one CTA per work unit with `split_lists`."""
+    def grid(self, num_kv_tiles, row_splits, mK, mCuSeqlensQ):
+        """(KV tiles, Hkv, sequences), `row_splits` times along the KV tiles with
+        `split_rows`, or one CTA per work unit with `split_lists`."""
         if self.spec.split_lists:
             return (num_kv_tiles, 1, 1)
+        if self.spec.split_rows:
+            num_kv_tiles = num_kv_tiles * row_splits
         return (num_kv_tiles, cute.size(mK.shape[1]), cute.size(mCuSeqlensQ.shape[0]) - 1)
 
     def shared_storage_struct(self, sQ_layout, sK_layout, sdS_layout, sdQ_layout):
@@ -221,7 +230,7 @@ class FlashAttentionBackwardSm90:
         mDPsum: cute.Tensor, mdQacc: cute.Tensor, tma_atom_dq: cute.CopyAtom,
         mdQacc_tma: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor,
         mCuSeqlensQ: cute.Tensor, mCuSeqlensK: cute.Tensor, mQTileOffsets: cute.Tensor,
-        softmax_scale: Float32, scale_log2: Float32, compress_factor, window_left: Int32,
+        row_splits: Int32, softmax_scale: Float32, scale_log2: Float32, compress_factor, window_left: Int32,
         window_right: Int32,
         mListOffsets: Optional[cute.Tensor], mListIndex: Optional[cute.Tensor],
         mListMaskCount: Optional[cute.Tensor], mKvBlockOffsets: Optional[cute.Tensor],
@@ -241,6 +250,10 @@ class FlashAttentionBackwardSm90:
         group = num_heads // cute.size(mK.shape[2])
         # `split_lists`: a chunk [entry_lo, entry_hi) of one list (one list head's heads).
         list_head, entry_lo, entry_hi = Int32(0), Int32(0), Int32(1)
+        split = Int32(0)
+        if const_expr(spec.split_rows):
+            split = n_block % row_splits
+            n_block = n_block // row_splits
         if const_expr(spec.split_lists):
             unit = n_block
             batch, n_block, list_head = mUnits[unit, 0], mUnits[unit, 1], mUnits[unit, 2]
@@ -300,7 +313,7 @@ class FlashAttentionBackwardSm90:
             batch=batch, group=group, num_heads=num_heads, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
             mListOffsets=mListOffsets, mListIndex=mListIndex, mListMaskCount=mListMaskCount,
             mKvBlockOffsets=mKvBlockOffsets, list_head=list_head, entry_lo=entry_lo,
-            entry_hi=entry_hi)
+            entry_hi=entry_hi, split=split, row_splits=row_splits)
         q_tile_offset = mQTileOffsets[batch]
 
         # KV tiles past their sequence's end have nothing to do (the grid covers the longest).
@@ -332,7 +345,7 @@ class FlashAttentionBackwardSm90:
         self, step_fn, state, block_range: BlockRange, n_block: Int32, head_kv: Int32,
         batch: Int32, group: Int32, num_heads: Int32, seqlen_q: Int32, seqlen_k: Int32,
         mListOffsets, mListIndex, mListMaskCount, mKvBlockOffsets, list_head: Int32,
-        entry_lo: Int32, entry_hi: Int32,
+        entry_lo: Int32, entry_hi: Int32, split: Int32, row_splits: Int32,
     ):
         """Run step_fn(head, m_block, needs_mask, *state) -> state over the (query head, 64-row
         query tile) pairs that see this CTA's KV tile, heads of the group outermost. The
@@ -361,6 +374,11 @@ class FlashAttentionBackwardSm90:
                                       entry_hi=mListOffsets[list_row + 1])
         else:
             m_min, m_max = block_range.m_block_min_max(n_block, seqlen_q, seqlen_k)
+            if const_expr(self.spec.split_rows):
+                # This CTA's share of the KV tile's query tiles: one of row_splits equal runs.
+                share = (m_max - m_min + row_splits - 1) // row_splits
+                m_min = cutlass.min(m_min + split * share, m_max)
+                m_max = cutlass.min(m_min + share, m_max)
             unmasked_lo, unmasked_hi = block_range.unmasked_m_blocks(n_block, seqlen_q, seqlen_k)
             for head_in_group in cutlass.range(group, unroll=1):
                 for m_block in cutlass.range(m_min, m_max, unroll=1):
@@ -627,9 +645,9 @@ class FlashAttentionBackwardSm90:
     def store_keys(self, thr_dkv, acc: cute.Tensor, m_out: cute.Tensor, offset_k: Int32,
                    head_kv: Int32, n_block: Int32, seqlen_k: Int32):
         """dK or dV of this thread's keys inside the sequence, straight from registers (one
-        32-bit store per pair of adjacent columns); with `split_lists` added into the float32
-        accumulator instead (several work units share a KV block)."""
-        if const_expr(self.spec.split_lists):
+        32-bit store per pair of adjacent columns); with `partial_dkv` added into the float32
+        accumulator instead (several CTAs share a KV tile)."""
+        if const_expr(self.spec.partial_dkv):
             m_seq = cute.domain_offset((offset_k, 0), m_out[None, head_kv, None])
             g_part = thr_dkv.partition_C(
                 cute.local_tile(m_seq, (self.tile_n, self.head_dim), (n_block, 0)))

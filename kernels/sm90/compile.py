@@ -117,8 +117,8 @@ def fake_backward_arguments(spec):
         return make_fake_compact_tensor(element, (cute.sym_int(),), assumed_align=align)
 
     q, k, v, dout = (seq_head_dim() for _ in range(4))
-    # `split_lists`: dK and dV are float32 accumulators (several work units per KV block).
-    dk, dv = (seq_head_dim(cutlass.Float32) if spec.split_lists else seq_head_dim()
+    # `partial_dkv`: dK and dV are float32 accumulators (several CTAs per KV tile).
+    dk, dv = (seq_head_dim(cutlass.Float32) if spec.partial_dkv else seq_head_dim()
               for _ in range(2))
     # lse, dO.O: (H, P) with P a multiple of 64 (16-byte aligned rows for TMA).
     lse, dpsum = (fake(cutlass.Float32, (cute.sym_int(), cute.sym_int()),
@@ -166,5 +166,6 @@ def compile_backward_on_fake_tensors(spec):
 
     tensors, optional = fake_backward_arguments(spec)
     return cute.compile(
-        FlashAttentionBackwardSm90(spec), *tensors, cutlass.Int32(1), cutlass.Float32(1.0),
+        FlashAttentionBackwardSm90(spec), *tensors, cutlass.Int32(1), cutlass.Int32(1),
+        cutlass.Float32(1.0),
         cutlass.Int32(1), cutlass.Int32(0), cutlass.Int32(0), *optional, make_fake_stream())

@@ -235,6 +235,9 @@ class BwdSpec:
     split_lists: bool = False  # block-sparse: work units of at most a chunk of list entries
                                # (kernels/sm90/backward.py `work_units`); dK/dV partials are
                                # then added into float32 accumulators
+    split_rows: bool = False   # dense: `row_splits` CTAs per KV tile share its query tiles
+                               # (few KV tiles: compressed keys); dK/dV partials then go into
+                               # float32 accumulators. Not dispatched yet (GPU-untested)
     dq_tma_reduce: bool = False  # dQ staged in smem and added with a TMA reduce-add per
                                  # warpgroup instead of one red.global.add per element (not
                                  # dispatched yet: GPU-untested, see FINDINGS session 10)
@@ -250,6 +253,11 @@ class BwdSpec:
     def ctas_per_sm(self) -> int:
         """One consumer warpgroup (64-key tiles: NSA's blocks) is sized for two CTAs per SM."""
         return 2 if self.tile_n == 64 else 1
+
+    @property
+    def partial_dkv(self) -> bool:
+        """Several CTAs add into one KV tile's dK/dV (float32 accumulators, converted after)."""
+        return self.split_lists or self.split_rows
 
     @property
     def dq_cols_per_warpgroup(self) -> int:
