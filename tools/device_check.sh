@@ -3,6 +3,11 @@
 # attention, FA4 and fla, and the training example; full logs under $OUT, a short summary last.
 #   source .device/activate.sh && bash tools/device_check.sh
 set -uo pipefail
+if [ "${1:-}" = "-h" ] || [ "${1:-}" = "--help" ]; then
+  sed -n '2,4p' "$0" | sed 's/^# \{0,1\}//'
+  echo "Environment: OUT (log folder, default /tmp/nsa-device-out), TRAIN_STEPS (default 150)."
+  exit 0
+fi
 out=${OUT:-/tmp/nsa-device-out}
 mkdir -p "$out"
 python3 -c 'import torch; print(torch.__version__, torch.cuda.get_device_name())'
@@ -13,14 +18,14 @@ python3 tools/profile_nsa_forward.py --seqlens 16384,65536 --repeats 5 --json "$
     > "$out/profile_nsa.log" 2>&1
 python3 tools/bench_nsa_vs_dense.py --seqlens 16384,65536 --passes fwd --methods nsa,fa4,sdpa --json "$out/bench_nsa_fwd.json" \
     > "$out/bench_nsa_fwd.log" 2>&1
-python3 tools/bench_nsa_vs_dense.py --seqlens 16384 --passes fwd+bwd --methods nsa,fa4 --warmup 1 --repeats 3 \
-    --json "$out/bench_nsa_fwdbwd.json" > "$out/bench_nsa_fwdbwd.log" 2>&1
+python3 tools/bench_nsa_vs_dense.py --seqlens 16384,65536 --passes fwd+bwd --methods nsa,fa4 --warmup 1 \
+    --repeats 3 --branch-profile --json "$out/bench_nsa_fwdbwd.json" > "$out/bench_nsa_fwdbwd.log" 2>&1
 python3 tools/train_packed.py --steps ${TRAIN_STEPS:-150} --no-progress --json "$out/train.json" \
     > "$out/train.log" 2>&1
 echo "== GPU tests";        tail -3 "$out/gpu_tests.log"
-echo "== kernels vs FA4";   tail -13 "$out/bench_kernels.log"
+echo "== kernels vs FA4";   tail -22 "$out/bench_kernels.log"
 echo "== tile schedules";   tail -28 "$out/tune.log"
 echo "== NSA fwd profile";  tail -16 "$out/profile_nsa.log"
 echo "== NSA fwd";          tail -12 "$out/bench_nsa_fwd.log"
-echo "== NSA fwd+bwd";      tail -6 "$out/bench_nsa_fwdbwd.log"
+echo "== NSA fwd+bwd";      tail -18 "$out/bench_nsa_fwdbwd.log"
 echo "== train";            tail -4 "$out/train.log"

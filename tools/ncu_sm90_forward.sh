@@ -4,6 +4,11 @@
 #   bash tools/ncu_sm90_forward.sh OUTDIR NAME [launch_sm90_forward.py arguments...]
 # Clocks are left as the card runs them (--clock-control none), as METHOD.md asks.
 set -euo pipefail
+if [ $# -lt 2 ] || [ "$1" = "-h" ] || [ "$1" = "--help" ]; then
+  sed -n '2,5p' "$0" | sed 's/^# \{0,1\}//'
+  [ $# -ge 1 ] && { [ "$1" = "-h" ] || [ "$1" = "--help" ]; } && exit 0
+  exit 2
+fi
 out=$1; name=$2; shift 2
 mkdir -p "$out"
 ncu --clock-control none --set full --import-source no --nvtx --nvtx-include "profiled/" \
