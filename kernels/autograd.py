@@ -5,6 +5,11 @@ same token, also when Nq != Nk), and there is ``compress_factor`` and ``block_sp
 ``return_lse=True`` the lse is returned as a constant: gradients do not flow through it.
 ``deterministic=True`` makes the backward bit-identical from run to run (flash-attn's switch of
 the same name; default False, the faster mode).
+
+Second-order gradients are not supported: the attention backward (a kernel, or the fallback's
+chunked math with ``out`` and ``lse`` as constants) builds no autograd graph. First-order
+gradients work with ``create_graph=True`` too; differentiating them again raises a RuntimeError
+that says so (:func:`refuse_double_backward`), never a silently wrong number.
 """
 from __future__ import annotations
 
@@ -12,6 +17,53 @@ import torch
 
 from .interface import attention_backward, attention_forward
 from .validate import check_deterministic
+
+
+DOUBLE_BACKWARD_ERROR = (
+    "{what}: double backward (a gradient of its gradients, e.g. torch.autograd.grad(..., "
+    "create_graph=True) and then a gradient of the result) is not supported: the attention "
+    "backward runs without an autograd graph, so second-order gradients would be wrong")
+
+
+class _RefusedDoubleBackward(torch.autograd.Function):
+    """Passes first-order gradients through unchanged; its backward is the refusal.
+
+    Its inputs are the gradients and every tensor they depend on (the Function's inputs and the
+    incoming gradients), so a second-order gradient with respect to any of them passes through
+    this node and raises. ``torch.autograd.function.once_differentiable`` is not enough: its
+    error node hangs off detached copies, so a gradient with respect to k reports "appears to not
+    have been used in the graph" (or, with allow_unused=True, returns None as if it were zero).
+    """
+
+    @staticmethod
+    def forward(ctx, what: str, num_grads: int, *tensors):
+        ctx.what = what
+        # Copies, not views of the inputs: a caller may update a gradient in place (a view
+        # returned by a Function may not be), and the copy is made only under create_graph.
+        return tuple(grad.clone() for grad in tensors[:num_grads])
+
+    @staticmethod
+    def backward(ctx, *_):
+        raise RuntimeError(DOUBLE_BACKWARD_ERROR.format(what=ctx.what))
+
+
+def refuse_double_backward(what: str, grads: tuple, depends_on) -> tuple:
+    """``grads`` (a Function's backward results; None entries stay None), made to raise when a
+    second-order gradient reaches them. ``depends_on``: the tensors they are a function of.
+
+    Call it with the backward's results computed under ``torch.no_grad()``: with
+    ``create_graph=False`` (grad mode off in the backward) it returns them as they are.
+    """
+    if not torch.is_grad_enabled():
+        return grads
+    sources = [t for t in depends_on if isinstance(t, torch.Tensor) and t.requires_grad]
+    if not sources:
+        return grads
+    present = [g for g in grads if g is not None]
+    if not present:
+        return grads
+    guarded = iter(_RefusedDoubleBackward.apply(what, len(present), *present, *sources))
+    return tuple(None if g is None else next(guarded) for g in grads)
 
 
 class _AttentionFunction(torch.autograd.Function):
@@ -26,10 +78,12 @@ class _AttentionFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse = ctx.saved_tensors
-        if dout.stride(-1) != 1:
-            dout = dout.contiguous()
-        dq, dk, dv = attention_backward(dout, q, k, v, out, lse, **ctx.options,
-                                        deterministic=ctx.deterministic)
+        contiguous_dout = dout.contiguous() if dout.stride(-1) != 1 else dout
+        with torch.no_grad():
+            dq, dk, dv = attention_backward(contiguous_dout, q, k, v, out, lse, **ctx.options,
+                                            deterministic=ctx.deterministic)
+        what = "flash_attn_varlen_func" if "cu_seqlens_q" in ctx.options else "flash_attn_func"
+        dq, dk, dv = refuse_double_backward(what, (dq, dk, dv), (dout, q, k, v))
         return dq, dk, dv, None, None
 
 

@@ -2,7 +2,9 @@
 torch fallback. Both compute the function of docs/interfaces.md.
 
 A kernel is used when all hold: the tensors are on an sm_90 GPU, ``NSA_CUTE_DISABLE`` is not set
-to 1, ``kernels.sm90.<direction>`` imports, and its ``can_run(q, k, v, **kwargs)`` says yes. The
+to 1, ``kernels.sm90.<direction>`` imports, the shapes fit the kernels' 32-bit index arithmetic
+(``kernels.validate.int32_limits_reason``) and its ``can_run(q, k, v, **kwargs)`` says yes.
+Tensors on the meta device are refused by name (they have no values to compute on). The
 kernel modules receive the keyword arguments already validated and normalised (scale resolved,
 ``max_seqlen_*`` filled in, ``window_size`` a tuple of ints). Only a failed import sends a call
 to the fallback; an error raised by a kernel is never swallowed.
@@ -27,9 +29,9 @@ import torch
 
 from . import fallback
 from .validate import (AttentionProblem, block_offsets, check_block_sparse_transposed,
-                       check_deterministic, validate_attention_backward,
-                       validate_attention_forward, validate_trusted_attention_backward,
-                       validate_trusted_attention_forward)
+                       check_deterministic, check_not_meta, int32_limits_reason,
+                       validate_attention_backward, validate_attention_forward,
+                       validate_trusted_attention_backward, validate_trusted_attention_forward)
 
 DISABLE_ENV = "NSA_CUTE_DISABLE"
 FALLBACK = "fallback"
@@ -46,6 +48,7 @@ def attention_forward(
     ``lse (B, H, Nq)``; packed varlen ``q (Tq, H, D)`` with ``cu_seqlens_*`` gives
     ``out (Tq, H, D)``, ``lse (H, Tq)``. lse is float32 (float64 for float64 inputs).
     """
+    check_not_meta("q", q)  # k, v and the rest must be on q's device (validation says so)
     problem = validate_attention_forward(
         q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
         max_seqlen_k=max_seqlen_k, softmax_scale=softmax_scale, causal=causal,
@@ -67,6 +70,7 @@ def attention_backward(
     once for several backward calls over the same lists. ``deterministic=True`` asks for
     gradients that are bit-identical from run to run, at some cost in speed.
     """
+    check_not_meta("q", q)
     problem = validate_attention_backward(
         dout, q, k, v, out, lse, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
         max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, softmax_scale=softmax_scale,
@@ -174,6 +178,11 @@ def _choose_kernel(direction: str, q, k, v, kwargs: dict,
         kernel = importlib.import_module(f"kernels.sm90.{direction}")
     except ImportError as error:  # not built for this install; kernel bugs still raise
         return None, f"kernels.sm90.{direction} unavailable ({error})"
+    # Shapes the kernels' 32-bit index arithmetic or launch grid cannot hold go to the fallback
+    # (which has no such limit), before any list is transposed for them.
+    too_large = int32_limits_reason(q, k, backward=direction == "backward", **kwargs)
+    if too_large:
+        return None, f"kernels.sm90.{direction}: {too_large}"
     if (direction == "backward" and kwargs.get("block_sparse") is not None
             and kwargs.get("block_sparse_transposed") is None):
         kwargs["block_sparse_transposed"] = _transpose(kwargs["block_sparse"], problem,

@@ -29,11 +29,19 @@ def nsa(q: Tensor, k: Tensor, v: Tensor, *, cu_seqlens: Tensor | None = None,
         causal selection rule of docs/interfaces.md (nsa/reference.py states it too). l' must be
         a multiple of l; num_selected_blocks at least 1 + the most blocks a tile overlaps
         (1 + 128 / l' when l' divides 128): block 0 and the tile's own blocks are always selected.
+        A num_selected_blocks above the longest sequence's block count, ceil(max_seqlen / l'),
+        is clipped to that count (or to the minimum above, if larger): no tile has more blocks
+        to select, so the result is the same, and the per-tile lists are only as wide as needed.
+        One value thus serves batches of mixed lengths.
     window_size (w): the window branch attends to keys i - w < j <= i; 0 switches it off.
     W_gate (H, 3, D): gates g = sigmoid(q . W_gate[h, b]) for (compressed, selected, window);
         without it each running branch is weighted equally.
     causal: with True (the default) row i depends on rows <= i of its sequence only.
-    softmax_scale: defaults to D ** -0.5.
+    softmax_scale: defaults to D ** -0.5; else positive and finite in float32.
+    max_seqlen: at least the longest sequence and at most 2**31 - 1 (cu_seqlens is int32).
+    Tensors must hold values: one on the meta device is refused (ValueError naming it).
+    Second-order gradients are not supported: differentiating nsa()'s gradients again (after
+        torch.autograd.grad(..., create_graph=True)) raises a RuntimeError.
     num_cmp_selected_blocks: None = dense compressed branch; an int n makes it block-sparse over
         blocks of 128 compressed tokens (block 0, the diagonal ones, the n best scored).
     deterministic: True makes the backward bit-identical from run to run (the attention

@@ -19,6 +19,10 @@ from nsa.config import NSAConfig
 from nsa.selection_rule import min_selected_blocks
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+# cu_seqlens is int32, so no sequence is longer; the kernels take max_seqlen as an Int32.
+MAX_SEQLEN_LIMIT = 2**31 - 1
+# Scores are scaled in float32 (kernels, selection): a larger softmax_scale would be inf there.
+FLOAT32_MAX = torch.finfo(torch.float32).max
 
 
 @dataclass(frozen=True)
@@ -80,7 +84,9 @@ def validate_nsa_call(q, k, v, *, cu_seqlens, max_seqlen, compress_block_size,
             cu_seqlens=tuple(i * (seqlen if batch else 0) for i in range(max(batch, 1) + 1)),
             max_seqlen=_check_padded_max_seqlen(max_seqlen, seqlen))
     scale = _softmax_scale(softmax_scale, head_dim)
-    return NSAConfig(**{**config.__dict__, "softmax_scale": scale}), sequences
+    resolved = dict(softmax_scale=scale, num_selected_blocks=_useful_selected_blocks(
+        config, sequences.max_seqlen))
+    return NSAConfig(**{**config.__dict__, **resolved}), sequences
 
 
 # --- tensors -------------------------------------------------------------------------------------
@@ -88,6 +94,10 @@ def validate_nsa_call(q, k, v, *, cu_seqlens, max_seqlen, compress_block_size,
 def _check_qkv(q, k, v, varlen: bool) -> None:
     for name, x in (("q", q), ("k", k), ("v", v)):
         _tensor(name, x)
+    # Every other tensor must be on q's device, so checking q refuses them all by name.
+    if q.is_meta:
+        raise ValueError("q is on the meta device (a shape without values); nsa() computes on "
+                         "values (selection reads scores): pass tensors on a CPU or CUDA device")
     if varlen:
         rank, forms = 3, {"q": "(T, H, D)", "k": "(T, Hkv, D)", "v": "(T, Hkv, D)"}
         layout = "packed varlen (cu_seqlens given)"
@@ -158,13 +168,21 @@ def _check_cu_seqlens(cu_seqlens, max_seqlen, q: Tensor) -> PackedSequences:
     if max_seqlen < longest:
         raise ValueError(f"max_seqlen must be >= the longest sequence in cu_seqlens ({longest}), "
                          f"got {max_seqlen}")
+    _check_max_seqlen_limit(max_seqlen)
     return PackedSequences(tuple(cu), max_seqlen)
+
+
+def _check_max_seqlen_limit(max_seqlen: int) -> None:
+    if max_seqlen > MAX_SEQLEN_LIMIT:
+        raise ValueError(f"max_seqlen must be <= 2**31 - 1 ({MAX_SEQLEN_LIMIT}): cu_seqlens is "
+                         f"int32, so no sequence is longer, got {max_seqlen}")
 
 
 def _check_padded_max_seqlen(max_seqlen, seqlen: int) -> int:
     if max_seqlen is None:
         return seqlen
-    if _int("max_seqlen", max_seqlen) != seqlen:
+    _check_max_seqlen_limit(_int("max_seqlen", max_seqlen))
+    if max_seqlen != seqlen:
         raise ValueError(f"max_seqlen must be None or q.shape[1] ({seqlen}) without cu_seqlens, "
                          f"got {max_seqlen}")
     return seqlen
@@ -185,6 +203,16 @@ def _check_block_sizes(config: NSAConfig) -> None:
                          f"are always selected, got {config.num_selected_blocks}")
 
 
+def _useful_selected_blocks(config: NSAConfig, max_seqlen: int) -> int:
+    """num_selected_blocks clipped to the blocks of the longest sequence (never below the forced
+    minimum): a tile can select no more, and its lists are num_selected_blocks wide, so a larger
+    value would select the same blocks and cost memory per tile. Clipping (not refusing) lets one
+    value serve batches of mixed lengths."""
+    blocks = -(-max_seqlen // config.selected_block_size)
+    fewest = min_selected_blocks(config.q_tile, config.selected_block_size)
+    return min(config.num_selected_blocks, max(blocks, fewest))
+
+
 def _softmax_scale(value, head_dim: int) -> float:
     if value is None:
         return head_dim ** -0.5
@@ -193,6 +221,9 @@ def _softmax_scale(value, head_dim: int) -> float:
     value = float(value)
     if not (math.isfinite(value) and value > 0):
         raise ValueError(f"softmax_scale must be positive and finite, got {value}")
+    if value > FLOAT32_MAX:
+        raise ValueError(f"softmax_scale must be finite in float32 (<= {FLOAT32_MAX:.6e}), in "
+                         f"which scores are scaled, got {value}")
     return value
 
 

@@ -5,6 +5,7 @@ import torch
 from torch import Tensor
 
 INDEX_DTYPES = (torch.int32, torch.int64)
+MAX_BLOCK_INDEX = 2**31 - 1  # block indices are int32 in every list the builders make
 
 
 def check_positive_int(value, name: str) -> int:
@@ -58,7 +59,10 @@ def check_matching_sequences(cu_a: Tensor, name_a: str, cu_b: Tensor, name_b: st
 
 
 def check_block_indices(indices, name: str, num_rows: int) -> Tensor:
-    """Checks a (R, Hs, n) tensor of block indices with -1 as padding; returns it as int64."""
+    """Checks a (R, Hs, n) tensor of block indices with -1 as padding; returns it as int64.
+
+    Entries are -1 or in [0, 2**31 - 1]: an int64 index beyond int32 is refused, not dropped
+    (it names no block of any sequence an int32 cu_seqlens can describe)."""
     check_tensor(indices, name)
     if indices.dim() != 3:
         raise ValueError(f"{name} must have shape (R, Hs, n) (q tiles, heads, blocks), "
@@ -70,8 +74,15 @@ def check_block_indices(indices, name: str, num_rows: int) -> Tensor:
                          "q tiles in total (sum over sequences of ceil(seqlen_q / q_tile))")
     if indices.shape[1] < 1:
         raise ValueError(f"{name} must have at least one head, got shape {tuple(indices.shape)}")
-    lowest = int(indices.min()) if indices.numel() > 0 else -1  # the one device read
+    lowest, highest = -1, -1
+    if indices.numel() > 0:  # the one device read
+        lowest, highest = torch.stack(torch.aminmax(indices)).tolist()
     if lowest < -1:
         raise ValueError(f"{name} entries must be block indices >= 0 or -1 (padding), "
                          f"got {lowest}")
+    if highest > MAX_BLOCK_INDEX:
+        # The lists are int32, and the builders' int64 arithmetic on an index this large can
+        # wrap (a split into kernel blocks multiplies it) into a block that was never selected.
+        raise ValueError(f"{name} entries must be block indices <= {MAX_BLOCK_INDEX} (2**31 - 1, "
+                         f"the int32 range of the lists), got {highest}")
     return indices.to(torch.int64)

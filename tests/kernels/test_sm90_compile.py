@@ -8,12 +8,11 @@ here as soon as it exists.
 """
 import dataclasses
 
+import cutlass  # noqa: F401  (a dependency: a broken CuTe DSL install fails here, not skips)
 import pytest
 
-pytest.importorskip("cutlass")
-
-from kernels.sm90.compile import compile_forward_on_fake_tensors  # noqa: E402
-from kernels.sm90.spec import choose_spec  # noqa: E402
+from kernels.sm90.compile import compile_forward_on_fake_tensors
+from kernels.sm90.spec import choose_spec
 
 # Calls as NSA's branches and kernels.flash_attn_func make them: (causal, window_size,
 # compress_factor, block-sparse column block size, list capacity, max_seqlen_k).

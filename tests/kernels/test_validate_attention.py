@@ -134,6 +134,18 @@ def _bad_forward_inputs():
         ("max-seqlen-k-float", TypeError, "max_seqlen_k", pq, pk, pv,
          varlen_kwargs(max_seqlen_k=7.0)),
         ("max-seqlen-q-padded", ValueError, "max_seqlen_q", q, k, v, dict(max_seqlen_q=7)),
+        # Above int32 (cu_seqlens' type, the kernels' Int32 arithmetic): it describes nothing.
+        ("max-seqlen-q-beyond-int32", ValueError, "max_seqlen_q", pq, pk, pv,
+         varlen_kwargs(max_seqlen_q=2**31)),
+        ("max-seqlen-k-2**40", ValueError, "max_seqlen_k", pq, pk, pv,
+         varlen_kwargs(max_seqlen_k=2**40)),
+        ("max-seqlen-q-padded-2**40", ValueError, "max_seqlen_q", q, k, v,
+         dict(max_seqlen_q=2**40)),
+        # Meta tensors have shapes but no values: refused by name at the entry points.
+        ("q-meta", ValueError, "q", q.to(meta), k.to(meta), v.to(meta), {}),
+        ("q-meta-varlen", ValueError, "q", pq.to(meta), pk.to(meta), pv.to(meta),
+         varlen_kwargs(cu_seqlens_q=cu().to(meta), cu_seqlens_k=cu().to(meta))),
+        ("q-meta-only", ValueError, "q", q.to(meta), k, v, {}),
         ("window-low", ValueError, "window_size", q, k, v, dict(window_size=(-2, 0))),
         ("window-float", TypeError, "window_size", q, k, v, dict(window_size=(1.5, 0))),
         ("window-length", TypeError, "window_size", q, k, v, dict(window_size=(3,))),
@@ -148,6 +160,8 @@ def _bad_forward_inputs():
         ("scale-inf", ValueError, "softmax_scale", q, k, v, dict(softmax_scale=float("inf"))),
         ("scale-nan", ValueError, "softmax_scale", q, k, v, dict(softmax_scale=float("nan"))),
         ("scale-string", TypeError, "softmax_scale", q, k, v, dict(softmax_scale="0.1")),
+        ("scale-inf-in-float32", ValueError, "softmax_scale", q, k, v,
+         dict(softmax_scale=1e39)),
         ("causal-int", TypeError, "causal", q, k, v, dict(causal=1)),
         ("sparse-not-dataclass", TypeError, "block_sparse", pq, pk, pv,
          varlen_kwargs(block_sparse=object())),
@@ -207,6 +221,8 @@ def _bad_backward_inputs():
         ("dout-stride", ValueError, "dout", noncontiguous_last_dim(out), out, lse, {}),
         ("dout-stride-0", ValueError, "dout", out[..., :1].expand(out.shape), out, lse, {}),
         ("dout-device", ValueError, "dout", out.to("meta"), out, lse, {}),
+        ("q-meta", ValueError, "q", out.to("meta"), out.to("meta"), lse.to("meta"),
+         dict(q=q.to("meta"), k=k.to("meta"), v=v.to("meta"))),
         ("out-shape", ValueError, "out", out, out[..., :4], lse, {}),
         ("out-dtype", TypeError, "out", out, out.half(), lse, {}),
         ("lse-varlen-layout", ValueError, "lse", out, out, lse.transpose(0, 1).flatten(1), {}),
@@ -251,14 +267,17 @@ def _bad_backward_inputs():
 
 BAD_BACKWARD = _bad_backward_inputs()
 # Cases the trusted path (no device reads) must still reject, with the same message.
-BAD_BACKWARD_WITHOUT_READS = [c for c in BAD_BACKWARD
-                              if c[0] not in ("transposed-row-offsets", "transposed-entries")]
+# (The trusted path is internal: nsa() refuses meta tensors before it.)
+BAD_BACKWARD_WITHOUT_READS = [c for c in BAD_BACKWARD if c[0] not in (
+    "transposed-row-offsets", "transposed-entries", "q-meta")]
 
 
 @pytest.mark.parametrize("error, name, dout, out, lse, kwargs", [c[1:] for c in BAD_BACKWARD],
                          ids=[c[0] for c in BAD_BACKWARD])
 def test_backward_rejects(error, name, dout, out, lse, kwargs):
     q, k, v = padded()
+    kwargs = dict(kwargs)
+    q, k, v = (kwargs.pop(n, t) for n, t in (("q", q), ("k", k), ("v", v)))
     with raises(error, name):
         attention_backward(dout, q, k, v, out, lse, **kwargs)
 
@@ -268,6 +287,8 @@ def test_backward_rejects(error, name, dout, out, lse, kwargs):
                          ids=[c[0] for c in BAD_BACKWARD_WITHOUT_READS])
 def test_trusted_backward_rejects_what_needs_no_read(error, name, dout, out, lse, kwargs):
     q, k, v = padded()
+    kwargs = dict(kwargs)
+    q, k, v = (kwargs.pop(n, t) for n, t in (("q", q), ("k", k), ("v", v)))
     with raises(error, name) as public:
         attention_backward(dout, q, k, v, out, lse, **kwargs)
     with raises(error, name) as trusted:

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from nsa import nsa
+from nsa.validation import validate_nsa_arguments
 from nsa_testing import SMALL, cu_seqlens_of, random_inputs
 
 
@@ -61,6 +62,13 @@ BAD_ARGUMENTS = [
     ("max_seqlen-float", lambda a: a.update(max_seqlen=20.0), TypeError,
      "max_seqlen must be an int"),
     ("max_seqlen-short", lambda a: a.update(max_seqlen=19), ValueError, "max_seqlen must be >="),
+    ("max_seqlen-beyond-int32", lambda a: a.update(max_seqlen=2**40), ValueError,
+     "max_seqlen must be <= 2**31 - 1"),
+    ("q-meta", lambda a: a.update({n: a[n].to(META) for n in
+                                   ("q", "k", "v", "cu_seqlens", "W_k", "W_v", "W_gate")}),
+     ValueError, "q is on the meta device"),
+    ("q-meta-only", lambda a: a.update(q=a["q"].to(META)), ValueError,
+     "q is on the meta device"),
     ("compress_block_size-zero", lambda a: a.update(compress_block_size=0), ValueError,
      "compress_block_size must be an int >= 1"),
     ("compress_block_size-float", lambda a: a.update(compress_block_size=4.0), TypeError,
@@ -109,6 +117,12 @@ BAD_ARGUMENTS = [
      "softmax_scale must be positive"),
     ("softmax_scale-str", lambda a: a.update(softmax_scale="0.5"), TypeError,
      "softmax_scale must be a float"),
+    ("softmax_scale-zero", lambda a: a.update(softmax_scale=0.0), ValueError,
+     "softmax_scale must be positive and finite"),
+    ("softmax_scale-inf", lambda a: a.update(softmax_scale=float("inf")), ValueError,
+     "softmax_scale must be positive and finite"),
+    ("softmax_scale-inf-in-float32", lambda a: a.update(softmax_scale=1e39), ValueError,
+     "softmax_scale must be finite in float32"),
     ("num_cmp_selected_blocks-negative", lambda a: a.update(num_cmp_selected_blocks=-1), ValueError,
      "num_cmp_selected_blocks must be an int >= 0"),
     ("num_cmp_selected_blocks-float", lambda a: a.update(num_cmp_selected_blocks=1.5), TypeError,
@@ -130,6 +144,11 @@ def test_bad_argument_is_named(change, error, message):
 
 BAD_PADDED = [
     ("q-rank", lambda a: a.update(q=a["q"][0]), ValueError, "q must be 4-D"),
+    ("max_seqlen-beyond-int32", lambda a: a.update(max_seqlen=2**40), ValueError,
+     "max_seqlen must be <= 2**31 - 1"),
+    ("q-meta", lambda a: a.update({n: a[n].to(META) for n in
+                                   ("q", "k", "v", "W_k", "W_v", "W_gate")}),
+     ValueError, "q is on the meta device"),
     ("max_seqlen", lambda a: a.update(max_seqlen=21), ValueError,
      "max_seqlen must be None or q.shape[1]"),
     ("k-seqlen", lambda a: a.update(k=a["k"][:, :-1], v=a["v"][:, :-1]), ValueError,
@@ -160,6 +179,35 @@ def test_forced_block_bound_counts_unaligned_blocks():
     with pytest.raises(ValueError, match="num_selected_blocks must be >= 5"):
         nsa(**{**args, "num_selected_blocks": 4})
     assert nsa(**{**args, "num_selected_blocks": 5}).shape == (32, 4, 8)
+
+
+def test_num_selected_blocks_is_clipped_to_the_blocks_of_the_longest_sequence():
+    # Sequences of 20 and 12 rows, blocks of 8: the longest has 3 blocks, fewer than the forced
+    # minimum (1 + 16 / 8 = 3 with 16-row tiles): clipped to 3. With max_seqlen=40: 5 blocks.
+    args = _valid_varlen()
+    config, _ = validate_nsa_arguments(**_validation_kwargs(args, num_selected_blocks=10**6))
+    assert config.num_selected_blocks == 3
+    config, max_seqlen = validate_nsa_arguments(
+        **_validation_kwargs(args, num_selected_blocks=10**6, max_seqlen=40))
+    assert (config.num_selected_blocks, max_seqlen) == (5, 40)
+    config, _ = validate_nsa_arguments(**_validation_kwargs(args, num_selected_blocks=4,
+                                                            max_seqlen=40))
+    assert config.num_selected_blocks == 4  # below the block count: kept
+    # The same function: a tile has no more blocks to select.
+    expected = nsa(**{**args, "num_selected_blocks": 3})
+    assert torch.equal(nsa(**{**args, "num_selected_blocks": 10**5}), expected)
+
+
+def _validation_kwargs(args: dict, **changes) -> dict:
+    """nsa()'s arguments as validate_nsa_arguments takes them."""
+    args = {**args, **changes}
+    kwargs = dict(cu_seqlens=None, max_seqlen=None, compress_block_size=64,
+                  selected_block_size=64, num_selected_blocks=16, window_size=512, W_k=None,
+                  W_v=None, W_gate=None, causal=True, softmax_scale=None,
+                  num_cmp_selected_blocks=None)
+    kwargs.update({name: value for name, value in args.items() if not name.startswith("_")})
+    kwargs.update(q_tile=args.get("_q_tile", 128), cmp_kv_block=args.get("_cmp_kv_block", 128))
+    return kwargs
 
 
 def _literal(text: str) -> str:

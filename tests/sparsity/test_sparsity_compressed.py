@@ -63,6 +63,8 @@ def test_block_the_anchor_partly_sees_is_not_diagonal():
     (dict(cu_seqlens_k_cmp=torch.tensor([0, 1, 2], dtype=torch.int32)), "same number"),
     (dict(cu_seqlens_q=[0, 8]), "cu_seqlens_q must be a torch.Tensor"),
     (dict(selected=torch.zeros(1, 1, 1, dtype=torch.int32)), "selected has 1 rows"),
+    (dict(selected=torch.full((2, 1, 1), 2**40, dtype=torch.int64)),
+     "selected entries must be block indices <= 2147483647"),
 ])
 def test_bad_arguments_raise_naming_them(bad, match):
     kw = dict(cu_seqlens_q=torch.tensor([0, 8], dtype=torch.int32),

@@ -77,6 +77,8 @@ def test_cross_attention_is_top_left_aligned():
     (dict(selected=torch.zeros(3, 1, 2)), "selected must be int32 or int64"),
     (dict(selected=torch.zeros(2, 1, 2, dtype=torch.int32)), "selected has 2 rows"),
     (dict(selected=torch.full((3, 1, 2), -2, dtype=torch.int32)), "selected entries"),
+    (dict(selected=torch.full((3, 1, 2), 2**31, dtype=torch.int64)),
+     r"selected entries must be block indices <= 2147483647"),
     (dict(selected=torch.zeros(3, 2, dtype=torch.int32)), r"selected must have shape"),
     (dict(cu_seqlens_q=torch.tensor([1, 10], dtype=torch.int32)), "cu_seqlens_q must start at 0"),
     (dict(cu_seqlens_k=torch.tensor([0, 5, 3], dtype=torch.int32)), "cu_seqlens_k"),
@@ -92,6 +94,22 @@ def test_bad_arguments_raise_naming_them(bad, match):
     selected = kw.pop("selected")
     with pytest.raises((ValueError, TypeError), match=match):
         build_selected_block_sparse(selected, **kw)
+
+
+def test_int64_index_beyond_int32_is_refused_not_wrapped():
+    # Selected blocks of 256 keys split into 4 kernel blocks of 64: 4 * (2**62 + 1) wraps in
+    # int64 to 4, so block 1 (kernel blocks 4..7) would be listed though nobody selected it.
+    selected = torch.full((8, 1, 2), -1, dtype=torch.int64)
+    selected[:, 0, 0] = 0
+    selected[7, 0, 1] = 2**62 + 1
+    cu = cu_from_lengths([1024])
+    with pytest.raises(ValueError, match=r"^selected entries must be block indices <= "):
+        build_selected_block_sparse(selected, cu_seqlens_q=cu, cu_seqlens_k=cu, q_tile=128,
+                                    selected_block_size=256, kv_block=64)
+    selected[7, 0, 1] = 2**31 - 1  # the largest index is accepted (and dropped: past the end)
+    bs = build_selected_block_sparse(selected, cu_seqlens_q=cu, cu_seqlens_k=cu, q_tile=128,
+                                     selected_block_size=256, kv_block=64)
+    assert as_lists(bs)[7] == [([0, 1, 2, 3], [])]
 
 
 # ---- properties against the token-level oracle ------------------------------------------------

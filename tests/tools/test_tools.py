@@ -300,7 +300,6 @@ def test_int_list_rejects_bad_lists(common, text):
 
 def test_trace_phase_table_reads_cycles_per_phase(common):
     """tools/trace_sm90_forward.py's table from a synthetic buffer with known phase lengths."""
-    pytest.importorskip("cutlass")
     trace_tool = load_tool("trace_sm90_forward")
     from kernels.sm90.trace import (CONSUMER_EVENTS, KV_TILES_SLOT, PRODUCER_EVENTS,
                                     trace_shape)

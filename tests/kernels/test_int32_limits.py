@@ -1,0 +1,130 @@
+"""The sm90 kernels' 32-bit limits, checked before any launch (on CPU: shapes only).
+
+Sequence bounds are int32, so ``max_seqlen_*`` above 2**31 - 1 is refused by every entry point
+with a ValueError naming it. Shapes that a kernel's Int32 index arithmetic or its launch grid
+cannot hold (`kernels.validate.int32_limits_reason`, which reads shapes only, so meta tensors
+describe them without memory) are sent to the fallback, which has no such limits, with the
+reason in `which_backend`.
+"""
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+from kernels import flash_attn_func, flash_attn_varlen_func, which_backend
+from kernels.validate import INT32_MAX, int32_limits_reason
+from test_fallback_dispatch import fake_sm90  # noqa: F401 (fixture)
+
+META = torch.device("meta")
+
+
+def meta(*shape):
+    return torch.empty(*shape, device=META)
+
+
+def sequences(num_seqs):
+    """cu_seqlens of num_seqs sequences; only its length is read."""
+    return meta(num_seqs + 1).to(torch.int32)
+
+
+def limits(q, k, *, num_seqs=1, max_seqlen_q=None, max_seqlen_k=None, **kwargs):
+    max_seqlen_q = q.shape[0] if max_seqlen_q is None else max_seqlen_q
+    max_seqlen_k = k.shape[0] if max_seqlen_k is None else max_seqlen_k
+    return int32_limits_reason(q, k, cu_seqlens_q=sequences(num_seqs), max_seqlen_q=max_seqlen_q,
+                               max_seqlen_k=max_seqlen_k, **kwargs)
+
+
+def test_a_million_tokens_fit():
+    # 1M tokens at H=32, D=128: q has 2**32 elements, beyond int32, but every index the kernels
+    # compute in Int32 (rows, tiles, slots) stays far below it (strides are 64-bit).
+    q, k = meta(2**20, 32, 128), meta(2**20, 8, 128)
+    assert q.numel() > INT32_MAX
+    assert limits(q, k) == "" and limits(q, k, backward=True) == ""
+    sparse = types.SimpleNamespace(full_index=meta(2**13, 8, 16), mask_index=meta(2**13, 8, 2))
+    assert limits(q, k, backward=True, block_sparse=sparse) == ""
+
+
+def test_forward_tile_count_beyond_int32():
+    # ceil(2**20 / 128) * 64 heads * 4097 sequences > 2**31 - 1 tiles.
+    q, k = meta(2**21, 64, 64), meta(2**21, 8, 64)
+    reason = limits(q, k, num_seqs=4097, max_seqlen_q=2**20, max_seqlen_k=2**20)
+    assert "forward work tiles" in reason
+    assert limits(q, k, num_seqs=4095, max_seqlen_q=2**20, max_seqlen_k=2**20) == ""
+
+
+def test_backward_grid_holds_at_most_65535_sequences():
+    q, k = meta(70_000 * 16, 4, 64), meta(70_000 * 16, 2, 64)
+    kwargs = dict(num_seqs=70_000, max_seqlen_q=16, max_seqlen_k=16)
+    assert limits(q, k, **kwargs) == ""  # the forward's grid is one-dimensional
+    assert "65535" in limits(q, k, backward=True, **kwargs)
+    # Block-sparse lists split into work units: a one-dimensional grid again, unless the
+    # backward is deterministic.
+    sparse = types.SimpleNamespace(full_index=meta(70_000, 2, 1), mask_index=meta(70_000, 2, 1))
+    assert limits(q, k, backward=True, block_sparse=sparse, **kwargs) == ""
+    assert "65535" in limits(q, k, backward=True, block_sparse=sparse, deterministic=True,
+                             **kwargs)
+
+
+def test_backward_slots_beyond_int32():
+    q, k = meta(2**31 - 64, 1, 64), meta(2**31 - 64, 1, 64)
+    assert limits(q, k, num_seqs=1, max_seqlen_q=2**29, max_seqlen_k=2**29) == ""
+    assert "query-tile slots" in limits(q, k, num_seqs=2, max_seqlen_q=2**29,
+                                        max_seqlen_k=2**29, backward=True)
+
+
+def test_sequences_reaching_the_kernels_unbounded_sentinel():
+    q, k = meta(2**30, 1, 64), meta(2**30, 1, 64)
+    assert "max_seqlen_q" in limits(q, k)
+    assert "max_seqlen_k" in limits(q[:8], k)
+
+
+def test_compressed_and_windowed_positions_beyond_int32():
+    q, k = meta(4096, 4, 64), meta(4096, 4, 64)
+    assert "positions" in limits(q, k, compress_factor=2**20)
+    assert limits(q, k, compress_factor=2**10) == ""
+    assert "positions" in limits(q, k, window_size=(2**31 - 100, 0))
+
+
+def test_padded_rows_beyond_int32():
+    q = meta(2**16, 2**15 + 1, 1, 64)
+    assert "rows of q" in int32_limits_reason(q, q, max_seqlen_q=q.shape[1],
+                                              max_seqlen_k=q.shape[1])
+
+
+def test_dispatch_sends_what_the_kernels_cannot_hold_to_the_fallback(fake_sm90):  # noqa: F811
+    # 70,000 one-token sequences: the backward kernel's grid (KV tiles, Hkv, S) cannot launch.
+    generator = torch.Generator().manual_seed(0)
+    q = torch.randn(70_000, 2, 8, generator=generator)
+    k = v = torch.randn(70_000, 1, 8, generator=generator)
+    cu = torch.arange(70_001, dtype=torch.int32)
+    kwargs = dict(cu_seqlens_q=cu, cu_seqlens_k=cu)
+    assert which_backend(q, k, v, **kwargs) == "sm90"
+    backend = which_backend(q, k, v, backward=True, **kwargs)
+    assert backend.startswith("fallback (kernels.sm90.backward: the backward's grid"), backend
+    assert fake_sm90["backward"].can_run_calls == []  # declined before the kernel is asked
+
+
+def test_entry_points_refuse_max_seqlen_beyond_int32():
+    generator = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(10, 2, 8, generator=generator) for _ in range(3))
+    cu = torch.tensor([0, 4, 10], dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"^max_seqlen_q must be <= 2\*\*31 - 1"):
+        flash_attn_varlen_func(q, k, v, cu, cu, 2**40, 6)
+    with pytest.raises(ValueError, match=r"^max_seqlen_k must be <= 2\*\*31 - 1"):
+        flash_attn_varlen_func(q, k, v, cu, cu, 6, 2**31)
+    assert flash_attn_varlen_func(q, k, v, cu, cu, INT32_MAX, INT32_MAX).shape == q.shape
+
+
+@pytest.mark.parametrize("varlen", [False, True], ids=["padded", "varlen"])
+def test_flash_attn_refuses_meta_tensors(varlen):
+    if varlen:
+        q, k = meta(10, 2, 8), meta(10, 1, 8)
+        cu = torch.tensor([0, 4, 10], dtype=torch.int32, device=META)
+        call = lambda: flash_attn_varlen_func(q, k, k, cu, cu, 6, 6)  # noqa: E731
+    else:
+        q, k = meta(1, 10, 2, 8), meta(1, 10, 1, 8)
+        call = lambda: flash_attn_func(q, k, k, causal=True)  # noqa: E731
+    with pytest.raises(ValueError, match=r"^q is on the meta device"):
+        call()
