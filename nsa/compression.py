@@ -48,6 +48,8 @@ def compress_backward(d_compressed: Tensor, x: Tensor, block_rows: Tensor,
     """Gradients of `compress` for x (compute_dtype, shape of x) and W (None without W).
 
     Blocks do not overlap and each row of a block carries 1/l of the block's gradient.
+    A token whose gradient is zero adds nothing to dW, whatever its block holds: a NaN in a
+    block that no row sees yet must not reach dW through 0 * NaN.
     """
     num_compressed, block_size = block_rows.shape
     dtype = compute_dtype(x.dtype)
@@ -56,6 +58,7 @@ def compress_backward(d_compressed: Tensor, x: Tensor, block_rows: Tensor,
     if W is not None:
         pooled = x[block_rows.flatten()].unflatten(0, (num_compressed, block_size)).to(dtype)
         pooled = pooled.mean(1)
+        pooled.masked_fill_(~(d_compressed != 0).any(dim=-1, keepdim=True), 0)
         dW = torch.einsum("thd,the->hde", pooled, d_compressed)
         d_compressed = torch.einsum("the,hde->thd", d_compressed, W.to(dtype))
     dx = torch.zeros(x.shape, dtype=dtype, device=x.device)

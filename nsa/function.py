@@ -7,7 +7,9 @@ gradients), runs that branch's attention backward with dO_b = g_b * dO, adds its
 the running sums and frees the branch's tensors before the next, so the peak is one branch.
 The lists' transposes that the sm90 backward reads are built once, on the first backward, and
 kept with the saved lists (a retained graph's next backward reuses them); `config.deterministic`
-goes to every branch's attention backward.
+goes to every branch's attention backward. The backward builds no autograd graph: gradients
+taken with create_graph=True are right to first order, and differentiating them again raises
+(`kernels.autograd.refuse_double_backward`).
 
 The sequence bounds live on the host too (`PackedSequences`, as nsa() read them while checking):
 the compressed bounds, the number of compressed tokens and every kernel call's checks use those
@@ -18,6 +20,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from kernels.autograd import refuse_double_backward
 from kernels.gated_sum import GatedSum
 from nsa.branches import Branch, compressed_branch, selected_branch, window_branch
 from nsa.compression import (compress, compress_backward, compressed_block_rows,
@@ -68,57 +71,70 @@ class NSAFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout: Tensor):
-        q, k, v, W_k, W_v, W_gate, cu_seqlens, cu_seqlens_cmp, *lses = ctx.saved_tensors
-        config: NSAConfig = ctx.config
-        dtype = compute_dtype(q.dtype)
-        dout = dout.contiguous()
-        gates = gate_weights(q, W_gate, config.branches)
+        # No graph is built (each branch's attention backward has none), so a gradient of these
+        # gradients would be wrong: refuse it, never return a partial second order.
+        with torch.no_grad():
+            grads = _gradients(ctx, dout)
+        q, k, v, W_k, W_v, W_gate = ctx.saved_tensors[:6]
+        grads = refuse_double_backward("nsa()", grads, (dout, q, k, v, W_k, W_v, W_gate))
+        return (*grads, None, None, None, None)
 
-        dq = torch.zeros(q.shape, dtype=dtype, device=q.device)
-        dk = torch.zeros(k.shape, dtype=dtype, device=k.device)
-        dv = torch.zeros(v.shape, dtype=dtype, device=v.device)
-        d_gates = torch.zeros(*q.shape[:2], NUM_BRANCHES, dtype=dtype, device=q.device)
-        dW_k = dW_v = dW_gate = None
-        transposed = _transposed_lists(ctx)
 
-        branch: Branch
-        for branch, lse in zip(ctx.branches, lses):
-            if branch.reads_compressed:
-                rows = compressed_rows(cu_seqlens, cu_seqlens_cmp, ctx.sequences, config)
-                keys = compress(k, rows, W_k).to(k.dtype)
-                values = compress(v, rows, W_v).to(v.dtype)
-            else:
-                keys, values = k, v
-            branch_out, _ = branch.forward(q, keys, values)
-            gate = gates[..., branch.index, None]
-            # out = sum_b g_b o_b: dL/dg_b = <dO, o_b> per row and head, dL/do_b = g_b dO.
-            d_gates[..., branch.index] = (dout.to(dtype) * branch_out.to(dtype)).sum(dim=-1)
-            branch_dout = (gate * dout.to(dtype)).to(q.dtype)
-            dq_b, dk_b, dv_b = branch.backward(
-                branch_dout, q, keys, values, branch_out, lse,
-                deterministic=config.deterministic,
-                block_sparse_transposed=transposed[branch.index])
-            del branch_out, branch_dout, keys, values
-            dq += dq_b
-            if branch.reads_compressed:
-                # dk_cmp, dv_cmp flow back through the projection and the mean pooling.
-                dk_b, dW_k = compress_backward(dk_b, k, rows, W_k)
-                dv_b, dW_v = compress_backward(dv_b, v, rows, W_v)
-                del rows
-            dk += dk_b
-            dv += dv_b
-            del dq_b, dk_b, dv_b
+def _gradients(ctx, dout: Tensor) -> tuple:
+    """(dq, dk, dv, dW_k, dW_v, dW_gate) of NSAFunction, None for absent weights."""
+    q, k, v, W_k, W_v, W_gate, cu_seqlens, cu_seqlens_cmp, *lses = ctx.saved_tensors
+    config: NSAConfig = ctx.config
+    dtype = compute_dtype(q.dtype)
+    dout = dout.contiguous()
+    gates = gate_weights(q, W_gate, config.branches)
 
-        if W_gate is not None:
-            dq_gate, dW_gate = gate_backward(q, W_gate, gates, d_gates)
-            dq += dq_gate
-            dW_gate = dW_gate.to(W_gate.dtype)
-        if dW_k is not None:
-            dW_k = dW_k.to(W_k.dtype)
-        if dW_v is not None:
-            dW_v = dW_v.to(W_v.dtype)
-        return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dW_k, dW_v, dW_gate,
-                None, None, None, None)
+    dq = torch.zeros(q.shape, dtype=dtype, device=q.device)
+    dk = torch.zeros(k.shape, dtype=dtype, device=k.device)
+    dv = torch.zeros(v.shape, dtype=dtype, device=v.device)
+    d_gates = torch.zeros(*q.shape[:2], NUM_BRANCHES, dtype=dtype, device=q.device)
+    dW_k = dW_v = dW_gate = None
+    transposed = _transposed_lists(ctx)
+
+    branch: Branch
+    for branch, lse in zip(ctx.branches, lses):
+        if branch.reads_compressed:
+            rows = compressed_rows(cu_seqlens, cu_seqlens_cmp, ctx.sequences, config)
+            keys = compress(k, rows, W_k).to(k.dtype)
+            values = compress(v, rows, W_v).to(v.dtype)
+        else:
+            keys, values = k, v
+        branch_out, _ = branch.forward(q, keys, values)
+        gate = gates[..., branch.index, None]
+        # out = sum_b g_b o_b: dL/dg_b = <dO, o_b> per row and head, dL/do_b = g_b dO. A zero
+        # dO contributes exactly zero, even against a non-finite output of a later row (the
+        # loss does not depend on that row: its NaN must not reach dW_gate).
+        products = dout.to(dtype) * branch_out.to(dtype)
+        d_gates[..., branch.index] = products.masked_fill_(dout == 0, 0).sum(dim=-1)
+        branch_dout = (gate * dout.to(dtype)).to(q.dtype)
+        dq_b, dk_b, dv_b = branch.backward(
+            branch_dout, q, keys, values, branch_out, lse,
+            deterministic=config.deterministic,
+            block_sparse_transposed=transposed[branch.index])
+        del branch_out, branch_dout, keys, values
+        dq += dq_b
+        if branch.reads_compressed:
+            # dk_cmp, dv_cmp flow back through the projection and the mean pooling.
+            dk_b, dW_k = compress_backward(dk_b, k, rows, W_k)
+            dv_b, dW_v = compress_backward(dv_b, v, rows, W_v)
+            del rows
+        dk += dk_b
+        dv += dv_b
+        del dq_b, dk_b, dv_b
+
+    if W_gate is not None:
+        dq_gate, dW_gate = gate_backward(q, W_gate, gates, d_gates)
+        dq += dq_gate
+        dW_gate = dW_gate.to(W_gate.dtype)
+    if dW_k is not None:
+        dW_k = dW_k.to(W_k.dtype)
+    if dW_v is not None:
+        dW_v = dW_v.to(W_v.dtype)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dW_k, dW_v, dW_gate
 
 
 def _transposed_lists(ctx) -> dict:
