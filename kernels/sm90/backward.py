@@ -20,8 +20,8 @@ import math
 
 import torch
 
-from kernels.sm90.forward import (SUPPORTED_DTYPES, _is_sm90, _uniform_cu_seqlens,
-                                  launch_compiled)
+from kernels.sm90.forward import (SUPPORTED_DTYPES, _uniform_cu_seqlens, launch_compiled,
+                                  unsupported_inputs)
 
 SUPPORTED_HEAD_DIMS = (64, 128)
 STEP_ROWS = 64          # query rows per backward step (BwdSpec.tile_m)
@@ -38,20 +38,9 @@ _CHUNK_ROWS = 32768
 def can_run(q, k, v, *, block_sparse=None, causal=False, window_size=(-1, -1),
             compress_factor=1, deterministic=False, **_) -> tuple[bool, str]:
     """(ok, reason): whether the sm90 backward kernel computes this case."""
-    if not q.is_cuda or not _is_sm90(q.device):
-        return False, "needs an sm_90 GPU"
-    try:
-        import cutlass  # noqa: F401  (nvidia-cutlass-dsl)
-    except ImportError as error:
-        return False, f"CuTe DSL unavailable ({error})"
-    if q.dtype not in SUPPORTED_DTYPES:
-        return False, f"dtype {q.dtype} (kernel takes bfloat16/float16)"
-    head_dim = q.shape[-1]
-    if head_dim not in SUPPORTED_HEAD_DIMS:
-        return False, f"head dim {head_dim} (the backward kernel takes {SUPPORTED_HEAD_DIMS})"
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if t.stride(-1) != 1 or any(s % 8 for s in t.stride()[:-1]) or t.data_ptr() % 16:
-            return False, f"{name} needs a contiguous last dim and 16-byte aligned rows"
+    reason = unsupported_inputs(q, k, v, SUPPORTED_HEAD_DIMS, "the backward kernel")
+    if reason:
+        return False, reason
     if block_sparse is not None:
         if block_sparse.row_block_size != LIST_Q_TILE:
             return False, (f"block-sparse row_block_size {block_sparse.row_block_size} != "

@@ -23,23 +23,32 @@ def _is_sm90(device: torch.device) -> bool:
     return torch.cuda.is_available() and torch.cuda.get_device_capability(device) == (9, 0)
 
 
-def can_run(q, k, v, *, block_sparse=None, causal=False, window_size=(-1, -1),
-            compress_factor=1, max_seqlen_k=None, **_) -> tuple[bool, str]:
-    """(ok, reason): whether the sm90 kernel computes this case."""
+def unsupported_inputs(q, k, v, head_dims, kernel: str = "kernel") -> str:
+    """Why no sm90 kernel takes these tensors (device, CuTe DSL, dtype, head dim, strides);
+    empty when one may. Shared by the forward's and the backward's `can_run`."""
     if not q.is_cuda or not _is_sm90(q.device):
-        return False, "needs an sm_90 GPU"
+        return "needs an sm_90 GPU"
     try:
         import cutlass  # noqa: F401  (nvidia-cutlass-dsl)
     except ImportError as error:
-        return False, f"CuTe DSL unavailable ({error})"
+        return f"CuTe DSL unavailable ({error})"
     if q.dtype not in SUPPORTED_DTYPES:
-        return False, f"dtype {q.dtype} (kernel takes bfloat16/float16)"
+        return f"dtype {q.dtype} ({kernel} takes bfloat16/float16)"
     head_dim = q.shape[-1]
-    if head_dim not in SUPPORTED_HEAD_DIMS or k.shape[-1] != head_dim or v.shape[-1] != head_dim:
-        return False, f"head dim {head_dim} (kernel takes {SUPPORTED_HEAD_DIMS})"
+    if head_dim not in head_dims or k.shape[-1] != head_dim or v.shape[-1] != head_dim:
+        return f"head dim {head_dim} ({kernel} takes {head_dims})"
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.stride(-1) != 1 or any(s % 8 for s in t.stride()[:-1]) or t.data_ptr() % 16:
-            return False, f"{name} needs a contiguous last dim and 16-byte aligned rows"
+            return f"{name} needs a contiguous last dim and 16-byte aligned rows"
+    return ""
+
+
+def can_run(q, k, v, *, block_sparse=None, causal=False, window_size=(-1, -1),
+            compress_factor=1, max_seqlen_k=None, **_) -> tuple[bool, str]:
+    """(ok, reason): whether the sm90 kernel computes this case."""
+    reason = unsupported_inputs(q, k, v, SUPPORTED_HEAD_DIMS)
+    if reason:
+        return False, reason
     if block_sparse is not None:
         if block_sparse.row_block_size != TILE_M:
             return False, f"block-sparse row_block_size {block_sparse.row_block_size} != {TILE_M}"
