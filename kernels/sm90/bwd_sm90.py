@@ -230,16 +230,16 @@ class FlashAttentionBackwardSm90:
         mDPsum: cute.Tensor, mdQacc: cute.Tensor, tma_atom_dq: cute.CopyAtom,
         mdQacc_tma: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor,
         mCuSeqlensQ: cute.Tensor, mCuSeqlensK: cute.Tensor, mQTileOffsets: cute.Tensor,
-        row_splits: Int32, softmax_scale: Float32, scale_log2: Float32, compress_factor, window_left: Int32,
-        window_right: Int32,
+        row_splits: Int32, softmax_scale: Float32, scale_log2: Float32, compress_factor,
+        window_left: Int32, window_right: Int32,
         mListOffsets: Optional[cute.Tensor], mListIndex: Optional[cute.Tensor],
         mListMaskCount: Optional[cute.Tensor], mKvBlockOffsets: Optional[cute.Tensor],
         mFwdFullCount: Optional[cute.Tensor], mFwdFullIndex: Optional[cute.Tensor],
         mFwdMaskCount: Optional[cute.Tensor], mFwdMaskIndex: Optional[cute.Tensor],
         mFwdRowOffsets: Optional[cute.Tensor], mSemaphore: Optional[cute.Tensor],
-        mUnits: Optional[cute.Tensor], sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
-        sdS_layout: cute.ComposedLayout, sdQ_layout: cute.ComposedLayout,
-        tiled_mma_sdp: cute.TiledMma,
+        mUnits: Optional[cute.Tensor], sQ_layout: cute.ComposedLayout,
+        sK_layout: cute.ComposedLayout, sdS_layout: cute.ComposedLayout,
+        sdQ_layout: cute.ComposedLayout, tiled_mma_sdp: cute.TiledMma,
         tiled_mma_dkv: cute.TiledMma, tiled_mma_dq: cute.TiledMma,
     ):
         spec = self.spec
@@ -336,9 +336,10 @@ class FlashAttentionBackwardSm90:
                 self.consume(
                     tidx - _WARPGROUP, walk, kv_consumer, q_consumer, do_consumer,
                     tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, sQ, sdO, sK, sV, sdS, sLSE,
-                    sDPsum, dq_accumulator, mdK, mdV, softmax_scale, scale_log2, block_range, n_block,
-                    head_kv, batch, offset_k, seqlen_q, seqlen_k, q_tile_offset, mSemaphore,
-                    mFwdFullCount, mFwdFullIndex, mFwdMaskCount, mFwdMaskIndex, mFwdRowOffsets)
+                    sDPsum, dq_accumulator, mdK, mdV, softmax_scale, scale_log2, block_range,
+                    n_block, head_kv, batch, offset_k, seqlen_q, seqlen_k, q_tile_offset,
+                    mSemaphore, mFwdFullCount, mFwdFullIndex, mFwdMaskCount, mFwdMaskIndex,
+                    mFwdRowOffsets)
 
     @cute.jit
     def walk_steps(
@@ -505,9 +506,9 @@ class FlashAttentionBackwardSm90:
         tiled_mma_sdp: cute.TiledMma, tiled_mma_dkv: cute.TiledMma, tiled_mma_dq: cute.TiledMma,
         tidx: Int32, tSrK, tSrV, tSrQ, tSrdO, tdKrQ, tdVrdO, tdQrdS, tdQrK, sKt_passes, thr_dq,
         acc_s, acc_dp, acc_dk, acc_dv, acc_dq, r_p, r_ds, t_coord, t_sdS, sLSE,
-        sDPsum, dq_accumulator: DqAccumulator, scale_log2: Float32, block_range: BlockRange, n_block: Int32,
-        batch: Int32, seqlen_q: Int32, seqlen_k: Int32, q_tile_offset: Int32, mSemaphore,
-        mFwdFullCount, mFwdFullIndex, mFwdMaskCount, mFwdMaskIndex, mFwdRowOffsets,
+        sDPsum, dq_accumulator: DqAccumulator, scale_log2: Float32, block_range: BlockRange,
+        n_block: Int32, batch: Int32, seqlen_q: Int32, seqlen_k: Int32, q_tile_offset: Int32,
+        mSemaphore, mFwdFullCount, mFwdFullIndex, mFwdMaskCount, mFwdMaskIndex, mFwdRowOffsets,
     ):
         """One (query head, 64-row query tile) against this CTA's keys."""
         stages = self.spec.q_stages
