@@ -28,6 +28,7 @@ TOOL_DESCRIPTIONS = {
     "trace_sm90_forward": "Where a work tile's time goes",
     "dispatch_table": "dispatch at a glance",
     "bench_kernels": "sm90 forward and backward kernels against FA4",
+    "tune_sm90_backward": "variants of the sm90 backward kernel",
 }
 
 

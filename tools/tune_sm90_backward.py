@@ -1,0 +1,130 @@
+"""Time compile-time variants of the sm90 backward kernel against the dispatched one.
+
+The backward dispatcher (`kernels/sm90/spec.py::choose_backward_spec`) leaves two switches off
+until a GPU run has shown them correct and faster (FINDINGS, session 10): `dq_tma_reduce` (dQ
+staged in smem and added with one TMA reduce-add per warpgroup instead of a float32 reduction
+per element) and `split_rows` (several CTAs per KV tile, for calls with few KV tiles such as
+compressed keys). This script measures them: for each case it runs the dispatched spec and the
+variants, checks every variant's dq/dk/dv against the dispatched kernel's (the float32 sums are
+ordered differently, so within 1e-2 relative, not bitwise), and prints backward times.
+
+Each variant runs in its own process with a time limit: a variant that hangs on the GPU (a
+first TMA reduce-add did) is reported as "hung" and the others still run.
+
+    python tools/tune_sm90_backward.py --seqlens 16384 --json tune_bwd.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import _common  # noqa: E402
+
+VARIANTS = {
+    "dispatched": {},
+    "dq_tma_reduce": dict(dq_tma_reduce=True),
+    "split_rows": dict(split_rows=True),
+    "split_rows+dq_tma_reduce": dict(split_rows=True, dq_tma_reduce=True),
+    "q_stages3": dict(q_stages=3),
+}
+# Case name -> keyword arguments of the attention call (keys are N // compress_factor).
+CASES = {
+    "dense causal": dict(causal=True),
+    "causal window 512": dict(causal=True, window_size=(511, 0)),
+    "compress_factor 64": dict(causal=True, compress_factor=64),
+}
+
+
+def run_variant(case: str, variant: str, n: int, heads: int, heads_kv: int, dim: int,
+                reps: int) -> dict:
+    """In this process: time the variant's backward, compare with the dispatched one."""
+    from kernels import attention_forward
+    from kernels.sm90 import backward
+
+    device = torch.device("cuda")
+    kwargs = CASES[case]
+    keys = n // kwargs.get("compress_factor", 1)
+    gen = torch.Generator(device=device).manual_seed(0)
+
+    def rand(rows, h):
+        return torch.randn(1, rows, h, dim, device=device, dtype=torch.bfloat16, generator=gen)
+
+    q, k, v, dout = rand(n, heads), rand(keys, heads_kv), rand(keys, heads_kv), rand(n, heads)
+    out, lse = attention_forward(q, k, v, **kwargs)
+    common = dict(max_seqlen_q=n, max_seqlen_k=keys, **kwargs)
+
+    def call(overrides):
+        return backward.run(dout, q, k, v, out, lse, spec_overrides=overrides or None, **common)
+
+    reference = call({})
+    grads = call(VARIANTS[variant])
+    errors = [((g.float() - r.float()).norm() / r.float().norm()).item()
+              for g, r in zip(grads, reference)]
+    ms = _common.time_ms(lambda: call(VARIANTS[variant]), device, warmup=2, repeats=reps,
+                         gpu_only=True)
+    return dict(case=case, variant=variant, n=n, ms=ms, max_rel_error=max(errors),
+                status="ok" if max(errors) < 1e-2 else "wrong")
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seqlens", type=int, nargs="+", default=[16384])
+    parser.add_argument("--heads", type=int, default=32)
+    parser.add_argument("--heads-kv", type=int, default=8)
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--timeout", type=int, default=180,
+                        help="seconds one variant may take (compile included) before it counts "
+                             "as hung (default 180)")
+    parser.add_argument("--json")
+    parser.add_argument("--one", nargs=3, metavar=("CASE", "VARIANT", "N"),
+                        help=argparse.SUPPRESS)  # the child process's entry
+    args = parser.parse_args(argv)
+    if args.one:
+        case, variant, n = args.one
+        print(json.dumps(run_variant(case, variant, int(n), args.heads, args.heads_kv,
+                                     args.head_dim, args.reps)))
+        return 0
+    if not torch.cuda.is_available():
+        print("tune_sm90_backward: needs an sm_90 GPU", file=sys.stderr)
+        return 1
+    rows = []
+    for n in args.seqlens:
+        for case in CASES:
+            for variant in VARIANTS:
+                rows.append(_child(case, variant, n, args))
+                print(_format(rows[-1]), flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(dict(device=torch.cuda.get_device_name(),
+                                                   rows=rows), indent=1))
+    return 0
+
+
+def _child(case: str, variant: str, n: int, args) -> dict:
+    command = [sys.executable, __file__, "--one", case, variant, str(n), "--heads",
+               str(args.heads), "--heads-kv", str(args.heads_kv), "--head-dim",
+               str(args.head_dim), "--reps", str(args.reps)]
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout)
+    except subprocess.TimeoutExpired:
+        return dict(case=case, variant=variant, n=n, status="hung")
+    if done.returncode != 0:
+        return dict(case=case, variant=variant, n=n, status="failed",
+                    error=done.stderr.strip().splitlines()[-1:])
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _format(row: dict) -> str:
+    timing = f"{row['ms']:9.3f} ms  err {row['max_rel_error']:.1e}" if "ms" in row else ""
+    return f"{row['n']:6d}  {row['case']:20s} {row['variant']:26s} {row['status']:7s} {timing}"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
