@@ -1,0 +1,74 @@
+"""The sm90 backward's undispatched switches (`dq_tma_reduce`, `split_rows`) against the
+dispatched kernel, on the GPU, before the dispatcher takes them (FINDINGS, session 10).
+
+Each variant runs in a child process with a time limit: a first TMA reduce-add hung on the
+H100, and a hang must fail this test, not stall the suite. The child compares the variant's
+dq/dk/dv with the dispatched kernel's on cases that cover GQA, varlen with short and empty
+sequences, a window and compressed keys (float32 sums in another order: 1e-2 relative, and
+exact zeros where the dispatched kernel has them).
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+CHILD = r'''
+import json, sys, torch
+from kernels import attention_forward
+from kernels.sm90 import backward
+
+overrides = json.loads(sys.argv[1])
+device = torch.device("cuda")
+gen = torch.Generator(device=device).manual_seed(0)
+cases = [
+    dict(lengths=[1000, 1, 0, 129, 300], heads=8, heads_kv=2, kw=dict(causal=True)),
+    dict(lengths=[777], heads=4, heads_kv=1, kw=dict(causal=True, window_size=(100, 0))),
+    dict(lengths=[4096, 1000], heads=8, heads_kv=1, kw=dict(causal=True, compress_factor=64)),
+    dict(lengths=[513], heads=4, heads_kv=4, kw=dict(causal=False)),
+]
+worst = 0.0
+for case in cases:
+    cf = case["kw"].get("compress_factor", 1)
+    lengths, keys = case["lengths"], [n // cf for n in case["lengths"]]
+    def cu(ls):
+        return torch.tensor([0] + torch.tensor(ls).cumsum(0).tolist(), dtype=torch.int32,
+                            device=device)
+    def rand(rows, h):
+        return torch.randn(rows, h, 128, device=device, dtype=torch.bfloat16, generator=gen)
+    q, dout = rand(sum(lengths), case["heads"]), rand(sum(lengths), case["heads"])
+    k, v = rand(sum(keys), case["heads_kv"]), rand(sum(keys), case["heads_kv"])
+    kw = dict(cu_seqlens_q=cu(lengths), cu_seqlens_k=cu(keys), max_seqlen_q=max(lengths),
+              max_seqlen_k=max(keys), **case["kw"])
+    out, lse = attention_forward(q, k, v, **kw)
+    reference = backward.run(dout, q, k, v, out, lse, **kw)
+    variant = backward.run(dout, q, k, v, out, lse, spec_overrides=overrides, **kw)
+    for got, ref in zip(variant, reference):
+        assert torch.isfinite(got).all()
+        assert torch.equal(got[ref == 0] == 0, torch.ones_like(got[ref == 0], dtype=torch.bool))
+        worst = max(worst, ((got.float() - ref.float()).norm() / ref.float().norm()).item())
+print(json.dumps(dict(worst=worst)))
+'''
+
+
+def _sm90() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _sm90(), reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("overrides", [dict(dq_tma_reduce=True), dict(split_rows=True),
+                                       dict(dq_tma_reduce=True, split_rows=True)],
+                         ids=lambda o: "+".join(o))
+def test_undispatched_backward_variant_matches_the_dispatched_kernel(overrides):
+    try:
+        done = subprocess.run([sys.executable, "-c", CHILD, json.dumps(overrides)],
+                              capture_output=True, text=True, timeout=300)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"{overrides}: the backward did not finish in 300 s (hung)")
+    assert done.returncode == 0, done.stderr[-3000:]
+    worst = json.loads(done.stdout.strip().splitlines()[-1])["worst"]
+    assert worst < 1e-2, f"{overrides}: relative error {worst:.2e} against the dispatched kernel"
