@@ -15,7 +15,7 @@ python3 -m pytest -m gpu -q -p no:warnings tests > "$out/gpu_tests.log" 2>&1
 python3 tools/bench_kernels.py --reps 20 --json "$out/bench_kernels.json" > "$out/bench_kernels.log" 2>&1
 python3 tools/tune_sm90_forward.py --json "$out/tune.json" > "$out/tune.log" 2>&1
 python3 tools/tune_sm90_backward.py --seqlens 16384 --json "$out/tune_bwd.json" > "$out/tune_bwd.log" 2>&1
-python3 tools/profile_nsa_forward.py --seqlens 16384,65536 --repeats 5 --json "$out/profile_nsa.json" \
+python3 tools/profile_nsa.py --seqlens 16384,65536 --repeats 5 --json "$out/profile_nsa.json" \
     > "$out/profile_nsa.log" 2>&1
 python3 tools/bench_nsa_vs_dense.py --seqlens 16384,65536 --passes fwd --methods nsa,fa4,sdpa --json "$out/bench_nsa_fwd.json" \
     > "$out/bench_nsa_fwd.log" 2>&1
@@ -27,7 +27,7 @@ echo "== GPU tests";        tail -3 "$out/gpu_tests.log"
 echo "== kernels vs FA4";   tail -22 "$out/bench_kernels.log"
 echo "== tile schedules";   tail -28 "$out/tune.log"
 echo "== backward variants"; tail -15 "$out/tune_bwd.log"
-echo "== NSA fwd profile";  tail -16 "$out/profile_nsa.log"
+echo "== NSA profile";      tail -60 "$out/profile_nsa.log"
 echo "== NSA fwd";          tail -12 "$out/bench_nsa_fwd.log"
 echo "== NSA fwd+bwd";      tail -18 "$out/bench_nsa_fwdbwd.log"
 echo "== train";            tail -4 "$out/train.log"

@@ -21,7 +21,8 @@ TOOLS = REPO / "tools"
 # Each tool and a phrase of the description its --help prints.
 TOOL_DESCRIPTIONS = {
     "train_packed": "packed varlen synthetic recall sequences",
-    "profile_nsa_forward": "each component of the NSA forward",
+    "profile_nsa": "each stage of the NSA forward and backward",
+    "profile_nsa_forward": "each stage of the NSA forward and backward",  # the former name
     "bench_nsa_vs_dense": "vs dense causal attention",
     "plot_bench": "Charts (PNG)",
     "diagnose_memory": "size of the sparsity metadata",
@@ -64,8 +65,8 @@ def test_help_describes_the_tool(name, capsys):
     assert TOOL_DESCRIPTIONS[name] in " ".join(out.split())  # argparse re-wraps lines
 
 
-@pytest.mark.parametrize("name", ["profile_nsa_forward", "bench_nsa_vs_dense", "diagnose_memory",
-                                  "train_packed"])
+@pytest.mark.parametrize("name", ["profile_nsa", "profile_nsa_forward", "bench_nsa_vs_dense",
+                                  "diagnose_memory", "train_packed"])
 def test_heads_not_a_multiple_of_kv_heads_is_rejected(name, capsys):
     with pytest.raises(SystemExit) as exit_info:
         load_tool(name).main(["--device", "cpu", "--heads", "6", "--kv-heads", "4"])
@@ -151,14 +152,77 @@ TINY = ["--device", "cpu", "--seqlens", "200", "--heads", "4", "--kv-heads", "2"
 
 
 def test_profile_times_every_stage(tmp_path):
+    """The forward alone (`--passes fwd`), through the former name: the forward's keys, no
+    backward ones."""
     out = tmp_path / "profile.json"
     profile = load_tool("profile_nsa_forward")
-    assert profile.main([*TINY, "--num-seqs", "3", "--gate", "--json", str(out)]) == 0
+    assert profile.main([*TINY, "--num-seqs", "3", "--gate", "--passes", "fwd",
+                         "--json", str(out)]) == 0
     (result,) = json.loads(out.read_text())["results"]
-    assert [s["stage"] for s in result["stages"]] == list(profile.STAGES)
+    assert [s["stage"] for s in result["stages"]] == list(load_tool("profile_nsa").STAGES)
     assert all(s["ms"] > 0 for s in result["stages"])
     assert result["sequences"] == 3 and result["tokens"] == 200
     assert result["sum_ms"] == pytest.approx(sum(s["ms"] for s in result["stages"]))
+    assert result["nsa_forward_ms"] > 0 and result["passes"] == ["fwd"]
+    assert "backward_stages" not in result and "nsa_forward_backward_ms" not in result
+
+
+EVERY_BACKWARD_STAGE = [
+    "gate weights", "transposed lists",
+    "compressed: recompute fwd", "compressed: dL/dg, g dO", "compressed: attention bwd",
+    "compressed: compress bwd",
+    "selected: recompute fwd", "selected: dL/dg, g dO", "selected: attention bwd",
+    "window: recompute fwd", "window: dL/dg, g dO", "window: attention bwd",
+    "gate backward"]
+
+
+def test_profile_times_every_forward_and_backward_stage(tmp_path, capsys):
+    """Both passes (the default) with learned gates on varlen sequences: every forward and
+    backward stage timed, in the table and the JSON, beside nsa() end to end."""
+    out = tmp_path / "profile.json"
+    profile = load_tool("profile_nsa")
+    assert profile.main([*TINY, "--num-seqs", "3", "--gate", "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    payload = json.loads(out.read_text())
+    assert payload["meta"]["command"].startswith("python tools/profile_nsa.py")
+    (result,) = payload["results"]
+    assert result["passes"] == ["fwd", "bwd"]
+    assert [s["stage"] for s in result["stages"]] == list(profile.STAGES)
+    assert [s["stage"] for s in result["backward_stages"]] == EVERY_BACKWARD_STAGE
+    assert profile.backward_stages(profile.BRANCH_NAMES, gate=True) == EVERY_BACKWARD_STAGE
+    assert all(s["ms"] > 0 for s in result["stages"] + result["backward_stages"])
+    assert result["backward_sum_ms"] == pytest.approx(
+        sum(s["ms"] for s in result["backward_stages"]))
+    assert result["nsa_forward_ms"] > 0 and result["nsa_forward_backward_ms"] > 0
+    backends = {s["stage"]: s["backend"] for s in result["backward_stages"]}
+    assert backends["selected: attention bwd"].startswith("fallback")
+    for stage in [*profile.STAGES, *EVERY_BACKWARD_STAGE, "sum of backward stages",
+                  "sum of fwd + bwd stages", "nsa() forward+backward"]:
+        assert stage in printed
+
+
+def test_profile_backward_alone_without_window_or_gate(tmp_path):
+    """`--passes bwd`: the forward's stages run untimed; no window branch (w=0) and mean
+    gating: no window stages and no gate backward."""
+    out = tmp_path / "profile.json"
+    profile = load_tool("profile_nsa")
+    assert profile.main([*TINY, "--passes", "bwd", "--window-size", "0",
+                         "--num-cmp-selected-blocks", "1", "--json", str(out)]) == 0
+    (result,) = json.loads(out.read_text())["results"]
+    assert "stages" not in result and "nsa_forward_ms" not in result
+    expected = profile.backward_stages(["compressed", "selected"], gate=False)
+    assert [s["stage"] for s in result["backward_stages"]] == expected
+    assert not any(name.startswith("window") or name == "gate backward" for name in expected)
+    assert all(s["ms"] > 0 for s in result["backward_stages"])
+    assert result["nsa_forward_backward_ms"] > 0
+
+
+@pytest.mark.parametrize("value", ["fwd,dq", "", "fwd+bwd"])
+def test_profile_rejects_unknown_passes(value, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        load_tool("profile_nsa").main(["--device", "cpu", "--passes", value])
+    assert exit_info.value.code == 2
+    assert "--passes" in capsys.readouterr().err
 
 
 def test_bench_and_plot(tmp_path):

@@ -1,0 +1,320 @@
+"""Time each stage of the NSA forward and backward.
+
+Forward (`--passes fwd`): compression, selection, block lists, each branch, gating. Backward
+(`--passes bwd`): the stages nsa.function._gradients runs: the gate weights, the transposed lists
+(built once), then per branch the recompute of its forward (for the compressed branch with the
+compression of K and V), dL/dg with the branch's dO (g_b * dO), its attention backward
+(Branch.backward with the branch's transposed lists) and, for the compressed branch,
+compress_backward of dK and dV; last the gate backward (with `--gate`). Both passes by default.
+
+Every stage runs through the library's own functions (nsa.compression, nsa.selection,
+nsa.branches, nsa.gating) with the host copies of the sequence bounds NSAFunction holds, each
+timed alone on the previous stage's real outputs: `--warmup` untimed calls, then the median of
+`--repeats`, CUDA events on a GPU and perf_counter on the CPU. The last rows time nsa() end to end
+(forward; forward+backward) for comparison with the sums. The backward needs the forward's
+outputs: with `--passes bwd` the forward stages run once, untimed.
+
+    python tools/profile_nsa.py                                  # per-device default sizes
+    python tools/profile_nsa.py --seqlens 65536 --json profile.json
+    python tools/profile_nsa.py --passes fwd                     # the forward alone
+    python tools/profile_nsa.py --num-seqs 8                     # varlen: 8 random lengths
+
+tools/profile_nsa_forward.py, its former name, runs this tool with the same arguments.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import kernels  # noqa: E402
+from kernels.gated_sum import GatedSum  # noqa: E402
+from nsa import CMP_KV_BLOCK, SELECTION_Q_TILE, nsa  # noqa: E402
+from nsa.compression import (compress, compress_backward, compressed_cu_seqlens,  # noqa: E402
+                             compute_dtype)
+from nsa.function import compressed_rows, describe_branches  # noqa: E402
+from nsa.gating import NUM_BRANCHES, gate_backward, gate_weights  # noqa: E402
+from nsa.selection import select_blocks  # noqa: E402
+from nsa.validation import validate_nsa_call  # noqa: E402
+from _common import (  # noqa: E402
+    add_problem_arguments, cu_seqlens_of, describe_device, measure_seqlens, nsa_options,
+    positive_int, problem_defaults_epilog, problem_summary, random_gate, random_qkv,
+    resolve_problem_arguments, time_ms, varlen_lengths)
+
+STAGES = ("compress k, v", "select blocks", "build block lists", "compressed branch",
+          "selected branch", "window branch", "gate + combine")
+PASSES = ("fwd", "bwd")
+BRANCH_NAMES = ("compressed", "selected", "window")  # nsa.branches' order (Branch.index)
+GATE_WEIGHTS, TRANSPOSED_LISTS, GATE_BACKWARD = (
+    "gate weights", "transposed lists", "gate backward")
+# Per branch, "<branch>: <step>"; the compressed branch adds COMPRESS_BACKWARD.
+BRANCH_BACKWARD_STEPS = ("recompute fwd", "dL/dg, g dO", "attention bwd")
+COMPRESS_BACKWARD = "compress bwd"
+
+
+def backward_stages(branch_names, gate: bool) -> list[str]:
+    """The backward's stage names, in the order they run, for these branches (by name)."""
+    stages = [GATE_WEIGHTS, TRANSPOSED_LISTS]
+    for name in branch_names:
+        stages += [f"{name}: {step}" for step in BRANCH_BACKWARD_STEPS]
+        if name == BRANCH_NAMES[0]:
+            stages.append(f"{name}: {COMPRESS_BACKWARD}")
+    if gate:
+        stages.append(GATE_BACKWARD)
+    return stages
+
+
+def passes_list(text: str) -> list[str]:
+    """'fwd,bwd' -> ["fwd", "bwd"]: a non-empty subset of PASSES."""
+    passes = [part.strip() for part in text.split(",") if part.strip()]
+    unknown = sorted(set(passes) - set(PASSES))
+    if not passes or unknown:
+        raise argparse.ArgumentTypeError(
+            f"expected a comma-separated subset of {','.join(PASSES)}, got {text!r}")
+    return [p for p in PASSES if p in passes]
+
+
+def packed_problem(seqlen: int, args):
+    """Packed q, k, v, cu_seqlens, max_seqlen: batch x seqlen tokens in num_seqs sequences
+    (equal lengths when num_seqs == batch, the padded case)."""
+    total = args.batch * seqlen
+    if args.num_seqs is None:
+        lengths = [seqlen] * args.batch
+    else:
+        lengths = varlen_lengths(total, args.num_seqs, torch.Generator().manual_seed(3))
+    q, k, v = random_qkv((total, args.heads, args.head_dim), (total, args.kv_heads, args.head_dim),
+                         args.torch_dtype, args.device)
+    return q, k, v, cu_seqlens_of(lengths, args.device), max(lengths)
+
+
+def profile(seqlen: int, args) -> dict:
+    q, k, v, cu_seqlens, max_seqlen = packed_problem(seqlen, args)
+    W_gate = random_gate(args.heads, args.head_dim, args.torch_dtype, args.device) \
+        if args.gate else None
+    config, sequences = validate_nsa_call(
+        q, k, v, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, W_k=None, W_v=None,
+        W_gate=W_gate, causal=True, softmax_scale=None,
+        num_cmp_selected_blocks=args.num_cmp_selected_blocks, q_tile=SELECTION_Q_TILE,
+        cmp_kv_block=CMP_KV_BLOCK, **nsa_options(args))
+    l = config.compress_block_size
+    forward_timed = "fwd" in args.passes
+
+    def timed(fn) -> float:
+        return time_ms(fn, args.device, warmup=args.warmup, repeats=args.repeats)
+
+    def nsa_call(q_, k_, v_, W_gate_):
+        return nsa(q_, k_, v_, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, W_gate=W_gate_,
+                   num_cmp_selected_blocks=args.num_cmp_selected_blocks, **nsa_options(args))
+
+    # Each stage as NSAFunction.forward runs it, with the host copies of the sequence bounds it
+    # holds (so the branches take the trusted kernel entry, without device reads); the next
+    # stage reads this one's outputs.
+    def compress_kv():
+        cu_cmp = compressed_cu_seqlens(cu_seqlens, l)
+        rows = compressed_rows(cu_seqlens, cu_cmp, sequences, config)
+        return cu_cmp, compress(k, rows), compress(v, rows).to(v.dtype)
+
+    def select():
+        return select_blocks(q, k_cmp, cu_seqlens, cu_seqlens_cmp, **config.selection_kwargs())
+
+    def build_branches():
+        return describe_branches(selection, cu_seqlens, cu_seqlens_cmp, sequences, config)
+
+    def gate_and_combine():
+        # On sm90 the sum lands in the first output's storage: the terms are copies made for
+        # this stage, which drift (a gated mean of random tensors) but never become zeros.
+        total = GatedSum(gate_weights(q, W_gate, config.branches), like=q)
+        for branch, branch_out in zip(branches, combine_terms):
+            total.add(branch.index, branch_out)
+        return total.result()
+
+    rows = []
+
+    def stage(name, fn, backend, into=None):
+        """fn()'s result; its time appended to `into` (rows by default) when the pass is timed."""
+        result = fn()
+        if forward_timed or into is not None:
+            (rows if into is None else into).append((name, timed(fn), backend))
+        return result
+
+    cu_seqlens_cmp, k_cmp, v_cmp = stage(STAGES[0], compress_kv, "torch")
+    selection = stage(STAGES[1], select, "torch")
+    branches = stage(STAGES[2], build_branches, "torch (sparsity)")
+
+    k_cmp = k_cmp.to(k.dtype)
+    branch_outputs, lses = [], []
+    for name, branch in zip(STAGES[3:6], branches):
+        keys, values = (k_cmp, v_cmp) if branch.reads_compressed else (k, v)
+        branch_out, lse = stage(name, lambda: branch.forward(q, keys, values),
+                                kernels.which_backend(q, keys, values, **branch.kernel_kwargs))
+        branch_outputs.append(branch_out)
+        lses.append(lse)
+    result = {"seqlen": seqlen, "tokens": q.shape[0], "sequences": len(cu_seqlens) - 1,
+              "passes": list(args.passes)}
+    if forward_timed:
+        combine_terms = [t.clone() for t in branch_outputs]
+        rows.append((STAGES[6], timed(gate_and_combine), GatedSum.choose_backend(q)[0]))
+        del combine_terms
+        end_to_end = timed(lambda: nsa_call(q, k, v, W_gate))
+        selected_lists = branches[1].kernel_kwargs["block_sparse"]
+        result.update({
+            "stages": [{"stage": name, "ms": ms, "backend": backend}
+                       for name, ms, backend in rows],
+            "sum_ms": sum(ms for _, ms, _ in rows),
+            "nsa_forward_ms": end_to_end,
+            "selected_lists_per_tile": int(selected_lists.full_index.shape[-1]
+                                           + selected_lists.mask_index.shape[-1]),
+        })
+    del k_cmp, v_cmp
+    if "bwd" in args.passes:
+        result.update(profile_backward(q, k, v, W_gate, cu_seqlens, cu_seqlens_cmp, sequences,
+                                       config, branches, branch_outputs, lses, stage, timed,
+                                       nsa_call, args))
+    return result
+
+
+def profile_backward(q, k, v, W_gate, cu_seqlens, cu_seqlens_cmp, sequences, config, branches,
+                     branch_outputs, lses, stage, timed, nsa_call, args) -> dict:
+    """The backward's stages as nsa.function._gradients runs them, on a random dO, each timed
+    alone on the previous stage's outputs; then nsa() forward+backward end to end."""
+    rows = []
+    dtype = compute_dtype(q.dtype)
+    generator = torch.Generator().manual_seed(7)
+    dout = torch.randn(q.shape, generator=generator).to(device=q.device, dtype=q.dtype)
+    d_gates = torch.zeros(*q.shape[:2], NUM_BRANCHES, dtype=dtype, device=q.device)
+    gates = stage(GATE_WEIGHTS, lambda: gate_weights(q, W_gate, config.branches), "torch",
+                  into=rows)
+
+    def transpose_all():
+        return {branch.index: branch.transposed_lists() for branch in branches}
+
+    transposed = transpose_all()
+    transposed_backend = ("sparsity" if any(t is not None for t in transposed.values())
+                          else "none (no kernel reads them)")
+    stage(TRANSPOSED_LISTS, transpose_all, transposed_backend, into=rows)
+
+    for branch, lse in zip(branches, lses):
+        name = BRANCH_NAMES[branch.index]
+
+        def recompute():
+            if branch.reads_compressed:
+                block_rows = compressed_rows(cu_seqlens, cu_seqlens_cmp, sequences, config)
+                keys = compress(k, block_rows).to(k.dtype)
+                values = compress(v, block_rows).to(v.dtype)
+            else:
+                block_rows, keys, values = None, k, v
+            return (block_rows, keys, values, *branch.forward(q, keys, values))
+
+        block_rows, keys, values, branch_out, _ = recompute()
+        rows.append((f"{name}: {BRANCH_BACKWARD_STEPS[0]}", timed(recompute),
+                     kernels.which_backend(q, keys, values, **branch.kernel_kwargs)))
+        gate = gates[..., branch.index, None]
+
+        def d_gate():
+            # As _gradients: dL/dg_b = <dO, o_b> per row and head (a zero dO adds exactly zero),
+            # and the branch's dO, g_b * dO.
+            products = dout.to(dtype) * branch_out.to(dtype)
+            d_gates[..., branch.index] = products.masked_fill_(dout == 0, 0).sum(dim=-1)
+            return (gate * dout.to(dtype)).to(q.dtype)
+
+        branch_dout = stage(f"{name}: {BRANCH_BACKWARD_STEPS[1]}", d_gate, "torch", into=rows)
+        options = dict(deterministic=config.deterministic,
+                       block_sparse_transposed=transposed[branch.index])
+        asked = {key: value for key, value in options.items()
+                 if value is not None and value is not False}
+        _, dk_b, dv_b = stage(
+            f"{name}: {BRANCH_BACKWARD_STEPS[2]}",
+            lambda: branch.backward(branch_dout, q, keys, values, branch_out, lse, **options),
+            kernels.which_backend(q, keys, values, backward=True, **asked,
+                                  **branch.kernel_kwargs), into=rows)
+        if branch.reads_compressed:
+            stage(f"{name}: {COMPRESS_BACKWARD}",
+                  lambda: (compress_backward(dk_b, k, block_rows),
+                           compress_backward(dv_b, v, block_rows)), "torch", into=rows)
+        del block_rows, keys, values, branch_out, branch_dout, dk_b, dv_b
+
+    if W_gate is not None:
+        stage(GATE_BACKWARD, lambda: gate_backward(q, W_gate, gates, d_gates), "torch", into=rows)
+
+    inputs = [t.detach().requires_grad_() for t in (q, k, v)]
+    if W_gate is not None:
+        inputs.append(W_gate.detach().requires_grad_())
+
+    def forward_backward():
+        out = nsa_call(*inputs[:3], inputs[3] if W_gate is not None else None)
+        return torch.autograd.grad(out, inputs, dout)
+
+    return {
+        "backward_stages": [{"stage": name, "ms": ms, "backend": backend}
+                            for name, ms, backend in rows],
+        "backward_sum_ms": sum(ms for _, ms, _ in rows),
+        "nsa_forward_backward_ms": timed(forward_backward),
+    }
+
+
+def format_profile(result: dict) -> str:
+    lines = [f"N={result['seqlen']} ({result['tokens']} tokens in {result['sequences']} "
+             f"sequences)"]
+    if "stages" in result:
+        total = result["sum_ms"]
+        lines += [f"  {'stage':<20} {'ms':>10} {'share':>7}  backend", "  " + "-" * 60]
+        for stage in result["stages"]:
+            lines.append(f"  {stage['stage']:<20} {stage['ms']:10.3f} "
+                         f"{stage['ms'] / total:7.1%}  {stage['backend']}")
+        lines.append(f"  {'sum of stages':<20} {total:10.3f}")
+        lines.append(f"  {'nsa() forward':<20} {result['nsa_forward_ms']:10.3f}  (end to end)")
+    if "backward_stages" in result:
+        total = result["backward_sum_ms"]
+        if "stages" in result:
+            lines.append("")
+        lines += [f"  {'backward stage':<28} {'ms':>10} {'share':>7}  backend",
+                  "  " + "-" * 68]
+        for stage in result["backward_stages"]:
+            lines.append(f"  {stage['stage']:<28} {stage['ms']:10.3f} "
+                         f"{stage['ms'] / total:7.1%}  {stage['backend']}")
+        lines.append(f"  {'sum of backward stages':<28} {total:10.3f}")
+        if "stages" in result:
+            lines.append(f"  {'sum of fwd + bwd stages':<28} {result['sum_ms'] + total:10.3f}")
+        lines.append(f"  {'nsa() forward+backward':<28} "
+                     f"{result['nsa_forward_backward_ms']:10.3f}  (end to end)")
+    return "\n".join(lines)
+
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(
+        description="Time each stage of the NSA forward and backward.",
+        epilog=problem_defaults_epilog(), formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_problem_arguments(parser)
+    parser.add_argument("--passes", type=passes_list, default=list(PASSES),
+                        help="comma-separated: fwd (the forward's stages), bwd (the "
+                             "backward's); default fwd,bwd")
+    parser.add_argument("--num-seqs", type=positive_int,
+                        help="split the batch*N tokens into this many random-length sequences "
+                             "(varlen); default: batch sequences of N")
+    parser.add_argument("--num-cmp-selected-blocks", type=positive_int,
+                        help="make the compressed branch block-sparse (default: dense)")
+    parser.add_argument("--json", type=Path, help="write the results to this JSON file")
+    args = parser.parse_args(argv)
+    resolve_problem_arguments(args, parser)
+    for seqlen in args.seqlens:
+        if args.num_seqs is not None and args.num_seqs > args.batch * seqlen:
+            parser.error(f"--num-seqs ({args.num_seqs}) exceeds the {args.batch * seqlen} tokens")
+    return args
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    device = describe_device(args.device)
+    print(f"{device}, torch {torch.__version__}; {problem_summary(args)}; "
+          f"passes {','.join(args.passes)}")
+    measure_seqlens("profile_nsa", argv, args, device, profile, format_profile)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
