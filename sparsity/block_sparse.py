@@ -9,6 +9,7 @@ O(row blocks x heads x longest list), never O(row blocks x column blocks).
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -19,8 +20,47 @@ from sparsity._checks import check_cu_seqlens, check_positive_int
 INDEX_DTYPE = torch.int32
 
 
+class IndexTensors:
+    """What a dataclass of block-index tensors shares (BlockSparseTensors and
+    sparsity.csr.BlockSparseCSR): its tensors are the fields holding one, in field order;
+    `row_block_size`, `col_block_size` and `row_block_offsets` are fields of both."""
+
+    @property
+    def num_sequences(self) -> int:
+        return self.row_block_offsets.numel() - 1
+
+    @property
+    def device(self) -> torch.device:
+        return self._tensors()[0].device
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the index tensors (the metadata's whole memory footprint)."""
+        return sum(t.numel() * t.element_size() for t in self._tensors())
+
+    def to(self, device):
+        return dataclasses.replace(self, **{
+            field.name: getattr(self, field.name).to(device)
+            for field in dataclasses.fields(self) if isinstance(getattr(self, field.name), Tensor)})
+
+    def equals(self, other) -> bool:
+        """Same type, block sizes and identical tensors (shapes included, so padding widths
+        and capacities too)."""
+        if type(other) is not type(self):
+            return False
+        if (self.row_block_size, self.col_block_size) != (other.row_block_size,
+                                                          other.col_block_size):
+            return False
+        return all(a.shape == b.shape and a.device == b.device and torch.equal(a, b)
+                   for a, b in zip(self._tensors(), other._tensors()))
+
+    def _tensors(self) -> tuple[Tensor, ...]:
+        return tuple(getattr(self, field.name) for field in dataclasses.fields(self)
+                     if isinstance(getattr(self, field.name), Tensor))
+
+
 @dataclass(frozen=True, eq=False)
-class BlockSparseTensors:
+class BlockSparseTensors(IndexTensors):
     """Per row block and head: which column blocks to visit, split into full and mask blocks.
 
     eq=False: tensors have no single truth value; compare two instances with `equals`.
@@ -44,36 +84,6 @@ class BlockSparseTensors:
         """Hs: H (one list per query head) or Hkv (one list shared by a KV group)."""
         return self.full_count.shape[1]
 
-    @property
-    def num_sequences(self) -> int:
-        return self.row_block_offsets.numel() - 1
-
-    @property
-    def device(self) -> torch.device:
-        return self.full_count.device
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes held by the index tensors (the metadata's whole memory footprint)."""
-        return sum(t.numel() * t.element_size() for t in self._tensors())
-
-    def to(self, device) -> "BlockSparseTensors":
-        return BlockSparseTensors(
-            full_count=self.full_count.to(device), full_index=self.full_index.to(device),
-            mask_count=self.mask_count.to(device), mask_index=self.mask_index.to(device),
-            row_block_size=self.row_block_size, col_block_size=self.col_block_size,
-            row_block_offsets=self.row_block_offsets.to(device))
-
-    def equals(self, other: "BlockSparseTensors") -> bool:
-        """Same block sizes and identical tensors (shapes included, so padding widths too)."""
-        if not isinstance(other, BlockSparseTensors):
-            return False
-        if (self.row_block_size, self.col_block_size) != (other.row_block_size,
-                                                          other.col_block_size):
-            return False
-        return all(a.shape == b.shape and a.device == b.device and torch.equal(a, b)
-                   for a, b in zip(self._tensors(), other._tensors()))
-
     def __repr__(self) -> str:
         # The default repr would print every index; a summary is what one wants in a log.
         return (f"BlockSparseTensors(rows={self.num_rows}, heads={self.num_heads}, "
@@ -81,10 +91,6 @@ class BlockSparseTensors:
                 f"Km={self.mask_index.shape[-1]}, row_block_size={self.row_block_size}, "
                 f"col_block_size={self.col_block_size}, device={self.device}, "
                 f"nbytes={self.nbytes})")
-
-    def _tensors(self) -> tuple[Tensor, ...]:
-        return (self.full_count, self.full_index, self.mask_count, self.mask_index,
-                self.row_block_offsets)
 
 
 def uniform_cu_seqlens(batch_size: int, seqlen: int, device=None) -> Tensor:

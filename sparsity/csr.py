@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from sparsity._checks import check_cu_seqlens, check_cu_seqlens_layout
-from sparsity.block_sparse import (INDEX_DTYPE, BlockSparseTensors, block_offsets,
+from sparsity.block_sparse import (INDEX_DTYPE, BlockSparseTensors, IndexTensors, block_offsets,
                                    validate_block_sparse)
 
 # Within a group, mask entries come first: the kind is the key's middle digit.
@@ -27,7 +27,7 @@ _INT32_MAX = 2**31 - 1
 
 
 @dataclass(frozen=True, eq=False)
-class BlockSparseCSR:
+class BlockSparseCSR(IndexTensors):
     """Per KV block (row) and head, the q tiles that list it: mask tiles, then full tiles.
 
     Group g = r * Hs + hs holds index[offsets[g] : offsets[g + 1]]; its first mask_count[r, hs]
@@ -53,39 +53,9 @@ class BlockSparseCSR:
         return self.mask_count.shape[1]
 
     @property
-    def num_sequences(self) -> int:
-        return self.row_block_offsets.numel() - 1
-
-    @property
     def capacity(self) -> int:
         """Slots in index: a host bound on the entries (the forward lists' padded size)."""
         return self.index.numel()
-
-    @property
-    def device(self) -> torch.device:
-        return self.offsets.device
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes held by the index tensors (the metadata's whole memory footprint)."""
-        return sum(t.numel() * t.element_size() for t in self._tensors())
-
-    def to(self, device) -> "BlockSparseCSR":
-        return BlockSparseCSR(
-            offsets=self.offsets.to(device), index=self.index.to(device),
-            mask_count=self.mask_count.to(device), row_block_size=self.row_block_size,
-            col_block_size=self.col_block_size,
-            row_block_offsets=self.row_block_offsets.to(device))
-
-    def equals(self, other: "BlockSparseCSR") -> bool:
-        """Same block sizes and identical tensors (shapes included, so the capacity too)."""
-        if not isinstance(other, BlockSparseCSR):
-            return False
-        if (self.row_block_size, self.col_block_size) != (other.row_block_size,
-                                                          other.col_block_size):
-            return False
-        return all(a.shape == b.shape and a.device == b.device and torch.equal(a, b)
-                   for a, b in zip(self._tensors(), other._tensors()))
 
     def __repr__(self) -> str:
         # The default repr would print every index; a summary is what one wants in a log.
@@ -93,9 +63,6 @@ class BlockSparseCSR:
                 f"sequences={self.num_sequences}, capacity={self.capacity}, "
                 f"row_block_size={self.row_block_size}, col_block_size={self.col_block_size}, "
                 f"device={self.device}, nbytes={self.nbytes})")
-
-    def _tensors(self) -> tuple[Tensor, ...]:
-        return (self.offsets, self.index, self.mask_count, self.row_block_offsets)
 
 
 def transpose_block_sparse_csr(bs: BlockSparseTensors, col_block_offsets: Tensor | None = None,
