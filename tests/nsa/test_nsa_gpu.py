@@ -49,9 +49,7 @@ def test_nsa_on_kernels_matches_reference(case):
         cu_seqlens_k=cu, causal=True, window_size=(511, 0))
     assert backend == "sm90", backend
     fast_in = differentiable(x, torch.bfloat16)
-    ref_in = differentiable({n: (t.detach().bfloat16() if isinstance(t, torch.Tensor)
-                                 and t.is_floating_point() else t) for n, t in x.items()},
-                            torch.float64)
+    ref_in = _reference_inputs(x)
     out = nsa(**fast_in, max_seqlen=max(lengths), **options)
     ref = nsa_reference(**ref_in, max_seqlen=max(lengths), **options)
     assert out.dtype == torch.bfloat16 and not out.isnan().any()
@@ -123,6 +121,14 @@ def _assert_backward_on_kernels(backends: dict, window: bool = True):
     assert not off_kernel, f"branch backward not on the sm90 kernel: {off_kernel}"
 
 
+def _reference_inputs(x: dict) -> dict:
+    """The float64 reference's inputs: x's floating tensors rounded to bf16 first (the values
+    the fast path sees), then made differentiable in float64."""
+    return differentiable({n: (t.detach().bfloat16() if isinstance(t, torch.Tensor)
+                               and t.is_floating_point() else t) for n, t in x.items()},
+                          torch.float64)
+
+
 def _gpu_inputs(lengths, heads, heads_kv, dim, seed, device="cuda"):
     return {n: (t.to(device) if isinstance(t, torch.Tensor) else t)
             for n, t in random_inputs(lengths, heads, heads_kv, dim, seed=seed).items()}
@@ -150,9 +156,7 @@ def test_nsa_backward_on_kernels_matches_reference(case, branch_backends):
     lengths, heads, heads_kv, dim, options = BACKWARD_CASES[case]
     x = _gpu_inputs(lengths, heads, heads_kv, dim, seed=11)
     fast_in = differentiable(x, torch.bfloat16)
-    ref_in = differentiable({n: (t.detach().bfloat16() if isinstance(t, torch.Tensor)
-                                 and t.is_floating_point() else t) for n, t in x.items()},
-                            torch.float64)
+    ref_in = _reference_inputs(x)
     out = nsa(**fast_in, max_seqlen=max(lengths), **options)
     ref = nsa_reference(**ref_in, max_seqlen=max(lengths), **options)
     assert rel_err(out, ref) < OUT_TOLERANCE
@@ -186,9 +190,7 @@ def test_nsa_deterministic_backward_is_bitwise_stable(case, branch_backends):
         for name, grad in runs[0].items():
             assert torch.equal(grad, again[name]), f"{name} differs between deterministic runs"
 
-    ref_in = differentiable({n: (t.detach().bfloat16() if isinstance(t, torch.Tensor)
-                                 and t.is_floating_point() else t) for n, t in x.items()},
-                            torch.float64)
+    ref_in = _reference_inputs(x)
     ref = nsa_reference(**ref_in, max_seqlen=max(lengths), **options)
     ref_grads = grads_of(ref, ref_in, dout)
     for name, grad in runs[0].items():
