@@ -32,7 +32,6 @@ import cuda.bindings.driver as cuda
 
 import cutlass
 import cutlass.cute as cute
-import cutlass.pipeline as pipeline
 import cutlass.utils as utils
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32, const_expr
@@ -43,6 +42,7 @@ from kernels.sm90.dq_accumulator import DqAccumulator
 from kernels.sm90.layouts import (acc_as_a_operand_layout, acc_mn_view, transposed,
                                   with_row_strides_divisible)
 from kernels.sm90.mask import apply_mask_keys_as_rows
+from kernels.sm90.pipelines import tma_pipeline
 from kernels.sm90.spec import BwdSpec
 
 _WARPGROUP = 128
@@ -266,23 +266,13 @@ class FlashAttentionBackwardSm90:
                 cpasync.prefetch_descriptor(atom)
 
         storage = utils.SmemAllocator().allocate(self.shared_storage)
-        producer_group = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
-        consumer_warps = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_wg * 4)
-        kv_producer, kv_consumer = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.mbar_kv.data_ptr(), num_stages=1,
-            producer_group=producer_group, consumer_group=consumer_warps,
-            tx_count=self.kv_bytes, defer_sync=True,
-        ).make_participants()
-        q_producer, q_consumer = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.mbar_q.data_ptr(), num_stages=spec.q_stages,
-            producer_group=producer_group, consumer_group=consumer_warps,
-            tx_count=self.q_bytes, defer_sync=True,
-        ).make_participants()
-        do_producer, do_consumer = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.mbar_do.data_ptr(), num_stages=spec.q_stages,
-            producer_group=producer_group, consumer_group=consumer_warps,
-            tx_count=self.q_bytes, defer_sync=True,
-        ).make_participants()
+        consumer_warps = self.num_wg * 4
+        kv_producer, kv_consumer = tma_pipeline(storage.mbar_kv.data_ptr(), 1, self.kv_bytes,
+                                                consumer_warps)
+        q_producer, q_consumer = tma_pipeline(storage.mbar_q.data_ptr(), spec.q_stages,
+                                              self.q_bytes, consumer_warps)
+        do_producer, do_consumer = tma_pipeline(storage.mbar_do.data_ptr(), spec.q_stages,
+                                                self.q_bytes, consumer_warps)
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
 
@@ -466,7 +456,6 @@ class FlashAttentionBackwardSm90:
         tdQrdS = thr_dq.make_fragment_A(thr_dq.partition_A(sdS))
         # K read head-dim-major, one block of dq_pass_cols columns per pass.
         sKt_passes = cute.flat_divide(transposed(sK), (self.dq_pass_cols,))
-        tdQrK = thr_dq.make_fragment_B(thr_dq.partition_B(sKt_passes[None, 0, None, None]))
 
         acc_s = thr_sdp.make_fragment_C(thr_sdp.partition_shape_C((self.tile_n, self.tile_m)))
         acc_dp = thr_sdp.make_fragment_C(thr_sdp.partition_shape_C((self.tile_n, self.tile_m)))
@@ -483,7 +472,7 @@ class FlashAttentionBackwardSm90:
         kv_handle = kv_consumer.wait_and_advance()
         step = partial(
             self.consume_step, tidx=tidx, tSrK=tSrK, tSrV=tSrV, tSrQ=tSrQ, tSrdO=tSrdO,
-            tdKrQ=tdKrQ, tdVrdO=tdVrdO, tdQrdS=tdQrdS, tdQrK=tdQrK, sKt_passes=sKt_passes,
+            tdKrQ=tdKrQ, tdVrdO=tdVrdO, tdQrdS=tdQrdS, sKt_passes=sKt_passes,
             thr_dq=thr_dq, acc_s=acc_s, acc_dp=acc_dp, acc_dk=acc_dk, acc_dv=acc_dv,
             acc_dq=acc_dq, r_p=r_p, r_ds=r_ds, t_coord=t_coord, t_sdS=t_sdS,
             sLSE=sLSE, sDPsum=sDPsum, dq_accumulator=dq_accumulator, scale_log2=scale_log2,
@@ -504,7 +493,7 @@ class FlashAttentionBackwardSm90:
     def consume_step(
         self, head: Int32, m_block: Int32, needs_mask, q_consumer, do_consumer,
         tiled_mma_sdp: cute.TiledMma, tiled_mma_dkv: cute.TiledMma, tiled_mma_dq: cute.TiledMma,
-        tidx: Int32, tSrK, tSrV, tSrQ, tSrdO, tdKrQ, tdVrdO, tdQrdS, tdQrK, sKt_passes, thr_dq,
+        tidx: Int32, tSrK, tSrV, tSrQ, tSrdO, tdKrQ, tdVrdO, tdQrdS, sKt_passes, thr_dq,
         acc_s, acc_dp, acc_dk, acc_dv, acc_dq, r_p, r_ds, t_coord, t_sdS, sLSE,
         sDPsum, dq_accumulator: DqAccumulator, scale_log2: Float32, block_range: BlockRange,
         n_block: Int32, batch: Int32, seqlen_q: Int32, seqlen_k: Int32, q_tile_offset: Int32,
@@ -562,7 +551,8 @@ class FlashAttentionBackwardSm90:
         for p in cutlass.range_constexpr(self.dq_passes):
             tiled_mma_dq = self.gemm(
                 tiled_mma_dq, acc_dq, tdQrdS[None, None, None, 0],
-                self.dq_operand(thr_dq, sKt_passes, p, tdQrK), zero_init=True)
+                thr_dq.make_fragment_B(thr_dq.partition_B(
+                    sKt_passes[None, p, None, None]))[None, None, None, 0], zero_init=True)
             warpgroup.wait_group(0)
             if const_expr(p == 0):
                 # The dK and dV products (issued before) are done too: Q and dO are free.
@@ -573,13 +563,6 @@ class FlashAttentionBackwardSm90:
             dq_accumulator.settle(tidx)
             self.pass_dq_turn(tidx, mSemaphore, head, slot_tile)
         return q_consumer, do_consumer, tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq
-
-    def dq_operand(self, thr_dq, sKt_passes, p: int, first_pass):
-        """K^T columns of dQ pass p as the B operand (pass 0's fragment is built once)."""
-        if p == 0:
-            return first_pass[None, None, None, 0]
-        return thr_dq.make_fragment_B(
-            thr_dq.partition_B(sKt_passes[None, p, None, None]))[None, None, None, 0]
 
     @cute.jit
     def wait_dq_turn(self, tidx: Int32, mSemaphore, head: Int32, slot_tile: Int32,

@@ -29,7 +29,6 @@ import cuda.bindings.driver as cuda
 
 import cutlass
 import cutlass.cute as cute
-import cutlass.pipeline as pipeline
 import cutlass.utils as utils
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32, const_expr
@@ -42,6 +41,7 @@ from kernels.sm90.layouts import (
 )
 from kernels.sm90.mask import apply_mask
 from kernels.sm90.overlap_tiles import OverlapTiles
+from kernels.sm90.pipelines import tma_pipeline
 from kernels.sm90.softmax import rescale_rows, softmax_finalize, softmax_init, softmax_step
 from kernels.sm90.spec import FwdSpec
 from kernels.sm90.tile_scheduler import TileOrder
@@ -241,24 +241,13 @@ class FlashAttentionForwardSm90(OverlapTiles):
                 cpasync.prefetch_descriptor(atom)
 
         storage = utils.SmemAllocator().allocate(self.shared_storage)
-        producer_group = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
-        consumer_warps = pipeline.CooperativeGroup(
-            pipeline.Agent.Thread, self.num_consumer_warpgroups * 4)
-        q_producer, q_consumer = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.mbar_q.data_ptr(), num_stages=spec.q_stages,
-            producer_group=producer_group, consumer_group=consumer_warps,
-            tx_count=self.q_bytes, defer_sync=True,
-        ).make_participants()
-        k_producer, k_consumer = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.mbar_k.data_ptr(), num_stages=spec.num_stages,
-            producer_group=producer_group, consumer_group=consumer_warps,
-            tx_count=self.kv_bytes, defer_sync=True,
-        ).make_participants()
-        v_producer, v_consumer = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.mbar_v.data_ptr(), num_stages=spec.num_stages,
-            producer_group=producer_group, consumer_group=consumer_warps,
-            tx_count=self.kv_bytes, defer_sync=True,
-        ).make_participants()
+        consumer_warps = self.num_consumer_warpgroups * 4
+        q_producer, q_consumer = tma_pipeline(storage.mbar_q.data_ptr(), spec.q_stages,
+                                              self.q_bytes, consumer_warps)
+        k_producer, k_consumer = tma_pipeline(storage.mbar_k.data_ptr(), spec.num_stages,
+                                              self.kv_bytes, consumer_warps)
+        v_producer, v_consumer = tma_pipeline(storage.mbar_v.data_ptr(), spec.num_stages,
+                                              self.kv_bytes, consumer_warps)
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
 
