@@ -164,8 +164,13 @@ def compile_backward_on_fake_tensors(spec):
     """Compile backward `spec` for sm_90a without a GPU (CUTE_DSL_ARCH=sm_90a)."""
     from kernels.sm90.bwd_sm90 import FlashAttentionBackwardSm90
 
-    tensors, optional = fake_backward_arguments(spec)
+    return compile_backward_kernel_on_fake_tensors(FlashAttentionBackwardSm90(spec))
+
+
+def compile_backward_kernel_on_fake_tensors(kernel):
+    """Backward `kernel` compiled on fake tensors (uncached); the kernel object keeps what its
+    host side built, such as `shared_storage`."""
+    tensors, optional = fake_backward_arguments(kernel.spec)
     return cute.compile(
-        FlashAttentionBackwardSm90(spec), *tensors, cutlass.Int32(1), cutlass.Int32(1),
-        cutlass.Float32(1.0),
+        kernel, *tensors, cutlass.Int32(1), cutlass.Int32(1), cutlass.Float32(1.0),
         cutlass.Int32(1), cutlass.Int32(0), cutlass.Int32(0), *optional, make_fake_stream())

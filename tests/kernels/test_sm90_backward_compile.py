@@ -8,7 +8,8 @@ import pytest
 
 import cutlass  # noqa: F401  (a broken CuTe DSL install must fail here, not skip)
 
-from kernels.sm90.compile import compile_backward_on_fake_tensors
+from kernels.sm90.compile import (compile_backward_kernel_on_fake_tensors,
+                                  compile_backward_on_fake_tensors)
 from kernels.sm90.spec import BwdSpec, choose_backward_spec
 from test_sm90_compile import CALLS
 
@@ -56,15 +57,7 @@ def test_backward_smem_footprint_matches_the_kernel(tile_n):
     spec = choose_backward_spec(dtype="bfloat16", head_dim=128, causal=True,
                                 window_size=(-1, -1), sparse_block_size=tile_n)
     kernel = FlashAttentionBackwardSm90(spec)
-    # compile_backward_on_fake_tensors caches per spec; build this object's storage itself.
-    from cutlass.cute.runtime import make_fake_stream
-    import cutlass.cute as cute
-    from kernels.sm90.compile import fake_backward_arguments
-
-    tensors, optional = fake_backward_arguments(spec)
-    cute.compile(kernel, *tensors, cutlass.Int32(1), cutlass.Int32(1), cutlass.Float32(1.0),
-                 cutlass.Int32(1),
-                 cutlass.Int32(0), cutlass.Int32(0), *optional, make_fake_stream())
+    compile_backward_kernel_on_fake_tensors(kernel)  # uncached: this object's storage
     assert kernel.shared_storage.size_in_bytes() == spec.smem_bytes
 
 
