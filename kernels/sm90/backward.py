@@ -16,12 +16,14 @@ built by `kernels.interface` when the caller gave none). Three steps, no host re
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
 
-from kernels.sm90.forward import (SUPPORTED_DTYPES, _uniform_cu_seqlens, launch_compiled,
-                                  unsupported_inputs)
+from kernels.sm90.forward import _as_cute as forward_as_cute
+from kernels.sm90.forward import (SUPPORTED_DTYPES, _uniform_cu_seqlens, has_aligned_rows,
+                                  launch_compiled, unsupported_inputs)
 
 SUPPORTED_HEAD_DIMS = (64, 128)
 STEP_ROWS = 64          # query rows per backward step (BwdSpec.tile_m)
@@ -71,8 +73,6 @@ def run(
     block_sparse=None, block_sparse_transposed=None, deterministic=False, spec_overrides=None,
 ):
     """(dq, dk, dv) of the sm90 backward kernel; dk and dv summed over each KV group."""
-    import dataclasses
-
     if q.dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"q: dtype {q.dtype} is not supported by the sm90 backward kernel "
                          f"(bfloat16 or float16)")
@@ -238,22 +238,14 @@ def work_units(csr, chunk: int) -> torch.Tensor:
 
 
 def _as_cute(t: torch.Tensor | None, tvm_ffi: bool = False):
-    """A cute tensor view of t with every extent and stride dynamic but the last (stride 1).
-    Tensors of two or more modes are 16-byte aligned (TMA reads lse and dO.O; q, k, v and dO
-    are checked or copied so), the int32 vectors 4-byte."""
-    from cutlass.cute.runtime import from_dlpack
-
-    if t is None:
-        return None
-    return from_dlpack(t.detach(), assumed_align=16 if t.dim() > 1 else 4,
-                       enable_tvm_ffi=tvm_ffi).mark_layout_dynamic(leading_dim=t.dim() - 1)
+    """The forward's view, with tensors of two or more modes 16-byte aligned (TMA reads the
+    float32 lse and dO.O; q, k, v and dO are checked or copied so), int32 vectors 4-byte."""
+    return forward_as_cute(t, tvm_ffi, None if t is None else 16 if t.dim() > 1 else 4)
 
 
 def _aligned_rows(t: torch.Tensor) -> torch.Tensor:
     """t itself when its rows are 16-byte aligned with a unit last stride, else a copy."""
-    if t.stride(-1) != 1 or any(s % 8 for s in t.stride()[:-1]) or t.data_ptr() % 16:
-        return t.contiguous()
-    return t
+    return t if has_aligned_rows(t) else t.contiguous()
 
 
 def _typed_scalars(scalars):

@@ -38,9 +38,15 @@ def unsupported_inputs(q, k, v, head_dims, kernel: str = "kernel") -> str:
     if head_dim not in head_dims or k.shape[-1] != head_dim or v.shape[-1] != head_dim:
         return f"head dim {head_dim} ({kernel} takes {head_dims})"
     for name, t in (("q", q), ("k", k), ("v", v)):
-        if t.stride(-1) != 1 or any(s % 8 for s in t.stride()[:-1]) or t.data_ptr() % 16:
+        if not has_aligned_rows(t):
             return f"{name} needs a contiguous last dim and 16-byte aligned rows"
     return ""
+
+
+def has_aligned_rows(t: torch.Tensor) -> bool:
+    """A unit last stride and 16-byte aligned rows (16-bit elements): what the kernels' TMA
+    loads and paired stores assume."""
+    return t.stride(-1) == 1 and not any(s % 8 for s in t.stride()[:-1]) and t.data_ptr() % 16 == 0
 
 
 def can_run(q, k, v, *, block_sparse=None, causal=False, window_size=(-1, -1),
@@ -90,13 +96,16 @@ def _uniform_cu_seqlens(batch: int, seqlen: int, device: torch.device) -> torch.
     return uniform_cu_seqlens(batch, seqlen, device=device)
 
 
-def _as_cute(t: torch.Tensor | None, tvm_ffi: bool = False):
-    """A cute tensor view of t with every extent and stride dynamic but the last (stride 1)."""
+def _as_cute(t: torch.Tensor | None, tvm_ffi: bool = False, assumed_align: int | None = None):
+    """A cute tensor view of t with every extent and stride dynamic but the last (stride 1).
+    Assumed 16-byte aligned for 16-bit elements and 4-byte otherwise, unless given."""
     from cutlass.cute.runtime import from_dlpack
 
     if t is None:
         return None
-    return from_dlpack(t.detach(), assumed_align=16 if t.element_size() == 2 else 4,
+    if assumed_align is None:
+        assumed_align = 16 if t.element_size() == 2 else 4
+    return from_dlpack(t.detach(), assumed_align=assumed_align,
                        enable_tvm_ffi=tvm_ffi).mark_layout_dynamic(leading_dim=t.dim() - 1)
 
 
