@@ -1,11 +1,11 @@
 """Time compile-time variants of the sm90 backward kernel against the dispatched one.
 
-The backward dispatcher (`kernels/sm90/spec.py::choose_backward_spec`) leaves two switches off
-until a GPU run has shown them correct and faster (FINDINGS, session 10): `dq_tma_reduce` (dQ
-staged in smem and added with one TMA reduce-add per warpgroup instead of a float32 reduction
-per element) and `split_rows` (several CTAs per KV tile, for calls with few KV tiles such as
-compressed keys). This script measures them: for each case it runs the dispatched spec and the
-variants, checks every variant's dq/dk/dv against the dispatched kernel's (the float32 sums are
+The backward dispatcher (`kernels/sm90/spec.py::choose_backward_spec`) picks two switches by
+measurements of this script (FINDINGS, session 11): `dq_tma_reduce` (dQ staged in smem and
+added with one TMA reduce-add per warpgroup instead of a float32 reduction per element) and
+`split_rows` (several CTAs per KV tile, for calls with fewer KV tiles than SMs, such as
+compressed keys). For each case it runs the dispatched spec and the variants with a switch
+turned, checks every variant's dq/dk/dv against the dispatched kernel's (the float32 sums are
 ordered differently, so within 1e-2 relative, not bitwise), and prints backward times.
 
 Each variant runs in its own process with a time limit: a variant that hangs on the GPU (a
@@ -29,16 +29,21 @@ import _common  # noqa: E402
 
 VARIANTS = {
     "dispatched": {},
-    "dq_tma_reduce": dict(dq_tma_reduce=True),
-    "split_rows": dict(split_rows=True),
-    "split_rows+dq_tma_reduce": dict(split_rows=True, dq_tma_reduce=True),
+    "dq per-element red": dict(dq_tma_reduce=False),
+    "split_rows on": dict(split_rows=True),
+    "split_rows off": dict(split_rows=False),
     "q_stages3": dict(q_stages=3),
+    # 64-key tiles at head dim 128: the TMA dQ reduce fits two CTAs per SM only with one Q/dO
+    # stage.
+    "dq_tma_reduce q_stages1": dict(dq_tma_reduce=True, q_stages=1),
 }
 # Case name -> keyword arguments of the attention call (keys are N // compress_factor).
 CASES = {
     "dense causal": dict(causal=True),
     "causal window 512": dict(causal=True, window_size=(511, 0)),
     "compress_factor 64": dict(causal=True, compress_factor=64),
+    # Random lists of 25% of the 64-key blocks per 128-row query tile (NSA's block size).
+    "block-sparse 25% 64-key": dict(causal=False, sparse_density=0.25, sparse_block=64),
 }
 
 
@@ -57,8 +62,20 @@ def run_variant(case: str, variant: str, n: int, heads: int, heads_kv: int, dim:
         return torch.randn(1, rows, h, dim, device=device, dtype=torch.bfloat16, generator=gen)
 
     q, k, v, dout = rand(n, heads), rand(keys, heads_kv), rand(keys, heads_kv), rand(n, heads)
+    kwargs = dict(kwargs)
+    if "sparse_density" in kwargs:
+        from bench_kernels import block_sparse_case
+
+        kwargs["block_sparse"] = block_sparse_case(n, heads, kwargs.pop("sparse_density"),
+                                                   kwargs.pop("sparse_block"))[0]
     out, lse = attention_forward(q, k, v, **kwargs)
     common = dict(max_seqlen_q=n, max_seqlen_k=keys, **kwargs)
+    if "block_sparse" in kwargs:  # the transpose once, outside the timing
+        from sparsity import transpose_block_sparse_csr
+
+        cu = torch.tensor([0, keys], dtype=torch.int32, device=device)
+        common["block_sparse_transposed"] = transpose_block_sparse_csr(kwargs["block_sparse"],
+                                                                       cu_seqlens_k=cu)
 
     def call(overrides):
         return backward.run(dout, q, k, v, out, lse, spec_overrides=overrides or None, **common)
@@ -80,6 +97,8 @@ def main(argv=None):
     parser.add_argument("--heads-kv", type=int, default=8)
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--cases", nargs="+", choices=list(CASES), default=list(CASES),
+                        help="cases to run (default: all)")
     parser.add_argument("--timeout", type=int, default=180,
                         help="seconds one variant may take (compile included) before it counts "
                              "as hung (default 180)")
@@ -97,8 +116,11 @@ def main(argv=None):
         return 1
     rows = []
     for n in args.seqlens:
-        for case in CASES:
+        for case in args.cases:
             for variant in VARIANTS:
+                sparse = "sparse_density" in CASES[case]
+                if (sparse and "split_rows" in variant) or (not sparse and "stages1" in variant):
+                    continue  # split rows walk a range; one stage only matters at 64-key tiles
                 rows.append(_child(case, variant, n, args))
                 print(_format(rows[-1]), flush=True)
     if args.json:

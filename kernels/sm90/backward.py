@@ -57,14 +57,17 @@ def can_run(q, k, v, *, block_sparse=None, causal=False, window_size=(-1, -1),
     return True, "sm90 CuTe DSL kernel"
 
 
-def _spec_for(q, causal, window_size, block_sparse, compress_factor, deterministic):
+def _spec_for(q, causal, window_size, block_sparse, compress_factor, deterministic,
+              kv_tile_ctas=None):
+    from kernels.sm90.forward import _num_sms
     from kernels.sm90.spec import choose_backward_spec
 
     return choose_backward_spec(
         dtype=str(q.dtype).removeprefix("torch."), head_dim=q.shape[-1], causal=causal,
         window_size=window_size, compress_factor=compress_factor,
         sparse_block_size=block_sparse.col_block_size if block_sparse is not None else None,
-        deterministic=deterministic)
+        deterministic=deterministic, kv_tile_ctas=kv_tile_ctas,
+        num_sms=_num_sms(q.device) if q.device.type == "cuda" else 132)
 
 
 def run(
@@ -92,7 +95,10 @@ def run(
     dout, out = _aligned_rows(dout), _aligned_rows(out)
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(head_dim)
-    spec = _spec_for(q, causal, window_size, block_sparse, compress_factor, deterministic)
+    num_seqs = cu_seqlens_q.numel() - 1
+    kv_tile_ctas = -(-(max_seqlen_k or 0) // 128) * k.shape[1] * num_seqs
+    spec = _spec_for(q, causal, window_size, block_sparse, compress_factor, deterministic,
+                     kv_tile_ctas)
     if spec_overrides:
         spec = dataclasses.replace(spec, **spec_overrides)
 
@@ -121,7 +127,7 @@ def run(
         num_ctas = -(-max_seqlen_k // spec.tile_n)
         row_splits = 1
         if spec.split_rows:
-            row_splits = _row_splits(num_ctas * k.shape[1] * (cu_seqlens_q.numel() - 1),
+            row_splits = _row_splits(num_ctas * k.shape[1] * num_seqs,
                                      -(-max_seqlen_q // STEP_ROWS), q.device)
         if spec.block_sparse:
             csr = block_sparse_transposed

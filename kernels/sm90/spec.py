@@ -7,6 +7,7 @@ argument, so one compiled kernel serves every sequence length and batch.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 
@@ -237,10 +238,11 @@ class BwdSpec:
                                # then added into float32 accumulators
     split_rows: bool = False   # dense: `row_splits` CTAs per KV tile share its query tiles
                                # (few KV tiles: compressed keys); dK/dV partials then go into
-                               # float32 accumulators. Not dispatched yet (GPU-untested)
+                               # float32 accumulators. Dispatched when a call has fewer KV
+                               # tiles than SMs
     dq_tma_reduce: bool = False  # dQ staged in smem and added with a TMA reduce-add per
-                                 # warpgroup instead of one red.global.add per element (not
-                                 # dispatched yet: GPU-untested, see FINDINGS session 10)
+                                 # warpgroup instead of one red.global.add per element
+                                 # (dispatched wherever its staging buffer fits)
     tile_n: int = 128          # keys per CTA, 64 per consumer warpgroup
     tile_m: int = 64           # query rows per step
     q_stages: int = 2          # Q (+ lse) and dO (+ dO.O) pipeline depth
@@ -296,11 +298,17 @@ BACKWARD_HEAD_DIMS = (64, 128)
 def choose_backward_spec(
     *, dtype: str, head_dim: int, causal: bool, window_size: tuple[int, int],
     compress_factor: int = 1, sparse_block_size: int | None = None,
-    deterministic: bool = False,
+    deterministic: bool = False, kv_tile_ctas: int | None = None, num_sms: int = 132,
 ) -> BwdSpec:
     """The backward variant the dispatcher compiles for a call. Head dims above 128 do not fit:
     dK and dV of a 64-key warpgroup slice take 64 x D float32 registers each per thread group
-    (128 + 128 per thread at D=256)."""
+    (128 + 128 per thread at D=256).
+
+    `kv_tile_ctas` (KV tiles x KV heads x sequences of the call, when known) picks `split_rows`
+    for calls that would leave SMs idle: compressed keys at 16K make 16 CTAs on 132 SMs
+    (H100, session 11: compress_factor 64 backward 5.93 -> 2.25 ms with split rows and the TMA
+    dQ reduce). Calls that fill the GPU keep one CTA per KV tile (split rows cost float32 dK/dV
+    accumulators and a conversion: causal window 512 at 16K 2.61 -> 2.80 ms)."""
     if head_dim not in BACKWARD_HEAD_DIMS:
         raise ValueError(f"no sm90 backward variant for head_dim {head_dim} "
                          f"(supported: {BACKWARD_HEAD_DIMS})")
@@ -315,7 +323,18 @@ def choose_backward_spec(
         # NSA lists block 0 in every query tile: one work unit per KV block would run N/128
         # tiles where the average runs ~8. Split lists into chunks (not in deterministic mode,
         # whose dK/dV must not depend on the order of float32 partial sums).
-        split_lists=sparse_block_size is not None and not deterministic)
+        split_lists=sparse_block_size is not None and not deterministic,
+        split_rows=(sparse_block_size is None and not deterministic and kv_tile_ctas is not None
+                    and kv_tile_ctas < num_sms))
+    # dQ through a TMA reduce-add of a staged 64-row block instead of one float32 reduction per
+    # element (H100, session 11, 16K: dense causal 20.1 -> 12.3 ms, window 512 3.24 -> 2.61 ms).
+    # 64-key tiles at head dim 128 run two CTAs per SM and have room for the staging buffer only
+    # with one Q/dO stage, which still wins (block-sparse 25% of 64-key blocks: 33.4 -> 23.9 ms).
+    for stages in (q_stages, 1):
+        with_tma_reduce = dataclasses.replace(spec, dq_tma_reduce=True, q_stages=stages)
+        if with_tma_reduce.fits_in_smem():
+            spec = with_tma_reduce
+            break
     if not spec.fits_in_smem():
         raise ValueError(f"no sm90 backward variant for head_dim {head_dim} with {tile_n}-key "
                          f"tiles fits shared memory ({spec.smem_bytes} bytes)")

@@ -14,38 +14,51 @@ from kernels.sm90.spec import BwdSpec, choose_backward_spec
 from test_sm90_compile import CALLS
 
 
-def _backward_spec(dtype, head_dim, call, deterministic=False) -> BwdSpec:
+# KV tiles x KV heads x sequences of a call: few (compressed keys at 16K: 2 x 8) picks split
+# rows in the dispatcher, many keeps one CTA per KV tile.
+GRID_SIZES = {"few-kv-tiles": 16, "many-kv-tiles": 1024}
+
+
+def _backward_spec(dtype, head_dim, call, deterministic=False, grid="many-kv-tiles") -> BwdSpec:
     causal, window, cf, sparse, _, _ = CALLS[call]
     return choose_backward_spec(dtype=dtype, head_dim=head_dim, causal=causal,
                                 window_size=window, compress_factor=cf,
-                                sparse_block_size=sparse, deterministic=deterministic)
+                                sparse_block_size=sparse, deterministic=deterministic,
+                                kv_tile_ctas=GRID_SIZES[grid])
 
 
 def _distinct_calls():
-    """One call per distinct backward spec (several calls differ only in forward schedules)."""
+    """One (call, grid size) per distinct backward spec (several calls differ only in forward
+    schedules; block-sparse and deterministic calls do not depend on the grid size)."""
     seen, calls = set(), []
     for call in CALLS:
-        spec = _backward_spec("bfloat16", 128, call)
-        if spec not in seen:
-            seen.add(spec)
-            calls.append(call)
+        for grid in GRID_SIZES:
+            spec = _backward_spec("bfloat16", 128, call, grid=grid)
+            if spec not in seen:
+                seen.add(spec)
+                calls.append(f"{call}/{grid}")
     return calls
+
+
+def _spec_of(dtype, head_dim, call_and_grid, deterministic=False) -> BwdSpec:
+    call, grid = call_and_grid.split("/")
+    return _backward_spec(dtype, head_dim, call, deterministic, grid)
 
 
 @pytest.mark.parametrize("call", _distinct_calls())
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_backward_variant_compiles_for_sm90a(dtype, head_dim, call):
-    spec = _backward_spec(dtype, head_dim, call)
+    spec = _spec_of(dtype, head_dim, call)
     assert spec.fits_in_smem()
     assert callable(compile_backward_on_fake_tensors(spec))
 
 
-@pytest.mark.parametrize("call", _distinct_calls())
+@pytest.mark.parametrize("call", [c for c in _distinct_calls() if c.endswith("many-kv-tiles")])
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_deterministic_backward_variant_compiles_for_sm90a(head_dim, call):
-    spec = _backward_spec("bfloat16", head_dim, call, deterministic=True)
-    assert spec.deterministic
+    spec = _spec_of("bfloat16", head_dim, call, deterministic=True)
+    assert spec.deterministic and not spec.partial_dkv
     assert callable(compile_backward_on_fake_tensors(spec))
 
 
@@ -70,24 +83,21 @@ def test_backward_dispatch_takes_the_list_block_as_the_key_tile():
         choose_backward_spec(dtype="bfloat16", head_dim=256, causal=True, window_size=(-1, -1))
 
 
-@pytest.mark.parametrize("deterministic", [False, True])
-@pytest.mark.parametrize("head_dim", [64, 128])
-def test_backward_tma_reduce_dq_variant_compiles_for_sm90a(head_dim, deterministic):
-    """`dq_tma_reduce` (not dispatched yet: it waits for a GPU run, FINDINGS session 10)."""
-    import dataclasses
+def test_backward_dispatch_reduces_dq_with_tma_where_the_staging_buffer_fits():
+    for call in ("causal", "window-causal", "compressed-causal", "sparse128"):
+        for head_dim in (64, 128):
+            assert _backward_spec("bfloat16", head_dim, call).dq_tma_reduce
+            assert _backward_spec("bfloat16", head_dim, call, deterministic=True).dq_tma_reduce
+    # 64-key tiles run two CTAs per SM: at head dim 128 the staging block fits with one Q/dO
+    # stage only.
+    assert _backward_spec("bfloat16", 64, "selected-sparse64").q_stages == 2
+    selected = _backward_spec("bfloat16", 128, "selected-sparse64")
+    assert selected.dq_tma_reduce and selected.q_stages == 1 and selected.ctas_per_sm == 2
 
-    spec = dataclasses.replace(
-        _backward_spec("bfloat16", head_dim, "causal", deterministic=deterministic),
-        dq_tma_reduce=True)
-    assert spec.fits_in_smem()
-    assert callable(compile_backward_on_fake_tensors(spec))
 
-
-@pytest.mark.parametrize("call", ["compressed-causal", "window-causal", "dense"])
-def test_backward_split_rows_variant_compiles_for_sm90a(call):
-    """`split_rows` (not dispatched yet: it waits for a GPU run, FINDINGS session 10)."""
-    import dataclasses
-
-    spec = dataclasses.replace(_backward_spec("bfloat16", 128, call), split_rows=True)
-    assert spec.partial_dkv
-    assert callable(compile_backward_on_fake_tensors(spec))
+def test_backward_dispatch_splits_rows_only_for_grids_smaller_than_the_gpu():
+    assert _backward_spec("bfloat16", 128, "compressed-causal", grid="few-kv-tiles").split_rows
+    assert not _backward_spec("bfloat16", 128, "compressed-causal").split_rows
+    assert not _backward_spec("bfloat16", 128, "compressed-causal", deterministic=True,
+                              grid="few-kv-tiles").split_rows
+    assert not _backward_spec("bfloat16", 128, "sparse128", grid="few-kv-tiles").split_rows
