@@ -36,13 +36,19 @@ VARIANTS = {
     # 64-key tiles at head dim 128: the TMA dQ reduce fits two CTAs per SM only with one Q/dO
     # stage.
     "dq_tma_reduce q_stages1": dict(dq_tma_reduce=True, q_stages=1),
+    # Block-sparse: one work unit per KV tile walking the whole group (no float32 dK/dV
+    # partials), or longer chunks of the split lists (`list_chunk` sets
+    # kernels.sm90.backward.LIST_CHUNK in the child).
+    "split_lists off": dict(split_lists=False),
+    "list_chunk 48": dict(list_chunk=48),
 }
 # Case name -> keyword arguments of the attention call (keys are N // compress_factor).
 CASES = {
     "dense causal": dict(causal=True),
     "causal window 512": dict(causal=True, window_size=(511, 0)),
     "compress_factor 64": dict(causal=True, compress_factor=64),
-    # Random lists of 25% of the 64-key blocks per 128-row query tile (NSA's block size).
+    # Random lists of 25% of the 128- or 64-key (NSA's block size) blocks per 128-row query tile.
+    "block-sparse 25%": dict(causal=False, sparse_density=0.25, sparse_block=128),
     "block-sparse 25% 64-key": dict(causal=False, sparse_density=0.25, sparse_block=64),
 }
 
@@ -78,7 +84,11 @@ def run_variant(case: str, variant: str, n: int, heads: int, heads_kv: int, dim:
                                                                        cu_seqlens_k=cu)
 
     def call(overrides):
+        overrides = dict(overrides)
+        backward.LIST_CHUNK = overrides.pop("list_chunk", chunk)
         return backward.run(dout, q, k, v, out, lse, spec_overrides=overrides or None, **common)
+
+    chunk = backward.LIST_CHUNK
 
     reference = call({})
     grads = call(VARIANTS[variant])
@@ -119,8 +129,10 @@ def main(argv=None):
         for case in args.cases:
             for variant in VARIANTS:
                 sparse = "sparse_density" in CASES[case]
-                if (sparse and "split_rows" in variant) or (not sparse and "stages1" in variant):
-                    continue  # split rows walk a range; one stage only matters at 64-key tiles
+                if sparse and "split_rows" in variant:
+                    continue  # split rows walk a query-tile range
+                if not sparse and ("stages1" in variant or "list" in variant):
+                    continue  # one stage only matters at 64-key tiles; lists only when sparse
                 rows.append(_child(case, variant, n, args))
                 print(_format(rows[-1]), flush=True)
     if args.json:

@@ -2,14 +2,15 @@
 layout of kernels/sm90/backward.py, which every KV tile that sees a query tile adds into.
 
 Two ways, a compile-time switch (`BwdSpec.dq_tma_reduce`):
-- one `red.global.add.f32` per element, straight from the wgmma accumulator registers (the
-  dispatched path; the backward's largest cost, FINDINGS session 10: 12 of 21 ms at 16K);
 - the warpgroup stages its 64 x cols float32 block in smem and its first warp issues one TMA
   reduce-add (`cp.reduce.async.bulk.tensor`), which runs while the warpgroup goes on; the
-  buffer is reused once the previous reduce has read it. The issuing warp must be whole: the
-  TMA copy elects one lane with `elect.sync` over the full warp, and a first version that
-  issued it from a single thread hung on the H100 (the other 31 lanes had moved on to a named
-  barrier). Compiled in CI, not yet run on a GPU, so not dispatched.
+  buffer is reused once the previous reduce has read it (the dispatched path wherever the
+  staging block fits; H100, session 11: dense causal 16K backward 20.1 -> 12.3 ms). The
+  issuing warp must be whole: the TMA copy elects one lane with `elect.sync` over the full
+  warp, and a first version that issued it from a single thread hung on the H100 (the other 31
+  lanes had moved on to a named barrier);
+- one `red.global.add.f32` per element, straight from the wgmma accumulator registers (the
+  first design; 12 of 21 ms of that backward were these reductions).
 """
 from __future__ import annotations
 
