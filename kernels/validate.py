@@ -515,6 +515,15 @@ KERNEL_UNBOUNDED = 2**30
 _FORWARD_TILE_M, _BACKWARD_STEP_ROWS, _WIDEST_TILE = 128, 64, 128
 
 
+def require_int32_limits(caller: str, q, k, **kwargs) -> None:
+    """ValueError naming the limit when `int32_limits_reason` finds one: for direct calls of a
+    kernel module's ``run`` (the public entry points send such calls to the fallback)."""
+    reason = int32_limits_reason(q, k, **kwargs)
+    if reason:
+        raise ValueError(f"{caller}: {reason}; kernels.flash_attn_func / attention_forward send "
+                         "such calls to the torch fallback")
+
+
 def int32_limits_reason(q, k, *, backward: bool = False, cu_seqlens_q=None, max_seqlen_q=None,
                         max_seqlen_k=None, compress_factor: int = 1, window_size=(-1, -1),
                         block_sparse=None, deterministic: bool = False, **_) -> str:

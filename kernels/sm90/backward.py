@@ -21,6 +21,7 @@ import math
 
 import torch
 
+from kernels.validate import require_int32_limits
 from kernels.sm90.forward import _as_cute as forward_as_cute
 from kernels.sm90.forward import (SUPPORTED_DTYPES, _uniform_cu_seqlens, has_aligned_rows,
                                   launch_compiled, unsupported_inputs)
@@ -51,13 +52,13 @@ def can_run(q, k, v, *, block_sparse=None, causal=False, window_size=(-1, -1),
             return False, (f"block-sparse col_block_size {block_sparse.col_block_size} not in "
                            f"{SPARSE_KV_BLOCKS}")
     try:
-        _spec_for(q, causal, window_size, block_sparse, compress_factor, deterministic)
+        _spec_for(q, k, causal, window_size, block_sparse, compress_factor, deterministic)
     except ValueError as error:
         return False, str(error)
     return True, "sm90 CuTe DSL kernel"
 
 
-def _spec_for(q, causal, window_size, block_sparse, compress_factor, deterministic,
+def _spec_for(q, k, causal, window_size, block_sparse, compress_factor, deterministic,
               kv_tile_ctas=None):
     from kernels.sm90.forward import _num_sms
     from kernels.sm90.spec import choose_backward_spec
@@ -67,7 +68,13 @@ def _spec_for(q, causal, window_size, block_sparse, compress_factor, determinist
         window_size=window_size, compress_factor=compress_factor,
         sparse_block_size=block_sparse.col_block_size if block_sparse is not None else None,
         deterministic=deterministic, kv_tile_ctas=kv_tile_ctas,
-        num_sms=_num_sms(q.device) if q.device.type == "cuda" else 132)
+        num_sms=_num_sms(q.device) if q.device.type == "cuda" else 132,
+        lists_span_kv_groups=block_sparse is None or _lists_span_kv_groups(block_sparse, q, k))
+
+
+def _lists_span_kv_groups(block_sparse, q, k) -> bool:
+    """Whether each list serves all query heads of a KV group (list heads <= KV heads)."""
+    return block_sparse.full_count.shape[1] <= k.shape[-2]
 
 
 def run(
@@ -92,12 +99,17 @@ def run(
         cu_seqlens_k = _uniform_cu_seqlens(batch, seqlen_k, q.device)
         max_seqlen_q, max_seqlen_k = seqlen_q, seqlen_k
     total_q, num_heads, head_dim = q.shape
+    require_int32_limits("kernels.sm90.backward.run", q, k, backward=True,
+                         cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_seqlen_q,
+                         max_seqlen_k=max_seqlen_k, compress_factor=compress_factor,
+                         window_size=window_size, block_sparse=block_sparse,
+                         deterministic=deterministic)
     dout, out = _aligned_rows(dout), _aligned_rows(out)
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(head_dim)
     num_seqs = cu_seqlens_q.numel() - 1
     kv_tile_ctas = -(-(max_seqlen_k or 0) // 128) * k.shape[1] * num_seqs
-    spec = _spec_for(q, causal, window_size, block_sparse, compress_factor, deterministic,
+    spec = _spec_for(q, k, causal, window_size, block_sparse, compress_factor, deterministic,
                      kv_tile_ctas)
     if spec_overrides:
         spec = dataclasses.replace(spec, **spec_overrides)

@@ -13,6 +13,8 @@ import os
 
 import torch
 
+from kernels.validate import require_int32_limits
+
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
 SUPPORTED_HEAD_DIMS = (64, 128, 192, 256)
 TILE_M = 128
@@ -187,6 +189,10 @@ def run(
         cu_seqlens_k = _uniform_cu_seqlens(batch, seqlen_k, q.device)
         max_seqlen_q, max_seqlen_k = seqlen_q, seqlen_k
     total_q, num_heads, head_dim = q.shape
+    require_int32_limits("kernels.sm90.forward.run", q, k, cu_seqlens_q=cu_seqlens_q,
+                         max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+                         compress_factor=compress_factor, window_size=window_size,
+                         block_sparse=block_sparse)
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(head_dim)
     out = torch.empty((total_q, num_heads, head_dim), dtype=q.dtype, device=q.device)

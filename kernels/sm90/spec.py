@@ -299,6 +299,7 @@ def choose_backward_spec(
     *, dtype: str, head_dim: int, causal: bool, window_size: tuple[int, int],
     compress_factor: int = 1, sparse_block_size: int | None = None,
     deterministic: bool = False, kv_tile_ctas: int | None = None, num_sms: int = 132,
+    lists_span_kv_groups: bool = True,
 ) -> BwdSpec:
     """The backward variant the dispatcher compiles for a call. Head dims above 128 do not fit:
     dK and dV of a 64-key warpgroup slice take 64 x D float32 registers each per thread group
@@ -308,7 +309,13 @@ def choose_backward_spec(
     for calls that would leave SMs idle: compressed keys at 16K make 16 CTAs on 132 SMs
     (H100, session 11: compress_factor 64 backward 5.93 -> 2.25 ms with split rows and the TMA
     dQ reduce). Calls that fill the GPU keep one CTA per KV tile (split rows cost float32 dK/dV
-    accumulators and a conversion: causal window 512 at 16K 2.61 -> 2.80 ms)."""
+    accumulators and a conversion: causal window 512 at 16K 2.61 -> 2.80 ms).
+
+    `lists_span_kv_groups`: each block-sparse list serves every query head of a KV group (NSA's
+    lists; or one query head per KV head). Only such lists are split into work units: a unit
+    walks one list, so lists per query head would make each unit walk one head of the group and
+    add float32 dK/dV partials per head (random lists per query head, 25% of the 128-key
+    blocks at 16K: 13.6 ms split, 7.3 ms with one CTA walking the group, session 11)."""
     if head_dim not in BACKWARD_HEAD_DIMS:
         raise ValueError(f"no sm90 backward variant for head_dim {head_dim} "
                          f"(supported: {BACKWARD_HEAD_DIMS})")
@@ -323,7 +330,7 @@ def choose_backward_spec(
         # NSA lists block 0 in every query tile: one work unit per KV block would run N/128
         # tiles where the average runs ~8. Split lists into chunks (not in deterministic mode,
         # whose dK/dV must not depend on the order of float32 partial sums).
-        split_lists=sparse_block_size is not None and not deterministic,
+        split_lists=sparse_block_size is not None and not deterministic and lists_span_kv_groups,
         split_rows=(sparse_block_size is None and not deterministic and kv_tile_ctas is not None
                     and kv_tile_ctas < num_sms))
     # dQ through a TMA reduce-add of a staged 64-row block instead of one float32 reduction per

@@ -128,3 +128,23 @@ def test_flash_attn_refuses_meta_tensors(varlen):
         call = lambda: flash_attn_func(q, k, k, causal=True)  # noqa: E731
     with pytest.raises(ValueError, match=r"^q is on the meta device"):
         call()
+
+
+def test_direct_kernel_calls_refuse_what_their_int32_arithmetic_cannot_hold():
+    """kernels.sm90.forward.run / backward.run called directly (tools, tuners) check the same
+    limits as the dispatcher, before allocating or compiling anything (meta tensors: no data)."""
+    from kernels.sm90 import backward, forward
+
+    q, k = meta(1000, 2, 128).to(torch.bfloat16), meta(1000, 1, 128).to(torch.bfloat16)
+    cu = torch.tensor([0, 1000], dtype=torch.int32, device=META)
+    too_long = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=2**30, max_seqlen_k=1000)
+    with pytest.raises(ValueError,
+                       match=r"^kernels.sm90.forward.run: max_seqlen_q = 1073741824 reaches 2\*\*30"):
+        forward.run(q, k, k, **too_long)
+    with pytest.raises(ValueError, match=r"^kernels.sm90.backward.run: max_seqlen_q"):
+        backward.run(q, q, k, k, q, meta(2, 1000), **too_long)
+    many = torch.arange(70_001, dtype=torch.int32, device=META)
+    q, k = meta(70_000, 1, 128).to(torch.bfloat16), meta(70_000, 1, 128).to(torch.bfloat16)
+    with pytest.raises(ValueError, match=r"^kernels.sm90.backward.run: .*65535"):
+        backward.run(q, q, k, k, q, meta(1, 70_000), cu_seqlens_q=many, cu_seqlens_k=many,
+                     max_seqlen_q=1, max_seqlen_k=1)
