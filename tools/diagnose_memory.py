@@ -2,20 +2,30 @@
 
 Per sequence length N it reports, all measured on real tensors of the run:
   metadata      bytes of the selected branch's compact block lists (forward layout), of their
-                transpose (what the backward kernel reads), of the sparse compressed branch's
+                CSR transpose (what the sm90 backward reads), of the sparse compressed branch's
                 lists when enabled, and of the raw selection; beside them the bytes a dense
                 (tiles x blocks x Hkv) boolean mask would take, the layout the compact one avoids
   saved         bytes autograd keeps from forward to backward (torch.autograd.graph
                 saved_tensors_hooks; each storage counted once; q, k, v included)
-  peak (GPU)    torch.cuda.max_memory_allocated over forward+backward, less what was allocated
-                before (inputs and gradients of earlier runs freed); CUDA only, "-" on the CPU
+  must exist    bytes of the tensors a training step cannot do without: q, k, v, out, dout,
+                dq, dk, dv and one float32 lse (H x tokens)
+  peak (GPU)    torch.cuda.max_memory_allocated over forward+backward (and over the forward
+                alone, without autograd), everything allocated included, and the ratio of the
+                forward+backward peak to "must exist"; CUDA only, "-" on the CPU
+
+`--max-length` (CUDA) instead searches the longest single sequence (B=1) whose forward, and
+whose forward+backward, fit the GPU: doubling from the first of --seqlens until an allocation
+fails, then bisecting to a multiple of 64K tokens; it prints each trial's peak and the stage
+that reached it (forward or backward).
 
     python tools/diagnose_memory.py                       # per-device default sizes
     python tools/diagnose_memory.py --seqlens 65536,262144 --json memory.json
+    python tools/diagnose_memory.py --seqlens 262144 --max-length
 """
 from __future__ import annotations
 
 import argparse
+import gc
 import sys
 from pathlib import Path
 
@@ -29,10 +39,11 @@ from nsa.branches import compressed_branch, selected_branch  # noqa: E402
 from nsa.compression import compress, compressed_block_rows, compressed_cu_seqlens  # noqa: E402
 from nsa.selection import select_blocks  # noqa: E402
 from nsa.validation import validate_nsa_arguments  # noqa: E402
-from sparsity import row_block_offsets_from_cu_seqlens, transpose_block_sparse  # noqa: E402
+from sparsity import row_block_offsets_from_cu_seqlens, transpose_block_sparse_csr  # noqa: E402
 from _common import (  # noqa: E402
     add_problem_arguments, describe_device, measure_seqlens, nsa_options, positive_int,
-    problem_defaults_epilog, problem_summary, random_gate, random_qkv, resolve_problem_arguments)
+    problem_defaults_epilog, problem_summary, random_gate, random_qkv, resolve_problem_arguments,
+    write_results_json)
 
 MiB = 2 ** 20
 
@@ -52,7 +63,7 @@ def metadata_bytes(q, k, cu_seqlens, max_seqlen, args) -> dict[str, int]:
                                softmax_scale=config.softmax_scale, causal=True,
                                q_tile=config.q_tile, max_seqlen=max_seqlen)
     lists = selected.kernel_kwargs["block_sparse"]
-    transposed = transpose_block_sparse(
+    transposed = transpose_block_sparse_csr(
         lists, row_block_offsets_from_cu_seqlens(cu_seqlens, config.selected_block_size))
     result = {
         "selection": selection.selected.nbytes,
@@ -92,19 +103,30 @@ def saved_for_backward_bytes(fn) -> int:
     return sum(storages.values())
 
 
-def peak_bytes(fn, dout, device) -> int | None:
-    """Extra CUDA memory at the peak of fn().backward(dout); None off CUDA."""
+def must_exist_bytes(q, k, v) -> int:
+    """q, k, v, out, dout, dq, dk, dv and one float32 lse: what any attention training step
+    holds at its peak."""
+    tokens, heads = q.numel() // (q.shape[-1] * q.shape[-2]), q.shape[-2]
+    return 4 * q.nbytes + 2 * (k.nbytes + v.nbytes) + 4 * heads * tokens
+
+
+def peak_bytes(fn, dout, device, backward: bool = True) -> int | None:
+    """CUDA memory at the peak of fn() (and of its backward(dout) with `backward`), all
+    allocations included (inputs too); None off CUDA."""
     if device.type != "cuda":
         return None
     torch.cuda.synchronize(device)
     torch.cuda.reset_peak_memory_stats(device)
-    before = torch.cuda.memory_allocated(device)
-    fn().backward(dout)
+    out = fn()
+    if backward:
+        out.backward(dout)
+    del out
     torch.cuda.synchronize(device)
-    return torch.cuda.max_memory_allocated(device) - before
+    return torch.cuda.max_memory_allocated(device)
 
 
-def diagnose(seqlen: int, args) -> dict:
+def problem_tensors(seqlen: int, args):
+    """(q, k, v, dout, W_gate) for one run, on args.device."""
     shape_q = (args.batch, seqlen, args.heads, args.head_dim)
     shape_kv = (args.batch, seqlen, args.kv_heads, args.head_dim)
     q, k, v = random_qkv(shape_q, shape_kv, args.torch_dtype, args.device, requires_grad=True)
@@ -112,10 +134,17 @@ def diagnose(seqlen: int, args) -> dict:
         device=args.device, dtype=args.torch_dtype)
     W_gate = random_gate(args.heads, args.head_dim, args.torch_dtype, args.device,
                          requires_grad=True) if args.gate else None
+    return q, k, v, dout, W_gate
 
-    def run_nsa():
-        return nsa(q, k, v, W_gate=W_gate, num_cmp_selected_blocks=args.num_cmp_selected_blocks,
-                   **nsa_options(args))
+
+def nsa_call(q, k, v, W_gate, args):
+    return lambda: nsa(q, k, v, W_gate=W_gate,
+                       num_cmp_selected_blocks=args.num_cmp_selected_blocks, **nsa_options(args))
+
+
+def diagnose(seqlen: int, args) -> dict:
+    q, k, v, dout, W_gate = problem_tensors(seqlen, args)
+    run_nsa = nsa_call(q, k, v, W_gate, args)
 
     def run_dense():
         return kernels.flash_attn_func(q, k, v, causal=True)
@@ -125,13 +154,83 @@ def diagnose(seqlen: int, args) -> dict:
     with torch.no_grad():
         metadata = metadata_bytes(*packed, cu_seqlens, seqlen, args)
 
+    must_exist = must_exist_bytes(q, k, v)
     result = {"seqlen": seqlen, "inputs": sum(t.nbytes for t in (q, k, v)),
-              "metadata": metadata}
+              "must_exist": must_exist, "metadata": metadata}
     for name, fn in (("nsa", run_nsa), ("dense", run_dense)):
+        peak = peak_bytes(fn, dout, args.device)
+        q.grad = k.grad = v.grad = None
+        with torch.no_grad():
+            peak_fwd = peak_bytes(fn, dout, args.device, backward=False)
         result[name] = {"saved_for_backward": saved_for_backward_bytes(fn),
-                        "peak_fwd_bwd": peak_bytes(fn, dout, args.device)}
+                        "peak_fwd": peak_fwd, "peak_fwd_bwd": peak,
+                        "peak_over_must_exist": None if peak is None else peak / must_exist}
         q.grad = k.grad = v.grad = None
     return result
+
+
+def fits(seqlen: int, args, backward: bool) -> tuple[bool, dict]:
+    """Whether nsa() forward (+ backward) at B=1, N=seqlen fits; with the peak and the stage
+    that reached it when it does, or the allocator's message when it does not."""
+    device = args.device
+    try:
+        q, k, v, dout, W_gate = problem_tensors(seqlen, args)
+        must_exist = must_exist_bytes(q, k, v)
+        run = nsa_call(q, k, v, W_gate, args)
+        torch.cuda.reset_peak_memory_stats(device)
+        if backward:
+            out = run()
+            peak_fwd = torch.cuda.max_memory_allocated(device)
+            out.backward(dout)
+            del out
+        else:
+            with torch.no_grad():
+                run()
+            peak_fwd = torch.cuda.max_memory_allocated(device)
+        torch.cuda.synchronize(device)
+        peak = torch.cuda.max_memory_allocated(device)
+        stage = "backward" if peak > peak_fwd else "forward"
+        return True, dict(peak=peak, must_exist=must_exist, stage=stage)
+    except torch.cuda.OutOfMemoryError as error:
+        return False, dict(error=str(error).splitlines()[0])
+
+
+def max_length(args) -> list[dict]:
+    """The longest N (a multiple of 64K) whose forward, and forward+backward, fit: one row per
+    trial, then one row per pass with the answer."""
+    step = 65536
+    rows = []
+
+    def trial(n: int, backward: bool) -> bool:
+        ok, info = fits(n, args, backward)
+        # fits' frame (and a failed trial's traceback) is gone: return its blocks to the GPU.
+        gc.collect()
+        torch.cuda.empty_cache()
+        rows.append(dict(pass_="fwd+bwd" if backward else "fwd", seqlen=n, fits=ok, **info))
+        print(describe_trial(rows[-1]), flush=True)
+        return ok
+
+    for backward in (False, True):
+        good, n = 0, max(step, args.seqlens[0] // step * step)
+        while trial(n, backward):  # double until a trial fails
+            good, n = n, 2 * n
+        bad = n
+        while bad - good > step:  # bisect between the last fit and the first failure
+            n = (good + bad) // 2 // step * step
+            good, bad = (n, bad) if trial(n, backward) else (good, n)
+        pass_name = "fwd+bwd" if backward else "fwd"
+        rows.append(dict(pass_=pass_name, max_seqlen=good))
+        print(f"{pass_name}: the longest N that fits is {good} tokens (a multiple of {step}; "
+              f"{bad} does not fit)")
+    return rows
+
+
+def describe_trial(row: dict) -> str:
+    if not row["fits"]:
+        return f"  {row['pass_']:8s} N={row['seqlen']:>9d}  out of memory"
+    return (f"  {row['pass_']:8s} N={row['seqlen']:>9d}  peak {human(row['peak'])} in the "
+            f"{row['stage']}, {row['peak'] / row['must_exist']:.2f}x the tensors that must "
+            f"exist ({human(row['must_exist'])})")
 
 
 def human(nbytes: int | None) -> str:
@@ -150,9 +249,13 @@ def format_result(result: dict) -> str:
         if key in meta:
             lines.append(f"  {key:<34} {human(meta[key]):>14}")
     lines.append(f"  {'memory':<34} {'nsa':>14} {'dense':>14}")
-    for key in ("saved_for_backward", "peak_fwd_bwd"):
+    for key in ("saved_for_backward", "peak_fwd", "peak_fwd_bwd"):
         lines.append(f"  {key:<34} {human(result['nsa'][key]):>14} "
                      f"{human(result['dense'][key]):>14}")
+    ratios = [result[name]["peak_over_must_exist"] for name in ("nsa", "dense")]
+    lines.append(f"  {'peak / must exist':<34} "
+                 + " ".join(f"{'-' if r is None else f'{r:.2f}x':>14}" for r in ratios)
+                 + f"   (must exist: {human(result['must_exist'])})")
     return "\n".join(lines)
 
 
@@ -164,6 +267,9 @@ def parse_args(argv):
     add_problem_arguments(parser)
     parser.add_argument("--num-cmp-selected-blocks", type=positive_int,
                         help="make the compressed branch block-sparse (default: dense)")
+    parser.add_argument("--max-length", action="store_true",
+                        help="search the longest N whose nsa() forward and forward+backward "
+                             "fit the GPU (CUDA only; B=1, from the first --seqlens up)")
     parser.add_argument("--json", type=Path, help="write the results to this JSON file")
     args = parser.parse_args(argv)
     resolve_problem_arguments(args, parser)
@@ -175,9 +281,18 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     device = describe_device(args.device)
     print(f"{device}, torch {torch.__version__}; B={args.batch} {problem_summary(args)}")
+    if args.max_length:
+        if args.device.type != "cuda" or args.batch != 1:
+            print("diagnose_memory: --max-length needs a CUDA device and --batch 1",
+                  file=sys.stderr)
+            return 2
+        rows = max_length(args)
+        if args.json:
+            write_results_json(args.json, "diagnose_memory", argv, device, rows)
+        return 0
     if args.device.type != "cuda":
-        print("CPU: peak memory needs CUDA's allocator statistics; saved-for-backward and "
-              "metadata bytes are measured")
+        print("CPU: peak memory needs CUDA's allocator statistics; saved-for-backward, "
+              "must-exist and metadata bytes are measured")
     measure_seqlens("diagnose_memory", argv, args, device, diagnose, format_result)
     return 0
 

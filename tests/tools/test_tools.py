@@ -306,6 +306,18 @@ def test_diagnose_reports_metadata_and_saved_bytes(tmp_path):
         assert result["dense"]["saved_for_backward"] > result["inputs"]
         assert result["nsa"]["saved_for_backward"] >= result["inputs"]
     assert results[1]["metadata"]["selected_lists"] > results[0]["metadata"]["selected_lists"]
+    # The must-exist tensors: q, out, dout, dq (4 x q), k, v, dk, dv (2 x (k + v)), a float32
+    # lse; peaks need CUDA.
+    for result in results:
+        n = result["seqlen"]
+        q_bytes, kv_bytes = n * 4 * 16 * 4, 2 * n * 2 * 16 * 4
+        assert result["must_exist"] == 4 * q_bytes + 2 * kv_bytes + 4 * 4 * n
+        assert result["nsa"]["peak_fwd_bwd"] is None and result["nsa"]["peak_over_must_exist"] is None
+
+
+def test_diagnose_max_length_needs_cuda(capsys):
+    assert load_tool("diagnose_memory").main([*TINY, "--max-length"]) == 2
+    assert "--max-length needs a CUDA device" in capsys.readouterr().err
 
 
 # ----------------------------------------------------------------------------------------------
