@@ -4,9 +4,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from nsa import ops as nsa_ops
+from nsa.config import NSAConfig
 from nsa.function import NSAFunction
 from nsa.selection_rule import CMP_KV_BLOCK, SELECTION_Q_TILE
-from nsa.validation import validate_nsa_call
+from nsa.validation import PackedSequences, validate_nsa_call
 
 
 def nsa(q: Tensor, k: Tensor, v: Tensor, *, cu_seqlens: Tensor | None = None,
@@ -15,6 +17,7 @@ def nsa(q: Tensor, k: Tensor, v: Tensor, *, cu_seqlens: Tensor | None = None,
         W_k: Tensor | None = None, W_v: Tensor | None = None, W_gate: Tensor | None = None,
         causal: bool = True, softmax_scale: float | None = None,
         num_cmp_selected_blocks: int | None = None, deterministic: bool = False,
+        host_cu_seqlens: tuple[int, ...] | list[int] | None = None,
         _q_tile: int = SELECTION_Q_TILE, _cmp_kv_block: int = CMP_KV_BLOCK) -> Tensor:
     """Native Sparse Attention: compressed + selected + sliding-window branches, gated.
 
@@ -48,6 +51,18 @@ def nsa(q: Tensor, k: Tensor, v: Tensor, *, cu_seqlens: Tensor | None = None,
         kernels sum dQ in a fixed order; slower). False (the default) is the fast mode, whose
         gradients may differ in the last bits between runs. The forward is deterministic either
         way.
+    host_cu_seqlens: cu_seqlens's values on the host (a tuple or list of S+1 ints), for callers
+        that have them (a data loader packing sequences builds them on the host): nsa() then
+        reads no tensor's values while checking (no wait on the GPU), and uses these instead of
+        reading cu_seqlens. They must equal cu_seqlens's values; only their form is checked
+        (start 0, non-decreasing, end T, one per entry of cu_seqlens), never against the tensor,
+        which would read it. Required with cu_seqlens under torch.compile (a ValueError naming it
+        otherwise); padded inputs need nothing (their bounds come from the shape), and passing
+        it without cu_seqlens is a ValueError.
+    torch.compile: nsa() compiles with fullgraph=True, forward and backward. While compiling it
+        calls the custom ops `torch.ops.nsa_cute.nsa_forward` / `nsa_backward` (nsa/ops.py),
+        opaque to the compiler, which compute what eager nsa() computes (the backward also
+        recomputes the block selection, which eager nsa() keeps from the forward).
     _q_tile, _cmp_kv_block: test-only overrides of SELECTION_Q_TILE and CMP_KV_BLOCK, so tests
         can exercise many tiles at tiny sizes. The kernels are built for the defaults.
     """
@@ -57,18 +72,32 @@ def nsa(q: Tensor, k: Tensor, v: Tensor, *, cu_seqlens: Tensor | None = None,
         num_selected_blocks=num_selected_blocks, window_size=window_size, W_k=W_k, W_v=W_v,
         W_gate=W_gate, causal=causal, softmax_scale=softmax_scale,
         num_cmp_selected_blocks=num_cmp_selected_blocks, q_tile=_q_tile,
-        cmp_kv_block=_cmp_kv_block, deterministic=deterministic)
+        cmp_kv_block=_cmp_kv_block, deterministic=deterministic,
+        host_cu_seqlens=host_cu_seqlens)
     weights = tuple(None if W is None else W.contiguous() for W in (W_k, W_v, W_gate))
-    # The checks read cu_seqlens once; its values travel with the call from here on.
+    # The checks read cu_seqlens once (or took host_cu_seqlens); its values travel with the call
+    # from here on.
     if cu_seqlens is not None:
-        return NSAFunction.apply(q.contiguous(), k.contiguous(), v.contiguous(), *weights,
-                                 cu_seqlens, sequences.max_seqlen, config, sequences.cu_seqlens)
+        return _packed_nsa(q.contiguous(), k.contiguous(), v.contiguous(), *weights, cu_seqlens,
+                           config, sequences)
     # A padded batch is B sequences of N rows, packed (an empty batch as one empty sequence);
     # built on the device, so nothing waits on it (sequences.cu_seqlens holds the same values).
     batch, seqlen = q.shape[:2]
     cu_seqlens = torch.arange(max(batch, 1) + 1, dtype=torch.int32, device=q.device) * \
         (seqlen if batch else 0)
     packed = (x.reshape(batch * seqlen, *x.shape[2:]) for x in (q, k, v))
-    out = NSAFunction.apply(*packed, *weights, cu_seqlens, sequences.max_seqlen, config,
-                            sequences.cu_seqlens)
+    out = _packed_nsa(*packed, *weights, cu_seqlens, config, sequences)
     return out.view(q.shape)
+
+
+def _packed_nsa(q, k, v, W_k, W_v, W_gate, cu_seqlens: Tensor, config: NSAConfig,
+                sequences: PackedSequences) -> Tensor:
+    """nsa() on packed, checked tensors: NSAFunction eagerly, the custom ops under
+    torch.compile (which cannot trace NSAFunction's device reads and value-sized lists)."""
+    if torch.compiler.is_compiling():
+        out, *_lses = nsa_ops.nsa_forward(q, k, v, W_k, W_v, W_gate, cu_seqlens,
+                                          list(sequences.cu_seqlens), sequences.max_seqlen,
+                                          *nsa_ops.config_arguments(config))
+        return out
+    return NSAFunction.apply(q, k, v, W_k, W_v, W_gate, cu_seqlens, sequences.max_seqlen,
+                             config, sequences.cu_seqlens)

@@ -14,6 +14,9 @@ taken with create_graph=True are right to first order, and differentiating them 
 The sequence bounds live on the host too (`PackedSequences`, as nsa() read them while checking):
 the compressed bounds, the number of compressed tokens and every kernel call's checks use those
 values, so after the checks only selection and the block-list builders read the device.
+
+`packed_forward` and `packed_gradients` are the Function's work without its ctx: the custom ops
+that torch.compile sees (nsa/ops.py) run them too.
 """
 from __future__ import annotations
 
@@ -45,29 +48,12 @@ class NSAFunction(torch.autograd.Function):
         if host_cu_seqlens is None:
             host_cu_seqlens = tuple(cu_seqlens.tolist())
         sequences = PackedSequences(tuple(host_cu_seqlens), max_seqlen)
-        cu_seqlens_cmp = compressed_cu_seqlens(cu_seqlens, config.compress_block_size)
-        rows = compressed_rows(cu_seqlens, cu_seqlens_cmp, sequences, config)
-        k_cmp = compress(k, rows, W_k)  # compute dtype: the selection scores read it
-        branches = _plan_branches(q, k_cmp, cu_seqlens, cu_seqlens_cmp, sequences, config)
-        k_cmp, v_cmp = k_cmp.to(k.dtype), compress(v, rows, W_v).to(v.dtype)
-        del rows
-
-        # One pass over the branch outputs on sm90; elsewhere a float32 sum that frees each
-        # output as it is added (kernels/gated_sum.py).
-        out = GatedSum(gate_weights(q, W_gate, config.branches), like=q)
-        lses = []
-        for branch in branches:
-            keys, values = (k_cmp, v_cmp) if branch.reads_compressed else (k, v)
-            branch_out, lse = branch.forward(q, keys, values)
-            out.add(branch.index, branch_out)
-            lses.append(lse)
-            del branch_out
-        del k_cmp, v_cmp
-
+        out, branches, cu_seqlens_cmp, lses = packed_forward(
+            q, k, v, W_k, W_v, W_gate, cu_seqlens, sequences, config)
         ctx.save_for_backward(q, k, v, W_k, W_v, W_gate, cu_seqlens, cu_seqlens_cmp, *lses)
         ctx.branches, ctx.config, ctx.sequences = branches, config, sequences
         ctx.transposed_lists = None  # built by the first backward (`_transposed_lists`)
-        return out.result()
+        return out
 
     @staticmethod
     def backward(ctx, dout: Tensor):
@@ -80,10 +66,45 @@ class NSAFunction(torch.autograd.Function):
         return (*grads, None, None, None, None)
 
 
+def packed_forward(q: Tensor, k: Tensor, v: Tensor, W_k: Tensor | None, W_v: Tensor | None,
+                   W_gate: Tensor | None, cu_seqlens: Tensor, sequences: PackedSequences,
+                   config: NSAConfig) -> tuple[Tensor, list[Branch], Tensor, list[Tensor]]:
+    """NSAFunction's forward without autograd: (out, the branches that ran, the compressed
+    cu_seqlens, each branch's lse), the last three what `packed_gradients` needs."""
+    cu_seqlens_cmp = compressed_cu_seqlens(cu_seqlens, config.compress_block_size)
+    rows = compressed_rows(cu_seqlens, cu_seqlens_cmp, sequences, config)
+    k_cmp = compress(k, rows, W_k)  # compute dtype: the selection scores read it
+    branches = _plan_branches(q, k_cmp, cu_seqlens, cu_seqlens_cmp, sequences, config)
+    k_cmp, v_cmp = k_cmp.to(k.dtype), compress(v, rows, W_v).to(v.dtype)
+    del rows
+
+    # One pass over the branch outputs on sm90; elsewhere a float32 sum that frees each
+    # output as it is added (kernels/gated_sum.py).
+    out = GatedSum(gate_weights(q, W_gate, config.branches), like=q)
+    lses = []
+    for branch in branches:
+        keys, values = (k_cmp, v_cmp) if branch.reads_compressed else (k, v)
+        branch_out, lse = branch.forward(q, keys, values)
+        out.add(branch.index, branch_out)
+        lses.append(lse)
+        del branch_out
+    del k_cmp, v_cmp
+    return out.result(), branches, cu_seqlens_cmp, lses
+
+
 def _gradients(ctx, dout: Tensor) -> tuple:
     """(dq, dk, dv, dW_k, dW_v, dW_gate) of NSAFunction, None for absent weights."""
     q, k, v, W_k, W_v, W_gate, cu_seqlens, cu_seqlens_cmp, *lses = ctx.saved_tensors
-    config: NSAConfig = ctx.config
+    return packed_gradients(dout, q, k, v, W_k, W_v, W_gate, cu_seqlens, cu_seqlens_cmp, lses,
+                            ctx.branches, ctx.sequences, ctx.config, _transposed_lists(ctx))
+
+
+def packed_gradients(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, W_k: Tensor | None,
+                     W_v: Tensor | None, W_gate: Tensor | None, cu_seqlens: Tensor,
+                     cu_seqlens_cmp: Tensor, lses, branches: list[Branch],
+                     sequences: PackedSequences, config: NSAConfig, transposed: dict) -> tuple:
+    """(dq, dk, dv, dW_k, dW_v, dW_gate) of `packed_forward`, None for absent weights, given
+    what it returned; `transposed` as `_transposed_lists` builds it."""
     dtype = compute_dtype(q.dtype)
     dout = dout.contiguous()
     gates = gate_weights(q, W_gate, config.branches)
@@ -93,12 +114,11 @@ def _gradients(ctx, dout: Tensor) -> tuple:
     dv = torch.zeros(v.shape, dtype=dtype, device=v.device)
     d_gates = torch.zeros(*q.shape[:2], NUM_BRANCHES, dtype=dtype, device=q.device)
     dW_k = dW_v = dW_gate = None
-    transposed = _transposed_lists(ctx)
 
     branch: Branch
-    for branch, lse in zip(ctx.branches, lses):
+    for branch, lse in zip(branches, lses):
         if branch.reads_compressed:
-            rows = compressed_rows(cu_seqlens, cu_seqlens_cmp, ctx.sequences, config)
+            rows = compressed_rows(cu_seqlens, cu_seqlens_cmp, sequences, config)
             keys = compress(k, rows, W_k).to(k.dtype)
             values = compress(v, rows, W_v).to(v.dtype)
         else:
@@ -142,9 +162,13 @@ def _transposed_lists(ctx) -> dict:
     to transpose or no kernel runs); built on the first backward, not in the forward: a forward
     cannot tell whether a backward will follow (under no_grad it still sees needs_input_grad)."""
     if ctx.transposed_lists is None:
-        ctx.transposed_lists = {branch.index: branch.transposed_lists()
-                                for branch in ctx.branches}
+        ctx.transposed_lists = transposed_lists(ctx.branches)
     return ctx.transposed_lists
+
+
+def transposed_lists(branches: list[Branch]) -> dict:
+    """Branch index -> `Branch.transposed_lists()` (see `_transposed_lists`)."""
+    return {branch.index: branch.transposed_lists() for branch in branches}
 
 
 def compressed_rows(cu_seqlens: Tensor, cu_seqlens_cmp: Tensor, sequences: PackedSequences,

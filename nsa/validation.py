@@ -3,7 +3,9 @@
 Each failure raises TypeError (wrong kind of value) or ValueError (right kind, wrong value) whose
 message names the argument and the form it should have. Reading cu_seqlens's values is the one
 host transfer the checks need; the values read are returned (`PackedSequences`) so that the rest
-of the call never reads them again.
+of the call never reads them again. With `host_cu_seqlens` (the same values, given on the host)
+the checks read no tensor value at all, which torch.compile needs: under compile a varlen call
+without it is refused (a read to the host would break the graph).
 """
 from __future__ import annotations
 
@@ -52,7 +54,8 @@ def validate_nsa_arguments(q, k, v, **kwargs) -> tuple[NSAConfig, int]:
 def validate_nsa_call(q, k, v, *, cu_seqlens, max_seqlen, compress_block_size,
                       selected_block_size, num_selected_blocks, window_size, W_k, W_v, W_gate,
                       causal, softmax_scale, num_cmp_selected_blocks, q_tile,
-                      cmp_kv_block, deterministic=False) -> tuple[NSAConfig, PackedSequences]:
+                      cmp_kv_block, deterministic=False, host_cu_seqlens=None
+                      ) -> tuple[NSAConfig, PackedSequences]:
     """The resolved options and the sequences, or an error naming the first bad argument."""
     q_tile = _positive_int("_q_tile", q_tile)
     cmp_kv_block = _positive_int("_cmp_kv_block", cmp_kv_block)
@@ -77,7 +80,10 @@ def validate_nsa_call(q, k, v, *, cu_seqlens, max_seqlen, compress_block_size,
     _check_weight("W_v", W_v, (kv_heads, head_dim, head_dim), "(Hkv, D, D)", q)
     _check_weight("W_gate", W_gate, (heads, 3, head_dim), "(H, 3, D)", q)
     if varlen:
-        sequences = _check_cu_seqlens(cu_seqlens, max_seqlen, q)
+        sequences = _check_cu_seqlens(cu_seqlens, max_seqlen, q, host_cu_seqlens)
+    elif host_cu_seqlens is not None:
+        raise ValueError("host_cu_seqlens must be None without cu_seqlens: it gives cu_seqlens's "
+                         "values on the host (a padded batch's bounds come from its shape)")
     else:
         batch, seqlen = q.shape[:2]
         sequences = PackedSequences(
@@ -143,7 +149,8 @@ def _check_weight(name: str, W, shape: tuple[int, ...], form: str, q: Tensor) ->
         raise ValueError(f"{name} must be on q's device ({q.device}), got {W.device}")
 
 
-def _check_cu_seqlens(cu_seqlens, max_seqlen, q: Tensor) -> PackedSequences:
+def _check_cu_seqlens(cu_seqlens, max_seqlen, q: Tensor, host_cu_seqlens=None
+                      ) -> PackedSequences:
     _tensor("cu_seqlens", cu_seqlens)
     if cu_seqlens.dtype != torch.int32:
         raise TypeError(f"cu_seqlens must be int32, got {cu_seqlens.dtype}")
@@ -153,13 +160,22 @@ def _check_cu_seqlens(cu_seqlens, max_seqlen, q: Tensor) -> PackedSequences:
     if cu_seqlens.device != q.device:
         raise ValueError(f"cu_seqlens must be on q's device ({q.device}), got "
                          f"{cu_seqlens.device}")
-    cu = cu_seqlens.tolist()
+    if host_cu_seqlens is not None:
+        cu, name = _host_bounds(host_cu_seqlens, cu_seqlens), "host_cu_seqlens"
+    elif torch.compiler.is_compiling():
+        raise ValueError(
+            "host_cu_seqlens is required with cu_seqlens under torch.compile: nsa() would "
+            "otherwise read cu_seqlens to the host, which breaks the graph; pass "
+            "host_cu_seqlens=<cu_seqlens's values as a tuple of ints> (e.g. from the data "
+            "loader, which built them on the host)")
+    else:
+        cu, name = cu_seqlens.tolist(), "cu_seqlens"
     if cu[0] != 0:
-        raise ValueError(f"cu_seqlens must start at 0, got {cu[0]}")
+        raise ValueError(f"{name} must start at 0, got {cu[0]}")
     if any(b < a for a, b in zip(cu, cu[1:])):
-        raise ValueError(f"cu_seqlens must be non-decreasing, got {cu}")
+        raise ValueError(f"{name} must be non-decreasing, got {cu}")
     if cu[-1] != q.shape[0]:
-        raise ValueError(f"cu_seqlens must end at q's number of rows ({q.shape[0]}), "
+        raise ValueError(f"{name} must end at q's number of rows ({q.shape[0]}), "
                          f"got {cu[-1]}")
     longest = max(b - a for a, b in zip(cu, cu[1:]))
     if max_seqlen is None:
@@ -170,6 +186,19 @@ def _check_cu_seqlens(cu_seqlens, max_seqlen, q: Tensor) -> PackedSequences:
                          f"got {max_seqlen}")
     _check_max_seqlen_limit(max_seqlen)
     return PackedSequences(tuple(cu), max_seqlen)
+
+
+def _host_bounds(host_cu_seqlens, cu_seqlens: Tensor) -> list[int]:
+    """host_cu_seqlens as a list of ints, one per entry of cu_seqlens. Its values are taken to
+    be cu_seqlens's: comparing them would read the device, the very thing it spares."""
+    if isinstance(host_cu_seqlens, Tensor) or not isinstance(host_cu_seqlens, (list, tuple)):
+        raise TypeError(f"host_cu_seqlens must be a tuple or list of ints (cu_seqlens's values "
+                        f"on the host), got {type(host_cu_seqlens).__name__}")
+    bounds = [_int("host_cu_seqlens[i]", b) for b in host_cu_seqlens]
+    if len(bounds) != cu_seqlens.shape[0]:
+        raise ValueError(f"host_cu_seqlens must have one entry per entry of cu_seqlens "
+                         f"({cu_seqlens.shape[0]}), got {len(bounds)}")
+    return bounds
 
 
 def _check_max_seqlen_limit(max_seqlen: int) -> None:
