@@ -182,7 +182,10 @@ def compressed_rows(cu_seqlens: Tensor, cu_seqlens_cmp: Tensor, sequences: Packe
 def _plan_branches(q: Tensor, k_cmp: Tensor, cu_seqlens: Tensor, cu_seqlens_cmp: Tensor,
                    sequences: PackedSequences, config: NSAConfig) -> list[Branch]:
     """Select blocks (scored against k_cmp in the compute dtype); describe the branches that run."""
-    selection = select_blocks(q, k_cmp, cu_seqlens, cu_seqlens_cmp, **config.selection_kwargs())
+    host_bounds = (sequences.cu_seqlens,
+                   sequences.compressed_cu_seqlens(config.compress_block_size))
+    selection = select_blocks(q, k_cmp, cu_seqlens, cu_seqlens_cmp, host_bounds=host_bounds,
+                              **config.selection_kwargs())
     return describe_branches(selection, cu_seqlens, cu_seqlens_cmp, sequences, config)
 
 

@@ -14,15 +14,16 @@ computes the same lists for all tiles of all sequences at once:
    the first num_selected_blocks entries are the selection.
 
 Cost on a GPU is launches and host syncs, not math, so the work is a fixed number of whole-tensor
-ops per chunk and the host reads the sequence bounds once (one sync per call). The per-tile
-geometry is derived on the device from cu_seqlens; the chunk plan is host arithmetic on the bounds
-just read.
+ops per chunk and the host reads the sequence bounds once (one sync per call), or none when the
+caller hands them over (`host_bounds`: nsa() does). The per-tile geometry is derived on the device
+from cu_seqlens; the chunk plan is host arithmetic on the host bounds.
 """
 from __future__ import annotations
 
 from bisect import bisect_right
 from dataclasses import dataclass
 from itertools import accumulate
+from typing import Sequence
 
 import torch
 from torch import Tensor
@@ -84,18 +85,24 @@ def select_blocks(q: Tensor, k_cmp: Tensor, cu_seqlens: Tensor, cu_seqlens_cmp: 
                   compress_block_size: int, selected_block_size: int, num_selected_blocks: int,
                   softmax_scale: float, causal: bool = True,
                   num_cmp_selected_blocks: int | None = None, q_tile: int = SELECTION_Q_TILE,
-                  cmp_kv_block: int = CMP_KV_BLOCK) -> BlockSelection:
+                  cmp_kv_block: int = CMP_KV_BLOCK,
+                  host_bounds: tuple[Sequence[int], Sequence[int]] | None = None
+                  ) -> BlockSelection:
     """Selected blocks per (q tile, KV head) for the selected and the sparse compressed branch.
 
     q (T, H, D) and k_cmp (Tc, Hkv, D) packed; the result's lists are local block indices,
     ascending, -1 padded (see BlockSelection). Not differentiable (selection is discrete).
+    host_bounds: the values of (cu_seqlens, cu_seqlens_cmp) when the caller has them on the
+    host (nsa() does): then nothing is read from the device.
     """
     l, l_sel = compress_block_size, selected_block_size
     heads, dim = q.shape[1:]
     kv_heads = k_cmp.shape[1]
-    # The only device -> host read: the sequence bounds, for the shapes and the chunk plan.
-    bounds = torch.cat([cu_seqlens.to(torch.int64), cu_seqlens_cmp.to(torch.int64)]).tolist()
-    cu_host, cu_cmp_host = bounds[:cu_seqlens.numel()], bounds[cu_seqlens.numel():]
+    if host_bounds is None:
+        # The only device -> host read: the sequence bounds, for the shapes and the chunk plan.
+        bounds = torch.cat([cu_seqlens.to(torch.int64), cu_seqlens_cmp.to(torch.int64)]).tolist()
+        host_bounds = bounds[:cu_seqlens.numel()], bounds[cu_seqlens.numel():]
+    cu_host, cu_cmp_host = (list(b) for b in host_bounds)
     lengths = [end - start for start, end in zip(cu_host, cu_host[1:])]
     num_tiles = sum(-(-n // q_tile) for n in lengths)
     offsets, tiles = _tile_layout(cu_seqlens, cu_seqlens_cmp, num_tiles, q_tile, l, causal)

@@ -132,3 +132,23 @@ def test_selected_lists_hold_the_forced_blocks_and_earlier_candidates():
             assert forced <= set(blocks)
             assert set(blocks) - forced <= set(candidates)
             assert len(blocks) == min(5, len(forced | set(candidates)))
+
+
+def test_selection_given_the_host_bounds_reads_nothing_and_selects_the_same(monkeypatch):
+    from op_counting import OpCounter
+
+    generator = torch.Generator().manual_seed(4)
+    lengths = [40, 17, 0, 29]
+    q = torch.randn(sum(lengths), 4, 8, generator=generator)
+    k = torch.randn(sum(lengths), 2, 8, generator=generator)
+    cu_seqlens = cu_seqlens_of(lengths)
+    k_cmp, _, cu_cmp = compress_kv(k, k, cu_seqlens, RULE["compress_block_size"])
+    kwargs = dict(softmax_scale=8 ** -0.5, **RULE)
+    read = select_blocks(q, k_cmp, cu_seqlens, cu_cmp, **kwargs)
+    host_bounds = (cu_seqlens.tolist(), cu_cmp.tolist())
+    counter = OpCounter(monkeypatch)
+    with counter:
+        given = select_blocks(q, k_cmp, cu_seqlens, cu_cmp, **kwargs, host_bounds=host_bounds)
+    assert counter.reads == 0
+    _assert_same_selection(given, read)
+    assert torch.equal(given.cmp_selected, read.cmp_selected)
