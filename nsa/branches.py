@@ -24,7 +24,7 @@ import kernels
 from kernels.interface import (attention_backward_trusted, attention_forward_trusted,
                                kernels_unavailable, transpose_block_sparse_trusted)
 from sparsity import (BlockSparseTensors, build_compressed_block_sparse,
-                      build_selected_block_sparse)
+                      build_selected_block_sparse, build_selected_block_sparse_trusted)
 from nsa.selection_rule import CMP_KV_BLOCK, SELECTION_Q_TILE
 
 COMPRESSED, SELECTED, WINDOW = 0, 1, 2  # branch order, also the gate order of W_gate (H, 3, D)
@@ -106,10 +106,16 @@ def selected_branch(cu_seqlens: Tensor, selected: Tensor, *, selected_block_size
                     host_cu_seqlens: HostBounds | None = None) -> Branch:
     """Attention to the selected blocks (R, Hkv, k): kernel tiles of q_tile rows and
     selected_block_size keys, causal inside the diagonal blocks.
-    host_cu_seqlens: the checked values of cu_seqlens, if the caller has them."""
-    block_sparse = build_selected_block_sparse(
-        selected, cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens, q_tile=q_tile,
-        selected_block_size=selected_block_size, kv_block=selected_block_size, causal=causal)
+    host_cu_seqlens: the checked values of cu_seqlens, if the caller has them: then the lists
+    are built without reading the device (padded to host bounds, not to the longest list)."""
+    if host_cu_seqlens is None:
+        block_sparse = build_selected_block_sparse(
+            selected, cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens, q_tile=q_tile,
+            selected_block_size=selected_block_size, kv_block=selected_block_size, causal=causal)
+    else:
+        block_sparse = build_selected_block_sparse_trusted(
+            selected, cu_seqlens=cu_seqlens, host_cu_seqlens=host_cu_seqlens, q_tile=q_tile,
+            selected_block_size=selected_block_size, kv_block=selected_block_size, causal=causal)
     return Branch(SELECTED, dict(
         cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens, max_seqlen_q=max_seqlen,
         max_seqlen_k=max_seqlen, softmax_scale=softmax_scale, causal=causal,

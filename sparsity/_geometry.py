@@ -37,15 +37,18 @@ class TileGeometry:
         return self.sequence.numel()
 
 
-def tile_geometry(cu_q: Tensor, cu_k: Tensor, q_tile: int) -> TileGeometry:
+def tile_geometry(cu_q: Tensor, cu_k: Tensor, q_tile: int,
+                  num_tiles: int | None = None) -> TileGeometry:
     """cu_q, cu_k: checked (S+1,) int64 cumulative lengths on one device.
 
-    Reads the device once (the number of tiles sizes every per-tile tensor); the per-sequence
-    quantities reach the tiles in one gather.
+    Reads the device once (the number of tiles sizes every per-tile tensor), unless the caller
+    knows `num_tiles` from host bounds; the per-sequence quantities reach the tiles in one
+    gather.
     """
     seqlen_q, seqlen_k = cu_q.diff(), cu_k.diff()
     offsets = offsets_from_counts(ceil_div(seqlen_q, q_tile))
-    num_tiles = int(offsets[-1])
+    if num_tiles is None:
+        num_tiles = int(offsets[-1])
     tile = torch.arange(num_tiles, device=cu_q.device)
     sequence = torch.searchsorted(offsets[1:], tile, right=True)
     per_sequence = torch.stack([offsets[:-1], seqlen_q, seqlen_k], dim=1)[sequence]

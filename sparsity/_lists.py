@@ -17,13 +17,16 @@ _ABSENT = _SPAN - 1
 Lists = tuple[Tensor, Tensor, Tensor, Tensor]  # full_count, full_index, mask_count, mask_index
 
 
-def compact_block_lists_below(blocks: Tensor, full_end: Tensor) -> Lists:
+def compact_block_lists_below(blocks: Tensor, full_end: Tensor,
+                              widths: tuple[int, int] | None = None) -> Lists:
     """Like compact_block_lists, for the causal builders where a block is full exactly when its
     index is below its row's threshold: blocks (R, Hs, n) int64, negative = absent; full_end
     broadcastable to (R, Hs, 1).
 
     Full blocks then lead every ascending list, so sorting out holes and duplicates (two sorts
-    of the block indices alone) already puts full before mask blocks.
+    of the block indices alone) already puts full before mask blocks. `widths`: host bounds on
+    the longest full and mask lists (the lists are padded to them; no device read); None pads to
+    the longest lists, read from the device.
     """
     keys = blocks.masked_fill(blocks < 0, _ABSENT).sort(dim=-1).values
     keys[..., 1:].masked_fill_(keys[..., 1:] == keys[..., :-1], _ABSENT)  # later duplicates
@@ -31,7 +34,7 @@ def compact_block_lists_below(blocks: Tensor, full_end: Tensor) -> Lists:
     present = ordered != _ABSENT
     full_count = (present & (ordered < full_end)).sum(-1)
     mask_count = present.sum(-1) - full_count
-    return _lists(ordered, full_count, mask_count)
+    return _lists(ordered, full_count, mask_count, widths)
 
 
 def compact_block_lists(blocks: Tensor, is_full: Tensor) -> Lists:
@@ -71,10 +74,12 @@ def padded_range(start: Tensor, stop: Tensor, width: int) -> Tensor:
     return torch.where(slots < (stop - start)[:, None], start[:, None] + slots, -1)
 
 
-def _lists(ordered: Tensor, full_count: Tensor, mask_count: Tensor) -> Lists:
+def _lists(ordered: Tensor, full_count: Tensor, mask_count: Tensor,
+           widths: tuple[int, int] | None = None) -> Lists:
     """Full lists are the first full_count entries of each ordered row, mask lists the next
-    mask_count; both -1 padded to their longest list."""
-    full_width, mask_width = _widths(full_count, mask_count)
+    mask_count; both -1 padded to their longest list, or to `widths` (host bounds the caller
+    guarantees: an entry past them would be lost)."""
+    full_width, mask_width = widths if widths is not None else _widths(full_count, mask_count)
     full_index = _take(ordered[..., :full_width], full_count, full_width)
     if mask_width:
         slots = torch.arange(mask_width, device=ordered.device)

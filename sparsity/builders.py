@@ -13,6 +13,8 @@ for the widths of the padded lists (the lengths of the longest lists are data).
 """
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 from torch import Tensor
 
@@ -59,7 +61,40 @@ def build_selected_block_sparse(selected: Tensor, *, cu_seqlens_q: Tensor, cu_se
     check_matching_sequences(cu_q, "cu_seqlens_q", cu_k, "cu_seqlens_k")
     geometry = tile_geometry(cu_q, cu_k, q_tile)
     picks = check_block_indices(selected, "selected", geometry.num_tiles)
+    return _selected_lists(picks, geometry, q_tile, selected_block_size, kv_block, causal)
 
+
+def build_selected_block_sparse_trusted(selected: Tensor, *, cu_seqlens: Tensor,
+                                        host_cu_seqlens: Sequence[int], q_tile: int,
+                                        selected_block_size: int, kv_block: int,
+                                        causal: bool = True) -> BlockSparseTensors:
+    """`build_selected_block_sparse` for self-attention (one cu_seqlens for q and keys) without
+    device reads, for callers that produced `selected` themselves and hold the sequence bounds
+    on the host (nsa(): its selection, its checked bounds), so a CUDA graph can capture it.
+
+    Trusted, not checked: cu_seqlens holds the values host_cu_seqlens names, and `selected`
+    (R, Hs, k) has one row per q tile and entries -1 or block indices of the sequence. The
+    lists are padded to host bounds instead of their longest list: k * selected_block_size /
+    kv_block full entries (every pick) and, causal, the diagonal blocks of a tile
+    (`max_diagonal_blocks`) as mask entries (a block is a mask block only where the tile's
+    rows see it partly, which is on the diagonal); non-causal lists have no mask entries.
+    """
+    if selected_block_size % kv_block:
+        raise ValueError(f"kv_block ({kv_block}) must divide selected_block_size "
+                         f"({selected_block_size}) for the trusted builder")
+    cu = cu_seqlens.to(torch.int64)
+    num_tiles = sum(ceil_div(b - a, q_tile) for a, b in zip(host_cu_seqlens, host_cu_seqlens[1:]))
+    geometry = tile_geometry(cu, cu, q_tile, num_tiles=num_tiles)
+    ratio = selected_block_size // kv_block
+    widths = (selected.shape[-1] * ratio,
+              max_diagonal_blocks(q_tile, 1, kv_block) if causal else 0)
+    return _selected_lists(selected.to(torch.int64), geometry, q_tile, selected_block_size,
+                           kv_block, causal, widths)
+
+
+def _selected_lists(picks: Tensor, geometry: TileGeometry, q_tile: int, selected_block_size: int,
+                    kv_block: int, causal: bool,
+                    widths: tuple[int, int] | None = None) -> BlockSparseTensors:
     if selected_block_size >= kv_block:
         kernel_blocks = _split_selected_blocks(picks, selected_block_size // kv_block)
     else:
@@ -67,7 +102,7 @@ def build_selected_block_sparse(selected: Tensor, *, cu_seqlens_q: Tensor, cu_se
                                                selected_block_size, kv_block, causal)
     n_full, n_visible = visible_block_range(geometry, block_size=kv_block, causal=causal)
     kernel_blocks = kernel_blocks.masked_fill(kernel_blocks >= n_visible[:, None, None], -1)
-    lists = compact_block_lists_below(kernel_blocks, n_full[:, None, None])
+    lists = compact_block_lists_below(kernel_blocks, n_full[:, None, None], widths)
     return _assemble(lists, geometry, q_tile, kv_block)
 
 

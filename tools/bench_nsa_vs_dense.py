@@ -2,6 +2,9 @@
 
 Methods, each timed where it can run (a method that cannot is listed with the reason):
   nsa          nsa.nsa (ours: CuTe DSL kernels on sm_90, the PyTorch fallback elsewhere)
+  nsa-graph    the same nsa() call captured in a CUDA graph (torch.cuda.graph) and replayed:
+               the forward alone and forward+backward are each one capture (CUDA only; the
+               padded inputs need no host bounds, so nsa() reads nothing from the device)
   dense        kernels.flash_attn_func(causal=True) (ours, same dispatch)
   sdpa         torch.nn.functional.scaled_dot_product_attention(is_causal=True, enable_gqa=True)
   fa4          flash_attn.cute.flash_attn_func(causal=True), if flash-attn-4 is installed
@@ -57,8 +60,8 @@ from _common import (add_problem_arguments, attention_tflops, capped_causal_pair
                      problem_defaults_epilog, random_gate, random_qkv,
                      resolve_problem_arguments, time_ms)
 
-METHODS = ("nsa", "dense", "sdpa", "fa4", "fla-nsa")
-OURS = ("nsa", "dense")
+METHODS = ("nsa", "nsa-graph", "dense", "sdpa", "fa4", "fla-nsa")
+OURS = ("nsa", "nsa-graph", "dense")
 PASSES = ("fwd", "fwd+bwd")
 
 
@@ -82,6 +85,30 @@ def nsa_method(args) -> Callable:
                          requires_grad=True) if args.gate else None
     options = nsa_options(args) | deterministic_option(args)
     return lambda q, k, v: nsa(q, k, v, W_gate=W_gate, **options)
+
+
+def nsa_graph_method(args) -> Callable:
+    """nsa_method's call, marked for time_method to capture and replay (CUDA only)."""
+    if args.device.type != "cuda":
+        raise RuntimeError("CUDA graphs need a CUDA device")
+    run = nsa_method(args)
+    run.cuda_graph = True
+    return run
+
+
+def captured(fn: Callable[[], object]) -> Callable[[], None]:
+    """fn captured in a CUDA graph (after two warm-up calls on a side stream, which compile the
+    kernels and settle the allocator), returned as the graph's replay."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
 
 
 def dense_method(args) -> Callable:
@@ -135,12 +162,13 @@ def fla_nsa_method(args) -> Callable:
     return run
 
 
-METHOD_FACTORIES = {"nsa": nsa_method, "dense": dense_method, "sdpa": sdpa_method,
+METHOD_FACTORIES = {"nsa": nsa_method, "nsa-graph": nsa_graph_method,
+                    "dense": dense_method, "sdpa": sdpa_method,
                     "fa4": fa4_method, "fla-nsa": fla_nsa_method}
 
 
 def attended_pairs(method: str, seqlen: int, args) -> int:
-    if method in ("nsa", "fla-nsa"):
+    if method in ("nsa", "nsa-graph", "fla-nsa"):
         return nsa_pairs(seqlen, args.compress_block_size, args.selected_block_size,
                          args.num_selected_blocks, args.window_size)
     return causal_pairs(seqlen)
@@ -156,9 +184,11 @@ def time_method(run: Callable, seqlen: int, args) -> dict[str, float]:
     shape_kv = (args.batch, seqlen, args.kv_heads, args.head_dim)
     q, k, v = random_qkv(shape_q, shape_kv, args.torch_dtype, args.device)
     timings = {}
+    graph = getattr(run, "cuda_graph", False)
     if "fwd" in args.passes:
         with torch.no_grad():
-            timings["fwd"] = time_ms(lambda: run(q, k, v), args.device, warmup=args.warmup,
+            forward = captured(lambda: run(q, k, v)) if graph else lambda: run(q, k, v)
+            timings["fwd"] = time_ms(forward, args.device, warmup=args.warmup,
                                      repeats=args.repeats)
     if "fwd+bwd" not in args.passes:
         return timings
@@ -169,8 +199,8 @@ def time_method(run: Callable, seqlen: int, args) -> dict[str, float]:
     def forward_backward():
         q.grad = k.grad = v.grad = None
         run(q, k, v).backward(dout)
-    timings["fwd+bwd"] = time_ms(forward_backward, args.device, warmup=args.warmup,
-                                 repeats=args.repeats)
+    timings["fwd+bwd"] = time_ms(captured(forward_backward) if graph else forward_backward,
+                                 args.device, warmup=args.warmup, repeats=args.repeats)
     return timings
 
 
@@ -325,14 +355,14 @@ def format_branch_profile(rows: list[dict]) -> str:
 # ----------------------------------------------------------------------------------------------
 
 def format_table(results: list[Result], baseline: str) -> str:
-    header = f"{'N':>8}  {'method':<8} {'pass':<8} {'ms':>10} {'speedup':>8} {'TFLOP/s':>9}  status"
+    header = f"{'N':>8}  {'method':<9} {'pass':<8} {'ms':>10} {'speedup':>8} {'TFLOP/s':>9}  status"
     lines = [f"speedup = {baseline} ms / method ms (same N and pass); TFLOP/s over attended pairs",
              header, "-" * len(header)]
     for r in results:
         ms = f"{r.ms:10.3f}" if r.ms is not None else f"{'-':>10}"
         speedup = f"{r.speedup:7.2f}x" if r.speedup is not None else f"{'-':>8}"
         tflops = f"{r.tflops:9.3f}" if r.tflops is not None else f"{'-':>9}"
-        lines.append(f"{r.seqlen:>8}  {r.method:<8} {r.pass_:<8} {ms} {speedup} {tflops}  "
+        lines.append(f"{r.seqlen:>8}  {r.method:<9} {r.pass_:<8} {ms} {speedup} {tflops}  "
                      f"{r.status}")
     return "\n".join(lines)
 

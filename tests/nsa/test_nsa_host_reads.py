@@ -11,8 +11,11 @@ the dense compressed branch, 59 and 89 with the sparse one. Each kernel call re-
 and re-checked the block-sparse lists' contents (21 reads per list), and the number of compressed
 tokens was read in the forward and again in the backward. After: 6 and 0 (dense), 11 and 0
 (sparse); the padded layout has no cu_seqlens to check, one read fewer. Since session 11
-selection takes the host bounds nsa() read (5 and 10); with host_cu_seqlens given, nsa()'s
-checks read nothing either. What remains (for CUDA-graph capture) is the list builders'.
+selection takes the host bounds nsa() read and the selected branch's lists are built from them
+(`build_selected_block_sparse_trusted`, padded to host bounds): 1 and 6; with host_cu_seqlens
+given, nsa()'s checks read nothing either, so the default configuration (dense compressed
+branch) reads the device nowhere, forward or backward, as CUDA-graph capture needs. What
+remains is the sparse compressed branch's list builder.
 """
 
 import pytest
@@ -33,7 +36,7 @@ LENGTHS = [40, 17, 29]
 # tensor), the tiles (1), the selection's entries >= -1 (1) and the list widths (1).
 NSA_CHECKS, SELECTION, LIST_BUILD = 1, 0, 3
 CU_CHECK = 1
-SELECTED_LISTS = CU_CHECK + LIST_BUILD  # q and k share one cu_seqlens tensor: checked once
+SELECTED_LISTS = 0  # built from nsa()'s host bounds (build_selected_block_sparse_trusted)
 COMPRESSED_LISTS = 2 * CU_CHECK + LIST_BUILD  # cu_seqlens and the compressed cu_seqlens
 
 
@@ -63,7 +66,7 @@ def test_forward_reads_only_for_checks_selection_and_lists_backward_never(layout
         out = nsa(**inputs, **_options(compressed))
     expected = (NSA_CHECKS if layout == "varlen" else 0) + SELECTION + SELECTED_LISTS + (
         COMPRESSED_LISTS if compressed == "sparse" else 0)
-    assert counter.reads == expected  # varlen: 5 (dense compressed) and 10 (sparse)
+    assert counter.reads == expected  # varlen: 1 (dense compressed) and 6 (sparse)
 
     dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(1))
     counter = OpCounter(monkeypatch)
@@ -186,3 +189,20 @@ def test_trusted_backward_equals_public_backward_without_reads(monkeypatch):
     public = kernels.attention_backward(dout, *tensors.values(), out, lse, **call)
     for a, b in zip(trusted, public):
         assert a.abs().sum() > 0 and torch.equal(a, b)
+
+
+@pytest.mark.parametrize("layout", ["varlen", "padded"])
+def test_with_host_bounds_nothing_is_read_forward_or_backward(layout, monkeypatch):
+    """The default configuration with host_cu_seqlens (varlen) or a padded batch: not one
+    device read in the forward or the backward (what CUDA-graph capture needs)."""
+    inputs = _inputs(layout, seed=5)
+    host = {}
+    if layout == "varlen":
+        host = dict(host_cu_seqlens=tuple(inputs["cu_seqlens"].tolist()))
+    counter = OpCounter(monkeypatch)
+    with counter:
+        out = nsa(**inputs, **host, **_options("dense"))
+        out.backward(torch.randn(out.shape, generator=torch.Generator().manual_seed(2)))
+    assert counter.reads == 0
+    reference = _inputs(layout, seed=5)
+    torch.testing.assert_close(nsa(**reference, **_options("dense")), out, rtol=0, atol=0)

@@ -207,3 +207,40 @@ def test_selected_matches_token_oracle(case):
         # And a kernel following the lists attends exactly the selection, never a superset.
         attended = kernel_attended(classes, nq, nk, q_tile, kv, causal=case["causal"])
         assert torch.equal(attended, cells)
+
+
+@st.composite
+def self_attention_cases(draw):
+    case = draw(selected_cases())
+    kv_block = draw(st.sampled_from([d for d in (4, 8, 16, 32)
+                                     if case["selected_block_size"] % d == 0]))
+    return dict(case, lengths_k=case["lengths_q"], kv_block=kv_block)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(self_attention_cases())
+def test_trusted_builder_lists_what_the_checked_one_lists_without_reading_the_device(case):
+    """The builder nsa() calls with host bounds (no device read, so CUDA graphs can capture it)
+    lists exactly the checked builder's blocks; only the padding differs (host bounds instead
+    of the longest list), and the lists stay valid."""
+    from op_counting import OpCounter
+    from sparsity import build_selected_block_sparse_trusted, validate_block_sparse
+
+    picks = random_selection(case).to(torch.int32)
+    cu = cu_from_lengths(case["lengths_q"])
+    kw = dict(q_tile=case["q_tile"], selected_block_size=case["selected_block_size"],
+              kv_block=case["kv_block"], causal=case["causal"])
+    checked = build_selected_block_sparse(picks, cu_seqlens_q=cu, cu_seqlens_k=cu, **kw)
+    host = tuple(cu.tolist())
+    # (a context: hypothesis's @given does not take the monkeypatch fixture)
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        counter = OpCounter(monkeypatch)
+        with counter:
+            trusted = build_selected_block_sparse_trusted(picks, cu_seqlens=cu,
+                                                          host_cu_seqlens=host, **kw)
+        assert counter.reads == 0
+    assert as_lists(trusted) == as_lists(checked)
+    assert torch.equal(trusted.full_count, checked.full_count)
+    assert torch.equal(trusted.mask_count, checked.mask_count)
+    assert torch.equal(trusted.row_block_offsets, checked.row_block_offsets)
+    validate_block_sparse(trusted, cu_seqlens_q=cu, cu_seqlens_k=cu)
