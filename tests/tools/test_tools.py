@@ -30,6 +30,7 @@ TOOL_DESCRIPTIONS = {
     "dispatch_table": "dispatch at a glance",
     "bench_kernels": "sm90 forward and backward kernels against FA4",
     "tune_sm90_backward": "variants of the sm90 backward kernel",
+    "sanitize_sm90_backward": "for compute-sanitizer",
 }
 
 
@@ -497,3 +498,10 @@ def test_docs_dispatch_table_is_the_dispatchers():
     table = load_tool("dispatch_table").table()
     docs = (REPO / "docs" / "kernels.md").read_text()
     assert "\n".join(table) in docs, "docs/kernels.md: rerun `python tools/dispatch_table.py`"
+
+
+def test_sanitize_case_needs_an_sm90_gpu(capsys):
+    if torch.cuda.is_available():
+        pytest.skip("the CPU answer only")
+    assert load_tool("sanitize_sm90_backward").main([]) == 1
+    assert "needs an sm_90 GPU" in capsys.readouterr().err

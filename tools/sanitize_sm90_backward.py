@@ -1,0 +1,81 @@
+"""One small sm90 backward call per dispatched path, sized for compute-sanitizer.
+
+Runs, on an sm_90 GPU: dense causal GQA varlen (with a one-row sequence and a 129-row one), a
+causal window, compress_factor 64 (split rows), each fast and deterministic, and 64-key
+block-sparse lists (one Q/dO stage, split lists); asserts the gradients are finite. Meant as the
+program under compute-sanitizer (FINDINGS, session 11):
+
+    compute-sanitizer --tool racecheck --kernel-name kns=Backward \\
+        python3 tools/sanitize_sm90_backward.py
+    (likewise --tool synccheck, --tool memcheck)
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+# Dense, window and compressed calls: (sequence lengths, attention options, H, Hkv).
+CASES = (
+    ([300, 1, 129], dict(causal=True), 8, 2),
+    ([500], dict(causal=True, window_size=(100, 0)), 4, 1),
+    ([2048], dict(causal=True, compress_factor=64), 4, 1),
+)
+
+
+def run_cases(head_dim: int = 128) -> None:
+    from kernels import attention_forward
+    from kernels.sm90 import backward
+
+    from bench_kernels import block_sparse_case
+
+    device = torch.device("cuda")
+    generator = torch.Generator(device=device).manual_seed(0)
+
+    def randn(*shape):
+        return torch.randn(*shape, device=device, dtype=torch.bfloat16, generator=generator)
+
+    def cu(lengths):
+        bounds = torch.tensor([0, *lengths]).cumsum(0)
+        return bounds.to(device=device, dtype=torch.int32)
+
+    for lengths, options, heads, kv_heads in CASES:
+        keys = [n // options.get("compress_factor", 1) for n in lengths]
+        q, dout = randn(sum(lengths), heads, head_dim), randn(sum(lengths), heads, head_dim)
+        k, v = randn(sum(keys), kv_heads, head_dim), randn(sum(keys), kv_heads, head_dim)
+        kwargs = dict(cu_seqlens_q=cu(lengths), cu_seqlens_k=cu(keys),
+                      max_seqlen_q=max(lengths), max_seqlen_k=max(keys), **options)
+        out, lse = attention_forward(q, k, v, **kwargs)
+        for deterministic in (False, True):
+            grads = backward.run(dout, q, k, v, out, lse, deterministic=deterministic, **kwargs)
+            assert all(torch.isfinite(g).all() for g in grads), (lengths, options)
+    n = 1024
+    lists = block_sparse_case(n, 4, 0.25, 64)[0]
+    q, dout = randn(1, n, 4, head_dim), randn(1, n, 4, head_dim)
+    k, v = randn(1, n, 1, head_dim), randn(1, n, 1, head_dim)
+    out, lse = attention_forward(q, k, v, causal=False, block_sparse=lists)
+    grads = backward.run(dout, q, k, v, out, lse, causal=False, block_sparse=lists,
+                         max_seqlen_q=n, max_seqlen_k=n)
+    assert all(torch.isfinite(g).all() for g in grads)
+    torch.cuda.synchronize()
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(
+        description="One small sm90 backward call per dispatched path, for compute-sanitizer.",
+        epilog=__doc__.split("\n\n", 2)[-1], formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.parse_args(argv)
+    if not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)):
+        print("sanitize_sm90_backward: needs an sm_90 GPU", file=sys.stderr)
+        return 1
+    run_cases()
+    print("sanitize_sm90_backward: every case ran, gradients finite")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
