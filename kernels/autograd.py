@@ -96,8 +96,26 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=(-1, 
     """
     options = dict(softmax_scale=softmax_scale, causal=causal, window_size=window_size,
                    compress_factor=compress_factor, block_sparse=block_sparse)
-    out, lse = _AttentionFunction.apply(q, k, v, options, check_deterministic(deterministic))
+    if torch.compiler.is_compiling():
+        out, lse = _compiled_attention(q, k, v, options, check_deterministic(deterministic))
+    else:
+        out, lse = _AttentionFunction.apply(q, k, v, options, check_deterministic(deterministic))
     return (out, lse) if return_lse else out
+
+
+def _compiled_attention(q, k, v, options: dict, deterministic: bool):
+    """flash_attn_func under torch.compile: the custom ops of kernels/ops.py (opaque to the
+    compiler; eager calls keep _AttentionFunction)."""
+    from . import ops
+
+    if options["block_sparse"] is not None:
+        raise ValueError("block_sparse: not supported under torch.compile yet (flash_attn_func "
+                         "compiles for dense, causal, windowed and compressed attention)")
+    left, right = options["window_size"]
+    scale = options["softmax_scale"]
+    return ops.attention_forward_op(q, k, v, None if scale is None else float(scale),
+                                    bool(options["causal"]), int(left), int(right),
+                                    int(options["compress_factor"]), deterministic)
 
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
@@ -113,5 +131,9 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                    max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
                    softmax_scale=softmax_scale, causal=causal, window_size=window_size,
                    compress_factor=compress_factor, block_sparse=block_sparse)
+    if torch.compiler.is_compiling():
+        raise ValueError("flash_attn_varlen_func: not supported under torch.compile yet (its "
+                         "checks read cu_seqlens); use flash_attn_func on padded inputs, or nsa() "
+                         "with host_cu_seqlens")
     out, lse = _AttentionFunction.apply(q, k, v, options, check_deterministic(deterministic))
     return (out, lse) if return_lse else out
