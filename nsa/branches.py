@@ -24,7 +24,8 @@ import kernels
 from kernels.interface import (attention_backward_trusted, attention_forward_trusted,
                                kernels_unavailable, transpose_block_sparse_trusted)
 from sparsity import (BlockSparseTensors, build_compressed_block_sparse,
-                      build_selected_block_sparse, build_selected_block_sparse_trusted)
+                      build_compressed_block_sparse_trusted, build_selected_block_sparse,
+                      build_selected_block_sparse_trusted)
 from nsa.selection_rule import CMP_KV_BLOCK, SELECTION_Q_TILE
 
 COMPRESSED, SELECTED, WINDOW = 0, 1, 2  # branch order, also the gate order of W_gate (H, 3, D)
@@ -92,7 +93,8 @@ def compressed_branch(cu_seqlens: Tensor, cu_seqlens_cmp: Tensor, *, compress_bl
     block_sparse = None
     if cmp_selected is not None:
         block_sparse = _compressed_block_sparse(cu_seqlens, cu_seqlens_cmp, cmp_selected,
-                                                compress_block_size, q_tile, cmp_kv_block, causal)
+                                                compress_block_size, q_tile, cmp_kv_block, causal,
+                                                host_cu_seqlens)
     max_seqlen_cmp = None if max_seqlen is None else max_seqlen // compress_block_size
     return Branch(COMPRESSED, dict(
         cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens_cmp, max_seqlen_q=max_seqlen,
@@ -167,7 +169,12 @@ def window_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, *, win
 
 def _compressed_block_sparse(cu_seqlens: Tensor, cu_seqlens_cmp: Tensor, cmp_selected: Tensor,
                              compress_block_size: int, q_tile: int, cmp_kv_block: int,
-                             causal: bool) -> BlockSparseTensors:
+                             causal: bool, host_cu_seqlens=None) -> BlockSparseTensors:
+    if causal and host_cu_seqlens is not None:  # no device read (CUDA graphs)
+        return build_compressed_block_sparse_trusted(
+            cmp_selected, cu_seqlens_q=cu_seqlens, cu_seqlens_k_cmp=cu_seqlens_cmp,
+            host_cu_seqlens_q=host_cu_seqlens[0], compress_factor=compress_block_size,
+            q_tile=q_tile, kv_block=cmp_kv_block)
     if causal:
         # Adds block 0 and the diagonal blocks (already in cmp_selected) and classifies them
         # under the compressed causal mask.

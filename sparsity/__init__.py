@@ -9,6 +9,7 @@ contract is docs/interfaces.md.
 from sparsity.block_sparse import (BlockSparseTensors, row_block_offsets_from_cu_seqlens,
                                    uniform_cu_seqlens, validate_block_sparse)
 from sparsity.builders import (build_block_sparse_from_mask, build_compressed_block_sparse,
+                               build_compressed_block_sparse_trusted,
                                build_selected_block_sparse, build_selected_block_sparse_trusted)
 from sparsity.csr import (BlockSparseCSR, check_csr_matches, transpose_block_sparse_csr,
                           validate_block_sparse_csr)
@@ -19,6 +20,7 @@ __all__ = [
     "BlockSparseTensors",
     "build_block_sparse_from_mask",
     "build_compressed_block_sparse",
+    "build_compressed_block_sparse_trusted",
     "build_selected_block_sparse",
     "build_selected_block_sparse_trusted",
     "check_csr_matches",

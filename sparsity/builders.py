@@ -131,16 +131,41 @@ def build_compressed_block_sparse(*, cu_seqlens_q: Tensor, cu_seqlens_k_cmp: Ten
     cu_k = check_cu_seqlens(cu_seqlens_k_cmp, "cu_seqlens_k_cmp", device)
     check_matching_sequences(cu_q, "cu_seqlens_q", cu_k, "cu_seqlens_k_cmp")
     geometry = tile_geometry(cu_q, cu_k, q_tile)
-    if selected is not None:
-        check_same_device(check_tensor(selected, "selected"), device, "selected", "cu_seqlens_q")
-        picks = check_block_indices(selected, "selected", geometry.num_tiles)
-
-    n_full, n_visible = visible_block_range(geometry, block_size=kv_block,
-                                            compress_factor=compress_factor, causal=True)
     if selected is None:
+        n_full, n_visible = visible_block_range(geometry, block_size=kv_block,
+                                                compress_factor=compress_factor, causal=True)
         lists = range_lists(torch.zeros_like(n_full), n_visible, n_full)
         return _assemble(lists, geometry, q_tile, kv_block)
+    check_same_device(check_tensor(selected, "selected"), device, "selected", "cu_seqlens_q")
+    picks = check_block_indices(selected, "selected", geometry.num_tiles)
+    return _compressed_selected_lists(picks, geometry, compress_factor, q_tile, kv_block)
 
+
+def build_compressed_block_sparse_trusted(selected: Tensor, *, cu_seqlens_q: Tensor,
+                                          cu_seqlens_k_cmp: Tensor,
+                                          host_cu_seqlens_q: Sequence[int],
+                                          compress_factor: int, q_tile: int,
+                                          kv_block: int) -> BlockSparseTensors:
+    """`build_compressed_block_sparse` with `selected` (the sparse compressed branch) without
+    device reads, for callers that produced `selected` themselves and hold the sequence bounds
+    on the host (nsa()), so a CUDA graph can capture it. Trusted, not checked: the bounds match
+    the tensors and `selected` has one row per q tile. The lists are padded to host bounds
+    (every candidate: the picks, block 0 and the tile's diagonal blocks) instead of their
+    longest list."""
+    cu_q, cu_k = cu_seqlens_q.to(torch.int64), cu_seqlens_k_cmp.to(torch.int64)
+    num_tiles = sum(ceil_div(b - a, q_tile)
+                    for a, b in zip(host_cu_seqlens_q, host_cu_seqlens_q[1:]))
+    geometry = tile_geometry(cu_q, cu_k, q_tile, num_tiles=num_tiles)
+    candidates = selected.shape[-1] + 1 + max_diagonal_blocks(q_tile, compress_factor, kv_block)
+    return _compressed_selected_lists(selected.to(torch.int64), geometry, compress_factor,
+                                      q_tile, kv_block, widths=(candidates, candidates))
+
+
+def _compressed_selected_lists(picks: Tensor, geometry: TileGeometry, compress_factor: int,
+                               q_tile: int, kv_block: int,
+                               widths: tuple[int, int] | None = None) -> BlockSparseTensors:
+    n_full, n_visible = visible_block_range(geometry, block_size=kv_block,
+                                            compress_factor=compress_factor, causal=True)
     heads = picks.shape[1]
     diagonal = padded_range(*diagonal_block_range(geometry, block_size=kv_block,
                                                   compress_factor=compress_factor),
@@ -149,7 +174,7 @@ def build_compressed_block_sparse(*, cu_seqlens_q: Tensor, cu_seqlens_k_cmp: Ten
     candidates = torch.cat([picks, first_block.expand(-1, heads, 1),
                             diagonal[:, None, :].expand(-1, heads, -1)], dim=-1)
     candidates = candidates.masked_fill(candidates >= n_visible[:, None, None], -1)
-    lists = compact_block_lists_below(candidates, n_full[:, None, None])
+    lists = compact_block_lists_below(candidates, n_full[:, None, None], widths)
     return _assemble(lists, geometry, q_tile, kv_block)
 
 

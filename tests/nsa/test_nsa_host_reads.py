@@ -12,10 +12,10 @@ and re-checked the block-sparse lists' contents (21 reads per list), and the num
 tokens was read in the forward and again in the backward. After: 6 and 0 (dense), 11 and 0
 (sparse); the padded layout has no cu_seqlens to check, one read fewer. Since session 11
 selection takes the host bounds nsa() read and the selected branch's lists are built from them
-(`build_selected_block_sparse_trusted`, padded to host bounds): 1 and 6; with host_cu_seqlens
-given, nsa()'s checks read nothing either, so the default configuration (dense compressed
-branch) reads the device nowhere, forward or backward, as CUDA-graph capture needs. What
-remains is the sparse compressed branch's list builder.
+(`build_selected_block_sparse_trusted`), and so are the sparse compressed branch's
+(`build_compressed_block_sparse_trusted`), each padded to host bounds: 1 read in the forward
+(nsa()'s check of cu_seqlens), 0 in the backward, dense or sparse compressed branch; with
+host_cu_seqlens given (or a padded batch) none at all, as CUDA-graph capture needs.
 """
 
 import pytest
@@ -32,12 +32,10 @@ from sparsity import build_selected_block_sparse
 
 LENGTHS = [40, 17, 29]
 
-# nsa()'s checks (1), selection (0: nsa() hands it the host bounds), each block-list build: its cu_seqlens checks (1 per
-# tensor), the tiles (1), the selection's entries >= -1 (1) and the list widths (1).
-NSA_CHECKS, SELECTION, LIST_BUILD = 1, 0, 3
-CU_CHECK = 1
+# nsa()'s check of cu_seqlens (1); selection and both list builders take nsa()'s host bounds (0).
+NSA_CHECKS, SELECTION = 1, 0
 SELECTED_LISTS = 0  # built from nsa()'s host bounds (build_selected_block_sparse_trusted)
-COMPRESSED_LISTS = 2 * CU_CHECK + LIST_BUILD  # cu_seqlens and the compressed cu_seqlens
+COMPRESSED_LISTS = 0  # built from nsa()'s host bounds (build_compressed_block_sparse_trusted)
 
 
 def _inputs(layout: str, seed: int = 0) -> dict:
@@ -66,7 +64,7 @@ def test_forward_reads_only_for_checks_selection_and_lists_backward_never(layout
         out = nsa(**inputs, **_options(compressed))
     expected = (NSA_CHECKS if layout == "varlen" else 0) + SELECTION + SELECTED_LISTS + (
         COMPRESSED_LISTS if compressed == "sparse" else 0)
-    assert counter.reads == expected  # varlen: 1 (dense compressed) and 6 (sparse)
+    assert counter.reads == expected  # varlen: 1 (nsa()'s check), padded: 0
 
     dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(1))
     counter = OpCounter(monkeypatch)
@@ -192,17 +190,18 @@ def test_trusted_backward_equals_public_backward_without_reads(monkeypatch):
 
 
 @pytest.mark.parametrize("layout", ["varlen", "padded"])
-def test_with_host_bounds_nothing_is_read_forward_or_backward(layout, monkeypatch):
-    """The default configuration with host_cu_seqlens (varlen) or a padded batch: not one
-    device read in the forward or the backward (what CUDA-graph capture needs)."""
+@pytest.mark.parametrize("compressed", ["dense", "sparse"])
+def test_with_host_bounds_nothing_is_read_forward_or_backward(layout, compressed, monkeypatch):
+    """With host_cu_seqlens (varlen) or a padded batch: not one device read in the forward or
+    the backward (what CUDA-graph capture needs)."""
     inputs = _inputs(layout, seed=5)
     host = {}
     if layout == "varlen":
         host = dict(host_cu_seqlens=tuple(inputs["cu_seqlens"].tolist()))
     counter = OpCounter(monkeypatch)
     with counter:
-        out = nsa(**inputs, **host, **_options("dense"))
+        out = nsa(**inputs, **host, **_options(compressed))
         out.backward(torch.randn(out.shape, generator=torch.Generator().manual_seed(2)))
     assert counter.reads == 0
     reference = _inputs(layout, seed=5)
-    torch.testing.assert_close(nsa(**reference, **_options("dense")), out, rtol=0, atol=0)
+    torch.testing.assert_close(nsa(**reference, **_options(compressed)), out, rtol=0, atol=0)

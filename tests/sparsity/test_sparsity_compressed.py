@@ -137,3 +137,36 @@ def test_compressed_matches_token_oracle(case):
         assert torch.equal(classes, classify_cells(cells, q_tile, kv, num_blocks))
         attended = kernel_attended(classes, nq, nq // cf, q_tile, kv, compress_factor=cf)
         assert torch.equal(attended, cells)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(compressed_cases())
+def test_trusted_sparse_builder_lists_what_the_checked_one_lists_without_reading(case):
+    """The builder nsa() calls with host bounds for the sparse compressed branch (no device
+    read): exactly the checked builder's blocks, padded to host bounds, still valid lists."""
+    from op_counting import OpCounter
+    from sparsity import build_compressed_block_sparse_trusted, validate_block_sparse
+
+    cf, kv, q_tile = case["compress_factor"], case["kv_block"], case["q_tile"]
+    lengths = case["lengths"]
+    num_blocks = max(1, ceil_div(max(lengths) // cf, kv))
+    gen = torch.Generator().manual_seed(case["seed"])
+    picks = torch.randint(-1, num_blocks + 2, (sum(ceil_div(n, q_tile) for n in lengths),
+                                               case["heads"], case["n"]), generator=gen)
+    cu_q = cu_from_lengths(lengths)
+    cu_k = cu_from_lengths([n // cf for n in lengths])
+    kw = dict(compress_factor=cf, q_tile=q_tile, kv_block=kv)
+    checked = build_compressed_block_sparse(cu_seqlens_q=cu_q, cu_seqlens_k_cmp=cu_k,
+                                            selected=picks.to(torch.int32), **kw)
+    host = tuple(cu_q.tolist())
+    # (a context: hypothesis's @given does not take the monkeypatch fixture)
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        counter = OpCounter(monkeypatch)
+        with counter:
+            trusted = build_compressed_block_sparse_trusted(
+                picks.to(torch.int32), cu_seqlens_q=cu_q, cu_seqlens_k_cmp=cu_k,
+                host_cu_seqlens_q=host, **kw)
+        assert counter.reads == 0
+    assert as_lists(trusted) == as_lists(checked)
+    assert torch.equal(trusted.row_block_offsets, checked.row_block_offsets)
+    validate_block_sparse(trusted, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
