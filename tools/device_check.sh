@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# One device-machine session: every GPU test, the kernel benchmark against FA4, NSA against dense
-# attention, FA4 and fla, and the training example; full logs under $OUT, a short summary last.
+# One device-machine session: GPU tests, kernel benchmarks against FA4, NSA against dense attention,
+# compute-sanitizer, the longest sequence that fits, training; logs under $OUT, a summary last.
 #   source .device/activate.sh && bash tools/device_check.sh
 set -uo pipefail
 if [ "${1:-}" = "-h" ] || [ "${1:-}" = "--help" ]; then
@@ -17,10 +17,16 @@ python3 tools/tune_sm90_forward.py --json "$out/tune.json" > "$out/tune.log" 2>&
 python3 tools/tune_sm90_backward.py --seqlens 16384 --json "$out/tune_bwd.json" > "$out/tune_bwd.log" 2>&1
 python3 tools/profile_nsa.py --seqlens 16384,65536 --repeats 5 --json "$out/profile_nsa.json" \
     > "$out/profile_nsa.log" 2>&1
-python3 tools/bench_nsa_vs_dense.py --seqlens 16384,65536 --passes fwd --methods nsa,fa4,sdpa --json "$out/bench_nsa_fwd.json" \
-    > "$out/bench_nsa_fwd.log" 2>&1
+python3 tools/bench_nsa_vs_dense.py --seqlens 16384,65536 --passes fwd --methods nsa,nsa-graph,fa4,sdpa \
+    --json "$out/bench_nsa_fwd.json" > "$out/bench_nsa_fwd.log" 2>&1
 python3 tools/bench_nsa_vs_dense.py --seqlens 16384,65536 --passes fwd+bwd --methods nsa,fa4 --warmup 1 \
     --repeats 3 --branch-profile --json "$out/bench_nsa_fwdbwd.json" > "$out/bench_nsa_fwdbwd.log" 2>&1
+for tool in racecheck synccheck; do
+  compute-sanitizer --tool $tool --kernel-name kns=Backward python3 tools/sanitize_sm90_backward.py \
+      > "$out/sanitize_$tool.log" 2>&1
+done
+python3 tools/diagnose_memory.py --seqlens 262144 --max-length --json "$out/memory.json" \
+    > "$out/memory.log" 2>&1
 python3 tools/train_packed.py --steps ${TRAIN_STEPS:-150} --no-progress --json "$out/train.json" \
     > "$out/train.log" 2>&1
 echo "== GPU tests";        tail -3 "$out/gpu_tests.log"
@@ -30,4 +36,6 @@ echo "== backward variants"; tail -15 "$out/tune_bwd.log"
 echo "== NSA profile";      tail -60 "$out/profile_nsa.log"
 echo "== NSA fwd";          tail -12 "$out/bench_nsa_fwd.log"
 echo "== NSA fwd+bwd";      tail -18 "$out/bench_nsa_fwdbwd.log"
+echo "== sanitizer";      tail -n 1 "$out"/sanitize_*.log
+echo "== memory";         grep "longest N" "$out/memory.log"
 echo "== train";            tail -4 "$out/train.log"
