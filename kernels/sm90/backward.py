@@ -23,8 +23,9 @@ import torch
 
 from kernels.validate import require_int32_limits
 from kernels.sm90.forward import _as_cute as forward_as_cute
-from kernels.sm90.forward import (SUPPORTED_DTYPES, _uniform_cu_seqlens, has_aligned_rows,
-                                  launch_compiled, unsupported_inputs)
+from kernels.sm90.forward import (SUPPORTED_DTYPES, _num_sms, _uniform_cu_seqlens,
+                                  has_aligned_rows, launch_compiled, unsupported_inputs)
+from kernels.sm90.spec import BACKWARD_DENSE_TILE_N, H100_NUM_SMS, choose_backward_spec
 
 SUPPORTED_HEAD_DIMS = (64, 128)
 STEP_ROWS = 64          # query rows per backward step (BwdSpec.tile_m)
@@ -60,19 +61,20 @@ def can_run(q, k, v, *, block_sparse=None, causal=False, window_size=(-1, -1),
 
 def _spec_for(q, k, causal, window_size, block_sparse, compress_factor, deterministic,
               kv_tile_ctas=None):
-    from kernels.sm90.forward import _num_sms
-    from kernels.sm90.spec import choose_backward_spec
-
     return choose_backward_spec(
         dtype=str(q.dtype).removeprefix("torch."), head_dim=q.shape[-1], causal=causal,
         window_size=window_size, compress_factor=compress_factor,
         sparse_block_size=block_sparse.col_block_size if block_sparse is not None else None,
         deterministic=deterministic, kv_tile_ctas=kv_tile_ctas,
-        num_sms=_num_sms(q.device) if q.device.type == "cuda" else 132,
-        lists_span_kv_groups=block_sparse is None or _lists_span_kv_groups(block_sparse, q, k))
+        num_sms=_sm_count(q.device),
+        lists_span_kv_groups=block_sparse is None or _lists_span_kv_groups(block_sparse, k))
 
 
-def _lists_span_kv_groups(block_sparse, q, k) -> bool:
+def _sm_count(device) -> int:
+    return _num_sms(device) if device.type == "cuda" else H100_NUM_SMS
+
+
+def _lists_span_kv_groups(block_sparse, k) -> bool:
     """Whether each list serves all query heads of a KV group (list heads <= KV heads)."""
     return block_sparse.full_count.shape[1] <= k.shape[-2]
 
@@ -107,8 +109,9 @@ def run(
     dout, out = _aligned_rows(dout), _aligned_rows(out)
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(head_dim)
-    num_seqs = cu_seqlens_q.numel() - 1
-    kv_tile_ctas = -(-(max_seqlen_k or 0) // 128) * k.shape[1] * num_seqs
+    # CTAs of the grid without block-sparse lists: KV tiles x KV heads x sequences.
+    kv_tile_ctas = (-(-(max_seqlen_k or 0) // BACKWARD_DENSE_TILE_N) * k.shape[1]
+                    * (cu_seqlens_q.numel() - 1))
     spec = _spec_for(q, k, causal, window_size, block_sparse, compress_factor, deterministic,
                      kv_tile_ctas)
     if spec_overrides:
@@ -138,9 +141,8 @@ def run(
         units = None
         num_ctas = -(-max_seqlen_k // spec.tile_n)
         row_splits = 1
-        if spec.split_rows:
-            row_splits = _row_splits(num_ctas * k.shape[1] * num_seqs,
-                                     -(-max_seqlen_q // STEP_ROWS), q.device)
+        if spec.split_rows:  # dense only: num_ctas KV tiles of BACKWARD_DENSE_TILE_N keys
+            row_splits = _row_splits(kv_tile_ctas, -(-max_seqlen_q // STEP_ROWS), q.device)
         if spec.block_sparse:
             csr = block_sparse_transposed
             if csr is None:
@@ -223,9 +225,7 @@ class QueryTiles:
 def _row_splits(num_ctas: int, max_query_tiles: int, device) -> int:
     """`split_rows`: CTAs per KV tile so that the grid fills the GPU about twice (compressed
     keys at 16K: 2 KV tiles x 8 KV heads = 16 CTAs otherwise), at most one per query tile."""
-    from kernels.sm90.forward import _num_sms
-
-    wanted = 2 * _num_sms(device) if device.type == "cuda" else 264
+    wanted = 2 * _sm_count(device)
     return max(1, min(-(-wanted // max(num_ctas, 1)), max_query_tiles))
 
 

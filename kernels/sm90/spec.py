@@ -293,12 +293,15 @@ class BwdSpec:
 
 
 BACKWARD_HEAD_DIMS = (64, 128)
+BACKWARD_DENSE_TILE_N = 128  # keys per backward CTA without block-sparse lists
+H100_NUM_SMS = 132  # the SM count assumed where no GPU is asked (compile-only dispatch)
 
 
 def choose_backward_spec(
     *, dtype: str, head_dim: int, causal: bool, window_size: tuple[int, int],
     compress_factor: int = 1, sparse_block_size: int | None = None,
-    deterministic: bool = False, kv_tile_ctas: int | None = None, num_sms: int = 132,
+    deterministic: bool = False, kv_tile_ctas: int | None = None,
+    num_sms: int = H100_NUM_SMS,
     lists_span_kv_groups: bool = True,
 ) -> BwdSpec:
     """The backward variant the dispatcher compiles for a call. Head dims above 128 do not fit:
@@ -320,7 +323,7 @@ def choose_backward_spec(
         raise ValueError(f"no sm90 backward variant for head_dim {head_dim} "
                          f"(supported: {BACKWARD_HEAD_DIMS})")
     left, right = int(window_size[0]), int(window_size[1])
-    tile_n = sparse_block_size if sparse_block_size is not None else 128
+    tile_n = sparse_block_size if sparse_block_size is not None else BACKWARD_DENSE_TILE_N
     q_stages = 2
     spec = BwdSpec(
         dtype=dtype, head_dim=head_dim, causal=bool(causal), has_window_left=left >= 0,
