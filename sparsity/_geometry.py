@@ -7,6 +7,7 @@ thresholds instead.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 from torch import Tensor
@@ -38,17 +39,19 @@ class TileGeometry:
 
 
 def tile_geometry(cu_q: Tensor, cu_k: Tensor, q_tile: int,
-                  num_tiles: int | None = None) -> TileGeometry:
+                  host_cu_q: Sequence[int] | None = None) -> TileGeometry:
     """cu_q, cu_k: checked (S+1,) int64 cumulative lengths on one device.
 
     Reads the device once (the number of tiles sizes every per-tile tensor), unless the caller
-    knows `num_tiles` from host bounds; the per-sequence quantities reach the tiles in one
-    gather.
+    has cu_q's values on the host (`host_cu_q`); the per-sequence quantities reach the tiles in
+    one gather.
     """
     seqlen_q, seqlen_k = cu_q.diff(), cu_k.diff()
     offsets = offsets_from_counts(ceil_div(seqlen_q, q_tile))
-    if num_tiles is None:
+    if host_cu_q is None:
         num_tiles = int(offsets[-1])
+    else:
+        num_tiles = sum(ceil_div(b - a, q_tile) for a, b in zip(host_cu_q, host_cu_q[1:]))
     tile = torch.arange(num_tiles, device=cu_q.device)
     sequence = torch.searchsorted(offsets[1:], tile, right=True)
     per_sequence = torch.stack([offsets[:-1], seqlen_q, seqlen_k], dim=1)[sequence]

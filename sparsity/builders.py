@@ -83,8 +83,7 @@ def build_selected_block_sparse_trusted(selected: Tensor, *, cu_seqlens: Tensor,
         raise ValueError(f"kv_block ({kv_block}) must divide selected_block_size "
                          f"({selected_block_size}) for the trusted builder")
     cu = cu_seqlens.to(torch.int64)
-    num_tiles = sum(ceil_div(b - a, q_tile) for a, b in zip(host_cu_seqlens, host_cu_seqlens[1:]))
-    geometry = tile_geometry(cu, cu, q_tile, num_tiles=num_tiles)
+    geometry = tile_geometry(cu, cu, q_tile, host_cu_q=host_cu_seqlens)
     ratio = selected_block_size // kv_block
     widths = (selected.shape[-1] * ratio,
               max_diagonal_blocks(q_tile, 1, kv_block) if causal else 0)
@@ -153,9 +152,7 @@ def build_compressed_block_sparse_trusted(selected: Tensor, *, cu_seqlens_q: Ten
     (every candidate: the picks, block 0 and the tile's diagonal blocks) instead of their
     longest list."""
     cu_q, cu_k = cu_seqlens_q.to(torch.int64), cu_seqlens_k_cmp.to(torch.int64)
-    num_tiles = sum(ceil_div(b - a, q_tile)
-                    for a, b in zip(host_cu_seqlens_q, host_cu_seqlens_q[1:]))
-    geometry = tile_geometry(cu_q, cu_k, q_tile, num_tiles=num_tiles)
+    geometry = tile_geometry(cu_q, cu_k, q_tile, host_cu_q=host_cu_seqlens_q)
     candidates = selected.shape[-1] + 1 + max_diagonal_blocks(q_tile, compress_factor, kv_block)
     return _compressed_selected_lists(selected.to(torch.int64), geometry, compress_factor,
                                       q_tile, kv_block, widths=(candidates, candidates))
