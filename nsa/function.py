@@ -71,10 +71,8 @@ def packed_forward(q: Tensor, k: Tensor, v: Tensor, W_k: Tensor | None, W_v: Ten
                    config: NSAConfig) -> tuple[Tensor, list[Branch], Tensor, list[Tensor]]:
     """NSAFunction's forward without autograd: (out, the branches that ran, the compressed
     cu_seqlens, each branch's lse), the last three what `packed_gradients` needs."""
-    cu_seqlens_cmp = compressed_cu_seqlens(cu_seqlens, config.compress_block_size)
-    rows = compressed_rows(cu_seqlens, cu_seqlens_cmp, sequences, config)
-    k_cmp = compress(k, rows, W_k)  # compute dtype: the selection scores read it
-    branches = _plan_branches(q, k_cmp, cu_seqlens, cu_seqlens_cmp, sequences, config)
+    branches, cu_seqlens_cmp, rows, k_cmp = compress_and_plan(q, k, W_k, cu_seqlens, sequences,
+                                                              config)
     k_cmp, v_cmp = k_cmp.to(k.dtype), compress(v, rows, W_v).to(v.dtype)
     del rows
 
@@ -90,6 +88,19 @@ def packed_forward(q: Tensor, k: Tensor, v: Tensor, W_k: Tensor | None, W_v: Ten
         del branch_out
     del k_cmp, v_cmp
     return out.result(), branches, cu_seqlens_cmp, lses
+
+
+def compress_and_plan(q: Tensor, k: Tensor, W_k: Tensor | None, cu_seqlens: Tensor,
+                      sequences: PackedSequences, config: NSAConfig
+                      ) -> tuple[list[Branch], Tensor, Tensor, Tensor]:
+    """Compressed keys, selection and the branches: (branches, the compressed cu_seqlens, the
+    rows of each compression block, k_cmp in the compute dtype, which the selection scores
+    read). Deterministic, so a later call plans the same branches (nsa/ops.py's backward)."""
+    cu_seqlens_cmp = compressed_cu_seqlens(cu_seqlens, config.compress_block_size)
+    rows = compressed_rows(cu_seqlens, cu_seqlens_cmp, sequences, config)
+    k_cmp = compress(k, rows, W_k)
+    branches = _plan_branches(q, k_cmp, cu_seqlens, cu_seqlens_cmp, sequences, config)
+    return branches, cu_seqlens_cmp, rows, k_cmp
 
 
 def _gradients(ctx, dout: Tensor) -> tuple:

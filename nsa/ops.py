@@ -23,10 +23,9 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from nsa.compression import compress, compressed_cu_seqlens, compute_dtype
+from nsa.compression import compute_dtype
 from nsa.config import NSAConfig
-from nsa.function import (_plan_branches, compressed_rows, packed_forward, packed_gradients,
-                          transposed_lists)
+from nsa.function import compress_and_plan, packed_forward, packed_gradients, transposed_lists
 from nsa.validation import PackedSequences
 
 NAMESPACE = "nsa_cute"
@@ -125,11 +124,8 @@ def nsa_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, W_k: Optional[Te
     with torch.no_grad():
         # The forward's selection again (see the module's docstring): the same k_cmp in the
         # compute dtype, so the same scores and lists.
-        cu_seqlens_cmp = compressed_cu_seqlens(cu_seqlens, compress_block_size)
-        rows = compressed_rows(cu_seqlens, cu_seqlens_cmp, sequences, config)
-        branches = _plan_branches(q, compress(k, rows, W_k), cu_seqlens, cu_seqlens_cmp,
-                                  sequences, config)
-        del rows
+        branches, cu_seqlens_cmp = compress_and_plan(q, k, W_k, cu_seqlens, sequences,
+                                                     config)[:2]
         lses = (lse_compressed, lse_selected, lse_window)[:len(branches)]
         grads = packed_gradients(dout.contiguous(), q, k, v, W_k, W_v, W_gate, cu_seqlens,
                                  cu_seqlens_cmp, lses, branches, sequences, config,
