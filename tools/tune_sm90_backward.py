@@ -41,6 +41,10 @@ VARIANTS = {
     # kernels.sm90.backward.LIST_CHUNK in the child).
     "split_lists off": dict(split_lists=False),
     "list_chunk 48": dict(list_chunk=48),
+    # dQ in the query-centric kernel (kernels/sm90/bwd_dq_sm90.py) or in the KV-centric one.
+    "dq own kernel": dict(dq_separate=True, dq_tma_reduce=False, q_stages=2),
+    "dq fused": dict(dq_separate=False, dq_tma_reduce=True, q_stages=2),
+    "dq fused q_stages1": dict(dq_separate=False, dq_tma_reduce=True, q_stages=1),
 }
 # Case name -> keyword arguments of the attention call (keys are N // compress_factor).
 CASES = {
@@ -50,6 +54,9 @@ CASES = {
     # Random lists of 25% of the 128- or 64-key (NSA's block size) blocks per 128-row query tile.
     "block-sparse 25%": dict(causal=False, sparse_density=0.25, sparse_block=128),
     "block-sparse 25% 64-key": dict(causal=False, sparse_density=0.25, sparse_block=64),
+    # NSA's selected branch at the defaults: 16 random 64-key blocks per 128-row query tile,
+    # one list per KV group.
+    "nsa-like 16x64 per group": dict(causal=False, sparse_blocks=16, sparse_block=64),
 }
 
 
@@ -69,6 +76,12 @@ def run_variant(case: str, variant: str, n: int, heads: int, heads_kv: int, dim:
 
     q, k, v, dout = rand(n, heads), rand(keys, heads_kv), rand(keys, heads_kv), rand(n, heads)
     kwargs = dict(kwargs)
+    if "sparse_blocks" in kwargs:
+        from bench_kernels import block_sparse_case
+
+        block = kwargs.pop("sparse_block")
+        kwargs["block_sparse"] = block_sparse_case(
+            n, heads_kv, kwargs.pop("sparse_blocks") * block / n, block)[0]
     if "sparse_density" in kwargs:
         from bench_kernels import block_sparse_case
 
@@ -109,6 +122,8 @@ def main(argv=None):
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--cases", nargs="+", choices=list(CASES), default=list(CASES),
                         help="cases to run (default: all)")
+    parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS),
+                        help="variants to run (default: all; the dispatched one always runs)")
     parser.add_argument("--timeout", type=int, default=180,
                         help="seconds one variant may take (compile included) before it counts "
                              "as hung (default 180)")
@@ -127,12 +142,14 @@ def main(argv=None):
     rows = []
     for n in args.seqlens:
         for case in args.cases:
-            for variant in VARIANTS:
-                sparse = "sparse_density" in CASES[case]
+            for variant in dict.fromkeys(["dispatched", *args.variants]):
+                sparse = "sparse_block" in CASES[case]
                 if sparse and "split_rows" in variant:
                     continue  # split rows walk a query-tile range
                 if not sparse and ("stages1" in variant or "list" in variant):
                     continue  # one stage only matters at 64-key tiles; lists only when sparse
+                if CASES[case].get("sparse_block") == 128 and "dq own" in variant:
+                    continue  # the dQ kernel walks 64-key blocks
                 rows.append(_child(case, variant, n, args))
                 print(_format(rows[-1]), flush=True)
     if args.json:

@@ -25,10 +25,12 @@ from kernels.validate import require_int32_limits
 from kernels.sm90.forward import _as_cute as forward_as_cute
 from kernels.sm90.forward import (SUPPORTED_DTYPES, _num_sms, _uniform_cu_seqlens,
                                   has_aligned_rows, launch_compiled, unsupported_inputs)
-from kernels.sm90.spec import BACKWARD_DENSE_TILE_N, H100_NUM_SMS, choose_backward_spec
+from kernels.sm90.spec import (BACKWARD_DENSE_TILE_N, H100_NUM_SMS, choose_backward_spec,
+                               dq_spec_for)
 
 SUPPORTED_HEAD_DIMS = (64, 128)
 STEP_ROWS = 64          # query rows per backward step (BwdSpec.tile_m)
+DQ_TILE_ROWS = 128      # query rows per CTA of the query-centric dQ kernel (DqSpec.tile_m)
 LIST_Q_TILE = 128       # block-sparse lists name query tiles of this many rows
 SPARSE_KV_BLOCKS = (64, 128)
 _LOG2_E = 1.4426950408889634
@@ -130,10 +132,12 @@ def run(
     else:
         tiles = QueryTiles(cu_seqlens_q, total_q)
         lse_log2, dpsum = tiles.row_statistics(dout, out, lse)
-        dq_acc = torch.zeros((num_heads, tiles.num_slots, head_dim), dtype=torch.float32,
-                             device=q.device)
+        dq_acc = None
+        if not spec.dq_separate:
+            dq_acc = torch.zeros((num_heads, tiles.num_slots, head_dim), dtype=torch.float32,
+                                 device=q.device)
         semaphore = None
-        if spec.deterministic:
+        if spec.deterministic and not spec.dq_separate:
             semaphore = torch.zeros((num_heads, tiles.num_slots // STEP_ROWS), dtype=torch.int32,
                                     device=q.device)
         lists = (None,) * 4
@@ -154,7 +158,7 @@ def run(
             if spec.split_lists:
                 units = work_units(csr, LIST_CHUNK)
                 num_ctas = units.shape[0]
-            if spec.deterministic:
+            if spec.deterministic and not spec.dq_separate:
                 bs = block_sparse
                 forward_lists = (bs.full_count, bs.full_index, bs.mask_count, bs.mask_index,
                                  bs.row_block_offsets)
@@ -167,7 +171,21 @@ def run(
         else:
             dk.zero_()
             dv.zero_()
-        dq = tiles.gather_dq(dq_acc, softmax_scale, q.dtype)
+        if spec.dq_separate:
+            dq = torch.empty_like(q)
+            forward_lists = (None,) * 5
+            if block_sparse is not None:
+                bs = block_sparse
+                forward_lists = (bs.full_count, bs.full_index, bs.mask_count, bs.mask_index,
+                                 bs.row_block_offsets)
+            _launch_dq(dq_spec_for(spec),
+                       (q, k, v, dout, lse_log2, dpsum, dq, cu_seqlens_q, cu_seqlens_k,
+                        tiles.tile_offsets),
+                       (-(-max_seqlen_q // DQ_TILE_ROWS), softmax_scale, compress_factor,
+                        max(window_size[0], 0), max(window_size[1], 0)),
+                       forward_lists)
+        else:
+            dq = tiles.gather_dq(dq_acc, softmax_scale, q.dtype)
     if spec.partial_dkv:
         dk, dv = dk.to(k.dtype), dv.to(v.dtype)
     if padded:
@@ -278,4 +296,19 @@ def _launch(spec, tensors, scalars, optional):
     from kernels.sm90.compile import compiled_backward
 
     launch_compiled(compiled_backward, spec, tensors, scalars, _typed_scalars, optional,
+                    as_cute=_as_cute)
+
+
+def _typed_dq_scalars(scalars):
+    import cutlass
+
+    num_m_blocks, scale, compress_factor, left, right = scalars
+    return (cutlass.Int32(num_m_blocks), cutlass.Float32(scale), cutlass.Int32(compress_factor),
+            cutlass.Int32(left), cutlass.Int32(right))
+
+
+def _launch_dq(spec, tensors, scalars, forward_lists):
+    from kernels.sm90.compile import compiled_dq
+
+    launch_compiled(compiled_dq, spec, tensors, scalars, _typed_dq_scalars, forward_lists,
                     as_cute=_as_cute)

@@ -90,7 +90,7 @@ class FlashAttentionBackwardSm90:
         mdO: cute.Tensor,       # (T, H, D)
         mLSE: cute.Tensor,      # (H, P) float32: lse * log2(e) per 64-row query tile, +inf pad
         mDPsum: cute.Tensor,    # (H, P) float32: rowsum(dO * O), 0 pad
-        mdQacc: cute.Tensor,    # (H, P, D) float32, zeroed
+        mdQacc: Optional[cute.Tensor],  # (H, P, D) float32, zeroed; None with `dq_separate`
         mdK: cute.Tensor,       # (Tk, Hkv, D)
         mdV: cute.Tensor,       # (Tk, Hkv, D)
         mCuSeqlensQ: cute.Tensor,   # (S+1,) int32
@@ -160,10 +160,13 @@ class FlashAttentionBackwardSm90:
         # while the warpgroup goes on.
         sdQ_layout = sm90_utils.make_smem_layout_a(
             row_major, (tm, tm, self.dq_cols_per_wg), Float32, self.num_wg)
-        mdQacc_t = cute.make_tensor(mdQacc.iterator, cute.select(mdQacc.layout, mode=[1, 2, 0]))
-        tma_atom_dq, tma_dq = cpasync.make_tiled_tma_atom(
-            cpasync.CopyReduceBulkTensorTileS2GOp(), mdQacc_t,
-            cute.slice_(sdQ_layout, (None, None, 0)), (tm, self.dq_cols_per_wg))
+        tma_atom_dq, tma_dq = None, None
+        if const_expr(not self.spec.dq_separate):
+            mdQacc_t = cute.make_tensor(mdQacc.iterator,
+                                        cute.select(mdQacc.layout, mode=[1, 2, 0]))
+            tma_atom_dq, tma_dq = cpasync.make_tiled_tma_atom(
+                cpasync.CopyReduceBulkTensorTileS2GOp(), mdQacc_t,
+                cute.slice_(sdQ_layout, (None, None, 0)), (tm, self.dq_cols_per_wg))
         self.q_bytes = cute.size_in_bytes(dtype, sQ_one) + tm * 4
         self.kv_bytes = 2 * cute.size_in_bytes(dtype, sK_one)
         self.shared_storage = self.shared_storage_struct(sQ_layout, sK_layout, sdS_layout,
@@ -214,8 +217,9 @@ class FlashAttentionBackwardSm90:
             sV=aligned(dtype, cute.cosize(sK_layout), 1024),
             sQ=aligned(dtype, cute.cosize(sQ_layout), 1024),
             sdO=aligned(dtype, cute.cosize(sQ_layout), 1024),
-            sdS=aligned(dtype, cute.cosize(sdS_layout), 1024),
         )
+        if not self.spec.dq_separate:
+            fields["sdS"] = aligned(dtype, cute.cosize(sdS_layout), 1024)
         if self.spec.dq_tma_reduce:
             fields["sdQ"] = aligned(Float32, cute.cosize(sdQ_layout), 1024)
         return cute.struct(type("BackwardSharedStorage", (), {"__annotations__": fields}))
@@ -227,8 +231,9 @@ class FlashAttentionBackwardSm90:
         tma_atom_q: cute.CopyAtom, mQ: cute.Tensor, tma_atom_do: cute.CopyAtom, mdO: cute.Tensor,
         tma_atom_k: cute.CopyAtom, mK: cute.Tensor, tma_atom_v: cute.CopyAtom, mV: cute.Tensor,
         tma_atom_lse: cute.CopyAtom, mLSE: cute.Tensor, tma_atom_dpsum: cute.CopyAtom,
-        mDPsum: cute.Tensor, mdQacc: cute.Tensor, tma_atom_dq: cute.CopyAtom,
-        mdQacc_tma: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor,
+        mDPsum: cute.Tensor, mdQacc: Optional[cute.Tensor],
+        tma_atom_dq: Optional[cute.CopyAtom], mdQacc_tma: Optional[cute.Tensor],
+        mdK: cute.Tensor, mdV: cute.Tensor,
         mCuSeqlensQ: cute.Tensor, mCuSeqlensK: cute.Tensor, mQTileOffsets: cute.Tensor,
         row_splits: Int32, softmax_scale: Float32, scale_log2: Float32, compress_factor,
         window_left: Int32, window_right: Int32,
@@ -280,7 +285,9 @@ class FlashAttentionBackwardSm90:
         sdO = storage.sdO.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sV = storage.sV.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
-        sdS = storage.sdS.get_tensor(sdS_layout.outer, swizzle=sdS_layout.inner)
+        sdS = None
+        if const_expr(not spec.dq_separate):
+            sdS = storage.sdS.get_tensor(sdS_layout.outer, swizzle=sdS_layout.inner)
         sdQ = None
         if const_expr(spec.dq_tma_reduce):
             sdQ = storage.sdQ.get_tensor(sdQ_layout.outer, swizzle=sdQ_layout.inner)
@@ -453,9 +460,12 @@ class FlashAttentionBackwardSm90:
         tSrdO = thr_sdp.make_fragment_B(thr_sdp.partition_B(sdO))
         tdKrQ = thr_dkv.make_fragment_B(thr_dkv.partition_B(transposed(sQ)))
         tdVrdO = thr_dkv.make_fragment_B(thr_dkv.partition_B(transposed(sdO)))
-        tdQrdS = thr_dq.make_fragment_A(thr_dq.partition_A(sdS))
-        # K read head-dim-major, one block of dq_pass_cols columns per pass.
-        sKt_passes = cute.flat_divide(transposed(sK), (self.dq_pass_cols,))
+        tdQrdS, sKt_passes, t_sdS = None, None, None
+        if const_expr(not self.spec.dq_separate):
+            tdQrdS = thr_dq.make_fragment_A(thr_dq.partition_A(sdS))
+            # K read head-dim-major, one block of dq_pass_cols columns per pass.
+            sKt_passes = cute.flat_divide(transposed(sK), (self.dq_pass_cols,))
+            t_sdS = thr_sdp.partition_C(transposed(sdS[None, None, 0]))
 
         acc_s = thr_sdp.make_fragment_C(thr_sdp.partition_shape_C((self.tile_n, self.tile_m)))
         acc_dp = thr_sdp.make_fragment_C(thr_sdp.partition_shape_C((self.tile_n, self.tile_m)))
@@ -467,7 +477,6 @@ class FlashAttentionBackwardSm90:
         r_p = cute.make_rmem_tensor(acc_as_a_operand_layout(acc_s.layout), self.dtype)
         r_ds = cute.make_rmem_tensor(acc_as_a_operand_layout(acc_s.layout), self.dtype)
         t_coord = thr_sdp.partition_C(cute.make_identity_tensor((self.tile_n, self.tile_m)))
-        t_sdS = thr_sdp.partition_C(transposed(sdS[None, None, 0]))
 
         kv_handle = kv_consumer.wait_and_advance()
         step = partial(
@@ -483,7 +492,8 @@ class FlashAttentionBackwardSm90:
             mFwdRowOffsets=mFwdRowOffsets)
         walk(step, (q_consumer, do_consumer, tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq))
         kv_handle.release()
-        dq_accumulator.finish(tidx)
+        if const_expr(not self.spec.dq_separate):
+            dq_accumulator.finish(tidx)
 
         acc_dk.store(acc_dk.load() * softmax_scale)
         for acc, m_out in ((acc_dk, mdK), (acc_dv, mdV)):
@@ -535,6 +545,28 @@ class FlashAttentionBackwardSm90:
                                   zero_init=False)
         tiled_mma_dkv = self.gemm(tiled_mma_dkv, acc_dk, r_ds, tdKrQ[None, None, None, q_stage],
                                   zero_init=False)
+        if const_expr(self.spec.dq_separate):
+            # dQ is the query-centric kernel's (kernels/sm90/bwd_dq_sm90.py).
+            warpgroup.wait_group(0)
+            q_handle.release()
+            do_handle.release()
+        else:
+            tiled_mma_dq = self.step_dq(
+                tidx, head, m_block, q_handle, do_handle, tiled_mma_dq, tdQrdS, sKt_passes,
+                thr_dq, acc_dq, r_ds_as_acc, t_sdS, dq_accumulator, block_range, n_block,
+                batch, seqlen_q, seqlen_k, q_tile_offset, mSemaphore, mFwdFullCount,
+                mFwdFullIndex, mFwdMaskCount, mFwdMaskIndex, mFwdRowOffsets)
+        return q_consumer, do_consumer, tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq
+
+    @cute.jit
+    def step_dq(
+        self, tidx: Int32, head: Int32, m_block: Int32, q_handle, do_handle,
+        tiled_mma_dq: cute.TiledMma, tdQrdS, sKt_passes, thr_dq, acc_dq, r_ds_as_acc, t_sdS,
+        dq_accumulator: DqAccumulator, block_range: BlockRange, n_block: Int32, batch: Int32,
+        seqlen_q: Int32, seqlen_k: Int32, q_tile_offset: Int32, mSemaphore, mFwdFullCount,
+        mFwdFullIndex, mFwdMaskCount, mFwdMaskIndex, mFwdRowOffsets,
+    ):
+        """dQ = dS K of one step, added into the float32 accumulator; releases Q and dO."""
         # dS into shared memory for dQ = dS K, once every warpgroup's previous dQ read it.
         cute.arch.barrier(barrier_id=_DS_FREE_BARRIER,
                           number_of_threads=self.num_consumer_threads)
@@ -562,7 +594,7 @@ class FlashAttentionBackwardSm90:
         if const_expr(self.spec.deterministic):
             dq_accumulator.settle(tidx)
             self.pass_dq_turn(tidx, mSemaphore, head, slot_tile)
-        return q_consumer, do_consumer, tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq
+        return tiled_mma_dq
 
     @cute.jit
     def wait_dq_turn(self, tidx: Int32, mSemaphore, head: Int32, slot_tile: Int32,

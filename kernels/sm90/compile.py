@@ -123,8 +123,10 @@ def fake_backward_arguments(spec):
     # lse, dO.O: (H, P) with P a multiple of 64 (16-byte aligned rows for TMA).
     lse, dpsum = (fake(cutlass.Float32, (cute.sym_int(), cute.sym_int()),
                        stride=(cute.sym_int(64), 1), assumed_align=16) for _ in range(2))
-    dq_acc = fake(cutlass.Float32, tuple(cute.sym_int() for _ in range(3)),
-                  stride=(cute.sym_int(64), cute.sym_int(64), 1), assumed_align=16)
+    # `dq_separate`: no dQ accumulator (the query-centric kernel writes dQ).
+    dq_acc = None if spec.dq_separate else fake(
+        cutlass.Float32, tuple(cute.sym_int() for _ in range(3)),
+        stride=(cute.sym_int(64), cute.sym_int(64), 1), assumed_align=16)
     cu_q, cu_k, q_tiles = (rows(cutlass.Int32) for _ in range(3))
     lists = (None,) * 4
     if spec.block_sparse:
@@ -174,3 +176,53 @@ def compile_backward_kernel_on_fake_tensors(kernel):
     return cute.compile(
         kernel, *tensors, cutlass.Int32(1), cutlass.Int32(1), cutlass.Float32(1.0),
         cutlass.Int32(1), cutlass.Int32(0), cutlass.Int32(0), *optional, make_fake_stream())
+
+
+# ---------------------------------------------------------------------------- backward dQ
+
+def fake_dq_arguments(spec):
+    """Fake tensors standing for the dQ kernel's arguments, in order (the scalars and the
+    stream excluded): (q, k, v, dO, lse, dO.O, dQ, cu_q, cu_k, q tile offsets), (the forward's
+    full count, full index, mask count, mask index, row offsets)."""
+    from cutlass.cute.runtime import make_fake_tensor as fake
+
+    dtype = _DTYPES[spec.dtype]
+
+    def seq_head_dim():
+        return fake(dtype, tuple(cute.sym_int() for _ in range(3)),
+                    stride=(cute.sym_int(64), cute.sym_int(64), 1), assumed_align=16)
+
+    q, k, v, dout, dq = (seq_head_dim() for _ in range(5))
+    lse, dpsum = (fake(cutlass.Float32, (cute.sym_int(), cute.sym_int()),
+                       stride=(cute.sym_int(64), 1), assumed_align=16) for _ in range(2))
+    cu_q, cu_k, q_tiles = (make_fake_compact_tensor(cutlass.Int32, (cute.sym_int(),),
+                                                    assumed_align=4) for _ in range(3))
+    forward_lists = (None,) * 5
+    if spec.block_sparse:
+        r, hs, kf, km = (cute.sym_int() for _ in range(4))
+        forward_lists = (
+            make_fake_compact_tensor(cutlass.Int32, (r, hs), stride_order=(1, 0)),
+            make_fake_compact_tensor(cutlass.Int32, (r, hs, kf), stride_order=(2, 1, 0)),
+            make_fake_compact_tensor(cutlass.Int32, (r, hs), stride_order=(1, 0)),
+            make_fake_compact_tensor(cutlass.Int32, (r, hs, km), stride_order=(2, 1, 0)),
+            make_fake_compact_tensor(cutlass.Int32, (cute.sym_int(),), assumed_align=4))
+    return (q, k, v, dout, lse, dpsum, dq, cu_q, cu_k, q_tiles), forward_lists
+
+
+def compiled_dq(spec, example_args, tvm_ffi: bool = False):
+    """The query-centric dQ kernel for `spec` (`compiled_once`)."""
+    from kernels.sm90.bwd_dq_sm90 import DqBackwardSm90
+
+    return compiled_once(DqBackwardSm90, spec, example_args, tvm_ffi)
+
+
+@functools.lru_cache(maxsize=None)
+def compile_dq_on_fake_tensors(spec):
+    """Compile dQ `spec` for sm_90a without a GPU (CUTE_DSL_ARCH=sm_90a)."""
+    from kernels.sm90.bwd_dq_sm90 import DqBackwardSm90
+
+    tensors, forward_lists = fake_dq_arguments(spec)
+    return cute.compile(
+        DqBackwardSm90(spec), *tensors, cutlass.Int32(1), cutlass.Float32(1.0),
+        cutlass.Int32(1), cutlass.Int32(0), cutlass.Int32(0), *forward_lists,
+        make_fake_stream())

@@ -243,6 +243,7 @@ class BwdSpec:
     dq_tma_reduce: bool = False  # dQ staged in smem and added with a TMA reduce-add per
                                  # warpgroup instead of one red.global.add per element
                                  # (dispatched wherever its staging buffer fits)
+    dq_separate: bool = False  # skip dQ here: the query-centric kernel computes it (DqSpec)
     tile_n: int = 128          # keys per CTA, 64 per consumer warpgroup
     tile_m: int = 64           # query rows per step
     q_stages: int = 2          # Q (+ lse) and dO (+ dO.O) pipeline depth
@@ -281,7 +282,8 @@ class BwdSpec:
                    self.tile_m * self.q_stages]
         for rows in buffers:
             size = aligned(size, 1024) + 2 * rows * self.head_dim
-        size = aligned(size, 1024) + 2 * self.tile_m * self.tile_n  # dS
+        if not self.dq_separate:
+            size = aligned(size, 1024) + 2 * self.tile_m * self.tile_n  # dS
         if self.dq_tma_reduce:  # one 64-row float32 staging block per warpgroup
             size = aligned(size, 1024) + 4 * self.tile_m * self.dq_cols_per_warpgroup * (
                 self.num_consumer_warpgroups)
@@ -290,6 +292,37 @@ class BwdSpec:
     def fits_in_smem(self) -> bool:
         return (self.smem_bytes <= SMEM_PER_CTA
                 and self.ctas_per_sm * (self.smem_bytes + SMEM_RESERVED_PER_CTA) <= SMEM_PER_SM)
+
+
+@dataclass(frozen=True)
+class DqSpec:
+    """The compile key of the query-centric dQ kernel (kernels/sm90/bwd_dq_sm90.py), which runs
+    beside the KV-centric backward when that one skips its dQ (`BwdSpec.dq_separate`)."""
+    dtype: str                 # "bfloat16" | "float16"
+    head_dim: int              # 64 | 128
+    causal: bool
+    has_window_left: bool
+    has_window_right: bool
+    block_sparse: bool         # walk the forward's lists (64-key blocks)
+    compressed: bool = False
+    tile_m: int = 128          # query rows per CTA, 64 per consumer warpgroup
+    tile_n: int = 64           # keys per visited KV tile
+    kv_stages: int = 2         # K and V pipeline depth
+
+    @property
+    def smem_bytes(self) -> int:
+        """Shared memory of one CTA as `DqBackwardSm90.shared_storage_struct` lays it out."""
+        def aligned(size: int, to: int) -> int:
+            return -(-size // to) * to
+
+        size = aligned(8 * 2 * (1 + self.kv_stages), 16)
+        for rows in (self.tile_m, self.tile_m, self.tile_n * self.kv_stages,
+                     self.tile_n * self.kv_stages):
+            size = aligned(size, 1024) + 2 * rows * self.head_dim
+        return size
+
+    def fits_in_smem(self) -> bool:
+        return self.smem_bytes <= SMEM_PER_CTA
 
 
 BACKWARD_HEAD_DIMS = (64, 128)
@@ -336,6 +369,8 @@ def choose_backward_spec(
         split_lists=sparse_block_size is not None and not deterministic and lists_span_kv_groups,
         split_rows=(sparse_block_size is None and not deterministic and kv_tile_ctas is not None
                     and kv_tile_ctas < num_sms))
+    if dq_in_own_kernel(sparse_block_size, compress_factor):
+        return dataclasses.replace(spec, dq_separate=True)
     # dQ through a TMA reduce-add of a staged 64-row block instead of one float32 reduction per
     # element (H100, session 11, 16K: dense causal 20.1 -> 12.3 ms, window 512 3.24 -> 2.61 ms).
     # 64-key tiles at head dim 128 run two CTAs per SM and have room for the staging buffer only
@@ -349,3 +384,22 @@ def choose_backward_spec(
         raise ValueError(f"no sm90 backward variant for head_dim {head_dim} with {tile_n}-key "
                          f"tiles fits shared memory ({spec.smem_bytes} bytes)")
     return spec
+
+
+def dq_in_own_kernel(sparse_block_size: int | None, compress_factor: int) -> bool:
+    """Whether dQ goes to the query-centric kernel (`BwdSpec.dq_separate`): where each KV tile
+    meets few query rows per load, the KV-centric kernel's dQ reductions and Q/dO reloads cost
+    more than recomputing S and dP once more per query tile. NSA's 64-key selected blocks
+    (a 64 x 64 step per Q/dO load and dQ block) and compressed keys (every KV tile of 128
+    compressed keys adds into all of dQ). The dQ kernel walks 64-key tiles, so lists of
+    128-key blocks keep dQ in the KV-centric kernel."""
+    return sparse_block_size == 64 or (compress_factor != 1 and sparse_block_size is None)
+
+
+def dq_spec_for(spec: BwdSpec) -> DqSpec:
+    """The dQ kernel that runs beside a `dq_separate` backward: the same features; 64-key tiles
+    (block-sparse lists of 64-key blocks only)."""
+    assert spec.dq_separate and not (spec.block_sparse and spec.tile_n != 64)
+    return DqSpec(dtype=spec.dtype, head_dim=spec.head_dim, causal=spec.causal,
+                  has_window_left=spec.has_window_left, has_window_right=spec.has_window_right,
+                  block_sparse=spec.block_sparse, compressed=spec.compressed)

@@ -9,8 +9,8 @@ import pytest
 import cutlass  # noqa: F401  (a broken CuTe DSL install must fail here, not skip)
 
 from kernels.sm90.compile import (compile_backward_kernel_on_fake_tensors,
-                                  compile_backward_on_fake_tensors)
-from kernels.sm90.spec import BwdSpec, choose_backward_spec
+                                  compile_backward_on_fake_tensors, compile_dq_on_fake_tensors)
+from kernels.sm90.spec import BwdSpec, choose_backward_spec, dq_spec_for
 from test_sm90_compile import CALLS
 
 
@@ -52,6 +52,8 @@ def test_backward_variant_compiles_for_sm90a(dtype, head_dim, call):
     spec = _spec_of(dtype, head_dim, call)
     assert spec.fits_in_smem()
     assert callable(compile_backward_on_fake_tensors(spec))
+    if spec.dq_separate:  # and the query-centric dQ kernel that runs beside it
+        assert callable(compile_dq_on_fake_tensors(dq_spec_for(spec)))
 
 
 @pytest.mark.parametrize("call", [c for c in _distinct_calls() if c.endswith("many-kv-tiles")])
@@ -60,6 +62,28 @@ def test_deterministic_backward_variant_compiles_for_sm90a(head_dim, call):
     spec = _spec_of("bfloat16", head_dim, call, deterministic=True)
     assert spec.deterministic and not spec.partial_dkv
     assert callable(compile_backward_on_fake_tensors(spec))
+    if spec.dq_separate:
+        assert callable(compile_dq_on_fake_tensors(dq_spec_for(spec)))
+
+
+@pytest.mark.parametrize("call", ["selected-sparse64", "compressed-causal", "window-causal"])
+def test_dq_kernel_smem_footprint_matches_the_kernel(call):
+    """`DqSpec.smem_bytes` is the DSL's shared storage size."""
+    import dataclasses
+
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_fake_stream
+
+    from kernels.sm90.bwd_dq_sm90 import DqBackwardSm90
+    from kernels.sm90.compile import fake_dq_arguments
+
+    spec = dq_spec_for(dataclasses.replace(_spec_of("bfloat16", 128, call + "/many-kv-tiles"),
+                                           dq_separate=True))
+    kernel = DqBackwardSm90(spec)
+    tensors, lists = fake_dq_arguments(spec)
+    cute.compile(kernel, *tensors, cutlass.Int32(1), cutlass.Float32(1.0), cutlass.Int32(1),
+                 cutlass.Int32(0), cutlass.Int32(0), *lists, make_fake_stream())
+    assert kernel.shared_storage.size_in_bytes() == spec.smem_bytes
 
 
 @pytest.mark.parametrize("tile_n", [64, 128])
@@ -84,15 +108,22 @@ def test_backward_dispatch_takes_the_list_block_as_the_key_tile():
 
 
 def test_backward_dispatch_reduces_dq_with_tma_where_the_staging_buffer_fits():
-    for call in ("causal", "window-causal", "compressed-causal", "sparse128"):
+    for call in ("causal", "window-causal", "sparse128"):
         for head_dim in (64, 128):
             assert _backward_spec("bfloat16", head_dim, call).dq_tma_reduce
             assert _backward_spec("bfloat16", head_dim, call, deterministic=True).dq_tma_reduce
-    # 64-key tiles run two CTAs per SM: at head dim 128 the staging block fits with one Q/dO
-    # stage only.
-    assert _backward_spec("bfloat16", 64, "selected-sparse64").q_stages == 2
+
+
+def test_backward_dispatch_gives_dq_its_own_kernel_for_64_key_blocks_and_compressed_keys():
+    for call in ("selected-sparse64", "compressed-causal"):
+        for head_dim in (64, 128):
+            for deterministic in (False, True):
+                spec = _backward_spec("bfloat16", head_dim, call, deterministic)
+                assert spec.dq_separate and not spec.dq_tma_reduce and spec.q_stages == 2
     selected = _backward_spec("bfloat16", 128, "selected-sparse64")
-    assert selected.dq_tma_reduce and selected.q_stages == 1 and selected.ctas_per_sm == 2
+    assert selected.ctas_per_sm == 2 and selected.fits_in_smem()
+    for call in ("causal", "window-causal", "sparse128"):
+        assert not _backward_spec("bfloat16", 128, call).dq_separate
 
 
 def test_backward_dispatch_splits_rows_only_for_grids_smaller_than_the_gpu():

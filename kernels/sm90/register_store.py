@@ -1,0 +1,34 @@
+"""Rows of a wgmma accumulator stored straight from registers into a (T, heads, D) tensor, each
+row predicated on the sequence's length: the backward's dK, dV (KV-centric kernel) and dQ
+(query-centric kernel). A TMA store of the tile would also write the rows past the sequence
+end, which belong to the next sequence in a packed batch."""
+import cutlass
+import cutlass.cute as cute
+from cutlass import Int32
+
+from kernels.sm90.layouts import acc_mn_view
+
+
+@cute.jit
+def store_rows_from_registers(thr_mma, acc: cute.Tensor, m_out: cute.Tensor, offset: Int32,
+                              head: Int32, block: Int32, tile_rows: cutlass.Constexpr[int],
+                              head_dim: cutlass.Constexpr[int], seqlen: Int32, dtype):
+    """acc (this thread's fragment of a tile_rows x head_dim accumulator of `thr_mma`) converted
+    to `dtype` and written to rows [block * tile_rows, +tile_rows) of the sequence starting at
+    `offset` in m_out[:, head, :], rows at or past `seqlen` skipped; one 32-bit store per pair
+    of adjacent columns (m_out's row strides must be known multiples of 8 elements)."""
+    out = cute.make_rmem_tensor_like(acc, dtype)
+    out.store(acc.load().to(dtype))
+    m_seq = cute.domain_offset((offset, 0), m_out[None, head, None])
+    g_mn = acc_mn_view(thr_mma.partition_C(
+        cute.local_tile(m_seq, (tile_rows, head_dim), (block, 0))))
+    c_mn = acc_mn_view(thr_mma.partition_C(cute.make_identity_tensor((tile_rows, head_dim))))
+    o_mn = acc_mn_view(out)
+    pair_store = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), dtype, num_bits_per_copy=32)
+    col_groups = cute.size(o_mn.shape[1][1])
+    num_pairs = cute.size(o_mn, mode=[1]) // 2
+    for r in cutlass.range_constexpr(cute.size(o_mn, mode=[0])):
+        if block * tile_rows + c_mn[r, 0][0] < seqlen:
+            for c in cutlass.range_constexpr(num_pairs):
+                pair = (None, c % col_groups, c // col_groups)
+                cute.copy(pair_store, o_mn[r, pair], g_mn[r, pair])
