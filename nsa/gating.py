@@ -17,9 +17,14 @@ NUM_BRANCHES = 3
 def gate_weights(q: Tensor, W_gate: Tensor | None, branches: tuple[bool, bool, bool]) -> Tensor:
     """(T, H, 3) branch weights for packed q (T, H, D)."""
     dtype = compute_dtype(q.dtype)
-    running = torch.tensor(branches, dtype=dtype, device=q.device)
+    # Filled on the device from Python scalars: a host-to-device copy (torch.tensor(branches))
+    # is refused inside CUDA-graph capture.
+    running = torch.zeros(NUM_BRANCHES, dtype=dtype, device=q.device)
+    for branch, runs in enumerate(branches):
+        if runs:
+            running[branch].fill_(1.0)
     if W_gate is None:
-        return (running / running.sum()).expand(*q.shape[:2], NUM_BRANCHES)
+        return (running / sum(branches)).expand(*q.shape[:2], NUM_BRANCHES)
     return torch.sigmoid(gate_logits(q, W_gate)) * running
 
 

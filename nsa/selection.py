@@ -317,7 +317,10 @@ def _ranking_keys(importance: Tensor, ranges: _BlockRanges) -> Tensor:
     key = torch.where(candidate, importance.permute(1, 0, 2), rest)
     if key.shape[-1]:
         block0 = ranges.block0
-        key[..., 0] = block0 if isinstance(block0, float) else block0[:, None]
+        if isinstance(block0, float):
+            key[..., 0].fill_(block0)  # not `= block0`: a host copy, refused in graph capture
+        else:
+            key[..., 0] = block0[:, None]
     return key
 
 
