@@ -3,16 +3,19 @@ finishes.
 
 Both take the keyword arguments of `kernels.attention_backward`, already validated and
 normalised by `kernels.validate` (`block_sparse_transposed`, a `sparsity.BlockSparseCSR`, is
-built by `kernels.interface` when the caller gave none). Three steps, no host read:
+built by `kernels.interface` when the caller gave none). Three launches, no host read:
 
-1. preprocess (torch): lse * log2(e) (+inf where a row sees nothing) and rowsum(dO * O) in
-   float32, both scattered into a layout of 64-row query tiles per sequence (P slots per head,
-   +inf / 0 in the padding), and a zeroed float32 dQ accumulator in the same layout. Padding
-   the tiles makes every TMA load of a tile's row statistics 16-byte aligned, gives rows past a
-   sequence's end P = 0 for free, and keeps each tile's dQ rows contiguous;
-2. the kernel (kernels/sm90/bwd_sm90.py): dK, dV written in the input type, dQ reduced into
-   the accumulator;
-3. postprocess (torch): dQ = accumulator * softmax_scale gathered back to (T, H, D).
+1. the row statistics (kernels/sm90/bwd_preprocess.py): lse * log2(e) (+inf where a row sees
+   nothing) and rowsum(dO * O) in float32, both scattered into a layout of 64-row query tiles
+   per sequence (P slots per head, +inf / 0 in the padding). Padding the tiles makes every TMA
+   load of a tile's row statistics 16-byte aligned and gives rows past a sequence's end P = 0
+   for free;
+2. the KV-centric kernel (kernels/sm90/bwd_sm90.py): dK, dV, written in the input type (or
+   added into float32 accumulators where several CTAs share a KV tile, converted after);
+3. the query-centric dQ kernel (kernels/sm90/bwd_dq_sm90.py), which writes dQ in the input
+   type (`BwdSpec.dq_separate`, every dispatched call). With `dq_separate` off (a tuner
+   variant) the KV-centric kernel reduces dQ into a zeroed float32 accumulator in the tile
+   layout instead, and torch scales it and gathers it back to (T, H, D).
 """
 from __future__ import annotations
 
@@ -213,13 +216,19 @@ class QueryTiles:
         rows = torch.arange(total_q, device=device)
         sequence = torch.searchsorted(cu[1:], rows, right=True)
         self.slot = STEP_ROWS * self.tile_offsets[sequence].to(torch.int64) + rows - cu[sequence]
+        self.slot32 = self.slot.to(torch.int32)  # < 2**31: kernels.validate checks the slots
 
     def row_statistics(self, dout, out, lse):
-        """(lse * log2(e), rowsum(dO * O)) as (H, slots) float32, +inf / 0 in the padding."""
+        """(lse * log2(e), rowsum(dO * O)) as (H, slots) float32, +inf / 0 in the padding. On
+        the GPU one CuTe DSL pass (kernels/sm90/bwd_preprocess.py); on the CPU (the unit tests'
+        reference) in torch."""
         num_heads = dout.shape[1]
         lse_log2 = torch.full((num_heads, self.num_slots), math.inf, dtype=torch.float32,
                               device=dout.device)
         dpsum = torch.zeros((num_heads, self.num_slots), dtype=torch.float32, device=dout.device)
+        if dout.is_cuda and dout.shape[0] > 0:
+            _launch_preprocess(dout, out, lse, self.slot32, lse_log2, dpsum)
+            return lse_log2, dpsum
         scaled = lse.float() * _LOG2_E
         # A row that sees nothing has lse = -inf: +inf makes its P = exp2(s - inf) exactly 0.
         lse_log2[:, self.slot] = torch.where(torch.isneginf(scaled), math.inf, scaled)
@@ -312,3 +321,16 @@ def _launch_dq(spec, tensors, scalars, forward_lists):
 
     launch_compiled(compiled_dq, spec, tensors, scalars, _typed_dq_scalars, forward_lists,
                     as_cute=_as_cute)
+
+
+def _launch_preprocess(dout, out, lse, slot, lse_log2, dpsum):
+    from kernels.sm90.bwd_preprocess import PreprocessSpec
+    from kernels.sm90.compile import compiled_preprocess
+
+    def as_cute(t, tvm_ffi=False):  # 16-byte vectors from O and dO, scalars elsewhere
+        return forward_as_cute(t, tvm_ffi, 16 if t.dim() == 3 else 4)
+
+    spec = PreprocessSpec(str(dout.dtype).removeprefix("torch."), dout.shape[-1])
+    launch_compiled(compiled_preprocess, spec, (out, dout, lse.float().contiguous(), slot,
+                                                lse_log2, dpsum),
+                    (), lambda scalars: (), (), as_cute=as_cute)

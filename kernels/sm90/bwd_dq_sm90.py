@@ -206,8 +206,10 @@ class DqBackwardSm90:
             if const_expr(spec.block_sparse):
                 sparse_row = mRowBlockOffsets[batch] + m_block
                 sparse_head = head // (num_heads // cute.size(mFullCount.shape[1]))
-                num_mask = mMaskCount[sparse_row, sparse_head]
-                num_iters = num_mask + mFullCount[sparse_row, sparse_head]
+                # Lists of 128-key blocks: each entry is visited as two 64-key tiles.
+                num_mask = mMaskCount[sparse_row, sparse_head] * spec.tiles_per_list_block
+                num_iters = num_mask + mFullCount[sparse_row, sparse_head] * (
+                    spec.tiles_per_list_block)
             else:
                 n_min, n_max = block_range.n_block_min_max(m_block, seqlen_q, seqlen_k)
                 num_iters = cutlass.max(n_max - n_min, 0)
@@ -246,11 +248,13 @@ class DqBackwardSm90:
         n_block = n_max - 1 - it
         is_mask_tile = cutlass.Boolean(True)
         if const_expr(self.spec.block_sparse):
+            per_block = self.spec.tiles_per_list_block
             if it < num_mask:
-                n_block = mMaskIndex[sparse_row, sparse_head, it]
+                n_block = mMaskIndex[sparse_row, sparse_head, it // per_block]
             else:
-                n_block = mFullIndex[sparse_row, sparse_head, it - num_mask]
+                n_block = mFullIndex[sparse_row, sparse_head, (it - num_mask) // per_block]
                 is_mask_tile = False
+            n_block = n_block * per_block + it % per_block
         return n_block, is_mask_tile
 
     @cute.jit

@@ -226,3 +226,19 @@ def compile_dq_on_fake_tensors(spec):
         DqBackwardSm90(spec), *tensors, cutlass.Int32(1), cutlass.Float32(1.0),
         cutlass.Int32(1), cutlass.Int32(0), cutlass.Int32(0), *forward_lists,
         make_fake_stream())
+
+
+def compiled_preprocess(spec, example_args, tvm_ffi: bool = False):
+    """The backward's row-statistics kernel for `spec` (`compiled_once`)."""
+    from kernels.sm90.bwd_preprocess import BackwardPreprocess
+
+    return compiled_once(BackwardPreprocess, spec, example_args, tvm_ffi)
+
+
+@functools.lru_cache(maxsize=None)
+def compile_preprocess_on_fake_tensors(spec):
+    """Compile the row-statistics kernel for sm_90a without a GPU (CUTE_DSL_ARCH=sm_90a)."""
+    from kernels.sm90.bwd_preprocess import BackwardPreprocess, fake_preprocess_arguments
+
+    return cute.compile(BackwardPreprocess(spec), *fake_preprocess_arguments(spec.dtype),
+                        make_fake_stream())

@@ -303,11 +303,17 @@ class DqSpec:
     causal: bool
     has_window_left: bool
     has_window_right: bool
-    block_sparse: bool         # walk the forward's lists (64-key blocks)
+    block_sparse: bool         # walk the forward's lists
     compressed: bool = False
+    list_block: int = 64       # block-sparse: keys per listed block (64 or 128)
     tile_m: int = 128          # query rows per CTA, 64 per consumer warpgroup
     tile_n: int = 64           # keys per visited KV tile
     kv_stages: int = 2         # K and V pipeline depth
+
+    @property
+    def tiles_per_list_block(self) -> int:
+        """KV tiles visited per list entry (a 128-key block is two 64-key tiles)."""
+        return self.list_block // self.tile_n if self.block_sparse else 1
 
     @property
     def smem_bytes(self) -> int:
@@ -387,19 +393,24 @@ def choose_backward_spec(
 
 
 def dq_in_own_kernel(sparse_block_size: int | None, compress_factor: int) -> bool:
-    """Whether dQ goes to the query-centric kernel (`BwdSpec.dq_separate`): where each KV tile
-    meets few query rows per load, the KV-centric kernel's dQ reductions and Q/dO reloads cost
-    more than recomputing S and dP once more per query tile. NSA's 64-key selected blocks
-    (a 64 x 64 step per Q/dO load and dQ block) and compressed keys (every KV tile of 128
-    compressed keys adds into all of dQ). The dQ kernel walks 64-key tiles, so lists of
-    128-key blocks keep dQ in the KV-centric kernel."""
-    return sparse_block_size == 64 or (compress_factor != 1 and sparse_block_size is None)
+    """Whether dQ goes to the query-centric kernel (`BwdSpec.dq_separate`) rather than being
+    reduced into a float32 accumulator by the KV-centric kernel. Recomputing S and dP once more
+    per query tile costs less than the KV-centric dQ's reductions, its Q/dO reloads and the
+    accumulator's conversion wherever it was measured (H100, session 12,
+    tools/tune_sm90_backward.py, dispatched vs `dq own kernel`): random 64-key lists like
+    NSA's selected branch 16K 7.25 -> 3.40 ms, 64K 29.1 -> 13.1; compress factor 64 16K
+    2.26 -> 1.40, 64K 13.0 -> 7.5; causal window 512 16K 2.60 -> 1.93; dense causal 16K 12.16
+    -> 11.33. So every call takes it; the fused dQ stays as a compile-time switch for the
+    tuner."""
+    del sparse_block_size, compress_factor
+    return True
 
 
 def dq_spec_for(spec: BwdSpec) -> DqSpec:
-    """The dQ kernel that runs beside a `dq_separate` backward: the same features; 64-key tiles
-    (block-sparse lists of 64-key blocks only)."""
-    assert spec.dq_separate and not (spec.block_sparse and spec.tile_n != 64)
+    """The dQ kernel that runs beside a `dq_separate` backward: the same features, the same
+    list blocks (the KV-centric kernel's tile_n when block-sparse)."""
+    assert spec.dq_separate
     return DqSpec(dtype=spec.dtype, head_dim=spec.head_dim, causal=spec.causal,
                   has_window_left=spec.has_window_left, has_window_right=spec.has_window_right,
-                  block_sparse=spec.block_sparse, compressed=spec.compressed)
+                  block_sparse=spec.block_sparse, compressed=spec.compressed,
+                  list_block=spec.tile_n if spec.block_sparse else 64)

@@ -107,23 +107,19 @@ def test_backward_dispatch_takes_the_list_block_as_the_key_tile():
         choose_backward_spec(dtype="bfloat16", head_dim=256, causal=True, window_size=(-1, -1))
 
 
-def test_backward_dispatch_reduces_dq_with_tma_where_the_staging_buffer_fits():
-    for call in ("causal", "window-causal", "sparse128"):
-        for head_dim in (64, 128):
-            assert _backward_spec("bfloat16", head_dim, call).dq_tma_reduce
-            assert _backward_spec("bfloat16", head_dim, call, deterministic=True).dq_tma_reduce
-
-
-def test_backward_dispatch_gives_dq_its_own_kernel_for_64_key_blocks_and_compressed_keys():
-    for call in ("selected-sparse64", "compressed-causal"):
+def test_backward_dispatch_gives_dq_its_own_kernel_everywhere():
+    """dQ from the query-centric kernel on every dispatched call (session 12, H100: faster on
+    each case measured); the KV-centric kernel then needs no dQ staging and keeps two Q/dO
+    stages, two CTAs per SM at 64-key tiles."""
+    for call in _distinct_calls():
         for head_dim in (64, 128):
             for deterministic in (False, True):
-                spec = _backward_spec("bfloat16", head_dim, call, deterministic)
+                spec = _spec_of("bfloat16", head_dim, call, deterministic)
                 assert spec.dq_separate and not spec.dq_tma_reduce and spec.q_stages == 2
+                assert dq_spec_for(spec).list_block == (spec.tile_n if spec.block_sparse
+                                                        else 64)
     selected = _backward_spec("bfloat16", 128, "selected-sparse64")
     assert selected.ctas_per_sm == 2 and selected.fits_in_smem()
-    for call in ("causal", "window-causal", "sparse128"):
-        assert not _backward_spec("bfloat16", 128, call).dq_separate
 
 
 def test_backward_dispatch_splits_rows_only_for_grids_smaller_than_the_gpu():
@@ -144,3 +140,12 @@ def test_backward_lists_per_query_head_walk_the_group_unsplit_and_compile(sparse
     assert not spec.split_lists and not spec.partial_dkv and not spec.deterministic
     assert _backward_spec("bfloat16", 128, "sparse128").split_lists
     assert callable(compile_backward_on_fake_tensors(spec))
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_backward_row_statistics_kernel_compiles_for_sm90a(dtype, head_dim):
+    from kernels.sm90.bwd_preprocess import PreprocessSpec
+    from kernels.sm90.compile import compile_preprocess_on_fake_tensors
+
+    assert callable(compile_preprocess_on_fake_tensors(PreprocessSpec(dtype, head_dim)))
