@@ -43,6 +43,7 @@ from kernels.sm90.layouts import (acc_as_a_operand_layout, acc_mn_view, transpos
                                   with_row_strides_divisible)
 from kernels.sm90.mask import apply_mask_keys_as_rows
 from kernels.sm90.pipelines import tma_pipeline
+from kernels.sm90.register_store import store_rows_from_registers
 from kernels.sm90.spec import BwdSpec
 
 _WARPGROUP = 128
@@ -673,23 +674,8 @@ class FlashAttentionBackwardSm90:
                     cute.arch.red(g_part.iterator + cute.crd2idx(i, g_part.layout), acc[i],
                                   op="add", dtype="f32", sem="relaxed", scope="gpu")
         else:
-            out = cute.make_rmem_tensor_like(acc, self.dtype)
-            out.store(acc.load().to(self.dtype))
-            m_seq = cute.domain_offset((offset_k, 0), m_out[None, head_kv, None])
-            g_mn = acc_mn_view(thr_dkv.partition_C(
-                cute.local_tile(m_seq, (self.tile_n, self.head_dim), (n_block, 0))))
-            c_mn = acc_mn_view(thr_dkv.partition_C(
-                cute.make_identity_tensor((self.tile_n, self.head_dim))))
-            o_mn = acc_mn_view(out)
-            pair_store = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype,
-                                             num_bits_per_copy=32)
-            col_groups = cute.size(o_mn.shape[1][1])
-            num_pairs = cute.size(o_mn, mode=[1]) // 2
-            for r in cutlass.range_constexpr(cute.size(o_mn, mode=[0])):
-                if n_block * self.tile_n + c_mn[r, 0][0] < seqlen_k:
-                    for c in cutlass.range_constexpr(num_pairs):
-                        pair = (None, c % col_groups, c // col_groups)
-                        cute.copy(pair_store, o_mn[r, pair], g_mn[r, pair])
+            store_rows_from_registers(thr_dkv, acc, m_out, offset_k, head_kv, n_block,
+                                      self.tile_n, self.head_dim, seqlen_k, self.dtype)
 
     @staticmethod
     def stage_index(handle, num_stages: int):
