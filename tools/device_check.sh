@@ -25,7 +25,7 @@ for tool in racecheck synccheck; do
   compute-sanitizer --tool $tool --kernel-name kns=Backward python3 tools/sanitize_sm90_backward.py \
       > "$out/sanitize_$tool.log" 2>&1
 done
-python3 tools/diagnose_memory.py --seqlens 262144 --max-length --json "$out/memory.json" \
+python3 tools/diagnose_memory.py --seqlens 1048576 --max-length --passes fwd+bwd --resolution 262144 --json "$out/memory.json" \
     > "$out/memory.log" 2>&1
 python3 tools/train_packed.py --steps ${TRAIN_STEPS:-150} --no-progress --json "$out/train.json" \
     > "$out/train.log" 2>&1

@@ -15,12 +15,17 @@ Per sequence length N it reports, all measured on real tensors of the run:
 
 `--max-length` (CUDA) instead searches the longest single sequence (B=1) whose forward, and
 whose forward+backward, fit the GPU: doubling from the first of --seqlens until an allocation
-fails, then bisecting to a multiple of 64K tokens; it prints each trial's peak and the stage
-that reached it (forward or backward).
+fails, then bisecting to a multiple of `--resolution` tokens (64K); it prints each trial's
+peak and the stage that reached it (forward or backward). Each trial at a million tokens takes
+a minute or more on an H100, so `--passes fwd+bwd` and a coarser `--resolution` keep one
+search inside a 10-minute device command (session 12: the full search at 64K resolution did
+not finish the forward's in 600 s).
 
     python tools/diagnose_memory.py                       # per-device default sizes
     python tools/diagnose_memory.py --seqlens 65536,262144 --json memory.json
     python tools/diagnose_memory.py --seqlens 262144 --max-length
+    python tools/diagnose_memory.py --seqlens 1048576 --max-length --passes fwd+bwd \
+        --resolution 262144
 """
 from __future__ import annotations
 
@@ -196,9 +201,9 @@ def fits(seqlen: int, args, backward: bool) -> tuple[bool, dict]:
 
 
 def max_length(args) -> list[dict]:
-    """The longest N (a multiple of 64K) whose forward, and forward+backward, fit: one row per
-    trial, then one row per pass with the answer."""
-    step = 65536
+    """The longest N (a multiple of args.resolution) whose forward, and forward+backward, fit
+    (the passes in args.passes): one row per trial, then one row per pass with the answer."""
+    step = args.resolution
     rows = []
 
     def trial(n: int, backward: bool) -> bool:
@@ -210,7 +215,7 @@ def max_length(args) -> list[dict]:
         print(describe_trial(rows[-1]), flush=True)
         return ok
 
-    for backward in (False, True):
+    for backward in (p == "fwd+bwd" for p in args.passes):
         good, n = 0, max(step, args.seqlens[0] // step * step)
         while trial(n, backward):  # double until a trial fails
             good, n = n, 2 * n
@@ -259,6 +264,13 @@ def format_result(result: dict) -> str:
     return "\n".join(lines)
 
 
+def _passes(text: str) -> list[str]:
+    passes = [p.strip() for p in text.split(",") if p.strip()]
+    if not passes or any(p not in ("fwd", "fwd+bwd") for p in passes):
+        raise argparse.ArgumentTypeError(f"expected a subset of fwd,fwd+bwd, got {text!r}")
+    return passes
+
+
 def parse_args(argv):
     parser = argparse.ArgumentParser(
         description="Peak memory of NSA vs dense attention and the size of the sparsity "
@@ -270,6 +282,12 @@ def parse_args(argv):
     parser.add_argument("--max-length", action="store_true",
                         help="search the longest N whose nsa() forward and forward+backward "
                              "fit the GPU (CUDA only; B=1, from the first --seqlens up)")
+    parser.add_argument("--passes", type=_passes, default=["fwd", "fwd+bwd"],
+                        help="with --max-length: comma-separated subset of fwd,fwd+bwd "
+                             "(default: both)")
+    parser.add_argument("--resolution", type=positive_int, default=65536,
+                        help="with --max-length: the answer's granularity in tokens "
+                             "(default 65536)")
     parser.add_argument("--json", type=Path, help="write the results to this JSON file")
     args = parser.parse_args(argv)
     resolve_problem_arguments(args, parser)

@@ -14,7 +14,9 @@ varlen, GQA. Structure:
   dO.O. Each consumer warpgroup owns 64 keys and computes, per query tile, with wgmma:
   S^T = K Q^T and dP^T = V dO^T (keys as rows, so P^T and dS^T are already laid out as the
   register A operand of the next products), P^T = exp2(S^T * scale log2 e - lse log2 e),
-  dS^T = P^T (dP^T - dO.O), dV += P^T dO, dK += dS^T Q (A from registers), then writes dS^T to
+  dS^T = P^T (dP^T - dO.O), dV += P^T dO, dK += dS^T Q (A from registers). dQ is the
+  query-centric kernel's (kernels/sm90/bwd_dq_sm90.py) on every dispatched call
+  (`BwdSpec.dq_separate`); with that switch off (a tuner variant) this kernel writes dS^T to
   shared memory for dQ = dS K, which is reduced (float32 adds) into a float32 accumulator laid
   out per 64-row query tile (kernels/sm90/backward.py converts it).
 - Rows past a sequence's end carry lse = +inf in that layout, so their P is exactly 0 without

@@ -223,8 +223,10 @@ class BwdSpec:
 
     One CTA owns one KV tile of one KV head and walks every query head of its GQA group over the
     query tiles that see the tile, so dK and dV stay in registers and are written once: no
-    atomics, no float32 dK/dV buffers. dQ is accumulated in float32 with reductions in global
-    memory (ordered across CTAs by a semaphore when `deterministic`)."""
+    atomics, no float32 dK/dV buffers. dQ comes from the query-centric kernel (`dq_separate`,
+    every dispatched call: `DqSpec`); with `dq_separate` off this kernel accumulates it in
+    float32 with reductions in global memory (ordered across CTAs by a semaphore when
+    `deterministic`)."""
     dtype: str                 # "bfloat16" | "float16"
     head_dim: int              # 64 | 128
     causal: bool
