@@ -138,10 +138,15 @@ def packed_gradients(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, W_k: Tensor 
         gate = gates[..., branch.index, None]
         # out = sum_b g_b o_b: dL/dg_b = <dO, o_b> per row and head, dL/do_b = g_b dO. A zero
         # dO contributes exactly zero, even against a non-finite output of a later row (the
-        # loss does not depend on that row: its NaN must not reach dW_gate).
-        products = dout.to(dtype) * branch_out.to(dtype)
+        # loss does not depend on that row: its NaN must not reach dW_gate). Type promotion
+        # does the products in the compute dtype without converting the second operand first
+        # (the same values: the conversion is exact), and g_b dO is rounded straight into the
+        # input type: two full-size float32 temporaries fewer per branch.
+        products = dout.to(dtype) * branch_out
         d_gates[..., branch.index] = products.masked_fill_(dout == 0, 0).sum(dim=-1)
-        branch_dout = (gate * dout.to(dtype)).to(q.dtype)
+        del products
+        branch_dout = torch.empty(dout.shape, dtype=q.dtype, device=dout.device)
+        torch.mul(gate, dout, out=branch_dout)
         dq_b, dk_b, dv_b = branch.backward(
             branch_dout, q, keys, values, branch_out, lse,
             deterministic=config.deterministic,
