@@ -2,8 +2,10 @@
 
 Runs, on an sm_90 GPU: dense causal GQA varlen (with a one-row sequence and a 129-row one), a
 causal window, compress_factor 64 (split rows), each fast and deterministic, and 64-key
-block-sparse lists (one Q/dO stage, split lists); asserts the gradients are finite. Meant as the
-program under compute-sanitizer (FINDINGS, session 11):
+block-sparse lists (split lists); asserts the gradients are finite. Each call launches the
+three backward kernels (row statistics, the KV-centric kernel, the dQ kernel), whose names all
+contain "Backward", so the filter below instruments every one of them. Meant as the program
+under compute-sanitizer (FINDINGS, session 11):
 
     compute-sanitizer --tool racecheck --kernel-name kns=Backward \\
         python3 tools/sanitize_sm90_backward.py

@@ -1,12 +1,14 @@
 """Time compile-time variants of the sm90 backward kernel against the dispatched one.
 
-The backward dispatcher (`kernels/sm90/spec.py::choose_backward_spec`) picks two switches by
-measurements of this script (FINDINGS, session 11): `dq_tma_reduce` (dQ staged in smem and
-added with one TMA reduce-add per warpgroup instead of a float32 reduction per element) and
-`split_rows` (several CTAs per KV tile, for calls with fewer KV tiles than SMs, such as
-compressed keys). For each case it runs the dispatched spec and the variants with a switch
-turned, checks every variant's dq/dk/dv against the dispatched kernel's (the float32 sums are
-ordered differently, so within 1e-2 relative, not bitwise), and prints backward times.
+The backward dispatcher (`kernels/sm90/spec.py::choose_backward_spec`) picks its switches by
+measurements of this script (FINDINGS, sessions 11-12): `dq_separate` (dQ from the
+query-centric kernel instead of reductions by the KV-centric one: every call), `dq_tma_reduce`
+(with the fused dQ: staged in smem and added with one TMA reduce-add per warpgroup instead of a
+float32 reduction per element) and `split_rows` (several CTAs per KV tile, for calls with fewer
+KV tiles than SMs, such as compressed keys). For each case it runs the dispatched spec and
+the variants with a switch turned, checks every variant's dq/dk/dv against the dispatched
+kernel's (the float32 sums are ordered differently, so within 1e-2 relative, not bitwise), and
+prints backward times.
 
 Each variant runs in its own process with a time limit: a variant that hangs on the GPU (a
 first TMA reduce-add did) is reported as "hung" and the others still run.
