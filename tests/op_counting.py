@@ -1,7 +1,10 @@
-"""Counting the torch ops a call dispatches and the device -> host reads it makes.
+"""Counting the torch ops a call dispatches, the device -> host reads it makes and the host ->
+device copies of Python values.
 
 On a GPU every op is a kernel launch and every read stalls the host until the device catches up;
-the speed tests of selection and of the block-list builders count both on the CPU.
+the speed tests of selection and of the block-list builders count both on the CPU. A tensor made
+from Python values (`torch.tensor(...)`, `x[i] = 1.0`) is a host -> device copy on a GPU, which
+CUDA-graph capture refuses; on the CPU it shows as a `lift_fresh` op.
 """
 from collections import Counter
 
@@ -14,7 +17,8 @@ SYNCING_OPS = {"_local_scalar_dense", "nonzero", "masked_select", "unique_consec
 
 
 class OpCounter(TorchDispatchMode):
-    """Counts dispatched torch ops, and device reads (syncing ops plus Tensor.tolist calls)."""
+    """Counts dispatched torch ops, device reads (syncing ops plus Tensor.tolist calls) and
+    host copies (tensors made from Python values)."""
 
     def __init__(self, monkeypatch):
         super().__init__()
@@ -31,3 +35,7 @@ class OpCounter(TorchDispatchMode):
         self.ops[name] += 1
         self.reads += name in SYNCING_OPS
         return func(*args, **(kwargs or {}))
+
+    @property
+    def host_copies(self) -> int:
+        return self.ops["lift_fresh"] + self.ops["lift_fresh_copy"]
