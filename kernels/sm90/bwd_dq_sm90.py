@@ -38,7 +38,8 @@ from kernels.sm90.block_range import BlockRange
 from kernels.sm90.layouts import (acc_as_a_operand_layout, acc_mn_view, transposed,
                                   with_row_strides_divisible)
 from kernels.sm90.mask import apply_mask
-from kernels.sm90.pipelines import tma_pipeline
+from kernels.sm90.mma import gemm
+from kernels.sm90.pipelines import load_seq_tile, stage_index, tma_pipeline
 from kernels.sm90.register_store import store_rows_from_registers
 from kernels.sm90.spec import DqSpec
 
@@ -222,14 +223,14 @@ class DqBackwardSm90:
                 if num_iters > 0:
                     q_handle = q_producer.acquire_and_advance()
                     for atom, m_src, s_dst in ((tma_atom_q, mQ, sQ), (tma_atom_do, mdO, sdO)):
-                        self.load_tile(atom, m_src, s_dst, q_handle, offset_q, head, m_block,
-                                       self.tile_m, 0)
+                        load_seq_tile(atom, m_src, s_dst, q_handle, offset_q, head, m_block,
+                                      self.tile_m, self.head_dim, 0)
                 for it in cutlass.range(num_iters, unroll=1):
                     n_block, _ = tile_at(it)
                     kv_handle = kv_producer.acquire_and_advance()
                     for atom, m_src, s_dst in ((tma_atom_k, mK, sK), (tma_atom_v, mV, sV)):
-                        self.load_tile(atom, m_src, s_dst, kv_handle, offset_k, head_kv,
-                                       n_block, self.tile_n, kv_handle.index)
+                        load_seq_tile(atom, m_src, s_dst, kv_handle, offset_k, head_kv,
+                                      n_block, self.tile_n, self.head_dim, kv_handle.index)
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
             if in_sequence:
@@ -256,17 +257,6 @@ class DqBackwardSm90:
                 is_mask_tile = False
             n_block = n_block * per_block + it % per_block
         return n_block, is_mask_tile
-
-    @cute.jit
-    def load_tile(self, tma_atom, m_src, s_dst, handle, offset: Int32, head: Int32,
-                  block: Int32, rows: cutlass.Constexpr[int], stage):
-        """TMA-load rows [block * rows, +rows) of a sequence starting at `offset` (one head)."""
-        m_seq = cute.domain_offset((offset, 0), m_src[None, None, head])
-        g_tile = cute.local_tile(m_seq, (rows, self.head_dim), (block, 0))
-        t_s, t_g = cpasync.tma_partition(
-            tma_atom, 0, cute.make_layout(1), cute.group_modes(s_dst, 0, 2),
-            cute.group_modes(g_tile, 0, 2))
-        cute.copy(tma_atom, t_g, t_s[(None, stage)], tma_bar_ptr=handle.barrier)
 
     @cute.jit
     def consume(
@@ -316,10 +306,10 @@ class DqBackwardSm90:
         for it in cutlass.range(num_iters, unroll=1):
             n_block, is_mask_tile = tile_at(it)
             kv_handle = kv_consumer.wait_and_advance()
-            stage = self.stage_index(kv_handle)
-            tiled_mma_sdp = self.gemm(tiled_mma_sdp, acc_s, tSrQ[None, None, None, 0],
+            stage = stage_index(kv_handle, self.spec.kv_stages)
+            tiled_mma_sdp = gemm(tiled_mma_sdp, acc_s, tSrQ[None, None, None, 0],
                                       tSrK[None, None, None, stage], zero_init=True)
-            tiled_mma_sdp = self.gemm(tiled_mma_sdp, acc_dp, tSrdO[None, None, None, 0],
+            tiled_mma_sdp = gemm(tiled_mma_sdp, acc_dp, tSrdO[None, None, None, 0],
                                       tSrV[None, None, None, stage], zero_init=True)
             needs_mask = is_mask_tile & ((n_block < unmasked_lo) | (n_block >= unmasked_hi))
             if const_expr(self.spec.block_sparse):
@@ -340,7 +330,7 @@ class DqBackwardSm90:
                     ds = p * (dp_mn[r, c] - dpsum[r])
                     dp_mn[r, c] = ds if p != Float32(0.0) else Float32(0.0)
             cute.make_tensor(r_ds.iterator, acc_dp.layout).store(acc_dp.load().to(self.dtype))
-            tiled_mma_dq = self.gemm(tiled_mma_dq, acc_dq, r_ds, tdQrK[None, None, None, stage],
+            tiled_mma_dq = gemm(tiled_mma_dq, acc_dq, r_ds, tdQrK[None, None, None, stage],
                                      zero_init=False)
             warpgroup.wait_group(0)
             kv_handle.release()
@@ -348,18 +338,3 @@ class DqBackwardSm90:
         acc_dq.store(acc_dq.load() * softmax_scale)
         store_rows_from_registers(thr_dq, acc_dq, mdQ, offset_q, head, m_block, self.tile_m,
                                   self.head_dim, seqlen_q, self.dtype)
-
-    @staticmethod
-    def stage_index(handle):
-        """A pipeline stage index the compiler knows is warp-uniform (see the forward)."""
-        return cute.arch.make_warp_uniform(handle.index)
-
-    @cute.jit
-    def gemm(self, tiled_mma, acc, t_a, t_b, zero_init: cutlass.Constexpr[bool]):
-        """Issue (not wait for) acc (+)= A @ B over the k blocks; returns the TiledMma."""
-        warpgroup.fence()
-        for k in cutlass.range_constexpr(cute.size(t_a, mode=[2])):
-            tiled_mma.set(warpgroup.Field.ACCUMULATE, (not zero_init) or k != 0)
-            cute.gemm(tiled_mma, acc, t_a[None, None, k], t_b[None, None, k], acc)
-        warpgroup.commit_group()
-        return tiled_mma

@@ -44,7 +44,8 @@ from kernels.sm90.dq_accumulator import DqAccumulator
 from kernels.sm90.layouts import (acc_as_a_operand_layout, acc_mn_view, transposed,
                                   with_row_strides_divisible)
 from kernels.sm90.mask import apply_mask_keys_as_rows
-from kernels.sm90.pipelines import tma_pipeline
+from kernels.sm90.mma import gemm
+from kernels.sm90.pipelines import load_seq_tile, stage_index, tma_pipeline
 from kernels.sm90.register_store import store_rows_from_registers
 from kernels.sm90.spec import BwdSpec
 
@@ -323,8 +324,8 @@ class FlashAttentionBackwardSm90:
                 if warp_idx == 0:
                     kv_handle = kv_producer.acquire_and_advance()
                     for tma_atom, m_src, s_dst in ((tma_atom_k, mK, sK), (tma_atom_v, mV, sV)):
-                        self.load_tile(tma_atom, m_src, s_dst, kv_handle, offset_k, head_kv,
-                                       n_block, self.tile_n, 0)
+                        load_seq_tile(tma_atom, m_src, s_dst, kv_handle, offset_k, head_kv,
+                                      n_block, self.tile_n, self.head_dim, 0)
                     produce = partial(
                         self.produce_step, tma_atom_q=tma_atom_q, mQ=mQ, tma_atom_do=tma_atom_do,
                         mdO=mdO, tma_atom_lse=tma_atom_lse, mLSE=mLSE,
@@ -408,17 +409,6 @@ class FlashAttentionBackwardSm90:
         return state
 
     @cute.jit
-    def load_tile(self, tma_atom, m_src, s_dst, handle, offset: Int32, head: Int32,
-                  block: Int32, rows: cutlass.Constexpr[int], stage):
-        """TMA-load rows [block * rows, +rows) of a sequence starting at `offset` (one head)."""
-        m_seq = cute.domain_offset((offset, 0), m_src[None, None, head])
-        g_tile = cute.local_tile(m_seq, (rows, self.head_dim), (block, 0))
-        t_s, t_g = cpasync.tma_partition(
-            tma_atom, 0, cute.make_layout(1), cute.group_modes(s_dst, 0, 2),
-            cute.group_modes(g_tile, 0, 2))
-        cute.copy(tma_atom, t_g, t_s[(None, stage)], tma_bar_ptr=handle.barrier)
-
-    @cute.jit
     def load_rows(self, tma_atom, m_src, s_dst, handle, head: Int32, slot_tile: Int32, stage):
         """TMA-load one query tile's 64 float32 row statistics (lse or dO.O)."""
         g_rows = cute.local_tile(m_src[None, head], (self.tile_m,), (slot_tile,))
@@ -433,12 +423,12 @@ class FlashAttentionBackwardSm90:
     ):
         slot_tile = q_tile_offset + m_block
         q_handle = q_producer.acquire_and_advance()
-        self.load_tile(tma_atom_q, mQ, sQ, q_handle, offset_q, head, m_block, self.tile_m,
-                       q_handle.index)
+        load_seq_tile(tma_atom_q, mQ, sQ, q_handle, offset_q, head, m_block, self.tile_m,
+                      self.head_dim, q_handle.index)
         self.load_rows(tma_atom_lse, mLSE, sLSE, q_handle, head, slot_tile, q_handle.index)
         do_handle = do_producer.acquire_and_advance()
-        self.load_tile(tma_atom_do, mdO, sdO, do_handle, offset_q, head, m_block, self.tile_m,
-                       do_handle.index)
+        load_seq_tile(tma_atom_do, mdO, sdO, do_handle, offset_q, head, m_block, self.tile_m,
+                      self.head_dim, do_handle.index)
         self.load_rows(tma_atom_dpsum, mDPsum, sDPsum, do_handle, head, slot_tile,
                        do_handle.index)
         return q_producer, do_producer
@@ -515,12 +505,12 @@ class FlashAttentionBackwardSm90:
         """One (query head, 64-row query tile) against this CTA's keys."""
         stages = self.spec.q_stages
         q_handle = q_consumer.wait_and_advance()
-        q_stage = self.stage_index(q_handle, stages)
-        tiled_mma_sdp = self.gemm(tiled_mma_sdp, acc_s, tSrK[None, None, None, 0],
+        q_stage = stage_index(q_handle, stages)
+        tiled_mma_sdp = gemm(tiled_mma_sdp, acc_s, tSrK[None, None, None, 0],
                                   tSrQ[None, None, None, q_stage], zero_init=True)
         do_handle = do_consumer.wait_and_advance()
-        do_stage = self.stage_index(do_handle, stages)
-        tiled_mma_sdp = self.gemm(tiled_mma_sdp, acc_dp, tSrV[None, None, None, 0],
+        do_stage = stage_index(do_handle, stages)
+        tiled_mma_sdp = gemm(tiled_mma_sdp, acc_dp, tSrV[None, None, None, 0],
                                   tSrdO[None, None, None, do_stage], zero_init=True)
         warpgroup.wait_group(1)
         if needs_mask:
@@ -544,9 +534,9 @@ class FlashAttentionBackwardSm90:
                 dp_mn[r, c] = s_mn[r, c] * (dp_mn[r, c] - dpsum)
         r_ds_as_acc = cute.make_tensor(r_ds.iterator, acc_dp.layout)
         r_ds_as_acc.store(acc_dp.load().to(self.dtype))
-        tiled_mma_dkv = self.gemm(tiled_mma_dkv, acc_dv, r_p, tdVrdO[None, None, None, do_stage],
+        tiled_mma_dkv = gemm(tiled_mma_dkv, acc_dv, r_p, tdVrdO[None, None, None, do_stage],
                                   zero_init=False)
-        tiled_mma_dkv = self.gemm(tiled_mma_dkv, acc_dk, r_ds, tdKrQ[None, None, None, q_stage],
+        tiled_mma_dkv = gemm(tiled_mma_dkv, acc_dk, r_ds, tdKrQ[None, None, None, q_stage],
                                   zero_init=False)
         if const_expr(self.spec.dq_separate):
             # dQ is the query-centric kernel's (kernels/sm90/bwd_dq_sm90.py).
@@ -584,7 +574,7 @@ class FlashAttentionBackwardSm90:
                               batch, seqlen_q, seqlen_k, mFwdFullCount, mFwdFullIndex,
                               mFwdMaskCount, mFwdMaskIndex, mFwdRowOffsets)
         for p in cutlass.range_constexpr(self.dq_passes):
-            tiled_mma_dq = self.gemm(
+            tiled_mma_dq = gemm(
                 tiled_mma_dq, acc_dq, tdQrdS[None, None, None, 0],
                 thr_dq.make_fragment_B(thr_dq.partition_B(
                     sKt_passes[None, p, None, None]))[None, None, None, 0], zero_init=True)
@@ -678,20 +668,3 @@ class FlashAttentionBackwardSm90:
         else:
             store_rows_from_registers(thr_dkv, acc, m_out, offset_k, head_kv, n_block,
                                       self.tile_n, self.head_dim, seqlen_k, self.dtype)
-
-    @staticmethod
-    def stage_index(handle, num_stages: int):
-        """A pipeline stage index the compiler knows is warp-uniform (see the forward)."""
-        if num_stages == 1:
-            return 0
-        return cute.arch.make_warp_uniform(handle.index)
-
-    @cute.jit
-    def gemm(self, tiled_mma, acc, t_a, t_b, zero_init: cutlass.Constexpr[bool]):
-        """Issue (not wait for) acc (+)= A @ B over the k blocks; returns the TiledMma."""
-        warpgroup.fence()
-        for k in cutlass.range_constexpr(cute.size(t_a, mode=[2])):
-            tiled_mma.set(warpgroup.Field.ACCUMULATE, (not zero_init) or k != 0)
-            cute.gemm(tiled_mma, acc, t_a[None, None, k], t_b[None, None, k], acc)
-        warpgroup.commit_group()
-        return tiled_mma

@@ -40,8 +40,9 @@ from kernels.sm90.layouts import (
     acc_as_a_operand_layout, acc_columns, acc_mn_view, with_row_strides_divisible,
 )
 from kernels.sm90.mask import apply_mask
+from kernels.sm90.mma import gemm
 from kernels.sm90.overlap_tiles import OverlapTiles
-from kernels.sm90.pipelines import tma_pipeline
+from kernels.sm90.pipelines import stage_index, tma_pipeline
 from kernels.sm90.softmax import rescale_rows, softmax_finalize, softmax_init, softmax_step
 from kernels.sm90.spec import FwdSpec
 from kernels.sm90.tile_scheduler import TileOrder
@@ -540,7 +541,7 @@ class FlashAttentionForwardSm90(OverlapTiles):
 
         q_handle = q_consumer.wait_and_advance()
         mark("q_ready")
-        sQ_stage = tSrQ[None, None, None, self.stage_index(q_handle, self.spec.q_stages)]
+        sQ_stage = tSrQ[None, None, None, stage_index(q_handle, self.spec.q_stages)]
         first_chunks = Int32(self.tile_n // 32)
         if num_iters > 0:
             n_block, is_mask_tile = self.kv_tile_at(
@@ -775,18 +776,6 @@ class FlashAttentionForwardSm90(OverlapTiles):
             cute.arch.barrier_arrive(barrier_id=_TURN_BARRIER + next_wg,
                                      number_of_threads=2 * _WARPGROUP)
 
-    @staticmethod
-    def stage_index(handle, num_stages: int):
-        """A pipeline stage index the compiler knows is warp-uniform (0 for a single stage).
-
-        The wgmma smem descriptors are built from it; without the hint, stage indices carried
-        through the tile loop made ptxas build every descriptor in regular registers and move it
-        to uniform ones before each HGMMA (dense causal 25% slower on the H100).
-        """
-        if num_stages == 1:
-            return 0
-        return cute.arch.make_warp_uniform(handle.index)
-
     @cute.jit
     def visible_chunks(self, tidx: Int32, block_range: BlockRange, m_block: Int32,
                        n_block: Int32, seqlen_q: Int32, seqlen_k: Int32) -> Int32:
@@ -848,8 +837,8 @@ class FlashAttentionForwardSm90(OverlapTiles):
         """Issue S = Q K[:width]^T into acc_s, a 64 x width fragment: one wgmma per k-block
         (96 keys as 64 + 32, each writing its columns' registers)."""
         pieces = [(64, 0), (32, 64)] if width == 96 else [(width, 0)]
-        q_stage = self.stage_index(q_handle, self.spec.q_stages)
-        k_stage = self.stage_index(k_handle, self.spec.num_stages)
+        q_stage = stage_index(q_handle, self.spec.q_stages)
+        k_stage = stage_index(k_handle, self.spec.num_stages)
         warpgroup.fence()
         for piece, start in pieces:
             mma = sm90_utils.make_trivial_tiled_mma(
@@ -886,29 +875,15 @@ class FlashAttentionForwardSm90(OverlapTiles):
     @cute.jit
     def gemm_qk(self, tiled_mma_qk: cute.TiledMma, acc_s, sQ_stage, tSrK, k_handle):
         """Issue S = Q K^T on the K stage `k_handle` holds."""
-        return self.gemm(
+        return gemm(
             tiled_mma_qk, acc_s, sQ_stage,
-            tSrK[None, None, None, self.stage_index(k_handle, self.spec.num_stages)],
+            tSrK[None, None, None, stage_index(k_handle, self.spec.num_stages)],
             zero_init=True)
 
     @cute.jit
     def gemm_pv(self, tiled_mma_pv: cute.TiledMma, acc_o, r_p, tOrV, v_handle):
         """Issue O += P V on the V stage `v_handle` holds."""
-        return self.gemm(
+        return gemm(
             tiled_mma_pv, acc_o, r_p,
-            tOrV[None, None, None, self.stage_index(v_handle, self.spec.num_stages)],
+            tOrV[None, None, None, stage_index(v_handle, self.spec.num_stages)],
             zero_init=False)
-
-    @cute.jit
-    def gemm(self, tiled_mma, acc, t_a, t_b, zero_init: cutlass.Constexpr[bool]):
-        """Issue (not wait for) acc (+)= A @ B over the k blocks; returns the TiledMma.
-
-        Setting ACCUMULATE rebinds the TiledMma value, so callers rebind their variable to the
-        result: the DSL only threads plain local rebinds through staged if/for regions.
-        """
-        warpgroup.fence()
-        for k in cutlass.range_constexpr(cute.size(t_a, mode=[2])):
-            tiled_mma.set(warpgroup.Field.ACCUMULATE, (not zero_init) or k != 0)
-            cute.gemm(tiled_mma, acc, t_a[None, None, k], t_b[None, None, k], acc)
-        warpgroup.commit_group()
-        return tiled_mma

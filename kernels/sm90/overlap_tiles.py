@@ -18,6 +18,7 @@ from kernels.sm90.block_range import BlockRange
 from kernels.sm90.epilogue import OutputStore
 from kernels.sm90.layouts import acc_as_a_operand_layout, acc_mn_view
 from kernels.sm90.mask import apply_mask
+from kernels.sm90.pipelines import stage_index
 from kernels.sm90.softmax import softmax_finalize, softmax_init, softmax_step
 
 
@@ -76,7 +77,7 @@ class OverlapTiles:
                          softmax_scale=softmax_scale)
 
         q_handle = q_consumer.wait_and_advance()
-        sQ_stage = tSrQ[None, None, None, self.stage_index(q_handle, self.spec.q_stages)]
+        sQ_stage = tSrQ[None, None, None, stage_index(q_handle, self.spec.q_stages)]
         n_block = n_max - 1
         # The first KV tile's mask and softmax: always masked, with selects only (a runtime
         # "needs a mask?" branch would pull the wait for the previous tile's P V above them).
