@@ -17,7 +17,7 @@ import cuda.bindings.driver as cuda
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32, const_expr
+from cutlass import Float32, const_expr
 
 from kernels.sm90.layouts import with_row_strides_divisible
 
@@ -95,21 +95,3 @@ class BackwardPreprocess:
                     lse = Float32.inf  # P = exp2(s - inf) = 0 exactly for such a row
                 mLSElog2[head, slot] = lse
 
-
-def fake_preprocess_arguments(dtype: str):
-    """Fake tensors standing for the preprocess's arguments (the stream excluded)."""
-    from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_tensor
-
-    element = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}[dtype]
-
-    def seq_head_dim():
-        return make_fake_tensor(element, tuple(cute.sym_int() for _ in range(3)),
-                                stride=(cute.sym_int(64), cute.sym_int(64), 1), assumed_align=16)
-
-    def rows_by_head(align):
-        return make_fake_tensor(Float32, (cute.sym_int(), cute.sym_int()),
-                                stride=(cute.sym_int(), 1), assumed_align=align)
-
-    return (seq_head_dim(), seq_head_dim(), rows_by_head(4),
-            make_fake_compact_tensor(Int32, (cute.sym_int(),), assumed_align=4),
-            rows_by_head(16), rows_by_head(16))

@@ -24,32 +24,50 @@ from kernels.sm90.spec import FwdSpec
 _DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
 
 
+# The launcher's tensors (forward.py `_as_cute`) have every extent and stride dynamic but the
+# unit stride: (?, ?, ?):(?{i64}, ?{i64}, 1), so nothing is known of their divisibility. The
+# fakes say the same, or a build could pass here and fail on the device (it did: a 32-bit store
+# proven aligned only by a static head-dim stride).
+def fake_seq_head_dim(element):
+    """A fake (T, H, D) tensor of `element` as the launchers pass q, k, v, O, dO, dQ, dK, dV."""
+    return make_fake_tensor(element, tuple(cute.sym_int() for _ in range(3)),
+                            stride=(cute.sym_int(64), cute.sym_int(64), 1), assumed_align=16)
+
+
+def fake_int32_vector(length=None):
+    """A fake (length,) int32 vector (cu_seqlens, offsets); a new symbolic length if None."""
+    length = cute.sym_int() if length is None else length
+    return make_fake_compact_tensor(cutlass.Int32, (length,), assumed_align=4)
+
+
+def fake_forward_lists(num_seqs=None):
+    """The forward's block-sparse lists as fakes: full count (R, Hs), full index (R, Hs, Kf),
+    mask count, mask index (R, Hs, Km), row block offsets (S + 1,)."""
+    rows, heads, kf, km = (cute.sym_int() for _ in range(4))
+    return (
+        make_fake_compact_tensor(cutlass.Int32, (rows, heads), stride_order=(1, 0)),
+        make_fake_compact_tensor(cutlass.Int32, (rows, heads, kf), stride_order=(2, 1, 0)),
+        make_fake_compact_tensor(cutlass.Int32, (rows, heads), stride_order=(1, 0)),
+        make_fake_compact_tensor(cutlass.Int32, (rows, heads, km), stride_order=(2, 1, 0)),
+        fake_int32_vector(num_seqs),
+    )
+
+
+def fake_row_statistics():
+    """A fake (H, P) float32 lse log2(e) or dO.O of the backward's 64-row tile layout (P a
+    multiple of 64: 16-byte aligned rows for TMA)."""
+    return make_fake_tensor(cutlass.Float32, (cute.sym_int(), cute.sym_int()),
+                            stride=(cute.sym_int(64), 1), assumed_align=16)
+
+
 def fake_arguments(spec: FwdSpec):
     """Fake tensors standing for (q, k, v, out, lse, cu_q, cu_k), (block-sparse five, trace)."""
-    dtype = _DTYPES[spec.dtype]
-    # The launcher's tensors (forward.py `_as_cute`) have every extent and stride dynamic but
-    # the unit stride: (?, ?, ?):(?{i64}, ?{i64}, 1), so nothing is known of their
-    # divisibility. The fakes say the same, or a build could pass here and fail on the device
-    # (it did: a 32-bit store proven aligned only by a static head-dim stride).
-    def seq_head_dim():
-        return make_fake_tensor(dtype, tuple(cute.sym_int() for _ in range(3)),
-                                stride=(cute.sym_int(64), cute.sym_int(64), 1), assumed_align=16)
-    q, k, v, o = (seq_head_dim() for _ in range(4))
+    q, k, v, o = (fake_seq_head_dim(_DTYPES[spec.dtype]) for _ in range(4))
     lse = make_fake_compact_tensor(cutlass.Float32, (cute.sym_int(), cute.sym_int()),
                                    stride_order=(1, 0), assumed_align=4)
     num_seqs = cute.sym_int()
-    cu_q = make_fake_compact_tensor(cutlass.Int32, (num_seqs,), assumed_align=4)
-    cu_k = make_fake_compact_tensor(cutlass.Int32, (num_seqs,), assumed_align=4)
-    sparse = (None,) * 5
-    if spec.block_sparse:
-        rows, sheads, kf, km = (cute.sym_int() for _ in range(4))
-        sparse = (
-            make_fake_compact_tensor(cutlass.Int32, (rows, sheads), stride_order=(1, 0)),
-            make_fake_compact_tensor(cutlass.Int32, (rows, sheads, kf), stride_order=(2, 1, 0)),
-            make_fake_compact_tensor(cutlass.Int32, (rows, sheads), stride_order=(1, 0)),
-            make_fake_compact_tensor(cutlass.Int32, (rows, sheads, km), stride_order=(2, 1, 0)),
-            make_fake_compact_tensor(cutlass.Int32, (num_seqs,), assumed_align=4),
-        )
+    cu_q, cu_k = fake_int32_vector(num_seqs), fake_int32_vector(num_seqs)
+    sparse = fake_forward_lists(num_seqs) if spec.block_sparse else (None,) * 5
     trace = None
     if spec.trace:
         trace = make_fake_compact_tensor(
@@ -104,49 +122,32 @@ def fake_backward_arguments(spec):
     """Fake tensors standing for the backward kernel's arguments, in order (the scalars and the
     stream excluded): (q, k, v, dO, lse, dO.O, dQacc, dK, dV, cu_q, cu_k, q tile offsets),
     (list offsets, list index, list mask counts, KV block offsets, forward full count, full
-    index, mask count, mask index, row offsets, semaphore, work units)."""
-    from cutlass.cute.runtime import make_fake_tensor as fake
-
+    index, mask count, mask index, row offsets, semaphore, work units), None where
+    kernels/sm90/backward.py `run` passes None."""
     dtype = _DTYPES[spec.dtype]
-
-    def seq_head_dim(element=dtype, align=16):
-        return fake(element, tuple(cute.sym_int() for _ in range(3)),
-                    stride=(cute.sym_int(64), cute.sym_int(64), 1), assumed_align=align)
-
-    def rows(element, align=4):
-        return make_fake_compact_tensor(element, (cute.sym_int(),), assumed_align=align)
-
-    q, k, v, dout = (seq_head_dim() for _ in range(4))
+    q, k, v, dout = (fake_seq_head_dim(dtype) for _ in range(4))
     # `partial_dkv`: dK and dV are float32 accumulators (several CTAs per KV tile).
-    dk, dv = (seq_head_dim(cutlass.Float32) if spec.partial_dkv else seq_head_dim()
+    dk, dv = (fake_seq_head_dim(cutlass.Float32 if spec.partial_dkv else dtype)
               for _ in range(2))
-    # lse, dO.O: (H, P) with P a multiple of 64 (16-byte aligned rows for TMA).
-    lse, dpsum = (fake(cutlass.Float32, (cute.sym_int(), cute.sym_int()),
-                       stride=(cute.sym_int(64), 1), assumed_align=16) for _ in range(2))
+    lse, dpsum = fake_row_statistics(), fake_row_statistics()
     # `dq_separate`: no dQ accumulator (the query-centric kernel writes dQ).
-    dq_acc = None if spec.dq_separate else fake(
-        cutlass.Float32, tuple(cute.sym_int() for _ in range(3)),
-        stride=(cute.sym_int(64), cute.sym_int(64), 1), assumed_align=16)
-    cu_q, cu_k, q_tiles = (rows(cutlass.Int32) for _ in range(3))
+    dq_acc = None if spec.dq_separate else fake_seq_head_dim(cutlass.Float32)
+    cu_q, cu_k, q_tiles = (fake_int32_vector() for _ in range(3))
     lists = (None,) * 4
     if spec.block_sparse:
-        rk, hs = cute.sym_int(), cute.sym_int()
-        lists = (rows(cutlass.Int32), rows(cutlass.Int32),
-                 make_fake_compact_tensor(cutlass.Int32, (rk, hs), stride_order=(1, 0)),
-                 rows(cutlass.Int32))
+        lists = (fake_int32_vector(), fake_int32_vector(),
+                 make_fake_compact_tensor(cutlass.Int32, (cute.sym_int(), cute.sym_int()),
+                                          stride_order=(1, 0)),
+                 fake_int32_vector())
+    # The fused dQ's ordered reductions (`deterministic`) take a semaphore per query tile and,
+    # block-sparse, the forward lists.
     forward_lists = (None,) * 5
     semaphore = None
-    if spec.deterministic:
+    if spec.deterministic and not spec.dq_separate:
         semaphore = make_fake_compact_tensor(cutlass.Int32, (cute.sym_int(), cute.sym_int()),
                                              stride_order=(1, 0))
         if spec.block_sparse:
-            r, hs, kf, km = (cute.sym_int() for _ in range(4))
-            forward_lists = (
-                make_fake_compact_tensor(cutlass.Int32, (r, hs), stride_order=(1, 0)),
-                make_fake_compact_tensor(cutlass.Int32, (r, hs, kf), stride_order=(2, 1, 0)),
-                make_fake_compact_tensor(cutlass.Int32, (r, hs), stride_order=(1, 0)),
-                make_fake_compact_tensor(cutlass.Int32, (r, hs, km), stride_order=(2, 1, 0)),
-                rows(cutlass.Int32))
+            forward_lists = fake_forward_lists()
     units = None
     if spec.split_lists:
         units = make_fake_compact_tensor(cutlass.Int32, (cute.sym_int(), 5), stride_order=(1, 0))
@@ -184,28 +185,10 @@ def fake_dq_arguments(spec):
     """Fake tensors standing for the dQ kernel's arguments, in order (the scalars and the
     stream excluded): (q, k, v, dO, lse, dO.O, dQ, cu_q, cu_k, q tile offsets), (the forward's
     full count, full index, mask count, mask index, row offsets)."""
-    from cutlass.cute.runtime import make_fake_tensor as fake
-
-    dtype = _DTYPES[spec.dtype]
-
-    def seq_head_dim():
-        return fake(dtype, tuple(cute.sym_int() for _ in range(3)),
-                    stride=(cute.sym_int(64), cute.sym_int(64), 1), assumed_align=16)
-
-    q, k, v, dout, dq = (seq_head_dim() for _ in range(5))
-    lse, dpsum = (fake(cutlass.Float32, (cute.sym_int(), cute.sym_int()),
-                       stride=(cute.sym_int(64), 1), assumed_align=16) for _ in range(2))
-    cu_q, cu_k, q_tiles = (make_fake_compact_tensor(cutlass.Int32, (cute.sym_int(),),
-                                                    assumed_align=4) for _ in range(3))
-    forward_lists = (None,) * 5
-    if spec.block_sparse:
-        r, hs, kf, km = (cute.sym_int() for _ in range(4))
-        forward_lists = (
-            make_fake_compact_tensor(cutlass.Int32, (r, hs), stride_order=(1, 0)),
-            make_fake_compact_tensor(cutlass.Int32, (r, hs, kf), stride_order=(2, 1, 0)),
-            make_fake_compact_tensor(cutlass.Int32, (r, hs), stride_order=(1, 0)),
-            make_fake_compact_tensor(cutlass.Int32, (r, hs, km), stride_order=(2, 1, 0)),
-            make_fake_compact_tensor(cutlass.Int32, (cute.sym_int(),), assumed_align=4))
+    q, k, v, dout, dq = (fake_seq_head_dim(_DTYPES[spec.dtype]) for _ in range(5))
+    lse, dpsum = fake_row_statistics(), fake_row_statistics()
+    cu_q, cu_k, q_tiles = (fake_int32_vector() for _ in range(3))
+    forward_lists = fake_forward_lists() if spec.block_sparse else (None,) * 5
     return (q, k, v, dout, lse, dpsum, dq, cu_q, cu_k, q_tiles), forward_lists
 
 
@@ -235,10 +218,19 @@ def compiled_preprocess(spec, example_args, tvm_ffi: bool = False):
     return compiled_once(BackwardPreprocess, spec, example_args, tvm_ffi)
 
 
+def fake_preprocess_arguments(spec):
+    """Fake tensors standing for the row-statistics kernel's arguments (the stream excluded):
+    O, dO (T, H, D), lse (H, T) float32, the rows' slots (T,) int32, lse log2(e) and dO.O."""
+    o, dout = (fake_seq_head_dim(_DTYPES[spec.dtype]) for _ in range(2))
+    lse = make_fake_tensor(cutlass.Float32, (cute.sym_int(), cute.sym_int()),
+                           stride=(cute.sym_int(), 1), assumed_align=4)
+    return (o, dout, lse, fake_int32_vector(), fake_row_statistics(), fake_row_statistics())
+
+
 @functools.lru_cache(maxsize=None)
 def compile_preprocess_on_fake_tensors(spec):
     """Compile the row-statistics kernel for sm_90a without a GPU (CUTE_DSL_ARCH=sm_90a)."""
-    from kernels.sm90.bwd_preprocess import BackwardPreprocess, fake_preprocess_arguments
+    from kernels.sm90.bwd_preprocess import BackwardPreprocess
 
-    return cute.compile(BackwardPreprocess(spec), *fake_preprocess_arguments(spec.dtype),
+    return cute.compile(BackwardPreprocess(spec), *fake_preprocess_arguments(spec),
                         make_fake_stream())
