@@ -139,12 +139,20 @@ def run(
         if not spec.dq_separate:
             dq_acc = torch.zeros((num_heads, tiles.num_slots, head_dim), dtype=torch.float32,
                                  device=q.device)
+        forward_lists = (None,) * 5  # read by the dQ kernel, and by the fused dQ's ordered adds
+        if block_sparse is not None:
+            bs = block_sparse
+            forward_lists = (bs.full_count, bs.full_index, bs.mask_count, bs.mask_index,
+                             bs.row_block_offsets)
+        # The fused dQ in deterministic mode adds in KV-tile order: a semaphore per query tile,
+        # and (block-sparse) the forward lists to rank the KV tiles.
+        ordered_dq = spec.deterministic and not spec.dq_separate
         semaphore = None
-        if spec.deterministic and not spec.dq_separate:
+        if ordered_dq:
             semaphore = torch.zeros((num_heads, tiles.num_slots // STEP_ROWS), dtype=torch.int32,
                                     device=q.device)
+        window = (max(window_size[0], 0), max(window_size[1], 0))  # the kernels' int32 scalars
         lists = (None,) * 4
-        forward_lists = (None,) * 5
         units = None
         num_ctas = -(-max_seqlen_k // spec.tile_n)
         row_splits = 1
@@ -161,31 +169,22 @@ def run(
             if spec.split_lists:
                 units = work_units(csr, LIST_CHUNK)
                 num_ctas = units.shape[0]
-            if spec.deterministic and not spec.dq_separate:
-                bs = block_sparse
-                forward_lists = (bs.full_count, bs.full_index, bs.mask_count, bs.mask_index,
-                                 bs.row_block_offsets)
         if max_seqlen_k > 0 and num_ctas > 0:
             tensors = (q, k, v, dout, lse_log2, dpsum, dq_acc, dk, dv, cu_seqlens_q,
                        cu_seqlens_k, tiles.tile_offsets)
-            scalars = (num_ctas, row_splits, softmax_scale, compress_factor,
-                       max(window_size[0], 0), max(window_size[1], 0))
-            _launch(spec, tensors, scalars, (*lists, *forward_lists, semaphore, units))
+            scalars = (num_ctas, row_splits, softmax_scale, compress_factor, *window)
+            ranks = forward_lists if ordered_dq else (None,) * 5
+            _launch(spec, tensors, scalars, (*lists, *ranks, semaphore, units))
         else:
             dk.zero_()
             dv.zero_()
         if spec.dq_separate:
             dq = torch.empty_like(q)
-            forward_lists = (None,) * 5
-            if block_sparse is not None:
-                bs = block_sparse
-                forward_lists = (bs.full_count, bs.full_index, bs.mask_count, bs.mask_index,
-                                 bs.row_block_offsets)
             _launch_dq(dq_spec_for(spec),
                        (q, k, v, dout, lse_log2, dpsum, dq, cu_seqlens_q, cu_seqlens_k,
                         tiles.tile_offsets),
                        (-(-max_seqlen_q // DQ_TILE_ROWS), softmax_scale, compress_factor,
-                        max(window_size[0], 0), max(window_size[1], 0)),
+                        *window),
                        forward_lists)
         else:
             dq = tiles.gather_dq(dq_acc, softmax_scale, q.dtype)

@@ -7,7 +7,6 @@ argument, so one compiled kernel serves every sequence length and batch.
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 from dataclasses import dataclass
 
@@ -244,8 +243,9 @@ class BwdSpec:
                                # tiles than SMs
     dq_tma_reduce: bool = False  # dQ staged in smem and added with a TMA reduce-add per
                                  # warpgroup instead of one red.global.add per element
-                                 # (dispatched wherever its staging buffer fits)
-    dq_separate: bool = False  # skip dQ here: the query-centric kernel computes it (DqSpec)
+                                 # (with the fused dQ, a tuner variant since session 12)
+    dq_separate: bool = False  # skip dQ here: the query-centric kernel computes it (DqSpec;
+                               # every dispatched call)
     tile_n: int = 128          # keys per CTA, 64 per consumer warpgroup
     tile_m: int = 64           # query rows per step
     q_stages: int = 2          # Q (+ lse) and dO (+ dO.O) pipeline depth
@@ -376,36 +376,20 @@ def choose_backward_spec(
         # whose dK/dV must not depend on the order of float32 partial sums).
         split_lists=sparse_block_size is not None and not deterministic and lists_span_kv_groups,
         split_rows=(sparse_block_size is None and not deterministic and kv_tile_ctas is not None
-                    and kv_tile_ctas < num_sms))
-    if dq_in_own_kernel(sparse_block_size, compress_factor):
-        return dataclasses.replace(spec, dq_separate=True)
-    # dQ through a TMA reduce-add of a staged 64-row block instead of one float32 reduction per
-    # element (H100, session 11, 16K: dense causal 20.1 -> 12.3 ms, window 512 3.24 -> 2.61 ms).
-    # 64-key tiles at head dim 128 run two CTAs per SM and have room for the staging buffer only
-    # with one Q/dO stage, which still wins (block-sparse 25% of 64-key blocks: 33.4 -> 23.9 ms).
-    for stages in (q_stages, 1):
-        with_tma_reduce = dataclasses.replace(spec, dq_tma_reduce=True, q_stages=stages)
-        if with_tma_reduce.fits_in_smem():
-            spec = with_tma_reduce
-            break
+                    and kv_tile_ctas < num_sms),
+        # dQ from the query-centric kernel on every call: recomputing S and dP once more per
+        # query tile costs less than this kernel's dQ reductions, its Q/dO reloads and the
+        # accumulator's conversion wherever it was measured (H100, session 12,
+        # tools/tune_sm90_backward.py, the fused dQ vs `dq own kernel`): random 64-key lists
+        # like NSA's selected branch 16K 7.25 -> 3.40 ms, 64K 29.1 -> 13.1; compress factor 64
+        # 16K 2.26 -> 1.40, 64K 13.0 -> 7.5; causal window 512 16K 2.60 -> 1.93; dense causal
+        # 16K 12.16 -> 11.33. The fused dQ stays a switch for the tuner (`dq_tma_reduce`, which
+        # at 64-key tiles and head dim 128 fits beside two CTAs per SM with one Q/dO stage).
+        dq_separate=True)
     if not spec.fits_in_smem():
         raise ValueError(f"no sm90 backward variant for head_dim {head_dim} with {tile_n}-key "
                          f"tiles fits shared memory ({spec.smem_bytes} bytes)")
     return spec
-
-
-def dq_in_own_kernel(sparse_block_size: int | None, compress_factor: int) -> bool:
-    """Whether dQ goes to the query-centric kernel (`BwdSpec.dq_separate`) rather than being
-    reduced into a float32 accumulator by the KV-centric kernel. Recomputing S and dP once more
-    per query tile costs less than the KV-centric dQ's reductions, its Q/dO reloads and the
-    accumulator's conversion wherever it was measured (H100, session 12,
-    tools/tune_sm90_backward.py, dispatched vs `dq own kernel`): random 64-key lists like
-    NSA's selected branch 16K 7.25 -> 3.40 ms, 64K 29.1 -> 13.1; compress factor 64 16K
-    2.26 -> 1.40, 64K 13.0 -> 7.5; causal window 512 16K 2.60 -> 1.93; dense causal 16K 12.16
-    -> 11.33. So every call takes it; the fused dQ stays as a compile-time switch for the
-    tuner."""
-    del sparse_block_size, compress_factor
-    return True
 
 
 def dq_spec_for(spec: BwdSpec) -> DqSpec:
