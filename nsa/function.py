@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 from kernels.autograd import refuse_double_backward
-from kernels.gated_sum import GatedSum
+from kernels.gated_sum import GatedSum, gated_sum_backward, sum_terms
 from nsa.branches import Branch, compressed_branch, selected_branch, window_branch
 from nsa.compression import (compress, compress_backward, compressed_block_rows,
                              compressed_cu_seqlens, compute_dtype)
@@ -118,12 +118,15 @@ def packed_gradients(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, W_k: Tensor 
     what it returned; `transposed` as `_transposed_lists` builds it."""
     dtype = compute_dtype(q.dtype)
     dout = dout.contiguous()
-    gates = gate_weights(q, W_gate, config.branches)
+    gates = gate_weights(q, W_gate, config.branches).contiguous()
 
-    dq = torch.zeros(q.shape, dtype=dtype, device=q.device)
-    dk = torch.zeros(k.shape, dtype=dtype, device=k.device)
-    dv = torch.zeros(v.shape, dtype=dtype, device=v.device)
     d_gates = torch.zeros(*q.shape[:2], NUM_BRANCHES, dtype=dtype, device=q.device)
+    # Each branch's dq, dk, dv (the kernels' output type) are kept and added once at the end,
+    # in float32 and rounded once (kernels.gated_sum.sum_terms): the same sums as float32
+    # accumulators updated branch by branch, for a fraction of the memory traffic (a float32
+    # (T, H, D) read and written per branch). Float32 partials (the compressed branch's dk, dv
+    # through compress_backward, the gate's dq) start the sums.
+    grads = {"q": _Sum(q), "k": _Sum(k), "v": _Sum(v)}
     dW_k = dW_v = dW_gate = None
 
     branch: Branch
@@ -135,42 +138,64 @@ def packed_gradients(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, W_k: Tensor 
         else:
             keys, values = k, v
         branch_out, _ = branch.forward(q, keys, values)
-        gate = gates[..., branch.index, None]
-        # out = sum_b g_b o_b: dL/dg_b = <dO, o_b> per row and head, dL/do_b = g_b dO. A zero
-        # dO contributes exactly zero, even against a non-finite output of a later row (the
-        # loss does not depend on that row: its NaN must not reach dW_gate). Type promotion
-        # does the products in the compute dtype without converting the second operand first
-        # (the same values: the conversion is exact), and g_b dO is rounded straight into the
-        # input type: two full-size float32 temporaries fewer per branch.
-        products = dout.to(dtype) * branch_out
-        d_gates[..., branch.index] = products.masked_fill_(dout == 0, 0).sum(dim=-1)
-        del products
-        branch_dout = torch.empty(dout.shape, dtype=q.dtype, device=dout.device)
-        torch.mul(gate, dout, out=branch_dout)
+        # out = sum_b g_b o_b: dL/dg_b = <dO, o_b> per row and head, dL/do_b = g_b dO, in one
+        # pass (kernels.gated_sum); a zero dO contributes exactly zero, even against a
+        # non-finite output of a later row (its NaN must not reach dW_gate).
+        branch_dout = gated_sum_backward(dout, branch_out, gates, branch.index, d_gates)
         dq_b, dk_b, dv_b = branch.backward(
             branch_dout, q, keys, values, branch_out, lse,
             deterministic=config.deterministic,
             block_sparse_transposed=transposed[branch.index])
         del branch_out, branch_dout, keys, values
-        dq += dq_b
+        grads["q"].add(dq_b)
         if branch.reads_compressed:
             # dk_cmp, dv_cmp flow back through the projection and the mean pooling.
             dk_b, dW_k = compress_backward(dk_b, k, rows, W_k)
             dv_b, dW_v = compress_backward(dv_b, v, rows, W_v)
             del rows
-        dk += dk_b
-        dv += dv_b
+        grads["k"].add(dk_b)
+        grads["v"].add(dv_b)
         del dq_b, dk_b, dv_b
 
     if W_gate is not None:
         dq_gate, dW_gate = gate_backward(q, W_gate, gates, d_gates)
-        dq += dq_gate
+        grads["q"].add(dq_gate)
         dW_gate = dW_gate.to(W_gate.dtype)
+        del dq_gate
     if dW_k is not None:
         dW_k = dW_k.to(W_k.dtype)
     if dW_v is not None:
         dW_v = dW_v.to(W_v.dtype)
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dW_k, dW_v, dW_gate
+    return grads["q"].result(), grads["k"].result(), grads["v"].result(), dW_k, dW_v, dW_gate
+
+
+class _Sum:
+    """One gradient's per-branch terms, all fresh tensors of this backward (they are consumed).
+    For half-precision inputs the terms in the input type are kept for `sum_terms` and the
+    compute-dtype ones added into its base; for float32/float64 inputs everything is added
+    into the base as it arrives."""
+
+    def __init__(self, like: Tensor):
+        self.like = like
+        self.keep = like.dtype != compute_dtype(like.dtype)
+        self.terms: list[Tensor] = []
+        self.base: Tensor | None = None
+
+    def add(self, term: Tensor) -> None:
+        if self.keep and term.dtype == self.like.dtype:
+            self.terms.append(term)
+        elif self.base is None:
+            self.base = term.to(compute_dtype(self.like.dtype))
+        else:
+            self.base.add_(term)
+
+    def result(self) -> Tensor:
+        """The sum in the input dtype (zeros without terms)."""
+        if self.terms:
+            return sum_terms(self.terms, self.base)
+        if self.base is not None:
+            return self.base.to(self.like.dtype)
+        return torch.zeros_like(self.like)
 
 
 def _transposed_lists(ctx) -> dict:

@@ -5,7 +5,8 @@ Forward (`--passes fwd`): compression, selection, block lists, each branch, gati
 (built once), then per branch the recompute of its forward (for the compressed branch with the
 compression of K and V), dL/dg with the branch's dO (g_b * dO), its attention backward
 (Branch.backward with the branch's transposed lists) and, for the compressed branch,
-compress_backward of dK and dV; last the gate backward (with `--gate`). Both passes by default.
+compress_backward of dK and dV; then the gate backward (with `--gate`) and last the sums of
+each gradient's branch terms (`kernels.gated_sum.sum_terms`). Both passes by default.
 
 Every stage runs through the library's own functions (nsa.compression, nsa.selection,
 nsa.branches, nsa.gating) with the host copies of the sequence bounds NSAFunction holds, each
@@ -32,7 +33,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import kernels  # noqa: E402
-from kernels.gated_sum import GatedSum  # noqa: E402
+from kernels.gated_sum import (GatedSum, backward_runs_on_sm90, gated_sum_backward,  # noqa: E402
+                               sum_terms)
 from nsa import CMP_KV_BLOCK, SELECTION_Q_TILE, nsa  # noqa: E402
 from nsa.compression import (compress, compress_backward, compressed_cu_seqlens,  # noqa: E402
                              compute_dtype)
@@ -49,8 +51,8 @@ STAGES = ("compress k, v", "select blocks", "build block lists", "compressed bra
           "selected branch", "window branch", "gate + combine")
 PASSES = ("fwd", "bwd")
 BRANCH_NAMES = ("compressed", "selected", "window")  # nsa.branches' order (Branch.index)
-GATE_WEIGHTS, TRANSPOSED_LISTS, GATE_BACKWARD = (
-    "gate weights", "transposed lists", "gate backward")
+GATE_WEIGHTS, TRANSPOSED_LISTS, GATE_BACKWARD, GRADIENT_SUMS = (
+    "gate weights", "transposed lists", "gate backward", "dq, dk, dv sums")
 # Per branch, "<branch>: <step>"; the compressed branch adds COMPRESS_BACKWARD.
 BRANCH_BACKWARD_STEPS = ("recompute fwd", "dL/dg, g dO", "attention bwd")
 COMPRESS_BACKWARD = "compress bwd"
@@ -65,6 +67,7 @@ def backward_stages(branch_names, gate: bool) -> list[str]:
             stages.append(f"{name}: {COMPRESS_BACKWARD}")
     if gate:
         stages.append(GATE_BACKWARD)
+    stages.append(GRADIENT_SUMS)
     return stages
 
 
@@ -186,8 +189,11 @@ def profile_backward(q, k, v, W_gate, cu_seqlens, cu_seqlens_cmp, sequences, con
     generator = torch.Generator().manual_seed(7)
     dout = torch.randn(q.shape, generator=generator).to(device=q.device, dtype=q.dtype)
     d_gates = torch.zeros(*q.shape[:2], NUM_BRANCHES, dtype=dtype, device=q.device)
-    gates = stage(GATE_WEIGHTS, lambda: gate_weights(q, W_gate, config.branches), "torch",
-                  into=rows)
+    gates = stage(GATE_WEIGHTS, lambda: gate_weights(q, W_gate, config.branches).contiguous(),
+                  "torch", into=rows)
+    gate_backend = "sm90" if backward_runs_on_sm90(q, d_gates) else "torch"
+    terms = {"q": [], "k": [], "v": []}  # per branch, for the last stage
+    bases = {}
 
     def transpose_all():
         return {branch.index: branch.transposed_lists() for branch in branches}
@@ -212,33 +218,44 @@ def profile_backward(q, k, v, W_gate, cu_seqlens, cu_seqlens_cmp, sequences, con
         block_rows, keys, values, branch_out, _ = recompute()
         rows.append((f"{name}: {BRANCH_BACKWARD_STEPS[0]}", timed(recompute),
                      kernels.which_backend(q, keys, values, **branch.kernel_kwargs)))
-        gate = gates[..., branch.index, None]
 
         def d_gate():
-            # As _gradients: dL/dg_b = <dO, o_b> per row and head (a zero dO adds exactly zero),
-            # and the branch's dO, g_b * dO.
-            products = dout.to(dtype) * branch_out.to(dtype)
-            d_gates[..., branch.index] = products.masked_fill_(dout == 0, 0).sum(dim=-1)
-            return (gate * dout.to(dtype)).to(q.dtype)
+            # As packed_gradients: dL/dg_b = <dO, o_b> per row and head, and g_b * dO.
+            return gated_sum_backward(dout, branch_out, gates, branch.index, d_gates)
 
-        branch_dout = stage(f"{name}: {BRANCH_BACKWARD_STEPS[1]}", d_gate, "torch", into=rows)
+        branch_dout = stage(f"{name}: {BRANCH_BACKWARD_STEPS[1]}", d_gate, gate_backend,
+                            into=rows)
         options = dict(deterministic=config.deterministic,
                        block_sparse_transposed=transposed[branch.index])
         asked = {key: value for key, value in options.items()
                  if value is not None and value is not False}
-        _, dk_b, dv_b = stage(
+        dq_b, dk_b, dv_b = stage(
             f"{name}: {BRANCH_BACKWARD_STEPS[2]}",
             lambda: branch.backward(branch_dout, q, keys, values, branch_out, lse, **options),
             kernels.which_backend(q, keys, values, backward=True, **asked,
                                   **branch.kernel_kwargs), into=rows)
+        terms["q"].append(dq_b)
         if branch.reads_compressed:
-            stage(f"{name}: {COMPRESS_BACKWARD}",
-                  lambda: (compress_backward(dk_b, k, block_rows),
-                           compress_backward(dv_b, v, block_rows)), "torch", into=rows)
-        del block_rows, keys, values, branch_out, branch_dout, dk_b, dv_b
+            (bases["k"], _), (bases["v"], _) = stage(
+                f"{name}: {COMPRESS_BACKWARD}",
+                lambda: (compress_backward(dk_b, k, block_rows),
+                         compress_backward(dv_b, v, block_rows)), "torch", into=rows)
+        else:
+            terms["k"].append(dk_b)
+            terms["v"].append(dv_b)
+        del block_rows, keys, values, branch_out, branch_dout, dq_b, dk_b, dv_b
 
     if W_gate is not None:
-        stage(GATE_BACKWARD, lambda: gate_backward(q, W_gate, gates, d_gates), "torch", into=rows)
+        bases["q"], _ = stage(GATE_BACKWARD, lambda: gate_backward(q, W_gate, gates, d_gates),
+                              "torch", into=rows)
+
+    def gradient_sums():
+        # As packed_gradients: each gradient's branch terms added once on its float32 base
+        # (copies here: sum_terms consumes its base and first term, and the stage repeats).
+        return [sum_terms([t.clone() for t in terms[x]],
+                          bases[x].clone() if x in bases else None) for x in ("q", "k", "v")]
+
+    stage(GRADIENT_SUMS, gradient_sums, GatedSum.choose_backend(q)[0], into=rows)
 
     inputs = [t.detach().requires_grad_() for t in (q, k, v)]
     if W_gate is not None:

@@ -13,6 +13,13 @@ Layout: every tensor is viewed flat; one thread takes 8 consecutive elements (on
 load per term, one store), which all lie in one (t, h) row since D is a multiple of 8. The row
 is chunk // (D / 8), a division by a compile-time constant; the row's gates are scalar loads
 shared by the row's D / 8 threads through L1.
+
+The backward of one term (`GatedSumBackwardSm90`), for NSA's backward where a branch's
+gradient arrives as dO: dL/dg[:, :, c] = rowsum(dO * o) into a float32 (T, H, G) tensor, and
+dL/do = g[:, :, c] * dO in the input type, in one pass that reads dO and o once. A product with
+dO == 0 counts as exactly 0, so a NaN or Inf in a row the loss does not depend on stays out of
+dL/dg. The torch code it replaces (nsa/function.py) moved about 6.7 GB per branch at 64K
+tokens, H=32, D=128, through float32 temporaries; this pass moves 1.5 GB.
 """
 from __future__ import annotations
 
@@ -25,6 +32,8 @@ from cutlass import Float32, Int32, const_expr
 VECTOR = 8  # elements per thread: 16 bytes of bf16/fp16
 THREADS = 256
 MAX_TERMS = 3
+BACKWARD_MIN_LANES = 8  # the backward's lanes per row: a power of two dividing D / 8
+BACKWARD_ROWS_PER_CTA = 64
 
 _DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
 
@@ -32,11 +41,13 @@ _DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
 @dataclass(frozen=True)
 class GatedSumSpec:
     """What a compiled build fixes: dtype, head dim (the row length), the gate columns of the
-    terms (their number, too) and the gate tensor's row length."""
+    terms (their number, too; None adds a term unweighted), the gate tensor's row length and
+    whether a float32 base (T, H, D) starts the sum."""
     dtype: str
     head_dim: int
-    columns: tuple[int, ...]
+    columns: tuple[int | None, ...]
     gate_width: int
+    base: bool = False
 
     def __post_init__(self):
         if self.dtype not in _DTYPES:
@@ -45,65 +56,177 @@ class GatedSumSpec:
             raise ValueError(f"head_dim {self.head_dim} (expected a multiple of {VECTOR})")
         if not 1 <= len(self.columns) <= MAX_TERMS:
             raise ValueError(f"columns {self.columns} (1 to {MAX_TERMS} terms)")
-        if any(not 0 <= c < self.gate_width for c in self.columns):
+        if any(c is not None and not 0 <= c < self.gate_width for c in self.columns):
             raise ValueError(f"columns {self.columns} outside a gate row of {self.gate_width}")
+
+    @property
+    def gated(self) -> bool:
+        return any(c is not None for c in self.columns)
 
 
 class GatedSumSm90:
-    """The kernel for one `GatedSumSpec`; called with flat tensors (gates, out, o_0, o_1, o_2)
-    where missing terms are None and `out` may be o_0 itself."""
+    """The kernel for one `GatedSumSpec`; called with flat tensors (gates, base, out, o_0, o_1,
+    o_2) where missing terms, an absent base and the gates of an ungated sum are None, and
+    `out` may be o_0 itself."""
 
     def __init__(self, spec: GatedSumSpec):
         self.spec = spec
         self.dtype = _DTYPES[spec.dtype]
 
     @cute.jit
-    def __call__(self, gates: cute.Tensor, out: cute.Tensor, o0: cute.Tensor,
-                 o1: cute.Tensor | None, o2: cute.Tensor | None, stream):
+    def __call__(self, gates: cute.Tensor | None, base: cute.Tensor | None, out: cute.Tensor,
+                 o0: cute.Tensor, o1: cute.Tensor | None, o2: cute.Tensor | None, stream):
         chunks = cute.size(out) // VECTOR
-        o1_chunks, o2_chunks = None, None
+        base_chunks, o1_chunks, o2_chunks = None, None, None
+        if const_expr(base is not None):
+            base_chunks = cute.zipped_divide(base, (VECTOR,))
         if const_expr(o1 is not None):
             o1_chunks = cute.zipped_divide(o1, (VECTOR,))
         if const_expr(o2 is not None):
             o2_chunks = cute.zipped_divide(o2, (VECTOR,))
-        self.kernel(gates, cute.zipped_divide(out, (VECTOR,)), cute.zipped_divide(o0, (VECTOR,)),
-                    o1_chunks, o2_chunks, chunks).launch(
+        self.kernel(gates, base_chunks, cute.zipped_divide(out, (VECTOR,)),
+                    cute.zipped_divide(o0, (VECTOR,)), o1_chunks, o2_chunks, chunks).launch(
             grid=[cute.ceil_div(chunks, THREADS), 1, 1], block=[THREADS, 1, 1], stream=stream)
 
     @cute.kernel
-    def kernel(self, gates: cute.Tensor, out: cute.Tensor, o0: cute.Tensor,
-               o1: cute.Tensor | None, o2: cute.Tensor | None, chunks: Int32):
+    def kernel(self, gates: cute.Tensor | None, base: cute.Tensor | None, out: cute.Tensor,
+               o0: cute.Tensor, o1: cute.Tensor | None, o2: cute.Tensor | None, chunks: Int32):
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         chunk = bidx * THREADS + tidx
         if chunk < chunks:
             gate_row = chunk // (self.spec.head_dim // VECTOR) * self.spec.gate_width
-            columns = self.spec.columns
-            total = o0[(None, chunk)].load().to(Float32) * gates[gate_row + columns[0]]
+            total = self.weighted(o0, chunk, gates, gate_row, 0)
+            if const_expr(base is not None):
+                total = base[(None, chunk)].load() + total
             if const_expr(o1 is not None):
-                total = total + o1[(None, chunk)].load().to(Float32) * gates[gate_row + columns[1]]
+                total = total + self.weighted(o1, chunk, gates, gate_row, 1)
             if const_expr(o2 is not None):
-                total = total + o2[(None, chunk)].load().to(Float32) * gates[gate_row + columns[2]]
+                total = total + self.weighted(o2, chunk, gates, gate_row, 2)
             out[(None, chunk)].store(total.to(self.dtype))
+
+    @cute.jit
+    def weighted(self, term: cute.Tensor, chunk: Int32, gates: cute.Tensor | None,
+                 gate_row: Int32, index: cutlass.Constexpr[int]):
+        """Term `index`'s chunk in float32, times its gate unless its column is None."""
+        values = term[(None, chunk)].load().to(Float32)
+        column = self.spec.columns[index]
+        if const_expr(column is not None):
+            values = values * gates[gate_row + column]
+        return values
+
+
+@dataclass(frozen=True)
+class GatedSumBackwardSpec:
+    """What a compiled backward build fixes: dtype, head dim, the term's gate column and the
+    gate tensor's row length."""
+    dtype: str
+    head_dim: int
+    column: int
+    gate_width: int
+
+    def __post_init__(self):
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype {self.dtype!r} (expected one of {sorted(_DTYPES)})")
+        if self.head_dim % (VECTOR * BACKWARD_MIN_LANES):
+            raise ValueError(f"head_dim {self.head_dim} (expected a multiple of "
+                             f"{VECTOR * BACKWARD_MIN_LANES})")
+        if not 0 <= self.column < self.gate_width:
+            raise ValueError(f"column {self.column} outside a gate row of {self.gate_width}")
+
+
+class GatedSumBackwardSm90:
+    """The backward of one term for one `GatedSumBackwardSpec`; called with flat tensors
+    (gates, d_gates, dout, term, d_term), d_gates written at the spec's column only.
+
+    Each (t, h) row of D elements is read by `lanes` adjacent threads, 16 bytes at a time
+    (D / 8 / lanes vectors each, interleaved so a warp's loads stay contiguous); the lanes add
+    their partial dot products with butterfly shuffles. A CTA of 128 threads covers
+    BACKWARD_ROWS_PER_CTA rows."""
+
+    threads = 128
+
+    def __init__(self, spec: GatedSumBackwardSpec):
+        self.spec = spec
+        self.dtype = _DTYPES[spec.dtype]
+        vectors = spec.head_dim // VECTOR
+        self.lanes = 16 if vectors % 16 == 0 else BACKWARD_MIN_LANES
+        self.vectors_per_lane = vectors // self.lanes
+        self.rows_per_pass = self.threads // self.lanes
+
+    @cute.jit
+    def __call__(self, gates: cute.Tensor, d_gates: cute.Tensor, dout: cute.Tensor,
+                 term: cute.Tensor, d_term: cute.Tensor, stream):
+        rows = cute.size(dout) // self.spec.head_dim
+        vectors = (cute.zipped_divide(t, (VECTOR,)) for t in (dout, term, d_term))
+        self.kernel(gates, d_gates, *vectors, rows).launch(
+            grid=[cute.ceil_div(rows, BACKWARD_ROWS_PER_CTA), 1, 1], block=[self.threads, 1, 1],
+            stream=stream)
+
+    @cute.kernel
+    def kernel(self, gates: cute.Tensor, d_gates: cute.Tensor, dout: cute.Tensor,
+               term: cute.Tensor, d_term: cute.Tensor, rows: Int32):
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        lane = tidx % self.lanes
+        vectors_per_row = self.spec.head_dim // VECTOR
+        for p in cutlass.range_constexpr(BACKWARD_ROWS_PER_CTA // self.rows_per_pass):
+            row = bidx * BACKWARD_ROWS_PER_CTA + p * self.rows_per_pass + tidx // self.lanes
+            dot = Float32(0.0)
+            if row < rows:
+                gate_at = row * self.spec.gate_width + self.spec.column
+                gate = gates[gate_at]
+                for j in cutlass.range_constexpr(self.vectors_per_lane):
+                    vector = row * vectors_per_row + j * self.lanes + lane
+                    d = dout[(None, vector)].load().to(Float32)
+                    products = d * term[(None, vector)].load().to(Float32)
+                    # Select, do not multiply: 0 * NaN would be NaN.
+                    products = cute.where(d == Float32(0.0), Float32(0.0), products)
+                    dot = dot + products.reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
+                    d_term[(None, vector)].store((d * gate).to(self.dtype))
+            # Every lane shuffles (the row test above is per lane).
+            offset = self.lanes // 2
+            while const_expr(offset > 0):
+                dot = dot + cute.arch.shuffle_sync_bfly(dot, offset)
+                offset //= 2
+            if (row < rows) & (lane == 0):
+                d_gates[row * self.spec.gate_width + self.spec.column] = dot
 
 
 def fake_arguments(spec: GatedSumSpec):
-    """Fake flat tensors (gates, out, o_0..o_2) for a CPU build (CUTE_DSL_ARCH=sm_90a)."""
+    """Fake flat tensors (gates, base, out, o_0..o_2) for a CPU build (CUTE_DSL_ARCH=sm_90a)."""
     from cutlass.cute.runtime import make_fake_compact_tensor
 
     elements = cute.sym_int()  # as at run time: nothing known of its divisibility
-    gates = make_fake_compact_tensor(Float32, (cute.sym_int(),), assumed_align=4)
+    gates = base = None
+    if spec.gated:
+        gates = make_fake_compact_tensor(Float32, (cute.sym_int(),), assumed_align=4)
+    if spec.base:
+        base = make_fake_compact_tensor(Float32, (elements,), assumed_align=16)
     tensors = [make_fake_compact_tensor(_DTYPES[spec.dtype], (elements,), assumed_align=16)
                for _ in range(1 + len(spec.columns))]
     terms = tensors[1:] + [None] * (MAX_TERMS - len(spec.columns))
-    return gates, tensors[0], *terms
+    return gates, base, tensors[0], *terms
 
 
-def compile_gated_sum_on_fake_tensors(spec: GatedSumSpec):
-    """`spec` built for sm_90a without a GPU; for build checks (CI)."""
+def fake_backward_arguments(spec: GatedSumBackwardSpec):
+    """Fake flat tensors (gates, d_gates, dout, term, d_term) for a CPU build."""
+    from cutlass.cute.runtime import make_fake_compact_tensor
+
+    gate_elements, elements = cute.sym_int(), cute.sym_int()
+    gates, d_gates = (make_fake_compact_tensor(Float32, (gate_elements,), assumed_align=4)
+                      for _ in range(2))
+    tensors = [make_fake_compact_tensor(_DTYPES[spec.dtype], (elements,), assumed_align=16)
+               for _ in range(3)]
+    return gates, d_gates, *tensors
+
+
+def compile_gated_sum_on_fake_tensors(spec: GatedSumSpec | GatedSumBackwardSpec):
+    """`spec` (the sum or a term's backward) built for sm_90a without a GPU; for build checks."""
     from cutlass.cute.runtime import make_fake_stream
 
-    return cute.compile(GatedSumSm90(spec), *fake_arguments(spec), make_fake_stream())
+    kernel, arguments = _KERNELS[type(spec)]
+    return cute.compile(kernel(spec), *arguments(spec), make_fake_stream())
 
 
 # ------------------------------------------------------------------------------------------------
@@ -112,14 +235,16 @@ def compile_gated_sum_on_fake_tensors(spec: GatedSumSpec):
 # ------------------------------------------------------------------------------------------------
 
 
-def can_run(like) -> tuple[bool, str]:
-    """(ok, reason): whether the kernel sums terms shaped like `like` (device already checked)."""
+def can_run(like, backward: bool = False) -> tuple[bool, str]:
+    """(ok, reason): whether the kernel sums terms shaped like `like` (with `backward`: takes a
+    term's backward), the device already checked."""
     dtype = str(like.dtype).removeprefix("torch.")
     if dtype not in _DTYPES:
         return False, f"dtype {like.dtype} (the kernel takes {'/'.join(_DTYPES)})"
-    if like.dim() != 3 or like.shape[-1] % VECTOR:
+    multiple = VECTOR * BACKWARD_MIN_LANES if backward else VECTOR
+    if like.dim() != 3 or like.shape[-1] % multiple:
         return False, (f"shape {tuple(like.shape)} (the kernel takes (T, H, D), "
-                       f"D % {VECTOR} == 0)")
+                       f"D % {multiple} == 0)")
     if like.numel() == 0:
         return False, "no elements (a kernel grid cannot be empty)"
     if like.numel() >= 2 ** 31:
@@ -127,31 +252,59 @@ def can_run(like) -> tuple[bool, str]:
     return True, "sm90 CuTe DSL kernel"
 
 
-def run(terms, columns, gates):
-    """sum_i gates[..., columns[i]] * terms[i], written into terms[0] and returned.
+_KERNELS = {GatedSumSpec: (GatedSumSm90, fake_arguments),
+            GatedSumBackwardSpec: (GatedSumBackwardSm90, fake_backward_arguments)}
 
-    terms: 1-3 contiguous, 16-byte aligned (T, H, D) bf16/fp16 tensors of one shape and dtype;
-    gates: a contiguous (T, H, G) float32 tensor; the caller (`kernels.GatedSum`) has made sure.
-    """
+
+def _launch(spec, args, like):
+    """Compile `spec` once per process and launch it on torch tensors `args`."""
     import torch
     from cutlass.cute.runtime import make_fake_stream
 
     from kernels.sm90.compile import compiled_once
     from kernels.sm90.forward import _as_cute, _tvm_ffi_available
 
-    first = terms[0]
-    spec = GatedSumSpec(str(first.dtype).removeprefix("torch."), first.shape[-1],
-                        tuple(columns), gates.shape[-1])
-    flat = [t.view(-1) for t in terms] + [None] * (MAX_TERMS - len(terms))
-    args = (gates.view(-1), flat[0], *flat)
+    kernel, fake = _KERNELS[type(spec)]
     if _tvm_ffi_available():
-        compiled_once(GatedSumSm90, spec, lambda: (
-            *fake_arguments(spec), make_fake_stream(use_tvm_ffi_env_stream=True)),
-            tvm_ffi=True)(*args)
-        return first
+        compiled_once(kernel, spec, lambda: (
+            *fake(spec), make_fake_stream(use_tvm_ffi_env_stream=True)), tvm_ffi=True)(*args)
+        return
     import cuda.bindings.driver as cuda
 
-    stream = cuda.CUstream(torch.cuda.current_stream(first.device).cuda_stream)
+    stream = cuda.CUstream(torch.cuda.current_stream(like.device).cuda_stream)
     cute_args = (*(_as_cute(t) for t in args), stream)
-    compiled_once(GatedSumSm90, spec, lambda: cute_args)(*cute_args)
+    compiled_once(kernel, spec, lambda: cute_args)(*cute_args)
+
+
+def run(terms, columns, gates, base=None):
+    """base + sum_i gates[..., columns[i]] * terms[i] (a None column: weight 1), written into
+    terms[0] and returned.
+
+    terms: 1-3 contiguous, 16-byte aligned (T, H, D) bf16/fp16 tensors of one shape and dtype;
+    gates: a contiguous (T, H, G) float32 tensor (None when every column is None); base: None
+    or a contiguous, 16-byte aligned float32 tensor of the terms' shape; the caller
+    (`kernels.gated_sum`) has made sure.
+    """
+    first = terms[0]
+    spec = GatedSumSpec(str(first.dtype).removeprefix("torch."), first.shape[-1],
+                        tuple(columns), 0 if gates is None else gates.shape[-1],
+                        base is not None)
+    flat = [t.view(-1) for t in terms] + [None] * (MAX_TERMS - len(terms))
+    _launch(spec, (None if gates is None else gates.view(-1),
+                   None if base is None else base.view(-1), flat[0], *flat), first)
     return first
+
+
+def run_backward(dout, term, gates, column, d_gates):
+    """gates[..., column] * dout (returned, in dout's dtype), and rowsum(dout * term) written
+    into d_gates[..., column] (0 where dout is 0). dout, term: contiguous, 16-byte aligned
+    (T, H, D) bf16/fp16 tensors; gates, d_gates: contiguous (T, H, G) float32 (the caller,
+    `kernels.gated_sum.gated_sum_backward`, has made sure)."""
+    import torch
+
+    spec = GatedSumBackwardSpec(str(dout.dtype).removeprefix("torch."), dout.shape[-1], column,
+                                gates.shape[-1])
+    d_term = torch.empty_like(dout)
+    _launch(spec, (gates.view(-1), d_gates.view(-1), dout.view(-1), term.view(-1),
+                   d_term.view(-1)), dout)
+    return d_term

@@ -181,3 +181,173 @@ def test_kernel_through_dlpack_equals_tvm_ffi(monkeypatch):
             total.add(column, out.clone())
         results.append(total.result())
     assert torch.equal(results[0], results[1])
+
+
+# ------------------------------------------------------------------------------------------------
+# gated_sum_backward: the backward of one term (NSA's backward, per branch).
+# ------------------------------------------------------------------------------------------------
+
+def _backward_problem(rows, heads, dim, dtype, device="cpu", seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    dout, term = (torch.randn(rows, heads, dim, generator=gen).to(device=device, dtype=dtype)
+                  for _ in range(2))
+    gates = torch.rand(rows, heads, 3, generator=gen).to(device)
+    return dout, term, gates
+
+
+def _check_backward(dout, term, gates, column):
+    """Run gated_sum_backward into a d_gates of sentinels; check both results and that the
+    other columns kept their sentinels."""
+    from kernels.gated_sum import gated_sum_backward
+
+    accumulate = torch.promote_types(dout.dtype, torch.float32)
+    d_gates = torch.full(gates.shape, -7.0, dtype=accumulate, device=dout.device)
+    d_term = gated_sum_backward(dout, term, gates, column, d_gates)
+    exact_gate = (dout.double() * term.double()).sum(-1)
+    # g * dO is one float32 product rounded to the term's dtype: bitwise what torch gives.
+    expected = (gates[..., column, None].to(accumulate) * dout.to(accumulate)).to(dout.dtype)
+    assert d_term.dtype == dout.dtype and torch.equal(d_term, expected)
+    torch.testing.assert_close(d_gates[..., column].double(), exact_gate, rtol=1e-5, atol=1e-4)
+    others = [c for c in range(gates.shape[-1]) if c != column]
+    assert (d_gates[..., others] == -7.0).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64])
+def test_backward_torch_path(dtype):
+    dout, term, gates = _backward_problem(37, 3, 24, dtype)
+    _check_backward(dout, term, gates, column=1)
+
+
+def test_backward_keeps_a_nan_of_an_unused_row_out_of_the_gate_gradient():
+    """dO == 0 on a row (the loss does not read it) whose term is NaN: d_gates is 0 there, not
+    NaN, and the term's gradient is 0."""
+    from kernels.gated_sum import gated_sum_backward
+
+    dout, term, gates = _backward_problem(9, 2, 16, torch.bfloat16)
+    dout[4] = 0
+    term[4, 1, 3] = float("nan")
+    term[5, 0, 0] = float("inf")
+    d_gates = torch.zeros(9, 2, 3)
+    d_term = gated_sum_backward(dout, term, gates, 2, d_gates)
+    assert (d_gates[4] == 0).all() and (d_term[4] == 0).all()
+    assert not torch.isfinite(d_gates[5, 0, 2])  # a row the loss reads keeps its Inf
+
+
+def test_backward_bad_input_names_the_argument():
+    from kernels.gated_sum import gated_sum_backward
+
+    dout, term, gates = _backward_problem(6, 2, 8, torch.bfloat16)
+    d_gates = torch.zeros(6, 2, 3)
+    with pytest.raises(ValueError, match="term: expected"):
+        gated_sum_backward(dout, term.float(), gates, 0, d_gates)
+    with pytest.raises(ValueError, match="gates: expected"):
+        gated_sum_backward(dout, term, gates[:5], 0, d_gates)
+    with pytest.raises(ValueError, match="d_gates: expected"):
+        gated_sum_backward(dout, term, gates, 0, d_gates.int())
+    with pytest.raises(ValueError, match="column: 3 outside"):
+        gated_sum_backward(dout, term, gates, 3, d_gates)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("head_dim", [64, 128, 192, 256])
+def test_backward_kernel_builds_for_sm90(dtype, head_dim):
+    from kernels.sm90.gated_sum import GatedSumBackwardSpec, compile_gated_sum_on_fake_tensors
+
+    assert compile_gated_sum_on_fake_tensors(GatedSumBackwardSpec(dtype, head_dim, 1, 3))
+
+
+def test_backward_kernel_spec_rejects_what_it_cannot_build():
+    from kernels.sm90.gated_sum import GatedSumBackwardSpec, can_run
+
+    with pytest.raises(ValueError, match="head_dim 72"):
+        GatedSumBackwardSpec("bfloat16", 72, 0, 3)
+    with pytest.raises(ValueError, match="column 3"):
+        GatedSumBackwardSpec("bfloat16", 128, 3, 3)
+    ok, reason = can_run(torch.empty(4, 2, 72, dtype=torch.bfloat16), backward=True)
+    assert not ok and "D % 64" in reason
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _sm90(), reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("case", [
+    (1000, 3, 128, 0), (777, 31, 64, 2), (513, 5, 192, 1), (129, 7, 256, 1),
+    (16384, 32, 128, 2),
+], ids=lambda c: f"T{c[0]}-H{c[1]}-D{c[2]}-col{c[3]}")
+def test_backward_kernel_matches_exact(case, dtype):
+    from kernels.gated_sum import backward_runs_on_sm90
+
+    rows, heads, dim, column = case
+    dout, term, gates = _backward_problem(rows, heads, dim, dtype, device="cuda", seed=rows)
+    dout[rows // 2] = 0
+    term[rows // 2, 0, 0] = float("nan")  # a row the loss does not read
+    assert backward_runs_on_sm90(dout, torch.empty(1, device="cuda"))
+    _check_backward(dout, term.nan_to_num(), gates, column)
+    from kernels.gated_sum import gated_sum_backward
+
+    d_gates = torch.zeros(rows, heads, 3, device="cuda")
+    gated_sum_backward(dout, term, gates, column, d_gates)
+    assert (d_gates[rows // 2] == 0).all() and torch.isfinite(d_gates).all()
+
+
+# ------------------------------------------------------------------------------------------------
+# sum_terms: unweighted terms on a float32 base, rounded once (NSA's backward sums dq, dk, dv).
+# ------------------------------------------------------------------------------------------------
+
+def _sum_problem(rows, heads, dim, dtype, terms, device="cpu", seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    outputs = [torch.randn(rows, heads, dim, generator=gen).to(device=device, dtype=dtype)
+               for _ in range(terms)]
+    base = torch.randn(rows, heads, dim, generator=gen).to(device)
+    return outputs, base
+
+
+def _check_sum(outputs, base):
+    from kernels.gated_sum import sum_terms
+
+    dtype = outputs[0].dtype
+    exact = sum(o.double() for o in outputs) + (0 if base is None else base.double())
+    result = sum_terms([o.clone() for o in outputs], None if base is None else base.clone())
+    assert result.dtype == dtype and result.shape == outputs[0].shape
+    error = (result.double() - exact).abs()
+    assert (error <= exact.abs() * torch.finfo(dtype).eps / 2 + 1e-5).all(), error.max()
+
+
+@pytest.mark.parametrize("with_base", [False, True], ids=["no-base", "base"])
+@pytest.mark.parametrize("terms", [1, 3])
+def test_sum_terms_torch_path(terms, with_base):
+    outputs, base = _sum_problem(37, 3, 24, torch.bfloat16, terms)
+    _check_sum(outputs, base if with_base else None)
+
+
+def test_sum_terms_bad_input_names_the_argument():
+    from kernels.gated_sum import sum_terms
+
+    outputs, base = _sum_problem(6, 2, 8, torch.bfloat16, 2)
+    with pytest.raises(ValueError, match="terms: expected 1 to 3"):
+        sum_terms(outputs * 2)
+    with pytest.raises(ValueError, match=r"terms\[1\]: expected"):
+        sum_terms([outputs[0], outputs[1].half()])
+    with pytest.raises(ValueError, match="base: expected"):
+        sum_terms(outputs, base[:5])
+
+
+@pytest.mark.parametrize("spec", [((None, None, None), False), ((None,), True),
+                                  ((0, None), True)], ids=["3unweighted", "1-base", "mixed-base"])
+def test_sum_kernel_builds_for_sm90(spec):
+    from kernels.sm90.gated_sum import GatedSumSpec, compile_gated_sum_on_fake_tensors
+
+    columns, base = spec
+    assert compile_gated_sum_on_fake_tensors(GatedSumSpec("bfloat16", 128, columns, 3, base))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _sm90(), reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("with_base", [False, True], ids=["no-base", "base"])
+@pytest.mark.parametrize("terms", [1, 2, 3])
+def test_sum_kernel_matches_exact(terms, with_base):
+    from kernels.gated_sum import GatedSum
+
+    outputs, base = _sum_problem(1000, 7, 128, torch.bfloat16, terms, device="cuda", seed=terms)
+    assert GatedSum.choose_backend(outputs[0])[0] == "sm90"
+    _check_sum(outputs, base if with_base else None)

@@ -174,7 +174,7 @@ EVERY_BACKWARD_STAGE = [
     "compressed: compress bwd",
     "selected: recompute fwd", "selected: dL/dg, g dO", "selected: attention bwd",
     "window: recompute fwd", "window: dL/dg, g dO", "window: attention bwd",
-    "gate backward"]
+    "gate backward", "dq, dk, dv sums"]
 
 
 def test_profile_times_every_forward_and_backward_stage(tmp_path, capsys):
