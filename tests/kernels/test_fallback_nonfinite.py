@@ -241,3 +241,39 @@ def test_nsa_future_nonfinite_does_not_reach_the_past(bad, weights):
             assert torch.isfinite(weight_grads[name]).all(), name
             torch.testing.assert_close(weight_grads[name], cut_weight_grads[name], rtol=1e-5,
                                        atol=1e-6, msg=name)
+
+
+def _sm90():
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _sm90(), reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("window", [None, WINDOW], ids=["causal", "window"])
+def test_sm90_kernel_keeps_a_non_finite_value_inside_the_tiles_that_load_it(window):
+    """The documented bound of the sm90 kernels (docs/interfaces.md), not the fallback's exact
+    reach: a NaN in V at key 200 may reach rows of the query tile that loads its KV tile (rows
+    128..199 here) but never a row whose query tile does not load it (rows 0..127), and the rows
+    that see it are NaN; the forward and the gradients of q, k, v alike."""
+    from kernels import which_backend
+
+    generator = torch.Generator(device="cuda").manual_seed(3)
+    q, k, v = (torch.randn(1, SEQLEN, h, 128, device="cuda", dtype=torch.bfloat16,
+                           generator=generator).requires_grad_()
+               for h in (HEADS, KV_HEADS, KV_HEADS))
+    options = dict(causal=True)
+    if window is not None:
+        options["window_size"] = (window, 0)
+    assert which_backend(q, k, v, **options).startswith("sm90")
+    bad_v = v.detach().clone()
+    bad_v[0, BAD_ROW] = float("nan")
+    bad_v.requires_grad_()
+    out = flash_attn_func(q, k, bad_v, **options)
+    assert torch.isfinite(out[0, :Q_TILE]).all()
+    assert torch.isnan(out[0, BAD_ROW:BAD_ROW + 1]).all()
+    # Loss on the first query tile only: the gradients of its rows and of the keys it sees are
+    # finite (tiles that load key 200 may carry its NaN into theirs: dP = dO V^T is 0 * NaN
+    # even where dO is 0).
+    dq, dk, dv = torch.autograd.grad(out[0, :Q_TILE].float().square().sum(), (q, k, bad_v))
+    for grad in (dq, dk, dv):
+        assert torch.isfinite(grad[0, :Q_TILE]).all()
