@@ -34,6 +34,7 @@ THREADS = 256
 MAX_TERMS = 3
 BACKWARD_MIN_LANES = 8  # the backward's lanes per row: a power of two dividing D / 8
 BACKWARD_ROWS_PER_CTA = 64
+LAUNCH_ELEMENTS = 2 ** 31 - 1  # the most elements of a tensor one launch indexes (32-bit)
 
 _DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
 
@@ -247,8 +248,6 @@ def can_run(like, backward: bool = False) -> tuple[bool, str]:
                        f"D % {multiple} == 0)")
     if like.numel() == 0:
         return False, "no elements (a kernel grid cannot be empty)"
-    if like.numel() >= 2 ** 31:
-        return False, f"{like.numel()} elements (the kernel indexes 32-bit)"
     return True, "sm90 CuTe DSL kernel"
 
 
@@ -289,9 +288,14 @@ def run(terms, columns, gates, base=None):
     spec = GatedSumSpec(str(first.dtype).removeprefix("torch."), first.shape[-1],
                         tuple(columns), 0 if gates is None else gates.shape[-1],
                         base is not None)
-    flat = [t.view(-1) for t in terms] + [None] * (MAX_TERMS - len(terms))
-    _launch(spec, (None if gates is None else gates.view(-1),
-                   None if base is None else base.view(-1), flat[0], *flat), first)
+    rows = [t.view(-1, t.shape[-1]) for t in terms] + [None] * (MAX_TERMS - len(terms))
+    row_gates = None if gates is None else gates.view(-1, gates.shape[-1])
+    row_base = None if base is None else base.view(-1, base.shape[-1])
+    for r0, r1 in _launch_rows(rows[0]):
+        flat = [None if t is None else t[r0:r1].view(-1) for t in rows]
+        _launch(spec, (None if row_gates is None else row_gates[r0:r1].view(-1),
+                       None if row_base is None else row_base[r0:r1].view(-1), flat[0], *flat),
+                first)
     return first
 
 
@@ -305,6 +309,15 @@ def run_backward(dout, term, gates, column, d_gates):
     spec = GatedSumBackwardSpec(str(dout.dtype).removeprefix("torch."), dout.shape[-1], column,
                                 gates.shape[-1])
     d_term = torch.empty_like(dout)
-    _launch(spec, (gates.view(-1), d_gates.view(-1), dout.view(-1), term.view(-1),
-                   d_term.view(-1)), dout)
+    rows = [t.view(-1, t.shape[-1]) for t in (gates, d_gates, dout, term, d_term)]
+    for r0, r1 in _launch_rows(rows[2]):
+        _launch(spec, [t[r0:r1].view(-1) for t in rows], dout)
     return d_term
+
+
+def _launch_rows(rows):
+    """[r0, r1) ranges of the (t, h) rows of `rows` (a (T * H, D) view), each launch at most
+    LAUNCH_ELEMENTS elements: the kernels index their flat tensors in 32 bits (q at 1M tokens, H=32,
+    D=128 has 2**32). A range starts at a multiple of D elements: 16-byte aligned."""
+    per_launch = LAUNCH_ELEMENTS // rows.shape[1]
+    return [(r0, min(r0 + per_launch, rows.shape[0])) for r0 in range(0, rows.shape[0], per_launch)]

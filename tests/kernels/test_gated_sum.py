@@ -351,3 +351,26 @@ def test_sum_kernel_matches_exact(terms, with_base):
     outputs, base = _sum_problem(1000, 7, 128, torch.bfloat16, terms, device="cuda", seed=terms)
     assert GatedSum.choose_backend(outputs[0])[0] == "sm90"
     _check_sum(outputs, base if with_base else None)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _sm90(), reason="needs an sm_90 GPU")
+def test_kernels_split_tensors_over_launches(monkeypatch):
+    """Tensors past the kernels' 32-bit indexing (2**31 elements: q at 1M tokens, H=32, D=128)
+    run as several launches over row ranges; here the limit is lowered to 1000 rows of D so a
+    small problem takes 4 launches, and every result matches the exact one."""
+    import kernels.sm90.gated_sum as sm90_gated_sum
+
+    monkeypatch.setattr(sm90_gated_sum, "LAUNCH_ELEMENTS", 1000 * 128 + 5)
+    rows, heads = 1300, 3  # 3900 (t, h) rows
+    outputs, gates = _problem(rows, heads, 128, torch.bfloat16, 3, device="cuda", seed=5)
+    exact = _exact(outputs, gates, (0, 1, 2))
+    total = GatedSum(gates, like=outputs[0])
+    for column, out in enumerate(outputs):
+        total.add(column, out.clone())
+    error = (total.result().double() - exact).abs()
+    assert (error <= exact.abs() * torch.finfo(torch.bfloat16).eps / 2 + 1e-6).all()
+    dout, term, gates = _backward_problem(rows, heads, 128, torch.bfloat16, "cuda", seed=6)
+    _check_backward(dout, term, gates, column=1)
+    terms, base = _sum_problem(rows, heads, 128, torch.bfloat16, 2, device="cuda", seed=7)
+    _check_sum(terms, base)
