@@ -233,7 +233,8 @@ class QueryTiles:
         lse_log2[:, self.slot] = torch.where(torch.isneginf(scaled), math.inf, scaled)
         for r0 in range(0, dout.shape[0], _CHUNK_ROWS):
             r1 = min(r0 + _CHUNK_ROWS, dout.shape[0])
-            rowsum = (dout[r0:r1].float() * out[r0:r1].float()).sum(-1)  # (rows, H)
+            d = dout[r0:r1].float()
+            rowsum = (d * out[r0:r1].float()).masked_fill_(d == 0, 0).sum(-1)  # (rows, H)
             dpsum[:, self.slot[r0:r1]] = rowsum.t()
         return lse_log2, dpsum
 

@@ -1,6 +1,7 @@
-"""The backward's row statistics, in CuTe DSL: dO.O = rowsum(dO * O) in float32 and
-lse * log2(e) (+inf where a row sees nothing), scattered into the 64-row query tile layout that
-both backward kernels read (kernels/sm90/backward.py `QueryTiles`).
+"""The backward's row statistics, in CuTe DSL: dO.O = rowsum(dO * O) in float32 (a product
+with dO == 0 counts as 0, whatever O holds) and lse * log2(e) (+inf where a row sees nothing),
+scattered into the 64-row query tile layout that both backward kernels read
+(kernels/sm90/backward.py `QueryTiles`).
 
 One pass over O and dO in their input type. The torch version it replaces converted both to
 float32 tensors first, multiplied and summed: at 64K tokens, H=32, that moved about 6 GB and
@@ -80,7 +81,11 @@ class BackwardPreprocess:
                 cute.autovec_copy(cute.local_tile(mO[row, head, None], (_VECTOR,), (chunk,)), r_o)
                 cute.autovec_copy(cute.local_tile(mdO[row, head, None], (_VECTOR,), (chunk,)),
                                   r_do)
-                products = r_o.load().to(Float32) * r_do.load().to(Float32)
+                d = r_do.load().to(Float32)
+                # Select, do not multiply: a row whose dO is 0 (the loss does not read it) gets
+                # dO.O = 0 even where its O is NaN (a NaN the forward kept inside a tile), else
+                # dS = P (dP - NaN) would carry it into dK of every key the row sees.
+                products = cute.where(d == Float32(0.0), Float32(0.0), d * r_o.load().to(Float32))
                 dot = products.reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
             # Every lane shuffles (the row test above is per lane).
             offset = self.lanes_per_row // 2
