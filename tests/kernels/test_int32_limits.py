@@ -148,3 +148,73 @@ def test_direct_kernel_calls_refuse_what_their_int32_arithmetic_cannot_hold():
     with pytest.raises(ValueError, match=r"^kernels.sm90.backward.run: .*65535"):
         backward.run(q, q, k, k, q, meta(1, 70_000), cu_seqlens_q=many, cu_seqlens_k=many,
                      max_seqlen_q=1, max_seqlen_k=1)
+
+
+def _sm90() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _sm90(), reason="needs an sm_90 GPU")
+def test_kernels_at_a_million_tokens_match_float32_on_the_last_rows():
+    """The kernels past 2**31 elements (q at 1M tokens, H=32, D=128 has 2**32): forward and
+    backward over two packed causal sequences of 1M tokens in all, checked on the last 128 rows
+    of each sequence (the rows whose offsets are largest) against float32 torch on that slice:
+    out, lse, dq, and dk, dv of every key of the sequence. dO is random on those rows and 0
+    elsewhere, so the slice alone determines dk and dv exactly."""
+    import math
+
+    import kernels
+
+    lengths, heads, kv_heads, dim, last = (600_001, 448_575), 32, 8, 128, 128
+    total = sum(lengths)
+    assert total == 2 ** 20 and total * heads * dim == 2 ** 32
+    device = torch.device("cuda")
+    generator = torch.Generator(device=device).manual_seed(0)
+
+    def randn(*shape):
+        return torch.randn(*shape, device=device, dtype=torch.bfloat16, generator=generator)
+
+    q, k, v = randn(total, heads, dim), randn(total, kv_heads, dim), randn(total, kv_heads, dim)
+    bounds = [0, lengths[0], total]
+    cu = torch.tensor(bounds, dtype=torch.int32, device=device)
+    options = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max(lengths),
+                   max_seqlen_k=max(lengths), causal=True)
+    assert kernels.which_backend(q, k, v, **options).startswith("sm90")
+    assert kernels.which_backend(q, k, v, backward=True, **options).startswith("sm90")
+    out, lse = kernels.attention_forward(q, k, v, **options)
+    dout = torch.zeros_like(q)
+    for end in bounds[1:]:
+        dout[end - last:end] = randn(last, heads, dim)
+    dq, dk, dv = kernels.attention_backward(dout, q, k, v, out, lse, **options)
+    torch.cuda.synchronize()
+
+    scale, group = 1.0 / math.sqrt(dim), heads // kv_heads
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        rows, keys = slice(end - last, end), slice(start, end)
+        n = end - start
+        # Row n - last + r of the sequence sees its keys 0 .. n - last + r.
+        visible = (torch.arange(n, device=device)[None, :]
+                   <= (n - last + torch.arange(last, device=device))[:, None])
+        dk_ref = torch.zeros(n, kv_heads, dim, device=device)
+        dv_ref = torch.zeros(n, kv_heads, dim, device=device)
+        for h in range(heads):
+            g = h // group
+            qh, kh, vh = q[rows, h].float(), k[keys, g].float(), v[keys, g].float()
+            doh = dout[rows, h].float()
+            s = (qh @ kh.T * scale).masked_fill_(~visible, -math.inf)
+            lse_ref = torch.logsumexp(s, dim=-1)
+            p = torch.exp(s - lse_ref[:, None])
+            out_ref = p @ vh
+            ds = p * (doh @ vh.T - (doh * out_ref).sum(-1, keepdim=True))
+            torch.testing.assert_close(out[rows, h].float(), out_ref, atol=2e-2, rtol=2e-2)
+            torch.testing.assert_close(lse[h, rows], lse_ref, atol=1e-3, rtol=1e-4)
+            dq_ref = ds @ kh * scale
+            assert (dq[rows, h].float() - dq_ref).norm() <= 2e-2 * dq_ref.norm(), (start, h)
+            dk_ref[:, g] += ds.T @ qh * scale
+            dv_ref[:, g] += p.T @ doh
+            del s, p, ds
+        for grad, ref in ((dk[keys], dk_ref), (dv[keys], dv_ref)):
+            assert torch.isfinite(grad).all()
+            assert (grad.float() - ref).norm() <= 2e-2 * ref.norm(), start
+    assert (dq[:bounds[1] - last] == 0).all()  # rows whose dO is 0
