@@ -23,6 +23,18 @@ class NSAConfig:
     # the function; every branch's attention backward gets it.
     deterministic: bool = False
 
+    def resolved(self, softmax_scale: float, num_selected_blocks: int) -> "NSAConfig":
+        """This config with the values validation resolves per call. Spelled out field by field
+        (not `dataclasses.replace` or `**self.__dict__`): torch.compile's Dynamo in torch 2.11
+        cannot trace a frozen dataclass's __dict__ (a graph break under fullgraph=True, seen on
+        the H100 machine; torch 2.13 traces it)."""
+        return NSAConfig(
+            compress_block_size=self.compress_block_size,
+            selected_block_size=self.selected_block_size, num_selected_blocks=num_selected_blocks,
+            window_size=self.window_size, causal=self.causal, softmax_scale=softmax_scale,
+            num_cmp_selected_blocks=self.num_cmp_selected_blocks, q_tile=self.q_tile,
+            cmp_kv_block=self.cmp_kv_block, deterministic=self.deterministic)
+
     @property
     def branches(self) -> tuple[bool, bool, bool]:
         """Which of (compressed, selected, window) run; window_size=0 switches the window off."""

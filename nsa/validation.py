@@ -90,9 +90,8 @@ def validate_nsa_call(q, k, v, *, cu_seqlens, max_seqlen, compress_block_size,
             cu_seqlens=tuple(i * (seqlen if batch else 0) for i in range(max(batch, 1) + 1)),
             max_seqlen=_check_padded_max_seqlen(max_seqlen, seqlen))
     scale = _softmax_scale(softmax_scale, head_dim)
-    resolved = dict(softmax_scale=scale, num_selected_blocks=_useful_selected_blocks(
-        config, sequences.max_seqlen))
-    return NSAConfig(**{**config.__dict__, **resolved}), sequences
+    num_selected = _useful_selected_blocks(config, sequences.max_seqlen)
+    return config.resolved(softmax_scale=scale, num_selected_blocks=num_selected), sequences
 
 
 # --- tensors -------------------------------------------------------------------------------------
