@@ -18,9 +18,10 @@ import cuda.bindings.driver as cuda
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, const_expr
+from cutlass import Float32
 
 from kernels.sm90.layouts import with_row_strides_divisible
+from kernels.sm90.row_dot import lane_group_sum, masked_dot
 
 _THREADS = 128
 _VECTOR = 8  # 16-bit elements per 16-byte load
@@ -81,17 +82,11 @@ class BackwardPreprocess:
                 cute.autovec_copy(cute.local_tile(mO[row, head, None], (_VECTOR,), (chunk,)), r_o)
                 cute.autovec_copy(cute.local_tile(mdO[row, head, None], (_VECTOR,), (chunk,)),
                                   r_do)
-                d = r_do.load().to(Float32)
-                # Select, do not multiply: a row whose dO is 0 (the loss does not read it) gets
-                # dO.O = 0 even where its O is NaN (a NaN the forward kept inside a tile), else
-                # dS = P (dP - NaN) would carry it into dK of every key the row sees.
-                products = cute.where(d == Float32(0.0), Float32(0.0), d * r_o.load().to(Float32))
-                dot = products.reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
-            # Every lane shuffles (the row test above is per lane).
-            offset = self.lanes_per_row // 2
-            while const_expr(offset > 0):
-                dot = dot + cute.arch.shuffle_sync_bfly(dot, offset)
-                offset //= 2
+                # A row whose dO is 0 (the loss does not read it) gets dO.O = 0 even where its O
+                # is NaN (a NaN the forward kept inside a tile), else dS = P (dP - NaN) would
+                # carry it into dK of every key the row sees.
+                dot = masked_dot(r_do.load().to(Float32), r_o.load().to(Float32))
+            dot = lane_group_sum(dot, self.lanes_per_row)  # every lane: the row test is per lane
             if (row < total) & (chunk == 0):
                 slot = mSlot[row]
                 mDPsum[head, slot] = dot

@@ -29,6 +29,8 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 
+from kernels.sm90.row_dot import lane_group_sum, masked_dot
+
 VECTOR = 8  # elements per thread: 16 bytes of bf16/fp16
 THREADS = 256
 MAX_TERMS = 3
@@ -180,16 +182,9 @@ class GatedSumBackwardSm90:
                 for j in cutlass.range_constexpr(self.vectors_per_lane):
                     vector = row * vectors_per_row + j * self.lanes + lane
                     d = dout[(None, vector)].load().to(Float32)
-                    products = d * term[(None, vector)].load().to(Float32)
-                    # Select, do not multiply: 0 * NaN would be NaN.
-                    products = cute.where(d == Float32(0.0), Float32(0.0), products)
-                    dot = dot + products.reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
+                    dot = dot + masked_dot(d, term[(None, vector)].load().to(Float32))
                     d_term[(None, vector)].store((d * gate).to(self.dtype))
-            # Every lane shuffles (the row test above is per lane).
-            offset = self.lanes // 2
-            while const_expr(offset > 0):
-                dot = dot + cute.arch.shuffle_sync_bfly(dot, offset)
-                offset //= 2
+            dot = lane_group_sum(dot, self.lanes)  # every lane: the row test is per lane
             if (row < rows) & (lane == 0):
                 d_gates[row * self.spec.gate_width + self.spec.column] = dot
 
