@@ -52,8 +52,9 @@ class GatedSum:
             self.total = torch.zeros(like.shape, dtype=accumulate, device=like.device)
 
     @staticmethod
-    def choose_backend(like: Tensor) -> tuple[str, str]:
-        """("sm90", "") or ("torch", why not the kernel), for terms shaped like `like`."""
+    def choose_backend(like: Tensor, backward: bool = False) -> tuple[str, str]:
+        """("sm90", "") or ("torch", why not the kernel), for terms shaped like `like` (with
+        `backward`: for `gated_sum_backward` of such a term)."""
         unsupported = kernels_unavailable(like.device)
         if unsupported:
             return "torch", unsupported
@@ -61,7 +62,7 @@ class GatedSum:
             from kernels.sm90 import gated_sum
         except ImportError as error:
             return "torch", f"kernels.sm90.gated_sum unavailable ({error})"
-        ok, reason = gated_sum.can_run(like)
+        ok, reason = gated_sum.can_run(like, backward=backward)
         return ("sm90", "") if ok else ("torch", f"kernels.sm90.gated_sum: {reason}")
 
     def add(self, column: int, term: Tensor) -> None:
@@ -79,10 +80,7 @@ class GatedSum:
 
             if len(self.terms) == MAX_TERMS:
                 raise ValueError(f"term: at most {MAX_TERMS} terms on the sm90 path")
-            term = term.contiguous()
-            if term.data_ptr() % 16:  # the kernel loads 16 bytes at a time
-                term = term.clone()
-            self.terms.append(term)
+            self.terms.append(_aligned(term))
             self.columns.append(column)
         else:
             self.total.addcmul_(self.gates[..., column, None], term)
@@ -183,18 +181,14 @@ def gated_sum_backward(dout: Tensor, term: Tensor, gates: Tensor, column: int,
 
 
 def backward_runs_on_sm90(dout: Tensor, d_gates: Tensor) -> bool:
+    """Whether `gated_sum_backward` of a term like dout into d_gates runs the CuTe DSL pass."""
     if d_gates.dtype != torch.float32 or not d_gates.is_contiguous():
         return False
-    if kernels_unavailable(dout.device):
-        return False
-    try:
-        from kernels.sm90 import gated_sum
-    except ImportError:
-        return False
-    return gated_sum.can_run(dout, backward=True)[0]
+    return GatedSum.choose_backend(dout, backward=True)[0] == "sm90"
 
 
 def _aligned(t: Tensor) -> Tensor:
-    """t when contiguous and 16-byte aligned (the kernel's vector loads), else a copy."""
+    """t when contiguous and 16-byte aligned (the kernels load 16 bytes at a time), else a
+    copy."""
     t = t.contiguous()
     return t if t.data_ptr() % 16 == 0 else t.clone()
