@@ -39,7 +39,7 @@ from kernels.sm90.layouts import (acc_as_a_operand_layout, acc_mn_view, transpos
                                   with_row_strides_divisible)
 from kernels.sm90.mask import apply_mask
 from kernels.sm90.mma import gemm
-from kernels.sm90.pipelines import load_seq_tile, stage_index, tma_pipeline
+from kernels.sm90.pipelines import load_seq_tile, smem_buffer, stage_index, tma_pipeline
 from kernels.sm90.register_store import store_rows_from_registers
 from kernels.sm90.spec import DqSpec
 
@@ -133,16 +133,13 @@ class DqBackwardSm90:
         """The CTA's shared memory (`DqSpec.smem_bytes` computes its size)."""
         dtype = self.dtype
 
-        def aligned(element_type, count, alignment):
-            return cute.struct.Align[cute.struct.MemRange[element_type, count], alignment]
-
         fields = dict(
             mbar_q=cute.struct.MemRange[cutlass.Int64, 2],
             mbar_kv=cute.struct.MemRange[cutlass.Int64, 2 * self.spec.kv_stages],
-            sQ=aligned(dtype, cute.cosize(sQ_layout), 1024),
-            sdO=aligned(dtype, cute.cosize(sQ_layout), 1024),
-            sK=aligned(dtype, cute.cosize(sK_layout), 1024),
-            sV=aligned(dtype, cute.cosize(sK_layout), 1024),
+            sQ=smem_buffer(dtype, cute.cosize(sQ_layout), 1024),
+            sdO=smem_buffer(dtype, cute.cosize(sQ_layout), 1024),
+            sK=smem_buffer(dtype, cute.cosize(sK_layout), 1024),
+            sV=smem_buffer(dtype, cute.cosize(sK_layout), 1024),
         )
         return cute.struct(type("DqSharedStorage", (), {"__annotations__": fields}))
 

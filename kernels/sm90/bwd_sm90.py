@@ -45,7 +45,7 @@ from kernels.sm90.layouts import (acc_as_a_operand_layout, acc_mn_view, transpos
                                   with_row_strides_divisible)
 from kernels.sm90.mask import apply_mask_keys_as_rows
 from kernels.sm90.mma import gemm
-from kernels.sm90.pipelines import load_seq_tile, stage_index, tma_pipeline
+from kernels.sm90.pipelines import load_seq_tile, smem_buffer, stage_index, tma_pipeline
 from kernels.sm90.register_store import store_rows_from_registers
 from kernels.sm90.spec import BwdSpec
 
@@ -208,24 +208,21 @@ class FlashAttentionBackwardSm90:
         """The CTA's shared memory (`BwdSpec.smem_bytes` computes its size)."""
         dtype, stages = self.dtype, self.spec.q_stages
 
-        def aligned(element_type, count, alignment):
-            return cute.struct.Align[cute.struct.MemRange[element_type, count], alignment]
-
         fields = dict(
             mbar_kv=cute.struct.MemRange[cutlass.Int64, 2],
             mbar_q=cute.struct.MemRange[cutlass.Int64, 2 * stages],
             mbar_do=cute.struct.MemRange[cutlass.Int64, 2 * stages],
-            sLSE=aligned(Float32, self.tile_m * stages, 128),
-            sDPsum=aligned(Float32, self.tile_m * stages, 128),
-            sK=aligned(dtype, cute.cosize(sK_layout), 1024),
-            sV=aligned(dtype, cute.cosize(sK_layout), 1024),
-            sQ=aligned(dtype, cute.cosize(sQ_layout), 1024),
-            sdO=aligned(dtype, cute.cosize(sQ_layout), 1024),
+            sLSE=smem_buffer(Float32, self.tile_m * stages, 128),
+            sDPsum=smem_buffer(Float32, self.tile_m * stages, 128),
+            sK=smem_buffer(dtype, cute.cosize(sK_layout), 1024),
+            sV=smem_buffer(dtype, cute.cosize(sK_layout), 1024),
+            sQ=smem_buffer(dtype, cute.cosize(sQ_layout), 1024),
+            sdO=smem_buffer(dtype, cute.cosize(sQ_layout), 1024),
         )
         if not self.spec.dq_separate:
-            fields["sdS"] = aligned(dtype, cute.cosize(sdS_layout), 1024)
+            fields["sdS"] = smem_buffer(dtype, cute.cosize(sdS_layout), 1024)
         if self.spec.dq_tma_reduce:
-            fields["sdQ"] = aligned(Float32, cute.cosize(sdQ_layout), 1024)
+            fields["sdQ"] = smem_buffer(Float32, cute.cosize(sdQ_layout), 1024)
         return cute.struct(type("BackwardSharedStorage", (), {"__annotations__": fields}))
 
     # ------------------------------------------------------------------ device side

@@ -42,7 +42,7 @@ from kernels.sm90.layouts import (
 from kernels.sm90.mask import apply_mask
 from kernels.sm90.mma import gemm
 from kernels.sm90.overlap_tiles import OverlapTiles
-from kernels.sm90.pipelines import stage_index, tma_pipeline
+from kernels.sm90.pipelines import smem_buffer, stage_index, tma_pipeline
 from kernels.sm90.softmax import rescale_rows, softmax_finalize, softmax_init, softmax_step
 from kernels.sm90.spec import FwdSpec
 from kernels.sm90.tile_scheduler import TileOrder
@@ -193,22 +193,19 @@ class FlashAttentionForwardSm90(OverlapTiles):
         dtype, stages, q_stages = self.dtype, self.spec.num_stages, self.spec.q_stages
         lse_rows = 64 * self.num_consumer_warpgroups
 
-        def aligned(element_type, count, alignment):
-            return cute.struct.Align[cute.struct.MemRange[element_type, count], alignment]
-
         fields = dict(
             mbar_q=cute.struct.MemRange[cutlass.Int64, 2 * q_stages],
             mbar_k=cute.struct.MemRange[cutlass.Int64, 2 * stages],
             mbar_v=cute.struct.MemRange[cutlass.Int64, 2 * stages],
             # Before sQ, in the padding to its 1024-byte alignment: two 64-row CTAs fill the
             # SM's 228 KiB to the byte, and 256 more bytes after sO left room for only one.
-            sLSE=aligned(Float32, lse_rows, 16),
-            sQ=aligned(dtype, cute.cosize(sQ_layout), 1024),
-            sK=aligned(dtype, cute.cosize(sK_layout), 1024),
-            sV=aligned(dtype, cute.cosize(sV_layout), 1024),
+            sLSE=smem_buffer(Float32, lse_rows, 16),
+            sQ=smem_buffer(dtype, cute.cosize(sQ_layout), 1024),
+            sK=smem_buffer(dtype, cute.cosize(sK_layout), 1024),
+            sV=smem_buffer(dtype, cute.cosize(sV_layout), 1024),
         )
         if not self.spec.o_in_q:
-            fields["sO"] = aligned(dtype, cute.cosize(sO_layout), 1024)
+            fields["sO"] = smem_buffer(dtype, cute.cosize(sO_layout), 1024)
         return cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
 
     # ------------------------------------------------------------------ device side

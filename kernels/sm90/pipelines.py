@@ -1,5 +1,6 @@
 """The TMA-fed shared-memory pipelines of the sm90 kernels (forward and backward): creating
-them, naming a stage, and loading one sequence's tile into a stage."""
+them, naming a stage, loading one sequence's tile into a stage, and the aligned buffers of the
+kernels' shared-storage structs."""
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
@@ -17,6 +18,12 @@ def tma_pipeline(barrier_storage, num_stages: int, tx_count: int, num_consumer_w
         consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, num_consumer_warps),
         tx_count=tx_count, defer_sync=True,
     ).make_participants()
+
+
+def smem_buffer(element_type, count: int, alignment: int):
+    """A shared-storage struct field: `count` elements of `element_type`, `alignment` bytes
+    aligned (1024 for the swizzled TMA/wgmma tiles)."""
+    return cute.struct.Align[cute.struct.MemRange[element_type, count], alignment]
 
 
 def stage_index(handle, num_stages: int):
