@@ -145,15 +145,18 @@ def sum_terms(terms: list[Tensor], base: Tensor | None = None) -> Tensor:
 
 
 def gated_sum_backward(dout: Tensor, term: Tensor, gates: Tensor, column: int,
-                       d_gates: Tensor) -> Tensor:
+                       d_gates: Tensor, row_dots: Tensor | None = None) -> Tensor:
     """The backward of one term of a gated sum out = sum_b gates[..., b] * o_b.
 
     Returns dL/d(term) = gates[..., column] * dout in dout's dtype and writes dL/d(gates) of the
     column, rowsum(dout * term), into d_gates[..., column] in d_gates' dtype. A row where dout is
     0 contributes exactly 0 (the loss does not depend on it: a NaN or Inf in its term must not
     reach the gate gradient). dout, term: (T, H, D) of one shape and dtype; gates, d_gates:
-    (T, H, G) floating, on their device. One CuTe DSL pass on sm90 (kernels/sm90/gated_sum.py),
-    torch elsewhere; both add the products in float32 (float64 for float64 terms)."""
+    (T, H, G) floating, on their device. With row_dots, a (T, H) floating tensor, also writes
+    rowsum(dL/d(term) * term) there, the returned values as rounded (likewise 0 where they are
+    0): the attention backward's dO.O of the term, so the caller can free the term before it.
+    One CuTe DSL pass on sm90 (kernels/sm90/gated_sum.py), torch elsewhere; both add the
+    products in float32 (float64 for float64 terms)."""
     if term.shape != dout.shape or term.dtype != dout.dtype or term.device != dout.device:
         raise ValueError(f"term: expected {tuple(dout.shape)} {dout.dtype} on {dout.device} "
                          f"like dout, got {tuple(term.shape)} {term.dtype} on {term.device}")
@@ -166,18 +169,31 @@ def gated_sum_backward(dout: Tensor, term: Tensor, gates: Tensor, column: int,
     if not 0 <= column < gates.shape[-1] or gates.shape[-1] != d_gates.shape[-1]:
         raise ValueError(f"column: {column} outside the {gates.shape[-1]} gate columns (d_gates "
                          f"has {d_gates.shape[-1]})")
-    if backward_runs_on_sm90(dout, d_gates):
+    if row_dots is not None and (row_dots.shape != dout.shape[:2]
+                                 or not row_dots.is_floating_point()
+                                 or not row_dots.is_contiguous() or row_dots.device != dout.device):
+        raise ValueError(f"row_dots: expected a contiguous floating ({dout.shape[0]}, "
+                         f"{dout.shape[1]}) tensor on {dout.device}, got {tuple(row_dots.shape)} "
+                         f"{row_dots.dtype} on {row_dots.device}")
+    if backward_runs_on_sm90(dout, d_gates) and (row_dots is None
+                                                  or row_dots.dtype == torch.float32):
         from kernels.sm90 import gated_sum
 
         return gated_sum.run_backward(_aligned(dout), _aligned(term),
-                                      gates.to(torch.float32).contiguous(), column, d_gates)
+                                      gates.to(torch.float32).contiguous(), column, d_gates,
+                                      row_dots)
     accumulate = torch.promote_types(dout.dtype, torch.float32)
-    products = dout.to(accumulate) * term
-    d_gates[..., column] = products.masked_fill_(dout == 0, 0).sum(dim=-1)
-    del products
+    d_gates[..., column] = _masked_row_dot(dout, term, accumulate)
     d_term = torch.empty(dout.shape, dtype=dout.dtype, device=dout.device)  # dense strides
     torch.mul(gates[..., column, None], dout, out=d_term)
+    if row_dots is not None:
+        row_dots.copy_(_masked_row_dot(d_term, term, accumulate))
     return d_term
+
+
+def _masked_row_dot(d: Tensor, x: Tensor, accumulate: torch.dtype) -> Tensor:
+    """rowsum(d * x) over the last dim in `accumulate`, a product with d == 0 counted as 0."""
+    return (d.to(accumulate) * x).masked_fill_(d == 0, 0).sum(dim=-1)
 
 
 def backward_runs_on_sm90(dout: Tensor, d_gates: Tensor) -> bool:

@@ -95,16 +95,44 @@ def attention_forward_trusted(q, k, v, *, host_cu_seqlens, **kwargs):
                         kwargs.get("block_sparse"))
 
 
-def attention_backward_trusted(dout, q, k, v, out, lse, *, host_cu_seqlens, **kwargs):
+def attention_backward_trusted(dout, q, k, v, out, lse, *, host_cu_seqlens, dout_dot_out=None,
+                               **kwargs):
     """``attention_backward`` without device reads; trusts what ``attention_forward_trusted``
     trusts, and that ``block_sparse_transposed`` (when given) is the transpose of
-    ``block_sparse``."""
+    ``block_sparse``.
+
+    ``dout_dot_out``: rowsum(dout * out), (Tq, H) floating (``(B, Nq, H)`` padded), when the
+    caller has it (nsa()'s gate backward writes it, so the branch output can be freed first);
+    then ``out`` is not read and may be None. Only the sm90 kernel takes it: the caller checks
+    ``backward_runs_on_kernel`` first (a ValueError otherwise)."""
+    if dout_dot_out is not None:
+        expected = tuple(q.shape[:-1])
+        if (tuple(dout_dot_out.shape) != expected or not dout_dot_out.is_floating_point()
+                or dout_dot_out.device != q.device):
+            raise ValueError(f"dout_dot_out: expected a floating tensor of shape {expected} on "
+                             f"{q.device}, got {tuple(dout_dot_out.shape)} "
+                             f"{dout_dot_out.dtype} on {dout_dot_out.device}")
+        out = dout if out is None else out  # the checks need a tensor of out's shape and dtype
     problem = validate_trusted_attention_backward(dout, q, k, v, out, lse,
                                                   host_cu_seqlens=host_cu_seqlens, **kwargs)
     return _run_backward(problem, dout, q, k, v, out, lse, kwargs.get("cu_seqlens_q"),
                          kwargs.get("cu_seqlens_k"), kwargs.get("block_sparse"),
                          kwargs.get("block_sparse_transposed"),
-                         kwargs.get("deterministic", False))
+                         kwargs.get("deterministic", False), dout_dot_out)
+
+
+def backward_runs_on_kernel(q, k, v, *, host_cu_seqlens, block_sparse_transposed=None,
+                            deterministic=False, **kwargs) -> bool:
+    """Whether ``attention_backward_trusted`` with these arguments runs the sm90 kernel (which
+    takes ``dout_dot_out``). Reads no device value; pass the ``block_sparse_transposed`` the
+    backward will get (without it, block-sparse calls would build the transpose here)."""
+    problem = validate_trusted_attention_forward(q, k, v, host_cu_seqlens=host_cu_seqlens,
+                                                 **kwargs)
+    normalised = _normalised_kwargs(problem, kwargs.get("cu_seqlens_q"),
+                                    kwargs.get("cu_seqlens_k"), kwargs.get("block_sparse"))
+    normalised.update(block_sparse_transposed=block_sparse_transposed,
+                      deterministic=deterministic)
+    return _choose_kernel("backward", q, k, v, normalised, problem)[0] is not None
 
 
 def _run_forward(problem: AttentionProblem, q, k, v, cu_seqlens_q, cu_seqlens_k, block_sparse):
@@ -117,10 +145,16 @@ def _run_forward(problem: AttentionProblem, q, k, v, cu_seqlens_q, cu_seqlens_k,
 
 
 def _run_backward(problem: AttentionProblem, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
-                  block_sparse, block_sparse_transposed, deterministic: bool):
+                  block_sparse, block_sparse_transposed, deterministic: bool,
+                  dout_dot_out=None):
     kwargs = _normalised_kwargs(problem, cu_seqlens_q, cu_seqlens_k, block_sparse)
     kwargs.update(block_sparse_transposed=block_sparse_transposed, deterministic=deterministic)
-    kernel, _ = _choose_kernel("backward", q, k, v, kwargs, problem)
+    kernel, reason = _choose_kernel("backward", q, k, v, kwargs, problem)
+    if dout_dot_out is not None:
+        if kernel is None:
+            raise ValueError(f"dout_dot_out: only the sm90 backward kernel takes it, and this "
+                             f"call runs the fallback ({reason})")
+        return kernel.run(dout, q, k, v, None, lse, dout_dot_out=dout_dot_out, **kwargs)
     if kernel is not None:
         return kernel.run(dout, q, k, v, out, lse, **kwargs)
     return fallback.backward(problem, dout, q, k, v, out, lse, block_sparse,

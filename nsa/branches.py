@@ -22,7 +22,8 @@ from torch import Tensor
 
 import kernels
 from kernels.interface import (attention_backward_trusted, attention_forward_trusted,
-                               kernels_unavailable, transpose_block_sparse_trusted)
+                               backward_runs_on_kernel, kernels_unavailable,
+                               transpose_block_sparse_trusted)
 from sparsity import (BlockSparseTensors, build_compressed_block_sparse,
                       build_compressed_block_sparse_trusted, build_selected_block_sparse,
                       build_selected_block_sparse_trusted)
@@ -56,17 +57,32 @@ class Branch:
         return attention_forward_trusted(q, k, v, host_cu_seqlens=self.host_cu_seqlens,
                                          **self.kernel_kwargs)
 
-    def backward(self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-                 *, deterministic: bool = False, block_sparse_transposed=None
-                 ) -> tuple[Tensor, Tensor, Tensor]:
+    def backward(self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor | None,
+                 lse: Tensor, *, deterministic: bool = False, block_sparse_transposed=None,
+                 dout_dot_out: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
         """(dq, dk, dv), dk and dv summed over each KV group. block_sparse_transposed: this
-        branch's `transposed_lists()`, or None (the kernels build them when they need them)."""
+        branch's `transposed_lists()`, or None (the kernels build them when they need them).
+        dout_dot_out: rowsum(dout * out) (T, H) float32 in place of out, where
+        `backward_takes_row_dots` says the kernel runs."""
         kwargs = dict(self.kernel_kwargs, deterministic=deterministic,
                       block_sparse_transposed=block_sparse_transposed)
         if self.host_cu_seqlens is None:
             return kernels.attention_backward(dout, q, k, v, out, lse, **kwargs)
+        if dout_dot_out is not None:
+            kwargs["dout_dot_out"] = dout_dot_out
         return attention_backward_trusted(dout, q, k, v, out, lse,
                                           host_cu_seqlens=self.host_cu_seqlens, **kwargs)
+
+    def backward_takes_row_dots(self, q: Tensor, k: Tensor, v: Tensor, *,
+                                deterministic: bool = False, block_sparse_transposed=None) -> bool:
+        """Whether `backward` runs the sm90 kernel, which takes dout_dot_out instead of out
+        (nsa() then frees the recomputed branch output before the backward)."""
+        if self.host_cu_seqlens is None:
+            return False
+        return backward_runs_on_kernel(q, k, v, host_cu_seqlens=self.host_cu_seqlens,
+                                       deterministic=deterministic,
+                                       block_sparse_transposed=block_sparse_transposed,
+                                       **self.kernel_kwargs)
 
     def transposed_lists(self):
         """This branch's block-sparse lists in the backward's layout (a sparsity.BlockSparseCSR)

@@ -138,15 +138,25 @@ def packed_gradients(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, W_k: Tensor 
         else:
             keys, values = k, v
         branch_out, _ = branch.forward(q, keys, values)
+        options = dict(deterministic=config.deterministic,
+                       block_sparse_transposed=transposed[branch.index])
+        # On the sm90 kernel the attention backward reads the branch output only for
+        # rowsum(dO_b * o_b); the gate pass below writes it, so the output (a (T, H, D) tensor)
+        # is freed before the backward, the largest one alive there.
+        row_dots = None
+        if branch.backward_takes_row_dots(q, keys, values, **options):
+            row_dots = torch.empty(q.shape[:2], dtype=dtype, device=q.device)
         # out = sum_b g_b o_b: dL/dg_b = <dO, o_b> per row and head, dL/do_b = g_b dO, in one
         # pass (kernels.gated_sum); a zero dO contributes exactly zero, even against a
         # non-finite output of a later row (its NaN must not reach dW_gate).
-        branch_dout = gated_sum_backward(dout, branch_out, gates, branch.index, d_gates)
-        dq_b, dk_b, dv_b = branch.backward(
-            branch_dout, q, keys, values, branch_out, lse,
-            deterministic=config.deterministic,
-            block_sparse_transposed=transposed[branch.index])
-        del branch_out, branch_dout, keys, values
+        branch_dout = gated_sum_backward(dout, branch_out, gates, branch.index, d_gates,
+                                         row_dots)
+        if row_dots is not None:
+            del branch_out
+            branch_out = None
+        dq_b, dk_b, dv_b = branch.backward(branch_dout, q, keys, values, branch_out, lse,
+                                           dout_dot_out=row_dots, **options)
+        del branch_out, branch_dout, keys, values, row_dots
         grads["q"].add(dq_b)
         if branch.reads_compressed:
             # dk_cmp, dv_cmp flow back through the projection and the mean pooling.

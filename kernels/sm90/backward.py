@@ -88,8 +88,12 @@ def run(
     dout, q, k, v, out, lse, *, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
     max_seqlen_k=None, softmax_scale=None, causal=False, compress_factor=1, window_size=(-1, -1),
     block_sparse=None, block_sparse_transposed=None, deterministic=False, spec_overrides=None,
+    dout_dot_out=None,
 ):
-    """(dq, dk, dv) of the sm90 backward kernel; dk and dv summed over each KV group."""
+    """(dq, dk, dv) of the sm90 backward kernel; dk and dv summed over each KV group.
+
+    dout_dot_out: rowsum(dout * out) as a (Tq, H) floating tensor ((B, Nq, H) padded) when the
+    caller has it (nsa()'s gate backward writes it); then `out` is not read and may be None."""
     if q.dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"q: dtype {q.dtype} is not supported by the sm90 backward kernel "
                          f"(bfloat16 or float16)")
@@ -100,7 +104,8 @@ def run(
     if padded:
         batch, seqlen_q, num_heads, head_dim = q.shape
         seqlen_k = k.shape[1]
-        dout, q, k, v, out = (t.reshape(-1, *t.shape[2:]) for t in (dout, q, k, v, out))
+        dout, q, k, v, out, dout_dot_out = (None if t is None else t.reshape(-1, *t.shape[2:])
+                                            for t in (dout, q, k, v, out, dout_dot_out))
         lse = lse.permute(1, 0, 2).reshape(num_heads, batch * seqlen_q)
         cu_seqlens_q = _uniform_cu_seqlens(batch, seqlen_q, q.device)
         cu_seqlens_k = _uniform_cu_seqlens(batch, seqlen_k, q.device)
@@ -111,7 +116,8 @@ def run(
                          max_seqlen_k=max_seqlen_k, compress_factor=compress_factor,
                          window_size=window_size, block_sparse=block_sparse,
                          deterministic=deterministic)
-    dout, out = _aligned_rows(dout), _aligned_rows(out)
+    dout = _aligned_rows(dout)
+    out = None if out is None else _aligned_rows(out)
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(head_dim)
     # CTAs of the grid without block-sparse lists: KV tiles x KV heads x sequences.
@@ -134,7 +140,7 @@ def run(
         dv.zero_()
     else:
         tiles = QueryTiles(cu_seqlens_q, total_q)
-        lse_log2, dpsum = tiles.row_statistics(dout, out, lse)
+        lse_log2, dpsum = tiles.row_statistics(dout, out, lse, dout_dot_out)
         dq_acc = None
         if not spec.dq_separate:
             dq_acc = torch.zeros((num_heads, tiles.num_slots, head_dim), dtype=torch.float32,
@@ -217,20 +223,23 @@ class QueryTiles:
         self.slot = STEP_ROWS * self.tile_offsets[sequence].to(torch.int64) + rows - cu[sequence]
         self.slot32 = self.slot.to(torch.int32)  # < 2**31: kernels.validate checks the slots
 
-    def row_statistics(self, dout, out, lse):
+    def row_statistics(self, dout, out, lse, dout_dot_out=None):
         """(lse * log2(e), rowsum(dO * O)) as (H, slots) float32, +inf / 0 in the padding. On
         the GPU one CuTe DSL pass (kernels/sm90/bwd_preprocess.py); on the CPU (the unit tests'
-        reference) in torch."""
+        reference), or from a given dout_dot_out (T, H), in torch (then O is not read)."""
         num_heads = dout.shape[1]
         lse_log2 = torch.full((num_heads, self.num_slots), math.inf, dtype=torch.float32,
                               device=dout.device)
         dpsum = torch.zeros((num_heads, self.num_slots), dtype=torch.float32, device=dout.device)
-        if dout.is_cuda and dout.shape[0] > 0:
+        if dout.is_cuda and dout.shape[0] > 0 and dout_dot_out is None:
             _launch_preprocess(dout, out, lse, self.slot32, lse_log2, dpsum)
             return lse_log2, dpsum
         scaled = lse.float() * _LOG2_E
         # A row that sees nothing has lse = -inf: +inf makes its P = exp2(s - inf) exactly 0.
         lse_log2[:, self.slot] = torch.where(torch.isneginf(scaled), math.inf, scaled)
+        if dout_dot_out is not None:
+            dpsum[:, self.slot] = dout_dot_out.t().float()
+            return lse_log2, dpsum
         for r0 in range(0, dout.shape[0], _CHUNK_ROWS):
             r1 = min(r0 + _CHUNK_ROWS, dout.shape[0])
             d = dout[r0:r1].float()

@@ -121,12 +121,14 @@ class GatedSumSm90:
 
 @dataclass(frozen=True)
 class GatedSumBackwardSpec:
-    """What a compiled backward build fixes: dtype, head dim, the term's gate column and the
-    gate tensor's row length."""
+    """What a compiled backward build fixes: dtype, head dim, the term's gate column, the
+    gate tensor's row length and whether it also writes rowsum(d_term * term) (`row_dot`: the
+    attention backward's dO.O of the term, so nsa() can free the term before that backward)."""
     dtype: str
     head_dim: int
     column: int
     gate_width: int
+    row_dot: bool = False
 
     def __post_init__(self):
         if self.dtype not in _DTYPES:
@@ -140,7 +142,9 @@ class GatedSumBackwardSpec:
 
 class GatedSumBackwardSm90:
     """The backward of one term for one `GatedSumBackwardSpec`; called with flat tensors
-    (gates, d_gates, dout, term, d_term), d_gates written at the spec's column only.
+    (gates, d_gates, dout, term, d_term, row_dots), d_gates written at the spec's column only,
+    row_dots (T * H float32, None without `row_dot`) the dot product of each row's d_term, as
+    rounded, with its term.
 
     Each (t, h) row of D elements is read by `lanes` adjacent threads, 16 bytes at a time
     (D / 8 / lanes vectors each, interleaved so a warp's loads stay contiguous); the lanes add
@@ -159,16 +163,17 @@ class GatedSumBackwardSm90:
 
     @cute.jit
     def __call__(self, gates: cute.Tensor, d_gates: cute.Tensor, dout: cute.Tensor,
-                 term: cute.Tensor, d_term: cute.Tensor, stream):
+                 term: cute.Tensor, d_term: cute.Tensor, row_dots: cute.Tensor | None, stream):
         rows = cute.size(dout) // self.spec.head_dim
         vectors = (cute.zipped_divide(t, (VECTOR,)) for t in (dout, term, d_term))
-        self.kernel(gates, d_gates, *vectors, rows).launch(
+        self.kernel(gates, d_gates, *vectors, row_dots, rows).launch(
             grid=[cute.ceil_div(rows, BACKWARD_ROWS_PER_CTA), 1, 1], block=[self.threads, 1, 1],
             stream=stream)
 
     @cute.kernel
     def kernel(self, gates: cute.Tensor, d_gates: cute.Tensor, dout: cute.Tensor,
-               term: cute.Tensor, d_term: cute.Tensor, rows: Int32):
+               term: cute.Tensor, d_term: cute.Tensor, row_dots: cute.Tensor | None,
+               rows: Int32):
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         lane = tidx % self.lanes
@@ -176,17 +181,26 @@ class GatedSumBackwardSm90:
         for p in cutlass.range_constexpr(BACKWARD_ROWS_PER_CTA // self.rows_per_pass):
             row = bidx * BACKWARD_ROWS_PER_CTA + p * self.rows_per_pass + tidx // self.lanes
             dot = Float32(0.0)
+            term_dot = Float32(0.0)
             if row < rows:
                 gate_at = row * self.spec.gate_width + self.spec.column
                 gate = gates[gate_at]
                 for j in cutlass.range_constexpr(self.vectors_per_lane):
                     vector = row * vectors_per_row + j * self.lanes + lane
                     d = dout[(None, vector)].load().to(Float32)
-                    dot = dot + masked_dot(d, term[(None, vector)].load().to(Float32))
-                    d_term[(None, vector)].store((d * gate).to(self.dtype))
+                    o = term[(None, vector)].load().to(Float32)
+                    dot = dot + masked_dot(d, o)
+                    d_b = (d * gate).to(self.dtype)
+                    d_term[(None, vector)].store(d_b)
+                    if const_expr(row_dots is not None):
+                        term_dot = term_dot + masked_dot(d_b.to(Float32), o)
             dot = lane_group_sum(dot, self.lanes)  # every lane: the row test is per lane
+            if const_expr(row_dots is not None):
+                term_dot = lane_group_sum(term_dot, self.lanes)
             if (row < rows) & (lane == 0):
                 d_gates[row * self.spec.gate_width + self.spec.column] = dot
+                if const_expr(row_dots is not None):
+                    row_dots[row] = term_dot
 
 
 def fake_arguments(spec: GatedSumSpec):
@@ -206,7 +220,7 @@ def fake_arguments(spec: GatedSumSpec):
 
 
 def fake_backward_arguments(spec: GatedSumBackwardSpec):
-    """Fake flat tensors (gates, d_gates, dout, term, d_term) for a CPU build."""
+    """Fake flat tensors (gates, d_gates, dout, term, d_term, row_dots) for a CPU build."""
     from cutlass.cute.runtime import make_fake_compact_tensor
 
     gate_elements, elements = cute.sym_int(), cute.sym_int()
@@ -214,7 +228,10 @@ def fake_backward_arguments(spec: GatedSumBackwardSpec):
                       for _ in range(2))
     tensors = [make_fake_compact_tensor(_DTYPES[spec.dtype], (elements,), assumed_align=16)
                for _ in range(3)]
-    return gates, d_gates, *tensors
+    row_dots = None
+    if spec.row_dot:
+        row_dots = make_fake_compact_tensor(Float32, (cute.sym_int(),), assumed_align=4)
+    return gates, d_gates, *tensors, row_dots
 
 
 def compile_gated_sum_on_fake_tensors(spec: GatedSumSpec | GatedSumBackwardSpec):
@@ -294,19 +311,22 @@ def run(terms, columns, gates, base=None):
     return first
 
 
-def run_backward(dout, term, gates, column, d_gates):
+def run_backward(dout, term, gates, column, d_gates, row_dots=None):
     """gates[..., column] * dout (returned, in dout's dtype), and rowsum(dout * term) written
-    into d_gates[..., column] (0 where dout is 0). dout, term: contiguous, 16-byte aligned
-    (T, H, D) bf16/fp16 tensors; gates, d_gates: contiguous (T, H, G) float32 (the caller,
+    into d_gates[..., column] (0 where dout is 0); with row_dots, a (T, H) float32 tensor, also
+    rowsum(returned * term) into it. dout, term: contiguous, 16-byte aligned (T, H, D) bf16/fp16
+    tensors; gates, d_gates: contiguous (T, H, G) float32 (the caller,
     `kernels.gated_sum.gated_sum_backward`, has made sure)."""
     import torch
 
     spec = GatedSumBackwardSpec(str(dout.dtype).removeprefix("torch."), dout.shape[-1], column,
-                                gates.shape[-1])
+                                gates.shape[-1], row_dots is not None)
     d_term = torch.empty_like(dout)
     rows = [t.view(-1, t.shape[-1]) for t in (gates, d_gates, dout, term, d_term)]
+    flat_dots = None if row_dots is None else row_dots.view(-1)
     for r0, r1 in _launch_rows(rows[2]):
-        _launch(spec, [t[r0:r1].view(-1) for t in rows], dout)
+        _launch(spec, [*(t[r0:r1].view(-1) for t in rows),
+                       None if flat_dots is None else flat_dots[r0:r1]], dout)
     return d_term
 
 

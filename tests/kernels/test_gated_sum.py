@@ -210,6 +210,12 @@ def _check_backward(dout, term, gates, column):
     torch.testing.assert_close(d_gates[..., column].double(), exact_gate, rtol=1e-5, atol=1e-4)
     others = [c for c in range(gates.shape[-1]) if c != column]
     assert (d_gates[..., others] == -7.0).all()
+    # With row_dots, also rowsum(d_term * term) of the rounded d_term.
+    row_dots = torch.full(dout.shape[:2], -7.0, dtype=accumulate, device=dout.device)
+    again = gated_sum_backward(dout, term, gates, column, d_gates, row_dots)
+    assert torch.equal(again, d_term)
+    torch.testing.assert_close(row_dots.double(), (d_term.double() * term.double()).sum(-1),
+                               rtol=1e-5, atol=1e-4)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64])
@@ -248,12 +254,14 @@ def test_backward_bad_input_names_the_argument():
         gated_sum_backward(dout, term, gates, 3, d_gates)
 
 
+@pytest.mark.parametrize("row_dot", [False, True], ids=["", "row-dot"])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("head_dim", [64, 128, 192, 256])
-def test_backward_kernel_builds_for_sm90(dtype, head_dim):
+def test_backward_kernel_builds_for_sm90(dtype, head_dim, row_dot):
     from kernels.sm90.gated_sum import GatedSumBackwardSpec, compile_gated_sum_on_fake_tensors
 
-    assert compile_gated_sum_on_fake_tensors(GatedSumBackwardSpec(dtype, head_dim, 1, 3))
+    spec = GatedSumBackwardSpec(dtype, head_dim, 1, 3, row_dot)
+    assert compile_gated_sum_on_fake_tensors(spec)
 
 
 def test_backward_kernel_spec_rejects_what_it_cannot_build():

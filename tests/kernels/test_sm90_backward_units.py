@@ -72,6 +72,9 @@ def test_query_tiles_pad_each_sequence_to_whole_64_row_tiles():
     padding = torch.ones(tiles.num_slots, dtype=torch.bool)
     padding[tiles.slot] = False
     assert torch.isinf(lse_log2[:, padding]).all() and (dpsum[:, padding] == 0).all()
+    # The same from given row dots (nsa()'s gate pass writes them): O is not read.
+    given_lse, given_dpsum = tiles.row_statistics(dout, None, lse, (dout * out).sum(-1))
+    assert torch.equal(given_lse, lse_log2) and torch.allclose(given_dpsum, dpsum)
     acc = torch.randn(heads, tiles.num_slots, dim)
     dq = tiles.gather_dq(acc, 0.5, torch.float32)
     assert torch.equal(dq, (acc[:, tiles.slot] * 0.5).transpose(0, 1))
@@ -104,3 +107,30 @@ def test_row_statistics_kernel_matches_torch(dtype, head_dim):
     assert torch.allclose(lse_log2.cpu()[finite], ref_lse[finite], rtol=1e-6, atol=1e-6)
     assert torch.allclose(dpsum.cpu(), ref_dpsum, rtol=1e-4, atol=1e-3)
     assert (dpsum.cpu() != 0).sum() > 0.9 * heads * 1000  # the test is not vacuous
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (torch.cuda.is_available()
+                         and torch.cuda.get_device_capability() == (9, 0)),
+                    reason="needs an sm_90 GPU")
+def test_backward_from_given_row_dots_equals_the_one_from_out():
+    """kernels.sm90.backward.run with dout_dot_out (out not read) against the same call with
+    out: the row dots come from torch instead of the preprocess kernel, so the gradients agree
+    to float32 summation order, not bit for bit."""
+    from kernels import attention_forward
+    from kernels.sm90 import backward
+
+    cu = torch.tensor([0, 300, 1000], dtype=torch.int32, device="cuda")
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    q, dout = (torch.randn(1000, 8, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
+               for _ in range(2))
+    k, v = (torch.randn(1000, 2, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
+            for _ in range(2))
+    options = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=700, max_seqlen_k=700,
+                   causal=True)
+    out, lse = attention_forward(q, k, v, **options)
+    reference = backward.run(dout, q, k, v, out, lse, **options)
+    row_dots = (dout.float() * out.float()).sum(-1)
+    given = backward.run(dout, q, k, v, None, lse, dout_dot_out=row_dots, **options)
+    for a, b in zip(given, reference):
+        assert (a.float() - b.float()).norm() <= 1e-2 * b.float().norm()

@@ -16,7 +16,7 @@ import torch
 
 import nsa.branches as branches_module
 from kernels import interface
-from kernels.fallback import attention_backward_fallback
+from kernels.fallback import attention_backward_fallback, attention_forward_fallback
 from nsa import nsa
 from nsa_testing import SMALL, random_inputs
 from op_counting import OpCounter
@@ -33,15 +33,25 @@ class RecordingBackward(types.ModuleType):
 
     def __init__(self):
         super().__init__("kernels.sm90.backward")
-        self.calls, self.compute = [], True
+        self.calls, self.compute, self.row_dot_calls = [], True, 0
 
     def can_run(self, q, k, v, **kwargs):
         return True, "recording stand-in"
 
-    def run(self, dout, q, k, v, out, lse, **kwargs):
+    def run(self, dout, q, k, v, out, lse, dout_dot_out=None, **kwargs):
         self.calls.append(kwargs)
         if not self.compute:
             return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        if dout_dot_out is not None:
+            # nsa() freed the branch output and passed rowsum(dO * O) instead: recompute O on
+            # the fallback, check the row dots against it, and run the fallback with it.
+            assert out is None
+            forward_kwargs = {name: value for name, value in kwargs.items()
+                              if name not in ("block_sparse_transposed", "deterministic")}
+            out, _ = attention_forward_fallback(q, k, v, **forward_kwargs)
+            expected = (dout.double() * out.double()).sum(-1)
+            torch.testing.assert_close(dout_dot_out.double(), expected, rtol=1e-5, atol=1e-6)
+            self.row_dot_calls += 1
         return attention_backward_fallback(dout, q, k, v, out, lse, **kwargs)
 
 
@@ -131,9 +141,11 @@ def test_each_branch_gets_its_transposed_lists_built_once(compressed, determinis
 @pytest.mark.parametrize("compressed", ["dense", "sparse"])
 def test_gradients_on_the_faked_kernel_equal_the_cpu_ones(compressed, fake_sm90, monkeypatch):
     """The stand-in computes with the fallback, so nsa()'s gradients must come out bit for bit
-    as on the plain CPU path: the transposed lists and deterministic change nothing else."""
+    as on the plain CPU path: the transposed lists, deterministic, and the branch output freed
+    for the gate pass's rowsum(dO_b * o_b) (checked by the stand-in) change nothing else."""
     on_kernel = _backward(_inputs(seed=2), _options(compressed, deterministic=True))
     assert fake_sm90.calls
+    assert fake_sm90.row_dot_calls == 3  # every branch's backward got row dots, not its output
     monkeypatch.setattr(interface, "_device_unsupported", lambda device: "tensors on cpu")
     on_cpu = _backward(_inputs(seed=2), _options(compressed))
     for a, b in zip(on_kernel, on_cpu):
