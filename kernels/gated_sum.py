@@ -14,10 +14,9 @@ On an H100 the torch path took 4.65 ms for 3 terms of 64K x 32 x 128 bf16 in the
 profile, the largest single stage of `nsa()`'s forward at 64K; the kernel 0.87 ms (FINDINGS
 section 2, session 9).
 
-`sum_terms` adds terms unweighted, on top of an optional float32 base, rounded once: NSA's
-backward sums its branches' dq (dk, dv) that way instead of through float32 accumulators.
 `gated_sum_backward` is the backward of one term (NSA's backward, per branch): the gate
-gradient rowsum(dO * o_b) and the term's gradient g_b * dO, one CuTe DSL pass on sm90.
+gradient rowsum(dO * o_b) and the term's gradient g_b * dO, one CuTe DSL pass on sm90;
+`gate_gradient` the gate gradient alone.
 """
 from __future__ import annotations
 
@@ -106,89 +105,60 @@ class GatedSum:
         return out
 
 
-def sum_terms(terms: list[Tensor], base: Tensor | None = None) -> Tensor:
-    """base + sum(terms), added in float32 (float64 for float64 terms) and rounded once to the
-    terms' dtype. terms: 1 to 3 tensors of one shape, dtype and device; base: None or a floating
-    tensor of their shape, on their device (the backward's float32 partial sums).
-
-    On sm90 one CuTe DSL pass that writes the result into the first term's storage when that
-    was contiguous and 16-byte aligned (no new buffer); elsewhere the sum accumulates into base
-    when it has the accumulation dtype. Either way the caller must not use terms[0] or base
-    afterwards."""
-    from kernels.sm90.gated_sum import MAX_TERMS
-
-    if not 1 <= len(terms) <= MAX_TERMS:
-        raise ValueError(f"terms: expected 1 to {MAX_TERMS} tensors, got {len(terms)}")
-    first = terms[0]
-    for name, t in [*((f"terms[{i}]", t) for i, t in enumerate(terms)), ("base", base)]:
-        if t is None:
-            continue
-        dtype_ok = t.is_floating_point() if name == "base" else t.dtype == first.dtype
-        if t.shape != first.shape or t.device != first.device or not dtype_ok:
-            raise ValueError(f"{name}: expected {tuple(first.shape)} "
-                             f"{'floating' if name == 'base' else first.dtype} on "
-                             f"{first.device} like terms[0], got {tuple(t.shape)} {t.dtype} "
-                             f"on {t.device}")
-    backend, _ = GatedSum.choose_backend(first)
-    if backend == "sm90" and (base is None or base.dtype == torch.float32):
-        from kernels.sm90 import gated_sum
-
-        terms = [_aligned(t) for t in terms]
-        return gated_sum.run(terms, [None] * len(terms), None,
-                             None if base is None else _aligned(base))
-    accumulate = torch.promote_types(first.dtype, torch.float32)
-    total = (torch.zeros(first.shape, dtype=accumulate, device=first.device) if base is None
-             else base.to(accumulate))
-    for t in terms:
-        total += t
-    return total.to(first.dtype)
-
-
 def gated_sum_backward(dout: Tensor, term: Tensor, gates: Tensor, column: int,
-                       d_gates: Tensor, row_dots: Tensor | None = None) -> Tensor:
+                       d_gates: Tensor) -> Tensor:
     """The backward of one term of a gated sum out = sum_b gates[..., b] * o_b.
 
     Returns dL/d(term) = gates[..., column] * dout in dout's dtype and writes dL/d(gates) of the
     column, rowsum(dout * term), into d_gates[..., column] in d_gates' dtype. A row where dout is
     0 contributes exactly 0 (the loss does not depend on it: a NaN or Inf in its term must not
     reach the gate gradient). dout, term: (T, H, D) of one shape and dtype; gates, d_gates:
-    (T, H, G) floating, on their device. With row_dots, a (T, H) floating tensor, also writes
-    rowsum(dL/d(term) * term) there, the returned values as rounded (likewise 0 where they are
-    0): the attention backward's dO.O of the term, so the caller can free the term before it.
-    One CuTe DSL pass on sm90 (kernels/sm90/gated_sum.py), torch elsewhere; both add the
-    products in float32 (float64 for float64 terms)."""
+    (T, H, G) floating, on their device. One CuTe DSL pass on sm90
+    (kernels/sm90/gated_sum.py), torch elsewhere; both add the products in float32 (float64
+    for float64 terms)."""
+    _check_term_backward(dout, term, gates, column, d_gates)
+    if backward_runs_on_sm90(dout, d_gates):
+        from kernels.sm90 import gated_sum
+
+        return gated_sum.run_backward(_aligned(dout), _aligned(term),
+                                      gates.to(torch.float32).contiguous(), column, d_gates)
+    gate_gradient(dout, term, column, d_gates)
+    d_term = torch.empty(dout.shape, dtype=dout.dtype, device=dout.device)  # dense strides
+    return torch.mul(gates[..., column, None], dout, out=d_term)
+
+
+def gate_gradient(dout: Tensor, term: Tensor, column: int, d_gates: Tensor) -> None:
+    """Only the gate gradient of `gated_sum_backward`: rowsum(dout * term) into
+    d_gates[..., column], without the term's gradient (nsa()'s backward on the sm90 kernels
+    folds the gate into the attention backward instead); one pass over dout and term."""
+    _check_term_backward(dout, term, None, column, d_gates)
+    if backward_runs_on_sm90(dout, d_gates):
+        from kernels.sm90 import gated_sum
+
+        gated_sum.run_backward(_aligned(dout), _aligned(term), None, column, d_gates,
+                               term_gradient=False)
+        return
+    accumulate = torch.promote_types(dout.dtype, torch.float32)
+    d_gates[..., column] = _masked_row_dot(dout, term, accumulate)
+
+
+def _check_term_backward(dout: Tensor, term: Tensor, gates: Tensor | None, column: int,
+                         d_gates: Tensor) -> None:
     if term.shape != dout.shape or term.dtype != dout.dtype or term.device != dout.device:
         raise ValueError(f"term: expected {tuple(dout.shape)} {dout.dtype} on {dout.device} "
                          f"like dout, got {tuple(term.shape)} {term.dtype} on {term.device}")
     for name, t in (("gates", gates), ("d_gates", d_gates)):
+        if t is None:
+            continue
         if (t.dim() != 3 or t.shape[:2] != dout.shape[:2] or not t.is_floating_point()
                 or t.device != dout.device):
             raise ValueError(f"{name}: expected a floating ({dout.shape[0]}, {dout.shape[1]}, "
                              f"G) tensor on {dout.device}, got {tuple(t.shape)} {t.dtype} on "
                              f"{t.device}")
-    if not 0 <= column < gates.shape[-1] or gates.shape[-1] != d_gates.shape[-1]:
-        raise ValueError(f"column: {column} outside the {gates.shape[-1]} gate columns (d_gates "
+    width = d_gates.shape[-1] if gates is None else gates.shape[-1]
+    if not 0 <= column < width or width != d_gates.shape[-1]:
+        raise ValueError(f"column: {column} outside the {width} gate columns (d_gates "
                          f"has {d_gates.shape[-1]})")
-    if row_dots is not None and (row_dots.shape != dout.shape[:2]
-                                 or not row_dots.is_floating_point()
-                                 or not row_dots.is_contiguous() or row_dots.device != dout.device):
-        raise ValueError(f"row_dots: expected a contiguous floating ({dout.shape[0]}, "
-                         f"{dout.shape[1]}) tensor on {dout.device}, got {tuple(row_dots.shape)} "
-                         f"{row_dots.dtype} on {row_dots.device}")
-    if backward_runs_on_sm90(dout, d_gates) and (row_dots is None
-                                                  or row_dots.dtype == torch.float32):
-        from kernels.sm90 import gated_sum
-
-        return gated_sum.run_backward(_aligned(dout), _aligned(term),
-                                      gates.to(torch.float32).contiguous(), column, d_gates,
-                                      row_dots)
-    accumulate = torch.promote_types(dout.dtype, torch.float32)
-    d_gates[..., column] = _masked_row_dot(dout, term, accumulate)
-    d_term = torch.empty(dout.shape, dtype=dout.dtype, device=dout.device)  # dense strides
-    torch.mul(gates[..., column, None], dout, out=d_term)
-    if row_dots is not None:
-        row_dots.copy_(_masked_row_dot(d_term, term, accumulate))
-    return d_term
 
 
 def _masked_row_dot(d: Tensor, x: Tensor, accumulate: torch.dtype) -> Tensor:
@@ -197,7 +167,8 @@ def _masked_row_dot(d: Tensor, x: Tensor, accumulate: torch.dtype) -> Tensor:
 
 
 def backward_runs_on_sm90(dout: Tensor, d_gates: Tensor) -> bool:
-    """Whether `gated_sum_backward` of a term like dout into d_gates runs the CuTe DSL pass."""
+    """Whether `gated_sum_backward` (and `gate_gradient`) of a term like dout into d_gates runs
+    the CuTe DSL pass."""
     if d_gates.dtype != torch.float32 or not d_gates.is_contiguous():
         return False
     return GatedSum.choose_backend(dout, backward=True)[0] == "sm90"

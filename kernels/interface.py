@@ -96,7 +96,7 @@ def attention_forward_trusted(q, k, v, *, host_cu_seqlens, **kwargs):
 
 
 def attention_backward_trusted(dout, q, k, v, out, lse, *, host_cu_seqlens, dout_dot_out=None,
-                               **kwargs):
+                               dkv_accumulators=None, **kwargs):
     """``attention_backward`` without device reads; trusts what ``attention_forward_trusted``
     trusts, and that ``block_sparse_transposed`` (when given) is the transpose of
     ``block_sparse``.
@@ -104,7 +104,20 @@ def attention_backward_trusted(dout, q, k, v, out, lse, *, host_cu_seqlens, dout
     ``dout_dot_out``: rowsum(dout * out), (Tq, H) floating (``(B, Nq, H)`` padded), when the
     caller has it (nsa()'s gate backward writes it, so the branch output can be freed first);
     then ``out`` is not read and may be None. Only the sm90 kernel takes it: the caller checks
-    ``backward_runs_on_kernel`` first (a ValueError otherwise)."""
+    ``backward_runs_on_kernel`` first (a ValueError otherwise).
+
+    ``dkv_accumulators``: ``(dk_sum, dv_sum)``, tensors of k's and v's shape in float32
+    (float64 for float64 inputs), into which dk and dv are added instead of returned fresh;
+    the returned dk, dv are then these tensors. Where the sm90 kernel sums dK/dV partials in
+    float32 it adds into them directly (no buffer of its own, no conversion)."""
+    if dkv_accumulators is not None:
+        accumulate = torch.promote_types(k.dtype, torch.float32)
+        for name, acc, like in (("dk", dkv_accumulators[0], k), ("dv", dkv_accumulators[1], v)):
+            if (acc.shape != like.shape or acc.dtype != accumulate or acc.device != like.device
+                    or not acc.is_contiguous()):
+                raise ValueError(f"dkv_accumulators: {name} expected a contiguous "
+                                 f"{tuple(like.shape)} {accumulate} tensor on {like.device}, "
+                                 f"got {tuple(acc.shape)} {acc.dtype} on {acc.device}")
     if dout_dot_out is not None:
         expected = tuple(q.shape[:-1])
         if (tuple(dout_dot_out.shape) != expected or not dout_dot_out.is_floating_point()
@@ -118,7 +131,7 @@ def attention_backward_trusted(dout, q, k, v, out, lse, *, host_cu_seqlens, dout
     return _run_backward(problem, dout, q, k, v, out, lse, kwargs.get("cu_seqlens_q"),
                          kwargs.get("cu_seqlens_k"), kwargs.get("block_sparse"),
                          kwargs.get("block_sparse_transposed"),
-                         kwargs.get("deterministic", False), dout_dot_out)
+                         kwargs.get("deterministic", False), dout_dot_out, dkv_accumulators)
 
 
 def backward_runs_on_kernel(q, k, v, *, host_cu_seqlens, block_sparse_transposed=None,
@@ -146,7 +159,7 @@ def _run_forward(problem: AttentionProblem, q, k, v, cu_seqlens_q, cu_seqlens_k,
 
 def _run_backward(problem: AttentionProblem, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
                   block_sparse, block_sparse_transposed, deterministic: bool,
-                  dout_dot_out=None):
+                  dout_dot_out=None, dkv_accumulators=None):
     kwargs = _normalised_kwargs(problem, cu_seqlens_q, cu_seqlens_k, block_sparse)
     kwargs.update(block_sparse_transposed=block_sparse_transposed, deterministic=deterministic)
     kernel, reason = _choose_kernel("backward", q, k, v, kwargs, problem)
@@ -154,11 +167,15 @@ def _run_backward(problem: AttentionProblem, dout, q, k, v, out, lse, cu_seqlens
         if kernel is None:
             raise ValueError(f"dout_dot_out: only the sm90 backward kernel takes it, and this "
                              f"call runs the fallback ({reason})")
-        return kernel.run(dout, q, k, v, None, lse, dout_dot_out=dout_dot_out, **kwargs)
+        return kernel.run(dout, q, k, v, None, lse, dout_dot_out=dout_dot_out,
+                          dkv_accumulators=dkv_accumulators, **kwargs)
     if kernel is not None:
-        return kernel.run(dout, q, k, v, out, lse, **kwargs)
-    return fallback.backward(problem, dout, q, k, v, out, lse, block_sparse,
-                             deterministic=deterministic)
+        return kernel.run(dout, q, k, v, out, lse, dkv_accumulators=dkv_accumulators, **kwargs)
+    dq, dk, dv = fallback.backward(problem, dout, q, k, v, out, lse, block_sparse,
+                                   deterministic=deterministic)
+    if dkv_accumulators is None:
+        return dq, dk, dv
+    return dq, dkv_accumulators[0].add_(dk), dkv_accumulators[1].add_(dv)
 
 
 def which_backend(q, k, v, *, backward: bool = False, **kwargs) -> str:

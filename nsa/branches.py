@@ -59,24 +59,30 @@ class Branch:
 
     def backward(self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor | None,
                  lse: Tensor, *, deterministic: bool = False, block_sparse_transposed=None,
-                 dout_dot_out: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+                 dout_dot_out: Tensor | None = None,
+                 dkv_accumulators: tuple[Tensor, Tensor] | None = None,
+                 ) -> tuple[Tensor, Tensor, Tensor]:
         """(dq, dk, dv), dk and dv summed over each KV group. block_sparse_transposed: this
         branch's `transposed_lists()`, or None (the kernels build them when they need them).
-        dout_dot_out: rowsum(dout * out) (T, H) float32 in place of out, where
-        `backward_takes_row_dots` says the kernel runs."""
+        dout_dot_out: rowsum(dout * out) (T, H) in place of out, where `backward_on_kernel`
+        says the kernel runs. dkv_accumulators: (dk_sum, dv_sum) float32 tensors that dk and dv
+        are added into (and returned as)."""
         kwargs = dict(self.kernel_kwargs, deterministic=deterministic,
                       block_sparse_transposed=block_sparse_transposed)
-        if self.host_cu_seqlens is None:
-            return kernels.attention_backward(dout, q, k, v, out, lse, **kwargs)
-        if dout_dot_out is not None:
-            kwargs["dout_dot_out"] = dout_dot_out
+        if self.host_cu_seqlens is None:  # then backward_on_kernel is False: out is given
+            dq, dk, dv = kernels.attention_backward(dout, q, k, v, out, lse, **kwargs)
+            if dkv_accumulators is None:
+                return dq, dk, dv
+            return dq, dkv_accumulators[0].add_(dk), dkv_accumulators[1].add_(dv)
         return attention_backward_trusted(dout, q, k, v, out, lse,
-                                          host_cu_seqlens=self.host_cu_seqlens, **kwargs)
+                                          host_cu_seqlens=self.host_cu_seqlens,
+                                          dout_dot_out=dout_dot_out,
+                                          dkv_accumulators=dkv_accumulators, **kwargs)
 
-    def backward_takes_row_dots(self, q: Tensor, k: Tensor, v: Tensor, *,
-                                deterministic: bool = False, block_sparse_transposed=None) -> bool:
+    def backward_on_kernel(self, q: Tensor, k: Tensor, v: Tensor, *,
+                           deterministic: bool = False, block_sparse_transposed=None) -> bool:
         """Whether `backward` runs the sm90 kernel, which takes dout_dot_out instead of out
-        (nsa() then frees the recomputed branch output before the backward)."""
+        (nsa() then folds the gate into lse and frees the recomputed branch output first)."""
         if self.host_cu_seqlens is None:
             return False
         return backward_runs_on_kernel(q, k, v, host_cu_seqlens=self.host_cu_seqlens,

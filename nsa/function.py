@@ -2,9 +2,10 @@
 
 Forward: compress K/V -> select blocks -> run the three branches through `kernels` -> gate.
 It saves the inputs, the compact block-sparse lists and each branch's lse, never a branch output:
-the backward recomputes one branch at a time (its output is needed for dO.O and the gate
-gradients), runs that branch's attention backward with dO_b = g_b * dO, adds its dq/dk/dv into
-the running sums and frees the branch's tensors before the next, so the peak is one branch.
+the backward recomputes one branch at a time (its output is needed for the gate gradient
+<dO, o_b>), runs that branch's attention backward (on the sm90 kernel with the gate folded into
+lse, the output freed first; elsewhere with dO_b = g_b * dO), adds its dq/dk/dv into the running
+sums and frees the branch's tensors before the next, so the peak is one branch.
 The lists' transposes that the sm90 backward reads are built once, on the first backward, and
 kept with the saved lists (a retained graph's next backward reuses them); `config.deterministic`
 goes to every branch's attention backward. The backward builds no autograd graph: gradients
@@ -20,11 +21,14 @@ that torch.compile sees (nsa/ops.py) run them too.
 """
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor
 
 from kernels.autograd import refuse_double_backward
-from kernels.gated_sum import GatedSum, gated_sum_backward, sum_terms
+from kernels.gated_sum import GatedSum, gate_gradient, gated_sum_backward
 from nsa.branches import Branch, compressed_branch, selected_branch, window_branch
 from nsa.compression import (compress, compress_backward, compressed_block_rows,
                              compressed_cu_seqlens, compute_dtype)
@@ -115,18 +119,21 @@ def packed_gradients(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, W_k: Tensor 
                      cu_seqlens_cmp: Tensor, lses, branches: list[Branch],
                      sequences: PackedSequences, config: NSAConfig, transposed: dict) -> tuple:
     """(dq, dk, dv, dW_k, dW_v, dW_gate) of `packed_forward`, None for absent weights, given
-    what it returned; `transposed` as `_transposed_lists` builds it."""
+    what it returned; `transposed` as `_transposed_lists` builds it.
+
+    Memory is what this is laid out for (1M tokens must train on one 80 GB GPU): one branch
+    is recomputed at a time, and besides the inputs only these gradients stay alive between
+    branches: dq in q's dtype, each branch's dq added as it comes (rounded once per branch),
+    and dk, dv in the compute dtype, which the compressed branch's compress_backward starts and
+    the other branches' attention backward adds into (the sm90 kernel adds its float32 partial
+    sums there itself). On the sm90 kernel a branch needs neither its output nor g_b * dO in
+    the attention backward (`_gate_folded_lse`): the output is freed after the gate gradient
+    pass, and g_b * dO is never written."""
     dtype = compute_dtype(q.dtype)
     dout = dout.contiguous()
     gates = gate_weights(q, W_gate, config.branches).contiguous()
-
     d_gates = torch.zeros(*q.shape[:2], NUM_BRANCHES, dtype=dtype, device=q.device)
-    # Each branch's dq, dk, dv (the kernels' output type) are kept and added once at the end,
-    # in float32 and rounded once (kernels.gated_sum.sum_terms): the same sums as float32
-    # accumulators updated branch by branch, for a fraction of the memory traffic (a float32
-    # (T, H, D) read and written per branch). Float32 partials (the compressed branch's dk, dv
-    # through compress_backward, the gate's dq) start the sums.
-    grads = {"q": _Sum(q), "k": _Sum(k), "v": _Sum(v)}
+    dq = dk = dv = None
     dW_k = dW_v = dW_gate = None
 
     branch: Branch
@@ -135,77 +142,83 @@ def packed_gradients(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, W_k: Tensor 
             rows = compressed_rows(cu_seqlens, cu_seqlens_cmp, sequences, config)
             keys = compress(k, rows, W_k).to(k.dtype)
             values = compress(v, rows, W_v).to(v.dtype)
+            accumulators = None  # dk, dv of the compressed keys go through compress_backward
         else:
             keys, values = k, v
+            if dk is None:
+                dk, dv = (torch.zeros(x.shape, dtype=dtype, device=x.device) for x in (k, v))
+            accumulators = (dk, dv)
         branch_out, _ = branch.forward(q, keys, values)
         options = dict(deterministic=config.deterministic,
                        block_sparse_transposed=transposed[branch.index])
-        # On the sm90 kernel the attention backward reads the branch output only for
-        # rowsum(dO_b * o_b); the gate pass below writes it, so the output (a (T, H, D) tensor)
-        # is freed before the backward, the largest one alive there.
-        row_dots = None
-        if branch.backward_takes_row_dots(q, keys, values, **options):
-            row_dots = torch.empty(q.shape[:2], dtype=dtype, device=q.device)
-        # out = sum_b g_b o_b: dL/dg_b = <dO, o_b> per row and head, dL/do_b = g_b dO, in one
-        # pass (kernels.gated_sum); a zero dO contributes exactly zero, even against a
-        # non-finite output of a later row (its NaN must not reach dW_gate).
-        branch_dout = gated_sum_backward(dout, branch_out, gates, branch.index, d_gates,
-                                         row_dots)
-        if row_dots is not None:
-            del branch_out
-            branch_out = None
-        dq_b, dk_b, dv_b = branch.backward(branch_dout, q, keys, values, branch_out, lse,
-                                           dout_dot_out=row_dots, **options)
-        del branch_out, branch_dout, keys, values, row_dots
-        grads["q"].add(dq_b)
+        step = gate_pass(branch.index, dout, branch_out, gates, d_gates, lse,
+                         on_kernel=branch.backward_on_kernel(q, keys, values, **options))
+        del branch_out  # kept by `step` only where the fallback reads it
+        dq_b, dk_b, dv_b = branch.backward(step.dout, q, keys, values, step.out, step.lse,
+                                           dout_dot_out=step.dout_dot_out,
+                                           dkv_accumulators=accumulators, **options)
+        del step, keys, values
+        dq = dq_b if dq is None else dq.add_(dq_b)
+        del dq_b
         if branch.reads_compressed:
             # dk_cmp, dv_cmp flow back through the projection and the mean pooling.
-            dk_b, dW_k = compress_backward(dk_b, k, rows, W_k)
-            dv_b, dW_v = compress_backward(dv_b, v, rows, W_v)
-            del rows
-        grads["k"].add(dk_b)
-        grads["v"].add(dv_b)
-        del dq_b, dk_b, dv_b
+            dk_x, dW_k = compress_backward(dk_b, k, rows, W_k)
+            dv_x, dW_v = compress_backward(dv_b, v, rows, W_v)
+            dk = dk_x if dk is None else dk.add_(dk_x)
+            dv = dv_x if dv is None else dv.add_(dv_x)
+            del rows, dk_x, dv_x
+        del dk_b, dv_b
 
+    if dq is None:  # no branch ran (nsa() refuses that; kept total)
+        dq = torch.zeros_like(q)
     if W_gate is not None:
-        dq_gate, dW_gate = gate_backward(q, W_gate, gates, d_gates)
-        grads["q"].add(dq_gate)
-        dW_gate = dW_gate.to(W_gate.dtype)
-        del dq_gate
+        dW_gate = gate_backward(q, W_gate, gates, d_gates, dq).to(W_gate.dtype)
     if dW_k is not None:
         dW_k = dW_k.to(W_k.dtype)
     if dW_v is not None:
         dW_v = dW_v.to(W_v.dtype)
-    return grads["q"].result(), grads["k"].result(), grads["v"].result(), dW_k, dW_v, dW_gate
+    dk, dv = ((torch.zeros_like(x) if g is None else g.to(x.dtype)) for g, x in ((dk, k), (dv, v)))
+    return dq, dk, dv, dW_k, dW_v, dW_gate
 
 
-class _Sum:
-    """One gradient's per-branch terms, all fresh tensors of this backward (they are consumed).
-    For half-precision inputs the terms in the input type are kept for `sum_terms` and the
-    compute-dtype ones added into its base; for float32/float64 inputs everything is added
-    into the base as it arrives."""
+@dataclass
+class BranchBackwardInputs:
+    """What a branch's attention backward reads after `gate_pass`: dO itself with the gate folded
+    into lse and <dO, o_b> as its dO.O on the sm90 kernel (`out` None: the branch output is
+    freed), g_b * dO with the branch output and its lse elsewhere."""
+    dout: Tensor
+    out: Tensor | None
+    lse: Tensor
+    dout_dot_out: Tensor | None
 
-    def __init__(self, like: Tensor):
-        self.like = like
-        self.keep = like.dtype != compute_dtype(like.dtype)
-        self.terms: list[Tensor] = []
-        self.base: Tensor | None = None
 
-    def add(self, term: Tensor) -> None:
-        if self.keep and term.dtype == self.like.dtype:
-            self.terms.append(term)
-        elif self.base is None:
-            self.base = term.to(compute_dtype(self.like.dtype))
-        else:
-            self.base.add_(term)
+def gate_pass(index: int, dout: Tensor, branch_out: Tensor, gates: Tensor, d_gates: Tensor,
+              lse: Tensor, *, on_kernel: bool) -> BranchBackwardInputs:
+    """Branch `index`'s gate gradient dL/dg_b = <dO, o_b> (per row and head) into d_gates, and
+    what its attention backward reads. out = sum_b g_b o_b, so dL/do_b = g_b dO: written only
+    off the kernel. A zero dO contributes exactly zero, even against a non-finite output of a
+    later row (its NaN must not reach dW_gate)."""
+    if on_kernel:
+        gate_gradient(dout, branch_out, index, d_gates)
+        return BranchBackwardInputs(dout, None, _gate_folded_lse(lse, gates[..., index]),
+                                    d_gates[..., index])
+    branch_dout = gated_sum_backward(dout, branch_out, gates, index, d_gates)
+    return BranchBackwardInputs(branch_dout, branch_out, lse, None)
 
-    def result(self) -> Tensor:
-        """The sum in the input dtype (zeros without terms)."""
-        if self.terms:
-            return sum_terms(self.terms, self.base)
-        if self.base is not None:
-            return self.base.to(self.like.dtype)
-        return torch.zeros_like(self.like)
+
+def _gate_folded_lse(lse: Tensor, gate: Tensor) -> Tensor:
+    """lse - log(g) (H, T) float32, for a branch whose output o = softmax(S) V enters the result
+    as g * o (g: (T, H) gate column).
+
+    The attention backward of g * o with dO: dV = P^T (g dO), dS = P * (g dO V^T - delta),
+    delta = rowsum(g dO * o). Written with P' = g P = exp(S - (lse - log g)) that is
+    dV = P'^T dO and dS = P' * (dO V^T - <dO, o>): the plain backward on dO itself, with lse
+    replaced by this and delta by <dO, o>, which is the gate's gradient dL/dg that
+    `gate_gradient` wrote. So nsa() never writes g * dO and frees o before the backward.
+    A gate of exactly 0 (sigmoid underflow) adds nothing: its row gets -inf, the mark of a row
+    that sees nothing (whose lse is -inf already), so P' = 0 and never NaN."""
+    folded = lse - torch.log(gate).t()
+    return folded.masked_fill_(~(gate > 0).t(), -math.inf)
 
 
 def _transposed_lists(ctx) -> dict:

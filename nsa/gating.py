@@ -33,14 +33,26 @@ def gate_logits(q: Tensor, W_gate: Tensor) -> Tensor:
     return torch.einsum("thd,hbd->thb", q.to(dtype), W_gate.to(dtype))
 
 
-def gate_backward(q: Tensor, W_gate: Tensor, weights: Tensor, d_weights: Tensor
-                  ) -> tuple[Tensor, Tensor]:
-    """dq (T, H, D) and dW_gate (H, 3, D), in the compute dtype, from dL/dg (T, H, 3).
+# Rows per step of `gate_backward`: bounds its compute-dtype copies of q and of the gate's dq
+# (at 1M tokens, H=32, D=128 a whole float32 copy is 16 GiB, twice the bf16 dq it adds into).
+GATE_BACKWARD_CHUNK_ELEMENTS = 2 ** 26
+
+
+def gate_backward(q: Tensor, W_gate: Tensor, weights: Tensor, d_weights: Tensor, dq: Tensor
+                  ) -> Tensor:
+    """Adds the gate's dq into `dq` (q's shape, any floating dtype) and returns dW_gate
+    (H, 3, D) in the compute dtype, from dL/dg (T, H, 3); row chunk by row chunk, so that no
+    compute-dtype copy of q or dq is whole.
 
     `weights` are gate_weights' output; a branch that does not run has weight 0 and gets none.
     """
     dtype = compute_dtype(q.dtype)
     d_logits = d_weights * weights * (1 - weights)  # sigmoid' = g (1 - g); g = 0 stops the flow
-    dq = torch.einsum("thb,hbd->thd", d_logits, W_gate.to(dtype))
-    dW_gate = torch.einsum("thb,thd->hbd", d_logits, q.to(dtype))
-    return dq, dW_gate
+    W = W_gate.to(dtype)
+    dW_gate = torch.zeros(W.shape, dtype=dtype, device=q.device)
+    step = max(1, GATE_BACKWARD_CHUNK_ELEMENTS // max(1, q.shape[1] * q.shape[2]))
+    for r0 in range(0, q.shape[0], step):
+        rows = slice(r0, r0 + step)
+        dq[rows] += torch.einsum("thb,hbd->thd", d_logits[rows], W)
+        dW_gate += torch.einsum("thb,thd->hbd", d_logits[rows], q[rows].to(dtype))
+    return dW_gate

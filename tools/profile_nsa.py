@@ -3,10 +3,13 @@
 Forward (`--passes fwd`): compression, selection, block lists, each branch, gating. Backward
 (`--passes bwd`): the stages nsa.function._gradients runs: the gate weights, the transposed lists
 (built once), then per branch the recompute of its forward (for the compressed branch with the
-compression of K and V), dL/dg with the branch's dO (g_b * dO), its attention backward
-(Branch.backward with the branch's transposed lists) and, for the compressed branch,
-compress_backward of dK and dV; then the gate backward (with `--gate`) and last the sums of
-each gradient's branch terms (`kernels.gated_sum.sum_terms`). Both passes by default.
+compression of K and V), its gate pass (nsa.function.gate_pass: dL/dg, and g_b * dO where
+the attention backward is not the sm90 kernel, which takes the gate folded into lse), its
+attention backward
+(Branch.backward with the branch's transposed lists, adding dk, dv into the running float32
+sums), the add of its dq into the running dq and, for the compressed branch, compress_backward
+of dK and dV; then the gate backward (with `--gate`) and last the conversion of the dk, dv sums
+to the input dtype. Both passes by default.
 
 Every stage runs through the library's own functions (nsa.compression, nsa.selection,
 nsa.branches, nsa.gating) with the host copies of the sequence bounds NSAFunction holds, each
@@ -33,12 +36,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import kernels  # noqa: E402
-from kernels.gated_sum import (GatedSum, backward_runs_on_sm90, gated_sum_backward,  # noqa: E402
-                               sum_terms)
+from kernels.gated_sum import GatedSum, backward_runs_on_sm90  # noqa: E402
 from nsa import CMP_KV_BLOCK, SELECTION_Q_TILE, nsa  # noqa: E402
 from nsa.compression import (compress, compress_backward, compressed_cu_seqlens,  # noqa: E402
                              compute_dtype)
-from nsa.function import compressed_rows, describe_branches  # noqa: E402
+from nsa.function import compressed_rows, describe_branches, gate_pass  # noqa: E402
 from nsa.gating import NUM_BRANCHES, gate_backward, gate_weights  # noqa: E402
 from nsa.selection import select_blocks  # noqa: E402
 from nsa.validation import validate_nsa_call  # noqa: E402
@@ -52,9 +54,9 @@ STAGES = ("compress k, v", "select blocks", "build block lists", "compressed bra
 PASSES = ("fwd", "bwd")
 BRANCH_NAMES = ("compressed", "selected", "window")  # nsa.branches' order (Branch.index)
 GATE_WEIGHTS, TRANSPOSED_LISTS, GATE_BACKWARD, GRADIENT_SUMS = (
-    "gate weights", "transposed lists", "gate backward", "dq, dk, dv sums")
+    "gate weights", "transposed lists", "gate backward", "dk, dv to input dtype")
 # Per branch, "<branch>: <step>"; the compressed branch adds COMPRESS_BACKWARD.
-BRANCH_BACKWARD_STEPS = ("recompute fwd", "dL/dg, g dO", "attention bwd")
+BRANCH_BACKWARD_STEPS = ("recompute fwd", "gate pass", "attention bwd", "add dq")
 COMPRESS_BACKWARD = "compress bwd"
 
 
@@ -192,8 +194,8 @@ def profile_backward(q, k, v, W_gate, cu_seqlens, cu_seqlens_cmp, sequences, con
     gates = stage(GATE_WEIGHTS, lambda: gate_weights(q, W_gate, config.branches).contiguous(),
                   "torch", into=rows)
     gate_backend = "sm90" if backward_runs_on_sm90(q, d_gates) else "torch"
-    terms = {"q": [], "k": [], "v": []}  # per branch, for the last stage
-    bases = {}
+    # The running gradients as packed_gradients keeps them: dq in q's dtype, dk, dv in float32.
+    sums = {"q": None, "k": None, "v": None}
 
     def transpose_all():
         return {branch.index: branch.transposed_lists() for branch in branches}
@@ -219,43 +221,42 @@ def profile_backward(q, k, v, W_gate, cu_seqlens, cu_seqlens_cmp, sequences, con
         rows.append((f"{name}: {BRANCH_BACKWARD_STEPS[0]}", timed(recompute),
                      kernels.which_backend(q, keys, values, **branch.kernel_kwargs)))
 
-        def d_gate():
-            # As packed_gradients: dL/dg_b = <dO, o_b> per row and head, and g_b * dO.
-            return gated_sum_backward(dout, branch_out, gates, branch.index, d_gates)
-
-        branch_dout = stage(f"{name}: {BRANCH_BACKWARD_STEPS[1]}", d_gate, gate_backend,
-                            into=rows)
         options = dict(deterministic=config.deterministic,
                        block_sparse_transposed=transposed[branch.index])
+        on_kernel = branch.backward_on_kernel(q, keys, values, **options)
+        step = stage(f"{name}: {BRANCH_BACKWARD_STEPS[1]}",
+                     lambda: gate_pass(branch.index, dout, branch_out, gates, d_gates, lse,
+                                       on_kernel=on_kernel), gate_backend, into=rows)
+        if not branch.reads_compressed and sums["k"] is None:
+            sums["k"], sums["v"] = (torch.zeros(x.shape, dtype=dtype, device=x.device)
+                                    for x in (k, v))
+        accumulators = None if branch.reads_compressed else (sums["k"], sums["v"])
         asked = {key: value for key, value in options.items()
                  if value is not None and value is not False}
+        # Timed repeats add into the sums again: they drift, they never become zeros.
         dq_b, dk_b, dv_b = stage(
             f"{name}: {BRANCH_BACKWARD_STEPS[2]}",
-            lambda: branch.backward(branch_dout, q, keys, values, branch_out, lse, **options),
+            lambda: branch.backward(step.dout, q, keys, values, step.out, step.lse,
+                                    dout_dot_out=step.dout_dot_out,
+                                    dkv_accumulators=accumulators, **options),
             kernels.which_backend(q, keys, values, backward=True, **asked,
                                   **branch.kernel_kwargs), into=rows)
-        terms["q"].append(dq_b)
+        if sums["q"] is None:
+            sums["q"] = dq_b.clone()
+        stage(f"{name}: {BRANCH_BACKWARD_STEPS[3]}", lambda: sums["q"].add_(dq_b), "torch",
+              into=rows)
         if branch.reads_compressed:
-            (bases["k"], _), (bases["v"], _) = stage(
+            (dk_x, _), (dv_x, _) = stage(
                 f"{name}: {COMPRESS_BACKWARD}",
                 lambda: (compress_backward(dk_b, k, block_rows),
                          compress_backward(dv_b, v, block_rows)), "torch", into=rows)
-        else:
-            terms["k"].append(dk_b)
-            terms["v"].append(dv_b)
-        del block_rows, keys, values, branch_out, branch_dout, dq_b, dk_b, dv_b
+            sums["k"], sums["v"] = dk_x, dv_x
+        del block_rows, keys, values, branch_out, step, dq_b, dk_b, dv_b
 
     if W_gate is not None:
-        bases["q"], _ = stage(GATE_BACKWARD, lambda: gate_backward(q, W_gate, gates, d_gates),
-                              "torch", into=rows)
-
-    def gradient_sums():
-        # As packed_gradients: each gradient's branch terms added once on its float32 base
-        # (copies here: sum_terms consumes its base and first term, and the stage repeats).
-        return [sum_terms([t.clone() for t in terms[x]],
-                          bases[x].clone() if x in bases else None) for x in ("q", "k", "v")]
-
-    stage(GRADIENT_SUMS, gradient_sums, GatedSum.choose_backend(q)[0], into=rows)
+        stage(GATE_BACKWARD, lambda: gate_backward(q, W_gate, gates, d_gates, sums["q"]),
+              "torch", into=rows)
+    stage(GRADIENT_SUMS, lambda: [sums[x].to(k.dtype) for x in ("k", "v")], "torch", into=rows)
 
     inputs = [t.detach().requires_grad_() for t in (q, k, v)]
     if W_gate is not None:

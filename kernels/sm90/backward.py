@@ -88,12 +88,15 @@ def run(
     dout, q, k, v, out, lse, *, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
     max_seqlen_k=None, softmax_scale=None, causal=False, compress_factor=1, window_size=(-1, -1),
     block_sparse=None, block_sparse_transposed=None, deterministic=False, spec_overrides=None,
-    dout_dot_out=None,
+    dout_dot_out=None, dkv_accumulators=None,
 ):
     """(dq, dk, dv) of the sm90 backward kernel; dk and dv summed over each KV group.
 
     dout_dot_out: rowsum(dout * out) as a (Tq, H) floating tensor ((B, Nq, H) padded) when the
-    caller has it (nsa()'s gate backward writes it); then `out` is not read and may be None."""
+    caller has it (nsa()'s gate backward writes it); then `out` is not read and may be None.
+    dkv_accumulators: (dk_sum, dv_sum), contiguous float32 tensors of k's and v's shape that
+    dk and dv are added into and returned as; where the kernel sums partials in float32
+    (`BwdSpec.partial_dkv`) it adds into them directly, else its dK, dV are added after."""
     if q.dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"q: dtype {q.dtype} is not supported by the sm90 backward kernel "
                          f"(bfloat16 or float16)")
@@ -128,7 +131,10 @@ def run(
     if spec_overrides:
         spec = dataclasses.replace(spec, **spec_overrides)
 
-    if spec.partial_dkv:  # float32 accumulators of several CTAs' partial sums
+    adds_into_accumulators = spec.partial_dkv and dkv_accumulators is not None
+    if adds_into_accumulators:  # the caller's float32 sums take the CTAs' partial sums
+        dk, dv = (t.view(-1, *t.shape[-2:]) for t in dkv_accumulators)
+    elif spec.partial_dkv:  # float32 accumulators of several CTAs' partial sums
         dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
         dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
     else:
@@ -136,8 +142,9 @@ def run(
         dv = torch.empty_like(v)
     if total_q == 0 or max_seqlen_q == 0 or k.shape[0] == 0:
         dq = torch.zeros_like(q)
-        dk.zero_()
-        dv.zero_()
+        if not adds_into_accumulators:
+            dk.zero_()
+            dv.zero_()
     else:
         tiles = QueryTiles(cu_seqlens_q, total_q)
         lse_log2, dpsum = tiles.row_statistics(dout, out, lse, dout_dot_out)
@@ -181,7 +188,7 @@ def run(
             scalars = (num_ctas, row_splits, softmax_scale, compress_factor, *window)
             ranks = forward_lists if ordered_dq else (None,) * 5
             _launch(spec, tensors, scalars, (*lists, *ranks, semaphore, units))
-        else:
+        elif not adds_into_accumulators:
             dk.zero_()
             dv.zero_()
         if spec.dq_separate:
@@ -194,7 +201,12 @@ def run(
                        forward_lists)
         else:
             dq = tiles.gather_dq(dq_acc, softmax_scale, q.dtype)
-    if spec.partial_dkv:
+    if dkv_accumulators is not None:
+        if not adds_into_accumulators:
+            dkv_accumulators[0].view(dk.shape).add_(dk)
+            dkv_accumulators[1].view(dv.shape).add_(dv)
+        dk, dv = (t.view(-1, *t.shape[-2:]) for t in dkv_accumulators)
+    elif spec.partial_dkv:
         dk, dv = dk.to(k.dtype), dv.to(v.dtype)
     if padded:
         dq = dq.view(batch, seqlen_q, num_heads, head_dim)

@@ -19,7 +19,9 @@ gradient arrives as dO: dL/dg[:, :, c] = rowsum(dO * o) into a float32 (T, H, G)
 dL/do = g[:, :, c] * dO in the input type, in one pass that reads dO and o once. A product with
 dO == 0 counts as exactly 0, so a NaN or Inf in a row the loss does not depend on stays out of
 dL/dg. The torch code it replaces (nsa/function.py) moved about 6.7 GB per branch at 64K
-tokens, H=32, D=128, through float32 temporaries; this pass moves 1.5 GB.
+tokens, H=32, D=128, through float32 temporaries; this pass moves 1.5 GB. Without
+`term_gradient` it writes dL/dg alone (1 GB there): nsa()'s backward on the sm90 kernels folds
+g into the attention backward's lse and never needs g * dO.
 """
 from __future__ import annotations
 
@@ -44,13 +46,11 @@ _DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
 @dataclass(frozen=True)
 class GatedSumSpec:
     """What a compiled build fixes: dtype, head dim (the row length), the gate columns of the
-    terms (their number, too; None adds a term unweighted), the gate tensor's row length and
-    whether a float32 base (T, H, D) starts the sum."""
+    terms (their number, too) and the gate tensor's row length."""
     dtype: str
     head_dim: int
-    columns: tuple[int | None, ...]
+    columns: tuple[int, ...]
     gate_width: int
-    base: bool = False
 
     def __post_init__(self):
         if self.dtype not in _DTYPES:
@@ -59,76 +59,59 @@ class GatedSumSpec:
             raise ValueError(f"head_dim {self.head_dim} (expected a multiple of {VECTOR})")
         if not 1 <= len(self.columns) <= MAX_TERMS:
             raise ValueError(f"columns {self.columns} (1 to {MAX_TERMS} terms)")
-        if any(c is not None and not 0 <= c < self.gate_width for c in self.columns):
+        if any(not 0 <= c < self.gate_width for c in self.columns):
             raise ValueError(f"columns {self.columns} outside a gate row of {self.gate_width}")
-
-    @property
-    def gated(self) -> bool:
-        return any(c is not None for c in self.columns)
 
 
 class GatedSumSm90:
-    """The kernel for one `GatedSumSpec`; called with flat tensors (gates, base, out, o_0, o_1,
-    o_2) where missing terms, an absent base and the gates of an ungated sum are None, and
-    `out` may be o_0 itself."""
+    """The kernel for one `GatedSumSpec`; called with flat tensors (gates, out, o_0, o_1, o_2)
+    where missing terms are None and `out` may be o_0 itself."""
 
     def __init__(self, spec: GatedSumSpec):
         self.spec = spec
         self.dtype = _DTYPES[spec.dtype]
 
     @cute.jit
-    def __call__(self, gates: cute.Tensor | None, base: cute.Tensor | None, out: cute.Tensor,
-                 o0: cute.Tensor, o1: cute.Tensor | None, o2: cute.Tensor | None, stream):
+    def __call__(self, gates: cute.Tensor, out: cute.Tensor, o0: cute.Tensor,
+                 o1: cute.Tensor | None, o2: cute.Tensor | None, stream):
         chunks = cute.size(out) // VECTOR
-        base_chunks, o1_chunks, o2_chunks = None, None, None
-        if const_expr(base is not None):
-            base_chunks = cute.zipped_divide(base, (VECTOR,))
+        o1_chunks, o2_chunks = None, None
         if const_expr(o1 is not None):
             o1_chunks = cute.zipped_divide(o1, (VECTOR,))
         if const_expr(o2 is not None):
             o2_chunks = cute.zipped_divide(o2, (VECTOR,))
-        self.kernel(gates, base_chunks, cute.zipped_divide(out, (VECTOR,)),
-                    cute.zipped_divide(o0, (VECTOR,)), o1_chunks, o2_chunks, chunks).launch(
+        self.kernel(gates, cute.zipped_divide(out, (VECTOR,)), cute.zipped_divide(o0, (VECTOR,)),
+                    o1_chunks, o2_chunks, chunks).launch(
             grid=[cute.ceil_div(chunks, THREADS), 1, 1], block=[THREADS, 1, 1], stream=stream)
 
     @cute.kernel
-    def kernel(self, gates: cute.Tensor | None, base: cute.Tensor | None, out: cute.Tensor,
-               o0: cute.Tensor, o1: cute.Tensor | None, o2: cute.Tensor | None, chunks: Int32):
+    def kernel(self, gates: cute.Tensor, out: cute.Tensor, o0: cute.Tensor,
+               o1: cute.Tensor | None, o2: cute.Tensor | None, chunks: Int32):
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         chunk = bidx * THREADS + tidx
         if chunk < chunks:
             gate_row = chunk // (self.spec.head_dim // VECTOR) * self.spec.gate_width
-            total = self.weighted(o0, chunk, gates, gate_row, 0)
-            if const_expr(base is not None):
-                total = base[(None, chunk)].load() + total
+            columns = self.spec.columns
+            total = o0[(None, chunk)].load().to(Float32) * gates[gate_row + columns[0]]
             if const_expr(o1 is not None):
-                total = total + self.weighted(o1, chunk, gates, gate_row, 1)
+                total = total + o1[(None, chunk)].load().to(Float32) * gates[gate_row + columns[1]]
             if const_expr(o2 is not None):
-                total = total + self.weighted(o2, chunk, gates, gate_row, 2)
+                total = total + o2[(None, chunk)].load().to(Float32) * gates[gate_row + columns[2]]
             out[(None, chunk)].store(total.to(self.dtype))
-
-    @cute.jit
-    def weighted(self, term: cute.Tensor, chunk: Int32, gates: cute.Tensor | None,
-                 gate_row: Int32, index: cutlass.Constexpr[int]):
-        """Term `index`'s chunk in float32, times its gate unless its column is None."""
-        values = term[(None, chunk)].load().to(Float32)
-        column = self.spec.columns[index]
-        if const_expr(column is not None):
-            values = values * gates[gate_row + column]
-        return values
 
 
 @dataclass(frozen=True)
 class GatedSumBackwardSpec:
     """What a compiled backward build fixes: dtype, head dim, the term's gate column, the
-    gate tensor's row length and whether it also writes rowsum(d_term * term) (`row_dot`: the
-    attention backward's dO.O of the term, so nsa() can free the term before that backward)."""
+    gate tensor's row length and whether it writes the term's gradient g * dO
+    (`term_gradient`; without it only the gate gradient: nsa()'s backward on the sm90 kernels
+    folds the gate into the attention backward's lse instead, see nsa/function.py)."""
     dtype: str
     head_dim: int
     column: int
     gate_width: int
-    row_dot: bool = False
+    term_gradient: bool = True
 
     def __post_init__(self):
         if self.dtype not in _DTYPES:
@@ -142,9 +125,8 @@ class GatedSumBackwardSpec:
 
 class GatedSumBackwardSm90:
     """The backward of one term for one `GatedSumBackwardSpec`; called with flat tensors
-    (gates, d_gates, dout, term, d_term, row_dots), d_gates written at the spec's column only,
-    row_dots (T * H float32, None without `row_dot`) the dot product of each row's d_term, as
-    rounded, with its term.
+    (gates, d_gates, dout, term, d_term), d_gates written at the spec's column only; gates and
+    d_term are None without `term_gradient`.
 
     Each (t, h) row of D elements is read by `lanes` adjacent threads, 16 bytes at a time
     (D / 8 / lanes vectors each, interleaved so a warp's loads stay contiguous); the lanes add
@@ -162,18 +144,20 @@ class GatedSumBackwardSm90:
         self.rows_per_pass = self.threads // self.lanes
 
     @cute.jit
-    def __call__(self, gates: cute.Tensor, d_gates: cute.Tensor, dout: cute.Tensor,
-                 term: cute.Tensor, d_term: cute.Tensor, row_dots: cute.Tensor | None, stream):
+    def __call__(self, gates: cute.Tensor | None, d_gates: cute.Tensor, dout: cute.Tensor,
+                 term: cute.Tensor, d_term: cute.Tensor | None, stream):
         rows = cute.size(dout) // self.spec.head_dim
-        vectors = (cute.zipped_divide(t, (VECTOR,)) for t in (dout, term, d_term))
-        self.kernel(gates, d_gates, *vectors, row_dots, rows).launch(
+        d_term_vectors = None
+        if const_expr(d_term is not None):
+            d_term_vectors = cute.zipped_divide(d_term, (VECTOR,))
+        self.kernel(gates, d_gates, cute.zipped_divide(dout, (VECTOR,)),
+                    cute.zipped_divide(term, (VECTOR,)), d_term_vectors, rows).launch(
             grid=[cute.ceil_div(rows, BACKWARD_ROWS_PER_CTA), 1, 1], block=[self.threads, 1, 1],
             stream=stream)
 
     @cute.kernel
-    def kernel(self, gates: cute.Tensor, d_gates: cute.Tensor, dout: cute.Tensor,
-               term: cute.Tensor, d_term: cute.Tensor, row_dots: cute.Tensor | None,
-               rows: Int32):
+    def kernel(self, gates: cute.Tensor | None, d_gates: cute.Tensor, dout: cute.Tensor,
+               term: cute.Tensor, d_term: cute.Tensor | None, rows: Int32):
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         lane = tidx % self.lanes
@@ -181,57 +165,45 @@ class GatedSumBackwardSm90:
         for p in cutlass.range_constexpr(BACKWARD_ROWS_PER_CTA // self.rows_per_pass):
             row = bidx * BACKWARD_ROWS_PER_CTA + p * self.rows_per_pass + tidx // self.lanes
             dot = Float32(0.0)
-            term_dot = Float32(0.0)
             if row < rows:
-                gate_at = row * self.spec.gate_width + self.spec.column
-                gate = gates[gate_at]
+                gate = Float32(0.0)
+                if const_expr(d_term is not None):
+                    gate = gates[row * self.spec.gate_width + self.spec.column]
                 for j in cutlass.range_constexpr(self.vectors_per_lane):
                     vector = row * vectors_per_row + j * self.lanes + lane
                     d = dout[(None, vector)].load().to(Float32)
-                    o = term[(None, vector)].load().to(Float32)
-                    dot = dot + masked_dot(d, o)
-                    d_b = (d * gate).to(self.dtype)
-                    d_term[(None, vector)].store(d_b)
-                    if const_expr(row_dots is not None):
-                        term_dot = term_dot + masked_dot(d_b.to(Float32), o)
+                    dot = dot + masked_dot(d, term[(None, vector)].load().to(Float32))
+                    if const_expr(d_term is not None):
+                        d_term[(None, vector)].store((d * gate).to(self.dtype))
             dot = lane_group_sum(dot, self.lanes)  # every lane: the row test is per lane
-            if const_expr(row_dots is not None):
-                term_dot = lane_group_sum(term_dot, self.lanes)
             if (row < rows) & (lane == 0):
                 d_gates[row * self.spec.gate_width + self.spec.column] = dot
-                if const_expr(row_dots is not None):
-                    row_dots[row] = term_dot
 
 
 def fake_arguments(spec: GatedSumSpec):
-    """Fake flat tensors (gates, base, out, o_0..o_2) for a CPU build (CUTE_DSL_ARCH=sm_90a)."""
+    """Fake flat tensors (gates, out, o_0..o_2) for a CPU build (CUTE_DSL_ARCH=sm_90a)."""
     from cutlass.cute.runtime import make_fake_compact_tensor
 
     elements = cute.sym_int()  # as at run time: nothing known of its divisibility
-    gates = base = None
-    if spec.gated:
-        gates = make_fake_compact_tensor(Float32, (cute.sym_int(),), assumed_align=4)
-    if spec.base:
-        base = make_fake_compact_tensor(Float32, (elements,), assumed_align=16)
+    gates = make_fake_compact_tensor(Float32, (cute.sym_int(),), assumed_align=4)
     tensors = [make_fake_compact_tensor(_DTYPES[spec.dtype], (elements,), assumed_align=16)
                for _ in range(1 + len(spec.columns))]
     terms = tensors[1:] + [None] * (MAX_TERMS - len(spec.columns))
-    return gates, base, tensors[0], *terms
+    return gates, tensors[0], *terms
 
 
 def fake_backward_arguments(spec: GatedSumBackwardSpec):
-    """Fake flat tensors (gates, d_gates, dout, term, d_term, row_dots) for a CPU build."""
+    """Fake flat tensors (gates, d_gates, dout, term, d_term) for a CPU build."""
     from cutlass.cute.runtime import make_fake_compact_tensor
 
     gate_elements, elements = cute.sym_int(), cute.sym_int()
     gates, d_gates = (make_fake_compact_tensor(Float32, (gate_elements,), assumed_align=4)
                       for _ in range(2))
-    tensors = [make_fake_compact_tensor(_DTYPES[spec.dtype], (elements,), assumed_align=16)
-               for _ in range(3)]
-    row_dots = None
-    if spec.row_dot:
-        row_dots = make_fake_compact_tensor(Float32, (cute.sym_int(),), assumed_align=4)
-    return gates, d_gates, *tensors, row_dots
+    dout, term, d_term = (make_fake_compact_tensor(_DTYPES[spec.dtype], (elements,),
+                                                   assumed_align=16) for _ in range(3))
+    if not spec.term_gradient:
+        gates = d_term = None
+    return gates, d_gates, dout, term, d_term
 
 
 def compile_gated_sum_on_fake_tensors(spec: GatedSumSpec | GatedSumBackwardSpec):
@@ -287,46 +259,38 @@ def _launch(spec, args, like):
     compiled_once(kernel, spec, lambda: cute_args)(*cute_args)
 
 
-def run(terms, columns, gates, base=None):
-    """base + sum_i gates[..., columns[i]] * terms[i] (a None column: weight 1), written into
-    terms[0] and returned.
+def run(terms, columns, gates):
+    """sum_i gates[..., columns[i]] * terms[i], written into terms[0] and returned.
 
     terms: 1-3 contiguous, 16-byte aligned (T, H, D) bf16/fp16 tensors of one shape and dtype;
-    gates: a contiguous (T, H, G) float32 tensor (None when every column is None); base: None
-    or a contiguous, 16-byte aligned float32 tensor of the terms' shape; the caller
-    (`kernels.gated_sum`) has made sure.
+    gates: a contiguous (T, H, G) float32 tensor; the caller (`kernels.gated_sum.GatedSum`) has
+    made sure.
     """
     first = terms[0]
     spec = GatedSumSpec(str(first.dtype).removeprefix("torch."), first.shape[-1],
-                        tuple(columns), 0 if gates is None else gates.shape[-1],
-                        base is not None)
+                        tuple(columns), gates.shape[-1])
     rows = [t.view(-1, t.shape[-1]) for t in terms] + [None] * (MAX_TERMS - len(terms))
-    row_gates = None if gates is None else gates.view(-1, gates.shape[-1])
-    row_base = None if base is None else base.view(-1, base.shape[-1])
+    row_gates = gates.view(-1, gates.shape[-1])
     for r0, r1 in _launch_rows(rows[0]):
         flat = [None if t is None else t[r0:r1].view(-1) for t in rows]
-        _launch(spec, (None if row_gates is None else row_gates[r0:r1].view(-1),
-                       None if row_base is None else row_base[r0:r1].view(-1), flat[0], *flat),
-                first)
+        _launch(spec, (row_gates[r0:r1].view(-1), flat[0], *flat), first)
     return first
 
 
-def run_backward(dout, term, gates, column, d_gates, row_dots=None):
-    """gates[..., column] * dout (returned, in dout's dtype), and rowsum(dout * term) written
-    into d_gates[..., column] (0 where dout is 0); with row_dots, a (T, H) float32 tensor, also
-    rowsum(returned * term) into it. dout, term: contiguous, 16-byte aligned (T, H, D) bf16/fp16
-    tensors; gates, d_gates: contiguous (T, H, G) float32 (the caller,
-    `kernels.gated_sum.gated_sum_backward`, has made sure)."""
+def run_backward(dout, term, gates, column, d_gates, term_gradient=True):
+    """rowsum(dout * term) written into d_gates[..., column] (0 where dout is 0) and, with
+    `term_gradient`, gates[..., column] * dout returned in dout's dtype (else None). dout, term:
+    contiguous, 16-byte aligned (T, H, D) bf16/fp16 tensors; gates, d_gates: contiguous
+    (T, H, G) float32 (the caller, `kernels.gated_sum`, has made sure)."""
     import torch
 
     spec = GatedSumBackwardSpec(str(dout.dtype).removeprefix("torch."), dout.shape[-1], column,
-                                gates.shape[-1], row_dots is not None)
-    d_term = torch.empty_like(dout)
-    rows = [t.view(-1, t.shape[-1]) for t in (gates, d_gates, dout, term, d_term)]
-    flat_dots = None if row_dots is None else row_dots.view(-1)
+                                d_gates.shape[-1], term_gradient)
+    d_term = torch.empty_like(dout) if term_gradient else None
+    rows = [None if t is None else t.view(-1, t.shape[-1])
+            for t in (gates if term_gradient else None, d_gates, dout, term, d_term)]
     for r0, r1 in _launch_rows(rows[2]):
-        _launch(spec, [*(t[r0:r1].view(-1) for t in rows),
-                       None if flat_dots is None else flat_dots[r0:r1]], dout)
+        _launch(spec, [None if t is None else t[r0:r1].view(-1) for t in rows], dout)
     return d_term
 
 

@@ -196,9 +196,9 @@ def _backward_problem(rows, heads, dim, dtype, device="cpu", seed=0):
 
 
 def _check_backward(dout, term, gates, column):
-    """Run gated_sum_backward into a d_gates of sentinels; check both results and that the
-    other columns kept their sentinels."""
-    from kernels.gated_sum import gated_sum_backward
+    """Run gated_sum_backward and gate_gradient into d_gates of sentinels; check the results
+    and that the other columns kept their sentinels."""
+    from kernels.gated_sum import gate_gradient, gated_sum_backward
 
     accumulate = torch.promote_types(dout.dtype, torch.float32)
     d_gates = torch.full(gates.shape, -7.0, dtype=accumulate, device=dout.device)
@@ -210,12 +210,11 @@ def _check_backward(dout, term, gates, column):
     torch.testing.assert_close(d_gates[..., column].double(), exact_gate, rtol=1e-5, atol=1e-4)
     others = [c for c in range(gates.shape[-1]) if c != column]
     assert (d_gates[..., others] == -7.0).all()
-    # With row_dots, also rowsum(d_term * term) of the rounded d_term.
-    row_dots = torch.full(dout.shape[:2], -7.0, dtype=accumulate, device=dout.device)
-    again = gated_sum_backward(dout, term, gates, column, d_gates, row_dots)
-    assert torch.equal(again, d_term)
-    torch.testing.assert_close(row_dots.double(), (d_term.double() * term.double()).sum(-1),
-                               rtol=1e-5, atol=1e-4)
+    # gate_gradient: the same column alone, bit for bit (the same pass without g * dO).
+    alone = torch.full(gates.shape, -7.0, dtype=accumulate, device=dout.device)
+    assert gate_gradient(dout, term, column, alone) is None
+    assert torch.equal(alone[..., column], d_gates[..., column])
+    assert (alone[..., others] == -7.0).all()
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64])
@@ -226,8 +225,8 @@ def test_backward_torch_path(dtype):
 
 def test_backward_keeps_a_nan_of_an_unused_row_out_of_the_gate_gradient():
     """dO == 0 on a row (the loss does not read it) whose term is NaN: d_gates is 0 there, not
-    NaN, and the term's gradient is 0."""
-    from kernels.gated_sum import gated_sum_backward
+    NaN, and the term's gradient is 0; the same from gate_gradient."""
+    from kernels.gated_sum import gate_gradient, gated_sum_backward
 
     dout, term, gates = _backward_problem(9, 2, 16, torch.bfloat16)
     dout[4] = 0
@@ -237,10 +236,13 @@ def test_backward_keeps_a_nan_of_an_unused_row_out_of_the_gate_gradient():
     d_term = gated_sum_backward(dout, term, gates, 2, d_gates)
     assert (d_gates[4] == 0).all() and (d_term[4] == 0).all()
     assert not torch.isfinite(d_gates[5, 0, 2])  # a row the loss reads keeps its Inf
+    alone = torch.zeros(9, 2, 3)
+    gate_gradient(dout, term, 2, alone)
+    assert (alone[4] == 0).all() and not torch.isfinite(alone[5, 0, 2])
 
 
 def test_backward_bad_input_names_the_argument():
-    from kernels.gated_sum import gated_sum_backward
+    from kernels.gated_sum import gate_gradient, gated_sum_backward
 
     dout, term, gates = _backward_problem(6, 2, 8, torch.bfloat16)
     d_gates = torch.zeros(6, 2, 3)
@@ -252,15 +254,19 @@ def test_backward_bad_input_names_the_argument():
         gated_sum_backward(dout, term, gates, 0, d_gates.int())
     with pytest.raises(ValueError, match="column: 3 outside"):
         gated_sum_backward(dout, term, gates, 3, d_gates)
+    with pytest.raises(ValueError, match="term: expected"):
+        gate_gradient(dout, term[:, :1], 0, d_gates)
+    with pytest.raises(ValueError, match="d_gates: expected"):
+        gate_gradient(dout, term, 0, d_gates[..., None])
 
 
-@pytest.mark.parametrize("row_dot", [False, True], ids=["", "row-dot"])
+@pytest.mark.parametrize("term_gradient", [True, False], ids=["", "gate-only"])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("head_dim", [64, 128, 192, 256])
-def test_backward_kernel_builds_for_sm90(dtype, head_dim, row_dot):
+def test_backward_kernel_builds_for_sm90(dtype, head_dim, term_gradient):
     from kernels.sm90.gated_sum import GatedSumBackwardSpec, compile_gated_sum_on_fake_tensors
 
-    spec = GatedSumBackwardSpec(dtype, head_dim, 1, 3, row_dot)
+    spec = GatedSumBackwardSpec(dtype, head_dim, 1, 3, term_gradient)
     assert compile_gated_sum_on_fake_tensors(spec)
 
 
@@ -298,69 +304,6 @@ def test_backward_kernel_matches_exact(case, dtype):
     assert (d_gates[rows // 2] == 0).all() and torch.isfinite(d_gates).all()
 
 
-# ------------------------------------------------------------------------------------------------
-# sum_terms: unweighted terms on a float32 base, rounded once (NSA's backward sums dq, dk, dv).
-# ------------------------------------------------------------------------------------------------
-
-def _sum_problem(rows, heads, dim, dtype, terms, device="cpu", seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    outputs = [torch.randn(rows, heads, dim, generator=gen).to(device=device, dtype=dtype)
-               for _ in range(terms)]
-    base = torch.randn(rows, heads, dim, generator=gen).to(device)
-    return outputs, base
-
-
-def _check_sum(outputs, base):
-    from kernels.gated_sum import sum_terms
-
-    dtype = outputs[0].dtype
-    exact = sum(o.double() for o in outputs) + (0 if base is None else base.double())
-    result = sum_terms([o.clone() for o in outputs], None if base is None else base.clone())
-    assert result.dtype == dtype and result.shape == outputs[0].shape
-    error = (result.double() - exact).abs()
-    assert (error <= exact.abs() * torch.finfo(dtype).eps / 2 + 1e-5).all(), error.max()
-
-
-@pytest.mark.parametrize("with_base", [False, True], ids=["no-base", "base"])
-@pytest.mark.parametrize("terms", [1, 3])
-def test_sum_terms_torch_path(terms, with_base):
-    outputs, base = _sum_problem(37, 3, 24, torch.bfloat16, terms)
-    _check_sum(outputs, base if with_base else None)
-
-
-def test_sum_terms_bad_input_names_the_argument():
-    from kernels.gated_sum import sum_terms
-
-    outputs, base = _sum_problem(6, 2, 8, torch.bfloat16, 2)
-    with pytest.raises(ValueError, match="terms: expected 1 to 3"):
-        sum_terms(outputs * 2)
-    with pytest.raises(ValueError, match=r"terms\[1\]: expected"):
-        sum_terms([outputs[0], outputs[1].half()])
-    with pytest.raises(ValueError, match="base: expected"):
-        sum_terms(outputs, base[:5])
-
-
-@pytest.mark.parametrize("spec", [((None, None, None), False), ((None,), True),
-                                  ((0, None), True)], ids=["3unweighted", "1-base", "mixed-base"])
-def test_sum_kernel_builds_for_sm90(spec):
-    from kernels.sm90.gated_sum import GatedSumSpec, compile_gated_sum_on_fake_tensors
-
-    columns, base = spec
-    assert compile_gated_sum_on_fake_tensors(GatedSumSpec("bfloat16", 128, columns, 3, base))
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not _sm90(), reason="needs an sm_90 GPU")
-@pytest.mark.parametrize("with_base", [False, True], ids=["no-base", "base"])
-@pytest.mark.parametrize("terms", [1, 2, 3])
-def test_sum_kernel_matches_exact(terms, with_base):
-    from kernels.gated_sum import GatedSum
-
-    outputs, base = _sum_problem(1000, 7, 128, torch.bfloat16, terms, device="cuda", seed=terms)
-    assert GatedSum.choose_backend(outputs[0])[0] == "sm90"
-    _check_sum(outputs, base if with_base else None)
-
-
 @pytest.mark.gpu
 @pytest.mark.skipif(not _sm90(), reason="needs an sm_90 GPU")
 def test_kernels_split_tensors_over_launches(monkeypatch):
@@ -380,5 +323,3 @@ def test_kernels_split_tensors_over_launches(monkeypatch):
     assert (error <= exact.abs() * torch.finfo(torch.bfloat16).eps / 2 + 1e-6).all()
     dout, term, gates = _backward_problem(rows, heads, 128, torch.bfloat16, "cuda", seed=6)
     _check_backward(dout, term, gates, column=1)
-    terms, base = _sum_problem(rows, heads, 128, torch.bfloat16, 2, device="cuda", seed=7)
-    _check_sum(terms, base)

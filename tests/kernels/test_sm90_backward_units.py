@@ -113,6 +113,49 @@ def test_row_statistics_kernel_matches_torch(dtype, head_dim):
 @pytest.mark.skipif(not (torch.cuda.is_available()
                          and torch.cuda.get_device_capability() == (9, 0)),
                     reason="needs an sm_90 GPU")
+def test_backward_adds_dk_dv_into_given_accumulators():
+    """dkv_accumulators (nsa()'s float32 dk, dv sums): the returned dk, dv are those tensors,
+    holding what they held plus this call's dk, dv. For NSA-like lists the kernel sums partials
+    in float32 (partial_dkv) and adds them there itself; dense causal on few KV tiles too
+    (split rows); a window call writes bf16 tiles, added after."""
+    from kernels import attention_forward
+    from kernels.sm90 import backward
+
+    lengths = [1500, 700]
+    cu_cpu = torch.tensor([0, 1500, 2200], dtype=torch.int32)
+    bs, _ = _nsa_like_lists(lengths, heads=2, kv_block=64, seed=3)
+    bs = bs.to("cuda")
+    cu = cu_cpu.cuda()
+    gen = torch.Generator(device="cuda").manual_seed(8)
+    q, dout = (torch.randn(2200, 8, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
+               for _ in range(2))
+    k, v = (torch.randn(2200, 2, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
+            for _ in range(2))
+    common = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=1500, max_seqlen_k=1500,
+                  causal=True)
+    for options, partial in ((dict(block_sparse=bs), True), (dict(), None),
+                             (dict(window_size=(255, 0)), False)):
+        options = dict(common, **options)
+        spec = backward._spec_for(q, k, True, options.get("window_size", (-1, -1)),
+                                  options.get("block_sparse"), 1, False)
+        if partial is not None:
+            assert spec.partial_dkv is partial
+        out, lse = attention_forward(q, k, v, **options)
+        _, dk_ref, dv_ref = backward.run(dout, q, k, v, out, lse, **options)
+        starts = [torch.randn(x.shape, device="cuda", generator=gen) for x in (k, v)]
+        sums = [t.clone() for t in starts]
+        _, dk, dv = backward.run(dout, q, k, v, out, lse, dkv_accumulators=sums, **options)
+        assert dk is sums[0] and dv is sums[1]
+        for total, start, ref in ((dk, starts[0], dk_ref), (dv, starts[1], dv_ref)):
+            added = total - start
+            assert ref.abs().sum() > 0
+            assert (added - ref.float()).norm() <= 1e-2 * ref.float().norm()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (torch.cuda.is_available()
+                         and torch.cuda.get_device_capability() == (9, 0)),
+                    reason="needs an sm_90 GPU")
 def test_backward_from_given_row_dots_equals_the_one_from_out():
     """kernels.sm90.backward.run with dout_dot_out (out not read) against the same call with
     out: the row dots come from torch instead of the preprocess kernel, so the gradients agree

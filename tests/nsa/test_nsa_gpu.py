@@ -104,10 +104,13 @@ def branch_backends(monkeypatch) -> dict:
     original = Branch.backward
 
     def recording_backward(self, dout, q, k, v, out, lse, **options):
+        # dout_dot_out replaces out, it does not choose the path: which_backend does not take it
         asked = {name: value for name, value in options.items()
-                 if value is not None and value is not False}
-        backends[BRANCH_NAMES[self.index]] = kernels.which_backend(
-            q, k, v, backward=True, **asked, **self.kernel_kwargs)
+                 if value is not None and value is not False and name != "dout_dot_out"}
+        backend = kernels.which_backend(q, k, v, backward=True, **asked, **self.kernel_kwargs)
+        # On the kernel, nsa() frees the branch output first and passes rowsum(dO * O) instead
+        kept = out is not None or options.get("dout_dot_out") is None
+        backends[BRANCH_NAMES[self.index]] = backend + (" (branch output kept)" if kept else "")
         return original(self, dout, q, k, v, out, lse, **options)
 
     monkeypatch.setattr(Branch, "backward", recording_backward)

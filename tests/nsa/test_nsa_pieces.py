@@ -5,6 +5,7 @@ import torch
 from nsa.branches import compressed_attention, selected_attention, window_attention
 from nsa.compression import (compress, compress_backward, compress_kv, compressed_block_rows,
                              compressed_cu_seqlens)
+from nsa import gating
 from nsa.gating import gate_backward, gate_weights
 from nsa.reference import (compress_kv_reference, compressed_attention_reference,
                            gates_reference, select_blocks_reference,
@@ -67,8 +68,11 @@ def test_compress_backward_matches_autograd(projected):
 @pytest.mark.parametrize("branches", [(True, True, True), (True, True, False)],
                          ids=["three", "window-off"])
 @pytest.mark.parametrize("gated", [True, False], ids=["gated", "mean"])
-def test_gate_weights_and_backward_match_reference(branches, gated):
+@pytest.mark.parametrize("chunk_rows", [None, 7], ids=["one-step", "7-row-steps"])
+def test_gate_weights_and_backward_match_reference(branches, gated, chunk_rows, monkeypatch):
     x = random_inputs([30], 4, 2, 8, seed=3)
+    if chunk_rows:  # gate_backward's row steps, uneven against the 30 rows
+        monkeypatch.setattr(gating, "GATE_BACKWARD_CHUNK_ELEMENTS", chunk_rows * 4 * 8)
     W_gate = x["W_gate"] if gated else None
     weights = gate_weights(x["q"], W_gate, branches)
     expected = gates_reference(x["q"], W_gate, branches)
@@ -80,8 +84,10 @@ def test_gate_weights_and_backward_match_reference(branches, gated):
     W = W_gate.clone().requires_grad_()
     d_weights = torch.randn(30, 4, 3, dtype=torch.float64)
     dq_ref, dW_ref = torch.autograd.grad(gates_reference(q, W, branches), [q, W], d_weights)
-    dq, dW = gate_backward(x["q"], W_gate, weights, d_weights)
-    torch.testing.assert_close(dq, dq_ref)
+    start = torch.randn(x["q"].shape, dtype=torch.float64)
+    dq = start.clone()
+    dW = gate_backward(x["q"], W_gate, weights, d_weights, dq)  # adds into dq
+    torch.testing.assert_close(dq, start + dq_ref)
     torch.testing.assert_close(dW, dW_ref)
     if not branches[2]:
         assert torch.all(weights[..., 2] == 0) and torch.all(dW[:, 2] == 0)

@@ -170,11 +170,12 @@ def test_profile_times_every_stage(tmp_path):
 
 EVERY_BACKWARD_STAGE = [
     "gate weights", "transposed lists",
-    "compressed: recompute fwd", "compressed: dL/dg, g dO", "compressed: attention bwd",
-    "compressed: compress bwd",
-    "selected: recompute fwd", "selected: dL/dg, g dO", "selected: attention bwd",
-    "window: recompute fwd", "window: dL/dg, g dO", "window: attention bwd",
-    "gate backward", "dq, dk, dv sums"]
+    "compressed: recompute fwd", "compressed: gate pass", "compressed: attention bwd",
+    "compressed: add dq", "compressed: compress bwd",
+    "selected: recompute fwd", "selected: gate pass", "selected: attention bwd",
+    "selected: add dq",
+    "window: recompute fwd", "window: gate pass", "window: attention bwd", "window: add dq",
+    "gate backward", "dk, dv to input dtype"]
 
 
 def test_profile_times_every_forward_and_backward_stage(tmp_path, capsys):
