@@ -151,8 +151,11 @@ def packed_gradients(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, W_k: Tensor 
         branch_out, _ = branch.forward(q, keys, values)
         options = dict(deterministic=config.deterministic,
                        block_sparse_transposed=transposed[branch.index])
+        # (No rows: the kernel path's checks would stand dO in for the absent output, and an
+        # empty dO may have any strides.)
+        on_kernel = q.shape[0] > 0 and branch.backward_on_kernel(q, keys, values, **options)
         step = gate_pass(branch.index, dout, branch_out, gates, d_gates, lse,
-                         on_kernel=branch.backward_on_kernel(q, keys, values, **options))
+                         on_kernel=on_kernel)
         del branch_out  # kept by `step` only where the fallback reads it
         dq_b, dk_b, dv_b = branch.backward(step.dout, q, keys, values, step.out, step.lse,
                                            dout_dot_out=step.dout_dot_out,

@@ -201,15 +201,16 @@ def run(
                        forward_lists)
         else:
             dq = tiles.gather_dq(dq_acc, softmax_scale, q.dtype)
+    if padded:
+        dq = dq.view(batch, seqlen_q, num_heads, head_dim)
     if dkv_accumulators is not None:
         if not adds_into_accumulators:
             dkv_accumulators[0].view(dk.shape).add_(dk)
             dkv_accumulators[1].view(dv.shape).add_(dv)
-        dk, dv = (t.view(-1, *t.shape[-2:]) for t in dkv_accumulators)
-    elif spec.partial_dkv:
+        return dq, *dkv_accumulators
+    if spec.partial_dkv:
         dk, dv = dk.to(k.dtype), dv.to(v.dtype)
     if padded:
-        dq = dq.view(batch, seqlen_q, num_heads, head_dim)
         dk = dk.view(batch, seqlen_k, *dk.shape[1:])
         dv = dv.view(batch, seqlen_k, *dv.shape[1:])
     return dq, dk, dv
