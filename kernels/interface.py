@@ -169,8 +169,10 @@ def _run_backward(problem: AttentionProblem, dout, q, k, v, out, lse, cu_seqlens
                              f"call runs the fallback ({reason})")
         return kernel.run(dout, q, k, v, None, lse, dout_dot_out=dout_dot_out,
                           dkv_accumulators=dkv_accumulators, **kwargs)
-    if kernel is not None:
+    if kernel is not None and dkv_accumulators is not None:
         return kernel.run(dout, q, k, v, out, lse, dkv_accumulators=dkv_accumulators, **kwargs)
+    if kernel is not None:
+        return kernel.run(dout, q, k, v, out, lse, **kwargs)
     dq, dk, dv = fallback.backward(problem, dout, q, k, v, out, lse, block_sparse,
                                    deterministic=deterministic)
     if dkv_accumulators is None:
