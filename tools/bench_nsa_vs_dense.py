@@ -10,6 +10,10 @@ Methods, each timed where it can run (a method that cannot is listed with the re
   fa4          flash_attn.cute.flash_attn_func(causal=True), if flash-attn-4 is installed
   fla-nsa      fla.ops.nsa.parallel_nsa, if fla is installed (its NSA: own selection rule,
                group size H/Hkv a power of two >= 16)
+  fa4-nsa      the seed's NSA design on FA4's public kernels, if flash-attn-4 is installed
+               (tools/fa4_nsa.py: compressed branch through a mask_mod, top-n blocks of the
+               tile's mean query mapped to 128 x 128 block-sparse lists, FA4's window, mean
+               gating; forward and backward on FA4)
 
 Timing: `--warmup` untimed calls, then the median of `--repeats` calls, CUDA events on a GPU and
 perf_counter on the CPU; inputs are random normal, never zeros. TFLOP/s counts the (row, key)
@@ -60,7 +64,7 @@ from _common import (add_problem_arguments, attention_tflops, capped_causal_pair
                      problem_defaults_epilog, random_gate, random_qkv,
                      resolve_problem_arguments, time_ms)
 
-METHODS = ("nsa", "nsa-graph", "dense", "sdpa", "fa4", "fla-nsa")
+METHODS = ("nsa", "nsa-graph", "dense", "sdpa", "fa4", "fla-nsa", "fa4-nsa")
 OURS = ("nsa", "nsa-graph", "dense")
 PASSES = ("fwd", "fwd+bwd")
 
@@ -162,13 +166,23 @@ def fla_nsa_method(args) -> Callable:
     return run
 
 
+def fa4_nsa_method(args) -> Callable:
+    if args.device.type != "cuda":
+        raise RuntimeError("needs a CUDA GPU")
+    from fa4_nsa import fa4_nsa_method as build
+
+    return build(compress_block_size=args.compress_block_size,
+                 selected_block_size=args.selected_block_size,
+                 num_selected_blocks=args.num_selected_blocks, window_size=args.window_size)
+
+
 METHOD_FACTORIES = {"nsa": nsa_method, "nsa-graph": nsa_graph_method,
                     "dense": dense_method, "sdpa": sdpa_method,
-                    "fa4": fa4_method, "fla-nsa": fla_nsa_method}
+                    "fa4": fa4_method, "fla-nsa": fla_nsa_method, "fa4-nsa": fa4_nsa_method}
 
 
 def attended_pairs(method: str, seqlen: int, args) -> int:
-    if method in ("nsa", "nsa-graph", "fla-nsa"):
+    if method in ("nsa", "nsa-graph", "fla-nsa", "fa4-nsa"):
         return nsa_pairs(seqlen, args.compress_block_size, args.selected_block_size,
                          args.num_selected_blocks, args.window_size)
     return causal_pairs(seqlen)
