@@ -80,8 +80,11 @@ def _lists(table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     order = torch.where(table, columns, table.shape[-1]).sort(-1).values
     width = max(int(count.max()) if count.numel() else 0, 1)
     index = order[..., :width]
-    return count.contiguous(), torch.where(index < table.shape[-1], index, 0).to(
-        torch.int32).contiguous()
+    index = torch.where(index < table.shape[-1], index, 0)
+    # Fresh row-major tensors: `.contiguous()` keeps any stride on a size-1 dim (a width-1 list
+    # of a transposed table), which FA4's DLPack import refuses.
+    return (torch.empty(count.shape, dtype=torch.int32, device=table.device).copy_(count),
+            torch.empty(index.shape, dtype=torch.int32, device=table.device).copy_(index))
 
 
 def fa4_block_sparse(full: torch.Tensor, diagonal: torch.Tensor, heads: int):
