@@ -11,7 +11,7 @@ Methods, each timed where it can run (a method that cannot is listed with the re
   fla-nsa      fla.ops.nsa.parallel_nsa, if fla is installed (its NSA: own selection rule,
                group size H/Hkv a power of two >= 16)
   fa4-nsa      the seed's NSA design on FA4's public kernels, if flash-attn-4 is installed
-               (tools/fa4_nsa.py: compressed branch through a mask_mod, top-n blocks of the
+               (tools/_fa4_nsa.py: compressed branch through a mask_mod, top-n blocks of the
                tile's mean query mapped to 128 x 128 block-sparse lists, FA4's window, mean
                gating; forward and backward on FA4)
 
@@ -169,7 +169,7 @@ def fla_nsa_method(args) -> Callable:
 def fa4_nsa_method(args) -> Callable:
     if args.device.type != "cuda":
         raise RuntimeError("needs a CUDA GPU")
-    from fa4_nsa import fa4_nsa_method as build
+    from _fa4_nsa import fa4_nsa_method as build
 
     return build(compress_block_size=args.compress_block_size,
                  selected_block_size=args.selected_block_size,

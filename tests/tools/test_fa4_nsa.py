@@ -1,4 +1,4 @@
-"""tools/fa4_nsa.py, the `fa4-nsa` benchmark method: its selection and list layout on the CPU
+"""tools/_fa4_nsa.py, the `fa4-nsa` benchmark method: its selection and list layout on the CPU
 against brute force; on an sm_90 GPU with flash-attn-4, its output against dense masks."""
 import importlib.util
 import math
@@ -13,7 +13,7 @@ TOOLS = Path(__file__).resolve().parents[2] / "tools"
 
 @pytest.fixture(scope="module")
 def fa4_nsa():
-    spec = importlib.util.spec_from_file_location("tools_fa4_nsa", TOOLS / "fa4_nsa.py")
+    spec = importlib.util.spec_from_file_location("tools_fa4_nsa", TOOLS / "_fa4_nsa.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
