@@ -117,6 +117,20 @@ def interleaved_medians(fns: dict[str, Callable[[], object]], device: torch.devi
     return {key: statistics.median(values) for key, values in samples.items()}
 
 
+def add_num_seqs_argument(parser) -> None:
+    """--num-seqs: the batch's tokens packed into random-length sequences (varlen)."""
+    parser.add_argument("--num-seqs", type=positive_int,
+                        help="split the batch*N tokens into this many random-length sequences "
+                             "(varlen); default: batch sequences of N")
+
+
+def check_num_seqs(args, parser) -> None:
+    """Refuse --num-seqs beyond the tokens of the shortest N (after the problem's defaults)."""
+    for seqlen in args.seqlens:
+        if args.num_seqs is not None and args.num_seqs > args.batch * seqlen:
+            parser.error(f"--num-seqs ({args.num_seqs}) exceeds the {args.batch * seqlen} tokens")
+
+
 def varlen_lengths(total: int, num_sequences: int, generator: torch.Generator) -> list[int]:
     """`num_sequences` random lengths (each >= 1) summing to `total`."""
     if num_sequences > total:

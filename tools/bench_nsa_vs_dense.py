@@ -15,6 +15,11 @@ Methods, each timed where it can run (a method that cannot is listed with the re
                tile's mean query mapped to 128 x 128 block-sparse lists, FA4's window, mean
                gating; forward and backward on FA4)
 
+Inputs: a padded batch of B sequences of N tokens, or with `--num-seqs S` the same B x N tokens
+packed into S sequences of random lengths (varlen, the same lengths for every method: nsa()
+with `cu_seqlens` and its host copy, our and FA4's varlen attention, fla with `cu_seqlens`;
+SDPA and fa4-nsa take padded inputs only and say so). `--branch-profile` is padded.
+
 Timing: `--warmup` untimed calls, then the median of `--repeats` calls, CUDA events on a GPU and
 perf_counter on the CPU; inputs are random normal, never zeros. TFLOP/s counts the (row, key)
 pairs each method attends (dense: the causal triangle; NSA: an upper bound over its three
@@ -34,6 +39,7 @@ branch profile alone.
     python tools/bench_nsa_vs_dense.py --json bench.json            # per-device default sizes
     python tools/bench_nsa_vs_dense.py --seqlens 16384,65536 --heads 64 --kv-heads 4
     python tools/bench_nsa_vs_dense.py --seqlens 65536 --methods none --branch-profile
+    python tools/bench_nsa_vs_dense.py --seqlens 65536 --num-seqs 16     # varlen: 16 lengths
     python tools/plot_bench.py bench.json                            # charts
 """
 from __future__ import annotations
@@ -59,10 +65,11 @@ from nsa.compression import compress, compressed_cu_seqlens  # noqa: E402
 from nsa.function import compressed_rows, describe_branches  # noqa: E402
 from nsa.selection import select_blocks  # noqa: E402
 from nsa.validation import validate_nsa_call  # noqa: E402
-from _common import (add_problem_arguments, attention_tflops, capped_causal_pairs,  # noqa: E402
-                     causal_pairs, compressed_pairs, cu_seqlens_of, nsa_options, nsa_pairs,
+from _common import (add_num_seqs_argument, add_problem_arguments,  # noqa: E402
+                     attention_tflops, capped_causal_pairs, causal_pairs, check_num_seqs,
+                     compressed_pairs, cu_seqlens_of, nsa_options, nsa_pairs,
                      problem_defaults_epilog, random_gate, random_qkv,
-                     resolve_problem_arguments, time_ms)
+                     resolve_problem_arguments, time_ms, varlen_lengths)
 
 METHODS = ("nsa", "nsa-graph", "dense", "sdpa", "fa4", "fla-nsa", "fa4-nsa")
 OURS = ("nsa", "nsa-graph", "dense")
@@ -81,14 +88,41 @@ class Result:
 
 
 # ----------------------------------------------------------------------------------------------
-# The methods: each returns a function running one forward on (q, k, v) in (B, N, H, D) layout
+# The methods: each returns a function run(q, k, v, packing) running one forward, on padded
+# (B, N, H, D) tensors (packing None) or on packed varlen (T, H, D) ones (`--num-seqs`: packing
+# a `Packing`); a method that takes no varlen input raises RuntimeError there
 # ----------------------------------------------------------------------------------------------
+
+@dataclass
+class Packing:
+    """Packed varlen sequences: lengths, cu_seqlens (int32, on the device), their host copy."""
+    lengths: list[int]
+    cu_seqlens: torch.Tensor
+    host_cu_seqlens: tuple[int, ...]
+
+    @property
+    def max_seqlen(self) -> int:
+        return max(self.lengths)
+
+
+def padded_only(name: str, packing) -> None:
+    if packing is not None:
+        raise RuntimeError(f"{name} takes padded inputs only (no --num-seqs)")
+
 
 def nsa_method(args) -> Callable:
     W_gate = random_gate(args.heads, args.head_dim, args.torch_dtype, args.device,
                          requires_grad=True) if args.gate else None
     options = nsa_options(args) | deterministic_option(args)
-    return lambda q, k, v: nsa(q, k, v, W_gate=W_gate, **options)
+
+    def run(q, k, v, packing=None):
+        if packing is None:
+            return nsa(q, k, v, W_gate=W_gate, **options)
+        # The host bounds: no device read (and none inside a CUDA-graph capture)
+        return nsa(q, k, v, W_gate=W_gate, cu_seqlens=packing.cu_seqlens,
+                   max_seqlen=packing.max_seqlen, host_cu_seqlens=packing.host_cu_seqlens,
+                   **options)
+    return run
 
 
 def nsa_graph_method(args) -> Callable:
@@ -115,9 +149,21 @@ def captured(fn: Callable[[], object]) -> Callable[[], None]:
     return graph.replay
 
 
+def varlen_kwargs(packing: Packing) -> dict:
+    """flash-attention's varlen keywords (ours and FA4's spell them alike)."""
+    return dict(cu_seqlens_q=packing.cu_seqlens, cu_seqlens_k=packing.cu_seqlens,
+                max_seqlen_q=packing.max_seqlen, max_seqlen_k=packing.max_seqlen)
+
+
 def dense_method(args) -> Callable:
     options = deterministic_option(args)
-    return lambda q, k, v: kernels.flash_attn_func(q, k, v, causal=True, **options)
+
+    def run(q, k, v, packing=None):
+        if packing is None:
+            return kernels.flash_attn_func(q, k, v, causal=True, **options)
+        return kernels.flash_attn_varlen_func(q, k, v, causal=True, **varlen_kwargs(packing),
+                                              **options)
+    return run
 
 
 def deterministic_option(args) -> dict:
@@ -127,7 +173,8 @@ def deterministic_option(args) -> dict:
 
 
 def sdpa_method(args) -> Callable:
-    def run(q, k, v):
+    def run(q, k, v, packing=None):
+        padded_only("sdpa", packing)
         out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
                                              v.transpose(1, 2), is_causal=True, enable_gqa=True)
         return out.transpose(1, 2)
@@ -139,8 +186,12 @@ def fa4_method(args) -> Callable:
         raise RuntimeError("needs a CUDA GPU")
     flash_attn_cute = importlib.import_module("flash_attn.cute")
 
-    def run(q, k, v):
-        out = flash_attn_cute.flash_attn_func(q, k, v, causal=True)
+    def run(q, k, v, packing=None):
+        if packing is None:
+            out = flash_attn_cute.flash_attn_func(q, k, v, causal=True)
+        else:
+            out = flash_attn_cute.flash_attn_varlen_func(q, k, v, causal=True,
+                                                         **varlen_kwargs(packing))
         return out[0] if isinstance(out, tuple) else out  # some releases also return the lse
     return run
 
@@ -155,14 +206,20 @@ def fla_nsa_method(args) -> Callable:
         raise RuntimeError("fla uses one block size for compression and selection")
     parallel_nsa = importlib.import_module("fla.ops.nsa").parallel_nsa
 
-    def run(q, k, v):
+    def run(q, k, v, packing=None):
+        extra = {}
+        if packing is not None:  # fla's varlen: one batch row of packed tokens
+            q, k, v = q[None], k[None], v[None]
+            extra = dict(cu_seqlens=packing.cu_seqlens.long())
         # Mean gating like ours without W_gate: each branch weighted 1/3 (no window: 1/2).
         branches = 3 if args.window_size else 2
         gate = torch.full(q.shape[:3], 1.0 / branches, dtype=q.dtype, device=q.device)
-        return parallel_nsa(q, k, v, g_cmp=gate, g_slc=gate,
-                            g_swa=gate if args.window_size else None,
-                            block_counts=args.num_selected_blocks,
-                            block_size=args.selected_block_size, window_size=args.window_size)
+        out = parallel_nsa(q, k, v, g_cmp=gate, g_slc=gate,
+                           g_swa=gate if args.window_size else None,
+                           block_counts=args.num_selected_blocks,
+                           block_size=args.selected_block_size, window_size=args.window_size,
+                           **extra)
+        return out if packing is None else out[0]
     return run
 
 
@@ -171,9 +228,14 @@ def fa4_nsa_method(args) -> Callable:
         raise RuntimeError("needs a CUDA GPU")
     from _fa4_nsa import fa4_nsa_method as build
 
-    return build(compress_block_size=args.compress_block_size,
-                 selected_block_size=args.selected_block_size,
-                 num_selected_blocks=args.num_selected_blocks, window_size=args.window_size)
+    padded = build(compress_block_size=args.compress_block_size,
+                   selected_block_size=args.selected_block_size,
+                   num_selected_blocks=args.num_selected_blocks, window_size=args.window_size)
+
+    def run(q, k, v, packing=None):
+        padded_only("fa4-nsa", packing)
+        return padded(q, k, v)
+    return run
 
 
 METHOD_FACTORIES = {"nsa": nsa_method, "nsa-graph": nsa_graph_method,
@@ -181,27 +243,42 @@ METHOD_FACTORIES = {"nsa": nsa_method, "nsa-graph": nsa_graph_method,
                     "fa4": fa4_method, "fla-nsa": fla_nsa_method, "fa4-nsa": fa4_nsa_method}
 
 
-def attended_pairs(method: str, seqlen: int, args) -> int:
+def attended_pairs(method: str, lengths: list[int], args) -> int:
+    """(row, key) pairs of all sequences (a padded batch: B sequences of N)."""
     if method in ("nsa", "nsa-graph", "fla-nsa", "fa4-nsa"):
-        return nsa_pairs(seqlen, args.compress_block_size, args.selected_block_size,
-                         args.num_selected_blocks, args.window_size)
-    return causal_pairs(seqlen)
+        return sum(nsa_pairs(n, args.compress_block_size, args.selected_block_size,
+                             args.num_selected_blocks, args.window_size) for n in lengths)
+    return sum(causal_pairs(n) for n in lengths)
+
+
+def packing_for(seqlen: int, args) -> Packing | None:
+    """None for a padded batch; with --num-seqs, batch x seqlen tokens in that many sequences
+    of random lengths (the same for every method)."""
+    if args.num_seqs is None:
+        return None
+    lengths = varlen_lengths(args.batch * seqlen, args.num_seqs,
+                             torch.Generator().manual_seed(3))
+    cu_seqlens = cu_seqlens_of(lengths, args.device)
+    return Packing(lengths, cu_seqlens, tuple(cu_seqlens.tolist()))
 
 
 # ----------------------------------------------------------------------------------------------
 # Timing
 # ----------------------------------------------------------------------------------------------
 
-def time_method(run: Callable, seqlen: int, args) -> dict[str, float]:
+def time_method(run: Callable, seqlen: int, args, packing: Packing | None = None
+                ) -> dict[str, float]:
     """Median ms of the forward (no autograd) and of forward+backward, on random inputs."""
-    shape_q = (args.batch, seqlen, args.heads, args.head_dim)
-    shape_kv = (args.batch, seqlen, args.kv_heads, args.head_dim)
+    rows = (args.batch, seqlen) if packing is None else (sum(packing.lengths),)
+    shape_q = (*rows, args.heads, args.head_dim)
+    shape_kv = (*rows, args.kv_heads, args.head_dim)
     q, k, v = random_qkv(shape_q, shape_kv, args.torch_dtype, args.device)
     timings = {}
     graph = getattr(run, "cuda_graph", False)
     if "fwd" in args.passes:
         with torch.no_grad():
-            forward = captured(lambda: run(q, k, v)) if graph else lambda: run(q, k, v)
+            forward = (captured(lambda: run(q, k, v, packing)) if graph
+                       else lambda: run(q, k, v, packing))
             timings["fwd"] = time_ms(forward, args.device, warmup=args.warmup,
                                      repeats=args.repeats)
     if "fwd+bwd" not in args.passes:
@@ -212,7 +289,7 @@ def time_method(run: Callable, seqlen: int, args) -> dict[str, float]:
 
     def forward_backward():
         q.grad = k.grad = v.grad = None
-        run(q, k, v).backward(dout)
+        run(q, k, v, packing).backward(dout)
     timings["fwd+bwd"] = time_ms(captured(forward_backward) if graph else forward_backward,
                                  args.device, warmup=args.warmup, repeats=args.repeats)
     return timings
@@ -229,11 +306,13 @@ def benchmark(args) -> list[Result]:
 
     for seqlen in args.seqlens:
         timings = {}
+        packing = packing_for(seqlen, args)
+        lengths = [seqlen] * args.batch if packing is None else packing.lengths
         for method in args.methods:
             if method in unavailable:
                 continue
             try:
-                timings[method] = time_method(runners[method], seqlen, args)
+                timings[method] = time_method(runners[method], seqlen, args, packing)
             except torch.OutOfMemoryError:
                 unavailable_here = "out of memory"
                 results += [Result(seqlen, method, p, None, None, None, unavailable_here)
@@ -253,13 +332,13 @@ def benchmark(args) -> list[Result]:
                 continue
             if method not in timings:
                 continue
-            pairs = attended_pairs(method, seqlen, args)
+            pairs = attended_pairs(method, lengths, args)
             for p in args.passes:
                 ms = timings[method][p]
                 base = timings.get(baseline, {}).get(p)
                 results.append(Result(
                     seqlen, method, p, ms,
-                    attention_tflops(pairs, args.batch, args.heads, args.head_dim, ms,
+                    attention_tflops(pairs, 1, args.heads, args.head_dim, ms,
                                      backward=p == "fwd+bwd"),
                     base / ms if base else None, "ok"))
     return results
@@ -404,7 +483,7 @@ def run_metadata(args, argv) -> dict:
         "problem": {key: getattr(args, key) for key in (
             "batch", "heads", "kv_heads", "head_dim", "dtype", "compress_block_size",
             "selected_block_size", "num_selected_blocks", "window_size", "gate", "deterministic",
-            "warmup", "repeats")},
+            "num_seqs", "warmup", "repeats")},
         "baseline": args.baseline,
     }
 
@@ -428,9 +507,11 @@ def parse_args(argv):
     parser.add_argument("--branch-profile", action="store_true",
                         help="also time each NSA branch alone, forward and backward, on "
                              "nsa()'s own lists (see the description)")
+    add_num_seqs_argument(parser)
     parser.add_argument("--json", type=Path, help="write the results to this JSON file")
     args = parser.parse_args(argv)
     resolve_problem_arguments(args, parser)
+    check_num_seqs(args, parser)
     args.methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     if args.methods == ["none"]:
         if not args.branch_profile:

@@ -45,7 +45,7 @@ from nsa.gating import NUM_BRANCHES, gate_backward, gate_weights  # noqa: E402
 from nsa.selection import select_blocks  # noqa: E402
 from nsa.validation import validate_nsa_call  # noqa: E402
 from _common import (  # noqa: E402
-    add_problem_arguments, cu_seqlens_of, describe_device, measure_seqlens, nsa_options,
+    add_num_seqs_argument, add_problem_arguments, check_num_seqs, cu_seqlens_of, describe_device, measure_seqlens, nsa_options,
     positive_int, problem_defaults_epilog, problem_summary, random_gate, random_qkv,
     resolve_problem_arguments, time_ms, varlen_lengths)
 
@@ -310,17 +310,13 @@ def parse_args(argv):
     parser.add_argument("--passes", type=passes_list, default=list(PASSES),
                         help="comma-separated: fwd (the forward's stages), bwd (the "
                              "backward's); default fwd,bwd")
-    parser.add_argument("--num-seqs", type=positive_int,
-                        help="split the batch*N tokens into this many random-length sequences "
-                             "(varlen); default: batch sequences of N")
+    add_num_seqs_argument(parser)
     parser.add_argument("--num-cmp-selected-blocks", type=positive_int,
                         help="make the compressed branch block-sparse (default: dense)")
     parser.add_argument("--json", type=Path, help="write the results to this JSON file")
     args = parser.parse_args(argv)
     resolve_problem_arguments(args, parser)
-    for seqlen in args.seqlens:
-        if args.num_seqs is not None and args.num_seqs > args.batch * seqlen:
-            parser.error(f"--num-seqs ({args.num_seqs}) exceeds the {args.batch * seqlen} tokens")
+    check_num_seqs(args, parser)
     return args
 
 

@@ -254,6 +254,31 @@ def test_bench_and_plot(tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_bench_varlen_packs_the_batch_and_reports_padded_only_methods(tmp_path):
+    """--num-seqs: every method gets the same packed sequences; ours run them varlen, SDPA and
+    fa4-nsa say they take padded inputs only; the attended pairs are the sequences' own."""
+    out = tmp_path / "varlen.json"
+    bench = load_tool("bench_nsa_vs_dense")
+    assert bench.main([*TINY, "--seqlens", "256", "--batch", "2", "--num-seqs", "5",
+                       "--methods", "nsa,dense,sdpa", "--json", str(out)]) == 0
+    payload = json.loads(out.read_text())
+    assert payload["meta"]["problem"]["num_seqs"] == 5
+    rows = {(r["method"], r["pass"]): r for r in payload["results"]}
+    for method in ("nsa", "dense"):
+        for pass_ in ("fwd", "fwd+bwd"):
+            assert rows[(method, pass_)]["status"] == "ok" and rows[(method, pass_)]["ms"] > 0
+    assert "padded inputs only" in rows[("sdpa", "fwd")]["status"]
+    args = bench.parse_args([*TINY, "--seqlens", "256", "--batch", "2", "--num-seqs", "5"])
+    packing = bench.packing_for(256, args)
+    assert len(packing.lengths) == 5 and sum(packing.lengths) == 512
+    assert packing.host_cu_seqlens == tuple(packing.cu_seqlens.tolist())
+    # The sequences' own causal triangles, not one of the whole batch
+    assert bench.attended_pairs("dense", packing.lengths, args) == sum(
+        n * (n + 1) // 2 for n in packing.lengths)
+    with pytest.raises(SystemExit):
+        bench.parse_args([*TINY, "--seqlens", "4", "--num-seqs", "9"])
+
+
 def test_bench_branch_profile_times_each_branch_forward_and_backward(tmp_path):
     """--branch-profile: each NSA branch alone on nsa()'s own lists, forward and backward (and
     --deterministic passed through), here on the CPU's fallback; --methods none runs only it."""
