@@ -36,6 +36,7 @@ from nsa.config import NSAConfig
 from nsa.gating import NUM_BRANCHES, gate_backward, gate_weights
 from nsa.selection import select_blocks
 from nsa.validation import PackedSequences
+from sparsity.host_cache import cached
 
 
 class NSAFunction(torch.autograd.Function):
@@ -100,7 +101,10 @@ def compress_and_plan(q: Tensor, k: Tensor, W_k: Tensor | None, cu_seqlens: Tens
     """Compressed keys, selection and the branches: (branches, the compressed cu_seqlens, the
     rows of each compression block, k_cmp in the compute dtype, which the selection scores
     read). Deterministic, so a later call plans the same branches (nsa/ops.py's backward)."""
-    cu_seqlens_cmp = compressed_cu_seqlens(cu_seqlens, config.compress_block_size)
+    # A function of the host bounds and l: kept across calls (sparsity/host_cache.py)
+    cu_seqlens_cmp = cached(("compressed cu_seqlens", sequences.cu_seqlens,
+                             config.compress_block_size), cu_seqlens,
+                            lambda: compressed_cu_seqlens(cu_seqlens, config.compress_block_size))
     rows = compressed_rows(cu_seqlens, cu_seqlens_cmp, sequences, config)
     k_cmp = compress(k, rows, W_k)
     branches = _plan_branches(q, k_cmp, cu_seqlens, cu_seqlens_cmp, sequences, config)
@@ -240,10 +244,13 @@ def transposed_lists(branches: list[Branch]) -> dict:
 
 def compressed_rows(cu_seqlens: Tensor, cu_seqlens_cmp: Tensor, sequences: PackedSequences,
                     config: NSAConfig) -> Tensor:
-    """The rows of each compression block (`compressed_block_rows`), sized from host values."""
+    """The rows of each compression block (`compressed_block_rows`), sized from host values;
+    kept across calls with the same bounds (sparsity/host_cache.py: cu_seqlens_cmp is a
+    function of them and l)."""
     l = config.compress_block_size
     num_compressed = sequences.compressed_cu_seqlens(l)[-1]
-    return compressed_block_rows(cu_seqlens, cu_seqlens_cmp, l, num_compressed)
+    return cached(("compressed block rows", sequences.cu_seqlens, l), cu_seqlens,
+                  lambda: compressed_block_rows(cu_seqlens, cu_seqlens_cmp, l, num_compressed))
 
 
 def _plan_branches(q: Tensor, k_cmp: Tensor, cu_seqlens: Tensor, cu_seqlens_cmp: Tensor,

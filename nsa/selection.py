@@ -31,6 +31,7 @@ from torch import Tensor
 from nsa.compression import compute_dtype
 from nsa.selection_rule import (CMP_KV_BLOCK, SELECTION_Q_TILE, BlockSelection,
                                 cmp_selection_width)
+from sparsity.host_cache import cached
 
 # Upper bound on one chunk's heads x tiles x (compressed tokens + D): the score tensor plus the
 # scoring queries it is computed from; a chunk holds at least one tile.
@@ -105,18 +106,27 @@ def select_blocks(q: Tensor, k_cmp: Tensor, cu_seqlens: Tensor, cu_seqlens_cmp: 
     cu_host, cu_cmp_host = (list(b) for b in host_bounds)
     lengths = [end - start for start, end in zip(cu_host, cu_host[1:])]
     num_tiles = sum(-(-n // q_tile) for n in lengths)
-    offsets, tiles = _tile_layout(cu_seqlens, cu_seqlens_cmp, num_tiles, q_tile, l, causal)
     width = None
     if num_cmp_selected_blocks is not None:
         width = cmp_selection_width(q_tile, l, cmp_kv_block, num_cmp_selected_blocks)
+
+    def layout():
+        offsets, tiles = _tile_layout(cu_seqlens, cu_seqlens_cmp, num_tiles, q_tile, l, causal)
+        ranges = _selection_ranges(tiles, l_sel, q_tile, causal)
+        cmp_ranges = None if width is None else _cmp_selection_ranges(tiles, l, cmp_kv_block,
+                                                                      q_tile, causal)
+        return offsets, tiles, ranges, cmp_ranges
+
+    # Functions of the host bounds and the rule's sizes only: kept across calls
+    # (sparsity/host_cache.py).
+    offsets, tiles, ranges, cmp_ranges = cached(
+        ("selection layout", tuple(cu_host), tuple(cu_cmp_host), q_tile, l, l_sel, causal,
+         None if width is None else cmp_kv_block), cu_seqlens, layout)
     if num_tiles == 0:
         return _empty_selection(q.device, kv_heads, num_selected_blocks, width, offsets)
 
     q_bar = _scoring_queries(q, tiles, q_tile, causal)
     keys = k_cmp.to(q_bar.dtype).permute(1, 2, 0)  # (Hkv, D, Tc)
-    ranges = _selection_ranges(tiles, l_sel, q_tile, causal)
-    cmp_ranges = None if width is None else _cmp_selection_ranges(tiles, l, cmp_kv_block,
-                                                                  q_tile, causal)
     selected, cmp_selected = [], []
     for chunk in _plan_chunks(lengths, cu_cmp_host, q_tile, l, causal, heads, dim):
         part = tiles[chunk.tiles]

@@ -25,6 +25,7 @@ from sparsity._geometry import (TileGeometry, ceil_div, diagonal_block_range,
 from sparsity._lists import (compact_block_lists, compact_block_lists_below, padded_range,
                              range_lists)
 from sparsity.block_sparse import INDEX_DTYPE, BlockSparseTensors, uniform_cu_seqlens
+from sparsity.host_cache import cached
 
 NOT_LISTED, MASK_BLOCK, FULL_BLOCK = 0, 1, 2  # tile classes of the dense-mask builder
 
@@ -82,8 +83,11 @@ def build_selected_block_sparse_trusted(selected: Tensor, *, cu_seqlens: Tensor,
     if selected_block_size % kv_block:
         raise ValueError(f"kv_block ({kv_block}) must divide selected_block_size "
                          f"({selected_block_size}) for the trusted builder")
-    cu = cu_seqlens.to(torch.int64)
-    geometry = tile_geometry(cu, cu, q_tile, host_cu_q=host_cu_seqlens)
+    # A function of the host bounds and q_tile only: kept across calls (sparsity/host_cache.py)
+    geometry = cached(("selected tile geometry", tuple(host_cu_seqlens), q_tile), cu_seqlens,
+                      lambda: tile_geometry(cu_seqlens.to(torch.int64),
+                                            cu_seqlens.to(torch.int64), q_tile,
+                                            host_cu_q=host_cu_seqlens))
     ratio = selected_block_size // kv_block
     widths = (selected.shape[-1] * ratio,
               max_diagonal_blocks(q_tile, 1, kv_block) if causal else 0)
