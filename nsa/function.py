@@ -176,7 +176,7 @@ def packed_gradients(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, W_k: Tensor 
             del rows, dk_x, dv_x
         del dk_b, dv_b
 
-    if dq is None:  # no branch ran (nsa() refuses that; kept total)
+    if dq is None:  # no branch ran: nsa() refuses such a call, this keeps the function total
         dq = torch.zeros_like(q)
     if W_gate is not None:
         dW_gate = gate_backward(q, W_gate, gates, d_gates, dq).to(W_gate.dtype)

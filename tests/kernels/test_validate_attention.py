@@ -388,3 +388,32 @@ def test_empty_inputs_are_valid():
     zero = cu([0, 0])
     out, lse = attention_forward(q, k, v, cu_seqlens_q=zero, cu_seqlens_k=zero)
     assert out.shape == (0, H, D) and lse.shape == (H, 0)
+
+
+def test_trusted_backward_adds_into_accumulators_and_checks_its_internal_arguments():
+    """nsa()'s internal arguments of attention_backward_trusted: dkv_accumulators receive dk, dv
+    (and are returned); wrong ones and a dout_dot_out on the fallback are refused by name."""
+    q, k, v = padded()
+    out, lse = attention_forward(q, k, v, causal=True)
+    dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(4))
+    dq, dk, dv = attention_backward(dout, q, k, v, out, lse, causal=True)
+    starts = [torch.randn(x.shape, generator=torch.Generator().manual_seed(5)) for x in (k, v)]
+    sums = [t.clone() for t in starts]
+    got = attention_backward_trusted(dout, q, k, v, out, lse, host_cu_seqlens=None, causal=True,
+                                     dkv_accumulators=sums)
+    assert torch.equal(got[0], dq) and got[1] is sums[0] and got[2] is sums[1]
+    torch.testing.assert_close(sums[0], starts[0] + dk)
+    torch.testing.assert_close(sums[1], starts[1] + dv)
+    with pytest.raises(ValueError, match="dkv_accumulators: dk expected"):
+        attention_backward_trusted(dout, q, k, v, out, lse, host_cu_seqlens=None, causal=True,
+                                   dkv_accumulators=(starts[0].double(), starts[1]))
+    with pytest.raises(ValueError, match="dkv_accumulators: dv expected"):
+        attention_backward_trusted(dout, q, k, v, out, lse, host_cu_seqlens=None, causal=True,
+                                   dkv_accumulators=(starts[0], starts[1][:, :3]))
+    row_dots = (dout * out).sum(-1)
+    with pytest.raises(ValueError, match="dout_dot_out: only the sm90 backward kernel"):
+        attention_backward_trusted(dout, q, k, v, None, lse, host_cu_seqlens=None, causal=True,
+                                   dout_dot_out=row_dots)
+    with pytest.raises(ValueError, match="dout_dot_out: expected"):
+        attention_backward_trusted(dout, q, k, v, None, lse, host_cu_seqlens=None, causal=True,
+                                   dout_dot_out=row_dots[..., :1])
