@@ -115,17 +115,18 @@ def select_blocks(q: Tensor, k_cmp: Tensor, cu_seqlens: Tensor, cu_seqlens_cmp: 
         ranges = _selection_ranges(tiles, l_sel, q_tile, causal)
         cmp_ranges = None if width is None else _cmp_selection_ranges(tiles, l, cmp_kv_block,
                                                                       q_tile, causal)
-        return offsets, tiles, ranges, cmp_ranges
+        scoring = _scoring_rows(tiles, q_tile, causal, cu_host[-1])
+        return offsets, tiles, ranges, cmp_ranges, scoring
 
     # Functions of the host bounds and the rule's sizes only: kept across calls
     # (sparsity/host_cache.py).
-    offsets, tiles, ranges, cmp_ranges = cached(
+    offsets, tiles, ranges, cmp_ranges, scoring = cached(
         ("selection layout", tuple(cu_host), tuple(cu_cmp_host), q_tile, l, l_sel, causal,
          None if width is None else cmp_kv_block), cu_seqlens, layout)
     if num_tiles == 0:
         return _empty_selection(q.device, kv_heads, num_selected_blocks, width, offsets)
 
-    q_bar = _scoring_queries(q, tiles, q_tile, causal)
+    q_bar = _scoring_queries(q, *scoring)
     keys = k_cmp.to(q_bar.dtype).permute(1, 2, 0)  # (Hkv, D, Tc)
     selected, cmp_selected = [], []
     for chunk in _plan_chunks(lengths, cu_cmp_host, q_tile, l, causal, heads, dim):
@@ -219,19 +220,28 @@ def _plan_chunks(lengths: list[int], cu_cmp: list[int], q_tile: int, l: int, cau
 
 # --- scores --------------------------------------------------------------------------------------
 
-def _scoring_queries(q: Tensor, tiles: _Tiles, q_tile: int, causal: bool) -> Tensor:
-    """(tiles, H, D): per tile the mean of q over its scoring rows.
-
-    Causal: the q_tile rows ending at the anchor; otherwise the tile's own rows. Summed directly
-    (not as a difference of prefix sums, whose float32 cancellation grows with the sequence), over
-    rows gathered in q's dtype in chunks of at most GATHER_CHUNK_ELEMENTS elements; rows outside
-    the sequence are zeroed, then the sum accumulates in the compute dtype.
-    """
-    offset = torch.arange(q_tile, device=q.device)
+def _scoring_rows(tiles: _Tiles, q_tile: int, causal: bool, total_rows: int
+                  ) -> tuple[Tensor, Tensor, Tensor]:
+    """(rows, valid, count): per tile (tiles, q_tile) the packed rows its scoring query
+    averages and which of them lie in the tile's sequence (the others are clamped in range and
+    zeroed by `_scoring_queries`), and (tiles, 1, 1) how many do. Causal: the q_tile rows
+    ending at the anchor; otherwise the tile's own rows."""
+    offset = torch.arange(q_tile, device=tiles.anchor.device)
     local = tiles.anchor[:, None] + (offset - (q_tile - 1) if causal else offset)
     valid = (local >= 0) & (local < tiles.seq_len[:, None])
-    rows = (tiles.seq_start[:, None] + local).clamp(0, q.shape[0] - 1)
-    per_chunk = max(1, GATHER_CHUNK_ELEMENTS // (q_tile * q.shape[1] * q.shape[2]))
+    rows = (tiles.seq_start[:, None] + local).clamp(0, max(total_rows - 1, 0))
+    return rows, valid, valid.sum(dim=1)[:, None, None]
+
+
+def _scoring_queries(q: Tensor, rows: Tensor, valid: Tensor, count: Tensor) -> Tensor:
+    """(tiles, H, D): per tile the mean of q over its scoring rows (`_scoring_rows`).
+
+    Summed directly (not as a difference of prefix sums, whose float32 cancellation grows with
+    the sequence), over rows gathered in q's dtype in chunks of at most GATHER_CHUNK_ELEMENTS
+    elements; rows outside the sequence are zeroed, then the sum accumulates in the compute
+    dtype.
+    """
+    per_chunk = max(1, GATHER_CHUNK_ELEMENTS // (rows.shape[1] * q.shape[1] * q.shape[2]))
     dtype = compute_dtype(q.dtype)
     sums = []
     for start in range(0, rows.shape[0], per_chunk):
@@ -239,7 +249,7 @@ def _scoring_queries(q: Tensor, tiles: _Tiles, q_tile: int, causal: bool) -> Ten
         gathered = q.index_select(0, part.flatten()).unflatten(0, part.shape)
         gathered.masked_fill_(~valid[start:start + per_chunk, :, None, None], 0)
         sums.append(gathered.sum(dim=1, dtype=dtype))
-    return _cat(sums) / valid.sum(dim=1)[:, None, None]
+    return _cat(sums) / count
 
 
 def _anchor_token_weights(q_bar: Tensor, keys: Tensor, tiles: _Tiles, first_token: int,

@@ -83,27 +83,34 @@ def build_selected_block_sparse_trusted(selected: Tensor, *, cu_seqlens: Tensor,
     if selected_block_size % kv_block:
         raise ValueError(f"kv_block ({kv_block}) must divide selected_block_size "
                          f"({selected_block_size}) for the trusted builder")
-    # A function of the host bounds and q_tile only: kept across calls (sparsity/host_cache.py)
-    geometry = cached(("selected tile geometry", tuple(host_cu_seqlens), q_tile), cu_seqlens,
-                      lambda: tile_geometry(cu_seqlens.to(torch.int64),
-                                            cu_seqlens.to(torch.int64), q_tile,
-                                            host_cu_q=host_cu_seqlens))
+    def geometry_and_range():
+        cu = cu_seqlens.to(torch.int64)
+        geometry = tile_geometry(cu, cu, q_tile, host_cu_q=host_cu_seqlens)
+        return geometry, visible_block_range(geometry, block_size=kv_block, causal=causal)
+
+    # Functions of the host bounds and the sizes only: kept across calls
+    # (sparsity/host_cache.py)
+    geometry, visible = cached(("selected tile geometry", tuple(host_cu_seqlens), q_tile,
+                                kv_block, causal), cu_seqlens, geometry_and_range)
     ratio = selected_block_size // kv_block
     widths = (selected.shape[-1] * ratio,
               max_diagonal_blocks(q_tile, 1, kv_block) if causal else 0)
     return _selected_lists(selected.to(torch.int64), geometry, q_tile, selected_block_size,
-                           kv_block, causal, widths)
+                           kv_block, causal, widths, visible)
 
 
 def _selected_lists(picks: Tensor, geometry: TileGeometry, q_tile: int, selected_block_size: int,
-                    kv_block: int, causal: bool,
-                    widths: tuple[int, int] | None = None) -> BlockSparseTensors:
+                    kv_block: int, causal: bool, widths: tuple[int, int] | None = None,
+                    visible: tuple[Tensor, Tensor] | None = None) -> BlockSparseTensors:
+    """`visible`: the geometry's `visible_block_range` when the caller has it."""
     if selected_block_size >= kv_block:
         kernel_blocks = _split_selected_blocks(picks, selected_block_size // kv_block)
     else:
         kernel_blocks = _merge_selected_blocks(picks, geometry, kv_block // selected_block_size,
                                                selected_block_size, kv_block, causal)
-    n_full, n_visible = visible_block_range(geometry, block_size=kv_block, causal=causal)
+    if visible is None:
+        visible = visible_block_range(geometry, block_size=kv_block, causal=causal)
+    n_full, n_visible = visible
     kernel_blocks = kernel_blocks.masked_fill(kernel_blocks >= n_visible[:, None, None], -1)
     lists = compact_block_lists_below(kernel_blocks, n_full[:, None, None], widths)
     return _assemble(lists, geometry, q_tile, kv_block)
