@@ -9,12 +9,12 @@ packing changes every step gains nothing and loses nothing but a dictionary look
 
 Rules that keep it correct:
 - the key holds every value the build depends on; the device is added here;
-- nothing is stored while the current CUDA stream is being captured into a graph: capture
-  records kernels without running them, so a tensor built then has no values until the graph
-  replays (lookups are fine: a stored tensor holds real values);
-- an entry found during a capture is pinned, never evicted: the graph reads its memory at every
-  replay, without holding a reference;
-- fake tensors (torch.compile's tracing) and meta tensors bypass the cache both ways;
+- on a GPU the cache is used only from the device's default stream. A tensor made on one
+  stream and read on another could be freed (evicted) while the other stream still reads it,
+  and its memory reused under it. CUDA-graph capture never runs on the default stream, so a
+  captured graph neither stores a tensor that holds no values until replay nor reads one that
+  an eviction could free: capture builds its own, as without the cache;
+- fake tensors (torch.compile's tracing) and meta tensors bypass the cache;
 - callers never write into a returned tensor.
 """
 from __future__ import annotations
@@ -29,38 +29,30 @@ MAX_ENTRIES = 8  # a few packings at once (e.g. train and eval shapes), bounded 
 
 T = TypeVar("T")
 _entries: OrderedDict = OrderedDict()  # least recently used first
-_pinned: dict = {}  # read by a captured CUDA graph: kept while the process lives
 
 
 def cached(key: tuple, like: torch.Tensor, build: Callable[[], T]) -> T:
-    """build()'s result for `key` on like's device: from the cache, or built (and kept unless
-    a graph capture is under way)."""
-    if is_fake(like) or like.device.type == "meta":
+    """build()'s result for `key` on like's device: from the cache, or built and kept (on a
+    GPU only from the default stream, see the module's rules)."""
+    if is_fake(like) or like.device.type == "meta" or not _on_default_stream(like):
         return build()
     full_key = (key, like.device)
-    capturing = _capturing(like)
-    if full_key in _pinned:
-        return _pinned[full_key]
     if full_key in _entries:
-        if capturing:
-            _pinned[full_key] = _entries.pop(full_key)
-            return _pinned[full_key]
         _entries.move_to_end(full_key)
         return _entries[full_key]
-    value = build()
-    if not capturing:
-        _entries[full_key] = value
-        while len(_entries) > MAX_ENTRIES:
-            _entries.popitem(last=False)
+    value = _entries[full_key] = build()
+    while len(_entries) > MAX_ENTRIES:
+        _entries.popitem(last=False)
     return value
 
 
-def _capturing(like: torch.Tensor) -> bool:
-    """Whether like's device's current stream is being captured into a CUDA graph."""
-    return like.is_cuda and torch.cuda.is_current_stream_capturing()
+def _on_default_stream(like: torch.Tensor) -> bool:
+    """Whether work for like's device is queued on its default stream (always on the CPU)."""
+    if not like.is_cuda:
+        return True
+    return torch.cuda.current_stream(like.device) == torch.cuda.default_stream(like.device)
 
 
 def clear() -> None:
-    """Drop every entry, pinned ones too (tests: no captured graph may replay afterwards)."""
+    """Drop every entry (tests; or to free the memory they hold)."""
     _entries.clear()
-    _pinned.clear()

@@ -46,34 +46,46 @@ def test_meta_tensors_bypass_the_cache():
     assert len(builds) == 2
 
 
-def test_during_a_capture_nothing_is_stored_and_what_is_read_is_pinned(monkeypatch):
-    """While a graph is captured (faked here): a miss builds without storing (its tensor has no
-    values until replay); a hit pins the entry, which no later eviction may free (the graph
-    reads its memory at every replay)."""
+def test_off_the_default_stream_the_cache_is_bypassed(monkeypatch):
+    """Another stream (a CUDA-graph capture among them; faked here) neither stores nor reads:
+    a tensor made on one stream and read on another could be evicted and its memory reused
+    under the reader, and a captured tensor holds no values until its graph replays."""
     like = torch.zeros(1)
     kept = host_cache.cached(("kept",), like, lambda: torch.tensor([1]))
-    monkeypatch.setattr(host_cache, "_capturing", lambda like: True)
-    assert host_cache.cached(("kept",), like, lambda: torch.tensor([2])) is kept
-    host_cache.cached(("built in capture",), like, lambda: torch.tensor([3]))
-    monkeypatch.setattr(host_cache, "_capturing", lambda like: False)
+    monkeypatch.setattr(host_cache, "_on_default_stream", lambda like: False)
     builds = []
-    host_cache.cached(("built in capture",), like, lambda: builds.append(1) or torch.tensor([3]))
-    assert builds == [1]  # not stored during the capture: built again
-    for n in range(3 * host_cache.MAX_ENTRIES):  # enough new keys to evict every unpinned one
-        host_cache.cached(("n", n), like, lambda: torch.tensor([n]))
+    other = host_cache.cached(("kept",), like, lambda: builds.append(1) or torch.tensor([2]))
+    host_cache.cached(("new",), like, lambda: builds.append(1) or torch.tensor([3]))
+    assert builds == [1, 1] and other is not kept
+    monkeypatch.setattr(host_cache, "_on_default_stream", lambda like: True)
     assert host_cache.cached(("kept",), like, lambda: torch.tensor([4])) is kept
+    builds.clear()
+    host_cache.cached(("new",), like, lambda: builds.append(1) or torch.tensor([3]))
+    assert builds == [1]  # not stored from the other stream
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_nothing_built_during_a_graph_capture_is_kept():
-    """A tensor built while a stream is captured holds no values until the graph replays: a
-    later eager call must build its own, never find that one."""
+def test_a_capture_and_a_side_stream_neither_store_nor_read():
+    """On the GPU: only the default stream uses the cache (torch.cuda.graph captures on a
+    stream of its own)."""
     like = torch.zeros(1, device="cuda")
+    kept = host_cache.cached(("kept",), like, lambda: like + 1)
+    builds = []
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        captured = host_cache.cached(("captured",), like, lambda: like + 1)
-    builds = []
-    eager = host_cache.cached(("captured",), like, lambda: builds.append(1) or like + 1)
-    assert builds == [1] and eager is not captured
-    assert eager.item() == 1.0
+        captured = host_cache.cached(("kept",), like, lambda: builds.append(1) or like + 2)
+        host_cache.cached(("in capture",), like, lambda: builds.append(1) or like + 3)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        host_cache.cached(("on a side stream",), like, lambda: builds.append(1) or like + 4)
+    torch.cuda.current_stream().wait_stream(side)
+    assert builds == [1, 1, 1] and captured is not kept
+    graph.replay()
+    assert captured.item() == 2.0 and kept.item() == 1.0
+    builds.clear()
+    for key in ("in capture", "on a side stream"):
+        host_cache.cached((key,), like, lambda: builds.append(1) or like + 5)
+    assert builds == [1, 1]  # neither was stored
+    assert host_cache.cached(("kept",), like, lambda: like + 6) is kept
