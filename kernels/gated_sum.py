@@ -122,7 +122,7 @@ def gated_sum_backward(dout: Tensor, term: Tensor, gates: Tensor, column: int,
 
         return gated_sum.run_backward(_aligned(dout), _aligned(term),
                                       gates.to(torch.float32).contiguous(), column, d_gates)
-    gate_gradient(dout, term, column, d_gates)
+    _write_gate_gradient(dout, term, column, d_gates)
     d_term = torch.empty(dout.shape, dtype=dout.dtype, device=dout.device)  # dense strides
     return torch.mul(gates[..., column, None], dout, out=d_term)
 
@@ -138,6 +138,11 @@ def gate_gradient(dout: Tensor, term: Tensor, column: int, d_gates: Tensor) -> N
         gated_sum.run_backward(_aligned(dout), _aligned(term), None, column, d_gates,
                                term_gradient=False)
         return
+    _write_gate_gradient(dout, term, column, d_gates)
+
+
+def _write_gate_gradient(dout: Tensor, term: Tensor, column: int, d_gates: Tensor) -> None:
+    """The torch path of the gate gradient, for checked arguments."""
     accumulate = torch.promote_types(dout.dtype, torch.float32)
     d_gates[..., column] = _masked_row_dot(dout, term, accumulate)
 

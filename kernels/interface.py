@@ -141,11 +141,9 @@ def backward_runs_on_kernel(q, k, v, *, host_cu_seqlens, block_sparse_transposed
     backward will get (without it, block-sparse calls would build the transpose here)."""
     problem = validate_trusted_attention_forward(q, k, v, host_cu_seqlens=host_cu_seqlens,
                                                  **kwargs)
-    normalised = _normalised_kwargs(problem, kwargs.get("cu_seqlens_q"),
-                                    kwargs.get("cu_seqlens_k"), kwargs.get("block_sparse"))
-    normalised.update(block_sparse_transposed=block_sparse_transposed,
-                      deterministic=deterministic)
-    return _choose_kernel("backward", q, k, v, normalised, problem)[0] is not None
+    kernel, _ = _kernel_for_call("backward", problem, q, k, v, kwargs,
+                                 block_sparse_transposed, deterministic)
+    return kernel is not None
 
 
 def _run_forward(problem: AttentionProblem, q, k, v, cu_seqlens_q, cu_seqlens_k, block_sparse):
@@ -167,16 +165,24 @@ def _run_backward(problem: AttentionProblem, dout, q, k, v, out, lse, cu_seqlens
         if kernel is None:
             raise ValueError(f"dout_dot_out: only the sm90 backward kernel takes it, and this "
                              f"call runs the fallback ({reason})")
-        return kernel.run(dout, q, k, v, None, lse, dout_dot_out=dout_dot_out,
-                          dkv_accumulators=dkv_accumulators, **kwargs)
-    if kernel is not None and dkv_accumulators is not None:
-        return kernel.run(dout, q, k, v, out, lse, dkv_accumulators=dkv_accumulators, **kwargs)
+        out = None  # the kernel reads the row dots instead (out stood in for the checks only)
     if kernel is not None:
-        return kernel.run(dout, q, k, v, out, lse, **kwargs)
-    dq, dk, dv = fallback.backward(problem, dout, q, k, v, out, lse, block_sparse,
-                                   deterministic=deterministic)
+        # Only the arguments given, so that run() sees what can_run() saw
+        given = {name: value for name, value in (("dout_dot_out", dout_dot_out),
+                                                 ("dkv_accumulators", dkv_accumulators))
+                 if value is not None}
+        return kernel.run(dout, q, k, v, out, lse, **given, **kwargs)
+    grads = fallback.backward(problem, dout, q, k, v, out, lse, block_sparse,
+                              deterministic=deterministic)
+    return add_dkv(grads, dkv_accumulators)
+
+
+def add_dkv(grads, dkv_accumulators):
+    """(dq, dk, dv) with dk, dv added into ``dkv_accumulators`` and returned as them, for a path
+    that computed them fresh; ``grads`` as they are without accumulators."""
     if dkv_accumulators is None:
-        return dq, dk, dv
+        return grads
+    dq, dk, dv = grads
     return dq, dkv_accumulators[0].add_(dk), dkv_accumulators[1].add_(dv)
 
 
@@ -193,16 +199,25 @@ def which_backend(q, k, v, *, backward: bool = False, **kwargs) -> str:
         name = "block_sparse_transposed" if transposed is not None else "deterministic"
         raise ValueError(f"{name} only applies with backward=True (the forward is deterministic)")
     problem = validate_attention_forward(q, k, v, **kwargs)
+    if backward and transposed is not None:
+        check_block_sparse_transposed(transposed, kwargs.get("block_sparse"), problem,
+                                      device=q.device, check_contents=True)
+    kernel, reason = _kernel_for_call("backward" if backward else "forward", problem, q, k, v,
+                                      kwargs, transposed, deterministic)
+    return SM90 if kernel is not None else f"{FALLBACK} ({reason})"
+
+
+def _kernel_for_call(direction: str, problem: AttentionProblem, q, k, v, kwargs: dict,
+                     block_sparse_transposed=None, deterministic: bool = False
+                     ) -> tuple[ModuleType | None, str]:
+    """`_choose_kernel` for a call's checked keyword arguments (those of attention_forward;
+    the transposed lists and deterministic for the backward)."""
     normalised = _normalised_kwargs(problem, kwargs.get("cu_seqlens_q"),
                                     kwargs.get("cu_seqlens_k"), kwargs.get("block_sparse"))
-    if backward:
-        if transposed is not None:
-            check_block_sparse_transposed(transposed, kwargs.get("block_sparse"), problem,
-                                          device=q.device, check_contents=True)
-        normalised.update(block_sparse_transposed=transposed, deterministic=deterministic)
-    direction = "backward" if backward else "forward"
-    kernel, reason = _choose_kernel(direction, q, k, v, normalised, problem)
-    return SM90 if kernel is not None else f"{FALLBACK} ({reason})"
+    if direction == "backward":
+        normalised.update(block_sparse_transposed=block_sparse_transposed,
+                          deterministic=deterministic)
+    return _choose_kernel(direction, q, k, v, normalised, problem)
 
 
 def _normalised_kwargs(problem: AttentionProblem, cu_seqlens_q, cu_seqlens_k,

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from torch import Tensor
 
 import kernels
-from kernels.interface import (attention_backward_trusted, attention_forward_trusted,
+from kernels.interface import (add_dkv, attention_backward_trusted, attention_forward_trusted,
                                backward_runs_on_kernel, kernels_unavailable,
                                transpose_block_sparse_trusted)
 from sparsity import (BlockSparseTensors, build_compressed_block_sparse,
@@ -70,10 +70,8 @@ class Branch:
         kwargs = dict(self.kernel_kwargs, deterministic=deterministic,
                       block_sparse_transposed=block_sparse_transposed)
         if self.host_cu_seqlens is None:  # then backward_on_kernel is False: out is given
-            dq, dk, dv = kernels.attention_backward(dout, q, k, v, out, lse, **kwargs)
-            if dkv_accumulators is None:
-                return dq, dk, dv
-            return dq, dkv_accumulators[0].add_(dk), dkv_accumulators[1].add_(dv)
+            return add_dkv(kernels.attention_backward(dout, q, k, v, out, lse, **kwargs),
+                           dkv_accumulators)
         return attention_backward_trusted(dout, q, k, v, out, lse,
                                           host_cu_seqlens=self.host_cu_seqlens,
                                           dout_dot_out=dout_dot_out,

@@ -131,6 +131,22 @@ def check_num_seqs(args, parser) -> None:
             parser.error(f"--num-seqs ({args.num_seqs}) exceeds the {args.batch * seqlen} tokens")
 
 
+def table_lists(table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(count (..., R) int32, index (..., R, W) int32) of a boolean (..., R, C) table: each row's
+    true columns, ascending, padded with 0 to the longest row W (at least 1), the layout of FA4's
+    block-sparse lists (it reads only the first count entries). Fresh row-major tensors:
+    `.contiguous()` keeps any stride on a size-1 dim (width-1 lists of a transposed table),
+    which FA4's DLPack import refuses."""
+    count = table.sum(-1, dtype=torch.int32)
+    columns = torch.arange(table.shape[-1], device=table.device)
+    order = torch.where(table, columns, table.shape[-1]).sort(-1).values
+    width = max(int(count.max()) if count.numel() else 0, 1)
+    index = order[..., :width]
+    index = torch.where(index < table.shape[-1], index, 0)
+    return (torch.empty(count.shape, dtype=torch.int32, device=table.device).copy_(count),
+            torch.empty(index.shape, dtype=torch.int32, device=table.device).copy_(index))
+
+
 def varlen_lengths(total: int, num_sequences: int, generator: torch.Generator) -> list[int]:
     """`num_sequences` random lengths (each >= 1) summing to `total`."""
     if num_sequences > total:

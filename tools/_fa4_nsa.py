@@ -21,8 +21,14 @@ backward). FA4 is imported when the method is built: without it the method repor
 from __future__ import annotations
 
 import importlib
+import sys
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _common import table_lists  # noqa: E402
 
 FA4_TILE = 128  # FA4's SM90 block-sparse tiles at D = 128: 128 query rows x 128 keys
 
@@ -72,21 +78,6 @@ def selected_tiles(q: torch.Tensor, k_cmp: torch.Tensor, *, block: int, num_sele
     return full & ~diagonal, diagonal
 
 
-def _lists(table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(count (..., R) int32, index (..., R, W) int32 ascending, padded with 0) of a boolean
-    (..., R, C) table."""
-    count = table.sum(-1, dtype=torch.int32)
-    columns = torch.arange(table.shape[-1], device=table.device)
-    order = torch.where(table, columns, table.shape[-1]).sort(-1).values
-    width = max(int(count.max()) if count.numel() else 0, 1)
-    index = order[..., :width]
-    index = torch.where(index < table.shape[-1], index, 0)
-    # Fresh row-major tensors: `.contiguous()` keeps any stride on a size-1 dim (a width-1 list
-    # of a transposed table), which FA4's DLPack import refuses.
-    return (torch.empty(count.shape, dtype=torch.int32, device=table.device).copy_(count),
-            torch.empty(index.shape, dtype=torch.int32, device=table.device).copy_(index))
-
-
 def fa4_block_sparse(full: torch.Tensor, diagonal: torch.Tensor, heads: int):
     """FA4's (forward, backward) BlockSparseTensorsTorch of `selected_tiles`' tables, per query
     head (each KV group's lists repeated over its heads)."""
@@ -98,8 +89,8 @@ def fa4_block_sparse(full: torch.Tensor, diagonal: torch.Tensor, heads: int):
     lists = []
     for full_table, mask_table in ((full, masked), (full.transpose(-1, -2),
                                                    masked.transpose(-1, -2))):
-        full_count, full_index = _lists(full_table)
-        mask_count, mask_index = _lists(mask_table)
+        full_count, full_index = table_lists(full_table)
+        mask_count, mask_index = table_lists(mask_table)
         lists.append(BlockSparseTensorsTorch(
             mask_block_cnt=mask_count, mask_block_idx=mask_index, full_block_cnt=full_count,
             full_block_idx=full_index, block_size=(FA4_TILE, FA4_TILE)))

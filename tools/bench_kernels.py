@@ -79,13 +79,7 @@ def transposed_block_lists(count: torch.Tensor, index: torch.Tensor,
     table = torch.zeros(heads, rows, num_cols + 1, dtype=torch.bool, device=index.device)
     # Unlisted slots scatter into a spare last column, dropped below.
     table.scatter_(2, torch.where(listed, index.long(), num_cols), True)
-    by_column = table[..., :num_cols].transpose(1, 2)  # (H, C, R)
-    new_count = by_column.sum(dim=-1, dtype=torch.int32)
-    rows_or_end = torch.where(by_column, torch.arange(rows, device=index.device), rows)
-    new_width = max(int(new_count.max()) if new_count.numel() else 0, 1)
-    new_index = rows_or_end.sort(dim=-1).values[..., :new_width]
-    new_index = torch.where(new_index < rows, new_index, 0).to(torch.int32)
-    return new_count.contiguous(), new_index.contiguous()
+    return _common.table_lists(table[..., :num_cols].transpose(1, 2))  # (H, C, R)
 
 
 def block_sparse_case(n: int, heads: int, density: float, block_n: int = 128):

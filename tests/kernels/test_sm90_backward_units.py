@@ -9,6 +9,20 @@ from kernels.sm90.backward import QueryTiles, work_units
 from sparsity import build_block_sparse_from_mask, transpose_block_sparse_csr
 
 
+requires_sm90 = pytest.mark.skipif(
+    not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)),
+    reason="needs an sm_90 GPU")
+
+
+def _random_bf16_problem(tokens: int, generator: torch.Generator):
+    """(q, k, v, dout) on the GPU, bf16, H=8, Hkv=2, D=128, random normal."""
+    q, dout = (torch.randn(tokens, 8, 128, device="cuda", dtype=torch.bfloat16,
+                           generator=generator) for _ in range(2))
+    k, v = (torch.randn(tokens, 2, 128, device="cuda", dtype=torch.bfloat16,
+                        generator=generator) for _ in range(2))
+    return q, k, v, dout
+
+
 def _nsa_like_lists(lengths, heads, kv_block, seed=0):
     """Causal lists that always hold block 0 (NSA's forced block) plus random others."""
     gen = torch.Generator().manual_seed(seed)
@@ -81,9 +95,7 @@ def test_query_tiles_pad_each_sequence_to_whole_64_row_tiles():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not (torch.cuda.is_available()
-                         and torch.cuda.get_device_capability() == (9, 0)),
-                    reason="needs an sm_90 GPU")
+@requires_sm90
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_row_statistics_kernel_matches_torch(dtype, head_dim):
@@ -110,9 +122,7 @@ def test_row_statistics_kernel_matches_torch(dtype, head_dim):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not (torch.cuda.is_available()
-                         and torch.cuda.get_device_capability() == (9, 0)),
-                    reason="needs an sm_90 GPU")
+@requires_sm90
 def test_backward_adds_dk_dv_into_given_accumulators():
     """dkv_accumulators (nsa()'s float32 dk, dv sums): the returned dk, dv are those tensors,
     holding what they held plus this call's dk, dv. For NSA-like lists the kernel sums partials
@@ -127,10 +137,7 @@ def test_backward_adds_dk_dv_into_given_accumulators():
     bs = bs.to("cuda")
     cu = cu_cpu.cuda()
     gen = torch.Generator(device="cuda").manual_seed(8)
-    q, dout = (torch.randn(2200, 8, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
-               for _ in range(2))
-    k, v = (torch.randn(2200, 2, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
-            for _ in range(2))
+    q, k, v, dout = _random_bf16_problem(2200, gen)
     common = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=1500, max_seqlen_k=1500,
                   causal=True)
     for options, partial in ((dict(block_sparse=bs), True), (dict(), None),
@@ -153,9 +160,7 @@ def test_backward_adds_dk_dv_into_given_accumulators():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not (torch.cuda.is_available()
-                         and torch.cuda.get_device_capability() == (9, 0)),
-                    reason="needs an sm_90 GPU")
+@requires_sm90
 def test_backward_from_given_row_dots_equals_the_one_from_out():
     """kernels.sm90.backward.run with dout_dot_out (out not read) against the same call with
     out: the row dots come from torch instead of the preprocess kernel, so the gradients agree
@@ -165,10 +170,7 @@ def test_backward_from_given_row_dots_equals_the_one_from_out():
 
     cu = torch.tensor([0, 300, 1000], dtype=torch.int32, device="cuda")
     gen = torch.Generator(device="cuda").manual_seed(5)
-    q, dout = (torch.randn(1000, 8, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
-               for _ in range(2))
-    k, v = (torch.randn(1000, 2, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
-            for _ in range(2))
+    q, k, v, dout = _random_bf16_problem(1000, gen)
     options = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=700, max_seqlen_k=700,
                    causal=True)
     out, lse = attention_forward(q, k, v, **options)

@@ -53,7 +53,7 @@ def test_selected_tiles_match_brute_force(fa4_nsa, seqlen):
 def test_lists_hold_each_table_row_ascending(fa4_nsa):
     table = torch.rand(3, 7, 9, generator=torch.Generator().manual_seed(1)) < 0.3
     table[0, 0] = False  # an empty row
-    count, index = fa4_nsa._lists(table)
+    count, index = fa4_nsa.table_lists(table)
     assert count.dtype == index.dtype == torch.int32
     for h in range(3):
         for r in range(7):
