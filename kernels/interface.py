@@ -96,7 +96,7 @@ def attention_forward_trusted(q, k, v, *, host_cu_seqlens, **kwargs):
 
 
 def attention_backward_trusted(dout, q, k, v, out, lse, *, host_cu_seqlens, dout_dot_out=None,
-                               dkv_accumulators=None, **kwargs):
+                               dq_accumulator=None, dkv_accumulators=None, **kwargs):
     """``attention_backward`` without device reads; trusts what ``attention_forward_trusted``
     trusts, and that ``block_sparse_transposed`` (when given) is the transpose of
     ``block_sparse``.
@@ -106,10 +106,21 @@ def attention_backward_trusted(dout, q, k, v, out, lse, *, host_cu_seqlens, dout
     then ``out`` is not read and may be None. Only the sm90 kernel takes it: the caller checks
     ``backward_runs_on_kernel`` first (a ValueError otherwise).
 
+    ``dq_accumulator``: a tensor of q's shape and dtype into which dq is added instead of
+    returned fresh (the returned dq is then this tensor); the sm90 dQ kernel adds as it writes
+    (in float32, rounded once) where it can write the tensor's strides. nsa() sums its
+    branches' dq so.
+
     ``dkv_accumulators``: ``(dk_sum, dv_sum)``, tensors of k's and v's shape in float32
     (float64 for float64 inputs), into which dk and dv are added instead of returned fresh;
     the returned dk, dv are then these tensors. Where the sm90 kernel sums dK/dV partials in
     float32 it adds into them directly (no buffer of its own, no conversion)."""
+    if dq_accumulator is not None and (
+            dq_accumulator.shape != q.shape or dq_accumulator.dtype != q.dtype
+            or dq_accumulator.device != q.device):
+        raise ValueError(f"dq_accumulator: expected a {tuple(q.shape)} {q.dtype} "
+                         f"tensor on {q.device}, got {tuple(dq_accumulator.shape)} "
+                         f"{dq_accumulator.dtype} on {dq_accumulator.device}")
     if dkv_accumulators is not None:
         accumulate = torch.promote_types(k.dtype, torch.float32)
         for name, acc, like in (("dk", dkv_accumulators[0], k), ("dv", dkv_accumulators[1], v)):
@@ -131,7 +142,8 @@ def attention_backward_trusted(dout, q, k, v, out, lse, *, host_cu_seqlens, dout
     return _run_backward(problem, dout, q, k, v, out, lse, kwargs.get("cu_seqlens_q"),
                          kwargs.get("cu_seqlens_k"), kwargs.get("block_sparse"),
                          kwargs.get("block_sparse_transposed"),
-                         kwargs.get("deterministic", False), dout_dot_out, dkv_accumulators)
+                         kwargs.get("deterministic", False), dout_dot_out, dq_accumulator,
+                         dkv_accumulators)
 
 
 def backward_runs_on_kernel(q, k, v, *, host_cu_seqlens, block_sparse_transposed=None,
@@ -157,7 +169,7 @@ def _run_forward(problem: AttentionProblem, q, k, v, cu_seqlens_q, cu_seqlens_k,
 
 def _run_backward(problem: AttentionProblem, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
                   block_sparse, block_sparse_transposed, deterministic: bool,
-                  dout_dot_out=None, dkv_accumulators=None):
+                  dout_dot_out=None, dq_accumulator=None, dkv_accumulators=None):
     kwargs = _normalised_kwargs(problem, cu_seqlens_q, cu_seqlens_k, block_sparse)
     kwargs.update(block_sparse_transposed=block_sparse_transposed, deterministic=deterministic)
     kernel, reason = _choose_kernel("backward", q, k, v, kwargs, problem)
@@ -169,21 +181,24 @@ def _run_backward(problem: AttentionProblem, dout, q, k, v, out, lse, cu_seqlens
     if kernel is not None:
         # Only the arguments given, so that run() sees what can_run() saw
         given = {name: value for name, value in (("dout_dot_out", dout_dot_out),
+                                                 ("dq_accumulator", dq_accumulator),
                                                  ("dkv_accumulators", dkv_accumulators))
                  if value is not None}
         return kernel.run(dout, q, k, v, out, lse, **given, **kwargs)
     grads = fallback.backward(problem, dout, q, k, v, out, lse, block_sparse,
                               deterministic=deterministic)
-    return add_dkv(grads, dkv_accumulators)
+    return add_into_accumulators(grads, dq_accumulator, dkv_accumulators)
 
 
-def add_dkv(grads, dkv_accumulators):
-    """(dq, dk, dv) with dk, dv added into ``dkv_accumulators`` and returned as them, for a path
-    that computed them fresh; ``grads`` as they are without accumulators."""
-    if dkv_accumulators is None:
-        return grads
+def add_into_accumulators(grads, dq_accumulator, dkv_accumulators):
+    """(dq, dk, dv) with dq added into ``dq_accumulator`` and dk, dv into ``dkv_accumulators``
+    and returned as them (where given), for a path that computed them fresh."""
     dq, dk, dv = grads
-    return dq, dkv_accumulators[0].add_(dk), dkv_accumulators[1].add_(dv)
+    if dq_accumulator is not None:
+        dq = dq_accumulator.add_(dq)
+    if dkv_accumulators is not None:
+        dk, dv = dkv_accumulators[0].add_(dk), dkv_accumulators[1].add_(dv)
+    return dq, dk, dv
 
 
 def which_backend(q, k, v, *, backward: bool = False, **kwargs) -> str:

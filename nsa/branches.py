@@ -21,7 +21,8 @@ from dataclasses import dataclass
 from torch import Tensor
 
 import kernels
-from kernels.interface import (add_dkv, attention_backward_trusted, attention_forward_trusted,
+from kernels.interface import (add_into_accumulators, attention_backward_trusted,
+                               attention_forward_trusted,
                                backward_runs_on_kernel, kernels_unavailable,
                                transpose_block_sparse_trusted)
 from sparsity import (BlockSparseTensors, build_compressed_block_sparse,
@@ -59,22 +60,24 @@ class Branch:
 
     def backward(self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor | None,
                  lse: Tensor, *, deterministic: bool = False, block_sparse_transposed=None,
-                 dout_dot_out: Tensor | None = None,
+                 dout_dot_out: Tensor | None = None, dq_accumulator: Tensor | None = None,
                  dkv_accumulators: tuple[Tensor, Tensor] | None = None,
                  ) -> tuple[Tensor, Tensor, Tensor]:
         """(dq, dk, dv), dk and dv summed over each KV group. block_sparse_transposed: this
         branch's `transposed_lists()`, or None (the kernels build them when they need them).
         dout_dot_out: rowsum(dout * out) (T, H) in place of out, where `backward_on_kernel`
-        says the kernel runs. dkv_accumulators: (dk_sum, dv_sum) float32 tensors that dk and dv
-        are added into (and returned as)."""
+        says the kernel runs. dq_accumulator: a tensor like q that dq is added into;
+        dkv_accumulators: (dk_sum, dv_sum) float32 tensors that dk and dv are added into (both
+        returned as the results)."""
         kwargs = dict(self.kernel_kwargs, deterministic=deterministic,
                       block_sparse_transposed=block_sparse_transposed)
         if self.host_cu_seqlens is None:  # then backward_on_kernel is False: out is given
-            return add_dkv(kernels.attention_backward(dout, q, k, v, out, lse, **kwargs),
-                           dkv_accumulators)
+            return add_into_accumulators(
+                kernels.attention_backward(dout, q, k, v, out, lse, **kwargs), dq_accumulator,
+                dkv_accumulators)
         return attention_backward_trusted(dout, q, k, v, out, lse,
                                           host_cu_seqlens=self.host_cu_seqlens,
-                                          dout_dot_out=dout_dot_out,
+                                          dout_dot_out=dout_dot_out, dq_accumulator=dq_accumulator,
                                           dkv_accumulators=dkv_accumulators, **kwargs)
 
     def backward_on_kernel(self, q: Tensor, k: Tensor, v: Tensor, *,

@@ -3,17 +3,18 @@
 One compressed token per complete block (a sequence of n rows has n // l of them, the incomplete
 tail is not compressed), optionally projected per KV head by W (Hkv, D, D): x_cmp = mean @ W[h].
 Everything runs in float32 (float64 for float64 inputs): the selection scores read these values,
-and the branch kernel gets them cast back to the input dtype.
+and the branch kernel gets them cast back to the input dtype. The means are
+`kernels.row_means` (one CuTe DSL pass over K and V together on sm90).
 """
 from __future__ import annotations
 
 import torch
 from torch import Tensor
 
+from kernels.row_means import compute_dtype, row_means
 
-def compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    """float32 for half precision inputs, float64 stays float64."""
-    return torch.promote_types(dtype, torch.float32)
+__all__ = ["compressed_cu_seqlens", "compressed_block_starts", "compress", "compress_pair",
+           "compress_backward", "compress_kv", "compute_dtype"]
 
 
 def compressed_cu_seqlens(cu_seqlens: Tensor, compress_block_size: int) -> Tensor:
@@ -22,28 +23,31 @@ def compressed_cu_seqlens(cu_seqlens: Tensor, compress_block_size: int) -> Tenso
     return torch.cat([cu_seqlens.new_zeros(1), counts.cumsum(0)]).to(torch.int32)
 
 
-def compressed_block_rows(cu_seqlens: Tensor, cu_seqlens_cmp: Tensor,
-                          compress_block_size: int, num_compressed: int) -> Tensor:
-    """(Tc, l) int64: the packed rows each compressed token averages."""
+def compressed_block_starts(cu_seqlens: Tensor, cu_seqlens_cmp: Tensor,
+                            compress_block_size: int, num_compressed: int) -> Tensor:
+    """(Tc,) int64: the first packed row of each compressed token's block."""
     device = cu_seqlens.device
     token = torch.arange(num_compressed, device=device)
     sequence = torch.searchsorted(cu_seqlens_cmp[1:].to(torch.int64), token, right=True)
-    first_row = cu_seqlens.to(torch.int64)[sequence] + \
+    return cu_seqlens.to(torch.int64)[sequence] + \
         (token - cu_seqlens_cmp.to(torch.int64)[sequence]) * compress_block_size
-    return first_row[:, None] + torch.arange(compress_block_size, device=device)
 
 
-def compress(x: Tensor, block_rows: Tensor, W: Tensor | None = None) -> Tensor:
-    """(Tc, Hkv, D) in compute_dtype: the mean of x over block_rows, then @ W[h] per head."""
-    num_compressed, block_size = block_rows.shape
-    dtype = compute_dtype(x.dtype)
-    pooled = x[block_rows.flatten()].unflatten(0, (num_compressed, block_size)).to(dtype).mean(1)
-    if W is None:
-        return pooled
-    return torch.einsum("thd,hde->the", pooled, W.to(dtype))
+def compress(x: Tensor, block_starts: Tensor, block_size: int,
+             W: Tensor | None = None) -> Tensor:
+    """(Tc, Hkv, D) in compute_dtype: the mean of x over each block, then @ W[h] per head."""
+    return compress_pair((x,), block_starts, block_size, (W,))[0]
 
 
-def compress_backward(d_compressed: Tensor, x: Tensor, block_rows: Tensor,
+def compress_pair(xs: tuple[Tensor, ...], block_starts: Tensor, block_size: int,
+                  weights: tuple[Tensor | None, ...]) -> tuple[Tensor, ...]:
+    """`compress` of one or two tensors over the same blocks (K and V: one pass on sm90)."""
+    pooled = row_means(xs, block_starts, None, count=block_size)
+    return tuple(p if W is None else torch.einsum("thd,hde->the", p, W.to(p.dtype))
+                 for p, W in zip(pooled, weights))
+
+
+def compress_backward(d_compressed: Tensor, x: Tensor, block_starts: Tensor, block_size: int,
                       W: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
     """Gradients of `compress` for x (compute_dtype, shape of x) and W (None without W).
 
@@ -51,18 +55,17 @@ def compress_backward(d_compressed: Tensor, x: Tensor, block_rows: Tensor,
     A token whose gradient is zero adds nothing to dW, whatever its block holds: a NaN in a
     block that no row sees yet must not reach dW through 0 * NaN.
     """
-    num_compressed, block_size = block_rows.shape
     dtype = compute_dtype(x.dtype)
     d_compressed = d_compressed.to(dtype)
     dW = None
     if W is not None:
-        pooled = x[block_rows.flatten()].unflatten(0, (num_compressed, block_size)).to(dtype)
-        pooled = pooled.mean(1)
+        (pooled,) = row_means((x,), block_starts, None, count=block_size)
         pooled.masked_fill_(~(d_compressed != 0).any(dim=-1, keepdim=True), 0)
         dW = torch.einsum("thd,the->hde", pooled, d_compressed)
         d_compressed = torch.einsum("the,hde->thd", d_compressed, W.to(dtype))
     dx = torch.zeros(x.shape, dtype=dtype, device=x.device)
     per_row = (d_compressed / block_size).unsqueeze(1).expand(-1, block_size, -1, -1)
+    block_rows = block_starts[:, None] + torch.arange(block_size, device=x.device)
     dx[block_rows.flatten()] = per_row.flatten(0, 1)
     return dx, dW
 
@@ -72,5 +75,6 @@ def compress_kv(k: Tensor, v: Tensor, cu_seqlens: Tensor, compress_block_size: i
                 ) -> tuple[Tensor, Tensor, Tensor]:
     """k_cmp, v_cmp (Tc, Hkv, D) in compute_dtype and cu_seqlens_cmp (S+1,) int32."""
     cu_cmp = compressed_cu_seqlens(cu_seqlens, compress_block_size)
-    rows = compressed_block_rows(cu_seqlens, cu_cmp, compress_block_size, int(cu_cmp[-1]))
-    return compress(k, rows, W_k), compress(v, rows, W_v), cu_cmp
+    starts = compressed_block_starts(cu_seqlens, cu_cmp, compress_block_size, int(cu_cmp[-1]))
+    k_cmp, v_cmp = compress_pair((k, v), starts, compress_block_size, (W_k, W_v))
+    return k_cmp, v_cmp, cu_cmp

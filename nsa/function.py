@@ -30,7 +30,7 @@ from torch import Tensor
 from kernels.autograd import refuse_double_backward
 from kernels.gated_sum import GatedSum, gate_gradient, gated_sum_backward
 from nsa.branches import Branch, compressed_branch, selected_branch, window_branch
-from nsa.compression import (compress, compress_backward, compressed_block_rows,
+from nsa.compression import (compress_backward, compress_pair, compressed_block_starts,
                              compressed_cu_seqlens, compute_dtype)
 from nsa.config import NSAConfig
 from nsa.gating import NUM_BRANCHES, gate_backward, gate_weights
@@ -76,10 +76,9 @@ def packed_forward(q: Tensor, k: Tensor, v: Tensor, W_k: Tensor | None, W_v: Ten
                    config: NSAConfig) -> tuple[Tensor, list[Branch], Tensor, list[Tensor]]:
     """NSAFunction's forward without autograd: (out, the branches that ran, the compressed
     cu_seqlens, each branch's lse), the last three what `packed_gradients` needs."""
-    branches, cu_seqlens_cmp, rows, k_cmp = compress_and_plan(q, k, W_k, cu_seqlens, sequences,
-                                                              config)
-    k_cmp, v_cmp = k_cmp.to(k.dtype), compress(v, rows, W_v).to(v.dtype)
-    del rows
+    branches, cu_seqlens_cmp, k_cmp, v_cmp = compress_and_plan(q, k, v, W_k, W_v, cu_seqlens,
+                                                               sequences, config)
+    k_cmp, v_cmp = k_cmp.to(k.dtype), v_cmp.to(v.dtype)
 
     # One pass over the branch outputs on sm90; elsewhere a float32 sum that frees each
     # output as it is added (kernels/gated_sum.py).
@@ -95,20 +94,22 @@ def packed_forward(q: Tensor, k: Tensor, v: Tensor, W_k: Tensor | None, W_v: Ten
     return out.result(), branches, cu_seqlens_cmp, lses
 
 
-def compress_and_plan(q: Tensor, k: Tensor, W_k: Tensor | None, cu_seqlens: Tensor,
-                      sequences: PackedSequences, config: NSAConfig
-                      ) -> tuple[list[Branch], Tensor, Tensor, Tensor]:
-    """Compressed keys, selection and the branches: (branches, the compressed cu_seqlens, the
-    rows of each compression block, k_cmp in the compute dtype, which the selection scores
-    read). Deterministic, so a later call plans the same branches (nsa/ops.py's backward)."""
+def compress_and_plan(q: Tensor, k: Tensor, v: Tensor | None, W_k: Tensor | None,
+                      W_v: Tensor | None, cu_seqlens: Tensor, sequences: PackedSequences,
+                      config: NSAConfig) -> tuple[list[Branch], Tensor, Tensor, Tensor | None]:
+    """Compressed keys and values, selection and the branches: (branches, the compressed
+    cu_seqlens, k_cmp and v_cmp in the compute dtype, k_cmp the one the selection scores read;
+    v None gives v_cmp None). Deterministic, so a later call plans the same branches
+    (nsa/ops.py's backward)."""
     # A function of the host bounds and l: kept across calls (sparsity/host_cache.py)
     cu_seqlens_cmp = cached(("compressed cu_seqlens", sequences.cu_seqlens,
                              config.compress_block_size), cu_seqlens,
                             lambda: compressed_cu_seqlens(cu_seqlens, config.compress_block_size))
-    rows = compressed_rows(cu_seqlens, cu_seqlens_cmp, sequences, config)
-    k_cmp = compress(k, rows, W_k)
+    starts = compressed_starts(cu_seqlens, cu_seqlens_cmp, sequences, config)
+    xs, weights = ((k,), (W_k,)) if v is None else ((k, v), (W_k, W_v))
+    k_cmp, *v_cmp = compress_pair(xs, starts, config.compress_block_size, weights)
     branches = _plan_branches(q, k_cmp, cu_seqlens, cu_seqlens_cmp, sequences, config)
-    return branches, cu_seqlens_cmp, rows, k_cmp
+    return branches, cu_seqlens_cmp, k_cmp, v_cmp[0] if v_cmp else None
 
 
 def _gradients(ctx, dout: Tensor) -> tuple:
@@ -143,9 +144,9 @@ def packed_gradients(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, W_k: Tensor 
     branch: Branch
     for branch, lse in zip(branches, lses):
         if branch.reads_compressed:
-            rows = compressed_rows(cu_seqlens, cu_seqlens_cmp, sequences, config)
-            keys = compress(k, rows, W_k).to(k.dtype)
-            values = compress(v, rows, W_v).to(v.dtype)
+            starts = compressed_starts(cu_seqlens, cu_seqlens_cmp, sequences, config)
+            keys, values = (x_cmp.to(x.dtype) for x_cmp, x in zip(
+                compress_pair((k, v), starts, config.compress_block_size, (W_k, W_v)), (k, v)))
             accumulators = None  # dk, dv of the compressed keys go through compress_backward
         else:
             keys, values = k, v
@@ -161,19 +162,19 @@ def packed_gradients(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, W_k: Tensor 
         step = gate_pass(branch.index, dout, branch_out, gates, d_gates, lse,
                          on_kernel=on_kernel)
         del branch_out  # kept by `step` only where the fallback reads it
-        dq_b, dk_b, dv_b = branch.backward(step.dout, q, keys, values, step.out, step.lse,
-                                           dout_dot_out=step.dout_dot_out,
-                                           dkv_accumulators=accumulators, **options)
+        # dq after the first branch: the dQ kernel adds into it as it writes.
+        dq, dk_b, dv_b = branch.backward(step.dout, q, keys, values, step.out, step.lse,
+                                         dout_dot_out=step.dout_dot_out, dq_accumulator=dq,
+                                         dkv_accumulators=accumulators, **options)
         del step, keys, values
-        dq = dq_b if dq is None else dq.add_(dq_b)
-        del dq_b
         if branch.reads_compressed:
             # dk_cmp, dv_cmp flow back through the projection and the mean pooling.
-            dk_x, dW_k = compress_backward(dk_b, k, rows, W_k)
-            dv_x, dW_v = compress_backward(dv_b, v, rows, W_v)
+            l = config.compress_block_size
+            dk_x, dW_k = compress_backward(dk_b, k, starts, l, W_k)
+            dv_x, dW_v = compress_backward(dv_b, v, starts, l, W_v)
             dk = dk_x if dk is None else dk.add_(dk_x)
             dv = dv_x if dv is None else dv.add_(dv_x)
-            del rows, dk_x, dv_x
+            del starts, dk_x, dv_x
         del dk_b, dv_b
 
     if dq is None:  # no branch ran: nsa() refuses such a call, this keeps the function total
@@ -242,15 +243,15 @@ def transposed_lists(branches: list[Branch]) -> dict:
     return {branch.index: branch.transposed_lists() for branch in branches}
 
 
-def compressed_rows(cu_seqlens: Tensor, cu_seqlens_cmp: Tensor, sequences: PackedSequences,
-                    config: NSAConfig) -> Tensor:
-    """The rows of each compression block (`compressed_block_rows`), sized from host values;
-    kept across calls with the same bounds (sparsity/host_cache.py: cu_seqlens_cmp is a
-    function of them and l)."""
+def compressed_starts(cu_seqlens: Tensor, cu_seqlens_cmp: Tensor, sequences: PackedSequences,
+                      config: NSAConfig) -> Tensor:
+    """The first row of each compression block (`compressed_block_starts`), sized from host
+    values; kept across calls with the same bounds (sparsity/host_cache.py: cu_seqlens_cmp is
+    a function of them and l)."""
     l = config.compress_block_size
     num_compressed = sequences.compressed_cu_seqlens(l)[-1]
-    return cached(("compressed block rows", sequences.cu_seqlens, l), cu_seqlens,
-                  lambda: compressed_block_rows(cu_seqlens, cu_seqlens_cmp, l, num_compressed))
+    return cached(("compressed block starts", sequences.cu_seqlens, l), cu_seqlens,
+                  lambda: compressed_block_starts(cu_seqlens, cu_seqlens_cmp, l, num_compressed))
 
 
 def _plan_branches(q: Tensor, k_cmp: Tensor, cu_seqlens: Tensor, cu_seqlens_cmp: Tensor,

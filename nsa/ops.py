@@ -124,8 +124,8 @@ def nsa_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, W_k: Optional[Te
     with torch.no_grad():
         # The forward's selection again (see the module's docstring): the same k_cmp in the
         # compute dtype, so the same scores and lists.
-        branches, cu_seqlens_cmp = compress_and_plan(q, k, W_k, cu_seqlens, sequences,
-                                                     config)[:2]
+        branches, cu_seqlens_cmp = compress_and_plan(q, k, None, W_k, None, cu_seqlens,
+                                                     sequences, config)[:2]
         lses = (lse_compressed, lse_selected, lse_window)[:len(branches)]
         grads = packed_gradients(dout.contiguous(), q, k, v, W_k, W_v, W_gate, cu_seqlens,
                                  cu_seqlens_cmp, lses, branches, sequences, config,

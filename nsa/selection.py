@@ -3,8 +3,8 @@
 `nsa.reference.select_blocks_reference` spells the rule out one tile at a time; this module
 computes the same lists for all tiles of all sequences at once:
 
-1. scoring queries: per tile, the mean of the q_tile rows ending at its anchor (float32),
-   gathered in a few large chunks of rows (GATHER_CHUNK_ELEMENTS);
+1. scoring queries: per tile, the mean of the q_tile rows ending at its anchor (float32):
+   `kernels.row_means`, one pass over q on sm90 (a chunked gather elsewhere);
 2. one batched GEMM per chunk of tiles (all KV groups at once) against the compressed keys of the
    chunk's sequences, a softmax per query head over the tokens the anchor sees, a sum over the
    group; chunks bound the score tensor (SCORE_CHUNK_ELEMENTS), and up to long contexts
@@ -28,7 +28,7 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-from nsa.compression import compute_dtype
+from kernels.row_means import row_means
 from nsa.selection_rule import (CMP_KV_BLOCK, SELECTION_Q_TILE, BlockSelection,
                                 cmp_selection_width)
 from sparsity.host_cache import cached
@@ -36,9 +36,6 @@ from sparsity.host_cache import cached
 # Upper bound on one chunk's heads x tiles x (compressed tokens + D): the score tensor plus the
 # scoring queries it is computed from; a chunk holds at least one tile.
 SCORE_CHUNK_ELEMENTS = 1 << 26
-
-# Upper bound on the q elements (rows x H x D) gathered at once for the scoring queries.
-GATHER_CHUNK_ELEMENTS = 1 << 26
 
 _INF = float("inf")
 
@@ -115,7 +112,7 @@ def select_blocks(q: Tensor, k_cmp: Tensor, cu_seqlens: Tensor, cu_seqlens_cmp: 
         ranges = _selection_ranges(tiles, l_sel, q_tile, causal)
         cmp_ranges = None if width is None else _cmp_selection_ranges(tiles, l, cmp_kv_block,
                                                                       q_tile, causal)
-        scoring = _scoring_rows(tiles, q_tile, causal, cu_host[-1])
+        scoring = _scoring_rows(tiles, q_tile, causal)
         return offsets, tiles, ranges, cmp_ranges, scoring
 
     # Functions of the host bounds and the rule's sizes only: kept across calls
@@ -126,7 +123,7 @@ def select_blocks(q: Tensor, k_cmp: Tensor, cu_seqlens: Tensor, cu_seqlens_cmp: 
     if num_tiles == 0:
         return _empty_selection(q.device, kv_heads, num_selected_blocks, width, offsets)
 
-    q_bar = _scoring_queries(q, *scoring)
+    q_bar = _scoring_queries(q, *scoring, q_tile)
     keys = k_cmp.to(q_bar.dtype).permute(1, 2, 0)  # (Hkv, D, Tc)
     selected, cmp_selected = [], []
     for chunk in _plan_chunks(lengths, cu_cmp_host, q_tile, l, causal, heads, dim):
@@ -220,36 +217,22 @@ def _plan_chunks(lengths: list[int], cu_cmp: list[int], q_tile: int, l: int, cau
 
 # --- scores --------------------------------------------------------------------------------------
 
-def _scoring_rows(tiles: _Tiles, q_tile: int, causal: bool, total_rows: int
-                  ) -> tuple[Tensor, Tensor, Tensor]:
-    """(rows, valid, count): per tile (tiles, q_tile) the packed rows its scoring query
-    averages and which of them lie in the tile's sequence (the others are clamped in range and
-    zeroed by `_scoring_queries`), and (tiles, 1, 1) how many do. Causal: the q_tile rows
-    ending at the anchor; otherwise the tile's own rows."""
-    offset = torch.arange(q_tile, device=tiles.anchor.device)
-    local = tiles.anchor[:, None] + (offset - (q_tile - 1) if causal else offset)
-    valid = (local >= 0) & (local < tiles.seq_len[:, None])
-    rows = (tiles.seq_start[:, None] + local).clamp(0, max(total_rows - 1, 0))
-    return rows, valid, valid.sum(dim=1)[:, None, None]
+def _scoring_rows(tiles: _Tiles, q_tile: int, causal: bool) -> tuple[Tensor, Tensor]:
+    """(starts, counts), (tiles,) int64: per tile the run of packed rows its scoring query
+    averages. Causal: the q_tile rows ending at the anchor, cut at the sequence start;
+    otherwise the tile's own rows, cut at the sequence end."""
+    if causal:
+        first = (tiles.anchor - (q_tile - 1)).clamp_min(0)
+        return tiles.seq_start + first, tiles.anchor - first + 1
+    return (tiles.seq_start + tiles.anchor,
+            torch.minimum(tiles.seq_len - tiles.anchor, torch.full_like(tiles.anchor, q_tile)))
 
 
-def _scoring_queries(q: Tensor, rows: Tensor, valid: Tensor, count: Tensor) -> Tensor:
-    """(tiles, H, D): per tile the mean of q over its scoring rows (`_scoring_rows`).
-
-    Summed directly (not as a difference of prefix sums, whose float32 cancellation grows with
-    the sequence), over rows gathered in q's dtype in chunks of at most GATHER_CHUNK_ELEMENTS
-    elements; rows outside the sequence are zeroed, then the sum accumulates in the compute
-    dtype.
-    """
-    per_chunk = max(1, GATHER_CHUNK_ELEMENTS // (rows.shape[1] * q.shape[1] * q.shape[2]))
-    dtype = compute_dtype(q.dtype)
-    sums = []
-    for start in range(0, rows.shape[0], per_chunk):
-        part = rows[start:start + per_chunk]
-        gathered = q.index_select(0, part.flatten()).unflatten(0, part.shape)
-        gathered.masked_fill_(~valid[start:start + per_chunk, :, None, None], 0)
-        sums.append(gathered.sum(dim=1, dtype=dtype))
-    return _cat(sums) / count
+def _scoring_queries(q: Tensor, starts: Tensor, counts: Tensor, q_tile: int) -> Tensor:
+    """(tiles, H, D) in the compute dtype: per tile the mean of q over its scoring rows
+    (`_scoring_rows`), summed directly (not as a difference of prefix sums, whose float32
+    cancellation grows with the sequence): `kernels.row_means`, one pass over q on sm90."""
+    return row_means((q,), starts, counts, count=q_tile)[0]
 
 
 def _anchor_token_weights(q_bar: Tensor, keys: Tensor, tiles: _Tiles, first_token: int,

@@ -61,8 +61,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import kernels  # noqa: E402
 from nsa import CMP_KV_BLOCK, SELECTION_Q_TILE, nsa  # noqa: E402
-from nsa.compression import compress, compressed_cu_seqlens  # noqa: E402
-from nsa.function import compressed_rows, describe_branches  # noqa: E402
+from nsa.compression import compress_pair, compressed_cu_seqlens  # noqa: E402
+from nsa.function import compressed_starts, describe_branches  # noqa: E402
 from nsa.selection import select_blocks  # noqa: E402
 from nsa.validation import validate_nsa_call  # noqa: E402
 from _common import (add_num_seqs_argument, add_problem_arguments,  # noqa: E402
@@ -359,11 +359,12 @@ def nsa_branches(q, k, v, cu_seqlens, max_seqlen, args):
         causal=True, softmax_scale=None, num_cmp_selected_blocks=None, q_tile=SELECTION_Q_TILE,
         cmp_kv_block=CMP_KV_BLOCK, **nsa_options(args), **deterministic_option(args))
     cu_seqlens_cmp = compressed_cu_seqlens(cu_seqlens, config.compress_block_size)
-    rows = compressed_rows(cu_seqlens, cu_seqlens_cmp, sequences, config)
-    k_cmp = compress(k, rows)  # the compute dtype: selection scores read it
+    starts = compressed_starts(cu_seqlens, cu_seqlens_cmp, sequences, config)
+    # The compute dtype: selection scores read k_cmp.
+    k_cmp, v_cmp = compress_pair((k, v), starts, config.compress_block_size, (None, None))
     selection = select_blocks(q, k_cmp, cu_seqlens, cu_seqlens_cmp, **config.selection_kwargs())
     branches = describe_branches(selection, cu_seqlens, cu_seqlens_cmp, sequences, config)
-    return branches, k_cmp.to(k.dtype), compress(v, rows).to(v.dtype)
+    return branches, k_cmp.to(k.dtype), v_cmp.to(v.dtype)
 
 
 def branch_pairs(name: str, seqlen: int, args) -> int:

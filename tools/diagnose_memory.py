@@ -47,7 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import kernels  # noqa: E402
 from nsa import CMP_KV_BLOCK, SELECTION_Q_TILE, nsa  # noqa: E402
 from nsa.branches import compressed_branch, selected_branch  # noqa: E402
-from nsa.compression import compress, compressed_block_rows, compressed_cu_seqlens  # noqa: E402
+from nsa.compression import compress, compressed_block_starts, compressed_cu_seqlens  # noqa: E402
 from nsa.selection import select_blocks  # noqa: E402
 from nsa.validation import validate_nsa_arguments  # noqa: E402
 from sparsity import row_block_offsets_from_cu_seqlens, transpose_block_sparse_csr  # noqa: E402
@@ -67,7 +67,7 @@ def metadata_bytes(q, k, cu_seqlens, max_seqlen, args) -> dict[str, int]:
         q_tile=SELECTION_Q_TILE, cmp_kv_block=CMP_KV_BLOCK, **nsa_options(args))
     l = config.compress_block_size
     cu_cmp = compressed_cu_seqlens(cu_seqlens, l)
-    k_cmp = compress(k, compressed_block_rows(cu_seqlens, cu_cmp, l, int(cu_cmp[-1])))
+    k_cmp = compress(k, compressed_block_starts(cu_seqlens, cu_cmp, l, int(cu_cmp[-1])), l)
     selection = select_blocks(q, k_cmp, cu_seqlens, cu_cmp, **config.selection_kwargs())
     selected = selected_branch(cu_seqlens, selection.selected,
                                selected_block_size=config.selected_block_size,

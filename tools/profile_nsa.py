@@ -38,9 +38,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import kernels  # noqa: E402
 from kernels.gated_sum import GatedSum, backward_runs_on_sm90  # noqa: E402
 from nsa import CMP_KV_BLOCK, SELECTION_Q_TILE, nsa  # noqa: E402
-from nsa.compression import (compress, compress_backward, compressed_cu_seqlens,  # noqa: E402
-                             compute_dtype)
-from nsa.function import compressed_rows, describe_branches, gate_pass  # noqa: E402
+from nsa.compression import (compress_backward, compress_pair,  # noqa: E402
+                             compressed_cu_seqlens, compute_dtype)
+from nsa.function import compressed_starts, describe_branches, gate_pass  # noqa: E402
 from nsa.gating import NUM_BRANCHES, gate_backward, gate_weights  # noqa: E402
 from nsa.selection import select_blocks  # noqa: E402
 from nsa.validation import validate_nsa_call  # noqa: E402
@@ -120,8 +120,9 @@ def profile(seqlen: int, args) -> dict:
     # stage reads this one's outputs.
     def compress_kv():
         cu_cmp = compressed_cu_seqlens(cu_seqlens, l)
-        rows = compressed_rows(cu_seqlens, cu_cmp, sequences, config)
-        return cu_cmp, compress(k, rows), compress(v, rows).to(v.dtype)
+        starts = compressed_starts(cu_seqlens, cu_cmp, sequences, config)
+        k_cmp, v_cmp = compress_pair((k, v), starts, l, (None, None))
+        return cu_cmp, k_cmp, v_cmp.to(v.dtype)
 
     def select():
         return select_blocks(q, k_cmp, cu_seqlens, cu_seqlens_cmp, **config.selection_kwargs())
@@ -188,6 +189,7 @@ def profile_backward(q, k, v, W_gate, cu_seqlens, cu_seqlens_cmp, sequences, con
     alone on the previous stage's outputs; then nsa() forward+backward end to end."""
     rows = []
     dtype = compute_dtype(q.dtype)
+    l = config.compress_block_size
     generator = torch.Generator().manual_seed(7)
     dout = torch.randn(q.shape, generator=generator).to(device=q.device, dtype=q.dtype)
     d_gates = torch.zeros(*q.shape[:2], NUM_BRANCHES, dtype=dtype, device=q.device)
@@ -210,14 +212,14 @@ def profile_backward(q, k, v, W_gate, cu_seqlens, cu_seqlens_cmp, sequences, con
 
         def recompute():
             if branch.reads_compressed:
-                block_rows = compressed_rows(cu_seqlens, cu_seqlens_cmp, sequences, config)
-                keys = compress(k, block_rows).to(k.dtype)
-                values = compress(v, block_rows).to(v.dtype)
+                block_starts = compressed_starts(cu_seqlens, cu_seqlens_cmp, sequences, config)
+                keys, values = (x_cmp.to(k.dtype) for x_cmp in compress_pair(
+                    (k, v), block_starts, l, (None, None)))
             else:
-                block_rows, keys, values = None, k, v
-            return (block_rows, keys, values, *branch.forward(q, keys, values))
+                block_starts, keys, values = None, k, v
+            return (block_starts, keys, values, *branch.forward(q, keys, values))
 
-        block_rows, keys, values, branch_out, _ = recompute()
+        block_starts, keys, values, branch_out, _ = recompute()
         rows.append((f"{name}: {BRANCH_BACKWARD_STEPS[0]}", timed(recompute),
                      kernels.which_backend(q, keys, values, **branch.kernel_kwargs)))
 
@@ -248,10 +250,10 @@ def profile_backward(q, k, v, W_gate, cu_seqlens, cu_seqlens_cmp, sequences, con
         if branch.reads_compressed:
             (dk_x, _), (dv_x, _) = stage(
                 f"{name}: {COMPRESS_BACKWARD}",
-                lambda: (compress_backward(dk_b, k, block_rows),
-                         compress_backward(dv_b, v, block_rows)), "torch", into=rows)
+                lambda: (compress_backward(dk_b, k, block_starts, l),
+                         compress_backward(dv_b, v, block_starts, l)), "torch", into=rows)
             sums["k"], sums["v"] = dk_x, dv_x
-        del block_rows, keys, values, branch_out, step, dq_b, dk_b, dv_b
+        del block_starts, keys, values, branch_out, step, dq_b, dk_b, dv_b
 
     if W_gate is not None:
         stage(GATE_BACKWARD, lambda: gate_backward(q, W_gate, gates, d_gates, sums["q"]),

@@ -88,12 +88,14 @@ def run(
     dout, q, k, v, out, lse, *, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
     max_seqlen_k=None, softmax_scale=None, causal=False, compress_factor=1, window_size=(-1, -1),
     block_sparse=None, block_sparse_transposed=None, deterministic=False, spec_overrides=None,
-    dout_dot_out=None, dkv_accumulators=None,
+    dout_dot_out=None, dq_accumulator=None, dkv_accumulators=None,
 ):
     """(dq, dk, dv) of the sm90 backward kernel; dk and dv summed over each KV group.
 
     dout_dot_out: rowsum(dout * out) as a (Tq, H) floating tensor ((B, Nq, H) padded) when the
     caller has it (nsa()'s gate backward writes it); then `out` is not read and may be None.
+    dq_accumulator: a contiguous tensor of q's shape and dtype that dq is added into and
+    returned as (the dQ kernel adds as it writes: `DqSpec.accumulate`).
     dkv_accumulators: (dk_sum, dv_sum), contiguous float32 tensors of k's and v's shape that
     dk and dv are added into and returned as; where the kernel sums partials in float32
     (`BwdSpec.partial_dkv`) it adds into them directly, else its dK, dV are added after."""
@@ -114,6 +116,8 @@ def run(
         cu_seqlens_k = _uniform_cu_seqlens(batch, seqlen_k, q.device)
         max_seqlen_q, max_seqlen_k = seqlen_q, seqlen_k
     total_q, num_heads, head_dim = q.shape
+    # The dQ kernel adds into the caller's dq where it can write it; elsewhere dq is added after.
+    dq_into = None if dq_accumulator is None else _kernel_rows(dq_accumulator, q.shape)
     require_int32_limits("kernels.sm90.backward.run", q, k, backward=True,
                          cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_seqlen_q,
                          max_seqlen_k=max_seqlen_k, compress_factor=compress_factor,
@@ -192,8 +196,8 @@ def run(
             dk.zero_()
             dv.zero_()
         if spec.dq_separate:
-            dq = torch.empty_like(q)
-            _launch_dq(dq_spec_for(spec),
+            dq = torch.empty_like(q) if dq_into is None else dq_into
+            _launch_dq(dq_spec_for(spec, accumulate=dq_into is not None),
                        (q, k, v, dout, lse_log2, dpsum, dq, cu_seqlens_q, cu_seqlens_k,
                         tiles.tile_offsets),
                        (-(-max_seqlen_q // DQ_TILE_ROWS), softmax_scale, compress_factor,
@@ -201,7 +205,11 @@ def run(
                        forward_lists)
         else:
             dq = tiles.gather_dq(dq_acc, softmax_scale, q.dtype)
-    if padded:
+    if dq_accumulator is not None:
+        if dq is not dq_into:  # computed fresh: added here
+            dq_accumulator.add_(dq.reshape(dq_accumulator.shape))
+        dq = dq_accumulator
+    elif padded:
         dq = dq.view(batch, seqlen_q, num_heads, head_dim)
     if dkv_accumulators is not None:
         if not adds_into_accumulators:
@@ -269,6 +277,18 @@ class QueryTiles:
             r1 = min(r0 + _CHUNK_ROWS, total_q)
             dq[r0:r1] = (dq_acc[:, self.slot[r0:r1]] * softmax_scale).transpose(0, 1)
         return dq
+
+
+def _kernel_rows(t: torch.Tensor, shape) -> torch.Tensor | None:
+    """t viewed as `shape` where the dQ kernel can write it (unit last stride, the others
+    multiples of 8 elements, 16-byte aligned), else None."""
+    try:
+        rows = t.view(shape)
+    except RuntimeError:
+        return None
+    if rows.stride(-1) != 1 or any(s % 8 for s in rows.stride()[:-1]) or rows.data_ptr() % 16:
+        return None
+    return rows
 
 
 def _row_splits(num_ctas: int, max_query_tiles: int, device) -> int:

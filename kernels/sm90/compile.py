@@ -95,6 +95,30 @@ def compiled_once(kernel_class: type, spec, example_args, tvm_ffi: bool = False)
     return kernel
 
 
+def launch_on_current_stream(kernel_class: type, spec, fake_arguments, args, device):
+    """`kernel_class(spec)`, compiled once per process (`compiled_once`) on
+    `fake_arguments(spec)` plus a stream, launched on `args` on the device's current stream.
+    args: torch tensors, None, and Python ints where the fakes hold a DSL scalar (typed like
+    it). The launcher of the elementwise glue kernels (gated sum, row means)."""
+    import torch
+
+    from kernels.sm90.forward import _as_cute, _tvm_ffi_available
+
+    if _tvm_ffi_available():
+        compiled_once(kernel_class, spec, lambda: (
+            *fake_arguments(spec), make_fake_stream(use_tvm_ffi_env_stream=True)),
+            tvm_ffi=True)(*args)
+        return
+    import cuda.bindings.driver as cuda
+
+    stream = cuda.CUstream(torch.cuda.current_stream(device).cuda_stream)
+    cute_args = tuple(
+        _as_cute(arg) if isinstance(arg, torch.Tensor)
+        else type(fake)(arg) if isinstance(arg, int) else arg
+        for arg, fake in zip(args, fake_arguments(spec))) + (stream,)
+    compiled_once(kernel_class, spec, lambda: cute_args)(*cute_args)
+
+
 def compiled_forward(spec: FwdSpec, example_args, tvm_ffi: bool = False):
     """The forward kernel for `spec` (`compiled_once`)."""
     return compiled_once(FlashAttentionForwardSm90, spec, example_args, tvm_ffi)

@@ -241,22 +241,10 @@ _KERNELS = {GatedSumSpec: (GatedSumSm90, fake_arguments),
 
 def _launch(spec, args, like):
     """Compile `spec` once per process and launch it on torch tensors `args`."""
-    import torch
-    from cutlass.cute.runtime import make_fake_stream
-
-    from kernels.sm90.compile import compiled_once
-    from kernels.sm90.forward import _as_cute, _tvm_ffi_available
+    from kernels.sm90.compile import launch_on_current_stream
 
     kernel, fake = _KERNELS[type(spec)]
-    if _tvm_ffi_available():
-        compiled_once(kernel, spec, lambda: (
-            *fake(spec), make_fake_stream(use_tvm_ffi_env_stream=True)), tvm_ffi=True)(*args)
-        return
-    import cuda.bindings.driver as cuda
-
-    stream = cuda.CUstream(torch.cuda.current_stream(like.device).cuda_stream)
-    cute_args = (*(_as_cute(t) for t in args), stream)
-    compiled_once(kernel, spec, lambda: cute_args)(*cute_args)
+    launch_on_current_stream(kernel, spec, fake, args, like.device)
 
 
 def run(terms, columns, gates):

@@ -4,7 +4,7 @@ row predicated on the sequence's length: the backward's dK, dV (KV-centric kerne
 end, which belong to the next sequence in a packed batch."""
 import cutlass
 import cutlass.cute as cute
-from cutlass import Int32
+from cutlass import Float32, Int32, const_expr
 
 from kernels.sm90.layouts import acc_mn_view
 
@@ -12,18 +12,22 @@ from kernels.sm90.layouts import acc_mn_view
 @cute.jit
 def store_rows_from_registers(thr_mma, acc: cute.Tensor, m_out: cute.Tensor, offset: Int32,
                               head: Int32, block: Int32, tile_rows: cutlass.Constexpr[int],
-                              head_dim: cutlass.Constexpr[int], seqlen: Int32, dtype):
+                              head_dim: cutlass.Constexpr[int], seqlen: Int32, dtype,
+                              accumulate: cutlass.Constexpr[bool] = False):
     """acc (this thread's fragment of a tile_rows x head_dim accumulator of `thr_mma`) converted
     to `dtype` and written to rows [block * tile_rows, +tile_rows) of the sequence starting at
     `offset` in m_out[:, head, :], rows at or past `seqlen` skipped; one 32-bit store per pair
-    of adjacent columns (m_out's row strides must be known multiples of 8 elements)."""
+    of adjacent columns (m_out's row strides must be known multiples of 8 elements). With
+    `accumulate` the values m_out holds are added first (in float32, rounded once)."""
     out = cute.make_rmem_tensor_like(acc, dtype)
-    out.store(acc.load().to(dtype))
+    if const_expr(not accumulate):
+        out.store(acc.load().to(dtype))
     m_seq = cute.domain_offset((offset, 0), m_out[None, head, None])
     g_mn = acc_mn_view(thr_mma.partition_C(
         cute.local_tile(m_seq, (tile_rows, head_dim), (block, 0))))
     c_mn = acc_mn_view(thr_mma.partition_C(cute.make_identity_tensor((tile_rows, head_dim))))
     o_mn = acc_mn_view(out)
+    a_mn = acc_mn_view(acc)
     pair_store = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), dtype, num_bits_per_copy=32)
     col_groups = cute.size(o_mn.shape[1][1])
     num_pairs = cute.size(o_mn, mode=[1]) // 2
@@ -31,4 +35,9 @@ def store_rows_from_registers(thr_mma, acc: cute.Tensor, m_out: cute.Tensor, off
         if block * tile_rows + c_mn[r, 0][0] < seqlen:
             for c in cutlass.range_constexpr(num_pairs):
                 pair = (None, c % col_groups, c // col_groups)
+                if const_expr(accumulate):
+                    held = cute.make_rmem_tensor_like(o_mn[r, pair], dtype)
+                    cute.copy(pair_store, g_mn[r, pair], held)
+                    o_mn[r, pair].store(
+                        (a_mn[r, pair].load() + held.load().to(Float32)).to(dtype))
                 cute.copy(pair_store, o_mn[r, pair], g_mn[r, pair])

@@ -311,6 +311,7 @@ class DqSpec:
     tile_m: int = 128          # query rows per CTA, 64 per consumer warpgroup
     tile_n: int = 64           # keys per visited KV tile
     kv_stages: int = 2         # K and V pipeline depth
+    accumulate: bool = False   # add dQ into the values dQ holds (nsa()'s running dq)
 
     @property
     def tiles_per_list_block(self) -> int:
@@ -392,11 +393,12 @@ def choose_backward_spec(
     return spec
 
 
-def dq_spec_for(spec: BwdSpec) -> DqSpec:
+def dq_spec_for(spec: BwdSpec, accumulate: bool = False) -> DqSpec:
     """The dQ kernel that runs beside a `dq_separate` backward: the same features, the same
-    list blocks (the KV-centric kernel's tile_n when block-sparse)."""
+    list blocks (the KV-centric kernel's tile_n when block-sparse); `accumulate` adds dQ into
+    the given tensor's values."""
     assert spec.dq_separate
     return DqSpec(dtype=spec.dtype, head_dim=spec.head_dim, causal=spec.causal,
                   has_window_left=spec.has_window_left, has_window_right=spec.has_window_right,
                   block_sparse=spec.block_sparse, compressed=spec.compressed,
-                  list_block=spec.tile_n if spec.block_sparse else 64)
+                  list_block=spec.tile_n if spec.block_sparse else 64, accumulate=accumulate)

@@ -52,8 +52,9 @@ def test_backward_variant_compiles_for_sm90a(dtype, head_dim, call):
     spec = _spec_of(dtype, head_dim, call)
     assert spec.fits_in_smem()
     assert callable(compile_backward_on_fake_tensors(spec))
-    if spec.dq_separate:  # and the query-centric dQ kernel that runs beside it
-        assert callable(compile_dq_on_fake_tensors(dq_spec_for(spec)))
+    if spec.dq_separate:  # and the query-centric dQ kernel that runs beside it, both ways
+        for accumulate in (False, True):  # (nsa() adds its branches' dq as the kernel writes)
+            assert callable(compile_dq_on_fake_tensors(dq_spec_for(spec, accumulate)))
 
 
 @pytest.mark.parametrize("call", [c for c in _distinct_calls() if c.endswith("many-kv-tiles")])

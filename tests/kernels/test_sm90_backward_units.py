@@ -179,3 +179,55 @@ def test_backward_from_given_row_dots_equals_the_one_from_out():
     given = backward.run(dout, q, k, v, None, lse, dout_dot_out=row_dots, **options)
     for a, b in zip(given, reference):
         assert (a.float() - b.float()).norm() <= 1e-2 * b.float().norm()
+
+
+@pytest.mark.gpu
+@requires_sm90
+@pytest.mark.parametrize("layout", ["varlen", "padded", "strided"])
+def test_dq_kernel_adds_into_a_given_dq(layout):
+    """dq_accumulator (nsa()'s running dq): the dQ kernel adds the values the tensor holds as it
+    writes (`DqSpec.accumulate`): the returned dq is that tensor, holding its old values plus
+    this call's dq, rounded once. Every row, also rows that see no key (compressed keys) and
+    rows of a short sequence; a tensor the kernel cannot write (odd strides) gets dq added
+    after."""
+    from kernels import attention_forward
+    from kernels.sm90 import backward
+
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    cases = []
+    if layout == "varlen":
+        cu = torch.tensor([0, 1500, 1530, 2200], dtype=torch.int32, device="cuda")
+        q, k, v, dout = _random_bf16_problem(2200, gen)
+        common = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=1500, max_seqlen_k=1500)
+        bs, _ = _nsa_like_lists([1500, 30, 670], heads=2, kv_block=64, seed=4)
+        cases = [dict(causal=True), dict(causal=True, window_size=(127, 0)),
+                 dict(causal=True, block_sparse=bs.to("cuda"))]
+        cases = [(q, k, v, dout, dict(common, **c)) for c in cases]
+        # The compressed branch: keys are N/16 compressed tokens, the first 15 rows see none.
+        k_cmp, v_cmp = k[:137], v[:137]
+        cu_cmp = torch.tensor([0, 93, 94, 137], dtype=torch.int32, device="cuda")
+        cases.append((q, k_cmp, v_cmp, dout, dict(cu_seqlens_q=cu, cu_seqlens_k=cu_cmp,
+                                                  max_seqlen_q=1500, max_seqlen_k=93,
+                                                  causal=True, compress_factor=16)))
+    else:
+        q, k, v, dout = (t.view(2, 700, *t.shape[1:]) for t in _random_bf16_problem(1400, gen))
+        cases = [(q, k, v, dout, dict(causal=True))]
+    for q, k, v, dout, options in cases:
+        out, lse = attention_forward(q, k, v, **options)
+        dq_ref, _, _ = backward.run(dout, q, k, v, out, lse, **options)
+        start = torch.randn(q.shape, device="cuda", generator=gen).to(q.dtype)
+        held = start.clone()
+        if layout == "strided":  # every other head of a wider tensor: not writable in place
+            wide = torch.zeros(*q.shape[:-2], 2 * q.shape[-2], q.shape[-1] + 8, device="cuda",
+                               dtype=q.dtype)
+            held = wide[..., ::2, 1:q.shape[-1] + 1]  # 2 bytes off 16-byte alignment
+            held.copy_(start)
+            assert backward._kernel_rows(held, (q.shape[0] * q.shape[1], *q.shape[2:])) is None
+        dq, _, _ = backward.run(dout, q, k, v, out, lse, dq_accumulator=held, **options)
+        assert dq is held
+        exact = start.float() + dq_ref.float()
+        assert dq_ref.abs().sum() > 0
+        # One rounding of the float32 sum (the reference dq was rounded once more).
+        assert (dq.float() - exact).norm() <= 1e-2 * exact.norm()
+        bound = (start.float().abs() + dq_ref.float().abs()) * 2 ** -7 + 1e-3
+        assert ((dq.float() - exact).abs() <= bound).all()

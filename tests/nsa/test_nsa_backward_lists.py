@@ -16,6 +16,7 @@ import torch
 
 import nsa.branches as branches_module
 from kernels import interface
+from kernels.interface import add_into_accumulators
 from kernels.fallback import attention_backward_fallback, attention_forward_fallback
 from nsa import nsa
 from nsa_testing import SMALL, random_inputs
@@ -38,7 +39,8 @@ class RecordingBackward(types.ModuleType):
     def can_run(self, q, k, v, **kwargs):
         return True, "recording stand-in"
 
-    def run(self, dout, q, k, v, out, lse, dout_dot_out=None, dkv_accumulators=None, **kwargs):
+    def run(self, dout, q, k, v, out, lse, dout_dot_out=None, dq_accumulator=None,
+            dkv_accumulators=None, **kwargs):
         self.calls.append(kwargs)
         if not self.compute:
             dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
@@ -57,9 +59,7 @@ class RecordingBackward(types.ModuleType):
                 torch.testing.assert_close(dout_dot_out.double(), expected, rtol=1e-5,
                                            atol=1e-6)
             dq, dk, dv = attention_backward_fallback(dout, q, k, v, out, lse, **kwargs)
-        if dkv_accumulators is None:
-            return dq, dk, dv
-        return dq, dkv_accumulators[0].add_(dk), dkv_accumulators[1].add_(dv)
+        return add_into_accumulators((dq, dk, dv), dq_accumulator, dkv_accumulators)
 
 
 class DecliningForward(types.ModuleType):

@@ -23,7 +23,8 @@ import torch
 
 import kernels
 import nsa.branches as branches_module
-from kernels.interface import attention_backward_trusted, attention_forward_trusted
+from kernels.interface import (add_into_accumulators, attention_backward_trusted,
+                               attention_forward_trusted)
 from nsa import NSAFunction, nsa
 from nsa.validation import validate_nsa_call
 from nsa_testing import SMALL, cu_seqlens_of, random_inputs
@@ -89,14 +90,15 @@ def test_trusted_calls_equal_fully_checked_calls(layout, compressed, monkeypatch
     checked_calls = []
 
     def checked(public):
-        def call(*args, host_cu_seqlens, dout_dot_out=None, dkv_accumulators=None, **kwargs):
+        def call(*args, host_cu_seqlens, dout_dot_out=None, dq_accumulator=None,
+                 dkv_accumulators=None, **kwargs):
             assert dout_dot_out is None  # only given where the sm90 kernel runs
             checked_calls.append(host_cu_seqlens)
             result = public(*args, **kwargs)
-            if dkv_accumulators is None:
+            if dq_accumulator is None and dkv_accumulators is None:
                 return result
-            dq, dk, dv = result  # the public entry has no accumulators: add as the trusted one
-            return dq, dkv_accumulators[0].add_(dk), dkv_accumulators[1].add_(dv)
+            # The public entry has no accumulators: add as the trusted one does.
+            return add_into_accumulators(result, dq_accumulator, dkv_accumulators)
         return call
 
     monkeypatch.setattr(branches_module, "attention_forward_trusted",

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from nsa.branches import compressed_attention, selected_attention, window_attention
-from nsa.compression import (compress, compress_backward, compress_kv, compressed_block_rows,
+from nsa.compression import (compress, compress_backward, compress_kv, compressed_block_starts,
                              compressed_cu_seqlens)
 from nsa import gating
 from nsa.gating import gate_backward, gate_weights
@@ -51,8 +51,8 @@ def test_compress_backward_matches_autograd(projected):
     k_ref, _, cu_cmp = compress_kv_reference(k, k, cu, 4, W, W)
     d_cmp = torch.randn_like(k_ref)
     expected = torch.autograd.grad(k_ref, [k] + ([W] if projected else []), d_cmp)
-    rows = compressed_block_rows(cu, cu_cmp, 4, k_ref.shape[0])
-    dk, dW = compress_backward(d_cmp, x["k"], rows, x.get("W_k"))
+    starts = compressed_block_starts(cu, cu_cmp, 4, k_ref.shape[0])
+    dk, dW = compress_backward(d_cmp, x["k"], starts, 4, x.get("W_k"))
     torch.testing.assert_close(dk, expected[0])
     if projected:
         torch.testing.assert_close(dW, expected[1])
@@ -60,7 +60,7 @@ def test_compress_backward_matches_autograd(projected):
         assert dW is None
     # Rows of incomplete tail blocks feed no compressed token.
     assert torch.all(dk[44] == 0) and torch.all(dk[45:48] == 0)
-    torch.testing.assert_close(compress(x["k"], rows, x.get("W_k")), k_ref.detach())
+    torch.testing.assert_close(compress(x["k"], starts, 4, x.get("W_k")), k_ref.detach())
 
 
 # --- gating --------------------------------------------------------------------------------------

@@ -152,3 +152,46 @@ def test_selection_given_the_host_bounds_reads_nothing_and_selects_the_same(monk
     assert counter.reads == 0
     _assert_same_selection(given, read)
     assert torch.equal(given.cmp_selected, read.cmp_selected)
+
+
+def _sm90():
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _sm90(), reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("heads,kv_heads,lengths", [
+    (4, 4, [3000]),
+    (16, 4, [1000, 77, 2900, 129]),
+    (16, 1, [700, 1500]),
+], ids=["gqa1", "gqa4-varlen", "gqa16-varlen"])
+def test_selection_on_the_gpu_matches_the_reference(heads, kv_heads, lengths):
+    """nsa()'s defaults (blocks of 64, 16 selected, 128-row tiles, sparse compressed branch)
+    on bf16 inputs: the GPU path (K compression and the scoring queries on the row-means
+    kernel) selects the blocks the float64 reference selects from the same values."""
+    from kernels.row_means import _runs_on_sm90
+
+    rule = dict(compress_block_size=64, selected_block_size=64, num_selected_blocks=16,
+                q_tile=128, cmp_kv_block=128, num_cmp_selected_blocks=2)
+    gen = torch.Generator().manual_seed(heads + len(lengths))
+    total = sum(lengths)
+    q = torch.randn(total, heads, 128, generator=gen).to(torch.bfloat16)
+    k = (torch.randn(total, kv_heads, 128, generator=gen) + 0.5).to(torch.bfloat16)
+    cu_seqlens = cu_seqlens_of(lengths)
+    q_gpu, k_gpu, cu_gpu = q.cuda(), k.cuda(), cu_seqlens.cuda()
+    assert _runs_on_sm90([q_gpu.flatten(1), k_gpu.flatten(1)])
+    k_cmp, _, cu_cmp = compress_kv(k_gpu, k_gpu, cu_gpu, 64)
+    scale = 128 ** -0.5
+    fast = select_blocks(q_gpu, k_cmp, cu_gpu, cu_cmp, softmax_scale=scale, **rule)
+    k_ref, _, cu_ref = compress_kv_reference(k.double(), k.double(), cu_seqlens, 64)
+    ref = select_blocks_reference(q.double(), k_ref, cu_seqlens, cu_ref, softmax_scale=scale,
+                                  **rule)
+    torch.testing.assert_close(k_cmp.cpu().double(), k_ref, rtol=1e-6, atol=1e-6)
+    _assert_same_selection(_on_cpu(fast), ref)
+
+
+def _on_cpu(selection):
+    from nsa.selection_rule import BlockSelection
+
+    return BlockSelection(*(None if t is None else t.cpu() for t in (
+        selection.selected, selection.cmp_selected, selection.row_block_offsets)))
