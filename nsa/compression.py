@@ -13,8 +13,8 @@ from torch import Tensor
 
 from kernels.row_means import compute_dtype, row_means
 
-__all__ = ["compressed_cu_seqlens", "compressed_block_starts", "compress", "compress_pair",
-           "compress_backward", "compress_kv", "compute_dtype"]
+__all__ = ["compressed_cu_seqlens", "compressed_block_starts", "compressed_row_tokens",
+           "compress", "compress_pair", "compress_backward", "compress_kv", "compute_dtype"]
 
 
 def compressed_cu_seqlens(cu_seqlens: Tensor, compress_block_size: int) -> Tensor:
@@ -47,13 +47,28 @@ def compress_pair(xs: tuple[Tensor, ...], block_starts: Tensor, block_size: int,
                  for p, W in zip(pooled, weights))
 
 
+def compressed_row_tokens(block_starts: Tensor, block_size: int, num_rows: int) -> Tensor:
+    """(T,) int64: the compressed token each packed row feeds; Tc (one past the last token)
+    for the rows of a sequence's incomplete tail block."""
+    num_compressed = block_starts.shape[0]
+    tokens = torch.full((num_rows,), num_compressed, dtype=torch.int64,
+                        device=block_starts.device)
+    block_rows = block_starts[:, None] + torch.arange(block_size, device=block_starts.device)
+    tokens[block_rows.flatten()] = torch.arange(
+        num_compressed, device=block_starts.device).repeat_interleave(block_size)
+    return tokens
+
+
 def compress_backward(d_compressed: Tensor, x: Tensor, block_starts: Tensor, block_size: int,
-                      W: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+                      W: Tensor | None = None, row_tokens: Tensor | None = None
+                      ) -> tuple[Tensor, Tensor | None]:
     """Gradients of `compress` for x (compute_dtype, shape of x) and W (None without W).
 
-    Blocks do not overlap and each row of a block carries 1/l of the block's gradient.
-    A token whose gradient is zero adds nothing to dW, whatever its block holds: a NaN in a
-    block that no row sees yet must not reach dW through 0 * NaN.
+    Blocks do not overlap and each row of a block carries 1/l of the block's gradient, rows
+    of no block none: one gather of the scaled gradients by `row_tokens`
+    (`compressed_row_tokens`, computed here when None). A token whose gradient is zero adds
+    nothing to dW, whatever its block holds: a NaN in a block that no row sees yet must not
+    reach dW through 0 * NaN.
     """
     dtype = compute_dtype(x.dtype)
     d_compressed = d_compressed.to(dtype)
@@ -63,11 +78,10 @@ def compress_backward(d_compressed: Tensor, x: Tensor, block_starts: Tensor, blo
         pooled.masked_fill_(~(d_compressed != 0).any(dim=-1, keepdim=True), 0)
         dW = torch.einsum("thd,the->hde", pooled, d_compressed)
         d_compressed = torch.einsum("the,hde->thd", d_compressed, W.to(dtype))
-    dx = torch.zeros(x.shape, dtype=dtype, device=x.device)
-    per_row = (d_compressed / block_size).unsqueeze(1).expand(-1, block_size, -1, -1)
-    block_rows = block_starts[:, None] + torch.arange(block_size, device=x.device)
-    dx[block_rows.flatten()] = per_row.flatten(0, 1)
-    return dx, dW
+    if row_tokens is None:
+        row_tokens = compressed_row_tokens(block_starts, block_size, x.shape[0])
+    per_token = torch.cat([d_compressed / block_size, d_compressed.new_zeros(1, *x.shape[1:])])
+    return per_token.index_select(0, row_tokens), dW
 
 
 def compress_kv(k: Tensor, v: Tensor, cu_seqlens: Tensor, compress_block_size: int,

@@ -31,7 +31,7 @@ from kernels.autograd import refuse_double_backward
 from kernels.gated_sum import GatedSum, gate_gradient, gated_sum_backward
 from nsa.branches import Branch, compressed_branch, selected_branch, window_branch
 from nsa.compression import (compress_backward, compress_pair, compressed_block_starts,
-                             compressed_cu_seqlens, compute_dtype)
+                             compressed_cu_seqlens, compressed_row_tokens, compute_dtype)
 from nsa.config import NSAConfig
 from nsa.gating import NUM_BRANCHES, gate_backward, gate_weights
 from nsa.selection import select_blocks
@@ -170,11 +170,14 @@ def packed_gradients(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, W_k: Tensor 
         if branch.reads_compressed:
             # dk_cmp, dv_cmp flow back through the projection and the mean pooling.
             l = config.compress_block_size
-            dk_x, dW_k = compress_backward(dk_b, k, starts, l, W_k)
-            dv_x, dW_v = compress_backward(dv_b, v, starts, l, W_v)
+            # A function of the host bounds and l: kept across calls (sparsity/host_cache.py)
+            row_tokens = cached(("compressed row tokens", sequences.cu_seqlens, l), cu_seqlens,
+                                lambda: compressed_row_tokens(starts, l, k.shape[0]))
+            dk_x, dW_k = compress_backward(dk_b, k, starts, l, W_k, row_tokens)
+            dv_x, dW_v = compress_backward(dv_b, v, starts, l, W_v, row_tokens)
             dk = dk_x if dk is None else dk.add_(dk_x)
             dv = dv_x if dv is None else dv.add_(dv_x)
-            del starts, dk_x, dv_x
+            del starts, row_tokens, dk_x, dv_x
         del dk_b, dv_b
 
     if dq is None:  # no branch ran: nsa() refuses such a call, this keeps the function total

@@ -135,7 +135,10 @@ def run(
     if spec_overrides:
         spec = dataclasses.replace(spec, **spec_overrides)
 
-    adds_into_accumulators = spec.partial_dkv and dkv_accumulators is not None
+    if dkv_accumulators is not None and not spec.partial_dkv:
+        # One CTA per KV tile: it adds its dK, dV into the caller's sums itself.
+        spec = dataclasses.replace(spec, add_dkv=True)
+    adds_into_accumulators = spec.float32_dkv and dkv_accumulators is not None
     if adds_into_accumulators:  # the caller's float32 sums take the CTAs' partial sums
         dk, dv = (t.view(-1, *t.shape[-2:]) for t in dkv_accumulators)
     elif spec.partial_dkv:  # float32 accumulators of several CTAs' partial sums

@@ -150,8 +150,9 @@ def fake_backward_arguments(spec):
     kernels/sm90/backward.py `run` passes None."""
     dtype = _DTYPES[spec.dtype]
     q, k, v, dout = (fake_seq_head_dim(dtype) for _ in range(4))
-    # `partial_dkv`: dK and dV are float32 accumulators (several CTAs per KV tile).
-    dk, dv = (fake_seq_head_dim(cutlass.Float32 if spec.partial_dkv else dtype)
+    # `partial_dkv`, `add_dkv`: dK and dV are float32 sums (several CTAs per KV tile, or the
+    # caller's).
+    dk, dv = (fake_seq_head_dim(cutlass.Float32 if spec.float32_dkv else dtype)
               for _ in range(2))
     lse, dpsum = fake_row_statistics(), fake_row_statistics()
     # `dq_separate`: no dQ accumulator (the query-centric kernel writes dQ).

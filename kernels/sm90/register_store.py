@@ -17,8 +17,9 @@ def store_rows_from_registers(thr_mma, acc: cute.Tensor, m_out: cute.Tensor, off
     """acc (this thread's fragment of a tile_rows x head_dim accumulator of `thr_mma`) converted
     to `dtype` and written to rows [block * tile_rows, +tile_rows) of the sequence starting at
     `offset` in m_out[:, head, :], rows at or past `seqlen` skipped; one 32-bit store per pair
-    of adjacent columns (m_out's row strides must be known multiples of 8 elements). With
-    `accumulate` the values m_out holds are added first (in float32, rounded once)."""
+    of adjacent columns (64-bit for float32; m_out's row strides must be known multiples of 8
+    elements). With `accumulate` the values m_out holds are added first (in float32, rounded
+    once)."""
     out = cute.make_rmem_tensor_like(acc, dtype)
     if const_expr(not accumulate):
         out.store(acc.load().to(dtype))
@@ -28,7 +29,8 @@ def store_rows_from_registers(thr_mma, acc: cute.Tensor, m_out: cute.Tensor, off
     c_mn = acc_mn_view(thr_mma.partition_C(cute.make_identity_tensor((tile_rows, head_dim))))
     o_mn = acc_mn_view(out)
     a_mn = acc_mn_view(acc)
-    pair_store = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), dtype, num_bits_per_copy=32)
+    pair_store = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), dtype,
+                                     num_bits_per_copy=2 * dtype.width)
     col_groups = cute.size(o_mn.shape[1][1])
     num_pairs = cute.size(o_mn, mode=[1]) // 2
     for r in cutlass.range_constexpr(cute.size(o_mn, mode=[0])):

@@ -249,6 +249,8 @@ class BwdSpec:
     tile_n: int = 128          # keys per CTA, 64 per consumer warpgroup
     tile_m: int = 64           # query rows per step
     q_stages: int = 2          # Q (+ lse) and dO (+ dO.O) pipeline depth
+    add_dkv: bool = False      # dK/dV added into the caller's float32 sums (one CTA per KV
+                               # tile: a load, add and store; nsa()'s running dk, dv)
 
     @property
     def num_consumer_warpgroups(self) -> int:
@@ -263,6 +265,11 @@ class BwdSpec:
     def partial_dkv(self) -> bool:
         """Several CTAs add into one KV tile's dK/dV (float32 accumulators, converted after)."""
         return self.split_lists or self.split_rows
+
+    @property
+    def float32_dkv(self) -> bool:
+        """dK/dV land in float32 tensors: partial sums, or the caller's sums (`add_dkv`)."""
+        return self.partial_dkv or self.add_dkv
 
     @property
     def dq_cols_per_warpgroup(self) -> int:

@@ -4,6 +4,8 @@ The specs come from the dispatcher's `choose_backward_spec` for the calls NSA's 
 kernels.flash_attn_func make (the forward's compile tests list them), in both dtypes, both head
 dims and both modes (fast, deterministic); numerics run on the GPU (test_sm90_backward.py).
 """
+import dataclasses
+
 import pytest
 
 import cutlass  # noqa: F401  (a broken CuTe DSL install must fail here, not skip)
@@ -52,6 +54,8 @@ def test_backward_variant_compiles_for_sm90a(dtype, head_dim, call):
     spec = _spec_of(dtype, head_dim, call)
     assert spec.fits_in_smem()
     assert callable(compile_backward_on_fake_tensors(spec))
+    if not spec.partial_dkv:  # adding dK, dV into given float32 sums (nsa()'s dk, dv)
+        assert callable(compile_backward_on_fake_tensors(dataclasses.replace(spec, add_dkv=True)))
     if spec.dq_separate:  # and the query-centric dQ kernel that runs beside it, both ways
         for accumulate in (False, True):  # (nsa() adds its branches' dq as the kernel writes)
             assert callable(compile_dq_on_fake_tensors(dq_spec_for(spec, accumulate)))
@@ -70,8 +74,6 @@ def test_deterministic_backward_variant_compiles_for_sm90a(head_dim, call):
 @pytest.mark.parametrize("call", ["selected-sparse64", "compressed-causal", "window-causal"])
 def test_dq_kernel_smem_footprint_matches_the_kernel(call):
     """`DqSpec.smem_bytes` is the DSL's shared storage size."""
-    import dataclasses
-
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_fake_stream
 

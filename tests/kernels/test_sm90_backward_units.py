@@ -127,7 +127,8 @@ def test_backward_adds_dk_dv_into_given_accumulators():
     """dkv_accumulators (nsa()'s float32 dk, dv sums): the returned dk, dv are those tensors,
     holding what they held plus this call's dk, dv. For NSA-like lists the kernel sums partials
     in float32 (partial_dkv) and adds them there itself; dense causal on few KV tiles too
-    (split rows); a window call writes bf16 tiles, added after."""
+    (split rows); a window call, one CTA per KV tile, adds its float32 dK, dV into them as it
+    stores (add_dkv)."""
     from kernels import attention_forward
     from kernels.sm90 import backward
 
