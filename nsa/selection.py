@@ -247,19 +247,19 @@ def _anchor_token_weights(q_bar: Tensor, keys: Tensor, tiles: _Tiles, first_toke
     if num_tokens == 0:  # no anchor of the chunk sees a compressed token yet
         return q_bar.new_zeros(kv_heads, num_tiles, 0)
     group = heads // kv_heads
-    queries = q_bar.view(num_tiles, kv_heads, group, dim).permute(1, 0, 2, 3)
+    # The scale goes into the (small) queries: the scores are the largest tensor of selection
+    # (tiles x heads x tokens: 1 GiB at 256K tokens, H=32), and each pass over them counts.
+    queries = (q_bar * softmax_scale).view(num_tiles, kv_heads, group, dim).permute(1, 0, 2, 3)
     queries = queries.reshape(kv_heads, num_tiles * group, dim)
     scores = torch.bmm(queries, keys).view(kv_heads, num_tiles, group, num_tokens)
 
     token = torch.arange(num_tokens, device=q_bar.device)
     first = (tiles.cmp_start - first_token)[:, None]
     unseen = (token < first) | (token >= first + tiles.cmp_seen[:, None])
-    # A masked softmax that gives an anchor seeing nothing all-zero weights instead of NaN.
-    scores.mul_(softmax_scale).masked_fill_(unseen[None, :, None, :], float("-inf"))
-    row_max = scores.amax(dim=-1, keepdim=True).clamp_min(torch.finfo(scores.dtype).min)
-    weights = scores.sub_(row_max).exp_()
-    weights.div_(weights.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(scores.dtype).tiny))
-    return weights.sum(dim=2)
+    scores.masked_fill_(unseen[None, :, None, :], float("-inf"))
+    weights = torch.softmax(scores, dim=-1).sum(dim=2)
+    # An anchor that sees nothing softmaxes a row of -inf into NaN: all-zero weights instead.
+    return weights.masked_fill_((tiles.cmp_seen == 0)[None, :, None], 0)
 
 
 def _block_sums(token_weight: Tensor, tiles: _Tiles, first_token: int, tokens_per_block: int,
