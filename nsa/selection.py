@@ -224,8 +224,7 @@ def _scoring_rows(tiles: _Tiles, q_tile: int, causal: bool) -> tuple[Tensor, Ten
     if causal:
         first = (tiles.anchor - (q_tile - 1)).clamp_min(0)
         return tiles.seq_start + first, tiles.anchor - first + 1
-    return (tiles.seq_start + tiles.anchor,
-            torch.minimum(tiles.seq_len - tiles.anchor, torch.full_like(tiles.anchor, q_tile)))
+    return tiles.seq_start + tiles.anchor, (tiles.seq_len - tiles.anchor).clamp_max(q_tile)
 
 
 def _scoring_queries(q: Tensor, starts: Tensor, counts: Tensor, q_tile: int) -> Tensor:

@@ -94,11 +94,13 @@ def run(
 
     dout_dot_out: rowsum(dout * out) as a (Tq, H) floating tensor ((B, Nq, H) padded) when the
     caller has it (nsa()'s gate backward writes it); then `out` is not read and may be None.
-    dq_accumulator: a contiguous tensor of q's shape and dtype that dq is added into and
-    returned as (the dQ kernel adds as it writes: `DqSpec.accumulate`).
+    dq_accumulator: a tensor of q's shape and dtype that dq is added into and returned as (the
+    dQ kernel adds as it writes, `DqSpec.accumulate`, where it can write the tensor's strides;
+    elsewhere dq is added after).
     dkv_accumulators: (dk_sum, dv_sum), contiguous float32 tensors of k's and v's shape that
-    dk and dv are added into and returned as; where the kernel sums partials in float32
-    (`BwdSpec.partial_dkv`) it adds into them directly, else its dK, dV are added after."""
+    dk and dv are added into and returned as; the kernel adds into them itself, its float32
+    partial sums (`BwdSpec.partial_dkv`) or, one CTA per KV tile, its dK, dV as it stores them
+    (`BwdSpec.add_dkv`)."""
     if q.dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"q: dtype {q.dtype} is not supported by the sm90 backward kernel "
                          f"(bfloat16 or float16)")
@@ -135,11 +137,10 @@ def run(
     if spec_overrides:
         spec = dataclasses.replace(spec, **spec_overrides)
 
-    if dkv_accumulators is not None and not spec.partial_dkv:
-        # One CTA per KV tile: it adds its dK, dV into the caller's sums itself.
-        spec = dataclasses.replace(spec, add_dkv=True)
-    adds_into_accumulators = spec.float32_dkv and dkv_accumulators is not None
-    if adds_into_accumulators:  # the caller's float32 sums take the CTAs' partial sums
+    adds_into_accumulators = dkv_accumulators is not None
+    if adds_into_accumulators:  # the caller's float32 sums take the CTAs' dK, dV
+        if not spec.partial_dkv:  # one CTA per KV tile: it adds as it stores
+            spec = dataclasses.replace(spec, add_dkv=True)
         dk, dv = (t.view(-1, *t.shape[-2:]) for t in dkv_accumulators)
     elif spec.partial_dkv:  # float32 accumulators of several CTAs' partial sums
         dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
@@ -214,10 +215,7 @@ def run(
         dq = dq_accumulator
     elif padded:
         dq = dq.view(batch, seqlen_q, num_heads, head_dim)
-    if dkv_accumulators is not None:
-        if not adds_into_accumulators:
-            dkv_accumulators[0].view(dk.shape).add_(dk)
-            dkv_accumulators[1].view(dv.shape).add_(dv)
+    if adds_into_accumulators:
         return dq, *dkv_accumulators
     if spec.partial_dkv:
         dk, dv = dk.to(k.dtype), dv.to(v.dtype)

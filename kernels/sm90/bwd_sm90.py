@@ -653,8 +653,8 @@ class FlashAttentionBackwardSm90:
                    head_kv: Int32, n_block: Int32, seqlen_k: Int32):
         """dK or dV of this thread's keys inside the sequence, straight from registers (one
         32-bit store per pair of adjacent columns); with `add_dkv` added into the caller's
-        float32 sums (this CTA alone owns the tile's rows); with `partial_dkv` added into the float32
-        accumulator instead (several CTAs share a KV tile)."""
+        float32 sums (this CTA alone owns the tile's rows); with `partial_dkv` added into the
+        float32 accumulator instead (several CTAs share a KV tile)."""
         if const_expr(self.spec.partial_dkv):
             m_seq = cute.domain_offset((offset_k, 0), m_out[None, head_kv, None])
             g_part = thr_dkv.partition_C(
@@ -664,10 +664,8 @@ class FlashAttentionBackwardSm90:
                 if n_block * self.tile_n + coord[i][0] < seqlen_k:
                     cute.arch.red(g_part.iterator + cute.crd2idx(i, g_part.layout), acc[i],
                                   op="add", dtype="f32", sem="relaxed", scope="gpu")
-        elif const_expr(self.spec.add_dkv):
-            store_rows_from_registers(thr_dkv, acc, m_out, offset_k, head_kv, n_block,
-                                      self.tile_n, self.head_dim, seqlen_k, Float32,
-                                      accumulate=True)
         else:
+            add = self.spec.add_dkv
             store_rows_from_registers(thr_dkv, acc, m_out, offset_k, head_kv, n_block,
-                                      self.tile_n, self.head_dim, seqlen_k, self.dtype)
+                                      self.tile_n, self.head_dim, seqlen_k,
+                                      Float32 if add else self.dtype, accumulate=add)
