@@ -47,6 +47,8 @@ VARIANTS = {
     "dq own kernel": dict(dq_separate=True, dq_tma_reduce=False, q_stages=2),
     "dq fused": dict(dq_separate=False, dq_tma_reduce=True, q_stages=2),
     "dq fused q_stages1": dict(dq_separate=False, dq_tma_reduce=True, q_stages=1),
+    # 64-key tiles at head dim 128: two CTAs per SM serialise every wgmma (232 registers).
+    "one CTA per SM": dict(one_cta_per_sm=True),
 }
 # Case name -> keyword arguments of the attention call (keys are N // compress_factor).
 CASES = {

@@ -25,6 +25,7 @@ computes dQ the forward's way round instead, and the KV-centric kernel then skip
 """
 from __future__ import annotations
 
+from functools import partial
 from typing import Optional
 
 import cuda.bindings.driver as cuda
@@ -225,7 +226,7 @@ class DqBackwardSm90:
                         load_seq_tile(atom, m_src, s_dst, q_handle, offset_q, head, m_block,
                                       self.tile_m, self.head_dim, 0)
                 for it in cutlass.range(num_iters, unroll=1):
-                    n_block, _ = tile_at(it)
+                    n_block = tile_at(it)
                     kv_handle = kv_producer.acquire_and_advance()
                     for atom, m_src, s_dst in ((tma_atom_k, mK, sK), (tma_atom_v, mV, sV)):
                         load_seq_tile(atom, m_src, s_dst, kv_handle, offset_k, head_kv,
@@ -234,7 +235,8 @@ class DqBackwardSm90:
             cute.arch.setmaxregister_increase(self.consumer_regs)
             if in_sequence:
                 self.consume(
-                    tidx - _WARPGROUP, tile_at, num_iters, q_consumer, kv_consumer,
+                    tidx - _WARPGROUP, tile_at, num_iters, n_max, num_mask, q_consumer,
+                    kv_consumer,
                     tiled_mma_sdp, tiled_mma_dq, sQ, sdO, sK, sV, mLSE, mDPsum, mdQ,
                     mQTileOffsets, softmax_scale, scale_log2, block_range, m_block, head,
                     batch, offset_q, seqlen_q, seqlen_k)
@@ -242,24 +244,22 @@ class DqBackwardSm90:
     @cute.jit
     def kv_tile_at(self, it: Int32, n_max: Int32, num_mask: Int32, mFullIndex, mMaskIndex,
                    sparse_row: Int32, sparse_head: Int32):
-        """The it-th KV tile visited and whether it may need the causal/window mask. Dense:
-        from the last tile backwards (the diagonal first). Block-sparse: the mask entries,
-        then the full ones."""
+        """The it-th KV tile visited. Dense: from the last tile backwards (the diagonal
+        first). Block-sparse: the mask entries, then the full ones."""
         n_block = n_max - 1 - it
-        is_mask_tile = cutlass.Boolean(True)
         if const_expr(self.spec.block_sparse):
             per_block = self.spec.tiles_per_list_block
             if it < num_mask:
                 n_block = mMaskIndex[sparse_row, sparse_head, it // per_block]
             else:
                 n_block = mFullIndex[sparse_row, sparse_head, (it - num_mask) // per_block]
-                is_mask_tile = False
             n_block = n_block * per_block + it % per_block
-        return n_block, is_mask_tile
+        return n_block
 
     @cute.jit
     def consume(
-        self, tidx: Int32, tile_at, num_iters: Int32, q_consumer, kv_consumer,
+        self, tidx: Int32, tile_at, num_iters: Int32, n_max: Int32, num_mask: Int32,
+        q_consumer, kv_consumer,
         tiled_mma_sdp: cute.TiledMma, tiled_mma_dq: cute.TiledMma, sQ, sdO, sK, sV,
         mLSE: cute.Tensor, mDPsum: cute.Tensor, mdQ: cute.Tensor, mQTileOffsets: cute.Tensor,
         softmax_scale: Float32, scale_log2: Float32, block_range: BlockRange, m_block: Int32,
@@ -298,42 +298,85 @@ class DqBackwardSm90:
                 lse[r] = mLSE[head, slot_base + row]
                 dpsum[r] = mDPsum[head, slot_base + row]
 
-        unmasked_lo, unmasked_hi = block_range.unmasked_tiles(m_block, seqlen_q, seqlen_k)
         if num_iters > 0:  # the producer loads Q and dO only for a tile that visits keys
             q_handle = q_consumer.wait_and_advance()
             q_handle.release()  # read only by this CTA's own products: nothing refills it
-        for it in cutlass.range(num_iters, unroll=1):
-            n_block, is_mask_tile = tile_at(it)
-            kv_handle = kv_consumer.wait_and_advance()
-            stage = stage_index(kv_handle, self.spec.kv_stages)
-            tiled_mma_sdp = gemm(tiled_mma_sdp, acc_s, tSrQ[None, None, None, 0],
-                                      tSrK[None, None, None, stage], zero_init=True)
-            tiled_mma_sdp = gemm(tiled_mma_sdp, acc_dp, tSrdO[None, None, None, 0],
-                                      tSrV[None, None, None, stage], zero_init=True)
-            needs_mask = is_mask_tile & ((n_block < unmasked_lo) | (n_block >= unmasked_hi))
-            if const_expr(self.spec.block_sparse):
-                # Full entries crossing the sequence end still mask the keys past it.
-                needs_mask = needs_mask | ((n_block + 1) * self.tile_n > seqlen_k)
-            warpgroup.wait_group(1)
-            if needs_mask:
-                apply_mask(acc_s, t_coord, block_range, m_block, n_block, seqlen_k, True)
-            for r in cutlass.range_constexpr(num_rows):
-                for c in cutlass.range_constexpr(cute.size(s_mn, mode=[1])):
-                    s_mn[r, c] = cute.math.exp2(s_mn[r, c] * scale_log2 - lse[r], fastmath=True)
-            warpgroup.wait_group(0)
-            # dS = P (dP - dO.O), and exactly 0 where P is: a masked key's dP may be NaN or
-            # Inf (a non-finite V in a later token), which must not reach earlier rows.
-            for r in cutlass.range_constexpr(num_rows):
-                for c in cutlass.range_constexpr(cute.size(dp_mn, mode=[1])):
-                    p = s_mn[r, c]
-                    ds = p * (dp_mn[r, c] - dpsum[r])
-                    dp_mn[r, c] = ds if p != Float32(0.0) else Float32(0.0)
-            cute.make_tensor(r_ds.iterator, acc_dp.layout).store(acc_dp.load().to(self.dtype))
-            tiled_mma_dq = gemm(tiled_mma_dq, acc_dq, r_ds, tdQrK[None, None, None, stage],
-                                     zero_init=False)
-            warpgroup.wait_group(0)
-            kv_handle.release()
+        step = partial(
+            self.consume_tile, tile_at=tile_at, num_mask=num_mask, tSrQ=tSrQ, tSrdO=tSrdO,
+            tSrK=tSrK, tSrV=tSrV, tdQrK=tdQrK, acc_s=acc_s, acc_dp=acc_dp, acc_dq=acc_dq,
+            r_ds=r_ds, t_coord=t_coord, lse=lse, dpsum=dpsum, scale_log2=scale_log2,
+            block_range=block_range, m_block=m_block, seqlen_k=seqlen_k)
+        state = (kv_consumer, tiled_mma_sdp, tiled_mma_dq)
+        if const_expr(self.spec.block_sparse):
+            # One copy of the step with a runtime mask choice: a loop per mask kind made the
+            # 64-key lists slower on the H100 (more code for short CTAs).
+            for it in cutlass.range(num_iters, unroll=1):
+                state = step(it, "if_needed", *state)
+        else:
+            # Tiles are visited from n_max - 1 down: masked ones (diagonal, sequence end), then
+            # unmasked ones, then masked ones again (the left window edge). One loop per
+            # compile-time mask kind: a runtime "does this tile need the mask" branch between
+            # the S/dP products and their wait made ptxas wait for dP before the first
+            # exponential (SASS: 0 of 32 MUFU.EX2 under the dP product; 7-9 now).
+            unmasked_lo, unmasked_hi = block_range.unmasked_tiles(m_block, seqlen_q, seqlen_k)
+            it_unmasked = cutlass.min(cutlass.max(n_max - unmasked_hi, 0), num_iters)
+            it_masked_left = cutlass.min(cutlass.max(n_max - unmasked_lo, it_unmasked),
+                                         num_iters)
+            for it in cutlass.range(it_unmasked, unroll=1):
+                state = step(it, "causal_window", *state)
+            for it in cutlass.range(it_unmasked, it_masked_left, unroll=1):
+                state = step(it, None, *state)
+            if const_expr(self.spec.has_window_left):
+                for it in cutlass.range(it_masked_left, num_iters, unroll=1):
+                    state = step(it, "causal_window", *state)
 
         acc_dq.store(acc_dq.load() * softmax_scale)
         store_rows_from_registers(thr_dq, acc_dq, mdQ, offset_q, head, m_block, self.tile_m,
                                   self.head_dim, seqlen_q, self.dtype, self.spec.accumulate)
+
+    @cute.jit
+    def consume_tile(
+        self, it: Int32, mask: cutlass.Constexpr, kv_consumer,
+        tiled_mma_sdp: cute.TiledMma, tiled_mma_dq: cute.TiledMma, tile_at, num_mask: Int32,
+        tSrQ, tSrdO, tSrK, tSrV, tdQrK, acc_s, acc_dp, acc_dq, r_ds, t_coord, lse, dpsum,
+        scale_log2: Float32, block_range: BlockRange, m_block: Int32, seqlen_k: Int32,
+    ):
+        """Visited KV tile `it`: S and dP, P, dS, dQ += dS K. `mask`: None, "causal_window",
+        or "if_needed" (block-sparse: the causal/window mask on mask entries and on blocks
+        crossing the sequence end)."""
+        n_block = tile_at(it)
+        needs_mask = cutlass.Boolean(True)
+        if const_expr(mask == "if_needed"):
+            # Mask entries, and full ones crossing the sequence end (keys past it).
+            needs_mask = (it < num_mask) | ((n_block + 1) * self.tile_n > seqlen_k)
+        kv_handle = kv_consumer.wait_and_advance()
+        stage = stage_index(kv_handle, self.spec.kv_stages)
+        tiled_mma_sdp = gemm(tiled_mma_sdp, acc_s, tSrQ[None, None, None, 0],
+                             tSrK[None, None, None, stage], zero_init=True)
+        tiled_mma_sdp = gemm(tiled_mma_sdp, acc_dp, tSrdO[None, None, None, 0],
+                             tSrV[None, None, None, stage], zero_init=True)
+        warpgroup.wait_group(1)
+        if const_expr(mask == "causal_window"):
+            apply_mask(acc_s, t_coord, block_range, m_block, n_block, seqlen_k, True)
+        elif const_expr(mask == "if_needed"):
+            if needs_mask:
+                apply_mask(acc_s, t_coord, block_range, m_block, n_block, seqlen_k, True)
+        s_mn = acc_mn_view(acc_s)
+        dp_mn = acc_mn_view(acc_dp)
+        for r in cutlass.range_constexpr(cute.size(s_mn, mode=[0])):
+            for c in cutlass.range_constexpr(cute.size(s_mn, mode=[1])):
+                s_mn[r, c] = cute.math.exp2(s_mn[r, c] * scale_log2 - lse[r], fastmath=True)
+        warpgroup.wait_group(0)
+        # dS = P (dP - dO.O), and exactly 0 where P is: a masked key's dP may be NaN or
+        # Inf (a non-finite V in a later token), which must not reach earlier rows.
+        for r in cutlass.range_constexpr(cute.size(dp_mn, mode=[0])):
+            for c in cutlass.range_constexpr(cute.size(dp_mn, mode=[1])):
+                p = s_mn[r, c]
+                ds = p * (dp_mn[r, c] - dpsum[r])
+                dp_mn[r, c] = ds if p != Float32(0.0) else Float32(0.0)
+        cute.make_tensor(r_ds.iterator, acc_dp.layout).store(acc_dp.load().to(self.dtype))
+        tiled_mma_dq = gemm(tiled_mma_dq, acc_dq, r_ds, tdQrK[None, None, None, stage],
+                            zero_init=False)
+        warpgroup.wait_group(0)
+        kv_handle.release()
+        return kv_consumer, tiled_mma_sdp, tiled_mma_dq

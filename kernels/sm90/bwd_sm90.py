@@ -347,8 +347,10 @@ class FlashAttentionBackwardSm90:
         mListOffsets, mListIndex, mListMaskCount, mKvBlockOffsets, list_head: Int32,
         entry_lo: Int32, entry_hi: Int32, split: Int32, row_splits: Int32,
     ):
-        """Run step_fn(head, m_block, needs_mask, *state) -> state over the (query head, 64-row
-        query tile) pairs that see this CTA's KV tile, heads of the group outermost. The
+        """Run step_fn(head, m_block, mask, needs_mask, *state) -> state over the (query head,
+        64-row query tile) pairs that see this CTA's KV tile, heads of the group outermost.
+        `mask` is the step's compile-time mask kind: None, "causal_window", or "if_needed"
+        (the causal/window mask where the runtime `needs_mask` says so). The
         producer warp and the consumer warpgroups both walk through here, so they agree on
         every step."""
         head_first = head_kv * group
@@ -379,11 +381,21 @@ class FlashAttentionBackwardSm90:
                 share = (m_max - m_min + row_splits - 1) // row_splits
                 m_min = cutlass.min(m_min + split * share, m_max)
                 m_max = cutlass.min(m_min + share, m_max)
+            # Query tiles in order: masked ones (the diagonal), unmasked ones, masked ones
+            # again (the window's far edge). One loop per compile-time mask kind: a runtime
+            # "does this step need the mask" branch between the S/dP products and their wait
+            # lets ptxas wait for dP before the exponentials (docs/cute_notes.md).
             unmasked_lo, unmasked_hi = block_range.unmasked_m_blocks(n_block, seqlen_q, seqlen_k)
+            first_unmasked = cutlass.min(cutlass.max(unmasked_lo, m_min), m_max)
+            end_unmasked = cutlass.min(cutlass.max(unmasked_hi, first_unmasked), m_max)
             for head_in_group in cutlass.range(group, unroll=1):
-                for m_block in cutlass.range(m_min, m_max, unroll=1):
-                    needs_mask = (m_block < unmasked_lo) | (m_block >= unmasked_hi)
-                    state = step_fn(head_first + head_in_group, m_block, needs_mask, *state)
+                head = head_first + head_in_group
+                for m_block in cutlass.range(m_min, first_unmasked, unroll=1):
+                    state = step_fn(head, m_block, "causal_window", False, *state)
+                for m_block in cutlass.range(first_unmasked, end_unmasked, unroll=1):
+                    state = step_fn(head, m_block, None, False, *state)
+                for m_block in cutlass.range(end_unmasked, m_max, unroll=1):
+                    state = step_fn(head, m_block, "causal_window", False, *state)
         return state
 
     @cute.jit
@@ -395,6 +407,8 @@ class FlashAttentionBackwardSm90:
         num_mask = mListMaskCount[kv_row, list_head]
         # Full KV blocks crossing the sequence end still mask the keys past it.
         full_needs_mask = (n_block + 1) * self.tile_n > seqlen_k
+        # One copy of the step with a runtime mask choice: a loop per mask kind (as the dense
+        # walk has) made 64-key lists 5-9% slower on the H100, with three times the code.
         for entry in cutlass.range(entry_lo, entry_hi, unroll=1):
             q_tile = mListIndex[entry]
             needs_mask = full_needs_mask | (entry - start < num_mask)
@@ -403,7 +417,7 @@ class FlashAttentionBackwardSm90:
             for half in cutlass.range_constexpr(2):
                 m_block = q_tile * 2 + half
                 if m_block * self.tile_m < seqlen_q:
-                    state = step_fn(head, m_block, needs_mask, *state)
+                    state = step_fn(head, m_block, "if_needed", needs_mask, *state)
         return state
 
     @cute.jit
@@ -415,7 +429,8 @@ class FlashAttentionBackwardSm90:
 
     @cute.jit
     def produce_step(
-        self, head: Int32, m_block: Int32, needs_mask, q_producer, do_producer, tma_atom_q, mQ,
+        self, head: Int32, m_block: Int32, mask: cutlass.Constexpr, needs_mask, q_producer,
+        do_producer, tma_atom_q, mQ,
         tma_atom_do, mdO, tma_atom_lse, mLSE, tma_atom_dpsum, mDPsum, sQ, sdO, sLSE, sDPsum,
         offset_q: Int32, q_tile_offset: Int32,
     ):
@@ -492,7 +507,8 @@ class FlashAttentionBackwardSm90:
 
     @cute.jit
     def consume_step(
-        self, head: Int32, m_block: Int32, needs_mask, q_consumer, do_consumer,
+        self, head: Int32, m_block: Int32, mask: cutlass.Constexpr, needs_mask, q_consumer,
+        do_consumer,
         tiled_mma_sdp: cute.TiledMma, tiled_mma_dkv: cute.TiledMma, tiled_mma_dq: cute.TiledMma,
         tidx: Int32, tSrK, tSrV, tSrQ, tSrdO, tdKrQ, tdVrdO, tdQrdS, sKt_passes, thr_dq,
         acc_s, acc_dp, acc_dk, acc_dv, acc_dq, r_p, r_ds, t_coord, t_sdS, sLSE,
@@ -500,7 +516,8 @@ class FlashAttentionBackwardSm90:
         n_block: Int32, batch: Int32, seqlen_q: Int32, seqlen_k: Int32, q_tile_offset: Int32,
         mSemaphore, mFwdFullCount, mFwdFullIndex, mFwdMaskCount, mFwdMaskIndex, mFwdRowOffsets,
     ):
-        """One (query head, 64-row query tile) against this CTA's keys."""
+        """One (query head, 64-row query tile) against this CTA's keys. `mask`: None,
+        "causal_window", or "if_needed" (the causal/window mask where `needs_mask`)."""
         stages = self.spec.q_stages
         q_handle = q_consumer.wait_and_advance()
         q_stage = stage_index(q_handle, stages)
@@ -511,9 +528,13 @@ class FlashAttentionBackwardSm90:
         tiled_mma_sdp = gemm(tiled_mma_sdp, acc_dp, tSrV[None, None, None, 0],
                                   tSrdO[None, None, None, do_stage], zero_init=True)
         warpgroup.wait_group(1)
-        if needs_mask:
+        if const_expr(mask == "causal_window"):
             apply_mask_keys_as_rows(acc_s, t_coord, block_range, n_block, m_block, seqlen_q,
                                     seqlen_k, True)
+        elif const_expr(mask == "if_needed"):
+            if needs_mask:
+                apply_mask_keys_as_rows(acc_s, t_coord, block_range, n_block, m_block,
+                                        seqlen_q, seqlen_k, True)
         # P^T = exp2(S^T scale log2(e) - lse log2(e)); lse log2(e) is +inf for rows that see
         # nothing and rows past the sequence, so their P is exactly 0.
         s_mn = acc_mn_view(acc_s)
@@ -523,7 +544,13 @@ class FlashAttentionBackwardSm90:
             for r in cutlass.range_constexpr(cute.size(s_mn, mode=[0])):
                 s_mn[r, c] = cute.math.exp2(s_mn[r, c] * scale_log2 - lse, fastmath=True)
         cute.make_tensor(r_p.iterator, acc_s.layout).store(acc_s.load().to(self.dtype))
-        warpgroup.wait_group(0)
+        if const_expr(self.spec.dv_before_ds):
+            # dV += P^T dO goes to the tensor cores before dS is computed: it runs under it.
+            tiled_mma_dkv = gemm(tiled_mma_dkv, acc_dv, r_p,
+                                 tdVrdO[None, None, None, do_stage], zero_init=False)
+            warpgroup.wait_group(1)  # dP (the dV product may still run)
+        else:
+            warpgroup.wait_group(0)
         # dS^T = P^T (dP^T - dO.O)
         dp_mn = acc_mn_view(acc_dp)
         for c in cutlass.range_constexpr(cute.size(dp_mn, mode=[1])):
@@ -532,8 +559,9 @@ class FlashAttentionBackwardSm90:
                 dp_mn[r, c] = s_mn[r, c] * (dp_mn[r, c] - dpsum)
         r_ds_as_acc = cute.make_tensor(r_ds.iterator, acc_dp.layout)
         r_ds_as_acc.store(acc_dp.load().to(self.dtype))
-        tiled_mma_dkv = gemm(tiled_mma_dkv, acc_dv, r_p, tdVrdO[None, None, None, do_stage],
-                                  zero_init=False)
+        if const_expr(not self.spec.dv_before_ds):
+            tiled_mma_dkv = gemm(tiled_mma_dkv, acc_dv, r_p,
+                                 tdVrdO[None, None, None, do_stage], zero_init=False)
         tiled_mma_dkv = gemm(tiled_mma_dkv, acc_dk, r_ds, tdKrQ[None, None, None, q_stage],
                                   zero_init=False)
         if const_expr(self.spec.dq_separate):

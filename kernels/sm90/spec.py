@@ -251,6 +251,8 @@ class BwdSpec:
     q_stages: int = 2          # Q (+ lse) and dO (+ dO.O) pipeline depth
     add_dkv: bool = False      # dK/dV added into the caller's float32 sums (one CTA per KV
                                # tile: a load, add and store; nsa()'s running dk, dv)
+    one_cta_per_sm: bool = False  # 64-key tiles: one CTA per SM (240 registers per consumer
+                                  # thread instead of 232), see `ctas_per_sm`
 
     @property
     def num_consumer_warpgroups(self) -> int:
@@ -258,8 +260,19 @@ class BwdSpec:
 
     @property
     def ctas_per_sm(self) -> int:
-        """One consumer warpgroup (64-key tiles: NSA's blocks) is sized for two CTAs per SM."""
-        return 2 if self.tile_n == 64 else 1
+        """One consumer warpgroup (64-key tiles: NSA's blocks) is sized for two CTAs per SM.
+        At head dim 128 two CTAs leave 232 registers per consumer thread, and ptxas then
+        serialises every wgmma of the kernel (SASS: a wait after each of the 48 HGMMAs);
+        `one_cta_per_sm` gives it 240, where the products overlap the softmax again."""
+        return 2 if self.tile_n == 64 and not self.one_cta_per_sm else 1
+
+    @property
+    def dv_before_ds(self) -> bool:
+        """Issue dV += P^T dO before computing dS, so the product runs under it (H100, bwd
+        16K / 64K: dense causal 4% / 7%, compress factor 64 at 64K 5% faster). Not where the
+        kernel's wgmmas are serialised anyway (two 64-key CTAs per SM at head dim 128, see
+        `ctas_per_sm`): there the early issue cost 5-9%."""
+        return not (self.ctas_per_sm == 2 and self.head_dim == 128)
 
     @property
     def partial_dkv(self) -> bool:
