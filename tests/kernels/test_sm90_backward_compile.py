@@ -125,6 +125,20 @@ def test_backward_dispatch_gives_dq_its_own_kernel_everywhere():
     assert selected.ctas_per_sm == 2 and selected.fits_in_smem()
 
 
+def test_backward_issues_dv_before_ds_except_where_the_wgmmas_are_serialised():
+    """Two 64-key CTAs per SM at head dim 128 leave 232 registers per consumer thread: ptxas
+    serialises every wgmma there, and the early dV issue measured slower (H100, session 16);
+    everywhere else dV goes to the tensor cores before dS is computed. The one-CTA-per-SM
+    variant (a tuner switch) has the registers and takes the early issue; it compiles."""
+    selected = _backward_spec("bfloat16", 128, "selected-sparse64")
+    assert selected.ctas_per_sm == 2 and not selected.dv_before_ds
+    assert _backward_spec("bfloat16", 64, "selected-sparse64").dv_before_ds
+    assert _backward_spec("bfloat16", 128, "causal").dv_before_ds
+    single = dataclasses.replace(selected, one_cta_per_sm=True)
+    assert single.ctas_per_sm == 1 and single.dv_before_ds and single.fits_in_smem()
+    assert callable(compile_backward_on_fake_tensors(single))
+
+
 def test_backward_dispatch_splits_rows_only_for_grids_smaller_than_the_gpu():
     assert _backward_spec("bfloat16", 128, "compressed-causal", grid="few-kv-tiles").split_rows
     assert not _backward_spec("bfloat16", 128, "compressed-causal").split_rows

@@ -67,7 +67,8 @@ def _sm90() -> bool:
 @pytest.mark.parametrize("overrides", [dict(dq_tma_reduce=False), dict(split_rows=True),
                                        dict(dq_tma_reduce=False, split_rows=True),
                                        dict(dq_separate=True, dq_tma_reduce=False, q_stages=2),
-                                       dict(dq_separate=False, dq_tma_reduce=True)],
+                                       dict(dq_separate=False, dq_tma_reduce=True),
+                                       dict(one_cta_per_sm=True)],
                          ids=lambda o: "+".join(f"{k}={v}" for k, v in o.items()))
 def test_backward_switch_matches_the_dispatched_kernel(overrides):
     try:
