@@ -281,7 +281,6 @@ class DqBackwardSm90:
         r_ds = cute.make_rmem_tensor(acc_as_a_operand_layout(acc_s.layout), self.dtype)
         t_coord = thr_sdp.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n)))
         s_mn = acc_mn_view(acc_s)
-        dp_mn = acc_mn_view(acc_dp)
         c_mn = acc_mn_view(t_coord)
 
         # This thread's rows' lse log2(e) and dO.O. Rows past the sequence end see nothing

@@ -21,6 +21,7 @@ from kernels import flash_attn_func
 from nsa import nsa
 from reference_attention import one_thread  # noqa: F401 (fixture)
 from sparsity import build_selected_block_sparse
+from gpu_marks import requires_sm90
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -243,12 +244,8 @@ def test_nsa_future_nonfinite_does_not_reach_the_past(bad, weights):
                                        atol=1e-6, msg=name)
 
 
-def _sm90():
-    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
-
-
 @pytest.mark.gpu
-@pytest.mark.skipif(not _sm90(), reason="needs an sm_90 GPU")
+@requires_sm90
 @pytest.mark.parametrize("window", [None, WINDOW], ids=["causal", "window"])
 def test_sm90_kernel_keeps_a_non_finite_value_inside_the_tiles_that_load_it(window):
     """The documented bound of the sm90 kernels (docs/interfaces.md), not the fallback's exact

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from kernels.gated_sum import GatedSum
+from gpu_marks import requires_sm90
 
 
 def _problem(rows, heads, dim, dtype, terms, device="cpu", gate_width=3, seed=0):
@@ -101,12 +102,8 @@ def test_kernel_spec_rejects_what_it_cannot_build():
         GatedSumSpec("float32", 128, (0,), 3)
 
 
-def _sm90():
-    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
-
-
 @pytest.mark.gpu
-@pytest.mark.skipif(not _sm90(), reason="needs an sm_90 GPU")
+@requires_sm90
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("case", [
     # rows, heads, head dim, gate columns of the terms (rows x heads x dim / 8 threads: all but
@@ -136,7 +133,7 @@ def test_kernel_matches_the_exact_sum_to_one_rounding(case, dtype):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not _sm90(), reason="needs an sm_90 GPU")
+@requires_sm90
 def test_kernel_takes_any_term_layout_and_broadcast_gates():
     """Non-contiguous and misaligned terms are copied first, stride-0 (mean) gates and a gate
     row of 2 work, the result lands in a contiguous first term, empty input stays on torch."""
@@ -167,7 +164,7 @@ def test_kernel_takes_any_term_layout_and_broadcast_gates():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not _sm90(), reason="needs an sm_90 GPU")
+@requires_sm90
 def test_kernel_through_dlpack_equals_tvm_ffi(monkeypatch):
     """The launch without apache-tvm-ffi (NSA_CUTE_TVM_FFI=0) computes the same sum."""
     import kernels.sm90.forward as forward
@@ -282,7 +279,7 @@ def test_backward_kernel_spec_rejects_what_it_cannot_build():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not _sm90(), reason="needs an sm_90 GPU")
+@requires_sm90
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("case", [
     (1000, 3, 128, 0), (777, 31, 64, 2), (513, 5, 192, 1), (129, 7, 256, 1),
@@ -305,7 +302,7 @@ def test_backward_kernel_matches_exact(case, dtype):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not _sm90(), reason="needs an sm_90 GPU")
+@requires_sm90
 def test_kernels_split_tensors_over_launches(monkeypatch):
     """Tensors past the kernels' 32-bit indexing (2**31 elements: q at 1M tokens, H=32, D=128)
     run as several launches over row ranges; here the limit is lowered to 1000 rows of D so a

@@ -16,6 +16,7 @@ import torch
 from kernels import flash_attn_func, flash_attn_varlen_func, which_backend
 from kernels.validate import INT32_MAX, int32_limits_reason
 from test_fallback_dispatch import fake_sm90  # noqa: F401 (fixture)
+from gpu_marks import requires_sm90
 
 META = torch.device("meta")
 
@@ -150,12 +151,8 @@ def test_direct_kernel_calls_refuse_what_their_int32_arithmetic_cannot_hold():
                      max_seqlen_q=1, max_seqlen_k=1)
 
 
-def _sm90() -> bool:
-    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
-
-
 @pytest.mark.gpu
-@pytest.mark.skipif(not _sm90(), reason="needs an sm_90 GPU")
+@requires_sm90
 def test_kernels_at_a_million_tokens_match_float32_on_the_last_rows():
     """The kernels past 2**31 elements (q at 1M tokens, H=32, D=128 has 2**32): forward and
     backward over two packed causal sequences of 1M tokens in all, checked on the last 128 rows

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from kernels.row_means import row_means
+from gpu_marks import requires_sm90
 
 
 def _runs(total_rows, num_runs, longest, gen, device="cpu"):
@@ -90,12 +91,8 @@ def test_kernel_spec_rejects_what_it_cannot_build():
         RowMeansSpec("float32", 128, True)
 
 
-def _sm90():
-    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
-
-
 @pytest.mark.gpu
-@pytest.mark.skipif(not _sm90(), reason="needs an sm_90 GPU")
+@requires_sm90
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("case", [
     # rows, heads, head dim, runs, longest run, two tensors
@@ -125,7 +122,7 @@ def test_kernel_matches_the_exact_means(case, dtype):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not _sm90(), reason="needs an sm_90 GPU")
+@requires_sm90
 def test_kernel_reads_rows_past_two_to_the_31_elements():
     """q at 1M tokens, H=32, D=128 has 2**32 elements: the row offsets are 64-bit."""
     from kernels.sm90.row_means import can_run

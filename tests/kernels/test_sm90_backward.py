@@ -35,19 +35,13 @@ import torch
 
 import kernels
 from kernels.fallback import attention_backward_fallback, attention_forward_fallback
+from gpu_marks import requires_sm90
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 HEAD_DIMS = (64, 128)
 HEADS = 16  # query heads; the KV heads are HEADS // group
 GRAD_TOLERANCE = 2e-2
 Q_TILE = 128  # the kernels' block-sparse q tile
-
-
-def _sm90() -> bool:
-    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
-
-
-requires_sm90 = pytest.mark.skipif(not _sm90(), reason="needs an sm_90 GPU")
 
 
 # ----------------------------------------------------------------------------------------------

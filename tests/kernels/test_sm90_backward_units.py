@@ -7,11 +7,7 @@ import torch
 
 from kernels.sm90.backward import QueryTiles, work_units
 from sparsity import build_block_sparse_from_mask, transpose_block_sparse_csr
-
-
-requires_sm90 = pytest.mark.skipif(
-    not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)),
-    reason="needs an sm_90 GPU")
+from gpu_marks import requires_sm90
 
 
 def _random_bf16_problem(tokens: int, generator: torch.Generator):

@@ -18,7 +18,8 @@ import subprocess
 import sys
 
 import pytest
-import torch
+
+from gpu_marks import requires_sm90
 
 CHILD = r'''
 import json, sys, torch
@@ -58,12 +59,8 @@ print(json.dumps(dict(worst=worst)))
 '''
 
 
-def _sm90() -> bool:
-    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
-
-
 @pytest.mark.gpu
-@pytest.mark.skipif(not _sm90(), reason="needs an sm_90 GPU")
+@requires_sm90
 @pytest.mark.parametrize("overrides", [dict(dq_tma_reduce=False), dict(split_rows=True),
                                        dict(dq_tma_reduce=False, split_rows=True),
                                        dict(dq_separate=True, dq_tma_reduce=False, q_stages=2),

@@ -8,15 +8,9 @@ import pytest
 import torch
 
 from kernels.fallback import attention_forward_fallback
+from gpu_marks import requires_sm90
 
 pytestmark = pytest.mark.gpu
-
-
-def _sm90():
-    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
-
-
-requires_sm90 = pytest.mark.skipif(not _sm90(), reason="needs an sm_90 GPU")
 
 
 def _cu_seqlens(lengths, device):

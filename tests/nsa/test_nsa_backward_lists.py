@@ -22,6 +22,7 @@ from nsa import nsa
 from nsa_testing import SMALL, random_inputs
 from op_counting import OpCounter
 from sparsity import BlockSparseCSR
+from gpu_marks import requires_sm90
 
 LENGTHS = [40, 17, 29]
 GRAD_INPUTS = ("q", "k", "v", "W_k", "W_v", "W_gate")
@@ -178,12 +179,8 @@ def test_the_cpu_builds_no_transposed_lists(transpose_builds):
     assert not transpose_builds
 
 
-def _sm90() -> bool:
-    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
-
-
 @pytest.mark.gpu
-@pytest.mark.skipif(not _sm90(), reason="needs an sm_90 GPU")
+@requires_sm90
 def test_transposed_lists_are_built_on_the_gpu_without_synchronising():
     """On sm_90 nsa() builds the lists' transposes (selected and sparse compressed) in its
     backward: no device read, and no host copy either (a host list copied to the GPU waits for

@@ -16,6 +16,7 @@ from nsa import nsa
 from nsa.ops import config_arguments
 from nsa.validation import validate_nsa_call
 from nsa_testing import SMALL, random_inputs
+from gpu_marks import requires_sm90
 
 LENGTHS = [40, 17, 29]
 HEADS, KV_HEADS, HEAD_DIM = 4, 2, 8
@@ -225,13 +226,8 @@ def test_host_cu_seqlens_without_cu_seqlens_is_refused():
         nsa(q, k, v, host_cu_seqlens=(0, 43, 86), **SMALL)
 
 
-
-def _sm90() -> bool:
-    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
-
-
 @pytest.mark.gpu
-@pytest.mark.skipif(not _sm90(), reason="needs an sm_90 GPU")
+@requires_sm90
 @pytest.mark.parametrize("varlen", [False, True], ids=["padded", "varlen"])
 def test_compiled_nsa_on_the_kernels_matches_eager(varlen):
     """torch.compile(fullgraph=True, inductor) of nsa() on the sm90 kernels (bf16, D=128, the

@@ -14,12 +14,9 @@ import torch
 
 from nsa import nsa
 from nsa_testing import random_inputs
+from gpu_marks import requires_sm90
 
 pytestmark = pytest.mark.gpu
-
-
-def _sm90():
-    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 
 
 LENGTHS = [1500, 77, 700]
@@ -50,7 +47,7 @@ def _step(tensors, extra, dout):
     return out
 
 
-@pytest.mark.skipif(not _sm90(), reason="needs an sm_90 GPU")
+@requires_sm90
 @pytest.mark.parametrize("layout", ["varlen", "padded"])
 def test_captured_forward_backward_replays_new_inputs_like_eager(layout):
     tensors, extra = _static_inputs(layout)

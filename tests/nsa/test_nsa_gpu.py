@@ -16,15 +16,10 @@ import kernels
 from nsa import nsa, nsa_reference
 from nsa.branches import COMPRESSED, SELECTED, WINDOW, Branch
 from nsa_testing import cu_seqlens_of, differentiable, grads_of, random_inputs, rel_err
+from gpu_marks import requires_sm90
 
 pytestmark = pytest.mark.gpu
 
-
-def _sm90():
-    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
-
-
-requires_sm90 = pytest.mark.skipif(not _sm90(), reason="needs an sm_90 GPU")
 
 CASES = [
     # lengths, H, Hkv, D, options

@@ -7,6 +7,7 @@ from nsa.compression import compress_kv
 from nsa.reference import compress_kv_reference, select_blocks_reference
 from nsa.selection import select_blocks
 from nsa_testing import cu_seqlens_of
+from gpu_marks import requires_sm90
 
 RULE = dict(compress_block_size=4, selected_block_size=8, num_selected_blocks=5, q_tile=16,
             cmp_kv_block=4, num_cmp_selected_blocks=2)
@@ -154,12 +155,8 @@ def test_selection_given_the_host_bounds_reads_nothing_and_selects_the_same(monk
     assert torch.equal(given.cmp_selected, read.cmp_selected)
 
 
-def _sm90():
-    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
-
-
 @pytest.mark.gpu
-@pytest.mark.skipif(not _sm90(), reason="needs an sm_90 GPU")
+@requires_sm90
 @pytest.mark.parametrize("heads,kv_heads,lengths", [
     (4, 4, [3000]),
     (16, 4, [1000, 77, 2900, 129]),
