@@ -20,6 +20,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32
 
+from kernels.sm90.dtypes import CUTLASS_DTYPES
 from kernels.sm90.layouts import with_row_strides_divisible
 from kernels.sm90.row_dot import lane_group_sum, masked_dot
 
@@ -40,7 +41,7 @@ class BackwardPreprocess:
 
     def __init__(self, spec: PreprocessSpec):
         self.spec = spec
-        self.dtype = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}[spec.dtype]
+        self.dtype = CUTLASS_DTYPES[spec.dtype]
         head_dim = self.head_dim = spec.head_dim
         self.lanes_per_row = head_dim // _VECTOR
         assert 32 % self.lanes_per_row == 0, f"head_dim {head_dim}: D/8 must divide a warp"

@@ -39,6 +39,7 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
+from kernels.sm90.dtypes import CUTLASS_DTYPES
 from kernels.sm90.block_range import BlockRange
 from kernels.sm90.dq_accumulator import DqAccumulator
 from kernels.sm90.layouts import (acc_as_a_operand_layout, acc_mn_view, transposed,
@@ -64,7 +65,7 @@ class FlashAttentionBackwardSm90:
 
     def __init__(self, spec: BwdSpec):
         self.spec = spec
-        self.dtype = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}[spec.dtype]
+        self.dtype = CUTLASS_DTYPES[spec.dtype]
         self.tile_m, self.tile_n, self.head_dim = spec.tile_m, spec.tile_n, spec.head_dim
         assert self.tile_m == 64 and self.tile_n in (64, 128)
         assert spec.fits_in_smem(), f"{spec} needs {spec.smem_bytes} bytes of shared memory"

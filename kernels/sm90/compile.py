@@ -18,10 +18,9 @@ import cutlass
 import cutlass.cute as cute
 from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream, make_fake_tensor
 
+from kernels.sm90.dtypes import CUTLASS_DTYPES
 from kernels.sm90.fwd_sm90 import FlashAttentionForwardSm90
 from kernels.sm90.spec import FwdSpec
-
-_DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
 
 
 # The launcher's tensors (forward.py `_as_cute`) have every extent and stride dynamic but the
@@ -62,7 +61,7 @@ def fake_row_statistics():
 
 def fake_arguments(spec: FwdSpec):
     """Fake tensors standing for (q, k, v, out, lse, cu_q, cu_k), (block-sparse five, trace)."""
-    q, k, v, o = (fake_seq_head_dim(_DTYPES[spec.dtype]) for _ in range(4))
+    q, k, v, o = (fake_seq_head_dim(CUTLASS_DTYPES[spec.dtype]) for _ in range(4))
     lse = make_fake_compact_tensor(cutlass.Float32, (cute.sym_int(), cute.sym_int()),
                                    stride_order=(1, 0), assumed_align=4)
     num_seqs = cute.sym_int()
@@ -148,7 +147,7 @@ def fake_backward_arguments(spec):
     (list offsets, list index, list mask counts, KV block offsets, forward full count, full
     index, mask count, mask index, row offsets, semaphore, work units), None where
     kernels/sm90/backward.py `run` passes None."""
-    dtype = _DTYPES[spec.dtype]
+    dtype = CUTLASS_DTYPES[spec.dtype]
     q, k, v, dout = (fake_seq_head_dim(dtype) for _ in range(4))
     # `partial_dkv`, `add_dkv`: dK and dV are float32 sums (several CTAs per KV tile, or the
     # caller's).
@@ -210,7 +209,7 @@ def fake_dq_arguments(spec):
     """Fake tensors standing for the dQ kernel's arguments, in order (the scalars and the
     stream excluded): (q, k, v, dO, lse, dO.O, dQ, cu_q, cu_k, q tile offsets), (the forward's
     full count, full index, mask count, mask index, row offsets)."""
-    q, k, v, dout, dq = (fake_seq_head_dim(_DTYPES[spec.dtype]) for _ in range(5))
+    q, k, v, dout, dq = (fake_seq_head_dim(CUTLASS_DTYPES[spec.dtype]) for _ in range(5))
     lse, dpsum = fake_row_statistics(), fake_row_statistics()
     cu_q, cu_k, q_tiles = (fake_int32_vector() for _ in range(3))
     forward_lists = fake_forward_lists() if spec.block_sparse else (None,) * 5
@@ -246,7 +245,7 @@ def compiled_preprocess(spec, example_args, tvm_ffi: bool = False):
 def fake_preprocess_arguments(spec):
     """Fake tensors standing for the row-statistics kernel's arguments (the stream excluded):
     O, dO (T, H, D), lse (H, T) float32, the rows' slots (T,) int32, lse log2(e) and dO.O."""
-    o, dout = (fake_seq_head_dim(_DTYPES[spec.dtype]) for _ in range(2))
+    o, dout = (fake_seq_head_dim(CUTLASS_DTYPES[spec.dtype]) for _ in range(2))
     lse = make_fake_tensor(cutlass.Float32, (cute.sym_int(), cute.sym_int()),
                            stride=(cute.sym_int(), 1), assumed_align=4)
     return (o, dout, lse, fake_int32_vector(), fake_row_statistics(), fake_row_statistics())

@@ -34,6 +34,7 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
+from kernels.sm90.dtypes import CUTLASS_DTYPES
 from kernels.sm90.block_range import BlockRange
 from kernels.sm90.epilogue import OutputStore
 from kernels.sm90.layouts import (
@@ -61,7 +62,7 @@ class FlashAttentionForwardSm90(OverlapTiles):
 
     def __init__(self, spec: FwdSpec):
         self.spec = spec
-        self.dtype = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}[spec.dtype]
+        self.dtype = CUTLASS_DTYPES[spec.dtype]
         self.tile_m, self.tile_n, self.head_dim = spec.tile_m, spec.tile_n, spec.head_dim
         # One consumer warpgroup per 64 query rows. With one (tile_m 64) two CTAs share an SM
         # (smem and registers are sized for it), so one CTA's prologue and output store overlap

@@ -31,6 +31,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 
+from kernels.sm90.dtypes import CUTLASS_DTYPES
 from kernels.sm90.row_dot import lane_group_sum, masked_dot
 
 VECTOR = 8  # elements per thread: 16 bytes of bf16/fp16
@@ -39,8 +40,6 @@ MAX_TERMS = 3
 BACKWARD_MIN_LANES = 8  # the backward's lanes per row: a power of two dividing D / 8
 BACKWARD_ROWS_PER_CTA = 64
 LAUNCH_ELEMENTS = 2 ** 31 - 1  # the most elements of a tensor one launch indexes (32-bit)
-
-_DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
 
 
 @dataclass(frozen=True)
@@ -53,8 +52,8 @@ class GatedSumSpec:
     gate_width: int
 
     def __post_init__(self):
-        if self.dtype not in _DTYPES:
-            raise ValueError(f"dtype {self.dtype!r} (expected one of {sorted(_DTYPES)})")
+        if self.dtype not in CUTLASS_DTYPES:
+            raise ValueError(f"dtype {self.dtype!r} (expected one of {sorted(CUTLASS_DTYPES)})")
         if self.head_dim % VECTOR:
             raise ValueError(f"head_dim {self.head_dim} (expected a multiple of {VECTOR})")
         if not 1 <= len(self.columns) <= MAX_TERMS:
@@ -69,7 +68,7 @@ class GatedSumSm90:
 
     def __init__(self, spec: GatedSumSpec):
         self.spec = spec
-        self.dtype = _DTYPES[spec.dtype]
+        self.dtype = CUTLASS_DTYPES[spec.dtype]
 
     @cute.jit
     def __call__(self, gates: cute.Tensor, out: cute.Tensor, o0: cute.Tensor,
@@ -114,8 +113,8 @@ class GatedSumBackwardSpec:
     term_gradient: bool = True
 
     def __post_init__(self):
-        if self.dtype not in _DTYPES:
-            raise ValueError(f"dtype {self.dtype!r} (expected one of {sorted(_DTYPES)})")
+        if self.dtype not in CUTLASS_DTYPES:
+            raise ValueError(f"dtype {self.dtype!r} (expected one of {sorted(CUTLASS_DTYPES)})")
         if self.head_dim % (VECTOR * BACKWARD_MIN_LANES):
             raise ValueError(f"head_dim {self.head_dim} (expected a multiple of "
                              f"{VECTOR * BACKWARD_MIN_LANES})")
@@ -137,7 +136,7 @@ class GatedSumBackwardSm90:
 
     def __init__(self, spec: GatedSumBackwardSpec):
         self.spec = spec
-        self.dtype = _DTYPES[spec.dtype]
+        self.dtype = CUTLASS_DTYPES[spec.dtype]
         vectors = spec.head_dim // VECTOR
         self.lanes = 16 if vectors % 16 == 0 else BACKWARD_MIN_LANES
         self.vectors_per_lane = vectors // self.lanes
@@ -186,7 +185,7 @@ def fake_arguments(spec: GatedSumSpec):
 
     elements = cute.sym_int()  # as at run time: nothing known of its divisibility
     gates = make_fake_compact_tensor(Float32, (cute.sym_int(),), assumed_align=4)
-    tensors = [make_fake_compact_tensor(_DTYPES[spec.dtype], (elements,), assumed_align=16)
+    tensors = [make_fake_compact_tensor(CUTLASS_DTYPES[spec.dtype], (elements,), assumed_align=16)
                for _ in range(1 + len(spec.columns))]
     terms = tensors[1:] + [None] * (MAX_TERMS - len(spec.columns))
     return gates, tensors[0], *terms
@@ -199,7 +198,7 @@ def fake_backward_arguments(spec: GatedSumBackwardSpec):
     gate_elements, elements = cute.sym_int(), cute.sym_int()
     gates, d_gates = (make_fake_compact_tensor(Float32, (gate_elements,), assumed_align=4)
                       for _ in range(2))
-    dout, term, d_term = (make_fake_compact_tensor(_DTYPES[spec.dtype], (elements,),
+    dout, term, d_term = (make_fake_compact_tensor(CUTLASS_DTYPES[spec.dtype], (elements,),
                                                    assumed_align=16) for _ in range(3))
     if not spec.term_gradient:
         gates = d_term = None
@@ -224,8 +223,8 @@ def can_run(like, backward: bool = False) -> tuple[bool, str]:
     """(ok, reason): whether the kernel sums terms shaped like `like` (with `backward`: takes a
     term's backward), the device already checked."""
     dtype = str(like.dtype).removeprefix("torch.")
-    if dtype not in _DTYPES:
-        return False, f"dtype {like.dtype} (the kernel takes {'/'.join(_DTYPES)})"
+    if dtype not in CUTLASS_DTYPES:
+        return False, f"dtype {like.dtype} (the kernel takes {'/'.join(CUTLASS_DTYPES)})"
     multiple = VECTOR * BACKWARD_MIN_LANES if backward else VECTOR
     if like.dim() != 3 or like.shape[-1] % multiple:
         return False, (f"shape {tuple(like.shape)} (the kernel takes (T, H, D), "

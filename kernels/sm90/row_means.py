@@ -23,12 +23,11 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, const_expr
 
+from kernels.sm90.dtypes import CUTLASS_DTYPES
 from kernels.sm90.layouts import with_row_strides_divisible
 
 VECTOR = 8  # elements per load: 16 bytes of bf16/fp16
 MAX_THREADS = 128
-
-_DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
 
 
 @dataclass(frozen=True)
@@ -41,8 +40,8 @@ class RowMeansSpec:
     pair: bool = False
 
     def __post_init__(self):
-        if self.dtype not in _DTYPES:
-            raise ValueError(f"dtype {self.dtype!r} (expected one of {sorted(_DTYPES)})")
+        if self.dtype not in CUTLASS_DTYPES:
+            raise ValueError(f"dtype {self.dtype!r} (expected one of {sorted(CUTLASS_DTYPES)})")
         if self.width <= 0 or self.width % VECTOR:
             raise ValueError(f"width {self.width} (expected a positive multiple of {VECTOR})")
 
@@ -128,7 +127,7 @@ def fake_arguments(spec: RowMeansSpec):
     def per_output():
         return make_fake_tensor(Int64, (outputs,), stride=(cute.sym_int64(),), assumed_align=8)
 
-    x0, x1 = (rows_of(_DTYPES[spec.dtype], 16) for _ in range(2))
+    x0, x1 = (rows_of(CUTLASS_DTYPES[spec.dtype], 16) for _ in range(2))
     out0, out1 = (make_fake_tensor(Float32, (outputs, spec.width),
                                    stride=(cute.sym_int64(), 1), assumed_align=16)
                   for _ in range(2))
@@ -153,7 +152,7 @@ def can_run(x) -> bool:
     """Whether the kernel averages rows of x, a (T, W) view, the device already checked:
     bf16/fp16, W a multiple of 8, unit column stride, rows 16 bytes apart and aligned."""
     dtype = str(x.dtype).removeprefix("torch.")
-    return (dtype in _DTYPES and x.dim() == 2 and x.shape[1] % VECTOR == 0 and x.shape[1] > 0
+    return (dtype in CUTLASS_DTYPES and x.dim() == 2 and x.shape[1] % VECTOR == 0 and x.shape[1] > 0
             and x.stride(1) == 1 and x.stride(0) % VECTOR == 0 and x.data_ptr() % 16 == 0)
 
 
