@@ -308,8 +308,8 @@ class DqBackwardSm90:
             block_range=block_range, m_block=m_block, seqlen_k=seqlen_k)
         state = (kv_consumer, tiled_mma_sdp, tiled_mma_dq)
         if const_expr(self.spec.block_sparse):
-            # One copy of the step with a runtime mask choice: a loop per mask kind made the
-            # 64-key lists slower on the H100 (more code for short CTAs).
+            # One copy of the step with a runtime mask choice: a loop per mask kind tripled
+            # the code and measured no faster on the H100's 64-key lists (session 16).
             for it in cutlass.range(num_iters, unroll=1):
                 state = step(it, "if_needed", *state)
         else:
@@ -345,10 +345,6 @@ class DqBackwardSm90:
         or "if_needed" (block-sparse: the causal/window mask on mask entries and on blocks
         crossing the sequence end)."""
         n_block = tile_at(it)
-        needs_mask = cutlass.Boolean(True)
-        if const_expr(mask == "if_needed"):
-            # Mask entries, and full ones crossing the sequence end (keys past it).
-            needs_mask = (it < num_mask) | ((n_block + 1) * self.tile_n > seqlen_k)
         kv_handle = kv_consumer.wait_and_advance()
         stage = stage_index(kv_handle, self.spec.kv_stages)
         tiled_mma_sdp = gemm(tiled_mma_sdp, acc_s, tSrQ[None, None, None, 0],
@@ -359,7 +355,8 @@ class DqBackwardSm90:
         if const_expr(mask == "causal_window"):
             apply_mask(acc_s, t_coord, block_range, m_block, n_block, seqlen_k, True)
         elif const_expr(mask == "if_needed"):
-            if needs_mask:
+            # Mask entries, and full ones crossing the sequence end (keys past it).
+            if (it < num_mask) | ((n_block + 1) * self.tile_n > seqlen_k):
                 apply_mask(acc_s, t_coord, block_range, m_block, n_block, seqlen_k, True)
         s_mn = acc_mn_view(acc_s)
         dp_mn = acc_mn_view(acc_dp)

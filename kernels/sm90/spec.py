@@ -268,10 +268,11 @@ class BwdSpec:
 
     @property
     def dv_before_ds(self) -> bool:
-        """Issue dV += P^T dO before computing dS, so the product runs under it (H100, bwd
-        16K / 64K: dense causal 4% / 7%, compress factor 64 at 64K 5% faster). Not where the
-        kernel's wgmmas are serialised anyway (two 64-key CTAs per SM at head dim 128, see
-        `ctas_per_sm`): there the early issue cost 5-9%."""
+        """Issue dV += P^T dO before computing dS, so the product runs under it (H100,
+        session 16, measured together with the dense walks' mask loops: dense causal and
+        compress factor 64 about 5% faster at 64K, within the run-to-run spread at 16K). Not
+        where the kernel's wgmmas are serialised anyway (two 64-key CTAs per SM at head dim
+        128, see `ctas_per_sm`): there the early issue made the backward 7-9% slower."""
         return not (self.ctas_per_sm == 2 and self.head_dim == 128)
 
     @property
