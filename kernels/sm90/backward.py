@@ -208,7 +208,7 @@ def run(
                         *window),
                        forward_lists)
         else:
-            dq = tiles.gather_dq(dq_acc, softmax_scale, q.dtype)
+            dq = tiles.gather_dq(dq_acc, softmax_scale, q.dtype, into=dq_into)
     if dq_accumulator is not None:
         if dq is not dq_into:  # computed fresh: added here
             dq_accumulator.add_(dq.reshape(dq_accumulator.shape))
@@ -269,14 +269,25 @@ class QueryTiles:
             dpsum[:, self.slot[r0:r1]] = rowsum.t()
         return lse_log2, dpsum
 
-    def gather_dq(self, dq_acc, softmax_scale: float, dtype) -> torch.Tensor:
-        """dQ (T, H, D) in `dtype` from the float32 accumulator (H, slots, D)."""
+    def gather_dq(self, dq_acc, softmax_scale: float, dtype, into=None) -> torch.Tensor:
+        """dQ (T, H, D) in `dtype` from the float32 accumulator (H, slots, D), or added into
+        `into` (a (T, H, D) tensor of `dtype` the conversion kernel can write) and returned as
+        it. On the GPU one CuTe DSL pass (kernels/sm90/dq_convert.py)."""
         total_q = self.slot.numel()
-        dq = torch.empty((total_q, dq_acc.shape[0], dq_acc.shape[2]), dtype=dtype,
-                         device=dq_acc.device)
+        dq = into
+        if dq is None:
+            dq = torch.empty((total_q, dq_acc.shape[0], dq_acc.shape[2]), dtype=dtype,
+                             device=dq_acc.device)
+        if dq_acc.is_cuda:
+            _launch_dq_convert(dq_acc, self.slot32, dq, softmax_scale, accumulate=into is not None)
+            return dq
         for r0 in range(0, total_q, _CHUNK_ROWS):
             r1 = min(r0 + _CHUNK_ROWS, total_q)
-            dq[r0:r1] = (dq_acc[:, self.slot[r0:r1]] * softmax_scale).transpose(0, 1)
+            rows = (dq_acc[:, self.slot[r0:r1]] * softmax_scale).transpose(0, 1)
+            if into is None:
+                dq[r0:r1] = rows
+            else:
+                dq[r0:r1] = dq[r0:r1].float() + rows  # one rounding, as the kernel
         return dq
 
 
@@ -364,6 +375,17 @@ def _launch_dq(spec, tensors, scalars, forward_lists):
 
     launch_compiled(compiled_dq, spec, tensors, scalars, _typed_dq_scalars, forward_lists,
                     as_cute=_as_cute)
+
+
+def _launch_dq_convert(dq_acc, slot, dq, scale: float, accumulate: bool):
+    import cutlass
+
+    from kernels.sm90.compile import compiled_dq_convert
+    from kernels.sm90.dq_convert import DqConvertSpec
+
+    spec = DqConvertSpec(str(dq.dtype).removeprefix("torch."), dq.shape[-1], accumulate)
+    launch_compiled(compiled_dq_convert, spec, (dq_acc, slot, dq), (scale,),
+                    lambda scalars: (cutlass.Float32(scalars[0]),), (), as_cute=_as_cute)
 
 
 def _launch_preprocess(dout, out, lse, slot, lse_log2, dpsum):

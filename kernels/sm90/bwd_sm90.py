@@ -37,7 +37,7 @@ import cutlass.cute as cute
 import cutlass.utils as utils
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32, const_expr
-from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.cute.nvgpu import cpasync, warp, warpgroup
 
 from kernels.sm90.dtypes import CUTLASS_DTYPES
 from kernels.sm90.block_range import BlockRange
@@ -149,7 +149,8 @@ class FlashAttentionBackwardSm90:
         sQ_layout = sm90_utils.make_smem_layout_a(row_major, (tm, tn, d), dtype,
                                                   self.spec.q_stages)
         sK_layout = sm90_utils.make_smem_layout_a(row_major, (tn, tm, d), dtype, 1)
-        sdS_layout = sm90_utils.make_smem_layout_a(row_major, (tm, d, tn), dtype, 1)
+        sdS_layout = sm90_utils.make_smem_layout_a(row_major, (tm, d, tn), dtype,
+                                                   self.spec.ds_stages)
         sQ_one = cute.slice_(sQ_layout, (None, None, 0))
         sK_one = cute.slice_(sK_layout, (None, None, 0))
         load_op = cpasync.CopyBulkTensorTileG2SOp()
@@ -331,6 +332,12 @@ class FlashAttentionBackwardSm90:
                         tma_atom_dpsum=tma_atom_dpsum, mDPsum=mDPsum, sQ=sQ, sdO=sdO, sLSE=sLSE,
                         sDPsum=sDPsum, offset_q=offset_q, q_tile_offset=q_tile_offset)
                     walk(produce, (q_producer, do_producer))
+                if const_expr(spec.dq_writer_warp):
+                    if warp_idx == 1:
+                        write = partial(self.write_dq_step, dq_accumulator=dq_accumulator,
+                                        q_tile_offset=q_tile_offset)
+                        walk(write, (Int32(0),))
+                        cute.arch.cp_async_bulk_wait_group(0, read=True)
             else:
                 cute.arch.setmaxregister_increase(self.consumer_regs)
                 self.consume(
@@ -422,6 +429,14 @@ class FlashAttentionBackwardSm90:
         return state
 
     @cute.jit
+    def write_dq_step(self, head: Int32, m_block: Int32, mask: cutlass.Constexpr, needs_mask,
+                      steps: Int32, dq_accumulator: DqAccumulator, q_tile_offset: Int32):
+        """The dQ writer warp's step (`dq_writer_warp`): add the consumers' staged dQ blocks
+        of (head, m_block) into the float32 accumulator."""
+        dq_accumulator.write_step(head, q_tile_offset + m_block)
+        return (steps + 1,)
+
+    @cute.jit
     def load_rows(self, tma_atom, m_src, s_dst, handle, head: Int32, slot_tile: Int32, stage):
         """TMA-load one query tile's 64 float32 row statistics (lse or dO.O)."""
         g_rows = cute.local_tile(m_src[None, head], (self.tile_m,), (slot_tile,))
@@ -467,12 +482,17 @@ class FlashAttentionBackwardSm90:
         tSrdO = thr_sdp.make_fragment_B(thr_sdp.partition_B(sdO))
         tdKrQ = thr_dkv.make_fragment_B(thr_dkv.partition_B(transposed(sQ)))
         tdVrdO = thr_dkv.make_fragment_B(thr_dkv.partition_B(transposed(sdO)))
-        tdQrdS, sKt_passes, t_sdS = None, None, None
+        tdQrdS, sKt_passes, t_sdS, t_rdS, ds_store_atom = None, None, None, None, None
         if const_expr(not self.spec.dq_separate):
             tdQrdS = thr_dq.make_fragment_A(thr_dq.partition_A(sdS))
             # K read head-dim-major, one block of dq_pass_cols columns per pass.
             sKt_passes = cute.flat_divide(transposed(sK), (self.dq_pass_cols,))
-            t_sdS = thr_sdp.partition_C(transposed(sdS[None, None, 0]))
+            # dS^T from registers into sdS (rows x keys) with stmatrix.trans: 4 instructions
+            # per thread instead of 32 16-bit stores (ncu, H100, session 17).
+            ds_store_atom = cute.make_copy_atom(
+                warp.StMatrix8x8x16bOp(transpose=True, num_matrices=4), self.dtype)
+            thr_ds_store = cute.make_tiled_copy_C(ds_store_atom, tiled_mma_sdp).get_slice(tidx)
+            t_sdS = thr_ds_store.partition_D(transposed(sdS))  # (..., dS stage)
 
         acc_s = thr_sdp.make_fragment_C(thr_sdp.partition_shape_C((self.tile_n, self.tile_m)))
         acc_dp = thr_sdp.make_fragment_C(thr_sdp.partition_shape_C((self.tile_n, self.tile_m)))
@@ -484,13 +504,16 @@ class FlashAttentionBackwardSm90:
         r_p = cute.make_rmem_tensor(acc_as_a_operand_layout(acc_s.layout), self.dtype)
         r_ds = cute.make_rmem_tensor(acc_as_a_operand_layout(acc_s.layout), self.dtype)
         t_coord = thr_sdp.partition_C(cute.make_identity_tensor((self.tile_n, self.tile_m)))
+        if const_expr(not self.spec.dq_separate):
+            t_rdS = thr_ds_store.retile(cute.make_tensor(r_ds.iterator, acc_dp.layout))
 
         kv_handle = kv_consumer.wait_and_advance()
         step = partial(
             self.consume_step, tidx=tidx, tSrK=tSrK, tSrV=tSrV, tSrQ=tSrQ, tSrdO=tSrdO,
             tdKrQ=tdKrQ, tdVrdO=tdVrdO, tdQrdS=tdQrdS, sKt_passes=sKt_passes,
             thr_dq=thr_dq, acc_s=acc_s, acc_dp=acc_dp, acc_dk=acc_dk, acc_dv=acc_dv,
-            acc_dq=acc_dq, r_p=r_p, r_ds=r_ds, t_coord=t_coord, t_sdS=t_sdS,
+            acc_dq=acc_dq, r_p=r_p, r_ds=r_ds, t_coord=t_coord, ds_store_atom=ds_store_atom,
+            t_rdS=t_rdS, t_sdS=t_sdS,
             sLSE=sLSE, sDPsum=sDPsum, dq_accumulator=dq_accumulator, scale_log2=scale_log2,
             block_range=block_range, n_block=n_block, batch=batch, seqlen_q=seqlen_q,
             seqlen_k=seqlen_k, q_tile_offset=q_tile_offset, mSemaphore=mSemaphore,
@@ -499,7 +522,7 @@ class FlashAttentionBackwardSm90:
             mFwdRowOffsets=mFwdRowOffsets)
         walk(step, (q_consumer, do_consumer, tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq))
         kv_handle.release()
-        if const_expr(not self.spec.dq_separate):
+        if const_expr(not self.spec.dq_separate and not self.spec.dq_writer_warp):
             dq_accumulator.finish(tidx)
 
         acc_dk.store(acc_dk.load() * softmax_scale)
@@ -512,7 +535,8 @@ class FlashAttentionBackwardSm90:
         do_consumer,
         tiled_mma_sdp: cute.TiledMma, tiled_mma_dkv: cute.TiledMma, tiled_mma_dq: cute.TiledMma,
         tidx: Int32, tSrK, tSrV, tSrQ, tSrdO, tdKrQ, tdVrdO, tdQrdS, sKt_passes, thr_dq,
-        acc_s, acc_dp, acc_dk, acc_dv, acc_dq, r_p, r_ds, t_coord, t_sdS, sLSE,
+        acc_s, acc_dp, acc_dk, acc_dv, acc_dq, r_p, r_ds, t_coord, ds_store_atom, t_rdS, t_sdS,
+        sLSE,
         sDPsum, dq_accumulator: DqAccumulator, scale_log2: Float32, block_range: BlockRange,
         n_block: Int32, batch: Int32, seqlen_q: Int32, seqlen_k: Int32, q_tile_offset: Int32,
         mSemaphore, mFwdFullCount, mFwdFullIndex, mFwdMaskCount, mFwdMaskIndex, mFwdRowOffsets,
@@ -524,6 +548,15 @@ class FlashAttentionBackwardSm90:
         q_stage = stage_index(q_handle, stages)
         tiled_mma_sdp = gemm(tiled_mma_sdp, acc_s, tSrK[None, None, None, 0],
                                   tSrQ[None, None, None, q_stage], zero_init=True)
+        # The row statistics of this thread's columns (query rows) go to registers while the
+        # products run: read after the wait, their smem latency led the exponentials' chain
+        # (ncu, H100, session 17: a sixth of the fused kernel's stall samples).
+        s_mn = acc_mn_view(acc_s)
+        c_mn = acc_mn_view(t_coord)
+        num_cols = cute.size(s_mn, mode=[1])
+        r_lse = cute.make_rmem_tensor(cute.make_layout(num_cols), Float32)
+        for c in cutlass.range_constexpr(num_cols):
+            r_lse[c] = sLSE[c_mn[0, c][1], q_stage]
         do_handle = do_consumer.wait_and_advance()
         do_stage = stage_index(do_handle, stages)
         tiled_mma_sdp = gemm(tiled_mma_sdp, acc_dp, tSrV[None, None, None, 0],
@@ -538,12 +571,12 @@ class FlashAttentionBackwardSm90:
                                         seqlen_q, seqlen_k, True)
         # P^T = exp2(S^T scale log2(e) - lse log2(e)); lse log2(e) is +inf for rows that see
         # nothing and rows past the sequence, so their P is exactly 0.
-        s_mn = acc_mn_view(acc_s)
-        c_mn = acc_mn_view(t_coord)
-        for c in cutlass.range_constexpr(cute.size(s_mn, mode=[1])):
-            lse = sLSE[c_mn[0, c][1], q_stage]
+        for c in cutlass.range_constexpr(num_cols):
             for r in cutlass.range_constexpr(cute.size(s_mn, mode=[0])):
-                s_mn[r, c] = cute.math.exp2(s_mn[r, c] * scale_log2 - lse, fastmath=True)
+                s_mn[r, c] = cute.math.exp2(s_mn[r, c] * scale_log2 - r_lse[c], fastmath=True)
+        r_dpsum = cute.make_rmem_tensor(cute.make_layout(num_cols), Float32)
+        for c in cutlass.range_constexpr(num_cols):
+            r_dpsum[c] = sDPsum[c_mn[0, c][1], do_stage]
         cute.make_tensor(r_p.iterator, acc_s.layout).store(acc_s.load().to(self.dtype))
         if const_expr(self.spec.dv_before_ds):
             # dV += P^T dO goes to the tensor cores before dS is computed: it runs under it.
@@ -554,35 +587,54 @@ class FlashAttentionBackwardSm90:
             warpgroup.wait_group(0)
         # dS^T = P^T (dP^T - dO.O)
         dp_mn = acc_mn_view(acc_dp)
-        for c in cutlass.range_constexpr(cute.size(dp_mn, mode=[1])):
-            dpsum = sDPsum[c_mn[0, c][1], do_stage]
+        for c in cutlass.range_constexpr(num_cols):
             for r in cutlass.range_constexpr(cute.size(dp_mn, mode=[0])):
-                dp_mn[r, c] = s_mn[r, c] * (dp_mn[r, c] - dpsum)
+                dp_mn[r, c] = s_mn[r, c] * (dp_mn[r, c] - r_dpsum[c])
         r_ds_as_acc = cute.make_tensor(r_ds.iterator, acc_dp.layout)
         r_ds_as_acc.store(acc_dp.load().to(self.dtype))
         if const_expr(not self.spec.dv_before_ds):
             tiled_mma_dkv = gemm(tiled_mma_dkv, acc_dv, r_p,
                                  tdVrdO[None, None, None, do_stage], zero_init=False)
-        tiled_mma_dkv = gemm(tiled_mma_dkv, acc_dk, r_ds, tdKrQ[None, None, None, q_stage],
-                                  zero_init=False)
-        if const_expr(self.spec.dq_separate):
-            # dQ is the query-centric kernel's (kernels/sm90/bwd_dq_sm90.py).
+        if const_expr(self.spec.dq_writer_warp):
+            # dS to smem (this Q stage's buffer: the other warpgroup's dQ read of the buffer,
+            # two steps ago, ended before it reached the last step's barrier), then dQ = dS K
+            # before dK += dS^T Q, so dQ's accumulator is staged while dK runs.
+            cute.copy(ds_store_atom, t_rdS, t_sdS[None, None, None, q_stage])
+            cute.arch.fence_proxy("async.shared", space="cta")
+            cute.arch.barrier(barrier_id=_DS_FULL_BARRIER,
+                              number_of_threads=self.num_consumer_threads)
+            tiled_mma_dq = gemm(
+                tiled_mma_dq, acc_dq, tdQrdS[None, None, None, q_stage],
+                thr_dq.make_fragment_B(thr_dq.partition_B(
+                    sKt_passes[None, 0, None, None]))[None, None, None, 0], zero_init=True)
+            tiled_mma_dkv = gemm(tiled_mma_dkv, acc_dk, r_ds, tdKrQ[None, None, None, q_stage],
+                                 zero_init=False)
+            warpgroup.wait_group(1)  # dV and dQ (dK may still run)
+            do_handle.release()
+            dq_accumulator.hand_to_writer(tidx, acc_dq)
             warpgroup.wait_group(0)
             q_handle.release()
-            do_handle.release()
         else:
-            tiled_mma_dq = self.step_dq(
-                tidx, head, m_block, q_handle, do_handle, tiled_mma_dq, tdQrdS, sKt_passes,
-                thr_dq, acc_dq, r_ds_as_acc, t_sdS, dq_accumulator, block_range, n_block,
-                batch, seqlen_q, seqlen_k, q_tile_offset, mSemaphore, mFwdFullCount,
-                mFwdFullIndex, mFwdMaskCount, mFwdMaskIndex, mFwdRowOffsets)
+            tiled_mma_dkv = gemm(tiled_mma_dkv, acc_dk, r_ds, tdKrQ[None, None, None, q_stage],
+                                 zero_init=False)
+            if const_expr(self.spec.dq_separate):
+                # dQ is the query-centric kernel's (kernels/sm90/bwd_dq_sm90.py).
+                warpgroup.wait_group(0)
+                q_handle.release()
+                do_handle.release()
+            else:
+                tiled_mma_dq = self.step_dq(
+                    tidx, head, m_block, q_handle, do_handle, tiled_mma_dq, tdQrdS, sKt_passes,
+                    thr_dq, acc_dq, ds_store_atom, t_rdS, t_sdS, dq_accumulator, block_range,
+                    n_block, batch, seqlen_q, seqlen_k, q_tile_offset, mSemaphore,
+                    mFwdFullCount, mFwdFullIndex, mFwdMaskCount, mFwdMaskIndex, mFwdRowOffsets)
         return q_consumer, do_consumer, tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq
 
     @cute.jit
     def step_dq(
         self, tidx: Int32, head: Int32, m_block: Int32, q_handle, do_handle,
-        tiled_mma_dq: cute.TiledMma, tdQrdS, sKt_passes, thr_dq, acc_dq, r_ds_as_acc, t_sdS,
-        dq_accumulator: DqAccumulator, block_range: BlockRange, n_block: Int32, batch: Int32,
+        tiled_mma_dq: cute.TiledMma, tdQrdS, sKt_passes, thr_dq, acc_dq, ds_store_atom, t_rdS,
+        t_sdS, dq_accumulator: DqAccumulator, block_range: BlockRange, n_block: Int32, batch: Int32,
         seqlen_q: Int32, seqlen_k: Int32, q_tile_offset: Int32, mSemaphore, mFwdFullCount,
         mFwdFullIndex, mFwdMaskCount, mFwdMaskIndex, mFwdRowOffsets,
     ):
@@ -590,7 +642,7 @@ class FlashAttentionBackwardSm90:
         # dS into shared memory for dQ = dS K, once every warpgroup's previous dQ read it.
         cute.arch.barrier(barrier_id=_DS_FREE_BARRIER,
                           number_of_threads=self.num_consumer_threads)
-        cute.autovec_copy(r_ds_as_acc, t_sdS)
+        cute.copy(ds_store_atom, t_rdS, t_sdS[None, None, None, 0])
         cute.arch.fence_proxy("async.shared", space="cta")
         cute.arch.barrier(barrier_id=_DS_FULL_BARRIER,
                           number_of_threads=self.num_consumer_threads)

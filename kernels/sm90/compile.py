@@ -251,6 +251,31 @@ def fake_preprocess_arguments(spec):
     return (o, dout, lse, fake_int32_vector(), fake_row_statistics(), fake_row_statistics())
 
 
+def compiled_dq_convert(spec, example_args, tvm_ffi: bool = False):
+    """The fused backward's dQ conversion kernel for `spec` (`compiled_once`)."""
+    from kernels.sm90.dq_convert import DqConvert
+
+    return compiled_once(DqConvert, spec, example_args, tvm_ffi)
+
+
+def fake_dq_convert_arguments(spec):
+    """Fake tensors and scalar standing for the dQ conversion's arguments (the stream
+    excluded): the float32 accumulator (H, P, D), the rows' slots (T,) int32, dQ (T, H, D),
+    the softmax scale."""
+    acc = make_fake_tensor(cutlass.Float32, tuple(cute.sym_int() for _ in range(3)),
+                           stride=(cute.sym_int(64), cute.sym_int(64), 1), assumed_align=16)
+    return (acc, fake_int32_vector(), fake_seq_head_dim(CUTLASS_DTYPES[spec.dtype]),
+            cutlass.Float32(1.0))
+
+
+@functools.lru_cache(maxsize=None)
+def compile_dq_convert_on_fake_tensors(spec):
+    """Compile the dQ conversion kernel for sm_90a without a GPU (CUTE_DSL_ARCH=sm_90a)."""
+    from kernels.sm90.dq_convert import DqConvert
+
+    return cute.compile(DqConvert(spec), *fake_dq_convert_arguments(spec), make_fake_stream())
+
+
 @functools.lru_cache(maxsize=None)
 def compile_preprocess_on_fake_tensors(spec):
     """Compile the row-statistics kernel for sm_90a without a GPU (CUTE_DSL_ARCH=sm_90a)."""

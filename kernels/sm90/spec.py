@@ -276,6 +276,23 @@ class BwdSpec:
         return not (self.ctas_per_sm == 2 and self.head_dim == 128)
 
     @property
+    def dq_writer_warp(self) -> bool:
+        """The fused dQ in FA3/FA4's order: dS double-buffered in smem (one buffer per Q
+        stage, so no barrier waits for the other warpgroup's previous dQ read), dQ = dS K
+        issued before dK += dS^T Q, each warpgroup's dQ staged in smem while dK runs, and a
+        warp of the producer warpgroup adding it into the float32 accumulator with a TMA
+        reduce-add. Needs one dQ pass (every warpgroup's block of columns at once) and two
+        Q stages; the deterministic mode keeps the ordered adds of the consumers."""
+        one_pass = self.dq_cols_per_warpgroup * self.num_consumer_warpgroups == self.head_dim
+        return (not self.dq_separate and self.dq_tma_reduce and not self.deterministic
+                and self.q_stages == 2 and one_pass)
+
+    @property
+    def ds_stages(self) -> int:
+        """dS buffers in smem (the fused dQ's A operand)."""
+        return 2 if self.dq_writer_warp else 1
+
+    @property
     def partial_dkv(self) -> bool:
         """Several CTAs add into one KV tile's dK/dV (float32 accumulators, converted after)."""
         return self.split_lists or self.split_rows
@@ -306,7 +323,7 @@ class BwdSpec:
         for rows in buffers:
             size = aligned(size, 1024) + 2 * rows * self.head_dim
         if not self.dq_separate:
-            size = aligned(size, 1024) + 2 * self.tile_m * self.tile_n  # dS
+            size = aligned(size, 1024) + 2 * self.tile_m * self.tile_n * self.ds_stages  # dS
         if self.dq_tma_reduce:  # one 64-row float32 staging block per warpgroup
             size = aligned(size, 1024) + 4 * self.tile_m * self.dq_cols_per_warpgroup * (
                 self.num_consumer_warpgroups)
@@ -388,6 +405,16 @@ def choose_backward_spec(
     left, right = int(window_size[0]), int(window_size[1])
     tile_n = sparse_block_size if sparse_block_size is not None else BACKWARD_DENSE_TILE_N
     q_stages = 2
+    # dQ fused into this kernel (FA3/FA4's order and dQ writer warp, `dq_writer_warp`) where
+    # every query tile meets many KV tiles in order: plain causal or full attention. H100,
+    # session 17, torch.profiler device time of the kernels alone (fused / KV-centric + dQ):
+    # dense causal 16K 10.07 / 10.59 ms, 64K 163.2 / 183.7; causal window 512 0.80 / 1.04 and
+    # 3.10 / 4.07 (a tie once the float32 accumulator is zeroed and converted); compress
+    # factor 64 0.53 / 0.47 and 6.14 / 4.04; random 25% 128-key lists 5.20 / 5.84 and
+    # 134.6 / 111.0 (the reductions land on query tiles in random order at 64K).
+    has_window = left >= 0 or (right >= 0 and not causal)  # causal makes a right window moot
+    fused_dq = (sparse_block_size is None and compress_factor == 1 and not has_window
+                and not deterministic)
     spec = BwdSpec(
         dtype=dtype, head_dim=head_dim, causal=bool(causal), has_window_left=left >= 0,
         has_window_right=right >= 0 and not causal, block_sparse=sparse_block_size is not None,
@@ -399,15 +426,14 @@ def choose_backward_spec(
         split_lists=sparse_block_size is not None and not deterministic and lists_span_kv_groups,
         split_rows=(sparse_block_size is None and not deterministic and kv_tile_ctas is not None
                     and kv_tile_ctas < num_sms),
-        # dQ from the query-centric kernel on every call: recomputing S and dP once more per
-        # query tile costs less than this kernel's dQ reductions, its Q/dO reloads and the
-        # accumulator's conversion wherever it was measured (H100, session 12,
-        # tools/tune_sm90_backward.py, the fused dQ vs `dq own kernel`): random 64-key lists
-        # like NSA's selected branch 16K 7.25 -> 3.40 ms, 64K 29.1 -> 13.1; compress factor 64
-        # 16K 2.26 -> 1.40, 64K 13.0 -> 7.5; causal window 512 16K 2.60 -> 1.93; dense causal
-        # 16K 12.16 -> 11.33. The fused dQ stays a switch for the tuner (`dq_tma_reduce`, which
-        # at 64-key tiles and head dim 128 fits beside two CTAs per SM with one Q/dO stage).
-        dq_separate=True)
+        # Elsewhere dQ comes from the query-centric kernel: recomputing S and dP once more
+        # per query tile cost less than the fused dQ's reductions, Q/dO reloads and
+        # accumulator conversion (H100, session 12, the fused dQ before the writer warp vs
+        # `dq own kernel`): random 64-key lists like NSA's selected branch 16K 7.25 -> 3.40
+        # ms, 64K 29.1 -> 13.1; compress factor 64 16K 2.26 -> 1.40, 64K 13.0 -> 7.5; causal
+        # window 512 16K 2.60 -> 1.93. The deterministic mode takes it everywhere (it sums
+        # dQ in registers, in a fixed order).
+        dq_separate=not fused_dq, dq_tma_reduce=fused_dq)
     if not spec.fits_in_smem():
         raise ValueError(f"no sm90 backward variant for head_dim {head_dim} with {tile_n}-key "
                          f"tiles fits shared memory ({spec.smem_bytes} bytes)")

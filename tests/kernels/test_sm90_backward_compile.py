@@ -71,6 +71,18 @@ def test_deterministic_backward_variant_compiles_for_sm90a(head_dim, call):
         assert callable(compile_dq_on_fake_tensors(dq_spec_for(spec)))
 
 
+@pytest.mark.parametrize("accumulate", [False, True])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_fused_dq_conversion_compiles_for_sm90a(dtype, head_dim, accumulate):
+    """The fused backward's float32 dQ accumulator to dq (kernels/sm90/dq_convert.py)."""
+    from kernels.sm90.compile import compile_dq_convert_on_fake_tensors
+    from kernels.sm90.dq_convert import DqConvertSpec
+
+    assert callable(compile_dq_convert_on_fake_tensors(DqConvertSpec(dtype, head_dim,
+                                                                     accumulate)))
+
+
 @pytest.mark.parametrize("call", ["selected-sparse64", "compressed-causal", "window-causal"])
 def test_dq_kernel_smem_footprint_matches_the_kernel(call):
     """`DqSpec.smem_bytes` is the DSL's shared storage size."""
@@ -89,13 +101,15 @@ def test_dq_kernel_smem_footprint_matches_the_kernel(call):
     assert kernel.shared_storage.size_in_bytes() == spec.smem_bytes
 
 
-@pytest.mark.parametrize("tile_n", [64, 128])
-def test_backward_smem_footprint_matches_the_kernel(tile_n):
-    """`BwdSpec.smem_bytes` (what the dispatcher checks) is the DSL's shared storage size."""
+@pytest.mark.parametrize("sparse_block", [64, 128, None])
+def test_backward_smem_footprint_matches_the_kernel(sparse_block):
+    """`BwdSpec.smem_bytes` (what the dispatcher checks) is the DSL's shared storage size:
+    64- and 128-key lists, and the fused dQ's staging (no lists)."""
     from kernels.sm90.bwd_sm90 import FlashAttentionBackwardSm90
 
     spec = choose_backward_spec(dtype="bfloat16", head_dim=128, causal=True,
-                                window_size=(-1, -1), sparse_block_size=tile_n)
+                                window_size=(-1, -1), sparse_block_size=sparse_block)
+    assert spec.dq_writer_warp == (sparse_block is None)
     kernel = FlashAttentionBackwardSm90(spec)
     compile_backward_kernel_on_fake_tensors(kernel)  # uncached: this object's storage
     assert kernel.shared_storage.size_in_bytes() == spec.smem_bytes
@@ -110,17 +124,26 @@ def test_backward_dispatch_takes_the_list_block_as_the_key_tile():
         choose_backward_spec(dtype="bfloat16", head_dim=256, causal=True, window_size=(-1, -1))
 
 
-def test_backward_dispatch_gives_dq_its_own_kernel_everywhere():
-    """dQ from the query-centric kernel on every dispatched call (session 12, H100: faster on
-    each case measured); the KV-centric kernel then needs no dQ staging and keeps two Q/dO
-    stages, two CTAs per SM at 64-key tiles."""
+def test_backward_dispatch_fuses_dq_only_for_plain_causal_or_full_attention():
+    """dQ fused into the KV-centric kernel with the writer warp (session 17, H100: faster on
+    dense causal) where no window, compress factor or list applies, in the fast mode; every
+    other call, and the deterministic mode, keeps the query-centric dQ kernel (the KV-centric
+    kernel then needs no dQ staging and keeps two CTAs per SM at 64-key tiles)."""
     for call in _distinct_calls():
+        causal, window, cf, sparse, _, _ = CALLS[call.split("/")[0]]
+        plain = sparse is None and cf == 1 and window[0] < 0 and (causal or window[1] < 0)
         for head_dim in (64, 128):
             for deterministic in (False, True):
                 spec = _spec_of("bfloat16", head_dim, call, deterministic)
-                assert spec.dq_separate and not spec.dq_tma_reduce and spec.q_stages == 2
-                assert dq_spec_for(spec).list_block == (spec.tile_n if spec.block_sparse
-                                                        else 64)
+                fused = plain and not deterministic
+                assert spec.dq_separate == (not fused), (call, head_dim, deterministic)
+                assert spec.dq_writer_warp == fused and spec.q_stages == 2
+                if fused:
+                    assert spec.dq_tma_reduce and spec.ds_stages == 2 and spec.fits_in_smem()
+                else:
+                    assert not spec.dq_tma_reduce
+                    assert dq_spec_for(spec).list_block == (spec.tile_n if spec.block_sparse
+                                                            else 64)
     selected = _backward_spec("bfloat16", 128, "selected-sparse64")
     assert selected.ctas_per_sm == 2 and selected.fits_in_smem()
 

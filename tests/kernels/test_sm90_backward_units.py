@@ -88,6 +88,31 @@ def test_query_tiles_pad_each_sequence_to_whole_64_row_tiles():
     acc = torch.randn(heads, tiles.num_slots, dim)
     dq = tiles.gather_dq(acc, 0.5, torch.float32)
     assert torch.equal(dq, (acc[:, tiles.slot] * 0.5).transpose(0, 1))
+    running = torch.randn(300, heads, dim)
+    summed = tiles.gather_dq(acc, 0.5, torch.float32, into=running.clone())
+    assert torch.allclose(summed, running + dq)
+
+
+@pytest.mark.gpu
+@requires_sm90
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_dq_conversion_kernel_matches_torch(dtype, head_dim):
+    """The fused backward's dQ out of its float32 tile-layout accumulator
+    (kernels/sm90/dq_convert.py) against the torch path: varlen with an empty and a one-row
+    sequence, written fresh and added into a running dq (one rounding)."""
+    cu = torch.tensor([0, 1, 1, 200, 1000], dtype=torch.int32, device="cuda")
+    heads = 5
+    gen = torch.Generator(device="cuda").manual_seed(4)
+    tiles = QueryTiles(cu, 1000)
+    acc = torch.randn(heads, tiles.num_slots, head_dim, device="cuda", generator=gen)
+    running = torch.randn(1000, heads, head_dim, device="cuda", generator=gen).to(dtype)
+    fresh = tiles.gather_dq(acc, 0.125, dtype)
+    summed = tiles.gather_dq(acc, 0.125, dtype, into=running.clone())
+    cpu_tiles = QueryTiles(cu.cpu(), 1000)
+    ref = cpu_tiles.gather_dq(acc.cpu(), 0.125, torch.float32)
+    assert torch.equal(fresh.cpu(), ref.to(dtype))
+    assert torch.equal(summed.cpu(), (running.cpu().float() + ref).to(dtype))
 
 
 @pytest.mark.gpu
