@@ -1,14 +1,13 @@
 """Time compile-time variants of the sm90 backward kernel against the dispatched one.
 
 The backward dispatcher (`kernels/sm90/spec.py::choose_backward_spec`) picks its switches by
-measurements of this script (FINDINGS, sessions 11-12): `dq_separate` (dQ from the
-query-centric kernel instead of reductions by the KV-centric one: every call), `dq_tma_reduce`
-(with the fused dQ: staged in smem and added with one TMA reduce-add per warpgroup instead of a
-float32 reduction per element) and `split_rows` (several CTAs per KV tile, for calls with fewer
-KV tiles than SMs, such as compressed keys). For each case it runs the dispatched spec and
-the variants with a switch turned, checks every variant's dq/dk/dv against the dispatched
-kernel's (the float32 sums are ordered differently, so within 1e-2 relative, not bitwise), and
-prints backward times.
+measurements of this script and of torch.profiler runs (FINDINGS, sessions 11-17):
+`dq_separate` (dQ from the query-centric kernel, or fused into the KV-centric one with a dQ
+writer warp: fused for plain causal or full attention) and `split_rows` (several CTAs per KV
+tile, for calls with fewer KV tiles than SMs, such as compressed keys). For each case it runs
+the dispatched spec and the variants with a switch turned, checks every variant's dq/dk/dv
+against the dispatched kernel's (the float32 sums are ordered differently, so within 1e-2
+relative, not bitwise), and prints backward times.
 
 Each variant runs in its own process with a time limit: a variant that hangs on the GPU (a
 first TMA reduce-add did) is reported as "hung" and the others still run.
@@ -31,22 +30,18 @@ import _common  # noqa: E402
 
 VARIANTS = {
     "dispatched": {},
-    "dq per-element red": dict(dq_tma_reduce=False),
     "split_rows on": dict(split_rows=True),
     "split_rows off": dict(split_rows=False),
     "q_stages3": dict(q_stages=3),
-    # 64-key tiles at head dim 128: the TMA dQ reduce fits two CTAs per SM only with one Q/dO
-    # stage.
-    "dq_tma_reduce q_stages1": dict(dq_tma_reduce=True, q_stages=1),
     # Block-sparse: one work unit per KV tile walking the whole group (no float32 dK/dV
     # partials), or longer chunks of the split lists (`list_chunk` sets
     # kernels.sm90.backward.LIST_CHUNK in the child).
     "split_lists off": dict(split_lists=False),
     "list_chunk 48": dict(list_chunk=48),
-    # dQ in the query-centric kernel (kernels/sm90/bwd_dq_sm90.py) or in the KV-centric one.
-    "dq own kernel": dict(dq_separate=True, dq_tma_reduce=False, q_stages=2),
-    "dq fused": dict(dq_separate=False, dq_tma_reduce=True, q_stages=2),
-    "dq fused q_stages1": dict(dq_separate=False, dq_tma_reduce=True, q_stages=1),
+    # dQ in the query-centric kernel (kernels/sm90/bwd_dq_sm90.py) or fused into the KV-centric
+    # one (not at 64-key tiles and head dim 128: two dQ products per step).
+    "dq own kernel": dict(dq_separate=True),
+    "dq fused": dict(dq_separate=False),
     # 64-key tiles at head dim 128: two CTAs per SM serialise every wgmma (232 registers).
     "one CTA per SM": dict(one_cta_per_sm=True),
 }
@@ -150,10 +145,11 @@ def main(argv=None):
                 sparse = "sparse_block" in CASES[case]
                 if sparse and "split_rows" in variant:
                     continue  # split rows walk a query-tile range
-                if not sparse and ("stages1" in variant or "list" in variant):
-                    continue  # one stage only matters at 64-key tiles; lists only when sparse
-                if CASES[case].get("sparse_block") == 128 and "dq own" in variant:
-                    continue  # the dQ kernel walks 64-key blocks
+                if not sparse and "list" in variant:
+                    continue  # lists only when sparse
+                if (CASES[case].get("sparse_block") == 64 and args.head_dim == 128
+                        and "fused" in variant):
+                    continue  # two dQ products per step: not fused (`BwdSpec.can_fuse_dq`)
                 rows.append(_child(case, variant, n, args))
                 print(_format(rows[-1]), flush=True)
     if args.json:

@@ -157,21 +157,14 @@ def run(
         tiles = QueryTiles(cu_seqlens_q, total_q)
         lse_log2, dpsum = tiles.row_statistics(dout, out, lse, dout_dot_out)
         dq_acc = None
-        if not spec.dq_separate:
+        if spec.fuses_dq:
             dq_acc = torch.zeros((num_heads, tiles.num_slots, head_dim), dtype=torch.float32,
                                  device=q.device)
-        forward_lists = (None,) * 5  # read by the dQ kernel, and by the fused dQ's ordered adds
+        forward_lists = (None,) * 5  # read by the dQ kernel
         if block_sparse is not None:
             bs = block_sparse
             forward_lists = (bs.full_count, bs.full_index, bs.mask_count, bs.mask_index,
                              bs.row_block_offsets)
-        # The fused dQ in deterministic mode adds in KV-tile order: a semaphore per query tile,
-        # and (block-sparse) the forward lists to rank the KV tiles.
-        ordered_dq = spec.deterministic and not spec.dq_separate
-        semaphore = None
-        if ordered_dq:
-            semaphore = torch.zeros((num_heads, tiles.num_slots // STEP_ROWS), dtype=torch.int32,
-                                    device=q.device)
         window = (max(window_size[0], 0), max(window_size[1], 0))  # the kernels' int32 scalars
         lists = (None,) * 4
         units = None
@@ -194,8 +187,7 @@ def run(
             tensors = (q, k, v, dout, lse_log2, dpsum, dq_acc, dk, dv, cu_seqlens_q,
                        cu_seqlens_k, tiles.tile_offsets)
             scalars = (num_ctas, row_splits, softmax_scale, compress_factor, *window)
-            ranks = forward_lists if ordered_dq else (None,) * 5
-            _launch(spec, tensors, scalars, (*lists, *ranks, semaphore, units))
+            _launch(spec, tensors, scalars, (*lists, units))
         elif not adds_into_accumulators:
             dk.zero_()
             dv.zero_()
@@ -208,7 +200,8 @@ def run(
                         *window),
                        forward_lists)
         else:
-            dq = tiles.gather_dq(dq_acc, softmax_scale, q.dtype, into=dq_into)
+            dq = tiles.gather_dq(dq_acc, spec.dq_cols_per_warpgroup, softmax_scale, q.dtype,
+                                 into=dq_into)
     if dq_accumulator is not None:
         if dq is not dq_into:  # computed fresh: added here
             dq_accumulator.add_(dq.reshape(dq_accumulator.shape))
@@ -239,6 +232,7 @@ class QueryTiles:
         num_seqs = cu.numel() - 1
         tiles = (cu.diff() + STEP_ROWS - 1) // STEP_ROWS
         self.tile_offsets = torch.cat([cu.new_zeros(1), tiles.cumsum(0)]).to(torch.int32)
+        self.cu_seqlens = cu.to(torch.int32)
         self.num_slots = STEP_ROWS * (total_q // STEP_ROWS + num_seqs)
         rows = torch.arange(total_q, device=device)
         sequence = torch.searchsorted(cu[1:], rows, right=True)
@@ -269,26 +263,45 @@ class QueryTiles:
             dpsum[:, self.slot[r0:r1]] = rowsum.t()
         return lse_log2, dpsum
 
-    def gather_dq(self, dq_acc, softmax_scale: float, dtype, into=None) -> torch.Tensor:
-        """dQ (T, H, D) in `dtype` from the float32 accumulator (H, slots, D), or added into
-        `into` (a (T, H, D) tensor of `dtype` the conversion kernel can write) and returned as
-        it. On the GPU one CuTe DSL pass (kernels/sm90/dq_convert.py)."""
+    def gather_dq(self, dq_acc, block_cols: int, softmax_scale: float, dtype,
+                  into=None) -> torch.Tensor:
+        """dQ (T, H, D) in `dtype` from the fused backward's float32 accumulator (H, slots, D),
+        whose 64-row tiles hold blocks of `block_cols` columns in the dQ product's register
+        order (kernels/sm90/dq_accumulator.py), or added into `into` (a (T, H, D) tensor of
+        `dtype` the conversion kernel can write) and returned as it. On the GPU one CuTe DSL
+        pass (kernels/sm90/dq_convert.py); on the CPU (the unit tests' reference) in torch."""
         total_q = self.slot.numel()
         dq = into
         if dq is None:
             dq = torch.empty((total_q, dq_acc.shape[0], dq_acc.shape[2]), dtype=dtype,
                              device=dq_acc.device)
         if dq_acc.is_cuda:
-            _launch_dq_convert(dq_acc, self.slot32, dq, softmax_scale, accumulate=into is not None)
+            _launch_dq_convert(dq_acc, self.tile_offsets, self.cu_seqlens, dq, block_cols,
+                               softmax_scale, accumulate=into is not None)
             return dq
-        for r0 in range(0, total_q, _CHUNK_ROWS):
-            r1 = min(r0 + _CHUNK_ROWS, total_q)
-            rows = (dq_acc[:, self.slot[r0:r1]] * softmax_scale).transpose(0, 1)
-            if into is None:
-                dq[r0:r1] = rows
-            else:
-                dq[r0:r1] = dq[r0:r1].float() + rows  # one rounding, as the kernel
+        rows = _rows_from_fragment_order(dq_acc, block_cols)[:, self.slot] * softmax_scale
+        if into is None:
+            dq.copy_(rows.transpose(0, 1))
+        else:
+            dq.copy_(dq.float() + rows.transpose(0, 1))  # one rounding, as the kernel
         return dq
+
+
+def _rows_from_fragment_order(dq_acc: torch.Tensor, block_cols: int) -> torch.Tensor:
+    """(H, slots, D) in row order from the fused backward's register-order blocks: value v of
+    thread t of a 64 x block_cols wgmma accumulator sits at float ((v // 4) * 128 + t) * 4 +
+    v % 4 of its block (kernels/sm90/dq_accumulator.py); the fragment puts it at row
+    16 (t // 32) + (t % 32) // 4 + 8 ((v // 2) % 2), column 8 (v // 4) + 2 (t % 4) + v % 2."""
+    heads, slots, dim = dq_acc.shape
+    f = torch.arange(STEP_ROWS * block_cols)
+    t, v = (f // 4) % 128, (f // 512) * 4 + f % 4
+    row = 16 * (t // 32) + (t % 32) // 4 + 8 * ((v // 2) % 2)
+    col = 8 * (v // 4) + 2 * (t % 4) + v % 2
+    blocks = dq_acc.reshape(heads, slots // STEP_ROWS, dim // block_cols, STEP_ROWS * block_cols)
+    natural = torch.empty_like(blocks).view(heads, slots // STEP_ROWS, dim // block_cols,
+                                            STEP_ROWS, block_cols)
+    natural[..., row, col] = blocks
+    return natural.permute(0, 1, 3, 2, 4).reshape(heads, slots, dim)
 
 
 def _kernel_rows(t: torch.Tensor, shape) -> torch.Tensor | None:
@@ -377,14 +390,16 @@ def _launch_dq(spec, tensors, scalars, forward_lists):
                     as_cute=_as_cute)
 
 
-def _launch_dq_convert(dq_acc, slot, dq, scale: float, accumulate: bool):
+def _launch_dq_convert(dq_acc, tile_offsets, cu_seqlens, dq, block_cols: int, scale: float,
+                       accumulate: bool):
     import cutlass
 
     from kernels.sm90.compile import compiled_dq_convert
     from kernels.sm90.dq_convert import DqConvertSpec
 
-    spec = DqConvertSpec(str(dq.dtype).removeprefix("torch."), dq.shape[-1], accumulate)
-    launch_compiled(compiled_dq_convert, spec, (dq_acc, slot, dq), (scale,),
+    spec = DqConvertSpec(str(dq.dtype).removeprefix("torch."), dq.shape[-1], block_cols,
+                         accumulate)
+    launch_compiled(compiled_dq_convert, spec, (dq_acc, tile_offsets, cu_seqlens, dq), (scale,),
                     lambda scalars: (cutlass.Float32(scalars[0]),), (), as_cute=_as_cute)
 
 

@@ -14,11 +14,12 @@ varlen, GQA. Structure:
   dO.O. Each consumer warpgroup owns 64 keys and computes, per query tile, with wgmma:
   S^T = K Q^T and dP^T = V dO^T (keys as rows, so P^T and dS^T are already laid out as the
   register A operand of the next products), P^T = exp2(S^T * scale log2 e - lse log2 e),
-  dS^T = P^T (dP^T - dO.O), dV += P^T dO, dK += dS^T Q (A from registers). dQ is the
-  query-centric kernel's (kernels/sm90/bwd_dq_sm90.py) on every dispatched call
-  (`BwdSpec.dq_separate`); with that switch off (a tuner variant) this kernel writes dS^T to
-  shared memory for dQ = dS K, which is reduced (float32 adds) into a float32 accumulator laid
-  out per 64-row query tile (kernels/sm90/backward.py converts it).
+  dS^T = P^T (dP^T - dO.O), dV += P^T dO, dK += dS^T Q (A from registers). dQ is either the
+  query-centric kernel's (kernels/sm90/bwd_dq_sm90.py, `BwdSpec.dq_separate`) or fused here
+  (`BwdSpec.fuses_dq`, FA3/FA4's order): dS goes to smem (two buffers, one per Q stage),
+  dQ = dS K is issued before dK, and each warpgroup's dQ is staged in smem while dK runs; a
+  warp of the producer warpgroup adds it into a float32 accumulator laid out per 64-row query
+  tile (kernels/sm90/dq_accumulator.py; kernels/sm90/backward.py converts it).
 - Rows past a sequence's end carry lse = +inf in that layout, so their P is exactly 0 without
   a mask; keys past the sequence end are masked and their dK/dV never stored.
 
@@ -51,12 +52,9 @@ from kernels.sm90.register_store import store_rows_from_registers
 from kernels.sm90.spec import BwdSpec
 
 _WARPGROUP = 128
-# Named barriers (0 is __syncthreads), among the consumer warpgroups: the dS buffer is free
-# (every warpgroup's previous dQ product is done) / written; the dQ reduction turn
-# (`deterministic`).
-_DS_FREE_BARRIER = 1
-_DS_FULL_BARRIER = 2
-_DQ_TURN_BARRIER = 3  # 4 and 5 belong to kernels/sm90/dq_accumulator.py
+# Named barrier (0 is __syncthreads) among the consumer warpgroups: the step's dS is in smem
+# (6-9 belong to kernels/sm90/dq_accumulator.py).
+_DS_FULL_BARRIER = 1
 _LOG2_E = 1.4426950408889634
 
 
@@ -72,6 +70,7 @@ class FlashAttentionBackwardSm90:
         # Float32 partial sums of dK/dV land in any order; split lists walk lists, split rows
         # a query-tile range.
         assert not (spec.deterministic and spec.partial_dkv)
+        assert not spec.fuses_dq or spec.can_fuse_dq, f"{spec} cannot fuse dQ"
         assert not (spec.add_dkv and spec.partial_dkv)
         assert not (spec.split_lists and not spec.block_sparse)
         assert not (spec.split_rows and spec.block_sparse)
@@ -81,10 +80,8 @@ class FlashAttentionBackwardSm90:
         per_cta = 65536 // spec.ctas_per_sm
         self.consumer_regs = min(
             240, (per_cta - _WARPGROUP * self.producer_regs) // self.num_consumer_threads // 8 * 8)
-        # dQ = dS K in column passes of at most 64 columns per warpgroup.
+        # The fused dQ = dS K: each warpgroup computes head_dim / num_wg of its columns.
         self.dq_cols_per_wg = spec.dq_cols_per_warpgroup
-        self.dq_pass_cols = self.dq_cols_per_wg * self.num_wg
-        self.dq_passes = self.head_dim // self.dq_pass_cols
 
     # ------------------------------------------------------------------ host side
     @cute.jit
@@ -96,7 +93,7 @@ class FlashAttentionBackwardSm90:
         mdO: cute.Tensor,       # (T, H, D)
         mLSE: cute.Tensor,      # (H, P) float32: lse * log2(e) per 64-row query tile, +inf pad
         mDPsum: cute.Tensor,    # (H, P) float32: rowsum(dO * O), 0 pad
-        mdQacc: Optional[cute.Tensor],  # (H, P, D) float32, zeroed; None with `dq_separate`
+        mdQacc: Optional[cute.Tensor],  # (H, P, D) float32, zeroed (`fuses_dq`)
         mdK: cute.Tensor,       # (Tk, Hkv, D)
         mdV: cute.Tensor,       # (Tk, Hkv, D)
         mCuSeqlensQ: cute.Tensor,   # (S+1,) int32
@@ -112,12 +109,6 @@ class FlashAttentionBackwardSm90:
         mListIndex: Optional[cute.Tensor],      # (capacity,) int32: 128-row query tiles
         mListMaskCount: Optional[cute.Tensor],  # (Rk, Hs) int32: mask entries come first
         mKvBlockOffsets: Optional[cute.Tensor],  # (S+1,) int32: first KV block of a sequence
-        mFwdFullCount: Optional[cute.Tensor],   # forward lists (`deterministic` block-sparse:
-        mFwdFullIndex: Optional[cute.Tensor],   # the rank of a KV block in a query tile's list)
-        mFwdMaskCount: Optional[cute.Tensor],
-        mFwdMaskIndex: Optional[cute.Tensor],
-        mFwdRowOffsets: Optional[cute.Tensor],
-        mSemaphore: Optional[cute.Tensor],      # (H, P / 64) int32, zeroed (`deterministic`)
         mUnits: Optional[cute.Tensor],          # (U, 5) int32 (`split_lists`): sequence, KV
                                                 # block, list head, first and end list entry
         stream: cuda.CUstream,
@@ -150,7 +141,7 @@ class FlashAttentionBackwardSm90:
                                                   self.spec.q_stages)
         sK_layout = sm90_utils.make_smem_layout_a(row_major, (tn, tm, d), dtype, 1)
         sdS_layout = sm90_utils.make_smem_layout_a(row_major, (tm, d, tn), dtype,
-                                                   self.spec.ds_stages)
+                                                   max(1, self.spec.ds_stages))
         sQ_one = cute.slice_(sQ_layout, (None, None, 0))
         sK_one = cute.slice_(sK_layout, (None, None, 0))
         load_op = cpasync.CopyBulkTensorTileG2SOp()
@@ -162,18 +153,9 @@ class FlashAttentionBackwardSm90:
         tma_atom_lse, tma_lse = cpasync.make_tiled_tma_atom(load_op, mLSE_t, row_layout, (tm,))
         tma_atom_dpsum, tma_dpsum = cpasync.make_tiled_tma_atom(load_op, mDPsum_t, row_layout,
                                                                 (tm,))
-        # `dq_tma_reduce`: each warpgroup stages its 64 x dq_cols float32 block of dQ in smem
-        # and its first warp adds it into the accumulator with a TMA reduce-add, which runs
-        # while the warpgroup goes on.
-        sdQ_layout = sm90_utils.make_smem_layout_a(
-            row_major, (tm, tm, self.dq_cols_per_wg), Float32, self.num_wg)
-        tma_atom_dq, tma_dq = None, None
-        if const_expr(not self.spec.dq_separate):
-            mdQacc_t = cute.make_tensor(mdQacc.iterator,
-                                        cute.select(mdQacc.layout, mode=[1, 2, 0]))
-            tma_atom_dq, tma_dq = cpasync.make_tiled_tma_atom(
-                cpasync.CopyReduceBulkTensorTileS2GOp(), mdQacc_t,
-                cute.slice_(sdQ_layout, (None, None, 0)), (tm, self.dq_cols_per_wg))
+        # The fused dQ: each warpgroup's 64 x dq_cols float32 block, staged flat in register
+        # order (kernels/sm90/dq_accumulator.py).
+        sdQ_layout = cute.make_layout((tm * self.dq_cols_per_wg, self.num_wg))
         self.q_bytes = cute.size_in_bytes(dtype, sQ_one) + tm * 4
         self.kv_bytes = 2 * cute.size_in_bytes(dtype, sK_one)
         self.shared_storage = self.shared_storage_struct(sQ_layout, sK_layout, sdS_layout,
@@ -185,13 +167,10 @@ class FlashAttentionBackwardSm90:
             compress_factor = cute.fast_divmod_create_divisor_v2(compress_factor)
         self.kernel(
             tma_atom_q, tma_q, tma_atom_do, tma_do, tma_atom_k, tma_k, tma_atom_v, tma_v,
-            tma_atom_lse, tma_lse, tma_atom_dpsum, tma_dpsum, mdQacc, tma_atom_dq, tma_dq,
-            mdK, mdV,
+            tma_atom_lse, tma_lse, tma_atom_dpsum, tma_dpsum, mdQacc, mdK, mdV,
             mCuSeqlensQ, mCuSeqlensK, mQTileOffsets, row_splits, softmax_scale,
             softmax_scale * Float32(_LOG2_E), compress_factor, window_left, window_right,
-            mListOffsets, mListIndex, mListMaskCount, mKvBlockOffsets, mFwdFullCount,
-            mFwdFullIndex, mFwdMaskCount, mFwdMaskIndex, mFwdRowOffsets, mSemaphore, mUnits,
-            sQ_layout, sK_layout, sdS_layout, sdQ_layout, tiled_mma_sdp, tiled_mma_dkv,
+            mListOffsets, mListIndex, mListMaskCount, mKvBlockOffsets, mUnits, sQ_layout, sK_layout, sdS_layout, sdQ_layout, tiled_mma_sdp, tiled_mma_dkv,
             tiled_mma_dq,
         ).launch(grid=self.grid(num_kv_tiles, row_splits, mK, mCuSeqlensQ),
                  block=[self.num_threads, 1, 1], stream=stream,
@@ -222,9 +201,8 @@ class FlashAttentionBackwardSm90:
             sQ=smem_buffer(dtype, cute.cosize(sQ_layout), 1024),
             sdO=smem_buffer(dtype, cute.cosize(sQ_layout), 1024),
         )
-        if not self.spec.dq_separate:
+        if self.spec.fuses_dq:
             fields["sdS"] = smem_buffer(dtype, cute.cosize(sdS_layout), 1024)
-        if self.spec.dq_tma_reduce:
             fields["sdQ"] = smem_buffer(Float32, cute.cosize(sdQ_layout), 1024)
         return cute.struct(type("BackwardSharedStorage", (), {"__annotations__": fields}))
 
@@ -235,20 +213,15 @@ class FlashAttentionBackwardSm90:
         tma_atom_q: cute.CopyAtom, mQ: cute.Tensor, tma_atom_do: cute.CopyAtom, mdO: cute.Tensor,
         tma_atom_k: cute.CopyAtom, mK: cute.Tensor, tma_atom_v: cute.CopyAtom, mV: cute.Tensor,
         tma_atom_lse: cute.CopyAtom, mLSE: cute.Tensor, tma_atom_dpsum: cute.CopyAtom,
-        mDPsum: cute.Tensor, mdQacc: Optional[cute.Tensor],
-        tma_atom_dq: Optional[cute.CopyAtom], mdQacc_tma: Optional[cute.Tensor],
-        mdK: cute.Tensor, mdV: cute.Tensor,
+        mDPsum: cute.Tensor, mdQacc: Optional[cute.Tensor], mdK: cute.Tensor, mdV: cute.Tensor,
         mCuSeqlensQ: cute.Tensor, mCuSeqlensK: cute.Tensor, mQTileOffsets: cute.Tensor,
         row_splits: Int32, softmax_scale: Float32, scale_log2: Float32, compress_factor,
         window_left: Int32, window_right: Int32,
         mListOffsets: Optional[cute.Tensor], mListIndex: Optional[cute.Tensor],
         mListMaskCount: Optional[cute.Tensor], mKvBlockOffsets: Optional[cute.Tensor],
-        mFwdFullCount: Optional[cute.Tensor], mFwdFullIndex: Optional[cute.Tensor],
-        mFwdMaskCount: Optional[cute.Tensor], mFwdMaskIndex: Optional[cute.Tensor],
-        mFwdRowOffsets: Optional[cute.Tensor], mSemaphore: Optional[cute.Tensor],
         mUnits: Optional[cute.Tensor], sQ_layout: cute.ComposedLayout,
         sK_layout: cute.ComposedLayout, sdS_layout: cute.ComposedLayout,
-        sdQ_layout: cute.ComposedLayout, tiled_mma_sdp: cute.TiledMma,
+        sdQ_layout: cute.Layout, tiled_mma_sdp: cute.TiledMma,
         tiled_mma_dkv: cute.TiledMma, tiled_mma_dq: cute.TiledMma,
     ):
         spec = self.spec
@@ -289,15 +262,11 @@ class FlashAttentionBackwardSm90:
         sdO = storage.sdO.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sV = storage.sV.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
-        sdS = None
-        if const_expr(not spec.dq_separate):
+        sdS, dq_accumulator = None, None
+        if const_expr(spec.fuses_dq):
             sdS = storage.sdS.get_tensor(sdS_layout.outer, swizzle=sdS_layout.inner)
-        sdQ = None
-        if const_expr(spec.dq_tma_reduce):
-            sdQ = storage.sdQ.get_tensor(sdQ_layout.outer, swizzle=sdQ_layout.inner)
-        dq_accumulator = DqAccumulator(
-            spec.dq_tma_reduce, self.tile_m, self.dq_cols_per_wg, self.num_wg, self.dtype,
-            mdQacc, tma_atom_dq, mdQacc_tma, sdQ)
+            dq_accumulator = DqAccumulator(self.tile_m, self.dq_cols_per_wg, self.num_wg,
+                                           mdQacc, storage.sdQ.get_tensor(sdQ_layout))
         rows_by_stage = cute.make_layout((self.tile_m, spec.q_stages))
         sLSE = storage.sLSE.get_tensor(rows_by_stage)
         sDPsum = storage.sDPsum.get_tensor(rows_by_stage)
@@ -332,21 +301,19 @@ class FlashAttentionBackwardSm90:
                         tma_atom_dpsum=tma_atom_dpsum, mDPsum=mDPsum, sQ=sQ, sdO=sdO, sLSE=sLSE,
                         sDPsum=sDPsum, offset_q=offset_q, q_tile_offset=q_tile_offset)
                     walk(produce, (q_producer, do_producer))
-                if const_expr(spec.dq_writer_warp):
-                    if warp_idx == 1:
+                if const_expr(spec.fuses_dq):
+                    if warp_idx == 1:  # the dQ writer
                         write = partial(self.write_dq_step, dq_accumulator=dq_accumulator,
                                         q_tile_offset=q_tile_offset)
                         walk(write, (Int32(0),))
-                        cute.arch.cp_async_bulk_wait_group(0, read=True)
+                        dq_accumulator.finish()
             else:
                 cute.arch.setmaxregister_increase(self.consumer_regs)
                 self.consume(
                     tidx - _WARPGROUP, walk, kv_consumer, q_consumer, do_consumer,
                     tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, sQ, sdO, sK, sV, sdS, sLSE,
                     sDPsum, dq_accumulator, mdK, mdV, softmax_scale, scale_log2, block_range,
-                    n_block, head_kv, batch, offset_k, seqlen_q, seqlen_k, q_tile_offset,
-                    mSemaphore, mFwdFullCount, mFwdFullIndex, mFwdMaskCount, mFwdMaskIndex,
-                    mFwdRowOffsets)
+                    n_block, head_kv, batch, offset_k, seqlen_q, seqlen_k)
 
     @cute.jit
     def walk_steps(
@@ -431,7 +398,7 @@ class FlashAttentionBackwardSm90:
     @cute.jit
     def write_dq_step(self, head: Int32, m_block: Int32, mask: cutlass.Constexpr, needs_mask,
                       steps: Int32, dq_accumulator: DqAccumulator, q_tile_offset: Int32):
-        """The dQ writer warp's step (`dq_writer_warp`): add the consumers' staged dQ blocks
+        """The dQ writer warp's step (`fuses_dq`): add the consumers' staged dQ blocks
         of (head, m_block) into the float32 accumulator."""
         dq_accumulator.write_step(head, q_tile_offset + m_block)
         return (steps + 1,)
@@ -466,11 +433,9 @@ class FlashAttentionBackwardSm90:
     def consume(
         self, tidx: Int32, walk, kv_consumer, q_consumer, do_consumer,
         tiled_mma_sdp: cute.TiledMma, tiled_mma_dkv: cute.TiledMma, tiled_mma_dq: cute.TiledMma,
-        sQ, sdO, sK, sV, sdS, sLSE, sDPsum, dq_accumulator: DqAccumulator, mdK, mdV,
-        softmax_scale: Float32,
-        scale_log2: Float32, block_range: BlockRange, n_block: Int32, head_kv: Int32,
-        batch: Int32, offset_k: Int32, seqlen_q: Int32, seqlen_k: Int32, q_tile_offset: Int32,
-        mSemaphore, mFwdFullCount, mFwdFullIndex, mFwdMaskCount, mFwdMaskIndex, mFwdRowOffsets,
+        sQ, sdO, sK, sV, sdS, sLSE, sDPsum, dq_accumulator: Optional[DqAccumulator], mdK, mdV,
+        softmax_scale: Float32, scale_log2: Float32, block_range: BlockRange, n_block: Int32,
+        head_kv: Int32, batch: Int32, offset_k: Int32, seqlen_q: Int32, seqlen_k: Int32,
     ):
         """The consumer warpgroups' whole CTA: every step, then dK and dV."""
         thr_sdp = tiled_mma_sdp.get_slice(tidx)
@@ -482,11 +447,10 @@ class FlashAttentionBackwardSm90:
         tSrdO = thr_sdp.make_fragment_B(thr_sdp.partition_B(sdO))
         tdKrQ = thr_dkv.make_fragment_B(thr_dkv.partition_B(transposed(sQ)))
         tdVrdO = thr_dkv.make_fragment_B(thr_dkv.partition_B(transposed(sdO)))
-        tdQrdS, sKt_passes, t_sdS, t_rdS, ds_store_atom = None, None, None, None, None
-        if const_expr(not self.spec.dq_separate):
-            tdQrdS = thr_dq.make_fragment_A(thr_dq.partition_A(sdS))
-            # K read head-dim-major, one block of dq_pass_cols columns per pass.
-            sKt_passes = cute.flat_divide(transposed(sK), (self.dq_pass_cols,))
+        tdQrdS, tdQrK, t_sdS, t_rdS, ds_store_atom = None, None, None, None, None
+        if const_expr(self.spec.fuses_dq):
+            tdQrdS = thr_dq.make_fragment_A(thr_dq.partition_A(sdS))  # (..., dS stage)
+            tdQrK = thr_dq.make_fragment_B(thr_dq.partition_B(transposed(sK)))  # K head-dim-major
             # dS^T from registers into sdS (rows x keys) with stmatrix.trans: 4 instructions
             # per thread instead of 32 16-bit stores (ncu, H100, session 17).
             ds_store_atom = cute.make_copy_atom(
@@ -498,32 +462,25 @@ class FlashAttentionBackwardSm90:
         acc_dp = thr_sdp.make_fragment_C(thr_sdp.partition_shape_C((self.tile_n, self.tile_m)))
         acc_dk = thr_dkv.make_fragment_C(thr_dkv.partition_shape_C((self.tile_n, self.head_dim)))
         acc_dv = thr_dkv.make_fragment_C(thr_dkv.partition_shape_C((self.tile_n, self.head_dim)))
-        acc_dq = thr_dq.make_fragment_C(thr_dq.partition_shape_C((self.tile_m, self.dq_pass_cols)))
+        acc_dq = thr_dq.make_fragment_C(thr_dq.partition_shape_C((self.tile_m, self.head_dim)))
         acc_dk.fill(0.0)
         acc_dv.fill(0.0)
         r_p = cute.make_rmem_tensor(acc_as_a_operand_layout(acc_s.layout), self.dtype)
         r_ds = cute.make_rmem_tensor(acc_as_a_operand_layout(acc_s.layout), self.dtype)
         t_coord = thr_sdp.partition_C(cute.make_identity_tensor((self.tile_n, self.tile_m)))
-        if const_expr(not self.spec.dq_separate):
+        if const_expr(self.spec.fuses_dq):
             t_rdS = thr_ds_store.retile(cute.make_tensor(r_ds.iterator, acc_dp.layout))
 
         kv_handle = kv_consumer.wait_and_advance()
         step = partial(
             self.consume_step, tidx=tidx, tSrK=tSrK, tSrV=tSrV, tSrQ=tSrQ, tSrdO=tSrdO,
-            tdKrQ=tdKrQ, tdVrdO=tdVrdO, tdQrdS=tdQrdS, sKt_passes=sKt_passes,
-            thr_dq=thr_dq, acc_s=acc_s, acc_dp=acc_dp, acc_dk=acc_dk, acc_dv=acc_dv,
-            acc_dq=acc_dq, r_p=r_p, r_ds=r_ds, t_coord=t_coord, ds_store_atom=ds_store_atom,
-            t_rdS=t_rdS, t_sdS=t_sdS,
-            sLSE=sLSE, sDPsum=sDPsum, dq_accumulator=dq_accumulator, scale_log2=scale_log2,
-            block_range=block_range, n_block=n_block, batch=batch, seqlen_q=seqlen_q,
-            seqlen_k=seqlen_k, q_tile_offset=q_tile_offset, mSemaphore=mSemaphore,
-            mFwdFullCount=mFwdFullCount, mFwdFullIndex=mFwdFullIndex,
-            mFwdMaskCount=mFwdMaskCount, mFwdMaskIndex=mFwdMaskIndex,
-            mFwdRowOffsets=mFwdRowOffsets)
+            tdKrQ=tdKrQ, tdVrdO=tdVrdO, tdQrdS=tdQrdS, tdQrK=tdQrK, acc_s=acc_s, acc_dp=acc_dp,
+            acc_dk=acc_dk, acc_dv=acc_dv, acc_dq=acc_dq, r_p=r_p, r_ds=r_ds, t_coord=t_coord,
+            ds_store_atom=ds_store_atom, t_rdS=t_rdS, t_sdS=t_sdS, sLSE=sLSE, sDPsum=sDPsum,
+            dq_accumulator=dq_accumulator, scale_log2=scale_log2, block_range=block_range,
+            n_block=n_block, seqlen_q=seqlen_q, seqlen_k=seqlen_k)
         walk(step, (q_consumer, do_consumer, tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq))
         kv_handle.release()
-        if const_expr(not self.spec.dq_separate and not self.spec.dq_writer_warp):
-            dq_accumulator.finish(tidx)
 
         acc_dk.store(acc_dk.load() * softmax_scale)
         for acc, m_out in ((acc_dk, mdK), (acc_dv, mdV)):
@@ -534,12 +491,10 @@ class FlashAttentionBackwardSm90:
         self, head: Int32, m_block: Int32, mask: cutlass.Constexpr, needs_mask, q_consumer,
         do_consumer,
         tiled_mma_sdp: cute.TiledMma, tiled_mma_dkv: cute.TiledMma, tiled_mma_dq: cute.TiledMma,
-        tidx: Int32, tSrK, tSrV, tSrQ, tSrdO, tdKrQ, tdVrdO, tdQrdS, sKt_passes, thr_dq,
-        acc_s, acc_dp, acc_dk, acc_dv, acc_dq, r_p, r_ds, t_coord, ds_store_atom, t_rdS, t_sdS,
-        sLSE,
-        sDPsum, dq_accumulator: DqAccumulator, scale_log2: Float32, block_range: BlockRange,
-        n_block: Int32, batch: Int32, seqlen_q: Int32, seqlen_k: Int32, q_tile_offset: Int32,
-        mSemaphore, mFwdFullCount, mFwdFullIndex, mFwdMaskCount, mFwdMaskIndex, mFwdRowOffsets,
+        tidx: Int32, tSrK, tSrV, tSrQ, tSrdO, tdKrQ, tdVrdO, tdQrdS, tdQrK, acc_s, acc_dp,
+        acc_dk, acc_dv, acc_dq, r_p, r_ds, t_coord, ds_store_atom, t_rdS, t_sdS, sLSE, sDPsum,
+        dq_accumulator: Optional[DqAccumulator], scale_log2: Float32, block_range: BlockRange,
+        n_block: Int32, seqlen_q: Int32, seqlen_k: Int32,
     ):
         """One (query head, 64-row query tile) against this CTA's keys. `mask`: None,
         "causal_window", or "if_needed" (the causal/window mask where `needs_mask`)."""
@@ -595,7 +550,7 @@ class FlashAttentionBackwardSm90:
         if const_expr(not self.spec.dv_before_ds):
             tiled_mma_dkv = gemm(tiled_mma_dkv, acc_dv, r_p,
                                  tdVrdO[None, None, None, do_stage], zero_init=False)
-        if const_expr(self.spec.dq_writer_warp):
+        if const_expr(self.spec.fuses_dq):
             # dS to smem (this Q stage's buffer: the other warpgroup's dQ read of the buffer,
             # two steps ago, ended before it reached the last step's barrier), then dQ = dS K
             # before dK += dS^T Q, so dQ's accumulator is staged while dK runs.
@@ -603,10 +558,8 @@ class FlashAttentionBackwardSm90:
             cute.arch.fence_proxy("async.shared", space="cta")
             cute.arch.barrier(barrier_id=_DS_FULL_BARRIER,
                               number_of_threads=self.num_consumer_threads)
-            tiled_mma_dq = gemm(
-                tiled_mma_dq, acc_dq, tdQrdS[None, None, None, q_stage],
-                thr_dq.make_fragment_B(thr_dq.partition_B(
-                    sKt_passes[None, 0, None, None]))[None, None, None, 0], zero_init=True)
+            tiled_mma_dq = gemm(tiled_mma_dq, acc_dq, tdQrdS[None, None, None, q_stage],
+                                tdQrK[None, None, None, 0], zero_init=True)
             tiled_mma_dkv = gemm(tiled_mma_dkv, acc_dk, r_ds, tdKrQ[None, None, None, q_stage],
                                  zero_init=False)
             warpgroup.wait_group(1)  # dV and dQ (dK may still run)
@@ -614,120 +567,13 @@ class FlashAttentionBackwardSm90:
             dq_accumulator.hand_to_writer(tidx, acc_dq)
             warpgroup.wait_group(0)
             q_handle.release()
-        else:
+        else:  # dQ is the query-centric kernel's (kernels/sm90/bwd_dq_sm90.py)
             tiled_mma_dkv = gemm(tiled_mma_dkv, acc_dk, r_ds, tdKrQ[None, None, None, q_stage],
                                  zero_init=False)
-            if const_expr(self.spec.dq_separate):
-                # dQ is the query-centric kernel's (kernels/sm90/bwd_dq_sm90.py).
-                warpgroup.wait_group(0)
-                q_handle.release()
-                do_handle.release()
-            else:
-                tiled_mma_dq = self.step_dq(
-                    tidx, head, m_block, q_handle, do_handle, tiled_mma_dq, tdQrdS, sKt_passes,
-                    thr_dq, acc_dq, ds_store_atom, t_rdS, t_sdS, dq_accumulator, block_range,
-                    n_block, batch, seqlen_q, seqlen_k, q_tile_offset, mSemaphore,
-                    mFwdFullCount, mFwdFullIndex, mFwdMaskCount, mFwdMaskIndex, mFwdRowOffsets)
-        return q_consumer, do_consumer, tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq
-
-    @cute.jit
-    def step_dq(
-        self, tidx: Int32, head: Int32, m_block: Int32, q_handle, do_handle,
-        tiled_mma_dq: cute.TiledMma, tdQrdS, sKt_passes, thr_dq, acc_dq, ds_store_atom, t_rdS,
-        t_sdS, dq_accumulator: DqAccumulator, block_range: BlockRange, n_block: Int32, batch: Int32,
-        seqlen_q: Int32, seqlen_k: Int32, q_tile_offset: Int32, mSemaphore, mFwdFullCount,
-        mFwdFullIndex, mFwdMaskCount, mFwdMaskIndex, mFwdRowOffsets,
-    ):
-        """dQ = dS K of one step, added into the float32 accumulator; releases Q and dO."""
-        # dS into shared memory for dQ = dS K, once every warpgroup's previous dQ read it.
-        cute.arch.barrier(barrier_id=_DS_FREE_BARRIER,
-                          number_of_threads=self.num_consumer_threads)
-        cute.copy(ds_store_atom, t_rdS, t_sdS[None, None, None, 0])
-        cute.arch.fence_proxy("async.shared", space="cta")
-        cute.arch.barrier(barrier_id=_DS_FULL_BARRIER,
-                          number_of_threads=self.num_consumer_threads)
-
-        slot_tile = q_tile_offset + m_block
-        if const_expr(self.spec.deterministic):
-            self.wait_dq_turn(tidx, mSemaphore, head, slot_tile, block_range, n_block, m_block,
-                              batch, seqlen_q, seqlen_k, mFwdFullCount, mFwdFullIndex,
-                              mFwdMaskCount, mFwdMaskIndex, mFwdRowOffsets)
-        for p in cutlass.range_constexpr(self.dq_passes):
-            tiled_mma_dq = gemm(
-                tiled_mma_dq, acc_dq, tdQrdS[None, None, None, 0],
-                thr_dq.make_fragment_B(thr_dq.partition_B(
-                    sKt_passes[None, p, None, None]))[None, None, None, 0], zero_init=True)
             warpgroup.wait_group(0)
-            if const_expr(p == 0):
-                # The dK and dV products (issued before) are done too: Q and dO are free.
-                q_handle.release()
-                do_handle.release()
-            dq_accumulator.add(tidx, thr_dq, acc_dq, head, slot_tile, p)
-        if const_expr(self.spec.deterministic):
-            dq_accumulator.settle(tidx)
-            self.pass_dq_turn(tidx, mSemaphore, head, slot_tile)
-        return tiled_mma_dq
-
-    @cute.jit
-    def wait_dq_turn(self, tidx: Int32, mSemaphore, head: Int32, slot_tile: Int32,
-                     block_range: BlockRange, n_block: Int32, m_block: Int32, batch: Int32,
-                     seqlen_q: Int32, seqlen_k: Int32, mFwdFullCount, mFwdFullIndex,
-                     mFwdMaskCount, mFwdMaskIndex, mFwdRowOffsets):
-        """`deterministic`: wait until every KV tile before this one that adds into this
-        query tile's dQ has added (a fixed order: the float32 sums are then bitwise the same
-        run after run). A CTA only waits for lower KV tiles of its own (KV head, sequence),
-        which have lower block indices and were scheduled first, so the wait always ends."""
-        if tidx == 0:
-            earlier = self.kv_tiles_before(
-                block_range, n_block, m_block, head, batch, cute.size(mSemaphore.shape[0]),
-                seqlen_q, seqlen_k, mFwdFullCount, mFwdFullIndex, mFwdMaskCount, mFwdMaskIndex,
-                mFwdRowOffsets)
-            sem = mSemaphore.iterator + cute.crd2idx((head, slot_tile), mSemaphore.layout)
-            done = cute.arch.atomic_add(sem, Int32(0), sem="acquire", scope="gpu")
-            while done != earlier:
-                done = cute.arch.atomic_add(sem, Int32(0), sem="acquire", scope="gpu")
-        cute.arch.barrier(barrier_id=_DQ_TURN_BARRIER, number_of_threads=self.num_consumer_threads)
-
-    @cute.jit
-    def pass_dq_turn(self, tidx: Int32, mSemaphore, head: Int32, slot_tile: Int32):
-        cute.arch.fence_acq_rel_gpu()
-        cute.arch.barrier(barrier_id=_DQ_TURN_BARRIER, number_of_threads=self.num_consumer_threads)
-        if tidx == 0:
-            sem = mSemaphore.iterator + cute.crd2idx((head, slot_tile), mSemaphore.layout)
-            cute.arch.atomic_add(sem, Int32(1), sem="release", scope="gpu")
-
-    @cute.jit
-    def kv_tiles_before(self, block_range: BlockRange, n_block: Int32, m_block: Int32,
-                        head: Int32, batch: Int32, num_heads: Int32, seqlen_q: Int32,
-                        seqlen_k: Int32, mFwdFullCount, mFwdFullIndex, mFwdMaskCount, mFwdMaskIndex,
-                        mFwdRowOffsets) -> Int32:
-        """How many KV tiles below n_block visit query tile m_block (of this head)."""
-        count = Int32(0)
-        if const_expr(self.spec.block_sparse):
-            # The KV block's rank in the query tile's forward lists (they are the transpose's
-            # source, so both walks agree on who visits whom).
-            row = mFwdRowOffsets[batch] + m_block // 2
-            list_head = head // (num_heads // cute.size(mFwdFullCount.shape[1]))
-            for i in cutlass.range(mFwdFullCount[row, list_head], unroll=1):
-                if mFwdFullIndex[row, list_head, i] < n_block:
-                    count += 1
-            for i in cutlass.range(mFwdMaskCount[row, list_head], unroll=1):
-                if mFwdMaskIndex[row, list_head, i] < n_block:
-                    count += 1
-        else:
-            # Visitors of m_block form one run of KV tiles (the visited query tiles' ends rise
-            # with the KV tile): find its first tile, the first whose m_max passes m_block.
-            lo = Int32(0)
-            hi = n_block
-            while lo < hi:
-                mid = (lo + hi) // 2
-                _, m_max = block_range.m_block_min_max(mid, seqlen_q, seqlen_k)
-                if m_max > m_block:
-                    hi = mid
-                else:
-                    lo = mid + 1
-            count = n_block - lo
-        return count
+            q_handle.release()
+            do_handle.release()
+        return q_consumer, do_consumer, tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq
 
     @cute.jit
     def store_keys(self, thr_dkv, acc: cute.Tensor, m_out: cute.Tensor, offset_k: Int32,

@@ -144,8 +144,7 @@ def compile_kernel_on_fake_tensors(kernel: FlashAttentionForwardSm90):
 def fake_backward_arguments(spec):
     """Fake tensors standing for the backward kernel's arguments, in order (the scalars and the
     stream excluded): (q, k, v, dO, lse, dO.O, dQacc, dK, dV, cu_q, cu_k, q tile offsets),
-    (list offsets, list index, list mask counts, KV block offsets, forward full count, full
-    index, mask count, mask index, row offsets, semaphore, work units), None where
+    (list offsets, list index, list mask counts, KV block offsets, work units), None where
     kernels/sm90/backward.py `run` passes None."""
     dtype = CUTLASS_DTYPES[spec.dtype]
     q, k, v, dout = (fake_seq_head_dim(dtype) for _ in range(4))
@@ -154,8 +153,8 @@ def fake_backward_arguments(spec):
     dk, dv = (fake_seq_head_dim(cutlass.Float32 if spec.float32_dkv else dtype)
               for _ in range(2))
     lse, dpsum = fake_row_statistics(), fake_row_statistics()
-    # `dq_separate`: no dQ accumulator (the query-centric kernel writes dQ).
-    dq_acc = None if spec.dq_separate else fake_seq_head_dim(cutlass.Float32)
+    # `fuses_dq`: the float32 dQ accumulator (H, P, D); else the query-centric kernel writes dQ.
+    dq_acc = fake_seq_head_dim(cutlass.Float32) if spec.fuses_dq else None
     cu_q, cu_k, q_tiles = (fake_int32_vector() for _ in range(3))
     lists = (None,) * 4
     if spec.block_sparse:
@@ -163,20 +162,11 @@ def fake_backward_arguments(spec):
                  make_fake_compact_tensor(cutlass.Int32, (cute.sym_int(), cute.sym_int()),
                                           stride_order=(1, 0)),
                  fake_int32_vector())
-    # The fused dQ's ordered reductions (`deterministic`) take a semaphore per query tile and,
-    # block-sparse, the forward lists.
-    forward_lists = (None,) * 5
-    semaphore = None
-    if spec.deterministic and not spec.dq_separate:
-        semaphore = make_fake_compact_tensor(cutlass.Int32, (cute.sym_int(), cute.sym_int()),
-                                             stride_order=(1, 0))
-        if spec.block_sparse:
-            forward_lists = fake_forward_lists()
     units = None
     if spec.split_lists:
         units = make_fake_compact_tensor(cutlass.Int32, (cute.sym_int(), 5), stride_order=(1, 0))
     return ((q, k, v, dout, lse, dpsum, dq_acc, dk, dv, cu_q, cu_k, q_tiles),
-            (*lists, *forward_lists, semaphore, units))
+            (*lists, units))
 
 
 def compiled_backward(spec, example_args, tvm_ffi: bool = False):
@@ -260,12 +250,13 @@ def compiled_dq_convert(spec, example_args, tvm_ffi: bool = False):
 
 def fake_dq_convert_arguments(spec):
     """Fake tensors and scalar standing for the dQ conversion's arguments (the stream
-    excluded): the float32 accumulator (H, P, D), the rows' slots (T,) int32, dQ (T, H, D),
-    the softmax scale."""
+    excluded): the float32 accumulator (H, P, D), the sequences' first query tiles and
+    cu_seqlens (S+1,) int32, dQ (T, H, D), the softmax scale."""
     acc = make_fake_tensor(cutlass.Float32, tuple(cute.sym_int() for _ in range(3)),
                            stride=(cute.sym_int(64), cute.sym_int(64), 1), assumed_align=16)
-    return (acc, fake_int32_vector(), fake_seq_head_dim(CUTLASS_DTYPES[spec.dtype]),
-            cutlass.Float32(1.0))
+    num_seqs = cute.sym_int()
+    return (acc, fake_int32_vector(num_seqs), fake_int32_vector(num_seqs),
+            fake_seq_head_dim(CUTLASS_DTYPES[spec.dtype]), cutlass.Float32(1.0))
 
 
 @functools.lru_cache(maxsize=None)

@@ -1,11 +1,13 @@
 """The fused backward's dQ out of its float32 accumulator, in CuTe DSL: dQ = scale x the
-accumulator's rows, gathered from the 64-row query tile layout (H, P, D) that the backward
-kernel reduces into (kernels/sm90/backward.py `QueryTiles`) to the rows of q (T, H, D) in q's
-type, or added into the values a given dq holds (nsa()'s running dq).
+accumulator, from the 64-row query tiles (H, P, D) that the backward kernel reduces into
+(kernels/sm90/backward.py `QueryTiles`) to the rows of q (T, H, D) in q's type, or added into
+the values a given dq holds (nsa()'s running dq).
 
-One pass: each row's D float32 are read as 16-byte vectors by D/4 adjacent lanes and written
-as D/4 8-byte vectors. The torch version it replaces (an index gather, a scale and a cast in
-row chunks) made three passes over float32 copies.
+Each 64-row tile holds D / cols blocks of 64 x cols values in the register order of the
+backward's dQ product (kernels/sm90/dq_accumulator.py): a CTA of 128 threads takes one tile
+of one head, and thread t reads thread t's values of each block (eight 16-byte loads, a warp's
+load one contiguous 512-byte run) and writes them where the same wgmma fragment puts them,
+two adjacent columns per 32-bit store.
 """
 from __future__ import annotations
 
@@ -15,13 +17,16 @@ import cuda.bindings.driver as cuda
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import Float32, Int32
+from cutlass.cute.nvgpu import warpgroup
 
+from kernels.sm90.dq_accumulator import fragment_layout
 from kernels.sm90.dtypes import CUTLASS_DTYPES
 from kernels.sm90.layouts import with_row_strides_divisible
 
 _THREADS = 128
-_VECTOR = 4  # float32 elements per 16-byte load
+_ROWS = 64
 
 
 @dataclass(frozen=True)
@@ -29,55 +34,73 @@ class DqConvertSpec:
     """The compile key of `DqConvert`."""
     dtype: str        # "bfloat16" | "float16": dq's type
     head_dim: int     # 64 | 128
+    block_cols: int   # columns of one warpgroup's block (`BwdSpec.dq_cols_per_warpgroup`)
     accumulate: bool  # add into dq's values instead of overwriting them
 
 
 class DqConvert:
-    rows_per_cta = 64
-
     def __init__(self, spec: DqConvertSpec):
         self.spec = spec
         self.dtype = CUTLASS_DTYPES[spec.dtype]
-        self.lanes_per_row = spec.head_dim // _VECTOR
-        assert 32 % self.lanes_per_row == 0 or self.lanes_per_row % 32 == 0
-        self.rows_per_pass = _THREADS // self.lanes_per_row
+        self.blocks = spec.head_dim // spec.block_cols
 
     @cute.jit
     def __call__(
         self,
-        mdQacc: cute.Tensor,  # (H, P, D) float32
-        mSlot: cute.Tensor,   # (T,) int32: the row's slot in the tile layout
-        mdQ: cute.Tensor,     # (T, H, D) out (and in, with `accumulate`)
+        mdQacc: cute.Tensor,        # (H, P, D) float32
+        mTileOffsets: cute.Tensor,  # (S+1,) int32: first 64-row tile of each sequence
+        mCuSeqlens: cute.Tensor,    # (S+1,) int32
+        mdQ: cute.Tensor,           # (T, H, D) out (and in, with `accumulate`)
         scale: Float32,
         stream: cuda.CUstream,
     ):
-        mdQacc = with_row_strides_divisible(mdQacc, _VECTOR)  # proves the 16-byte loads
-        mdQ = with_row_strides_divisible(mdQ, _VECTOR)       # and the 8-byte stores aligned
-        total = cute.size(mdQ.shape[0])
-        self.kernel(mdQacc, mSlot, mdQ, scale).launch(
-            grid=((total + self.rows_per_cta - 1) // self.rows_per_cta,
-                  cute.size(mdQ.shape[1]), 1),
+        mdQacc = with_row_strides_divisible(mdQacc, 4)  # proves the 16-byte loads aligned
+        mdQ = with_row_strides_divisible(mdQ, 2)        # and the 32-bit stores
+        self.kernel(mdQacc, mTileOffsets, mCuSeqlens, mdQ, scale).launch(
+            grid=(cute.size(mdQacc.shape[1]) // _ROWS, cute.size(mdQacc.shape[0]), 1),
             block=[_THREADS, 1, 1], stream=stream)
 
     @cute.kernel
-    def kernel(self, mdQacc: cute.Tensor, mSlot: cute.Tensor, mdQ: cute.Tensor, scale: Float32):
+    def kernel(self, mdQacc: cute.Tensor, mTileOffsets: cute.Tensor, mCuSeqlens: cute.Tensor,
+               mdQ: cute.Tensor, scale: Float32):
         tidx, _, _ = cute.arch.thread_idx()
-        row_block, head, _ = cute.arch.block_idx()
-        total = cute.size(mdQ.shape[0])
-        chunk = tidx % self.lanes_per_row
-        for p in cutlass.range_constexpr(self.rows_per_cta // self.rows_per_pass):
-            row = (row_block * self.rows_per_cta + p * self.rows_per_pass
-                   + tidx // self.lanes_per_row)
-            if row < total:
-                slot = mSlot[row]
-                r_acc = cute.make_rmem_tensor(cute.make_layout(_VECTOR), Float32)
-                cute.autovec_copy(
-                    cute.local_tile(mdQacc[head, slot, None], (_VECTOR,), (chunk,)), r_acc)
-                g_out = cute.local_tile(mdQ[row, head, None], (_VECTOR,), (chunk,))
-                values = r_acc.load() * scale
-                r_out = cute.make_rmem_tensor(cute.make_layout(_VECTOR), self.dtype)
-                if cutlass.const_expr(self.spec.accumulate):
-                    cute.autovec_copy(g_out, r_out)
-                    values = values + r_out.load().to(Float32)
-                r_out.store(values.to(self.dtype))
-                cute.autovec_copy(r_out, g_out)
+        tile, head, _ = cute.arch.block_idx()
+        # The tile's sequence: the last b with tile_offsets[b] <= tile (S, the end, for the
+        # padding tiles past the last sequence).
+        lo, hi = Int32(0), cute.size(mTileOffsets.shape[0]) - 1
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if mTileOffsets[mid] <= tile:
+                lo = mid
+            else:
+                hi = mid - 1
+        if lo < cute.size(mTileOffsets.shape[0]) - 1:
+            first_row = mCuSeqlens[lo] + (tile - mTileOffsets[lo]) * _ROWS
+            rows = mCuSeqlens[lo + 1] - first_row
+            cols = self.spec.block_cols
+            # The backward's dQ fragment of one warpgroup: thread t's (row, column) per value.
+            thr = sm90_utils.make_trivial_tiled_mma(
+                self.dtype, self.dtype, warpgroup.OperandMajorMode.K,
+                warpgroup.OperandMajorMode.MN, Float32, (1, 1, 1), (_ROWS, cols)).get_slice(tidx)
+            coord = thr.partition_C(cute.make_identity_tensor((_ROWS, cols)))
+            num_values = cute.size(coord)
+            tile_start = mdQacc[head, tile * _ROWS, None].iterator
+            for b in cutlass.range_constexpr(self.blocks):
+                block = cute.make_tensor(tile_start + b * _ROWS * cols,
+                                         fragment_layout(_ROWS * cols))
+                values = cute.make_rmem_tensor(cute.make_layout(num_values), Float32)
+                cute.autovec_copy(block[None, tidx], values)
+                for v in cutlass.range_constexpr(0, num_values, 2):  # adjacent column pairs
+                    row, col = coord[v]
+                    if row < rows:
+                        g_pair = cute.local_tile(
+                            mdQ[first_row + row, head, None], (2,), ((b * cols + col) // 2,))
+                        pair = cute.make_rmem_tensor(cute.make_layout(2), Float32)
+                        pair[0] = values[v] * scale
+                        pair[1] = values[v + 1] * scale
+                        out = cute.make_rmem_tensor(cute.make_layout(2), self.dtype)
+                        if cutlass.const_expr(self.spec.accumulate):
+                            cute.autovec_copy(g_pair, out)
+                            pair.store(pair.load() + out.load().to(Float32))
+                        out.store(pair.load().to(self.dtype))
+                        cute.autovec_copy(out, g_pair)

@@ -222,10 +222,9 @@ class BwdSpec:
 
     One CTA owns one KV tile of one KV head and walks every query head of its GQA group over the
     query tiles that see the tile, so dK and dV stay in registers and are written once: no
-    atomics, no float32 dK/dV buffers. dQ comes from the query-centric kernel (`dq_separate`,
-    every dispatched call: `DqSpec`); with `dq_separate` off this kernel accumulates it in
-    float32 with reductions in global memory (ordered across CTAs by a semaphore when
-    `deterministic`)."""
+    atomics, no float32 dK/dV buffers. dQ either comes from the query-centric kernel
+    (`dq_separate`: `DqSpec`), or this kernel adds it into a float32 accumulator (the fused
+    dQ, `fuses_dq`)."""
     dtype: str                 # "bfloat16" | "float16"
     head_dim: int              # 64 | 128
     causal: bool
@@ -233,7 +232,7 @@ class BwdSpec:
     has_window_right: bool
     block_sparse: bool         # walk the transposed (CSR) lists instead of a query-tile range
     compressed: bool = False
-    deterministic: bool = False  # dQ reductions in KV-tile order (a semaphore per query tile)
+    deterministic: bool = False  # no order-dependent float32 sums (with `dq_separate`)
     split_lists: bool = False  # block-sparse: work units of at most a chunk of list entries
                                # (kernels/sm90/backward.py `work_units`); dK/dV partials are
                                # then added into float32 accumulators
@@ -241,11 +240,8 @@ class BwdSpec:
                                # (few KV tiles: compressed keys); dK/dV partials then go into
                                # float32 accumulators. Dispatched when a call has fewer KV
                                # tiles than SMs
-    dq_tma_reduce: bool = False  # dQ staged in smem and added with a TMA reduce-add per
-                                 # warpgroup instead of one red.global.add per element
-                                 # (with the fused dQ, a tuner variant since session 12)
-    dq_separate: bool = False  # skip dQ here: the query-centric kernel computes it (DqSpec;
-                               # every dispatched call)
+    dq_separate: bool = True   # skip dQ here: the query-centric kernel computes it (DqSpec);
+                               # False fuses it (`fuses_dq`)
     tile_n: int = 128          # keys per CTA, 64 per consumer warpgroup
     tile_m: int = 64           # query rows per step
     q_stages: int = 2          # Q (+ lse) and dO (+ dO.O) pipeline depth
@@ -276,21 +272,26 @@ class BwdSpec:
         return not (self.ctas_per_sm == 2 and self.head_dim == 128)
 
     @property
-    def dq_writer_warp(self) -> bool:
-        """The fused dQ in FA3/FA4's order: dS double-buffered in smem (one buffer per Q
-        stage, so no barrier waits for the other warpgroup's previous dQ read), dQ = dS K
-        issued before dK += dS^T Q, each warpgroup's dQ staged in smem while dK runs, and a
-        warp of the producer warpgroup adding it into the float32 accumulator with a TMA
-        reduce-add. Needs one dQ pass (every warpgroup's block of columns at once) and two
-        Q stages; the deterministic mode keeps the ordered adds of the consumers."""
+    def fuses_dq(self) -> bool:
+        """dQ = dS K in this kernel, in FA3/FA4's order: dS double-buffered in smem (one
+        buffer per Q stage, so no barrier waits for the other warpgroup's previous dQ read),
+        dQ issued before dK += dS^T Q, each warpgroup's dQ staged in smem while dK runs, and a
+        warp of the producer warpgroup (the dQ writer) adding it into the float32 accumulator
+        with a bulk reduce-add (kernels/sm90/dq_accumulator.py)."""
+        return not self.dq_separate
+
+    @property
+    def can_fuse_dq(self) -> bool:
+        """The fused dQ needs one dQ product per step (every warpgroup's block of columns at
+        once: not 64-key tiles at head dim 128) and two Q stages; its float32 sums land in
+        any order, so not in the deterministic mode."""
         one_pass = self.dq_cols_per_warpgroup * self.num_consumer_warpgroups == self.head_dim
-        return (not self.dq_separate and self.dq_tma_reduce and not self.deterministic
-                and self.q_stages == 2 and one_pass)
+        return one_pass and self.q_stages == 2 and not self.deterministic
 
     @property
     def ds_stages(self) -> int:
         """dS buffers in smem (the fused dQ's A operand)."""
-        return 2 if self.dq_writer_warp else 1
+        return 2 if self.fuses_dq else 0
 
     @property
     def partial_dkv(self) -> bool:
@@ -322,9 +323,8 @@ class BwdSpec:
                    self.tile_m * self.q_stages]
         for rows in buffers:
             size = aligned(size, 1024) + 2 * rows * self.head_dim
-        if not self.dq_separate:
-            size = aligned(size, 1024) + 2 * self.tile_m * self.tile_n * self.ds_stages  # dS
-        if self.dq_tma_reduce:  # one 64-row float32 staging block per warpgroup
+        if self.fuses_dq:  # dS, and one 64-row float32 dQ staging block per warpgroup
+            size = aligned(size, 1024) + 2 * self.tile_m * self.tile_n * self.ds_stages
             size = aligned(size, 1024) + 4 * self.tile_m * self.dq_cols_per_warpgroup * (
                 self.num_consumer_warpgroups)
         return size
@@ -405,7 +405,7 @@ def choose_backward_spec(
     left, right = int(window_size[0]), int(window_size[1])
     tile_n = sparse_block_size if sparse_block_size is not None else BACKWARD_DENSE_TILE_N
     q_stages = 2
-    # dQ fused into this kernel (FA3/FA4's order and dQ writer warp, `dq_writer_warp`) where
+    # dQ fused into this kernel (FA3/FA4's order and dQ writer warp, `fuses_dq`) where
     # every query tile meets many KV tiles in order: plain causal or full attention. H100,
     # session 17, torch.profiler device time of the kernels alone (fused / KV-centric + dQ):
     # dense causal 16K 10.07 / 10.59 ms, 64K 163.2 / 183.7; causal window 512 0.80 / 1.04 and
@@ -433,7 +433,7 @@ def choose_backward_spec(
         # ms, 64K 29.1 -> 13.1; compress factor 64 16K 2.26 -> 1.40, 64K 13.0 -> 7.5; causal
         # window 512 16K 2.60 -> 1.93. The deterministic mode takes it everywhere (it sums
         # dQ in registers, in a fixed order).
-        dq_separate=not fused_dq, dq_tma_reduce=fused_dq)
+        dq_separate=not fused_dq)
     if not spec.fits_in_smem():
         raise ValueError(f"no sm90 backward variant for head_dim {head_dim} with {tile_n}-key "
                          f"tiles fits shared memory ({spec.smem_bytes} bytes)")

@@ -75,12 +75,15 @@ def test_deterministic_backward_variant_compiles_for_sm90a(head_dim, call):
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_fused_dq_conversion_compiles_for_sm90a(dtype, head_dim, accumulate):
-    """The fused backward's float32 dQ accumulator to dq (kernels/sm90/dq_convert.py)."""
+    """The fused backward's float32 dQ accumulator to dq (kernels/sm90/dq_convert.py), for the
+    blocks of every fused variant the dispatcher picks."""
     from kernels.sm90.compile import compile_dq_convert_on_fake_tensors
     from kernels.sm90.dq_convert import DqConvertSpec
 
-    assert callable(compile_dq_convert_on_fake_tensors(DqConvertSpec(dtype, head_dim,
-                                                                     accumulate)))
+    spec = _backward_spec(dtype, head_dim, "causal")
+    assert spec.fuses_dq
+    assert callable(compile_dq_convert_on_fake_tensors(DqConvertSpec(
+        dtype, head_dim, spec.dq_cols_per_warpgroup, accumulate)))
 
 
 @pytest.mark.parametrize("call", ["selected-sparse64", "compressed-causal", "window-causal"])
@@ -109,7 +112,7 @@ def test_backward_smem_footprint_matches_the_kernel(sparse_block):
 
     spec = choose_backward_spec(dtype="bfloat16", head_dim=128, causal=True,
                                 window_size=(-1, -1), sparse_block_size=sparse_block)
-    assert spec.dq_writer_warp == (sparse_block is None)
+    assert spec.fuses_dq == (sparse_block is None)
     kernel = FlashAttentionBackwardSm90(spec)
     compile_backward_kernel_on_fake_tensors(kernel)  # uncached: this object's storage
     assert kernel.shared_storage.size_in_bytes() == spec.smem_bytes
@@ -137,11 +140,10 @@ def test_backward_dispatch_fuses_dq_only_for_plain_causal_or_full_attention():
                 spec = _spec_of("bfloat16", head_dim, call, deterministic)
                 fused = plain and not deterministic
                 assert spec.dq_separate == (not fused), (call, head_dim, deterministic)
-                assert spec.dq_writer_warp == fused and spec.q_stages == 2
+                assert spec.fuses_dq == fused and spec.q_stages == 2
                 if fused:
-                    assert spec.dq_tma_reduce and spec.ds_stages == 2 and spec.fits_in_smem()
+                    assert spec.can_fuse_dq and spec.ds_stages == 2 and spec.fits_in_smem()
                 else:
-                    assert not spec.dq_tma_reduce
                     assert dq_spec_for(spec).list_block == (spec.tile_n if spec.block_sparse
                                                             else 64)
     selected = _backward_spec("bfloat16", 128, "selected-sparse64")

@@ -85,11 +85,32 @@ def test_query_tiles_pad_each_sequence_to_whole_64_row_tiles():
     # The same from given row dots (nsa()'s gate pass writes them): O is not read.
     given_lse, given_dpsum = tiles.row_statistics(dout, None, lse, (dout * out).sum(-1))
     assert torch.equal(given_lse, lse_log2) and torch.allclose(given_dpsum, dpsum)
-    acc = torch.randn(heads, tiles.num_slots, dim)
-    dq = tiles.gather_dq(acc, 0.5, torch.float32)
-    assert torch.equal(dq, (acc[:, tiles.slot] * 0.5).transpose(0, 1))
+
+
+def test_fused_dq_accumulator_blocks_are_read_back_in_row_order():
+    """The fused backward's dQ accumulator holds, per 64-row tile, blocks of 64 x cols values
+    in the dQ wgmma fragment's register order: value v of thread t at float
+    ((v // 4) * 128 + t) * 4 + v % 4 of its block, where the fragment puts it at row
+    16 (t // 32) + (t % 32) // 4 + 8 ((v // 2) % 2), column 8 (v // 4) + 2 (t % 4) + v % 2.
+    gather_dq reads it back in row order (scaled, at the rows' slots), or adds it into dq."""
+    cu = torch.tensor([0, 1, 65, 65, 300], dtype=torch.int32)
+    tiles = QueryTiles(cu, 300)
+    heads, dim, cols = 2, 32, 16
+    natural = torch.randn(heads, tiles.num_slots, dim)
+    acc = torch.empty_like(natural).view(heads, -1, dim // cols, 64 * cols)
+    for t in range(128):
+        for v in range(64 * cols // 128):
+            row = 16 * (t // 32) + (t % 32) // 4 + 8 * ((v // 2) % 2)
+            col = 8 * (v // 4) + 2 * (t % 4) + v % 2
+            flat = ((v // 4) * 128 + t) * 4 + v % 4
+            for block in range(dim // cols):
+                acc[:, :, block, flat] = natural.view(heads, -1, 64, dim)[:, :, row,
+                                                                           block * cols + col]
+    acc = acc.view(heads, tiles.num_slots, dim)
+    dq = tiles.gather_dq(acc, cols, 0.5, torch.float32)
+    assert torch.equal(dq, (natural[:, tiles.slot] * 0.5).transpose(0, 1))
     running = torch.randn(300, heads, dim)
-    summed = tiles.gather_dq(acc, 0.5, torch.float32, into=running.clone())
+    summed = tiles.gather_dq(acc, cols, 0.5, torch.float32, into=running.clone())
     assert torch.allclose(summed, running + dq)
 
 
@@ -99,18 +120,20 @@ def test_query_tiles_pad_each_sequence_to_whole_64_row_tiles():
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_dq_conversion_kernel_matches_torch(dtype, head_dim):
     """The fused backward's dQ out of its float32 tile-layout accumulator
-    (kernels/sm90/dq_convert.py) against the torch path: varlen with an empty and a one-row
-    sequence, written fresh and added into a running dq (one rounding)."""
+    (kernels/sm90/dq_convert.py, which takes each value's place from CuTe's wgmma fragment)
+    against the torch path (which computes it): varlen with an empty and a one-row sequence,
+    written fresh and added into a running dq (one rounding), blocks of 32 and 64 columns."""
     cu = torch.tensor([0, 1, 1, 200, 1000], dtype=torch.int32, device="cuda")
     heads = 5
     gen = torch.Generator(device="cuda").manual_seed(4)
     tiles = QueryTiles(cu, 1000)
     acc = torch.randn(heads, tiles.num_slots, head_dim, device="cuda", generator=gen)
     running = torch.randn(1000, heads, head_dim, device="cuda", generator=gen).to(dtype)
-    fresh = tiles.gather_dq(acc, 0.125, dtype)
-    summed = tiles.gather_dq(acc, 0.125, dtype, into=running.clone())
+    cols = head_dim // 2  # two warpgroups' blocks (the dispatched 128-key tiles)
+    fresh = tiles.gather_dq(acc, cols, 0.125, dtype)
+    summed = tiles.gather_dq(acc, cols, 0.125, dtype, into=running.clone())
     cpu_tiles = QueryTiles(cu.cpu(), 1000)
-    ref = cpu_tiles.gather_dq(acc.cpu(), 0.125, torch.float32)
+    ref = cpu_tiles.gather_dq(acc.cpu(), cols, 0.125, torch.float32)
     assert torch.equal(fresh.cpu(), ref.to(dtype))
     assert torch.equal(summed.cpu(), (running.cpu().float() + ref).to(dtype))
 

@@ -1,9 +1,9 @@
-"""The sm90 backward's switches (`dq_tma_reduce`, `split_rows`, `dq_separate`) turned against
+"""The sm90 backward's switches (`split_rows`, `dq_separate`, `one_cta_per_sm`) turned against
 the dispatcher's choice, on the GPU: every way to reach dQ and dK/dV gives the same gradients.
-The dispatcher reduces dQ with TMA where the staging buffer fits, gives dQ its own
-query-centric kernel for compressed keys and 64-key blocks, and splits rows only for grids
-smaller than the GPU, so the other settings here are the paths it takes elsewhere or kept for
-comparison (tools/tune_sm90_backward.py).
+The dispatcher fuses dQ into the KV-centric kernel for plain causal or full attention, gives
+dQ its own query-centric kernel elsewhere, and splits rows only for grids smaller than the
+GPU, so the other settings here are the paths it takes elsewhere or kept for comparison
+(tools/tune_sm90_backward.py).
 
 Each variant runs in a child process with a time limit: a first TMA reduce-add hung on the
 H100, and a hang must fail this test, not stall the suite. The child compares the variant's
@@ -61,10 +61,9 @@ print(json.dumps(dict(worst=worst)))
 
 @pytest.mark.gpu
 @requires_sm90
-@pytest.mark.parametrize("overrides", [dict(dq_tma_reduce=False), dict(split_rows=True),
-                                       dict(dq_tma_reduce=False, split_rows=True),
-                                       dict(dq_separate=True, dq_tma_reduce=False, q_stages=2),
-                                       dict(dq_separate=False, dq_tma_reduce=True),
+@pytest.mark.parametrize("overrides", [dict(split_rows=True), dict(dq_separate=True),
+                                       dict(dq_separate=False),
+                                       dict(dq_separate=False, split_rows=True),
                                        dict(one_cta_per_sm=True)],
                          ids=lambda o: "+".join(f"{k}={v}" for k, v in o.items()))
 def test_backward_switch_matches_the_dispatched_kernel(overrides):
