@@ -65,12 +65,12 @@ def can_run(q, k, v, *, block_sparse=None, causal=False, window_size=(-1, -1),
 
 
 def _spec_for(q, k, causal, window_size, block_sparse, compress_factor, deterministic,
-              kv_tile_ctas=None):
+              kv_tile_ctas=None, max_seqlen_k=None):
     return choose_backward_spec(
         dtype=str(q.dtype).removeprefix("torch."), head_dim=q.shape[-1], causal=causal,
         window_size=window_size, compress_factor=compress_factor,
         sparse_block_size=block_sparse.col_block_size if block_sparse is not None else None,
-        deterministic=deterministic, kv_tile_ctas=kv_tile_ctas,
+        deterministic=deterministic, kv_tile_ctas=kv_tile_ctas, max_seqlen_k=max_seqlen_k,
         num_sms=_sm_count(q.device),
         lists_span_kv_groups=block_sparse is None or _lists_span_kv_groups(block_sparse, k))
 
@@ -133,7 +133,7 @@ def run(
     kv_tile_ctas = (-(-(max_seqlen_k or 0) // BACKWARD_DENSE_TILE_N) * k.shape[1]
                     * (cu_seqlens_q.numel() - 1))
     spec = _spec_for(q, k, causal, window_size, block_sparse, compress_factor, deterministic,
-                     kv_tile_ctas)
+                     kv_tile_ctas, max_seqlen_k)
     if spec_overrides:
         spec = dataclasses.replace(spec, **spec_overrides)
 

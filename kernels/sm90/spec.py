@@ -373,6 +373,7 @@ class DqSpec:
 
 
 BACKWARD_HEAD_DIMS = (64, 128)
+FUSED_DQ_MIN_KEYS = 4096  # the fused dQ from this longest sequence (keys) on
 BACKWARD_DENSE_TILE_N = 128  # keys per backward CTA without block-sparse lists
 H100_NUM_SMS = 132  # the SM count assumed where no GPU is asked (compile-only dispatch)
 
@@ -381,7 +382,7 @@ def choose_backward_spec(
     *, dtype: str, head_dim: int, causal: bool, window_size: tuple[int, int],
     compress_factor: int = 1, sparse_block_size: int | None = None,
     deterministic: bool = False, kv_tile_ctas: int | None = None,
-    num_sms: int = H100_NUM_SMS,
+    max_seqlen_k: int | None = None, num_sms: int = H100_NUM_SMS,
     lists_span_kv_groups: bool = True,
 ) -> BwdSpec:
     """The backward variant the dispatcher compiles for a call. Head dims above 128 do not fit:
@@ -412,9 +413,15 @@ def choose_backward_spec(
     # 3.10 / 4.07 (a tie once the float32 accumulator is zeroed and converted); compress
     # factor 64 0.53 / 0.47 and 6.14 / 4.04; random 25% 128-key lists 5.20 / 5.84 and
     # 134.6 / 111.0 (the reductions land on query tiles in random order at 64K).
+    # Packed short sequences keep the dQ kernel: a KV tile meets few query tiles there, and
+    # the accumulator's zeroing and conversion cost more than the fused product saves (same
+    # session, 16K tokens in causal sequences of L, fused / two kernels: L = 256-1024
+    # 1.16-1.18x, 2048 1.09x, 4096 0.95x, 8192 0.91x, 16384 0.84x). `max_seqlen_k` None: a
+    # compile-only caller, taken as long.
     has_window = left >= 0 or (right >= 0 and not causal)  # causal makes a right window moot
+    long_keys = max_seqlen_k is None or max_seqlen_k >= FUSED_DQ_MIN_KEYS
     fused_dq = (sparse_block_size is None and compress_factor == 1 and not has_window
-                and not deterministic)
+                and not deterministic and long_keys)
     spec = BwdSpec(
         dtype=dtype, head_dim=head_dim, causal=bool(causal), has_window_left=left >= 0,
         has_window_right=right >= 0 and not causal, block_sparse=sparse_block_size is not None,

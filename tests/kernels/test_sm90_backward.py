@@ -52,6 +52,9 @@ Q_TILE = 128  # the kernels' block-sparse q tile
 PADDED_LENGTHS = (1031, 1031)  # B = 2 sequences of an odd length, in the padded layout
 VARLEN_16 = (1000, 1, 7, 63, 65, 129, 300, 77, 255, 513, 31, 128, 999, 3, 64, 1537)
 VARLEN_ONE = (777,)
+# A sequence past kernels.sm90.spec.FUSED_DQ_MIN_KEYS: the dispatcher fuses dQ (plain causal
+# or full attention) beside short ones.
+VARLEN_LONG = (4500, 1, 300)
 VARLEN_WITH_EMPTY = (5, 0, 129, 63, 0, 1000, 1)  # zero-length sequences among short ones
 # compress_factor 16/64: sequences shorter than the factor have no compressed key at all, and
 # rows < cf - 1 of every sequence see nothing.
@@ -107,6 +110,8 @@ def _dense_cases() -> list[Case]:
                   Case(dtype, dim, PADDED_LENGTHS, 16, causal, padded=True)]
         if causal:
             cases.append(Case(dtype, dim, VARLEN_16, 8, causal))
+    cases += [Case("bf16", 128, VARLEN_LONG, 4, causal=True),
+              Case("fp16", 64, VARLEN_LONG, 8, causal=False)]
     return cases
 
 
@@ -340,6 +345,24 @@ def test_backward_matches_fallback(case: Case):
 
 @requires_sm90
 @pytest.mark.gpu
+@pytest.mark.parametrize("case", _dense_cases() + _varlen_cases(), ids=lambda case: case.id)
+def test_fused_dq_backward_matches_fallback(case: Case, monkeypatch):
+    """The dense and varlen cases again with dQ fused into the KV-centric kernel whatever the
+    sequence length (the dispatcher fuses it from FUSED_DQ_MIN_KEYS keys on): the writer warp,
+    the register-order dQ blocks and their conversion, over GQA 1-16, odd and empty
+    sequences, both head dims and dtypes."""
+    from kernels.sm90 import spec as sm90_spec
+
+    monkeypatch.setattr(sm90_spec, "FUSED_DQ_MIN_KEYS", 1)
+    q, k, v, dout, kwargs = make_inputs(case)
+    assert_backends_are_sm90(q, k, v, kwargs)
+    grads = kernel_gradients(q, k, v, dout, kwargs)
+    torch.cuda.synchronize()
+    assert_gradients_match(grads, reference_gradients(q, k, v, dout, kwargs), case)
+
+
+@requires_sm90
+@pytest.mark.gpu
 @pytest.mark.parametrize("case", DETERMINISTIC_CASES, ids=lambda case: case.id)
 def test_deterministic_backward_is_bitwise_stable(case: Case):
     """deterministic=True: attention_backward on one forward's (out, lse) three times, bit for
@@ -430,6 +453,12 @@ def test_case_list_covers_every_feature():
     assert some(lambda c: not c.padded and len(c.lengths) >= 16, det)
     assert some(lambda c: c.kv_block == 64, det) and some(lambda c: c.kv_block == 128, det)
     assert some(lambda c: c.compress_factor == 64, det)
+    # The fused dQ by dispatch: plain causal and full attention past FUSED_DQ_MIN_KEYS keys.
+    from kernels.sm90.spec import FUSED_DQ_MIN_KEYS
+
+    for causal in (True, False):
+        assert some(lambda c: c.causal == causal and c.kv_block is None and c.compress_factor == 1
+                    and c.window == (-1, -1) and max(c.lengths) >= FUSED_DQ_MIN_KEYS), causal
     assert {case.dim for case in REPEATED_LAUNCH_CASES} == set(HEAD_DIMS)
     assert {case.kv_block for case in REPEATED_LAUNCH_CASES} == {64, 128}
     assert ids[0] == "bf16-d64-causal-g1-padded2x1031"

@@ -12,7 +12,7 @@ import cutlass  # noqa: F401  (a broken CuTe DSL install must fail here, not ski
 
 from kernels.sm90.compile import (compile_backward_kernel_on_fake_tensors,
                                   compile_backward_on_fake_tensors, compile_dq_on_fake_tensors)
-from kernels.sm90.spec import BwdSpec, choose_backward_spec, dq_spec_for
+from kernels.sm90.spec import FUSED_DQ_MIN_KEYS, BwdSpec, choose_backward_spec, dq_spec_for
 from test_sm90_compile import CALLS
 
 
@@ -22,11 +22,12 @@ GRID_SIZES = {"few-kv-tiles": 16, "many-kv-tiles": 1024}
 
 
 def _backward_spec(dtype, head_dim, call, deterministic=False, grid="many-kv-tiles") -> BwdSpec:
-    causal, window, cf, sparse, _, _ = CALLS[call]
+    causal, window, cf, sparse, _, max_seqlen = CALLS[call]
     return choose_backward_spec(dtype=dtype, head_dim=head_dim, causal=causal,
                                 window_size=window, compress_factor=cf,
                                 sparse_block_size=sparse, deterministic=deterministic,
-                                kv_tile_ctas=GRID_SIZES[grid])
+                                kv_tile_ctas=GRID_SIZES[grid],
+                                max_seqlen_k=max_seqlen)
 
 
 def _distinct_calls():
@@ -129,12 +130,16 @@ def test_backward_dispatch_takes_the_list_block_as_the_key_tile():
 
 def test_backward_dispatch_fuses_dq_only_for_plain_causal_or_full_attention():
     """dQ fused into the KV-centric kernel with the writer warp (session 17, H100: faster on
-    dense causal) where no window, compress factor or list applies, in the fast mode; every
-    other call, and the deterministic mode, keeps the query-centric dQ kernel (the KV-centric
-    kernel then needs no dQ staging and keeps two CTAs per SM at 64-key tiles)."""
+    dense causal from 4096-key sequences on) where no window, compress factor or list applies,
+    in the fast mode; every other call (packed short sequences too), and the deterministic
+    mode, keeps the query-centric dQ kernel (the KV-centric kernel then needs no dQ staging
+    and keeps two CTAs per SM at 64-key tiles)."""
     for call in _distinct_calls():
         causal, window, cf, sparse, _, _ = CALLS[call.split("/")[0]]
-        plain = sparse is None and cf == 1 and window[0] < 0 and (causal or window[1] < 0)
+        max_seqlen_k = CALLS[call.split("/")[0]][5]
+        long_keys = max_seqlen_k is None or max_seqlen_k >= FUSED_DQ_MIN_KEYS
+        plain = (sparse is None and cf == 1 and window[0] < 0 and (causal or window[1] < 0)
+                 and long_keys)
         for head_dim in (64, 128):
             for deterministic in (False, True):
                 spec = _spec_of("bfloat16", head_dim, call, deterministic)
