@@ -1,10 +1,12 @@
 """One small sm90 backward call per dispatched path, sized for compute-sanitizer.
 
 Runs, on an sm_90 GPU: dense causal GQA varlen (with a one-row sequence and a 129-row one), a
-causal window, compress_factor 64 (split rows), each fast and deterministic, and 64-key
-block-sparse lists (split lists); asserts the gradients are finite. Each call launches the
-three backward kernels (row statistics, the KV-centric kernel, the dQ kernel), whose names all
-contain "Backward", so the filter below instruments every one of them. Meant as the program
+causal window, compress_factor 64 (split rows), each fast and deterministic, the dense case
+also with dQ fused into the KV-centric kernel (the writer warp and the accumulator's
+conversion; dispatched from 4096-key sequences on), and 64-key block-sparse lists (split
+lists); asserts the gradients are finite. Each call launches three backward kernels (row
+statistics, the KV-centric kernel, and the dQ kernel or the fused dQ's conversion), whose
+names all contain "Backward", so the filter below instruments every one of them. Meant as the program
 under compute-sanitizer (FINDINGS, session 11):
 
     compute-sanitizer --tool racecheck --kernel-name kns=Backward \\
@@ -52,9 +54,12 @@ def run_cases(head_dim: int = 128) -> None:
         kwargs = dict(cu_seqlens_q=cu(lengths), cu_seqlens_k=cu(keys),
                       max_seqlen_q=max(lengths), max_seqlen_k=max(keys), **options)
         out, lse = attention_forward(q, k, v, **kwargs)
-        for deterministic in (False, True):
-            grads = backward.run(dout, q, k, v, out, lse, deterministic=deterministic, **kwargs)
-            assert all(torch.isfinite(g).all() for g in grads), (lengths, options)
+        runs = [dict(deterministic=False), dict(deterministic=True)]
+        if options == dict(causal=True):  # plain causal: the fused dQ too
+            runs.append(dict(spec_overrides=dict(dq_separate=False)))
+        for run in runs:
+            grads = backward.run(dout, q, k, v, out, lse, **run, **kwargs)
+            assert all(torch.isfinite(g).all() for g in grads), (lengths, options, run)
     n = 1024
     lists = block_sparse_case(n, 4, 0.25, 64)[0]
     q, dout = randn(1, n, 4, head_dim), randn(1, n, 4, head_dim)

@@ -243,9 +243,9 @@ def fake_preprocess_arguments(spec):
 
 def compiled_dq_convert(spec, example_args, tvm_ffi: bool = False):
     """The fused backward's dQ conversion kernel for `spec` (`compiled_once`)."""
-    from kernels.sm90.dq_convert import DqConvert
+    from kernels.sm90.dq_convert import BackwardDqConvert
 
-    return compiled_once(DqConvert, spec, example_args, tvm_ffi)
+    return compiled_once(BackwardDqConvert, spec, example_args, tvm_ffi)
 
 
 def fake_dq_convert_arguments(spec):
@@ -262,9 +262,10 @@ def fake_dq_convert_arguments(spec):
 @functools.lru_cache(maxsize=None)
 def compile_dq_convert_on_fake_tensors(spec):
     """Compile the dQ conversion kernel for sm_90a without a GPU (CUTE_DSL_ARCH=sm_90a)."""
-    from kernels.sm90.dq_convert import DqConvert
+    from kernels.sm90.dq_convert import BackwardDqConvert
 
-    return cute.compile(DqConvert(spec), *fake_dq_convert_arguments(spec), make_fake_stream())
+    return cute.compile(BackwardDqConvert(spec), *fake_dq_convert_arguments(spec),
+                        make_fake_stream())
 
 
 @functools.lru_cache(maxsize=None)

@@ -31,14 +31,14 @@ _ROWS = 64
 
 @dataclass(frozen=True)
 class DqConvertSpec:
-    """The compile key of `DqConvert`."""
+    """The compile key of `BackwardDqConvert`."""
     dtype: str        # "bfloat16" | "float16": dq's type
     head_dim: int     # 64 | 128
     block_cols: int   # columns of one warpgroup's block (`BwdSpec.dq_cols_per_warpgroup`)
     accumulate: bool  # add into dq's values instead of overwriting them
 
 
-class DqConvert:
+class BackwardDqConvert:
     def __init__(self, spec: DqConvertSpec):
         self.spec = spec
         self.dtype = CUTLASS_DTYPES[spec.dtype]
