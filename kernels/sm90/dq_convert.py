@@ -5,9 +5,12 @@ the values a given dq holds (nsa()'s running dq).
 
 Each 64-row tile holds D / cols blocks of 64 x cols values in the register order of the
 backward's dQ product (kernels/sm90/dq_accumulator.py): a CTA of 128 threads takes one tile
-of one head, and thread t reads thread t's values of each block (eight 16-byte loads, a warp's
-load one contiguous 512-byte run) and writes them where the same wgmma fragment puts them,
-two adjacent columns per 32-bit store.
+of one head; thread t reads thread t's values of each block (eight 16-byte loads, a warp's
+load one contiguous 512-byte run) and puts them, scaled, where the same wgmma fragment puts
+them in a float32 smem tile (rows padded by 8 floats: conflict-free 8-byte stores); then the
+threads store the tile's rows with 16-byte smem loads and contiguous 8-byte global stores.
+Storing the pairs straight to global memory, 8 rows per warp store, took 0.37 ms at 16K
+tokens, H=32, D=128 against 0.14 ms for a row-order accumulator (H100, session 17).
 """
 from __future__ import annotations
 
@@ -27,6 +30,8 @@ from kernels.sm90.layouts import with_row_strides_divisible
 
 _THREADS = 128
 _ROWS = 64
+_PAD = 8  # floats after each smem row
+_VECTOR = 4  # floats per 16-byte smem load in the row pass
 
 
 @dataclass(frozen=True)
@@ -55,10 +60,11 @@ class BackwardDqConvert:
         stream: cuda.CUstream,
     ):
         mdQacc = with_row_strides_divisible(mdQacc, 4)  # proves the 16-byte loads aligned
-        mdQ = with_row_strides_divisible(mdQ, 2)        # and the 32-bit stores
+        mdQ = with_row_strides_divisible(mdQ, _VECTOR)  # and the 8-byte stores
         self.kernel(mdQacc, mTileOffsets, mCuSeqlens, mdQ, scale).launch(
             grid=(cute.size(mdQacc.shape[1]) // _ROWS, cute.size(mdQacc.shape[0]), 1),
-            block=[_THREADS, 1, 1], stream=stream)
+            block=[_THREADS, 1, 1], smem=4 * _ROWS * (self.spec.head_dim + _PAD) + 16,
+            stream=stream)
 
     @cute.kernel
     def kernel(self, mdQacc: cute.Tensor, mTileOffsets: cute.Tensor, mCuSeqlens: cute.Tensor,
@@ -84,6 +90,10 @@ class BackwardDqConvert:
                 warpgroup.OperandMajorMode.MN, Float32, (1, 1, 1), (_ROWS, cols)).get_slice(tidx)
             coord = thr.partition_C(cute.make_identity_tensor((_ROWS, cols)))
             num_values = cute.size(coord)
+            smem = cutlass.utils.SmemAllocator()
+            sTile = smem.allocate_tensor(Float32, cute.make_layout(
+                (_ROWS, self.spec.head_dim), stride=(self.spec.head_dim + _PAD, 1)),
+                byte_alignment=16)
             tile_start = mdQacc[head, tile * _ROWS, None].iterator
             for b in cutlass.range_constexpr(self.blocks):
                 block = cute.make_tensor(tile_start + b * _ROWS * cols,
@@ -92,15 +102,27 @@ class BackwardDqConvert:
                 cute.autovec_copy(block[None, tidx], values)
                 for v in cutlass.range_constexpr(0, num_values, 2):  # adjacent column pairs
                     row, col = coord[v]
-                    if row < rows:
-                        g_pair = cute.local_tile(
-                            mdQ[first_row + row, head, None], (2,), ((b * cols + col) // 2,))
-                        pair = cute.make_rmem_tensor(cute.make_layout(2), Float32)
-                        pair[0] = values[v] * scale
-                        pair[1] = values[v + 1] * scale
-                        out = cute.make_rmem_tensor(cute.make_layout(2), self.dtype)
-                        if cutlass.const_expr(self.spec.accumulate):
-                            cute.autovec_copy(g_pair, out)
-                            pair.store(pair.load() + out.load().to(Float32))
-                        out.store(pair.load().to(self.dtype))
-                        cute.autovec_copy(out, g_pair)
+                    pair = cute.make_rmem_tensor(cute.make_layout(2), Float32)
+                    pair[0] = values[v] * scale
+                    pair[1] = values[v + 1] * scale
+                    cute.autovec_copy(pair, cute.local_tile(sTile[row, None], (2,),
+                                                            ((b * cols + col) // 2,)))
+            cute.arch.sync_threads()
+            chunks_per_row = self.spec.head_dim // _VECTOR
+            for p in cutlass.range_constexpr(_ROWS * chunks_per_row // _THREADS):
+                chunk = p * _THREADS + tidx
+                row = chunk // chunks_per_row
+                if row < rows:
+                    part = chunk % chunks_per_row
+                    r_tile = cute.make_rmem_tensor(cute.make_layout(_VECTOR), Float32)
+                    cute.autovec_copy(cute.local_tile(sTile[row, None], (_VECTOR,), (part,)),
+                                      r_tile)
+                    g_out = cute.local_tile(mdQ[first_row + row, head, None], (_VECTOR,),
+                                            (part,))
+                    out = cute.make_rmem_tensor(cute.make_layout(_VECTOR), self.dtype)
+                    summed = r_tile.load()
+                    if cutlass.const_expr(self.spec.accumulate):
+                        cute.autovec_copy(g_out, out)
+                        summed = summed + out.load().to(Float32)
+                    out.store(summed.to(self.dtype))
+                    cute.autovec_copy(out, g_out)
