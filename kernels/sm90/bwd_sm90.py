@@ -313,7 +313,7 @@ class FlashAttentionBackwardSm90:
                     tidx - _WARPGROUP, walk, kv_consumer, q_consumer, do_consumer,
                     tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, sQ, sdO, sK, sV, sdS, sLSE,
                     sDPsum, dq_accumulator, mdK, mdV, softmax_scale, scale_log2, block_range,
-                    n_block, head_kv, batch, offset_k, seqlen_q, seqlen_k)
+                    n_block, head_kv, offset_k, seqlen_q, seqlen_k)
 
     @cute.jit
     def walk_steps(
@@ -435,7 +435,7 @@ class FlashAttentionBackwardSm90:
         tiled_mma_sdp: cute.TiledMma, tiled_mma_dkv: cute.TiledMma, tiled_mma_dq: cute.TiledMma,
         sQ, sdO, sK, sV, sdS, sLSE, sDPsum, dq_accumulator: Optional[DqAccumulator], mdK, mdV,
         softmax_scale: Float32, scale_log2: Float32, block_range: BlockRange, n_block: Int32,
-        head_kv: Int32, batch: Int32, offset_k: Int32, seqlen_q: Int32, seqlen_k: Int32,
+        head_kv: Int32, offset_k: Int32, seqlen_q: Int32, seqlen_k: Int32,
     ):
         """The consumer warpgroups' whole CTA: every step, then dK and dV."""
         thr_sdp = tiled_mma_sdp.get_slice(tidx)
