@@ -6,8 +6,8 @@ also with dQ fused into the KV-centric kernel (the writer warp and the accumulat
 conversion; dispatched from 4096-key sequences on), and 64-key block-sparse lists (split
 lists); asserts the gradients are finite. Each call launches three backward kernels (row
 statistics, the KV-centric kernel, and the dQ kernel or the fused dQ's conversion), whose
-names all contain "Backward", so the filter below instruments every one of them. Meant as the program
-under compute-sanitizer (FINDINGS, session 11):
+names all contain "Backward", so the filter below instruments every one of them. Meant as the
+program under compute-sanitizer (FINDINGS, session 11):
 
     compute-sanitizer --tool racecheck --kernel-name kns=Backward \\
         python3 tools/sanitize_sm90_backward.py

@@ -7,6 +7,7 @@ argument, so one compiled kernel serves every sequence length and batch.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 
@@ -406,6 +407,17 @@ def choose_backward_spec(
     left, right = int(window_size[0]), int(window_size[1])
     tile_n = sparse_block_size if sparse_block_size is not None else BACKWARD_DENSE_TILE_N
     q_stages = 2
+    spec = BwdSpec(
+        dtype=dtype, head_dim=head_dim, causal=bool(causal), has_window_left=left >= 0,
+        has_window_right=right >= 0 and not causal, block_sparse=sparse_block_size is not None,
+        compressed=compress_factor != 1, deterministic=bool(deterministic), tile_n=tile_n,
+        q_stages=q_stages,
+        # NSA lists block 0 in every query tile: one work unit per KV block would run N/128
+        # tiles where the average runs ~8. Split lists into chunks (not in deterministic mode,
+        # whose dK/dV must not depend on the order of float32 partial sums).
+        split_lists=sparse_block_size is not None and not deterministic and lists_span_kv_groups,
+        split_rows=(sparse_block_size is None and not deterministic and kv_tile_ctas is not None
+                    and kv_tile_ctas < num_sms))
     # dQ fused into this kernel (FA3/FA4's order and dQ writer warp, `fuses_dq`) where
     # every query tile meets many KV tiles in order: plain causal or full attention. H100,
     # session 17, torch.profiler device time of the kernels alone (fused / KV-centric + dQ):
@@ -418,29 +430,18 @@ def choose_backward_spec(
     # session, 16K tokens in causal sequences of L, fused / two kernels: L = 256-1024
     # 1.16-1.18x, 2048 1.09x, 4096 0.95x, 8192 0.91x, 16384 0.84x). `max_seqlen_k` None: a
     # compile-only caller, taken as long.
-    has_window = left >= 0 or (right >= 0 and not causal)  # causal makes a right window moot
+    # Elsewhere dQ comes from the query-centric kernel: recomputing S and dP once more per
+    # query tile cost less than the fused dQ's reductions, Q/dO reloads and accumulator
+    # conversion (H100, session 12, the fused dQ before the writer warp vs `dq own kernel`):
+    # random 64-key lists like NSA's selected branch 16K 7.25 -> 3.40 ms, 64K 29.1 -> 13.1;
+    # compress factor 64 16K 2.26 -> 1.40, 64K 13.0 -> 7.5; causal window 512 16K 2.60 ->
+    # 1.93. The deterministic mode takes it everywhere (it sums dQ in registers, in a fixed
+    # order; `can_fuse_dq`).
+    plain = not (spec.block_sparse or spec.compressed or spec.has_window_left
+                 or spec.has_window_right)
     long_keys = max_seqlen_k is None or max_seqlen_k >= FUSED_DQ_MIN_KEYS
-    fused_dq = (sparse_block_size is None and compress_factor == 1 and not has_window
-                and not deterministic and long_keys)
-    spec = BwdSpec(
-        dtype=dtype, head_dim=head_dim, causal=bool(causal), has_window_left=left >= 0,
-        has_window_right=right >= 0 and not causal, block_sparse=sparse_block_size is not None,
-        compressed=compress_factor != 1, deterministic=bool(deterministic), tile_n=tile_n,
-        q_stages=q_stages,
-        # NSA lists block 0 in every query tile: one work unit per KV block would run N/128
-        # tiles where the average runs ~8. Split lists into chunks (not in deterministic mode,
-        # whose dK/dV must not depend on the order of float32 partial sums).
-        split_lists=sparse_block_size is not None and not deterministic and lists_span_kv_groups,
-        split_rows=(sparse_block_size is None and not deterministic and kv_tile_ctas is not None
-                    and kv_tile_ctas < num_sms),
-        # Elsewhere dQ comes from the query-centric kernel: recomputing S and dP once more
-        # per query tile cost less than the fused dQ's reductions, Q/dO reloads and
-        # accumulator conversion (H100, session 12, the fused dQ before the writer warp vs
-        # `dq own kernel`): random 64-key lists like NSA's selected branch 16K 7.25 -> 3.40
-        # ms, 64K 29.1 -> 13.1; compress factor 64 16K 2.26 -> 1.40, 64K 13.0 -> 7.5; causal
-        # window 512 16K 2.60 -> 1.93. The deterministic mode takes it everywhere (it sums
-        # dQ in registers, in a fixed order).
-        dq_separate=not fused_dq)
+    if plain and long_keys and spec.can_fuse_dq:
+        spec = dataclasses.replace(spec, dq_separate=False)
     if not spec.fits_in_smem():
         raise ValueError(f"no sm90 backward variant for head_dim {head_dim} with {tile_n}-key "
                          f"tiles fits shared memory ({spec.smem_bytes} bytes)")
