@@ -42,7 +42,7 @@ from kernels.sm90.block_range import BlockRange
 from kernels.sm90.layouts import (acc_as_a_operand_layout, acc_mn_view, transposed,
                                   with_row_strides_divisible)
 from kernels.sm90.mask import apply_mask
-from kernels.sm90.mma import gemm
+from kernels.sm90.mma import gemm, warpgroup_slice
 from kernels.sm90.pipelines import load_seq_tile, smem_buffer, stage_index, tma_pipeline
 from kernels.sm90.register_store import store_rows_from_registers
 from kernels.sm90.spec import DqSpec
@@ -269,11 +269,13 @@ class DqBackwardSm90:
         """The consumer warpgroups' whole CTA: every visited KV tile, then dQ."""
         thr_sdp = tiled_mma_sdp.get_slice(tidx)
         thr_dq = tiled_mma_dq.get_slice(tidx)
-        tSrQ = thr_sdp.make_fragment_A(thr_sdp.partition_A(sQ))
-        tSrdO = thr_sdp.make_fragment_A(thr_sdp.partition_A(sdO))
-        tSrK = thr_sdp.make_fragment_B(thr_sdp.partition_B(sK))
-        tSrV = thr_sdp.make_fragment_B(thr_sdp.partition_B(sV))
-        tdQrK = thr_dq.make_fragment_B(thr_dq.partition_B(transposed(sK)))
+        wg_sdp, wg_dq = (warpgroup_slice(mma, tidx)  # smem operands (uniform descriptors)
+                         for mma in (tiled_mma_sdp, tiled_mma_dq))
+        tSrQ = wg_sdp.make_fragment_A(wg_sdp.partition_A(sQ))
+        tSrdO = wg_sdp.make_fragment_A(wg_sdp.partition_A(sdO))
+        tSrK = wg_sdp.make_fragment_B(wg_sdp.partition_B(sK))
+        tSrV = wg_sdp.make_fragment_B(wg_sdp.partition_B(sV))
+        tdQrK = wg_dq.make_fragment_B(wg_dq.partition_B(transposed(sK)))
 
         acc_s = thr_sdp.make_fragment_C(thr_sdp.partition_shape_C((self.tile_m, self.tile_n)))
         acc_dp = thr_sdp.make_fragment_C(thr_sdp.partition_shape_C((self.tile_m, self.tile_n)))

@@ -46,7 +46,7 @@ from kernels.sm90.dq_accumulator import DqAccumulator
 from kernels.sm90.layouts import (acc_as_a_operand_layout, acc_mn_view, transposed,
                                   with_row_strides_divisible)
 from kernels.sm90.mask import apply_mask_keys_as_rows
-from kernels.sm90.mma import gemm
+from kernels.sm90.mma import gemm, warpgroup_slice
 from kernels.sm90.pipelines import load_seq_tile, smem_buffer, stage_index, tma_pipeline
 from kernels.sm90.register_store import store_rows_from_registers
 from kernels.sm90.spec import BwdSpec
@@ -441,16 +441,18 @@ class FlashAttentionBackwardSm90:
         thr_sdp = tiled_mma_sdp.get_slice(tidx)
         thr_dkv = tiled_mma_dkv.get_slice(tidx)
         thr_dq = tiled_mma_dq.get_slice(tidx)
-        tSrK = thr_sdp.make_fragment_A(thr_sdp.partition_A(sK))
-        tSrV = thr_sdp.make_fragment_A(thr_sdp.partition_A(sV))
-        tSrQ = thr_sdp.make_fragment_B(thr_sdp.partition_B(sQ))
-        tSrdO = thr_sdp.make_fragment_B(thr_sdp.partition_B(sdO))
-        tdKrQ = thr_dkv.make_fragment_B(thr_dkv.partition_B(transposed(sQ)))
-        tdVrdO = thr_dkv.make_fragment_B(thr_dkv.partition_B(transposed(sdO)))
+        wg_sdp, wg_dkv, wg_dq = (warpgroup_slice(mma, tidx)  # smem operands (uniform)
+                                 for mma in (tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq))
+        tSrK = wg_sdp.make_fragment_A(wg_sdp.partition_A(sK))
+        tSrV = wg_sdp.make_fragment_A(wg_sdp.partition_A(sV))
+        tSrQ = wg_sdp.make_fragment_B(wg_sdp.partition_B(sQ))
+        tSrdO = wg_sdp.make_fragment_B(wg_sdp.partition_B(sdO))
+        tdKrQ = wg_dkv.make_fragment_B(wg_dkv.partition_B(transposed(sQ)))
+        tdVrdO = wg_dkv.make_fragment_B(wg_dkv.partition_B(transposed(sdO)))
         tdQrdS, tdQrK, t_sdS, t_rdS, ds_store_atom = None, None, None, None, None
         if const_expr(self.spec.fuses_dq):
-            tdQrdS = thr_dq.make_fragment_A(thr_dq.partition_A(sdS))  # (..., dS stage)
-            tdQrK = thr_dq.make_fragment_B(thr_dq.partition_B(transposed(sK)))  # K head-dim-major
+            tdQrdS = wg_dq.make_fragment_A(wg_dq.partition_A(sdS))  # (..., dS stage)
+            tdQrK = wg_dq.make_fragment_B(wg_dq.partition_B(transposed(sK)))  # K head-dim-major
             # dS^T from registers into sdS (rows x keys) with stmatrix.trans: 4 instructions
             # per thread instead of 32 16-bit stores (ncu, H100, session 17).
             ds_store_atom = cute.make_copy_atom(

@@ -41,7 +41,7 @@ from kernels.sm90.layouts import (
     acc_as_a_operand_layout, acc_columns, acc_mn_view, with_row_strides_divisible,
 )
 from kernels.sm90.mask import apply_mask
-from kernels.sm90.mma import gemm
+from kernels.sm90.mma import gemm, warpgroup_slice
 from kernels.sm90.overlap_tiles import OverlapTiles
 from kernels.sm90.pipelines import smem_buffer, stage_index, tma_pipeline
 from kernels.sm90.softmax import rescale_rows, softmax_finalize, softmax_init, softmax_step
@@ -610,9 +610,10 @@ class FlashAttentionForwardSm90(OverlapTiles):
         (thr_qk, thr_pv, Q, K, V)."""
         thr_qk = tiled_mma_qk.get_slice(tidx)
         thr_pv = tiled_mma_pv.get_slice(tidx)
-        return (thr_qk, thr_pv, thr_qk.make_fragment_A(thr_qk.partition_A(sQ)),
-                thr_qk.make_fragment_B(thr_qk.partition_B(sK)),
-                thr_pv.make_fragment_B(thr_pv.partition_B(sV)))
+        wg_qk, wg_pv = warpgroup_slice(tiled_mma_qk, tidx), warpgroup_slice(tiled_mma_pv, tidx)
+        return (thr_qk, thr_pv, wg_qk.make_fragment_A(wg_qk.partition_A(sQ)),
+                wg_qk.make_fragment_B(wg_qk.partition_B(sK)),
+                wg_pv.make_fragment_B(wg_pv.partition_B(sV)))
 
     @cute.jit
     def last_pv(self, tidx: Int32, v_consumer, tiled_mma_pv: cute.TiledMma, acc_o, r_p, tOrV,
@@ -843,7 +844,7 @@ class FlashAttentionForwardSm90(OverlapTiles):
                 self.dtype, self.dtype, warpgroup.OperandMajorMode.K,
                 warpgroup.OperandMajorMode.K, Float32, (self.num_consumer_warpgroups, 1, 1),
                 (64, piece))
-            thr = mma.get_slice(tidx)
+            thr = warpgroup_slice(mma, tidx)
             t_a = thr.make_fragment_A(thr.partition_A(sQ))[None, None, None, q_stage]
             # The keys [start, start + piece) of the K stage, as a piece-row tile.
             sK_piece = cute.flat_divide(sK, (piece,))[None, start // piece, None, None]
