@@ -32,7 +32,8 @@ from kernels.sm90.spec import (BACKWARD_DENSE_TILE_N, H100_NUM_SMS, choose_backw
                                dq_spec_for)
 
 SUPPORTED_HEAD_DIMS = (64, 128)
-STEP_ROWS = 64          # query rows per backward step (BwdSpec.tile_m)
+SLOT_ROWS = 64          # rows per query tile of the row statistics' and dQ accumulator's
+                        # layout (`QueryTiles`); a backward step is one or two of them
 DQ_TILE_ROWS = 128      # query rows per CTA of the query-centric dQ kernel (DqSpec.tile_m)
 LIST_Q_TILE = 128       # block-sparse lists name query tiles of this many rows
 SPARSE_KV_BLOCKS = (64, 128)
@@ -171,7 +172,7 @@ def run(
         num_ctas = -(-max_seqlen_k // spec.tile_n)
         row_splits = 1
         if spec.split_rows:  # dense only: num_ctas KV tiles of BACKWARD_DENSE_TILE_N keys
-            row_splits = _row_splits(kv_tile_ctas, -(-max_seqlen_q // STEP_ROWS), q.device)
+            row_splits = _row_splits(kv_tile_ctas, -(-max_seqlen_q // spec.tile_m), q.device)
         if spec.block_sparse:
             csr = block_sparse_transposed
             if csr is None:
@@ -230,13 +231,13 @@ class QueryTiles:
         device = cu_seqlens_q.device
         cu = cu_seqlens_q.to(torch.int64)
         num_seqs = cu.numel() - 1
-        tiles = (cu.diff() + STEP_ROWS - 1) // STEP_ROWS
+        tiles = (cu.diff() + SLOT_ROWS - 1) // SLOT_ROWS
         self.tile_offsets = torch.cat([cu.new_zeros(1), tiles.cumsum(0)]).to(torch.int32)
         self.cu_seqlens = cu.to(torch.int32)
-        self.num_slots = STEP_ROWS * (total_q // STEP_ROWS + num_seqs)
+        self.num_slots = SLOT_ROWS * (total_q // SLOT_ROWS + num_seqs)
         rows = torch.arange(total_q, device=device)
         sequence = torch.searchsorted(cu[1:], rows, right=True)
-        self.slot = STEP_ROWS * self.tile_offsets[sequence].to(torch.int64) + rows - cu[sequence]
+        self.slot = SLOT_ROWS * self.tile_offsets[sequence].to(torch.int64) + rows - cu[sequence]
         self.slot32 = self.slot.to(torch.int32)  # < 2**31: kernels.validate checks the slots
 
     def row_statistics(self, dout, out, lse, dout_dot_out=None):
@@ -293,13 +294,13 @@ def _rows_from_fragment_order(dq_acc: torch.Tensor, block_cols: int) -> torch.Te
     v % 4 of its block (kernels/sm90/dq_accumulator.py); the fragment puts it at row
     16 (t // 32) + (t % 32) // 4 + 8 ((v // 2) % 2), column 8 (v // 4) + 2 (t % 4) + v % 2."""
     heads, slots, dim = dq_acc.shape
-    f = torch.arange(STEP_ROWS * block_cols)
+    f = torch.arange(SLOT_ROWS * block_cols)
     t, v = (f // 4) % 128, (f // 512) * 4 + f % 4
     row = 16 * (t // 32) + (t % 32) // 4 + 8 * ((v // 2) % 2)
     col = 8 * (v // 4) + 2 * (t % 4) + v % 2
-    blocks = dq_acc.reshape(heads, slots // STEP_ROWS, dim // block_cols, STEP_ROWS * block_cols)
-    natural = torch.empty_like(blocks).view(heads, slots // STEP_ROWS, dim // block_cols,
-                                            STEP_ROWS, block_cols)
+    blocks = dq_acc.reshape(heads, slots // SLOT_ROWS, dim // block_cols, SLOT_ROWS * block_cols)
+    natural = torch.empty_like(blocks).view(heads, slots // SLOT_ROWS, dim // block_cols,
+                                            SLOT_ROWS, block_cols)
     natural[..., row, col] = blocks
     return natural.permute(0, 1, 3, 2, 4).reshape(heads, slots, dim)
 

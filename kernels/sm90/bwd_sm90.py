@@ -6,7 +6,7 @@ varlen, GQA. Structure:
 
 - CTA = one KV tile (`tile_n` keys: 64 per consumer warpgroup) of one KV head of one sequence,
   launched as grid (KV tiles, Hkv, sequences). It walks every query head of the KV head's group
-  and, per head, the 64-row query tiles that see its keys (a range cut by causal x compress
+  and, per head, the query steps (64 rows, or 128 at head dim 64) that see its keys (a range cut by causal x compress
   factor and the window, or the transposed block-sparse list), so dK and dV are summed over the
   group in registers and written once, in the input type: no atomics and no float32 buffers
   for them (FA4 turns GQA packing off in its backward and pays for float32 dK/dV instead).
@@ -65,7 +65,9 @@ class FlashAttentionBackwardSm90:
         self.spec = spec
         self.dtype = CUTLASS_DTYPES[spec.dtype]
         self.tile_m, self.tile_n, self.head_dim = spec.tile_m, spec.tile_n, spec.head_dim
-        assert self.tile_m == 64 and self.tile_n in (64, 128)
+        # 128-row steps: each consumer warpgroup's dQ rows are one 64-row accumulator tile.
+        assert self.tile_n in (64, 128) and self.tile_m in (64, 128)
+        assert self.tile_m == 64 or self.tile_m == 64 * spec.num_consumer_warpgroups
         assert spec.fits_in_smem(), f"{spec} needs {spec.smem_bytes} bytes of shared memory"
         # Float32 partial sums of dK/dV land in any order; split lists walk lists, split rows
         # a query-tile range.
@@ -131,10 +133,12 @@ class FlashAttentionBackwardSm90:
         tiled_mma_dkv = sm90_utils.make_trivial_tiled_mma(
             dtype, dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN,
             Float32, (self.num_wg, 1, 1), (64, d), warpgroup.OperandSource.RMEM)
-        # dQ = dS K: the warpgroups split the pass's columns.
+        # dQ = dS K: the warpgroups split the step's rows (128-row steps) or its columns.
+        dq_atoms = (self.num_wg, 1, 1) if const_expr(self.spec.dq_rows_per_warpgroup) else (
+            1, self.num_wg, 1)
         tiled_mma_dq = sm90_utils.make_trivial_tiled_mma(
             dtype, dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN,
-            Float32, (1, self.num_wg, 1), (64, self.dq_cols_per_wg))
+            Float32, dq_atoms, (64, self.dq_cols_per_wg))
 
         row_major = utils.LayoutEnum.ROW_MAJOR
         sQ_layout = sm90_utils.make_smem_layout_a(row_major, (tm, tn, d), dtype,
@@ -155,7 +159,7 @@ class FlashAttentionBackwardSm90:
                                                                 (tm,))
         # The fused dQ: each warpgroup's 64 x dq_cols float32 block, staged flat in register
         # order (kernels/sm90/dq_accumulator.py).
-        sdQ_layout = cute.make_layout((tm * self.dq_cols_per_wg, self.num_wg))
+        sdQ_layout = cute.make_layout((64 * self.dq_cols_per_wg, self.num_wg))
         self.q_bytes = cute.size_in_bytes(dtype, sQ_one) + tm * 4
         self.kv_bytes = 2 * cute.size_in_bytes(dtype, sK_one)
         self.shared_storage = self.shared_storage_struct(sQ_layout, sK_layout, sdS_layout,
@@ -265,8 +269,9 @@ class FlashAttentionBackwardSm90:
         sdS, dq_accumulator = None, None
         if const_expr(spec.fuses_dq):
             sdS = storage.sdS.get_tensor(sdS_layout.outer, swizzle=sdS_layout.inner)
-            dq_accumulator = DqAccumulator(self.tile_m, self.dq_cols_per_wg, self.num_wg,
-                                           mdQacc, storage.sdQ.get_tensor(sdQ_layout))
+            dq_accumulator = DqAccumulator(self.dq_cols_per_wg, self.num_wg,
+                                           spec.dq_rows_per_warpgroup, mdQacc,
+                                           storage.sdQ.get_tensor(sdQ_layout))
         rows_by_stage = cute.make_layout((self.tile_m, spec.q_stages))
         sLSE = storage.sLSE.get_tensor(rows_by_stage)
         sDPsum = storage.sDPsum.get_tensor(rows_by_stage)
@@ -304,7 +309,7 @@ class FlashAttentionBackwardSm90:
                 if const_expr(spec.fuses_dq):
                     if warp_idx == 1:  # the dQ writer
                         write = partial(self.write_dq_step, dq_accumulator=dq_accumulator,
-                                        q_tile_offset=q_tile_offset)
+                                        q_tile_offset=q_tile_offset, seqlen_q=seqlen_q)
                         walk(write, (Int32(0),))
                         dq_accumulator.finish()
             else:
@@ -323,7 +328,7 @@ class FlashAttentionBackwardSm90:
         entry_lo: Int32, entry_hi: Int32, split: Int32, row_splits: Int32,
     ):
         """Run step_fn(head, m_block, mask, needs_mask, *state) -> state over the (query head,
-        64-row query tile) pairs that see this CTA's KV tile, heads of the group outermost.
+        query step) pairs that see this CTA's KV tile, heads of the group outermost.
         `mask` is the step's compile-time mask kind: None, "causal_window", or "if_needed"
         (the causal/window mask where the runtime `needs_mask` says so). The
         producer warp and the consumer warpgroups both walk through here, so they agree on
@@ -387,26 +392,33 @@ class FlashAttentionBackwardSm90:
         for entry in cutlass.range(entry_lo, entry_hi, unroll=1):
             q_tile = mListIndex[entry]
             needs_mask = full_needs_mask | (entry - start < num_mask)
-            # The lists name 128-row query tiles: two 64-row steps each, the second only if
-            # the sequence reaches it.
-            for half in cutlass.range_constexpr(2):
-                m_block = q_tile * 2 + half
+            # The lists name 128-row query tiles: one step, or two 64-row steps (the second
+            # only if the sequence reaches it).
+            steps = 128 // self.tile_m
+            for half in cutlass.range_constexpr(steps):
+                m_block = q_tile * steps + half
                 if m_block * self.tile_m < seqlen_q:
                     state = step_fn(head, m_block, "if_needed", needs_mask, *state)
         return state
 
     @cute.jit
     def write_dq_step(self, head: Int32, m_block: Int32, mask: cutlass.Constexpr, needs_mask,
-                      steps: Int32, dq_accumulator: DqAccumulator, q_tile_offset: Int32):
+                      steps: Int32, dq_accumulator: DqAccumulator, q_tile_offset: Int32,
+                      seqlen_q: Int32):
         """The dQ writer warp's step (`fuses_dq`): add the consumers' staged dQ blocks
         of (head, m_block) into the float32 accumulator."""
-        dq_accumulator.write_step(head, q_tile_offset + m_block)
+        tiles_per_step = self.tile_m // 64
+        dq_accumulator.write_step(head, q_tile_offset + m_block * tiles_per_step,
+                                  seqlen_q - m_block * self.tile_m)
         return (steps + 1,)
 
     @cute.jit
-    def load_rows(self, tma_atom, m_src, s_dst, handle, head: Int32, slot_tile: Int32, stage):
-        """TMA-load one query tile's 64 float32 row statistics (lse or dO.O)."""
-        g_rows = cute.local_tile(m_src[None, head], (self.tile_m,), (slot_tile,))
+    def load_rows(self, tma_atom, m_src, s_dst, handle, head: Int32, slot_row: Int32, stage):
+        """TMA-load one step's float32 row statistics (lse or dO.O), from slot `slot_row`
+        of the 64-row tile layout on (a 128-row step may run past its sequence's tiles: the
+        consumers ignore those rows)."""
+        g_rows = cute.local_tile(cute.domain_offset((slot_row,), m_src[None, head]),
+                                 (self.tile_m,), (0,))
         t_s, t_g = cpasync.tma_partition(tma_atom, 0, cute.make_layout(1), s_dst, g_rows)
         cute.copy(tma_atom, t_g, t_s[(None, stage)], tma_bar_ptr=handle.barrier)
 
@@ -417,15 +429,15 @@ class FlashAttentionBackwardSm90:
         tma_atom_do, mdO, tma_atom_lse, mLSE, tma_atom_dpsum, mDPsum, sQ, sdO, sLSE, sDPsum,
         offset_q: Int32, q_tile_offset: Int32,
     ):
-        slot_tile = q_tile_offset + m_block
+        slot_row = q_tile_offset * 64 + m_block * self.tile_m
         q_handle = q_producer.acquire_and_advance()
         load_seq_tile(tma_atom_q, mQ, sQ, q_handle, offset_q, head, m_block, self.tile_m,
                       self.head_dim, q_handle.index)
-        self.load_rows(tma_atom_lse, mLSE, sLSE, q_handle, head, slot_tile, q_handle.index)
+        self.load_rows(tma_atom_lse, mLSE, sLSE, q_handle, head, slot_row, q_handle.index)
         do_handle = do_producer.acquire_and_advance()
         load_seq_tile(tma_atom_do, mdO, sdO, do_handle, offset_q, head, m_block, self.tile_m,
                       self.head_dim, do_handle.index)
-        self.load_rows(tma_atom_dpsum, mDPsum, sDPsum, do_handle, head, slot_tile,
+        self.load_rows(tma_atom_dpsum, mDPsum, sDPsum, do_handle, head, slot_row,
                        do_handle.index)
         return q_producer, do_producer
 
@@ -498,7 +510,7 @@ class FlashAttentionBackwardSm90:
         dq_accumulator: Optional[DqAccumulator], scale_log2: Float32, block_range: BlockRange,
         n_block: Int32, seqlen_q: Int32, seqlen_k: Int32,
     ):
-        """One (query head, 64-row query tile) against this CTA's keys. `mask`: None,
+        """One (query head, query step of tile_m rows) against this CTA's keys. `mask`: None,
         "causal_window", or "if_needed" (the causal/window mask where `needs_mask`)."""
         stages = self.spec.q_stages
         q_handle = q_consumer.wait_and_advance()
@@ -507,18 +519,29 @@ class FlashAttentionBackwardSm90:
                                   tSrQ[None, None, None, q_stage], zero_init=True)
         # The row statistics of this thread's columns (query rows) go to registers while the
         # products run: read after the wait, their smem latency led the exponentials' chain
-        # (ncu, H100, session 17: a sixth of the fused kernel's stall samples).
+        # (ncu, H100, session 17: a sixth of the fused kernel's stall samples). 128-row steps
+        # read lse after the wait (the variant measured on the H100, session 18): there S and
+        # dP in flight hold 128 registers, dK and dV 64 more.
         s_mn = acc_mn_view(acc_s)
         c_mn = acc_mn_view(t_coord)
         num_cols = cute.size(s_mn, mode=[1])
         r_lse = cute.make_rmem_tensor(cute.make_layout(num_cols), Float32)
-        for c in cutlass.range_constexpr(num_cols):
-            r_lse[c] = sLSE[c_mn[0, c][1], q_stage]
+        if const_expr(self.tile_m == 64):
+            for c in cutlass.range_constexpr(num_cols):
+                r_lse[c] = sLSE[c_mn[0, c][1], q_stage]
         do_handle = do_consumer.wait_and_advance()
         do_stage = stage_index(do_handle, stages)
         tiled_mma_sdp = gemm(tiled_mma_sdp, acc_dp, tSrV[None, None, None, 0],
                                   tSrdO[None, None, None, do_stage], zero_init=True)
         warpgroup.wait_group(1)
+        if const_expr(self.tile_m > 64):
+            for c in cutlass.range_constexpr(num_cols):
+                r_lse[c] = sLSE[c_mn[0, c][1], q_stage]
+            # A 128-row step may reach past its sequence's 64-row tiles into the next
+            # sequence's: those rows' P must be 0 here, as the padding's +inf makes it.
+            rows_left = seqlen_q - m_block * self.tile_m
+            for c in cutlass.range_constexpr(num_cols):
+                r_lse[c] = r_lse[c] if c_mn[0, c][1] < rows_left else Float32.inf
         if const_expr(mask == "causal_window"):
             apply_mask_keys_as_rows(acc_s, t_coord, block_range, n_block, m_block, seqlen_q,
                                     seqlen_k, True)
@@ -531,9 +554,13 @@ class FlashAttentionBackwardSm90:
         for c in cutlass.range_constexpr(num_cols):
             for r in cutlass.range_constexpr(cute.size(s_mn, mode=[0])):
                 s_mn[r, c] = cute.math.exp2(s_mn[r, c] * scale_log2 - r_lse[c], fastmath=True)
+        # dO.O of this thread's rows: in registers before the dS loop for 64-row steps; read
+        # inside it for 128-row steps, where 32 more live registers spilled (SASS, 240 per
+        # thread: S, dP, dK, dV and P already hold 224).
         r_dpsum = cute.make_rmem_tensor(cute.make_layout(num_cols), Float32)
-        for c in cutlass.range_constexpr(num_cols):
-            r_dpsum[c] = sDPsum[c_mn[0, c][1], do_stage]
+        if const_expr(self.tile_m == 64):
+            for c in cutlass.range_constexpr(num_cols):
+                r_dpsum[c] = sDPsum[c_mn[0, c][1], do_stage]
         cute.make_tensor(r_p.iterator, acc_s.layout).store(acc_s.load().to(self.dtype))
         if const_expr(self.spec.dv_before_ds):
             # dV += P^T dO goes to the tensor cores before dS is computed: it runs under it.
@@ -545,6 +572,8 @@ class FlashAttentionBackwardSm90:
         # dS^T = P^T (dP^T - dO.O)
         dp_mn = acc_mn_view(acc_dp)
         for c in cutlass.range_constexpr(num_cols):
+            if const_expr(self.tile_m > 64):
+                r_dpsum[c] = sDPsum[c_mn[0, c][1], do_stage]
             for r in cutlass.range_constexpr(cute.size(dp_mn, mode=[0])):
                 dp_mn[r, c] = s_mn[r, c] * (dp_mn[r, c] - r_dpsum[c])
         r_ds_as_acc = cute.make_tensor(r_ds.iterator, acc_dp.layout)

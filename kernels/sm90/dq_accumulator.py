@@ -2,7 +2,8 @@
 over the 64-row query tiles of kernels/sm90/backward.py, which every KV tile that sees a query
 tile adds into.
 
-Each consumer warpgroup stages its 64 x cols block of dQ (its wgmma accumulator) in smem, and a
+Each consumer warpgroup stages its 64 x cols block of dQ (its wgmma accumulator: a share of a
+64-row step's columns, or every column of its own 64 rows of a 128-row step) in smem, and a
 warp of the producer warpgroup, the dQ writer, adds the block into global memory with one bulk
 reduce-add (`cp.reduce.async.bulk.global.shared::cta.add.f32`). The two sides hand the buffer
 over through a pair of named barriers per warpgroup (empty: the writer's previous reduce has
@@ -24,11 +25,12 @@ from dataclasses import dataclass
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Int32
+from cutlass import Int32, const_expr
 from cutlass.experimental import primitives
 
 _WARPGROUP = 128
 _VECTOR = 4  # float32 per 16-byte store
+_BLOCK_ROWS = 64  # rows of a staged block: one query tile of the accumulator
 # 6 + wg: the writer has read warpgroup wg's buffer (empty); 8 + wg: the warpgroup has staged
 # its block (full); each between the warpgroup and the writer warp (1-3 belong to
 # bwd_sm90.py).
@@ -46,11 +48,12 @@ def fragment_layout(block_values: int) -> cute.Layout:
 
 @dataclass(frozen=True)
 class DqAccumulator:
-    tile_m: cutlass.Constexpr[int]
-    cols_per_wg: cutlass.Constexpr[int]   # columns of one warpgroup's block
+    cols_per_wg: cutlass.Constexpr[int]   # columns of one warpgroup's 64-row block
     num_wg: cutlass.Constexpr[int]
+    rows_per_wg: cutlass.Constexpr[bool]  # each warpgroup's block is its own 64-row tile
+                                          # (128-row steps), else a share of the columns
     mdQacc: cute.Tensor                   # (H, P, D) float32
-    sdQ: cute.Tensor                      # (tile_m * cols_per_wg, num_wg) float32 staging
+    sdQ: cute.Tensor                      # (64 * cols_per_wg, num_wg) float32 staging
 
     @cute.jit
     def hand_to_writer(self, tidx: Int32, acc_dq: cute.Tensor):
@@ -59,7 +62,7 @@ class DqAccumulator:
         wg = tidx // _WARPGROUP
         cute.arch.barrier(barrier_id=_DQ_EMPTY_BARRIER + wg, number_of_threads=_HANDOFF_THREADS)
         block = cute.make_tensor(self.sdQ[None, wg].iterator,
-                                 fragment_layout(self.tile_m * self.cols_per_wg))
+                                 fragment_layout(_BLOCK_ROWS * self.cols_per_wg))
         mine = block[None, tidx % _WARPGROUP]
         cute.autovec_copy(cute.make_tensor(acc_dq.iterator, cute.make_layout(cute.size(mine))),
                           mine)
@@ -68,22 +71,29 @@ class DqAccumulator:
                                  number_of_threads=_HANDOFF_THREADS)
 
     @cute.jit
-    def write_step(self, head: Int32, slot_tile: Int32):
-        """The writer warp: one step's blocks, every warpgroup's, added into query tile
-        `slot_tile` of head `head`. The buffers are handed back as soon as the previous
-        step's reduces have read them."""
+    def write_step(self, head: Int32, slot_tile: Int32, rows_in_step: Int32):
+        """The writer warp: one step's blocks, every warpgroup's, added into the accumulator
+        from 64-row tile `slot_tile` of head `head` on (one tile, or one per warpgroup with
+        `rows_per_wg`: then a warpgroup's tile past the sequence's `rows_in_step` rows is not
+        written, its values are zeros and the tile may be another sequence's or past the end).
+        The buffers are handed back as soon as the previous step's reduces have read them."""
         cute.arch.cp_async_bulk_wait_group(0, read=True)
         for wg in cutlass.range_constexpr(self.num_wg):
             cute.arch.barrier_arrive(barrier_id=_DQ_EMPTY_BARRIER + wg,
                                      number_of_threads=_HANDOFF_THREADS)
-        block_values = self.tile_m * self.cols_per_wg
-        tile = self.mdQacc[head, slot_tile * self.tile_m, None].iterator
+        # Blocks follow each other: a column share within one tile, or whole tiles.
+        block_values = _BLOCK_ROWS * self.cols_per_wg
+        tile = self.mdQacc[head, slot_tile * _BLOCK_ROWS, None].iterator
         for wg in cutlass.range_constexpr(self.num_wg):
             cute.arch.barrier(barrier_id=_DQ_FULL_BARRIER + wg, number_of_threads=_HANDOFF_THREADS)
-            with cute.arch.elect_one():
-                primitives.cp_reduce_async_bulk_global_shared_cta(
-                    tile + wg * block_values, self.sdQ[None, wg].iterator, block_values * 4,
-                    op=primitives.CpReduceOp.ADD, type=primitives.CpReduceType.F32)
+            inside = True
+            if const_expr(self.rows_per_wg):
+                inside = wg * _BLOCK_ROWS < rows_in_step
+            if inside:
+                with cute.arch.elect_one():
+                    primitives.cp_reduce_async_bulk_global_shared_cta(
+                        tile + wg * block_values, self.sdQ[None, wg].iterator, block_values * 4,
+                        op=primitives.CpReduceOp.ADD, type=primitives.CpReduceType.F32)
         cute.arch.cp_async_bulk_commit_group()
 
     @cute.jit

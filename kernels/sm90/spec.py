@@ -244,7 +244,8 @@ class BwdSpec:
     dq_separate: bool = True   # skip dQ here: the query-centric kernel computes it (DqSpec);
                                # False fuses it (`fuses_dq`)
     tile_n: int = 128          # keys per CTA, 64 per consumer warpgroup
-    tile_m: int = 64           # query rows per step
+    tile_m: int = 64           # query rows per step: 64, or 128 with two consumer warpgroups
+                               # (head dim 64: `choose_backward_spec`)
     q_stages: int = 2          # Q (+ lse) and dO (+ dO.O) pipeline depth
     add_dkv: bool = False      # dK/dV added into the caller's float32 sums (one CTA per KV
                                # tile: a load, add and store; nsa()'s running dk, dv)
@@ -268,9 +269,12 @@ class BwdSpec:
         """Issue dV += P^T dO before computing dS, so the product runs under it (H100,
         session 16, measured together with the dense walks' mask loops: dense causal and
         compress factor 64 about 5% faster at 64K, within the run-to-run spread at 16K). Not
-        where the kernel's wgmmas are serialised anyway (two 64-key CTAs per SM at head dim
-        128, see `ctas_per_sm`): there the early issue made the backward 7-9% slower."""
-        return not (self.ctas_per_sm == 2 and self.head_dim == 128)
+        where registers run short: two 64-key CTAs per SM at head dim 128 (232 registers,
+        ptxas serialises every wgmma anyway; the early issue made the backward 7-9% slower),
+        and 128-row steps, where the float32 P kept live beside the dV product made ptxas
+        serialise every wgmma (SASS: a wait after each of the 96 HGMMAs; head dim 64 dense
+        causal at 16K 6.13 ms against 4.69 ms with dV after dS, H100, session 18)."""
+        return not (self.ctas_per_sm == 2 and self.head_dim == 128) and self.tile_m == 64
 
     @property
     def fuses_dq(self) -> bool:
@@ -286,7 +290,10 @@ class BwdSpec:
         """The fused dQ needs one dQ product per step (every warpgroup's block of columns at
         once: not 64-key tiles at head dim 128) and two Q stages; its float32 sums land in
         any order, so not in the deterministic mode."""
-        one_pass = self.dq_cols_per_warpgroup * self.num_consumer_warpgroups == self.head_dim
+        if self.dq_rows_per_warpgroup:
+            one_pass = self.num_consumer_warpgroups * 64 == self.tile_m
+        else:
+            one_pass = self.dq_cols_per_warpgroup * self.num_consumer_warpgroups == self.head_dim
         return one_pass and self.q_stages == 2 and not self.deterministic
 
     @property
@@ -305,9 +312,20 @@ class BwdSpec:
         return self.partial_dkv or self.add_dkv
 
     @property
+    def dq_rows_per_warpgroup(self) -> bool:
+        """The fused dQ = dS K split by rows: with 128-row steps each warpgroup computes all
+        columns of its own 64 rows (one 64-row tile of the accumulator); with 64-row steps the
+        warpgroups split the columns."""
+        return self.tile_m > 64
+
+    @property
     def dq_cols_per_warpgroup(self) -> int:
-        """Columns of dQ = dS K per warpgroup and pass (at most 64: one warpgroup of 232
-        registers cannot hold a 64 x 128 float32 accumulator beside dK and dV)."""
+        """Columns of one warpgroup's dQ block, a 64-row block of the accumulator: the head
+        dim when the warpgroups split rows, else its share of the columns per pass (at most
+        64: one warpgroup of 232 registers cannot hold a 64 x 128 float32 accumulator beside
+        dK and dV)."""
+        if self.dq_rows_per_warpgroup:
+            return self.head_dim
         return min(64, self.head_dim // self.num_consumer_warpgroups)
 
     @property
@@ -326,7 +344,7 @@ class BwdSpec:
             size = aligned(size, 1024) + 2 * rows * self.head_dim
         if self.fuses_dq:  # dS, and one 64-row float32 dQ staging block per warpgroup
             size = aligned(size, 1024) + 2 * self.tile_m * self.tile_n * self.ds_stages
-            size = aligned(size, 1024) + 4 * self.tile_m * self.dq_cols_per_warpgroup * (
+            size = aligned(size, 1024) + 4 * 64 * self.dq_cols_per_warpgroup * (
                 self.num_consumer_warpgroups)
         return size
 
@@ -406,12 +424,17 @@ def choose_backward_spec(
                          f"(supported: {BACKWARD_HEAD_DIMS})")
     left, right = int(window_size[0]), int(window_size[1])
     tile_n = sparse_block_size if sparse_block_size is not None else BACKWARD_DENSE_TILE_N
+    # Head dim 64 steps 128 query rows (FA3/FA4's tile there): at 64 rows a step's
+    # exponentials, row statistics and barriers carried half the tensor work of head dim 128
+    # (H100, session 18, the whole backward with FA4 in the same run: dense causal 0.83x ->
+    # 1.02x FA4 at 16K, 0.87x -> 1.02x at 64K; window 512 0.94x -> 0.97x, 1.09x -> 1.12x).
+    tile_m = 128 if head_dim == 64 and tile_n == 128 else 64
     q_stages = 2
     spec = BwdSpec(
         dtype=dtype, head_dim=head_dim, causal=bool(causal), has_window_left=left >= 0,
         has_window_right=right >= 0 and not causal, block_sparse=sparse_block_size is not None,
         compressed=compress_factor != 1, deterministic=bool(deterministic), tile_n=tile_n,
-        q_stages=q_stages,
+        tile_m=tile_m, q_stages=q_stages,
         # NSA lists block 0 in every query tile: one work unit per KV block would run N/128
         # tiles where the average runs ~8. Split lists into chunks (not in deterministic mode,
         # whose dK/dV must not depend on the order of float32 partial sums).

@@ -105,13 +105,15 @@ def test_dq_kernel_smem_footprint_matches_the_kernel(call):
     assert kernel.shared_storage.size_in_bytes() == spec.smem_bytes
 
 
+@pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("sparse_block", [64, 128, None])
-def test_backward_smem_footprint_matches_the_kernel(sparse_block):
+def test_backward_smem_footprint_matches_the_kernel(sparse_block, head_dim):
     """`BwdSpec.smem_bytes` (what the dispatcher checks) is the DSL's shared storage size:
-    64- and 128-key lists, and the fused dQ's staging (no lists)."""
+    64- and 128-key lists, and the fused dQ's staging (no lists), with 64- and 128-row
+    steps."""
     from kernels.sm90.bwd_sm90 import FlashAttentionBackwardSm90
 
-    spec = choose_backward_spec(dtype="bfloat16", head_dim=128, causal=True,
+    spec = choose_backward_spec(dtype="bfloat16", head_dim=head_dim, causal=True,
                                 window_size=(-1, -1), sparse_block_size=sparse_block)
     assert spec.fuses_dq == (sparse_block is None)
     kernel = FlashAttentionBackwardSm90(spec)
@@ -126,6 +128,20 @@ def test_backward_dispatch_takes_the_list_block_as_the_key_tile():
     assert _backward_spec("bfloat16", 128, "selected-sparse64").ctas_per_sm == 2
     with pytest.raises(ValueError, match="head_dim 256"):
         choose_backward_spec(dtype="bfloat16", head_dim=256, causal=True, window_size=(-1, -1))
+
+
+def test_backward_dispatch_steps_128_rows_at_head_dim_64_with_128_key_tiles():
+    """FA3/FA4's tile at head dim 64: 128 query rows per step, each consumer warpgroup's 64
+    rows of the fused dQ one accumulator tile; 64-key tiles (one warpgroup) and head dim 128
+    step 64 rows."""
+    for call in _distinct_calls():
+        for head_dim in (64, 128):
+            spec = _spec_of("bfloat16", head_dim, call)
+            wide = head_dim == 64 and spec.tile_n == 128
+            assert spec.tile_m == (128 if wide else 64), (call, head_dim)
+            assert spec.dq_rows_per_warpgroup == wide
+            assert spec.dq_cols_per_warpgroup == 64 and spec.fits_in_smem()
+    assert _backward_spec("bfloat16", 64, "selected-sparse64").tile_m == 64
 
 
 def test_backward_dispatch_fuses_dq_only_for_plain_causal_or_full_attention():
@@ -158,12 +174,16 @@ def test_backward_dispatch_fuses_dq_only_for_plain_causal_or_full_attention():
 def test_backward_issues_dv_before_ds_except_where_the_wgmmas_are_serialised():
     """Two 64-key CTAs per SM at head dim 128 leave 232 registers per consumer thread: ptxas
     serialises every wgmma there, and the early dV issue measured slower (H100, session 16);
-    everywhere else dV goes to the tensor cores before dS is computed. The one-CTA-per-SM
+    128-row steps keep dV after dS too; everywhere else dV goes to the tensor cores before dS
+    is computed. The one-CTA-per-SM
     variant (a tuner switch) has the registers and takes the early issue; it compiles."""
     selected = _backward_spec("bfloat16", 128, "selected-sparse64")
     assert selected.ctas_per_sm == 2 and not selected.dv_before_ds
     assert _backward_spec("bfloat16", 64, "selected-sparse64").dv_before_ds
     assert _backward_spec("bfloat16", 128, "causal").dv_before_ds
+    # 128-row steps (head dim 64): the early issue made ptxas serialise every wgmma (SASS).
+    wide = _backward_spec("bfloat16", 64, "causal")
+    assert wide.tile_m == 128 and not wide.dv_before_ds
     single = dataclasses.replace(selected, one_cta_per_sm=True)
     assert single.ctas_per_sm == 1 and single.dv_before_ds and single.fits_in_smem()
     assert callable(compile_backward_on_fake_tensors(single))

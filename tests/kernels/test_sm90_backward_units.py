@@ -116,20 +116,22 @@ def test_fused_dq_accumulator_blocks_are_read_back_in_row_order():
 
 @pytest.mark.gpu
 @requires_sm90
+@pytest.mark.parametrize("cols", [32, 64])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("head_dim", [64, 128])
-def test_dq_conversion_kernel_matches_torch(dtype, head_dim):
+def test_dq_conversion_kernel_matches_torch(dtype, head_dim, cols):
     """The fused backward's dQ out of its float32 tile-layout accumulator
     (kernels/sm90/dq_convert.py, which takes each value's place from CuTe's wgmma fragment)
     against the torch path (which computes it): varlen with an empty and a one-row sequence,
-    written fresh and added into a running dq (one rounding), blocks of 32 and 64 columns."""
+    written fresh and added into a running dq (one rounding), blocks of 32 and 64 columns
+    (64: the dispatched fused kernels, a column share at head dim 128, a warpgroup's whole
+    rows with 128-row steps at head dim 64)."""
     cu = torch.tensor([0, 1, 1, 200, 1000], dtype=torch.int32, device="cuda")
     heads = 5
     gen = torch.Generator(device="cuda").manual_seed(4)
     tiles = QueryTiles(cu, 1000)
     acc = torch.randn(heads, tiles.num_slots, head_dim, device="cuda", generator=gen)
     running = torch.randn(1000, heads, head_dim, device="cuda", generator=gen).to(dtype)
-    cols = head_dim // 2  # two warpgroups' blocks (the dispatched 128-key tiles)
     fresh = tiles.gather_dq(acc, cols, 0.125, dtype)
     summed = tiles.gather_dq(acc, cols, 0.125, dtype, into=running.clone())
     cpu_tiles = QueryTiles(cu.cpu(), 1000)
