@@ -4,10 +4,11 @@ Runs, on an sm_90 GPU: dense causal GQA varlen (with a one-row sequence and a 12
 causal window, compress_factor 64 (split rows), each fast and deterministic, the dense case
 also with dQ fused into the KV-centric kernel (the writer warp and the accumulator's
 conversion; dispatched from 4096-key sequences on), and 64-key block-sparse lists (split
-lists); asserts the gradients are finite. Each call launches three backward kernels (row
-statistics, the KV-centric kernel, and the dQ kernel or the fused dQ's conversion), whose
-names all contain "Backward", so the filter below instruments every one of them. Meant as the
-program under compute-sanitizer (FINDINGS, session 11):
+lists; also with two warpgroups on alternate query steps); asserts the gradients are finite.
+Each call launches three backward kernels (row statistics, the KV-centric kernel, and the dQ
+kernel or the fused dQ's conversion), whose names all contain "Backward", so the filter below
+instruments every one of them. Meant as the program under compute-sanitizer (FINDINGS,
+session 11):
 
     compute-sanitizer --tool racecheck --kernel-name kns=Backward \\
         python3 tools/sanitize_sm90_backward.py
@@ -65,9 +66,10 @@ def run_cases(head_dim: int = 128) -> None:
     q, dout = randn(1, n, 4, head_dim), randn(1, n, 4, head_dim)
     k, v = randn(1, n, 1, head_dim), randn(1, n, 1, head_dim)
     out, lse = attention_forward(q, k, v, causal=False, block_sparse=lists)
-    grads = backward.run(dout, q, k, v, out, lse, causal=False, block_sparse=lists,
-                         max_seqlen_q=n, max_seqlen_k=n)
-    assert all(torch.isfinite(g).all() for g in grads)
+    for overrides in (None, dict(alternate_steps=True)):  # and two warpgroups on alternate steps
+        grads = backward.run(dout, q, k, v, out, lse, causal=False, block_sparse=lists,
+                             max_seqlen_q=n, max_seqlen_k=n, spec_overrides=overrides)
+        assert all(torch.isfinite(g).all() for g in grads), overrides
     torch.cuda.synchronize()
 
 

@@ -44,6 +44,8 @@ VARIANTS = {
     "dq fused": dict(dq_separate=False),
     # 64-key tiles at head dim 128: two CTAs per SM serialise every wgmma (232 registers).
     "one CTA per SM": dict(one_cta_per_sm=True),
+    # 64-key tiles: two consumer warpgroups on alternate query steps, one CTA per SM.
+    "alternate steps": dict(alternate_steps=True),
     # Query rows per step (128 is dispatched at head dim 64 with 128-key tiles).
     "tile_m 64": dict(tile_m=64),
     "tile_m 128": dict(tile_m=128),

@@ -4,12 +4,14 @@ The forward's features as compile-time switches of `BwdSpec`: causal with a comp
 left/right windows, block sparsity (the transposed lists, kernels/sm90/backward.py builds them),
 varlen, GQA. Structure:
 
-- CTA = one KV tile (`tile_n` keys: 64 per consumer warpgroup) of one KV head of one sequence,
+- CTA = one KV tile (`tile_n` keys: 64 per consumer warpgroup; or, `alternate_steps`, 64 keys
+  shared by two warpgroups that take alternate query steps) of one KV head of one sequence,
   launched as grid (KV tiles, Hkv, sequences). It walks every query head of the KV head's group
-  and, per head, the query steps (64 rows, or 128 at head dim 64) that see its keys (a range cut by causal x compress
-  factor and the window, or the transposed block-sparse list), so dK and dV are summed over the
-  group in registers and written once, in the input type: no atomics and no float32 buffers
-  for them (FA4 turns GQA packing off in its backward and pays for float32 dK/dV instead).
+  and, per head, the query steps (64 rows, or 128 at head dim 64) that see its keys (a range
+  cut by causal x compress factor and the window, or the transposed block-sparse list), so dK
+  and dV are summed over the group in registers and written once, in the input type: no
+  atomics and no float32 buffers for them (FA4 turns GQA packing off in its backward and pays
+  for float32 dK/dV instead).
 - A producer warp TMA-loads K and V once, then per step Q and lse (`q_stages` deep) and dO and
   dO.O. Each consumer warpgroup owns 64 keys and computes, per query tile, with wgmma:
   S^T = K Q^T and dP^T = V dO^T (keys as rows, so P^T and dS^T are already laid out as the
@@ -42,7 +44,7 @@ from cutlass.cute.nvgpu import cpasync, warp, warpgroup
 
 from kernels.sm90.dtypes import CUTLASS_DTYPES
 from kernels.sm90.block_range import BlockRange
-from kernels.sm90.dq_accumulator import DqAccumulator
+from kernels.sm90.dq_accumulator import DqAccumulator, fragment_layout
 from kernels.sm90.layouts import (acc_as_a_operand_layout, acc_mn_view, transposed,
                                   with_row_strides_divisible)
 from kernels.sm90.mask import apply_mask_keys_as_rows
@@ -55,6 +57,10 @@ _WARPGROUP = 128
 # Named barrier (0 is __syncthreads) among the consumer warpgroups: the step's dS is in smem
 # (6-9 belong to kernels/sm90/dq_accumulator.py).
 _DS_FULL_BARRIER = 1
+# `alternate_steps`: both warpgroups have walked every step (the Q/dO buffers are free), and
+# each has staged the dK or dV it hands over.
+_WALKS_DONE_BARRIER = 2
+_DKV_STAGED_BARRIER = 3
 _LOG2_E = 1.4426950408889634
 
 
@@ -76,7 +82,10 @@ class FlashAttentionBackwardSm90:
         assert not (spec.add_dkv and spec.partial_dkv)
         assert not (spec.split_lists and not spec.block_sparse)
         assert not (spec.split_rows and spec.block_sparse)
+        assert not spec.alternate_steps or (self.tile_n == 64 and self.tile_m == 64
+                                            and spec.dq_separate)
         self.num_wg = spec.num_consumer_warpgroups
+        self.key_wg = spec.key_warpgroups
         self.num_consumer_threads = _WARPGROUP * self.num_wg
         self.num_threads = _WARPGROUP * (1 + self.num_wg)
         per_cta = 65536 // spec.ctas_per_sm
@@ -127,12 +136,12 @@ class FlashAttentionBackwardSm90:
         # S^T = K Q^T and dP^T = V dO^T: each warpgroup 64 keys x tm query rows.
         tiled_mma_sdp = sm90_utils.make_trivial_tiled_mma(
             dtype, dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K,
-            Float32, (self.num_wg, 1, 1), (64, tm))
+            Float32, (self.key_wg, 1, 1), (64, tm))
         # dV += P^T dO and dK += dS^T Q: A (P^T, dS^T) from registers, B = dO / Q read
         # head-dim-major from the same smem.
         tiled_mma_dkv = sm90_utils.make_trivial_tiled_mma(
             dtype, dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN,
-            Float32, (self.num_wg, 1, 1), (64, d), warpgroup.OperandSource.RMEM)
+            Float32, (self.key_wg, 1, 1), (64, d), warpgroup.OperandSource.RMEM)
         # dQ = dS K: the warpgroups split the step's rows (128-row steps) or its columns.
         dq_atoms = (self.num_wg, 1, 1) if const_expr(self.spec.dq_rows_per_warpgroup) else (
             1, self.num_wg, 1)
@@ -252,13 +261,14 @@ class FlashAttentionBackwardSm90:
                 cpasync.prefetch_descriptor(atom)
 
         storage = utils.SmemAllocator().allocate(self.shared_storage)
-        consumer_warps = self.num_wg * 4
         kv_producer, kv_consumer = tma_pipeline(storage.mbar_kv.data_ptr(), 1, self.kv_bytes,
-                                                consumer_warps)
+                                                self.num_wg * 4)
+        # A step's Q/dO stage is released by the warps that took the step.
+        step_warps = spec.warpgroups_per_step * 4
         q_producer, q_consumer = tma_pipeline(storage.mbar_q.data_ptr(), spec.q_stages,
-                                              self.q_bytes, consumer_warps)
+                                              self.q_bytes, step_warps)
         do_producer, do_consumer = tma_pipeline(storage.mbar_do.data_ptr(), spec.q_stages,
-                                                self.q_bytes, consumer_warps)
+                                                self.q_bytes, step_warps)
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
 
@@ -272,6 +282,14 @@ class FlashAttentionBackwardSm90:
             dq_accumulator = DqAccumulator(self.dq_cols_per_wg, self.num_wg,
                                            spec.dq_rows_per_warpgroup, mdQacc,
                                            storage.sdQ.get_tensor(sdQ_layout))
+        dkv_handover = None
+        if const_expr(spec.alternate_steps):
+            # float32 dK (in sQ's storage) and dV (in sdO's) in register order, once the walks
+            # are done: 64 x D x 4 bytes, the size of two 64-row Q stages.
+            handover_layout = fragment_layout(self.tile_n * self.head_dim)
+            dkv_handover = tuple(
+                cute.make_tensor(cute.recast_ptr(buf.data_ptr(), dtype=Float32), handover_layout)
+                for buf in (storage.sQ, storage.sdO))
         rows_by_stage = cute.make_layout((self.tile_m, spec.q_stages))
         sLSE = storage.sLSE.get_tensor(rows_by_stage)
         sDPsum = storage.sDPsum.get_tensor(rows_by_stage)
@@ -317,8 +335,8 @@ class FlashAttentionBackwardSm90:
                 self.consume(
                     tidx - _WARPGROUP, walk, kv_consumer, q_consumer, do_consumer,
                     tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, sQ, sdO, sK, sV, sdS, sLSE,
-                    sDPsum, dq_accumulator, mdK, mdV, softmax_scale, scale_log2, block_range,
-                    n_block, head_kv, offset_k, seqlen_q, seqlen_k)
+                    sDPsum, dq_accumulator, dkv_handover, mdK, mdV, softmax_scale, scale_log2,
+                    block_range, n_block, head_kv, offset_k, seqlen_q, seqlen_k)
 
     @cute.jit
     def walk_steps(
@@ -445,15 +463,19 @@ class FlashAttentionBackwardSm90:
     def consume(
         self, tidx: Int32, walk, kv_consumer, q_consumer, do_consumer,
         tiled_mma_sdp: cute.TiledMma, tiled_mma_dkv: cute.TiledMma, tiled_mma_dq: cute.TiledMma,
-        sQ, sdO, sK, sV, sdS, sLSE, sDPsum, dq_accumulator: Optional[DqAccumulator], mdK, mdV,
-        softmax_scale: Float32, scale_log2: Float32, block_range: BlockRange, n_block: Int32,
-        head_kv: Int32, offset_k: Int32, seqlen_q: Int32, seqlen_k: Int32,
+        sQ, sdO, sK, sV, sdS, sLSE, sDPsum, dq_accumulator: Optional[DqAccumulator],
+        dkv_handover, mdK, mdV, softmax_scale: Float32, scale_log2: Float32,
+        block_range: BlockRange, n_block: Int32, head_kv: Int32, offset_k: Int32,
+        seqlen_q: Int32, seqlen_k: Int32,
     ):
         """The consumer warpgroups' whole CTA: every step, then dK and dV."""
-        thr_sdp = tiled_mma_sdp.get_slice(tidx)
-        thr_dkv = tiled_mma_dkv.get_slice(tidx)
-        thr_dq = tiled_mma_dq.get_slice(tidx)
-        wg_sdp, wg_dkv, wg_dq = (warpgroup_slice(mma, tidx)  # smem operands (uniform)
+        # With `alternate_steps` both warpgroups hold the whole (64-key) tile: each slices the
+        # one-warpgroup MMAs by its own thread index.
+        mma_tidx = tidx % _WARPGROUP if const_expr(self.spec.alternate_steps) else tidx
+        thr_sdp = tiled_mma_sdp.get_slice(mma_tidx)
+        thr_dkv = tiled_mma_dkv.get_slice(mma_tidx)
+        thr_dq = tiled_mma_dq.get_slice(mma_tidx)
+        wg_sdp, wg_dkv, wg_dq = (warpgroup_slice(mma, mma_tidx)  # smem operands (uniform)
                                  for mma in (tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq))
         tSrK = wg_sdp.make_fragment_A(wg_sdp.partition_A(sK))
         tSrV = wg_sdp.make_fragment_A(wg_sdp.partition_A(sV))
@@ -493,12 +515,69 @@ class FlashAttentionBackwardSm90:
             ds_store_atom=ds_store_atom, t_rdS=t_rdS, t_sdS=t_sdS, sLSE=sLSE, sDPsum=sDPsum,
             dq_accumulator=dq_accumulator, scale_log2=scale_log2, block_range=block_range,
             n_block=n_block, seqlen_q=seqlen_q, seqlen_k=seqlen_k)
-        walk(step, (q_consumer, do_consumer, tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq))
-        kv_handle.release()
+        mmas = (tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq)
+        if const_expr(self.spec.alternate_steps):
+            wg = cute.arch.make_warp_uniform(tidx // _WARPGROUP)
+            walk(partial(self.consume_turn, step=step, wg=wg),
+                 (q_consumer, do_consumer, *mmas, Int32(0)))
+            kv_handle.release()
+            # Each warpgroup summed dK and dV over its own steps: warpgroup 0 stores dK,
+            # warpgroup 1 dV, each adding the other's half handed over through smem.
+            self.hand_over_dkv(tidx, wg, acc_dk, acc_dv, dkv_handover)
+            if wg == 0:
+                acc_dk.store(acc_dk.load() * softmax_scale)
+                self.store_keys(thr_dkv, acc_dk, mdK, offset_k, head_kv, n_block, seqlen_k)
+            else:
+                self.store_keys(thr_dkv, acc_dv, mdV, offset_k, head_kv, n_block, seqlen_k)
+        else:
+            walk(step, (q_consumer, do_consumer, *mmas))
+            kv_handle.release()
+            acc_dk.store(acc_dk.load() * softmax_scale)
+            for acc, m_out in ((acc_dk, mdK), (acc_dv, mdV)):
+                self.store_keys(thr_dkv, acc, m_out, offset_k, head_kv, n_block, seqlen_k)
 
-        acc_dk.store(acc_dk.load() * softmax_scale)
-        for acc, m_out in ((acc_dk, mdK), (acc_dv, mdV)):
-            self.store_keys(thr_dkv, acc, m_out, offset_k, head_kv, n_block, seqlen_k)
+    @cute.jit
+    def consume_turn(self, head: Int32, m_block: Int32, mask: cutlass.Constexpr, needs_mask,
+                     q_consumer, do_consumer, tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq,
+                     turn: Int32, step, wg: Int32):
+        """`alternate_steps`: warpgroup `turn` takes this step; the other only moves its Q
+        and dO pipeline states past the step's stage (the producer loads every step)."""
+        if turn == wg:
+            q_consumer, do_consumer, tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq = step(
+                head, m_block, mask, needs_mask, q_consumer, do_consumer, tiled_mma_sdp,
+                tiled_mma_dkv, tiled_mma_dq)
+        else:
+            q_consumer.advance()
+            do_consumer.advance()
+        return (q_consumer, do_consumer, tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq,
+                1 - turn)
+
+    @cute.jit
+    def hand_over_dkv(self, tidx: Int32, wg: Int32, acc_dk: cute.Tensor, acc_dv: cute.Tensor,
+                      dkv_handover):
+        """`alternate_steps`: warpgroup 1 adds its dK into warpgroup 0's, warpgroup 0 its dV
+        into warpgroup 1's, through the Q and dO buffers (free once both walks are done; the
+        two warpgroups' fragments of the one-warpgroup MMA match value for value), each as
+        16-byte stores in register order."""
+        consumers = 2 * _WARPGROUP
+        cute.arch.barrier(barrier_id=_WALKS_DONE_BARRIER, number_of_threads=consumers)
+        lane = tidx % _WARPGROUP
+        size = cute.size(acc_dk)
+        dk_slot, dv_slot = (t[None, lane] for t in dkv_handover)
+        if wg == 0:
+            cute.autovec_copy(cute.make_tensor(acc_dv.iterator, cute.make_layout(size)), dv_slot)
+        else:
+            cute.autovec_copy(cute.make_tensor(acc_dk.iterator, cute.make_layout(size)), dk_slot)
+        cute.arch.barrier(barrier_id=_DKV_STAGED_BARRIER, number_of_threads=consumers)
+        other = cute.make_rmem_tensor(cute.make_layout(size), Float32)
+        if wg == 0:
+            cute.autovec_copy(dk_slot, other)
+            mine = cute.make_tensor(acc_dk.iterator, cute.make_layout(size))
+            mine.store(mine.load() + other.load())
+        else:
+            cute.autovec_copy(dv_slot, other)
+            mine = cute.make_tensor(acc_dv.iterator, cute.make_layout(size))
+            mine.store(mine.load() + other.load())
 
     @cute.jit
     def consume_step(

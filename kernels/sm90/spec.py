@@ -251,10 +251,27 @@ class BwdSpec:
                                # tile: a load, add and store; nsa()'s running dk, dv)
     one_cta_per_sm: bool = False  # 64-key tiles: one CTA per SM (240 registers per consumer
                                   # thread instead of 232), see `ctas_per_sm`
+    alternate_steps: bool = False  # 64-key tiles: two consumer warpgroups share the tile and
+                                   # take alternate query steps, each with its own dK/dV
+                                   # (summed through smem at the end); one CTA per SM
+
+    @property
+    def key_warpgroups(self) -> int:
+        """Consumer warpgroups that split the tile's keys (64 each)."""
+        return self.tile_n // 64
 
     @property
     def num_consumer_warpgroups(self) -> int:
-        return self.tile_n // 64
+        """The key warpgroups, or with `alternate_steps` two warpgroups on the same 64 keys:
+        each takes every other step of the walk, so one's exponentials run while the other's
+        products do, at 240 registers per thread (two 64-key CTAs per SM have 232, and ptxas
+        serialises every wgmma there)."""
+        return 2 if self.alternate_steps else self.key_warpgroups
+
+    @property
+    def warpgroups_per_step(self) -> int:
+        """Consumer warpgroups that take part in one step (and release its Q/dO stage)."""
+        return 1 if self.alternate_steps else self.num_consumer_warpgroups
 
     @property
     def ctas_per_sm(self) -> int:
@@ -262,7 +279,7 @@ class BwdSpec:
         At head dim 128 two CTAs leave 232 registers per consumer thread, and ptxas then
         serialises every wgmma of the kernel (SASS: a wait after each of the 48 HGMMAs);
         `one_cta_per_sm` gives it 240, where the products overlap the softmax again."""
-        return 2 if self.tile_n == 64 and not self.one_cta_per_sm else 1
+        return 2 if self.tile_n == 64 and not (self.one_cta_per_sm or self.alternate_steps) else 1
 
     @property
     def dv_before_ds(self) -> bool:
@@ -290,6 +307,8 @@ class BwdSpec:
         """The fused dQ needs one dQ product per step (every warpgroup's block of columns at
         once: not 64-key tiles at head dim 128) and two Q stages; its float32 sums land in
         any order, so not in the deterministic mode."""
+        if self.alternate_steps:
+            return False  # dQ staging would need a buffer per warpgroup and step
         if self.dq_rows_per_warpgroup:
             one_pass = self.num_consumer_warpgroups * 64 == self.tile_m
         else:
@@ -393,6 +412,11 @@ class DqSpec:
 
 BACKWARD_HEAD_DIMS = (64, 128)
 FUSED_DQ_MIN_KEYS = 4096  # the fused dQ from this longest sequence (keys) on
+# 64-key tiles with two consumer warpgroups on alternate query steps (`BwdSpec.alternate_steps`,
+# session 18): compiles without serialised wgmmas (SASS: 6 waits for 48 HGMMAs at head dim 128,
+# against a wait after each of them at two CTAs per SM) and passes the CPU checks; dispatched
+# once the GPU tests and a same-run timing against the two-CTA kernel have run.
+ALTERNATE_STEPS_AT_64_KEYS = False
 BACKWARD_DENSE_TILE_N = 128  # keys per backward CTA without block-sparse lists
 H100_NUM_SMS = 132  # the SM count assumed where no GPU is asked (compile-only dispatch)
 
@@ -435,6 +459,7 @@ def choose_backward_spec(
         has_window_right=right >= 0 and not causal, block_sparse=sparse_block_size is not None,
         compressed=compress_factor != 1, deterministic=bool(deterministic), tile_n=tile_n,
         tile_m=tile_m, q_stages=q_stages,
+        alternate_steps=ALTERNATE_STEPS_AT_64_KEYS and tile_n == 64,
         # NSA lists block 0 in every query tile: one work unit per KV block would run N/128
         # tiles where the average runs ~8. Split lists into chunks (not in deterministic mode,
         # whose dK/dV must not depend on the order of float32 partial sums).

@@ -361,6 +361,34 @@ def test_fused_dq_backward_matches_fallback(case: Case, monkeypatch):
     assert_gradients_match(grads, reference_gradients(q, k, v, dout, kwargs), case)
 
 
+ALTERNATE_STEPS_CASES = [case for case in GRADIENT_CASES + DETERMINISTIC_CASES
+                         if case.kv_block == 64]
+
+
+@requires_sm90
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ALTERNATE_STEPS_CASES, ids=lambda case: case.id)
+def test_alternate_steps_backward_matches_fallback(case: Case, monkeypatch):
+    """The 64-key list cases with two consumer warpgroups taking alternate query steps of one
+    64-key tile (`BwdSpec.alternate_steps`: the pipelines' stages handed to one warpgroup per
+    step, dK/dV summed through smem), fast and deterministic; the deterministic ones also
+    bit for bit over repeated calls."""
+    from kernels.sm90 import spec as sm90_spec
+
+    monkeypatch.setattr(sm90_spec, "ALTERNATE_STEPS_AT_64_KEYS", True)
+    assert sm90_spec.choose_backward_spec(
+        dtype="bfloat16", head_dim=case.dim, causal=case.causal, window_size=case.window,
+        sparse_block_size=64, deterministic=case.deterministic).alternate_steps
+    q, k, v, dout, kwargs = make_inputs(case)
+    assert_backends_are_sm90(q, k, v, kwargs, deterministic=case.deterministic)
+    grads = kernel_gradients(q, k, v, dout, kwargs, deterministic=case.deterministic)
+    torch.cuda.synchronize()
+    assert_gradients_match(grads, reference_gradients(q, k, v, dout, kwargs), case)
+    if case.deterministic:
+        again = kernel_gradients(q, k, v, dout, kwargs, deterministic=True)
+        assert all(torch.equal(a, b) for a, b in zip(grads, again))
+
+
 @requires_sm90
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", DETERMINISTIC_CASES, ids=lambda case: case.id)

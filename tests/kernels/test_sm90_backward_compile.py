@@ -189,6 +189,28 @@ def test_backward_issues_dv_before_ds_except_where_the_wgmmas_are_serialised():
     assert callable(compile_backward_on_fake_tensors(single))
 
 
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_alternate_steps_backward_variants_compile_for_sm90a(head_dim):
+    """Two consumer warpgroups on alternate query steps of one 64-key tile
+    (`BwdSpec.alternate_steps`; a tuner and GPU-test switch, dispatched only when
+    `ALTERNATE_STEPS_AT_64_KEYS` is set): split lists, lists walking the whole group, adding
+    dK/dV into given float32 sums, and the deterministic mode all compile, one CTA per SM."""
+    from kernels.sm90.spec import ALTERNATE_STEPS_AT_64_KEYS
+
+    base = _backward_spec("bfloat16", head_dim, "selected-sparse64")
+    assert base.tile_n == 64 and base.alternate_steps == ALTERNATE_STEPS_AT_64_KEYS
+    deterministic = _backward_spec("bfloat16", head_dim, "selected-sparse64", deterministic=True)
+    variants = [dataclasses.replace(base, alternate_steps=True),
+                dataclasses.replace(base, alternate_steps=True, split_lists=False),
+                dataclasses.replace(base, alternate_steps=True, split_lists=False, add_dkv=True),
+                dataclasses.replace(deterministic, alternate_steps=True)]
+    for spec in variants:
+        assert spec.ctas_per_sm == 1 and spec.num_consumer_warpgroups == 2
+        assert spec.warpgroups_per_step == 1 and spec.key_warpgroups == 1
+        assert not spec.can_fuse_dq and spec.fits_in_smem()
+        assert callable(compile_backward_on_fake_tensors(spec))
+
+
 def test_backward_dispatch_splits_rows_only_for_grids_smaller_than_the_gpu():
     assert _backward_spec("bfloat16", 128, "compressed-causal", grid="few-kv-tiles").split_rows
     assert not _backward_spec("bfloat16", 128, "compressed-causal").split_rows
