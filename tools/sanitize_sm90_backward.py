@@ -1,10 +1,11 @@
 """One small sm90 backward call per dispatched path, sized for compute-sanitizer.
 
-Runs, on an sm_90 GPU: dense causal GQA varlen (with a one-row sequence and a 129-row one), a
-causal window, compress_factor 64 (split rows), each fast and deterministic, the dense case
-also with dQ fused into the KV-centric kernel (the writer warp and the accumulator's
-conversion; dispatched from 4096-key sequences on), and 64-key block-sparse lists (split
-lists; also with two warpgroups on alternate query steps); asserts the gradients are finite.
+Runs, on an sm_90 GPU, at head dims 128 and 64 (128-row query steps): dense causal GQA varlen
+(with one-row, 64-row and 129-row sequences), a causal window, compress_factor 64 (split rows;
+also launched heaviest first), each fast and deterministic, the dense cases also with dQ fused
+into the KV-centric kernel (the writer warp and the accumulator's conversion; dispatched from
+4096-key sequences on), and 64-key block-sparse lists (split lists; also with two warpgroups
+on alternate query steps); asserts the gradients are finite.
 Each call launches three backward kernels (row statistics, the KV-centric kernel, and the dQ
 kernel or the fused dQ's conversion), whose names all contain "Backward", so the filter below
 instruments every one of them. Meant as the program under compute-sanitizer (FINDINGS,
@@ -27,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 # Dense, window and compressed calls: (sequence lengths, attention options, H, Hkv).
 CASES = (
     ([300, 1, 129], dict(causal=True), 8, 2),
+    ([64, 1, 200], dict(causal=True), 4, 4),  # steps past the sequence's tiles at head dim 64
     ([500], dict(causal=True, window_size=(100, 0)), 4, 1),
     ([2048], dict(causal=True, compress_factor=64), 4, 1),
 )
@@ -58,6 +60,8 @@ def run_cases(head_dim: int = 128) -> None:
         runs = [dict(deterministic=False), dict(deterministic=True)]
         if options == dict(causal=True):  # plain causal: the fused dQ too
             runs.append(dict(spec_overrides=dict(dq_separate=False)))
+        if "compress_factor" in options:  # CTAs launched heaviest first too
+            runs.append(dict(spec_overrides=dict(heavy_first=True)))
         for run in runs:
             grads = backward.run(dout, q, k, v, out, lse, **run, **kwargs)
             assert all(torch.isfinite(g).all() for g in grads), (lengths, options, run)
@@ -81,7 +85,8 @@ def main(argv=None) -> int:
     if not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)):
         print("sanitize_sm90_backward: needs an sm_90 GPU", file=sys.stderr)
         return 1
-    run_cases()
+    for head_dim in (128, 64):  # 64: 128-row query steps
+        run_cases(head_dim)
     print("sanitize_sm90_backward: every case ran, gradients finite")
     return 0
 

@@ -44,6 +44,8 @@ VARIANTS = {
     "dq fused": dict(dq_separate=False),
     # 64-key tiles at head dim 128: two CTAs per SM serialise every wgmma (232 registers).
     "one CTA per SM": dict(one_cta_per_sm=True),
+    # Dense walks: CTAs launched KV tile by KV tile (heads innermost), heaviest first.
+    "heavy first": dict(heavy_first=True),
     # 64-key tiles: two consumer warpgroups on alternate query steps, one CTA per SM.
     "alternate steps": dict(alternate_steps=True),
     # Query rows per step (128 is dispatched at head dim 64 with 128-key tiles).
@@ -152,9 +154,15 @@ def main(argv=None):
                     continue  # split rows walk a query-tile range
                 if not sparse and "list" in variant:
                     continue  # lists only when sparse
-                if (CASES[case].get("sparse_block") == 64 and args.head_dim == 128
-                        and "fused" in variant):
+                block = CASES[case].get("sparse_block")
+                if block == 64 and args.head_dim == 128 and "fused" in variant:
                     continue  # two dQ products per step: not fused (`BwdSpec.can_fuse_dq`)
+                if variant == "tile_m 128" and (args.head_dim == 128 or block == 64):
+                    continue  # 128-row steps: head dim 64 with two key warpgroups only
+                if variant == "alternate steps" and block != 64:
+                    continue  # 64-key tiles only
+                if variant == "heavy first" and sparse:
+                    continue  # dense walks only
                 rows.append(_child(case, variant, n, args))
                 print(_format(rows[-1]), flush=True)
     if args.json:

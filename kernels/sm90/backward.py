@@ -9,7 +9,8 @@ built by `kernels.interface` when the caller gave none). Three launches, no host
    nothing) and rowsum(dO * O) in float32, both scattered into a layout of 64-row query tiles
    per sequence (P slots per head, +inf / 0 in the padding). Padding the tiles makes every TMA
    load of a tile's row statistics 16-byte aligned and gives rows past a sequence's end P = 0
-   for free;
+   for free (128-row steps, head dim 64, reach past the sequence's tiles: the kernel sets
+   those rows' lse to +inf);
 2. the KV-centric kernel (kernels/sm90/bwd_sm90.py): dK, dV, written in the input type (or
    added into float32 accumulators where several CTAs share a KV tile, converted after);
 3. the query-centric dQ kernel (kernels/sm90/bwd_dq_sm90.py), which writes dQ in the input

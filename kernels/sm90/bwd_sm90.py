@@ -23,7 +23,8 @@ varlen, GQA. Structure:
   warp of the producer warpgroup adds it into a float32 accumulator laid out per 64-row query
   tile (kernels/sm90/dq_accumulator.py; kernels/sm90/backward.py converts it).
 - Rows past a sequence's end carry lse = +inf in that layout, so their P is exactly 0 without
-  a mask; keys past the sequence end are masked and their dK/dV never stored.
+  a mask (a 128-row step that runs past its sequence's tiles sets those rows' lse to +inf in
+  registers); keys past the sequence end are masked and their dK/dV never stored.
 
 Tensors as the kernel sees them: q, dO (T, H, D); k, v, dK, dV (Tk, Hkv, D); lse and dO.O
 (H, P) float32 with P = 64 x (query tiles of all sequences); dQacc (H, P, D) float32.
@@ -84,6 +85,7 @@ class FlashAttentionBackwardSm90:
         assert not (spec.split_rows and spec.block_sparse)
         assert not spec.alternate_steps or (self.tile_n == 64 and self.tile_m == 64
                                             and spec.dq_separate)
+        assert not (spec.heavy_first and spec.block_sparse)
         self.num_wg = spec.num_consumer_warpgroups
         self.key_wg = spec.key_warpgroups
         self.num_consumer_threads = _WARPGROUP * self.num_wg
@@ -91,7 +93,8 @@ class FlashAttentionBackwardSm90:
         per_cta = 65536 // spec.ctas_per_sm
         self.consumer_regs = min(
             240, (per_cta - _WARPGROUP * self.producer_regs) // self.num_consumer_threads // 8 * 8)
-        # The fused dQ = dS K: each warpgroup computes head_dim / num_wg of its columns.
+        # The fused dQ = dS K: each warpgroup computes a share of the columns (64-row steps)
+        # or every column of its own 64 rows (128-row steps).
         self.dq_cols_per_wg = spec.dq_cols_per_warpgroup
 
     # ------------------------------------------------------------------ host side
@@ -192,12 +195,18 @@ class FlashAttentionBackwardSm90:
 
     def grid(self, num_kv_tiles, row_splits, mK, mCuSeqlensQ):
         """(KV tiles, Hkv, sequences), `row_splits` times along the KV tiles with
-        `split_rows`, or one CTA per work unit with `split_lists`."""
+        `split_rows`, or one CTA per work unit with `split_lists`. `heavy_first` folds the KV
+        heads into the first extent, innermost: CTAs start in KV tile order, whatever the
+        head (the kernel unfolds it)."""
         if self.spec.split_lists:
             return (num_kv_tiles, 1, 1)
         if self.spec.split_rows:
             num_kv_tiles = num_kv_tiles * row_splits
-        return (num_kv_tiles, cute.size(mK.shape[1]), cute.size(mCuSeqlensQ.shape[0]) - 1)
+        num_kv_heads = cute.size(mK.shape[1])
+        num_seqs = cute.size(mCuSeqlensQ.shape[0]) - 1
+        if self.spec.heavy_first:
+            return (num_kv_tiles * num_kv_heads, 1, num_seqs)
+        return (num_kv_tiles, num_kv_heads, num_seqs)
 
     def shared_storage_struct(self, sQ_layout, sK_layout, sdS_layout, sdQ_layout):
         """The CTA's shared memory (`BwdSpec.smem_bytes` computes its size)."""
@@ -246,6 +255,10 @@ class FlashAttentionBackwardSm90:
         # `split_lists`: a chunk [entry_lo, entry_hi) of one list (one list head's heads).
         list_head, entry_lo, entry_hi = Int32(0), Int32(0), Int32(1)
         split = Int32(0)
+        if const_expr(spec.heavy_first):  # KV heads innermost in the first extent (`grid`)
+            num_kv_heads = cute.size(mK.shape[2])
+            head_kv = n_block % num_kv_heads
+            n_block = n_block // num_kv_heads
         if const_expr(spec.split_rows):
             split = n_block % row_splits
             n_block = n_block // row_splits
@@ -433,8 +446,10 @@ class FlashAttentionBackwardSm90:
     @cute.jit
     def load_rows(self, tma_atom, m_src, s_dst, handle, head: Int32, slot_row: Int32, stage):
         """TMA-load one step's float32 row statistics (lse or dO.O), from slot `slot_row`
-        of the 64-row tile layout on (a 128-row step may run past its sequence's tiles: the
-        consumers ignore those rows)."""
+        of the 64-row tile layout on (a 128-row step may run past its sequence's tiles into
+        the next sequence's or past the end, zero-filled there: the consumers set those rows'
+        lse to +inf, so their P is 0; their dO.O is the neighbour's, see docs/interfaces.md
+        on non-finite inputs)."""
         g_rows = cute.local_tile(cute.domain_offset((slot_row,), m_src[None, head]),
                                  (self.tile_m,), (0,))
         t_s, t_g = cpasync.tma_partition(tma_atom, 0, cute.make_layout(1), s_dst, g_rows)

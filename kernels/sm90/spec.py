@@ -251,6 +251,8 @@ class BwdSpec:
                                # tile: a load, add and store; nsa()'s running dk, dv)
     one_cta_per_sm: bool = False  # 64-key tiles: one CTA per SM (240 registers per consumer
                                   # thread instead of 232), see `ctas_per_sm`
+    heavy_first: bool = False  # dense walks: CTAs launched KV tile by KV tile, KV heads
+                               # innermost, so the tiles with the longest walks start first
     alternate_steps: bool = False  # 64-key tiles: two consumer warpgroups share the tile and
                                    # take alternate query steps, each with its own dK/dV
                                    # (summed through smem at the end); one CTA per SM
@@ -304,9 +306,10 @@ class BwdSpec:
 
     @property
     def can_fuse_dq(self) -> bool:
-        """The fused dQ needs one dQ product per step (every warpgroup's block of columns at
-        once: not 64-key tiles at head dim 128) and two Q stages; its float32 sums land in
-        any order, so not in the deterministic mode."""
+        """The fused dQ needs one dQ product per step (every warpgroup's block at once: its
+        share of the columns, or with 128-row steps its own rows; not 64-key tiles at head dim
+        128) and two Q stages; its float32 sums land in any order, so not in the
+        deterministic mode."""
         if self.alternate_steps:
             return False  # dQ staging would need a buffer per warpgroup and step
         if self.dq_rows_per_warpgroup:
@@ -417,6 +420,15 @@ FUSED_DQ_MIN_KEYS = 4096  # the fused dQ from this longest sequence (keys) on
 # against a wait after each of them at two CTAs per SM) and passes the CPU checks; dispatched
 # once the GPU tests and a same-run timing against the two-CTA kernel have run.
 ALTERNATE_STEPS_AT_64_KEYS = False
+# Causal compressed keys: CTAs in order of decreasing work (`BwdSpec.heavy_first`). KV tile n
+# of a compressed causal call walks the query tiles from n * 128 * cf on, so its work falls
+# linearly with n; launched head by head, the heavy tiles of the last heads start late. A
+# greedy model of 132 SMs (one CTA each, uniform steps; compress factor 64, H=32, Hkv=8, the
+# dispatched row splits) puts the KV-centric kernel at 1.38x / 1.38x / 1.29x / 1.59x / 1.24x the
+# balanced time at 16K / 64K / 128K / 256K / 512K, and at 1.03x / 1.10x / 1.09x / 1.00x / 1.01x
+# launched heaviest first. Compiled and checked on the CPU (session 18); dispatched once the
+# GPU tests and a same-run timing have run.
+HEAVY_FIRST_COMPRESSED_CAUSAL = False
 BACKWARD_DENSE_TILE_N = 128  # keys per backward CTA without block-sparse lists
 H100_NUM_SMS = 132  # the SM count assumed where no GPU is asked (compile-only dispatch)
 
@@ -490,6 +502,8 @@ def choose_backward_spec(
     long_keys = max_seqlen_k is None or max_seqlen_k >= FUSED_DQ_MIN_KEYS
     if plain and long_keys and spec.can_fuse_dq:
         spec = dataclasses.replace(spec, dq_separate=False)
+    if HEAVY_FIRST_COMPRESSED_CAUSAL and spec.compressed and spec.causal and not spec.block_sparse:
+        spec = dataclasses.replace(spec, heavy_first=True)
     if not spec.fits_in_smem():
         raise ValueError(f"no sm90 backward variant for head_dim {head_dim} with {tile_n}-key "
                          f"tiles fits shared memory ({spec.smem_bytes} bytes)")

@@ -361,6 +361,27 @@ def test_fused_dq_backward_matches_fallback(case: Case, monkeypatch):
     assert_gradients_match(grads, reference_gradients(q, k, v, dout, kwargs), case)
 
 
+HEAVY_FIRST_CASES = [case for case in GRADIENT_CASES + DETERMINISTIC_CASES
+                     if case.compress_factor != 1 and case.causal and case.kv_block is None]
+
+
+@requires_sm90
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", HEAVY_FIRST_CASES, ids=lambda case: case.id)
+def test_heavy_first_backward_matches_fallback(case: Case, monkeypatch):
+    """The compressed causal cases with the KV-centric CTAs launched heaviest first
+    (`BwdSpec.heavy_first`: the KV heads folded into the grid's first extent, with and
+    without split rows), fast and deterministic."""
+    from kernels.sm90 import spec as sm90_spec
+
+    monkeypatch.setattr(sm90_spec, "HEAVY_FIRST_COMPRESSED_CAUSAL", True)
+    q, k, v, dout, kwargs = make_inputs(case)
+    assert_backends_are_sm90(q, k, v, kwargs, deterministic=case.deterministic)
+    grads = kernel_gradients(q, k, v, dout, kwargs, deterministic=case.deterministic)
+    torch.cuda.synchronize()
+    assert_gradients_match(grads, reference_gradients(q, k, v, dout, kwargs), case)
+
+
 ALTERNATE_STEPS_CASES = [case for case in GRADIENT_CASES + DETERMINISTIC_CASES
                          if case.kv_block == 64]
 

@@ -211,6 +211,29 @@ def test_alternate_steps_backward_variants_compile_for_sm90a(head_dim):
         assert callable(compile_backward_on_fake_tensors(spec))
 
 
+def test_heavy_first_backward_variants_compile_for_sm90a(monkeypatch):
+    """CTAs launched heaviest first (`BwdSpec.heavy_first`, KV heads folded into the grid's
+    first extent): dispatched only for causal compressed keys, and only when
+    `HEAVY_FIRST_COMPRESSED_CAUSAL` is set; with split rows, adding into float32 sums and the
+    deterministic mode it compiles."""
+    from kernels.sm90 import spec as sm90_spec
+
+    assert not _backward_spec("bfloat16", 128, "compressed-causal").heavy_first
+    monkeypatch.setattr(sm90_spec, "HEAVY_FIRST_COMPRESSED_CAUSAL", True)
+    for call in _distinct_calls():
+        causal, _, cf, sparse, _, _ = CALLS[call.split("/")[0]]
+        spec = _spec_of("bfloat16", 128, call)
+        assert spec.heavy_first == (causal and cf != 1 and sparse is None), call
+    variants = [_backward_spec("bfloat16", 128, "compressed-causal", grid="few-kv-tiles"),
+                _backward_spec("bfloat16", 64, "compressed-causal"),
+                _backward_spec("bfloat16", 128, "compressed-causal", deterministic=True)]
+    variants.append(dataclasses.replace(variants[1], add_dkv=True))
+    assert variants[0].split_rows
+    for spec in variants:
+        assert spec.heavy_first
+        assert callable(compile_backward_on_fake_tensors(spec))
+
+
 def test_backward_dispatch_splits_rows_only_for_grids_smaller_than_the_gpu():
     assert _backward_spec("bfloat16", 128, "compressed-causal", grid="few-kv-tiles").split_rows
     assert not _backward_spec("bfloat16", 128, "compressed-causal").split_rows
