@@ -13,6 +13,31 @@ RULE = dict(compress_block_size=4, selected_block_size=8, num_selected_blocks=5,
             cmp_kv_block=4, num_cmp_selected_blocks=2)
 
 
+@pytest.fixture(params=["sort", "topk"])
+def ranking(request, monkeypatch):
+    """Both ways of ranking a tile's blocks (`nsa.selection.TOP_BLOCKS_BY_TOPK`)."""
+    monkeypatch.setattr(selection_module, "TOP_BLOCKS_BY_TOPK", request.param == "topk")
+    return request.param
+
+
+@pytest.mark.parametrize("width,candidates", [(5, None), (5, 2), (40, None), (7, 0)])
+def test_top_k_ranking_equals_the_stable_sort(width, candidates, monkeypatch):
+    """The one-top-k ranking gives the stable descending sort's lists: keys full of exact ties
+    (a few distinct values), forced blocks (+inf), excluded ones (-inf), NaN, -0.0 beside 0.0,
+    negative values, and widths past the block count."""
+    gen = torch.Generator().manual_seed(width)
+    values = torch.tensor([0.0, -0.0, 0.25, 0.5, -1.5, float("inf"), -float("inf"),
+                           float("nan"), 3.0e-39])
+    key = values[torch.randint(len(values), (6, 3, 31), generator=gen)]
+    lists = {}
+    for name in ("sort", "topk"):
+        monkeypatch.setattr(selection_module, "TOP_BLOCKS_BY_TOPK", name == "topk")
+        lists[name] = selection_module._top_blocks(key, width, candidates)
+    assert torch.equal(lists["sort"], lists["topk"])
+    ranked = selection_module._rank_by_topk(key, 31)
+    assert torch.equal(ranked, key.sort(dim=-1, descending=True, stable=True).indices)
+
+
 def _select_both(q, k, cu_seqlens, **rule):
     """Fast selection (float32 inputs) and reference selection (float64) on the same values."""
     k_cmp, _, cu_cmp = compress_kv(k, k, cu_seqlens, rule["compress_block_size"])
@@ -42,7 +67,7 @@ def _assert_same_selection(fast, ref):
     (16, 1, [90, 17]),
     (8, 2, [1, 2, 5, 8, 15, 33, 70, 121]),
 ], ids=["group1", "group4-varlen", "group16", "group4-8seqs"])
-def test_selection_matches_reference(causal, heads, kv_heads, lengths):
+def test_selection_matches_reference(causal, heads, kv_heads, lengths, ranking):
     gen = torch.Generator().manual_seed(len(lengths) * 100 + heads)
     total = sum(lengths)
     q = torch.randn(total, heads, 8, generator=gen)
@@ -69,7 +94,7 @@ def test_chunked_scoring_gives_the_same_selection(causal, monkeypatch):
     _assert_same_selection(chunked, ref)
 
 
-def test_exact_ties_go_to_the_lower_block():
+def test_exact_ties_go_to_the_lower_block(ranking):
     # Identical keys everywhere: every compressed token scores the same, every candidate block
     # has the same importance, so the lowest-numbered candidates must win.
     n = 160
@@ -85,7 +110,7 @@ def test_exact_ties_go_to_the_lower_block():
     assert fast.cmp_selected[5, 0].tolist()[:4] == [0, 1, 2, 5]
 
 
-def test_ties_between_duplicated_blocks_match_the_reference():
+def test_ties_between_duplicated_blocks_match_the_reference(ranking):
     # Random keys, but some selection blocks are exact copies of others: their importances tie
     # exactly, in float32 and in float64, and both paths must keep the lower copy.
     n = 256
@@ -162,7 +187,7 @@ def test_selection_given_the_host_bounds_reads_nothing_and_selects_the_same(monk
     (16, 4, [1000, 77, 2900, 129]),
     (16, 1, [700, 1500]),
 ], ids=["gqa1", "gqa4-varlen", "gqa16-varlen"])
-def test_selection_on_the_gpu_matches_the_reference(heads, kv_heads, lengths):
+def test_selection_on_the_gpu_matches_the_reference(heads, kv_heads, lengths, ranking):
     """nsa()'s defaults (blocks of 64, 16 selected, 128-row tiles, sparse compressed branch)
     on bf16 inputs: the GPU path (K compression and the scoring queries on the row-means
     kernel) selects the blocks the float64 reference selects from the same values."""
