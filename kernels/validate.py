@@ -24,6 +24,8 @@ from typing import Iterator, Sequence
 
 import torch
 
+from kernels.sm90.spec import QUERY_SLOT_ROWS  # the backward's query-tile rows
+
 # The fallback computes in any of these; the CuTe kernels accept a subset (their `can_run` says
 # which). float64 exists for oracles and gradcheck.
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -510,10 +512,9 @@ GRID_YZ_MAX = 65535
 # a right window; row_limit_high without a left window): keys and rows at or past it are never
 # visited, so a sequence must be shorter.
 KERNEL_UNBOUNDED = 2**30
-# Rows per forward work tile (kernels/sm90/forward.py TILE_M), per query-tile slot of the
-# backward's row statistics (kernels/sm90/backward.py SLOT_ROWS), and the widest key tile of
+# Rows per forward work tile (kernels/sm90/forward.py TILE_M), and the widest key tile of
 # either direction.
-_FORWARD_TILE_M, _BACKWARD_SLOT_ROWS, _WIDEST_TILE = 128, 64, 128
+_FORWARD_TILE_M, _WIDEST_TILE = 128, 128
 
 
 def require_int32_limits(caller: str, q, k, **kwargs) -> None:
@@ -574,7 +575,7 @@ def int32_limits_reason(q, k, *, backward: bool = False, cu_seqlens_q=None, max_
             return (f"{tiles} forward work tiles (ceil(max_seqlen_q / {_FORWARD_TILE_M}) x H x S)"
                     " exceed the kernel's Int32 tile count")
         return ""
-    slots = _BACKWARD_SLOT_ROWS * (rows_q // _BACKWARD_SLOT_ROWS + num_seqs)
+    slots = QUERY_SLOT_ROWS * (rows_q // QUERY_SLOT_ROWS + num_seqs)
     if slots > INT32_MAX:
         return (f"{slots} query-tile slots (64 x (Tq // 64 + S)) of the backward's dQ "
                 "accumulator exceed its Int32 extent")

@@ -31,10 +31,9 @@ from kernels.sm90.forward import (SUPPORTED_DTYPES, _num_sms, _uniform_cu_seqlen
                                   has_aligned_rows, launch_compiled, unsupported_inputs)
 from kernels.sm90.spec import (BACKWARD_DENSE_TILE_N, H100_NUM_SMS, choose_backward_spec,
                                dq_spec_for)
+from kernels.sm90.spec import QUERY_SLOT_ROWS as SLOT_ROWS  # `QueryTiles`' tile rows
 
 SUPPORTED_HEAD_DIMS = (64, 128)
-SLOT_ROWS = 64          # rows per query tile of the row statistics' and dQ accumulator's
-                        # layout (`QueryTiles`); a backward step is one or two of them
 DQ_TILE_ROWS = 128      # query rows per CTA of the query-centric dQ kernel (DqSpec.tile_m)
 LIST_Q_TILE = 128       # block-sparse lists name query tiles of this many rows
 SPARSE_KV_BLOCKS = (64, 128)

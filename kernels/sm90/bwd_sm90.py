@@ -52,7 +52,7 @@ from kernels.sm90.mask import apply_mask_keys_as_rows
 from kernels.sm90.mma import gemm, warpgroup_slice
 from kernels.sm90.pipelines import load_seq_tile, smem_buffer, stage_index, tma_pipeline
 from kernels.sm90.register_store import store_rows_from_registers
-from kernels.sm90.spec import BwdSpec
+from kernels.sm90.spec import QUERY_SLOT_ROWS, BwdSpec
 
 _WARPGROUP = 128
 # Named barrier (0 is __syncthreads) among the consumer warpgroups: the step's dS is in smem
@@ -171,7 +171,7 @@ class FlashAttentionBackwardSm90:
                                                                 (tm,))
         # The fused dQ: each warpgroup's 64 x dq_cols float32 block, staged flat in register
         # order (kernels/sm90/dq_accumulator.py).
-        sdQ_layout = cute.make_layout((64 * self.dq_cols_per_wg, self.num_wg))
+        sdQ_layout = cute.make_layout((QUERY_SLOT_ROWS * self.dq_cols_per_wg, self.num_wg))
         self.q_bytes = cute.size_in_bytes(dtype, sQ_one) + tm * 4
         self.kv_bytes = 2 * cute.size_in_bytes(dtype, sK_one)
         self.shared_storage = self.shared_storage_struct(sQ_layout, sK_layout, sdS_layout,
@@ -438,7 +438,7 @@ class FlashAttentionBackwardSm90:
                       seqlen_q: Int32):
         """The dQ writer warp's step (`fuses_dq`): add the consumers' staged dQ blocks
         of (head, m_block) into the float32 accumulator."""
-        tiles_per_step = self.tile_m // 64
+        tiles_per_step = self.tile_m // QUERY_SLOT_ROWS
         dq_accumulator.write_step(head, q_tile_offset + m_block * tiles_per_step,
                                   seqlen_q - m_block * self.tile_m)
         return (steps + 1,)
@@ -462,7 +462,7 @@ class FlashAttentionBackwardSm90:
         tma_atom_do, mdO, tma_atom_lse, mLSE, tma_atom_dpsum, mDPsum, sQ, sdO, sLSE, sDPsum,
         offset_q: Int32, q_tile_offset: Int32,
     ):
-        slot_row = q_tile_offset * 64 + m_block * self.tile_m
+        slot_row = q_tile_offset * QUERY_SLOT_ROWS + m_block * self.tile_m
         q_handle = q_producer.acquire_and_advance()
         load_seq_tile(tma_atom_q, mQ, sQ, q_handle, offset_q, head, m_block, self.tile_m,
                       self.head_dim, q_handle.index)
@@ -577,22 +577,21 @@ class FlashAttentionBackwardSm90:
         consumers = 2 * _WARPGROUP
         cute.arch.barrier(barrier_id=_WALKS_DONE_BARRIER, number_of_threads=consumers)
         lane = tidx % _WARPGROUP
-        size = cute.size(acc_dk)
+        flat = cute.make_layout(cute.size(acc_dk))
+        dk, dv = (cute.make_tensor(acc.iterator, flat) for acc in (acc_dk, acc_dv))
         dk_slot, dv_slot = (t[None, lane] for t in dkv_handover)
         if wg == 0:
-            cute.autovec_copy(cute.make_tensor(acc_dv.iterator, cute.make_layout(size)), dv_slot)
+            cute.autovec_copy(dv, dv_slot)
         else:
-            cute.autovec_copy(cute.make_tensor(acc_dk.iterator, cute.make_layout(size)), dk_slot)
+            cute.autovec_copy(dk, dk_slot)
         cute.arch.barrier(barrier_id=_DKV_STAGED_BARRIER, number_of_threads=consumers)
-        other = cute.make_rmem_tensor(cute.make_layout(size), Float32)
+        other = cute.make_rmem_tensor(flat, Float32)
         if wg == 0:
             cute.autovec_copy(dk_slot, other)
-            mine = cute.make_tensor(acc_dk.iterator, cute.make_layout(size))
-            mine.store(mine.load() + other.load())
+            dk.store(dk.load() + other.load())
         else:
             cute.autovec_copy(dv_slot, other)
-            mine = cute.make_tensor(acc_dv.iterator, cute.make_layout(size))
-            mine.store(mine.load() + other.load())
+            dv.store(dv.load() + other.load())
 
     @cute.jit
     def consume_step(

@@ -28,9 +28,10 @@ import cutlass.cute as cute
 from cutlass import Int32, const_expr
 from cutlass.experimental import primitives
 
+from kernels.sm90.spec import QUERY_SLOT_ROWS as _BLOCK_ROWS  # a block: one accumulator tile
+
 _WARPGROUP = 128
 _VECTOR = 4  # float32 per 16-byte store
-_BLOCK_ROWS = 64  # rows of a staged block: one query tile of the accumulator
 # 6 + wg: the writer has read warpgroup wg's buffer (empty); 8 + wg: the warpgroup has staged
 # its block (full); each between the warpgroup and the writer warp (1-3 belong to
 # bwd_sm90.py).

@@ -366,7 +366,7 @@ class BwdSpec:
             size = aligned(size, 1024) + 2 * rows * self.head_dim
         if self.fuses_dq:  # dS, and one 64-row float32 dQ staging block per warpgroup
             size = aligned(size, 1024) + 2 * self.tile_m * self.tile_n * self.ds_stages
-            size = aligned(size, 1024) + 4 * 64 * self.dq_cols_per_warpgroup * (
+            size = aligned(size, 1024) + 4 * QUERY_SLOT_ROWS * self.dq_cols_per_warpgroup * (
                 self.num_consumer_warpgroups)
         return size
 
@@ -414,6 +414,9 @@ class DqSpec:
 
 
 BACKWARD_HEAD_DIMS = (64, 128)
+# Rows per query tile of the backward's row statistics and fused-dQ accumulator layout
+# (kernels/sm90/backward.py `QueryTiles`); a backward step (`BwdSpec.tile_m`) is one or two.
+QUERY_SLOT_ROWS = 64
 FUSED_DQ_MIN_KEYS = 4096  # the fused dQ from this longest sequence (keys) on
 # 64-key tiles with two consumer warpgroups on alternate query steps (`BwdSpec.alternate_steps`,
 # session 18): compiles without serialised wgmmas (SASS: 6 waits for 48 HGMMAs at head dim 128,
@@ -472,6 +475,8 @@ def choose_backward_spec(
         compressed=compress_factor != 1, deterministic=bool(deterministic), tile_n=tile_n,
         tile_m=tile_m, q_stages=q_stages,
         alternate_steps=ALTERNATE_STEPS_AT_64_KEYS and tile_n == 64,
+        heavy_first=(HEAVY_FIRST_COMPRESSED_CAUSAL and compress_factor != 1 and bool(causal)
+                     and sparse_block_size is None),
         # NSA lists block 0 in every query tile: one work unit per KV block would run N/128
         # tiles where the average runs ~8. Split lists into chunks (not in deterministic mode,
         # whose dK/dV must not depend on the order of float32 partial sums).
@@ -502,8 +507,6 @@ def choose_backward_spec(
     long_keys = max_seqlen_k is None or max_seqlen_k >= FUSED_DQ_MIN_KEYS
     if plain and long_keys and spec.can_fuse_dq:
         spec = dataclasses.replace(spec, dq_separate=False)
-    if HEAVY_FIRST_COMPRESSED_CAUSAL and spec.compressed and spec.causal and not spec.block_sparse:
-        spec = dataclasses.replace(spec, heavy_first=True)
     if not spec.fits_in_smem():
         raise ValueError(f"no sm90 backward variant for head_dim {head_dim} with {tile_n}-key "
                          f"tiles fits shared memory ({spec.smem_bytes} bytes)")

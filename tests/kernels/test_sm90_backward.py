@@ -332,15 +332,22 @@ def assert_gradients_match(grads, reference, case: Case):
         assert _rows_first(dv)[unseen].abs().max() == 0, "dv of keys no row sees"
 
 
+def check_against_fallback(case: Case):
+    """The case's dq/dk/dv through the differentiable entry point (on the sm90 kernels, in
+    the case's mode) against the float32 fallback's; returns them and the inputs."""
+    inputs = q, k, v, dout, kwargs = make_inputs(case)
+    assert_backends_are_sm90(q, k, v, kwargs, deterministic=case.deterministic)
+    grads = kernel_gradients(q, k, v, dout, kwargs, deterministic=case.deterministic)
+    torch.cuda.synchronize()
+    assert_gradients_match(grads, reference_gradients(q, k, v, dout, kwargs), case)
+    return grads, inputs
+
+
 @requires_sm90
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", GRADIENT_CASES, ids=lambda case: case.id)
 def test_backward_matches_fallback(case: Case):
-    q, k, v, dout, kwargs = make_inputs(case)
-    assert_backends_are_sm90(q, k, v, kwargs)
-    grads = kernel_gradients(q, k, v, dout, kwargs)
-    torch.cuda.synchronize()
-    assert_gradients_match(grads, reference_gradients(q, k, v, dout, kwargs), case)
+    check_against_fallback(case)
 
 
 @requires_sm90
@@ -354,11 +361,7 @@ def test_fused_dq_backward_matches_fallback(case: Case, monkeypatch):
     from kernels.sm90 import spec as sm90_spec
 
     monkeypatch.setattr(sm90_spec, "FUSED_DQ_MIN_KEYS", 1)
-    q, k, v, dout, kwargs = make_inputs(case)
-    assert_backends_are_sm90(q, k, v, kwargs)
-    grads = kernel_gradients(q, k, v, dout, kwargs)
-    torch.cuda.synchronize()
-    assert_gradients_match(grads, reference_gradients(q, k, v, dout, kwargs), case)
+    check_against_fallback(case)
 
 
 HEAVY_FIRST_CASES = [case for case in GRADIENT_CASES + DETERMINISTIC_CASES
@@ -375,11 +378,7 @@ def test_heavy_first_backward_matches_fallback(case: Case, monkeypatch):
     from kernels.sm90 import spec as sm90_spec
 
     monkeypatch.setattr(sm90_spec, "HEAVY_FIRST_COMPRESSED_CAUSAL", True)
-    q, k, v, dout, kwargs = make_inputs(case)
-    assert_backends_are_sm90(q, k, v, kwargs, deterministic=case.deterministic)
-    grads = kernel_gradients(q, k, v, dout, kwargs, deterministic=case.deterministic)
-    torch.cuda.synchronize()
-    assert_gradients_match(grads, reference_gradients(q, k, v, dout, kwargs), case)
+    check_against_fallback(case)
 
 
 ALTERNATE_STEPS_CASES = [case for case in GRADIENT_CASES + DETERMINISTIC_CASES
@@ -400,11 +399,7 @@ def test_alternate_steps_backward_matches_fallback(case: Case, monkeypatch):
     assert sm90_spec.choose_backward_spec(
         dtype="bfloat16", head_dim=case.dim, causal=case.causal, window_size=case.window,
         sparse_block_size=64, deterministic=case.deterministic).alternate_steps
-    q, k, v, dout, kwargs = make_inputs(case)
-    assert_backends_are_sm90(q, k, v, kwargs, deterministic=case.deterministic)
-    grads = kernel_gradients(q, k, v, dout, kwargs, deterministic=case.deterministic)
-    torch.cuda.synchronize()
-    assert_gradients_match(grads, reference_gradients(q, k, v, dout, kwargs), case)
+    grads, (q, k, v, dout, kwargs) = check_against_fallback(case)
     if case.deterministic:
         again = kernel_gradients(q, k, v, dout, kwargs, deterministic=True)
         assert all(torch.equal(a, b) for a, b in zip(grads, again))
