@@ -253,10 +253,11 @@ class Case:
 
 
 def bench_seqlen(n: int, heads: int, heads_kv: int, dim: int, reps: int, rounds: int,
-                 passes=PASSES) -> list[dict]:
+                 passes=PASSES, only: list[str] | None = None) -> list[dict]:
     """One row per case. Every timed function of a case (ours and FA4, forward, backward,
     forward+backward) is timed interleaved (`_common.interleaved_medians`): each round takes
-    them all in a shuffled order, so drift in clocks or power during the run reaches all."""
+    them all in a shuffled order, so drift in clocks or power during the run reaches all.
+    `only`: time the cases whose names contain one of these strings (default: all)."""
     torch.manual_seed(0)
     q = torch.randn(1, n, heads, dim, device="cuda", dtype=torch.bfloat16)
     k = torch.randn(1, n, heads_kv, dim, device="cuda", dtype=torch.bfloat16)
@@ -351,6 +352,8 @@ def bench_seqlen(n: int, heads: int, heads_kv: int, dim: int, reps: int, rounds:
     device = torch.device("cuda")
     rows = []
     for row_case in cases:
+        if only and not any(part in row_case.name for part in only):
+            continue
         fns = row_case.build()
         timed = {f"{kernel} {pass_}": fn for (kernel, pass_), fn in fns.items()}
         medians = _common.interleaved_medians(timed, device, rounds=rounds, repeats=reps)
@@ -497,6 +500,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="timed calls per round (default 10)")
     parser.add_argument("--rounds", type=_common.positive_int, default=5,
                         help="rounds, each timing ours and FA4 in a shuffled order (default 5)")
+    parser.add_argument("--cases", nargs="+", metavar="TEXT",
+                        help="time only the cases whose names contain one of these strings "
+                             "(for example 'compress' 'block-sparse 25%%'; default: all)")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -509,7 +515,7 @@ def main(argv=None):
     rows = []
     for n in args.seqlens:
         rows += bench_seqlen(n, args.heads, args.heads_kv, args.head_dim, args.reps,
-                             args.rounds, args.passes)
+                             args.rounds, args.passes, args.cases)
     device = torch.cuda.get_device_name()
     print(f"\n{device}, bf16, B=1, H={args.heads}, Hkv={args.heads_kv}, D={args.head_dim}, "
           f"medians of {args.rounds} rounds x {args.reps} calls, ours and FA4 interleaved")
