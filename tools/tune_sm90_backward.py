@@ -59,6 +59,7 @@ CASES = {
     "compress_factor 64": dict(causal=True, compress_factor=64),
     # Random lists of 25% of the 128- or 64-key (NSA's block size) blocks per 128-row query tile.
     "block-sparse 25%": dict(causal=False, sparse_density=0.25, sparse_block=128),
+    "block-sparse 5%": dict(causal=False, sparse_density=0.05, sparse_block=128),
     "block-sparse 25% 64-key": dict(causal=False, sparse_density=0.25, sparse_block=64),
     # NSA's selected branch at the defaults: 16 random 64-key blocks per 128-row query tile,
     # one list per KV group.

@@ -420,18 +420,19 @@ QUERY_SLOT_ROWS = 64
 FUSED_DQ_MIN_KEYS = 4096  # the fused dQ from this longest sequence (keys) on
 # 64-key tiles with two consumer warpgroups on alternate query steps (`BwdSpec.alternate_steps`,
 # session 18): compiles without serialised wgmmas (SASS: 6 waits for 48 HGMMAs at head dim 128,
-# against a wait after each of them at two CTAs per SM) and passes the CPU checks; dispatched
-# once the GPU tests and a same-run timing against the two-CTA kernel have run.
+# against a wait after each of them at two CTAs per SM) and matches the fallback on the GPU,
+# but is slower than two CTAs per SM (H100, session 19, D=128, the whole backward: random 25%
+# 64-key lists 5.70 -> 5.84 ms at 16K, 100.4 -> 114.3 at 64K; NSA-like 16 x 64 per group
+# 2.65 -> 2.69 at 16K): kept as a tuner variant, not dispatched.
 ALTERNATE_STEPS_AT_64_KEYS = False
 # Causal compressed keys: CTAs in order of decreasing work (`BwdSpec.heavy_first`). KV tile n
 # of a compressed causal call walks the query tiles from n * 128 * cf on, so its work falls
-# linearly with n; launched head by head, the heavy tiles of the last heads start late. A
-# greedy model of 132 SMs (one CTA each, uniform steps; compress factor 64, H=32, Hkv=8, the
-# dispatched row splits) puts the KV-centric kernel at 1.38x / 1.38x / 1.29x / 1.59x / 1.24x the
-# balanced time at 16K / 64K / 128K / 256K / 512K, and at 1.03x / 1.10x / 1.09x / 1.00x / 1.01x
-# launched heaviest first. Compiled and checked on the CPU (session 18); dispatched once the
-# GPU tests and a same-run timing have run.
-HEAVY_FIRST_COMPRESSED_CAUSAL = False
+# linearly with n; launched head by head, the heavy tiles of the last heads start late (a
+# greedy model of 132 SMs put that order at 1.24-1.59x the balanced time from 16K to 512K,
+# heaviest first at 1.00-1.10x). H100, session 19, compress factor 64, H=32, Hkv=8, D=128,
+# the whole backward interleaved with the order by heads: 0.641 -> 0.609 ms at 16K, 4.45 ->
+# 4.02 at 64K, 15.1 -> 13.9 at 128K, 61.9 -> 51.0 at 256K.
+HEAVY_FIRST_COMPRESSED_CAUSAL = True
 BACKWARD_DENSE_TILE_N = 128  # keys per backward CTA without block-sparse lists
 H100_NUM_SMS = 132  # the SM count assumed where no GPU is asked (compile-only dispatch)
 

@@ -213,11 +213,13 @@ def test_alternate_steps_backward_variants_compile_for_sm90a(head_dim):
 
 def test_heavy_first_backward_variants_compile_for_sm90a(monkeypatch):
     """CTAs launched heaviest first (`BwdSpec.heavy_first`, KV heads folded into the grid's
-    first extent): dispatched only for causal compressed keys, and only when
-    `HEAVY_FIRST_COMPRESSED_CAUSAL` is set; with split rows, adding into float32 sums and the
-    deterministic mode it compiles."""
+    first extent): dispatched for causal compressed keys only (while
+    `HEAVY_FIRST_COMPRESSED_CAUSAL` is set, as it is by default); with split rows, adding into
+    float32 sums and the deterministic mode it compiles."""
     from kernels.sm90 import spec as sm90_spec
 
+    assert sm90_spec.HEAVY_FIRST_COMPRESSED_CAUSAL
+    monkeypatch.setattr(sm90_spec, "HEAVY_FIRST_COMPRESSED_CAUSAL", False)
     assert not _backward_spec("bfloat16", 128, "compressed-causal").heavy_first
     monkeypatch.setattr(sm90_spec, "HEAVY_FIRST_COMPRESSED_CAUSAL", True)
     for call in _distinct_calls():
