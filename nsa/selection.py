@@ -39,11 +39,10 @@ SCORE_CHUNK_ELEMENTS = 1 << 26
 
 _INF = float("inf")
 
-# Rank the blocks with one top-k over keys that carry the block index (ties to the lower
-# index, as the stable sort does) instead of a full stable sort of every tile's blocks (1.5 ms
-# of nsa()'s 40 ms forward at 256K on the H100, session 15). Equal lists on the CPU (session
-# 18, tests/nsa/test_nsa_selection.py); used once a GPU timing shows it faster.
-TOP_BLOCKS_BY_TOPK = False
+# Rank on sm90 with one warp per row (kernels/sm90/top_blocks.py): `width` rounds of a max over
+# the row instead of a stable sort of the whole row (2.7 ms at 256K tokens on the H100; one
+# int64 top-k with the block index in the key measured 5.3 ms, session 19).
+TOP_BLOCKS_ON_SM90 = True
 
 
 @dataclass(frozen=True)
@@ -332,20 +331,16 @@ def _ranking_keys(importance: Tensor, ranges: _BlockRanges) -> Tensor:
     return key
 
 
-def _rank_by_topk(key: Tensor, width: int) -> Tensor:
-    """Indices of the `width` largest float32 keys along the last axis, descending, equal keys
-    in ascending index order (a stable descending sort's first `width`), from one int64 top-k:
-    the key's bits made order-preserving as a signed integer in the high 32 bits, the
-    reversed index in the low 32. NaN (canonicalised to one positive NaN) ranks above +inf,
-    as torch.sort puts it, and -0.0 ties with 0.0."""
-    blocks = key.shape[-1]
-    # -0.0 + 0.0 is +0.0: the sort holds the two zeros equal, their bits differ.
-    canonical = (key.float() + 0.0).masked_fill(key.isnan(), float("nan")).contiguous()
-    bits = canonical.view(torch.int32)
-    ordered = (bits ^ ((bits >> 31) & 0x7FFFFFFF)).to(torch.int64)  # monotone in the value
-    reversed_index = blocks - 1 - torch.arange(blocks, device=key.device, dtype=torch.int64)
-    combined = ordered * (1 << 32) + reversed_index
-    return blocks - 1 - combined.topk(width, dim=-1).values % (1 << 32)
+def _top_blocks_on_sm90(key: Tensor, width: int) -> bool:
+    """Whether the ranking kernel (kernels/sm90/top_blocks.py) serves this call: float32 keys
+    on an sm90 GPU, at most 32 ranks (one per lane), TOP_BLOCKS_ON_SM90 set."""
+    if not TOP_BLOCKS_ON_SM90 or key.device.type != "cuda":
+        return False
+    try:
+        from kernels.sm90 import top_blocks as kernel
+    except ImportError:
+        return False
+    return kernel.can_run(key, width)
 
 
 def _top_blocks(key: Tensor, width: int, num_candidates: int | None = None) -> Tensor:
@@ -355,13 +350,13 @@ def _top_blocks(key: Tensor, width: int, num_candidates: int | None = None) -> T
     `width` when None. A stable descending sort puts equal importances in block order, so ties go
     to the lower block index.
     """
+    if _top_blocks_on_sm90(key, width):
+        from kernels.sm90 import top_blocks as kernel
+
+        return kernel.run(key, width, num_candidates)
     if key.shape[-1] < width:
         key = torch.nn.functional.pad(key, (0, width - key.shape[-1]), value=-_INF)
-    if TOP_BLOCKS_BY_TOPK:
-        ranked = _rank_by_topk(key, width)
-        ranked_key = key.gather(-1, ranked)
-    else:
-        ranked_key, ranked = key.sort(dim=-1, descending=True, stable=True)
+    ranked_key, ranked = key.sort(dim=-1, descending=True, stable=True)
     keep = ranked_key[..., :width] > -_INF
     if num_candidates is not None:
         position = torch.arange(width, device=key.device)

@@ -13,29 +13,47 @@ RULE = dict(compress_block_size=4, selected_block_size=8, num_selected_blocks=5,
             cmp_kv_block=4, num_cmp_selected_blocks=2)
 
 
-@pytest.fixture(params=["sort", "topk"])
+@pytest.fixture(params=["sort", "sm90"])
 def ranking(request, monkeypatch):
-    """Both ways of ranking a tile's blocks (`nsa.selection.TOP_BLOCKS_BY_TOPK`)."""
-    monkeypatch.setattr(selection_module, "TOP_BLOCKS_BY_TOPK", request.param == "topk")
+    """Both ways of ranking a tile's blocks: the stable sort, and on an sm90 GPU the ranking
+    kernel (`nsa.selection.TOP_BLOCKS_ON_SM90`; elsewhere both take the sort)."""
+    monkeypatch.setattr(selection_module, "TOP_BLOCKS_ON_SM90", request.param == "sm90")
     return request.param
 
 
-@pytest.mark.parametrize("width,candidates", [(5, None), (5, 2), (40, None), (7, 0)])
-def test_top_k_ranking_equals_the_stable_sort(width, candidates, monkeypatch):
-    """The one-top-k ranking gives the stable descending sort's lists: keys full of exact ties
-    (a few distinct values), forced blocks (+inf), excluded ones (-inf), NaN, -0.0 beside 0.0,
-    negative values, and widths past the block count."""
-    gen = torch.Generator().manual_seed(width)
+def _tie_heavy_keys(shape, seed):
+    """Keys full of exact ties (a few distinct values), forced blocks (+inf), excluded ones
+    (-inf), NaN, -0.0 beside 0.0, negative values and a subnormal."""
+    gen = torch.Generator().manual_seed(seed)
     values = torch.tensor([0.0, -0.0, 0.25, 0.5, -1.5, float("inf"), -float("inf"),
                            float("nan"), 3.0e-39])
-    key = values[torch.randint(len(values), (6, 3, 31), generator=gen)]
-    lists = {}
-    for name in ("sort", "topk"):
-        monkeypatch.setattr(selection_module, "TOP_BLOCKS_BY_TOPK", name == "topk")
-        lists[name] = selection_module._top_blocks(key, width, candidates)
-    assert torch.equal(lists["sort"], lists["topk"])
-    ranked = selection_module._rank_by_topk(key, 31)
-    assert torch.equal(ranked, key.sort(dim=-1, descending=True, stable=True).indices)
+    return values[torch.randint(len(values), shape, generator=gen)]
+
+
+@pytest.mark.gpu
+@requires_sm90
+@pytest.mark.parametrize("width,candidates", [(5, None), (5, 2), (19, 16), (32, None), (7, 0),
+                                              (1, None), (40, None)])
+def test_sm90_ranking_equals_the_stable_sort(width, candidates, monkeypatch):
+    """The ranking kernel (kernels/sm90/top_blocks.py) gives the stable descending sort's lists
+    bit for bit: tie-heavy keys, rows shorter than the width, and nsa()'s shape at 256K tokens
+    (4096 blocks of 64, causal: a tile sees the blocks up to its own) with random scores.
+    Width 40 is past one rank per lane: the sort serves it."""
+    from kernels.sm90 import top_blocks
+
+    causal = torch.rand(64, 8, 4096, generator=torch.Generator().manual_seed(width))
+    visible = torch.arange(4096) <= torch.arange(64)[:, None, None] * 64
+    causal = causal.masked_fill(~visible, -float("inf"))
+    causal[..., 0] = float("inf")
+    for key in (_tie_heavy_keys((6, 3, 31), width), _tie_heavy_keys((5, 2, 3), width), causal):
+        key = key.cuda()
+        lists = {}
+        for name in ("sort", "sm90"):
+            monkeypatch.setattr(selection_module, "TOP_BLOCKS_ON_SM90", name == "sm90")
+            lists[name] = selection_module._top_blocks(key, width, candidates)
+        assert selection_module._top_blocks_on_sm90(key, width) == (width <= 32)
+        assert torch.equal(lists["sort"], lists["sm90"]), (width, candidates, key.shape)
+    assert top_blocks.can_run(key, width) == (width <= top_blocks.MAX_WIDTH)
 
 
 def _select_both(q, k, cu_seqlens, **rule):

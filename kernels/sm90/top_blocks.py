@@ -1,0 +1,202 @@
+"""Selection's block ranking: per row, the `width` best blocks, in ascending block order.
+
+nsa()'s selection scores every block of every (query tile, KV head) row and keeps the forced
+blocks (score +inf) plus the best candidates, equal scores going to the lower block index
+(`nsa.selection._top_blocks`, whose torch path is a stable descending sort of every row). At
+256K tokens that is 16K rows of 4096 blocks and the sort took 2.7 ms of a 40 ms forward (H100,
+session 19; an int64 top-k with the index in the key took 5.3 ms). A row needs only its first
+`width` ranks (16 + 3 at the defaults), so this kernel ranks by repeated selection instead:
+
+- one warp per row, four rows per CTA; lane l reads blocks l, l + 32, ... (coalesced, from L1
+  after the first round);
+- each block's key is one int64: the float32 score made order-preserving as a signed integer
+  (-0.0 as +0.0, every NaN as one positive NaN above +inf, as torch.sort ranks them) in the
+  high half, the reversed block index in the low half, so keys are distinct and "larger" is
+  "ranked first";
+- round r takes the largest key below round r-1's (a lane scan, then a butterfly max over
+  the warp): after `width` rounds lane r holds rank r.
+
+A rank is kept if it is below the row's limit (width, or the forced blocks + num_candidates
+when that is given) and its score is neither -inf (a block the tile cannot see) nor NaN; the
+kept blocks are written in ascending order, then -1. Equal to the sort's lists bit for bit
+(tests/nsa/test_nsa_selection.py, GPU).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Boolean, Float32, Int32, Int64, const_expr
+
+WARP = 32
+ROWS_PER_CTA = 4
+MAX_WIDTH = WARP  # one rank per lane
+_NAN_BITS = 0x7FC00000
+_NEG_ZERO_BITS = -0x80000000  # 0x80000000 as a signed 32-bit value
+_MINUS_INF_ORDERED = -0x7F800001  # order_preserving(bits of -inf)
+_NAN_ORDERED = _NAN_BITS  # positive bits keep their value
+
+
+@dataclass(frozen=True)
+class TopBlocksSpec:
+    """What a build fixes: the ranks per row and whether a candidate limit applies."""
+    width: int
+    limited: bool  # keep the forced blocks + `num_candidates` only (else `width`)
+
+    def __post_init__(self):
+        if not 1 <= self.width <= MAX_WIDTH:
+            raise ValueError(f"width {self.width} (expected 1..{MAX_WIDTH})")
+
+
+class TopBlocksSm90:
+    """Called with (key, out, num_candidates): key (R, B) float32 rows with unit column
+    stride, out (R, width) int32 contiguous."""
+
+    def __init__(self, spec: TopBlocksSpec):
+        self.spec = spec
+
+    @cute.jit
+    def __call__(self, key: cute.Tensor, out: cute.Tensor, num_candidates: Int32, stream):
+        rows = cute.size(key.shape[0])
+        self.kernel(key, out, num_candidates).launch(
+            grid=[cute.ceil_div(rows, ROWS_PER_CTA), 1, 1], block=[WARP * ROWS_PER_CTA, 1, 1],
+            stream=stream)
+
+    @cute.kernel
+    def kernel(self, key: cute.Tensor, out: cute.Tensor, num_candidates: Int32):
+        tidx, _, _ = cute.arch.thread_idx()
+        cta, _, _ = cute.arch.block_idx()
+        lane = tidx % WARP
+        row = cta * ROWS_PER_CTA + tidx // WARP
+        if row < cute.size(key.shape[0]):
+            self.rank_row(key, out, row, lane, num_candidates)
+
+    @cute.jit
+    def ordered_key(self, key: cute.Tensor, row: Int32, block: Int32, blocks: Int32) -> Int64:
+        """The block's int64 rank key (module docstring)."""
+        value = key[row, block]
+        bits = _float_bits(value)
+        if value != value:
+            bits = Int32(_NAN_BITS)
+        if bits == Int32(_NEG_ZERO_BITS):
+            bits = Int32(0)
+        ordered = bits ^ ((bits >> 31) & Int32(0x7FFFFFFF))
+        return (Int64(ordered) << 32) | Int64(blocks - 1 - block)
+
+    @cute.jit
+    def rank_row(self, key: cute.Tensor, out: cute.Tensor, row: Int32, lane: Int32,
+                 num_candidates: Int32):
+        width = self.spec.width
+        blocks = cute.size(key.shape[1])
+        limit = Int32(width)
+        if const_expr(self.spec.limited):
+            forced = Int32(0)
+            for block in cutlass.range(lane, blocks, WARP, unroll=4):
+                if key[row, block] == Float32(float("inf")):
+                    forced += 1
+            forced = _warp_sum(forced)
+            limit = cutlass.min(limit, forced + num_candidates)
+        previous = Int64(0x7FFFFFFFFFFFFFFF)
+        mine = Int64(-0x7FFFFFFFFFFFFFFF - 1)  # lane r: rank r's key
+        for rank in cutlass.range_constexpr(width):
+            best = Int64(-0x7FFFFFFFFFFFFFFF - 1)
+            for block in cutlass.range(lane, blocks, WARP, unroll=4):
+                candidate = self.ordered_key(key, row, block, blocks)
+                if (candidate < previous) & (candidate > best):
+                    best = candidate
+            best = _warp_max(best)
+            if lane == rank:
+                mine = best
+            previous = best
+        # Lane r < width: rank r's block if kept, else none; then its place in ascending order.
+        ordered = Int32(mine >> 32)
+        block = blocks - 1 - Int32(mine & Int64(0xFFFFFFFF))
+        kept = Boolean(lane < width) & (lane < limit) & (ordered > Int32(_MINUS_INF_ORDERED)) & (
+            ordered != Int32(_NAN_ORDERED)) & (mine != Int64(-0x7FFFFFFFFFFFFFFF - 1))
+        num_kept = Int32(cute.arch.popc(cute.arch.vote_ballot_sync(kept)))
+        place = Int32(0)
+        for other in cutlass.range_constexpr(width):
+            other_block = cute.arch.shuffle_sync(block, other)
+            other_kept = cute.arch.shuffle_sync(Int32(kept), other)
+            if kept:
+                if (other_kept != 0) & (other_block < block):
+                    place += 1
+            else:
+                if (other_kept == 0) & (other < lane):
+                    place += 1
+        if lane < width:
+            if kept:
+                out[row, place] = block
+            else:
+                out[row, num_kept + place] = Int32(-1)
+
+
+def _float_bits(value: Float32) -> Int32:
+    """The IEEE bits of a float32 as a signed 32-bit integer."""
+    from cutlass._mlir.dialects import llvm
+    from cutlass.cutlass_dsl import T
+
+    return Int32(llvm.bitcast(T.i32(), value.ir_value()))
+
+
+def _warp_sum(value: Int32) -> Int32:
+    for offset in (16, 8, 4, 2, 1):
+        value = value + cute.arch.shuffle_sync_bfly(value, offset=offset)
+    return value
+
+
+def _warp_max(value: Int64) -> Int64:
+    for offset in (16, 8, 4, 2, 1):
+        other = cute.arch.shuffle_sync_bfly(value, offset=offset)
+        value = cutlass.max(value, other)
+    return value
+
+
+def fake_arguments(spec: TopBlocksSpec):
+    """Fake (key, out, num_candidates) for a CPU build (CUTE_DSL_ARCH=sm_90a)."""
+    from cutlass.cute.runtime import make_fake_tensor
+
+    rows = cute.sym_int()
+    key = make_fake_tensor(Float32, (rows, cute.sym_int()), stride=(cute.sym_int64(), 1),
+                           assumed_align=4)
+    out = make_fake_tensor(Int32, (rows, spec.width), stride=(spec.width, 1), assumed_align=4)
+    return key, out, Int32(0)
+
+
+def compile_on_fake_tensors(spec: TopBlocksSpec):
+    """`spec` built for sm_90a without a GPU; for build checks."""
+    from cutlass.cute.runtime import make_fake_stream
+
+    return cute.compile(TopBlocksSm90(spec), *fake_arguments(spec), make_fake_stream())
+
+
+# ------------------------------------------------------------------------------------------------
+# Torch side: `can_run` decides, `run` launches (nsa/selection.py `_top_blocks`).
+# ------------------------------------------------------------------------------------------------
+
+
+def can_run(key, width: int) -> bool:
+    """Whether the kernel ranks `key` (..., B) float32 on an sm90 GPU for `width` ranks."""
+    import torch
+
+    from kernels.interface import kernels_unavailable
+
+    return (key.dtype == torch.float32 and 1 <= width <= MAX_WIDTH and key.shape[-1] > 0
+            and key.numel() > 0 and not kernels_unavailable(key.device))
+
+
+def run(key, width: int, num_candidates: int | None):
+    """(..., width) int32: `nsa.selection._top_blocks`'s lists for key (..., B) float32."""
+    import torch
+
+    from kernels.sm90.compile import launch_on_current_stream
+
+    rows = key.reshape(-1, key.shape[-1])
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    out = torch.empty(rows.shape[0], width, dtype=torch.int32, device=key.device)
+    spec = TopBlocksSpec(width, num_candidates is not None)
+    launch_on_current_stream(TopBlocksSm90, spec, fake_arguments,
+                             (rows, out, num_candidates or 0), key.device)
+    return out.view(*key.shape[:-1], width)
