@@ -1,8 +1,8 @@
 """One small sm90 backward call per dispatched path, sized for compute-sanitizer.
 
 Runs, on an sm_90 GPU, at head dims 128 and 64 (128-row query steps): dense causal GQA varlen
-(with one-row, 64-row and 129-row sequences), a causal window, compress_factor 64 (split rows;
-also launched heaviest first), each fast and deterministic, the dense cases also with dQ fused
+(with one-row, 64-row and 129-row sequences), a causal window, compress_factor 64 (split rows,
+launched heaviest first; also head by head), each fast and deterministic, the dense cases also with dQ fused
 into the KV-centric kernel (the writer warp and the accumulator's conversion; dispatched from
 4096-key sequences on), and 64-key block-sparse lists (split lists; also with two warpgroups
 on alternate query steps); asserts the gradients are finite.

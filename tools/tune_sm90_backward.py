@@ -44,7 +44,8 @@ VARIANTS = {
     "dq fused": dict(dq_separate=False),
     # 64-key tiles at head dim 128: two CTAs per SM serialise every wgmma (232 registers).
     "one CTA per SM": dict(one_cta_per_sm=True),
-    # Dense walks: CTAs launched KV tile by KV tile (heads innermost), heaviest first.
+    # Dense walks: CTAs launched KV tile by KV tile (heads innermost), heaviest first
+    # (dispatched for compressed causal keys).
     "heavy first": dict(heavy_first=True),
     # 64-key tiles: two consumer warpgroups on alternate query steps, one CTA per SM.
     "alternate steps": dict(alternate_steps=True),

@@ -29,7 +29,9 @@ from dataclasses import dataclass
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Boolean, Float32, Int32, Int64, const_expr
+from cutlass import Float32, Int32, Int64, const_expr
+
+from kernels.sm90.row_dot import lane_group_reduce, lane_group_sum
 
 WARP = 32
 ROWS_PER_CTA = 4
@@ -37,6 +39,7 @@ MAX_WIDTH = WARP  # one rank per lane
 _NAN_BITS = 0x7FC00000
 _NEG_ZERO_BITS = -0x80000000  # 0x80000000 as a signed 32-bit value
 _MINUS_INF_ORDERED = -0x7F800001  # order_preserving(bits of -inf)
+_PLUS_INF_ORDERED = 0x7F800000  # positive bits keep their value
 _NAN_ORDERED = _NAN_BITS  # positive bits keep their value
 _NONE = -0x7FFFFFFFFFFFFFFF - 1  # below every key: no block
 
@@ -92,43 +95,44 @@ class TopBlocksSm90:
                  num_candidates: Int32):
         width = self.spec.width
         blocks = cute.size(key.shape[1])
-        limit = Int32(width)
-        if const_expr(self.spec.limited):
-            forced = Int32(0)
-            for block in cutlass.range(lane, blocks, WARP, unroll=4):
-                if key[row, block] == Float32(float("inf")):
-                    forced += 1
-            forced = _warp_sum(forced)
-            limit = cutlass.min(limit, forced + num_candidates)
         # Each lane keeps its own best `width` keys, descending, in registers (a key enters
-        # only past the lane's current last, then bubbles up: unrolled max/min pairs).
+        # only past the lane's current last, then bubbles up: unrolled max/min pairs), and
+        # counts the forced blocks (+inf) it reads.
         top = cute.make_rmem_tensor(cute.make_layout(width), Int64)
         for j in cutlass.range_constexpr(width):
             top[j] = Int64(_NONE)
+        forced = Int32(0)
         for block in cutlass.range(lane, blocks, WARP, unroll=2):
             candidate = self.ordered_key(key, row, block, blocks)
+            if const_expr(self.spec.limited):
+                if Int32(candidate >> 32) == Int32(_PLUS_INF_ORDERED):
+                    forced += 1
             if candidate > top[width - 1]:
                 for j in cutlass.range_constexpr(width):
                     higher = cutlass.max(top[j], candidate)
                     candidate = cutlass.min(top[j], candidate)
                     top[j] = higher
+        limit = Int32(width)
+        if const_expr(self.spec.limited):
+            limit = cutlass.min(limit, lane_group_sum(forced, WARP) + num_candidates)
         # Merge: round r takes the largest head over the warp (keys are distinct, so one lane
         # holds it) and that lane pops it.
         mine = Int64(_NONE)  # lane r: rank r's key
         for rank in cutlass.range_constexpr(width):
             head = top[0]
-            best = _warp_max(head)
+            best = lane_group_reduce(head, WARP, cutlass.max)
             if lane == rank:
                 mine = best
             if head == best:
                 for j in cutlass.range_constexpr(width - 1):
                     top[j] = top[j + 1]
                 top[width - 1] = Int64(_NONE)
-        # Lane r < width: rank r's block if kept, else none; then its place in ascending order.
+        # Lane r: rank r's block if kept (limit <= width; no block, _NONE, orders below -inf),
+        # then its place in ascending order.
         ordered = Int32(mine >> 32)
         block = blocks - 1 - Int32(mine & Int64(0xFFFFFFFF))
-        kept = Boolean(lane < width) & (lane < limit) & (ordered > Int32(_MINUS_INF_ORDERED)) & (
-            ordered != Int32(_NAN_ORDERED)) & (mine != Int64(_NONE))
+        kept = (lane < limit) & (ordered > Int32(_MINUS_INF_ORDERED)) & (
+            ordered != Int32(_NAN_ORDERED))
         num_kept = Int32(cute.arch.popc(cute.arch.vote_ballot_sync(kept)))
         place = Int32(0)
         for other in cutlass.range_constexpr(width):
@@ -153,19 +157,6 @@ def _float_bits(value: Float32) -> Int32:
     from cutlass.cutlass_dsl import T
 
     return Int32(llvm.bitcast(T.i32(), value.ir_value()))
-
-
-def _warp_sum(value: Int32) -> Int32:
-    for offset in (16, 8, 4, 2, 1):
-        value = value + cute.arch.shuffle_sync_bfly(value, offset=offset)
-    return value
-
-
-def _warp_max(value: Int64) -> Int64:
-    for offset in (16, 8, 4, 2, 1):
-        other = cute.arch.shuffle_sync_bfly(value, offset=offset)
-        value = cutlass.max(value, other)
-    return value
 
 
 def fake_arguments(spec: TopBlocksSpec):
