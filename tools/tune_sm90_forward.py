@@ -175,9 +175,13 @@ def variant_overrides(name: str) -> dict:
     dispatcher's picks), so a variant means the same kernel whatever the dispatch. Fields it
     does not name at all keep the dispatcher's pick: a variant without tile_m/tile_n runs
     192x128 tiles at head dim 64 over long ranges, 128x128 (or 64-key) tiles elsewhere.
-    "dispatched" is the dispatcher's own pick (no overrides)."""
+    "dispatched" is the dispatcher's own pick (no overrides); "dispatched+screen" the same
+    with the V of every masked tile read for non-finite values first (kernels/sm90/screen.py:
+    the least that keeping masked keys out of P V exactly would cost)."""
     if name == "dispatched":
         return {}
+    if name == "dispatched+screen":
+        return dict(screen_masked_v=True)
     return dict(store_warp=False, defer_store=False, overlap_tiles=False,
                 narrow_first_tile=False, o_in_q=False) | VARIANTS[name]
 
@@ -332,7 +336,7 @@ def main(argv=None):
             for variant in variants:
                 overrides = variant_overrides(variant)
                 try:
-                    out, lse = run(q, k, v, spec_overrides=overrides, **call)
+                    out, lse = run(q, k, v, spec_overrides=overrides, **call)[:2]
                     torch.cuda.synchronize()
                 except Exception as error:  # report a variant that cannot launch, go on
                     rows.append(dict(seqlen=n, case=name, variant=variant, error=repr(error)))

@@ -60,7 +60,8 @@ def fake_row_statistics():
 
 
 def fake_arguments(spec: FwdSpec):
-    """Fake tensors standing for (q, k, v, out, lse, cu_q, cu_k), (block-sparse five, trace)."""
+    """Fake tensors standing for (q, k, v, out, lse, cu_q, cu_k), (block-sparse five, trace,
+    screen flag)."""
     q, k, v, o = (fake_seq_head_dim(CUTLASS_DTYPES[spec.dtype]) for _ in range(4))
     lse = make_fake_compact_tensor(cutlass.Float32, (cute.sym_int(), cute.sym_int()),
                                    stride_order=(1, 0), assumed_align=4)
@@ -71,7 +72,8 @@ def fake_arguments(spec: FwdSpec):
     if spec.trace:
         trace = make_fake_compact_tensor(
             cutlass.Int64, tuple(cute.sym_int() for _ in range(4)), stride_order=(3, 2, 1, 0))
-    return (q, k, v, o, lse, cu_q, cu_k), (*sparse, trace)
+    screen = fake_int32_vector(1) if spec.screen_masked_v else None
+    return (q, k, v, o, lse, cu_q, cu_k), (*sparse, trace, screen)
 
 
 _COMPILED: dict[tuple[type, object, bool], object] = {}

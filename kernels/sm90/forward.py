@@ -170,7 +170,8 @@ def run(
     """(out, lse) of the sm90 kernel. `spec_overrides` (a dict of `FwdSpec` fields) replaces the
     dispatcher's compile-time choices; tools/tune_sm90_forward.py uses it to time variants.
     `trace=True` launches the traced build and returns (out, lse, per-tile timestamps), see
-    kernels/sm90/trace.py."""
+    kernels/sm90/trace.py. With `spec_overrides={"screen_masked_v": True}` it returns (out, lse,
+    flag): flag[0] is 1 when a masked KV tile held a non-finite V value (kernels/sm90/screen.py)."""
     # The public entry points send these to the fallback (can_run); a direct call must not
     # compile an untested variant.
     if q.dtype not in SUPPORTED_DTYPES:
@@ -210,6 +211,8 @@ def run(
                              f"block-sparse blocks {block_sparse.row_block_size}x"
                              f"{block_sparse.col_block_size}")
     trace_buffer = None
+    screen_flag = (torch.zeros(1, dtype=torch.int32, device=q.device)
+                   if spec.screen_masked_v else None)
     if trace:
         from kernels.sm90.trace import trace_shape
 
@@ -230,10 +233,12 @@ def run(
             bs = block_sparse
             optional = (bs.full_count, bs.full_index, bs.mask_count, bs.mask_index,
                         bs.row_block_offsets)
-        _launch(spec, tensors, scalars, (*optional, trace_buffer))
+        _launch(spec, tensors, scalars, (*optional, trace_buffer, screen_flag))
     if padded:
         out = out.view(batch, seqlen_q, num_heads, head_dim)
         lse = lse.view(num_heads, batch, seqlen_q).permute(1, 0, 2).contiguous()
     if trace:
         return out, lse, trace_buffer
+    if screen_flag is not None:
+        return out, lse, screen_flag
     return out, lse

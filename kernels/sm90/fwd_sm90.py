@@ -44,6 +44,7 @@ from kernels.sm90.mask import apply_mask
 from kernels.sm90.mma import gemm, warpgroup_slice
 from kernels.sm90.overlap_tiles import OverlapTiles
 from kernels.sm90.pipelines import smem_buffer, stage_index, tma_pipeline
+from kernels.sm90.screen import masked_value_screen
 from kernels.sm90.softmax import rescale_rows, softmax_finalize, softmax_init, softmax_step
 from kernels.sm90.spec import FwdSpec
 from kernels.sm90.tile_scheduler import TileOrder
@@ -85,6 +86,7 @@ class FlashAttentionForwardSm90(OverlapTiles):
         assert not (spec.o_in_q and (spec.persistent or spec.q_stages != 1))
         assert not (spec.narrow_first_tile and (spec.block_sparse or spec.overlap_tiles
                                                 or spec.defer_store or spec.tile_n % 32))
+        assert not (spec.screen_masked_v and (spec.overlap_tiles or spec.defer_store))
 
     # ------------------------------------------------------------------ host side
     @cute.jit
@@ -109,6 +111,7 @@ class FlashAttentionForwardSm90(OverlapTiles):
         mMaskIndex: Optional[cute.Tensor],
         mRowBlockOffsets: Optional[cute.Tensor],  # (S+1,) int32
         mTrace: Optional[cute.Tensor],  # int64, kernels/sm90/trace.py (FwdSpec.trace only)
+        mScreen: Optional[cute.Tensor],  # int32 (1,), kernels/sm90/screen.py (screen_masked_v)
         stream: cuda.CUstream,
     ):
         dtype = self.dtype
@@ -180,7 +183,7 @@ class FlashAttentionForwardSm90(OverlapTiles):
             tma_atom_q, tma_q, tma_atom_k, tma_k, tma_atom_v, tma_v,
             tma_atom_o, tma_o, mO, mLSE, mCuSeqlensQ, mCuSeqlensK, softmax_scale, scale_log2,
             compress_factor, window_left, window_right, tile_order,
-            mFullCount, mFullIndex, mMaskCount, mMaskIndex, mRowBlockOffsets, mTrace,
+            mFullCount, mFullIndex, mMaskCount, mMaskIndex, mRowBlockOffsets, mTrace, mScreen,
             sQ_layout, sK_layout, sV_layout, sO_layout, tiled_mma_qk, tiled_mma_pv,
             tiled_mma_epilogue,
         ).launch(grid=(num_ctas, 1, 1), block=[self.num_threads, 1, 1], stream=stream,
@@ -223,6 +226,7 @@ class FlashAttentionForwardSm90(OverlapTiles):
         mFullCount: Optional[cute.Tensor], mFullIndex: Optional[cute.Tensor],
         mMaskCount: Optional[cute.Tensor], mMaskIndex: Optional[cute.Tensor],
         mRowBlockOffsets: Optional[cute.Tensor], mTrace: Optional[cute.Tensor],
+        mScreen: Optional[cute.Tensor],
         sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
         sV_layout: cute.ComposedLayout, sO_layout: cute.ComposedLayout,
         tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma,
@@ -282,12 +286,16 @@ class FlashAttentionForwardSm90(OverlapTiles):
             carried = self.make_deferred_output(tiled_mma_pv, tidx - _WARPGROUP)
         if const_expr(spec.overlap_tiles):
             carried = self.make_overlap_state(tiled_mma_qk, tiled_mma_pv, tidx - _WARPGROUP)
+        screen = None
+        if const_expr(spec.screen_masked_v):
+            screen = masked_value_screen(storage.sV.data_ptr(), mScreen, spec.dtype,
+                                         self.tile_n, self.head_dim, spec.num_stages)
         consume_tile = partial(
             self.consume_tile, tile_work=tile_work, tidx=tidx - _WARPGROUP, sQ=sQ, sK=sK, sV=sV,
             tiled_mma_qk=tiled_mma_qk, tiled_mma_pv=tiled_mma_pv,
             out_store=out_store, softmax_scale=softmax_scale,
             scale_log2=scale_log2, block_range=block_range, mFullIndex=mFullIndex,
-            mMaskIndex=mMaskIndex, m_trace=mTrace, carried=carried)
+            mMaskIndex=mMaskIndex, m_trace=mTrace, carried=carried, screen=screen)
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(self.producer_regs)
             if warp_idx == 0:
@@ -383,7 +391,7 @@ class FlashAttentionForwardSm90(OverlapTiles):
     def consume_tile(
         self, coords, iteration, q_consumer, k_consumer, v_consumer, tile_work, tidx: Int32, sQ,
         sK, sV, tiled_mma_qk, tiled_mma_pv, out_store, softmax_scale, scale_log2, block_range,
-        mFullIndex, mMaskIndex, m_trace, carried=None,
+        mFullIndex, mMaskIndex, m_trace, carried=None, screen=None,
     ):
         mark = trace.marker(m_trace, 1 + tidx // _WARPGROUP, iteration,
                             tidx % _WARPGROUP == 0, trace.CONSUMER_EVENTS)
@@ -397,7 +405,7 @@ class FlashAttentionForwardSm90(OverlapTiles):
             tiled_mma_qk, tiled_mma_pv, out_store, softmax_scale, scale_log2,
             block_range, offset_q, seqlen_q, seqlen_k, head, m_block, n_max,
             num_iters, num_mask_blocks, mFullIndex, mMaskIndex, sparse_row,
-            sparse_head, mark)
+            sparse_head, mark, screen=screen)
         if const_expr(self.spec.overlap_tiles):
             q_consumer, k_consumer, v_consumer = self.consume_overlapped(
                 tidx, sQ, sK, sV, q_consumer, k_consumer, v_consumer, tiled_mma_qk,
@@ -513,9 +521,11 @@ class FlashAttentionForwardSm90(OverlapTiles):
         block_range: BlockRange, offset_q: Int32, seqlen_q: Int32, seqlen_k: Int32,
         head: Int32, m_block: Int32, n_max: Int32, num_iters: Int32, num_mask_blocks: Int32,
         mFullIndex, mMaskIndex, sparse_row: Int32, sparse_head: Int32, mark, deferred,
+        screen=None,
     ):
         """One query tile: its KV tiles, then its output (stored now, or with `deferred` kept
-        in registers and stored by the next tile, which also stores the one before it)."""
+        in registers and stored by the next tile, which also stores the one before it).
+        `screen` (`screen_masked_v`): reads the V stage of each masked KV tile before its P V."""
         thr_qk, thr_pv, tSrQ, tSrK, tOrV = self.operand_fragments(
             tidx, tiled_mma_qk, tiled_mma_pv, sQ, sK, sV)
         acc_o = thr_pv.make_fragment_C(thr_pv.partition_shape_C((self.tile_m, self.head_dim)))
@@ -570,7 +580,7 @@ class FlashAttentionForwardSm90(OverlapTiles):
             tidx, sQ_stage, tSrK, tOrV, acc_s, acc_o, r_p, r_p_as_acc, row_max, row_sum,
             correction, scale_log2, t_coord, block_range, m_block, seqlen_k, n_max,
             num_iters, num_mask_blocks, unmasked_lo, unmasked_hi, mFullIndex, mMaskIndex,
-            sparse_row, sparse_head, k_consumer, v_consumer, tiled_mma_qk, tiled_mma_pv)
+            sparse_row, sparse_head, k_consumer, v_consumer, tiled_mma_qk, tiled_mma_pv, screen)
         mark("loop_done")
         # Every Q K^T product of this tile is done: the producer may load the next tile's Q.
         q_handle.release()
@@ -580,8 +590,12 @@ class FlashAttentionForwardSm90(OverlapTiles):
                 if num_iters == 1:
                     # The last KV tile is the narrowed first one: P is zero past its width.
                     last_chunks = first_chunks
+            last_masked = num_iters <= num_mask_blocks  # block-sparse: the mask list comes first
+            if const_expr(not self.spec.block_sparse):
+                last_block = n_max - num_iters
+                last_masked = (last_block < unmasked_lo) | (last_block >= unmasked_hi)
             tiled_mma_pv, v_consumer = self.last_pv(tidx, v_consumer, tiled_mma_pv, acc_o, r_p,
-                                                    tOrV, mark, last_chunks)
+                                                    tOrV, mark, last_chunks, screen, last_masked)
 
         lse = cute.make_rmem_tensor(cute.make_layout(num_rows), Float32)
         softmax_finalize(acc_o, row_max, row_sum, softmax_scale, lse)
@@ -617,14 +631,17 @@ class FlashAttentionForwardSm90(OverlapTiles):
 
     @cute.jit
     def last_pv(self, tidx: Int32, v_consumer, tiled_mma_pv: cute.TiledMma, acc_o, r_p, tOrV,
-                mark=None, chunks=None):
+                mark=None, chunks=None, screen=None, screen_tile=False):
         """O += P V for the last KV tile of a query tile, waited for. Returns the rebound
         TiledMma and V consumer (the DSL sees a pipeline advance only through a rebind).
         `chunks` (`narrow_first_tile`): only the first chunks * 32 keys of P are nonzero, so
-        only their k-blocks are multiplied."""
+        only their k-blocks are multiplied. `screen` reads the V stage first if `screen_tile`."""
         v_handle = v_consumer.wait_and_advance()
         if const_expr(mark is not None):
             mark("v_last_ready")
+        if const_expr(screen is not None):
+            if screen_tile:
+                screen(v_handle, tidx)
         self.wait_turn(tidx)
         if const_expr(chunks is None or not self.spec.narrow_first_tile):
             tiled_mma_pv = self.gemm_pv(tiled_mma_pv, acc_o, r_p, tOrV, v_handle)
@@ -648,7 +665,7 @@ class FlashAttentionForwardSm90(OverlapTiles):
         m_block: Int32, seqlen_k: Int32, n_max: Int32, num_iters: Int32,
         num_mask_blocks: Int32, unmasked_lo: Int32, unmasked_hi: Int32, mFullIndex,
         mMaskIndex, sparse_row: Int32, sparse_head: Int32, k_consumer, v_consumer,
-        tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma,
+        tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma, screen=None,
     ):
         """KV tiles 1 .. num_iters-1 of a query tile (tile 0's softmax is done, its P in r_p).
 
@@ -662,11 +679,12 @@ class FlashAttentionForwardSm90(OverlapTiles):
             self.kv_step, tidx=tidx, sQ_stage=sQ_stage, tSrK=tSrK, tOrV=tOrV, acc_s=acc_s,
             acc_o=acc_o, r_p=r_p, r_p_as_acc=r_p_as_acc, row_max=row_max, row_sum=row_sum,
             correction=correction, scale_log2=scale_log2, t_coord=t_coord,
-            block_range=block_range, m_block=m_block, seqlen_k=seqlen_k)
+            block_range=block_range, m_block=m_block, seqlen_k=seqlen_k, screen=screen)
         if const_expr(self.spec.block_sparse):
             for it in cutlass.range(1, num_mask_blocks, unroll=1):
                 k_consumer, v_consumer, tiled_mma_qk, tiled_mma_pv = step(
                     n_block=mMaskIndex[sparse_row, sparse_head, it], mask="causal_window",
+                    screen_prev=True,
                     k_consumer=k_consumer, v_consumer=v_consumer, tiled_mma_qk=tiled_mma_qk,
                     tiled_mma_pv=tiled_mma_pv)
             first_full = cutlass.max(num_mask_blocks, 1)
@@ -674,14 +692,16 @@ class FlashAttentionForwardSm90(OverlapTiles):
                 for it in cutlass.range(first_full, num_iters, unroll=1):
                     k_consumer, v_consumer, tiled_mma_qk, tiled_mma_pv = step(
                         n_block=mFullIndex[sparse_row, sparse_head, it - num_mask_blocks],
-                        mask=None, k_consumer=k_consumer, v_consumer=v_consumer,
+                        mask=None, screen_prev=it - 1 < num_mask_blocks,
+                        k_consumer=k_consumer, v_consumer=v_consumer,
                         tiled_mma_qk=tiled_mma_qk, tiled_mma_pv=tiled_mma_pv)
             else:
                 # Some "full" block may cross the sequence end: mask keys past it everywhere.
                 for it in cutlass.range(first_full, num_iters, unroll=1):
                     k_consumer, v_consumer, tiled_mma_qk, tiled_mma_pv = step(
                         n_block=mFullIndex[sparse_row, sparse_head, it - num_mask_blocks],
-                        mask="seqlen", k_consumer=k_consumer, v_consumer=v_consumer,
+                        mask="seqlen", screen_prev=it - 1 < num_mask_blocks,
+                        k_consumer=k_consumer, v_consumer=v_consumer,
                         tiled_mma_qk=tiled_mma_qk, tiled_mma_pv=tiled_mma_pv)
         else:
             # Tiles are visited from n_max - 1 down: masked ones (diagonal, sequence end), then
@@ -691,16 +711,20 @@ class FlashAttentionForwardSm90(OverlapTiles):
                                          num_iters)
             for it in cutlass.range(1, it_unmasked, unroll=1):
                 k_consumer, v_consumer, tiled_mma_qk, tiled_mma_pv = step(
-                    n_block=n_max - 1 - it, mask="causal_window", k_consumer=k_consumer,
+                    n_block=n_max - 1 - it, mask="causal_window", screen_prev=True,
+                    k_consumer=k_consumer,
                     v_consumer=v_consumer, tiled_mma_qk=tiled_mma_qk, tiled_mma_pv=tiled_mma_pv)
             for it in cutlass.range(it_unmasked, it_masked_left, unroll=1):
                 k_consumer, v_consumer, tiled_mma_qk, tiled_mma_pv = step(
-                    n_block=n_max - 1 - it, mask=None, k_consumer=k_consumer,
+                    n_block=n_max - 1 - it, mask=None, screen_prev=it == it_unmasked,
+                    k_consumer=k_consumer,
                     v_consumer=v_consumer, tiled_mma_qk=tiled_mma_qk, tiled_mma_pv=tiled_mma_pv)
             if const_expr(self.spec.has_window_left):
                 for it in cutlass.range(it_masked_left, num_iters, unroll=1):
                     k_consumer, v_consumer, tiled_mma_qk, tiled_mma_pv = step(
-                        n_block=n_max - 1 - it, mask="causal_window", k_consumer=k_consumer,
+                        n_block=n_max - 1 - it, mask="causal_window",
+                        screen_prev=(it - 1 < it_unmasked) | (it > it_masked_left),
+                        k_consumer=k_consumer,
                         v_consumer=v_consumer, tiled_mma_qk=tiled_mma_qk,
                         tiled_mma_pv=tiled_mma_pv)
         return k_consumer, v_consumer, tiled_mma_qk, tiled_mma_pv
@@ -736,14 +760,22 @@ class FlashAttentionForwardSm90(OverlapTiles):
         self, n_block: Int32, mask: cutlass.Constexpr, k_consumer, v_consumer,
         tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma, tidx: Int32, sQ_stage, tSrK,
         tOrV, acc_s, acc_o, r_p, r_p_as_acc, row_max, row_sum, correction, scale_log2: Float32,
-        t_coord, block_range: BlockRange, m_block: Int32, seqlen_k: Int32,
+        t_coord, block_range: BlockRange, m_block: Int32, seqlen_k: Int32, screen=None,
+        screen_prev=False,
     ):
         """One steady-state iteration: S = Q K_n^T and O += P_prev V_prev in flight together,
-        then mask (`mask`: None, "seqlen" or "causal_window") and softmax of S while P V runs."""
+        then mask (`mask`: None, "seqlen" or "causal_window") and softmax of S while P V runs.
+        `screen` reads V_prev's stage before the products when `screen_prev` (it was masked)."""
         k_handle = k_consumer.wait_and_advance()
+        if const_expr(screen is not None):
+            # Before any wgmma issue: a branch between an issue and its wait costs the overlap.
+            v_handle = v_consumer.wait_and_advance()
+            if screen_prev:
+                screen(v_handle, tidx)
         self.wait_turn(tidx)
         tiled_mma_qk = self.gemm_qk(tiled_mma_qk, acc_s, sQ_stage, tSrK, k_handle)
-        v_handle = v_consumer.wait_and_advance()
+        if const_expr(screen is None):
+            v_handle = v_consumer.wait_and_advance()
         tiled_mma_pv = self.gemm_pv(tiled_mma_pv, acc_o, r_p, tOrV, v_handle)
         self.pass_turn(tidx)
         warpgroup.wait_group(1)

@@ -41,6 +41,10 @@ class FwdSpec:
     o_in_q: bool = False       # one tile per CTA (not persistent, one Q buffer): the output is
                                # staged in the Q buffer, which frees an output buffer's smem
     trace: bool = False        # diagnostic build: per-tile phase timestamps (kernels/sm90/trace.py)
+    screen_masked_v: bool = False  # diagnostic build: each masked KV tile's V stage read for
+                                   # non-finite values before its P V (kernels/sm90/screen.py),
+                                   # the least an exact fix of masked NaN leaks pays; measured,
+                                   # never dispatched
 
     @property
     def ctas_per_sm(self) -> int:

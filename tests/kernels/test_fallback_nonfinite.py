@@ -274,3 +274,34 @@ def test_sm90_kernel_keeps_a_non_finite_value_inside_the_tiles_that_load_it(wind
     dq, dk, dv = torch.autograd.grad(out[0, :Q_TILE].float().square().sum(), (q, k, bad_v))
     for grad in (dq, dk, dv):
         assert torch.isfinite(grad[0, :Q_TILE]).all()
+
+
+@pytest.mark.gpu
+@requires_sm90
+@pytest.mark.parametrize("case", ["causal", "window", "packed"])
+def test_sm90_screen_flags_a_masked_non_finite_value_and_changes_nothing(case):
+    """The diagnostic build behind issue 16's cost measurement (kernels/sm90/screen.py): it
+    reads the V tiles that get a mask and flags a NaN there, flags nothing on finite inputs,
+    and its output and lse equal the dispatched kernel's bit for bit."""
+    from kernels.sm90.forward import run
+
+    generator = torch.Generator(device="cuda").manual_seed(4)
+    n = 1024
+    q, k, v = (torch.randn(n, h, 128, device="cuda", dtype=torch.bfloat16, generator=generator)
+               for h in (HEADS, KV_HEADS, KV_HEADS))
+    lengths = [256, 300, 468] if case == "packed" else [n]
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32,
+                      device="cuda")
+    call = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max(lengths),
+                max_seqlen_k=max(lengths), causal=True)
+    if case == "window":
+        call["window_size"] = (WINDOW, 0)
+    out, lse = run(q, k, v, **call)
+    screened_out, screened_lse, flag = run(q, k, v, spec_overrides={"screen_masked_v": True},
+                                           **call)
+    assert flag.item() == 0
+    assert torch.equal(out, screened_out) and torch.equal(lse, screened_lse)
+    bad_v = v.clone()
+    bad_v[BAD_ROW] = float("nan")  # in the diagonal KV tile of rows 128..255
+    _, _, flag = run(q, k, bad_v, spec_overrides={"screen_masked_v": True}, **call)
+    assert flag.item() == 1

@@ -102,6 +102,16 @@ def test_traced_build_compiles_for_sm90a(call):
     assert callable(compile_forward_on_fake_tensors(spec))
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("call", ["causal", "window-causal", "causal-short-sequences",
+                                  "compressed-causal", "selected-sparse64", "sparse128"])
+def test_masked_value_screen_compiles_for_sm90a(call, dtype):
+    """The diagnostic build that reads masked tiles' V for non-finite values (issue 16's cost
+    measurement, kernels/sm90/screen.py) compiles on each schedule it is timed on."""
+    spec = dataclasses.replace(_spec(dtype, 128, call), screen_masked_v=True)
+    assert callable(compile_forward_on_fake_tensors(spec))
+
+
 def test_dispatch_picks_persistent_tiles_for_short_kv_ranges():
     window = _spec("bfloat16", 128, "window-causal")
     assert window.persistent and (window.tile_m, window.tile_n) == (128, 128)
@@ -199,7 +209,7 @@ def test_launcher_built_arguments_compile_for_sm90a():
     cu_q = torch.tensor([0, 300], dtype=torch.int32)
     cu_k = torch.tensor([0, 4], dtype=torch.int32)
     args = (*(_as_cute(t) for t in (q, k, k.clone(), out, lse, cu_q, cu_k)),
-            *_typed_scalars((300, 0.088, 64, 0, 0, 132)), *(None,) * 6, make_fake_stream())
+            *_typed_scalars((300, 0.088, 64, 0, 0, 132)), *(None,) * 7, make_fake_stream())
     assert callable(cute.compile(FlashAttentionForwardSm90(spec), *args))
 
 
