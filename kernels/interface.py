@@ -95,6 +95,26 @@ def attention_forward_trusted(q, k, v, *, host_cu_seqlens, **kwargs):
                         kwargs.get("block_sparse"))
 
 
+def attention_row_dot_trusted(dout, q, k, v, into, *, host_cu_seqlens, **kwargs) -> bool:
+    """rowsum(dout * out) per row and head into ``into`` (a contiguous (H, T) float32 tensor),
+    ``out`` being ``attention_forward_trusted(q, k, v, ...)``'s output, computed by the sm90
+    forward kernel from its float32 accumulator without writing ``out`` (packed inputs; a zero
+    dout element contributes exactly zero). Returns whether the kernel ran; False (nothing
+    written) where the forward would run the fallback, whose caller then recomputes ``out``.
+    nsa()'s backward takes each recomputed branch's gate gradient so."""
+    if q.dim() != 3:
+        return False
+    problem = validate_trusted_attention_forward(q, k, v, host_cu_seqlens=host_cu_seqlens,
+                                                 **kwargs)
+    normalised = _normalised_kwargs(problem, kwargs.get("cu_seqlens_q"),
+                                    kwargs.get("cu_seqlens_k"), kwargs.get("block_sparse"))
+    kernel, _ = _choose_kernel("forward", q, k, v, normalised)
+    if kernel is None or q.shape[0] == 0:
+        return False
+    kernel.run(q, k, v, row_dot_with=dout, row_dot_into=into, **normalised)
+    return True
+
+
 def attention_backward_trusted(dout, q, k, v, out, lse, *, host_cu_seqlens, dout_dot_out=None,
                                dq_accumulator=None, dkv_accumulators=None, **kwargs):
     """``attention_backward`` without device reads; trusts what ``attention_forward_trusted``

@@ -22,7 +22,7 @@ from torch import Tensor
 
 import kernels
 from kernels.interface import (add_into_accumulators, attention_backward_trusted,
-                               attention_forward_trusted,
+                               attention_forward_trusted, attention_row_dot_trusted,
                                backward_runs_on_kernel, kernels_unavailable,
                                transpose_block_sparse_trusted)
 from sparsity import (BlockSparseTensors, build_compressed_block_sparse,
@@ -56,6 +56,17 @@ class Branch:
         if self.host_cu_seqlens is None:
             return kernels.attention_forward(q, k, v, **self.kernel_kwargs)
         return attention_forward_trusted(q, k, v, host_cu_seqlens=self.host_cu_seqlens,
+                                         **self.kernel_kwargs)
+
+    def output_row_dots(self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor,
+                        into: Tensor) -> bool:
+        """rowsum(dout * o) per row and head of this branch's output o into `into` ((H, T)
+        contiguous float32) without writing o, on the sm90 forward kernel; False (nothing
+        written) where it does not run (the caller then recomputes o with `forward`)."""
+        if self.host_cu_seqlens is None:
+            return False
+        return attention_row_dot_trusted(dout, q, k, v, into,
+                                         host_cu_seqlens=self.host_cu_seqlens,
                                          **self.kernel_kwargs)
 
     def backward(self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor | None,

@@ -2,9 +2,10 @@
 
 Forward: compress K/V -> select blocks -> run the three branches through `kernels` -> gate.
 It saves the inputs, the compact block-sparse lists and each branch's lse, never a branch output:
-the backward recomputes one branch at a time (its output is needed for the gate gradient
-<dO, o_b>), runs that branch's attention backward (on the sm90 kernel with the gate folded into
-lse, the output freed first; elsewhere with dO_b = g_b * dO), adds its dq/dk/dv into the running
+the backward recomputes one branch at a time for its gate gradient <dO, o_b> (on the sm90
+kernels the recomputing forward writes that row dot instead of o_b), runs that branch's
+attention backward (on the sm90 kernel with the gate folded into lse; elsewhere with
+dO_b = g_b * dO on the recomputed output), adds its dq/dk/dv into the running
 sums and frees the branch's tensors before the next, so the peak is one branch.
 The lists' transposes that the sm90 backward reads are built once, on the first backward, and
 kept with the saved lists (a retained graph's next backward reuses them); `config.deterministic`
@@ -132,8 +133,8 @@ def packed_gradients(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, W_k: Tensor 
     and dk, dv in the compute dtype, which the compressed branch's compress_backward starts and
     the other branches' attention backward adds into (the sm90 kernel adds its float32 partial
     sums there itself). On the sm90 kernel a branch needs neither its output nor g_b * dO in
-    the attention backward (`_gate_folded_lse`): the output is freed after the gate gradient
-    pass, and g_b * dO is never written."""
+    the attention backward (`_gate_folded_lse`): the recomputing forward writes only the gate
+    gradient <dO, o_b> (`fused_gate_pass`), and g_b * dO is never written."""
     dtype = compute_dtype(q.dtype)
     dout = dout.contiguous()
     gates = gate_weights(q, W_gate, config.branches).contiguous()
@@ -153,15 +154,19 @@ def packed_gradients(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, W_k: Tensor 
             if dk is None:
                 dk, dv = (torch.zeros(x.shape, dtype=dtype, device=x.device) for x in (k, v))
             accumulators = (dk, dv)
-        branch_out, _ = branch.forward(q, keys, values)
         options = dict(deterministic=config.deterministic,
                        block_sparse_transposed=transposed[branch.index])
         # (No rows: the kernel path's checks would stand dO in for the absent output, and an
         # empty dO may have any strides.)
         on_kernel = q.shape[0] > 0 and branch.backward_on_kernel(q, keys, values, **options)
-        step = gate_pass(branch.index, dout, branch_out, gates, d_gates, lse,
-                         on_kernel=on_kernel)
-        del branch_out  # kept by `step` only where the fallback reads it
+        step = None
+        if on_kernel:
+            step = fused_gate_pass(branch, dout, q, keys, values, gates, d_gates, lse)
+        if step is None:
+            branch_out, _ = branch.forward(q, keys, values)
+            step = gate_pass(branch.index, dout, branch_out, gates, d_gates, lse,
+                             on_kernel=on_kernel)
+            del branch_out  # kept by `step` only where the fallback reads it
         # dq after the first branch: the dQ kernel adds into it as it writes.
         dq, dk_b, dv_b = branch.backward(step.dout, q, keys, values, step.out, step.lse,
                                          dout_dot_out=step.dout_dot_out, dq_accumulator=dq,
@@ -215,6 +220,19 @@ def gate_pass(index: int, dout: Tensor, branch_out: Tensor, gates: Tensor, d_gat
                                     d_gates[..., index])
     branch_dout = gated_sum_backward(dout, branch_out, gates, index, d_gates)
     return BranchBackwardInputs(branch_dout, branch_out, lse, None)
+
+
+def fused_gate_pass(branch: Branch, dout: Tensor, q: Tensor, k: Tensor, v: Tensor,
+                    gates: Tensor, d_gates: Tensor, lse: Tensor) -> BranchBackwardInputs | None:
+    """`gate_pass` on the kernel without the branch output: the recomputing forward writes
+    <dO, o_b> per row and head from its float32 accumulator instead of o_b (2 x T x H x D
+    bytes neither written nor read back). None where the forward kernel does not run."""
+    row_dots = torch.empty(q.shape[1], q.shape[0], dtype=torch.float32, device=q.device)
+    if not branch.output_row_dots(dout, q, k, v, row_dots):
+        return None
+    d_gates[..., branch.index] = row_dots.t()
+    return BranchBackwardInputs(dout, None, _gate_folded_lse(lse, gates[..., branch.index]),
+                                d_gates[..., branch.index])
 
 
 def _gate_folded_lse(lse: Tensor, gate: Tensor) -> Tensor:

@@ -4,7 +4,9 @@ Forward (`--passes fwd`): compression, selection, block lists, each branch, gati
 (`--passes bwd`): the stages nsa.function._gradients runs: the gate weights, the transposed lists
 (built once), then per branch the recompute of its forward (for the compressed branch with the
 compression of K and V), its gate pass (nsa.function.gate_pass: dL/dg, and g_b * dO where
-the attention backward is not the sm90 kernel, which takes the gate folded into lse), its
+the attention backward is not the sm90 kernel, which takes the gate folded into lse; on the
+sm90 kernels the recomputing forward writes dL/dg itself, nsa.function.fused_gate_pass, and
+the gate pass row reads 0), its
 attention backward
 (Branch.backward with the branch's transposed lists, adding dk, dv into the running float32
 sums), the add of its dq into the running dq and, for the compressed branch, compress_backward
@@ -40,7 +42,8 @@ from kernels.gated_sum import GatedSum, backward_runs_on_sm90  # noqa: E402
 from nsa import CMP_KV_BLOCK, SELECTION_Q_TILE, nsa  # noqa: E402
 from nsa.compression import (compress_backward, compress_pair,  # noqa: E402
                              compressed_cu_seqlens, compute_dtype)
-from nsa.function import compressed_starts, describe_branches, gate_pass  # noqa: E402
+from nsa.function import (compressed_starts, describe_branches, fused_gate_pass,  # noqa: E402
+                          gate_pass)
 from nsa.gating import NUM_BRANCHES, gate_backward, gate_weights  # noqa: E402
 from nsa.selection import select_blocks  # noqa: E402
 from nsa.validation import validate_nsa_call  # noqa: E402
@@ -210,25 +213,38 @@ def profile_backward(q, k, v, W_gate, cu_seqlens, cu_seqlens_cmp, sequences, con
     for branch, lse in zip(branches, lses):
         name = BRANCH_NAMES[branch.index]
 
-        def recompute():
+        def branch_keys():
             if branch.reads_compressed:
                 block_starts = compressed_starts(cu_seqlens, cu_seqlens_cmp, sequences, config)
                 keys, values = (x_cmp.to(k.dtype) for x_cmp in compress_pair(
                     (k, v), block_starts, l, (None, None)))
-            else:
-                block_starts, keys, values = None, k, v
+                return block_starts, keys, values
+            return None, k, v
+
+        def recompute():
+            block_starts, keys, values = branch_keys()
             return (block_starts, keys, values, *branch.forward(q, keys, values))
 
         block_starts, keys, values, branch_out, _ = recompute()
-        rows.append((f"{name}: {BRANCH_BACKWARD_STEPS[0]}", timed(recompute),
-                     kernels.which_backend(q, keys, values, **branch.kernel_kwargs)))
-
         options = dict(deterministic=config.deterministic,
                        block_sparse_transposed=transposed[branch.index])
         on_kernel = branch.backward_on_kernel(q, keys, values, **options)
-        step = stage(f"{name}: {BRANCH_BACKWARD_STEPS[1]}",
-                     lambda: gate_pass(branch.index, dout, branch_out, gates, d_gates, lse,
-                                       on_kernel=on_kernel), gate_backend, into=rows)
+        fused = on_kernel and fused_gate_pass(branch, dout, q, keys, values, gates, d_gates,
+                                              lse) is not None
+        if fused:  # the recomputing forward writes the gate gradient, not the output
+            def recompute_row_dots():
+                _, keys, values = branch_keys()
+                return fused_gate_pass(branch, dout, q, keys, values, gates, d_gates, lse)
+
+            step = stage(f"{name}: {BRANCH_BACKWARD_STEPS[0]}", recompute_row_dots,
+                         "sm90, writes <dO, o_b> (gate pass included)", into=rows)
+            rows.append((f"{name}: {BRANCH_BACKWARD_STEPS[1]}", 0.0, "in recompute fwd"))
+        else:
+            rows.append((f"{name}: {BRANCH_BACKWARD_STEPS[0]}", timed(recompute),
+                         kernels.which_backend(q, keys, values, **branch.kernel_kwargs)))
+            step = stage(f"{name}: {BRANCH_BACKWARD_STEPS[1]}",
+                         lambda: gate_pass(branch.index, dout, branch_out, gates, d_gates, lse,
+                                           on_kernel=on_kernel), gate_backend, into=rows)
         if not branch.reads_compressed and sums["k"] is None:
             sums["k"], sums["v"] = (torch.zeros(x.shape, dtype=dtype, device=x.device)
                                     for x in (k, v))

@@ -28,7 +28,8 @@ import torch
 from kernels.validate import require_int32_limits
 from kernels.sm90.forward import _as_cute as forward_as_cute
 from kernels.sm90.forward import (SUPPORTED_DTYPES, _num_sms, _uniform_cu_seqlens,
-                                  has_aligned_rows, launch_compiled, unsupported_inputs)
+                                  aligned_rows, launch_compiled,
+                                  unsupported_inputs)
 from kernels.sm90.spec import (BACKWARD_DENSE_TILE_N, H100_NUM_SMS, choose_backward_spec,
                                dq_spec_for)
 from kernels.sm90.spec import QUERY_SLOT_ROWS as SLOT_ROWS  # `QueryTiles`' tile rows
@@ -126,8 +127,8 @@ def run(
                          max_seqlen_k=max_seqlen_k, compress_factor=compress_factor,
                          window_size=window_size, block_sparse=block_sparse,
                          deterministic=deterministic)
-    dout = _aligned_rows(dout)
-    out = None if out is None else _aligned_rows(out)
+    dout = aligned_rows(dout)
+    out = None if out is None else aligned_rows(out)
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(head_dim)
     # CTAs of the grid without block-sparse lists: KV tiles x KV heads x sequences.
@@ -354,11 +355,6 @@ def _as_cute(t: torch.Tensor | None, tvm_ffi: bool = False):
     """The forward's view, with tensors of two or more modes 16-byte aligned (TMA reads the
     float32 lse and dO.O; q, k, v and dO are checked or copied so), int32 vectors 4-byte."""
     return forward_as_cute(t, tvm_ffi, None if t is None else 16 if t.dim() > 1 else 4)
-
-
-def _aligned_rows(t: torch.Tensor) -> torch.Tensor:
-    """t itself when its rows are 16-byte aligned with a unit last stride, else a copy."""
-    return t if has_aligned_rows(t) else t.contiguous()
 
 
 def _typed_scalars(scalars):

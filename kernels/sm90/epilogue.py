@@ -26,6 +26,7 @@ from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync
 
 from kernels.sm90.layouts import acc_mn_view
+from kernels.sm90.row_dot import lane_group_sum
 
 _WARPGROUP = 128
 _ROWS = 64  # rows of one consumer warpgroup
@@ -142,6 +143,41 @@ class OutputStore:
             row = first_row + co_mn[r, 0][0]
             if row < seqlen_q and co_mn[r, 0][1] == 0:
                 self.mLSE[head, offset_q + row] = lse[r]
+
+    @cute.jit
+    def write_row_dot(self, acc_o: cute.Tensor, offset_q: Int32, seqlen_q: Int32, head: Int32,
+                      m_block: Int32, tidx: Int32):
+        """`FwdSpec.row_dot_output`: instead of O and lse, rowsum(dO * O) of this warpgroup's
+        rows into mLSE[head, row], from the float32 accumulator; mO holds dO here. A zero dO
+        element contributes exactly zero, even against a non-finite O (as the gated-sum
+        kernels' gate gradient): selected, not multiplied."""
+        wg = tidx // _WARPGROUP
+        thr = self.tiled_mma.get_slice(tidx % _WARPGROUP)
+        half = m_block * self.num_warpgroups + wg
+        first_row = half * _ROWS
+        co_mn = acc_mn_view(thr.partition_C(cute.make_identity_tensor((_ROWS, self.head_dim))))
+        mdO_seq = cute.domain_offset((offset_q, 0), self.mO[None, head, None])
+        gdo_mn = acc_mn_view(thr.partition_C(
+            cute.local_tile(mdO_seq, (_ROWS, self.head_dim), (half, 0))))
+        o_mn = acc_mn_view(acc_o)
+        pair_load = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.mO.element_type,
+                                        num_bits_per_copy=32)
+        pair = cute.make_rmem_tensor(cute.make_layout(2), self.mO.element_type)
+        num_pairs = cute.size(o_mn, mode=[1]) // 2
+        for r in cutlass.range_constexpr(cute.size(o_mn, mode=[0])):
+            row = first_row + co_mn[r, 0][0]
+            dot = Float32(0.0)
+            if row < seqlen_q:
+                for c in cutlass.range_constexpr(num_pairs):
+                    cute.copy(pair_load, self.column_pair(gdo_mn, r, c), pair)
+                    o_pair = self.column_pair(o_mn, r, c)
+                    for i in cutlass.range_constexpr(2):
+                        d = pair[i].to(Float32)
+                        dot += Float32(0.0) if d == Float32(0.0) else d * o_pair[i]
+            # The four lanes of a quad hold the row's columns (the accumulator's layout).
+            dot = lane_group_sum(dot, 4)
+            if row < seqlen_q and co_mn[r, 0][1] == 0:
+                self.mLSE[head, offset_q + row] = dot
 
     @cute.jit
     def drain(self, offset_q: Int32, seqlen_q: Int32, head: Int32, m_block: Int32,

@@ -51,6 +51,11 @@ def has_aligned_rows(t: torch.Tensor) -> bool:
     return t.stride(-1) == 1 and not any(s % 8 for s in t.stride()[:-1]) and t.data_ptr() % 16 == 0
 
 
+def aligned_rows(t: torch.Tensor) -> torch.Tensor:
+    """t itself when its rows are 16-byte aligned with a unit last stride, else a copy."""
+    return t if has_aligned_rows(t) else t.contiguous()
+
+
 def can_run(q, k, v, *, block_sparse=None, causal=False, window_size=(-1, -1),
             compress_factor=1, max_seqlen_k=None, **_) -> tuple[bool, str]:
     """(ok, reason): whether the sm90 kernel computes this case."""
@@ -156,6 +161,20 @@ def launch_compiled(compiled, spec, tensors, scalars, typed_scalars, optional, a
     compiled(spec, lambda: args)(*args)
 
 
+def _check_row_dot(q, row_dot_with, row_dot_into) -> None:
+    if q.dim() != 3:
+        raise ValueError(f"row_dot_into: packed (T, H, D) inputs only, got q of shape "
+                         f"{tuple(q.shape)}")
+    if row_dot_with is None or row_dot_with.shape != q.shape or row_dot_with.dtype != q.dtype:
+        raise ValueError(f"row_dot_with: expected a {tuple(q.shape)} {q.dtype} tensor like q, "
+                         f"got {None if row_dot_with is None else tuple(row_dot_with.shape)}")
+    expected = (q.shape[1], q.shape[0])
+    if (tuple(row_dot_into.shape) != expected or row_dot_into.dtype != torch.float32
+            or not row_dot_into.is_contiguous() or row_dot_into.device != q.device):
+        raise ValueError(f"row_dot_into: expected a contiguous {expected} float32 tensor on "
+                         f"{q.device}, got {tuple(row_dot_into.shape)} {row_dot_into.dtype}")
+
+
 def _launch(spec, tensors, scalars, optional):
     from kernels.sm90.compile import compiled_forward
 
@@ -165,13 +184,18 @@ def _launch(spec, tensors, scalars, optional):
 def run(
     q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
     softmax_scale=None, causal=False, compress_factor=1, window_size=(-1, -1),
-    block_sparse=None, spec_overrides=None, trace=False,
+    block_sparse=None, spec_overrides=None, trace=False, row_dot_with=None, row_dot_into=None,
 ):
     """(out, lse) of the sm90 kernel. `spec_overrides` (a dict of `FwdSpec` fields) replaces the
     dispatcher's compile-time choices; tools/tune_sm90_forward.py uses it to time variants.
     `trace=True` launches the traced build and returns (out, lse, per-tile timestamps), see
     kernels/sm90/trace.py. With `spec_overrides={"screen_masked_v": True}` it returns (out, lse,
-    flag): flag[0] is 1 when a masked KV tile held a non-finite V value (kernels/sm90/screen.py)."""
+    flag): flag[0] is 1 when a masked KV tile held a non-finite V value (kernels/sm90/screen.py).
+
+    `row_dot_with` (like q, packed) and `row_dot_into` (a contiguous (H, T) float32 tensor): the
+    kernel writes rowsum(row_dot_with * out) per row and head into row_dot_into, computed from
+    its float32 accumulator, instead of out and lse (`FwdSpec.row_dot_output`), and returns
+    None. nsa()'s backward takes a recomputed branch's gate gradient so."""
     # The public entry points send these to the fallback (can_run); a direct call must not
     # compile an untested variant.
     if q.dtype not in SUPPORTED_DTYPES:
@@ -182,6 +206,9 @@ def run(
                          f"of {SUPPORTED_HEAD_DIMS}; kernels.flash_attn_func falls back to torch "
                          f"for others)")
     padded = q.dim() == 4
+    row_dot = row_dot_into is not None
+    if row_dot:
+        _check_row_dot(q, row_dot_with, row_dot_into)
     if padded:
         batch, seqlen_q, num_heads, head_dim = q.shape
         seqlen_k = k.shape[1]
@@ -196,8 +223,11 @@ def run(
                          block_sparse=block_sparse)
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(head_dim)
-    out = torch.empty((total_q, num_heads, head_dim), dtype=q.dtype, device=q.device)
-    lse = torch.empty((num_heads, total_q), dtype=torch.float32, device=q.device)
+    if row_dot:  # the kernel reads dO where it would write O, writes row dots for lse
+        out, lse = aligned_rows(row_dot_with), row_dot_into
+    else:
+        out = torch.empty((total_q, num_heads, head_dim), dtype=q.dtype, device=q.device)
+        lse = torch.empty((num_heads, total_q), dtype=torch.float32, device=q.device)
 
     spec = _spec_for(q, causal, window_size, block_sparse, compress_factor, max_seqlen_k)
     if spec_overrides:
@@ -210,6 +240,8 @@ def run(
             raise ValueError(f"spec_overrides: tile {spec.tile_m}x{spec.tile_n} differs from the "
                              f"block-sparse blocks {block_sparse.row_block_size}x"
                              f"{block_sparse.col_block_size}")
+    if row_dot:
+        spec = spec.writing_row_dots()
     trace_buffer = None
     screen_flag = (torch.zeros(1, dtype=torch.int32, device=q.device)
                    if spec.screen_masked_v else None)
@@ -234,6 +266,8 @@ def run(
             optional = (bs.full_count, bs.full_index, bs.mask_count, bs.mask_index,
                         bs.row_block_offsets)
         _launch(spec, tensors, scalars, (*optional, trace_buffer, screen_flag))
+    if row_dot:
+        return None
     if padded:
         out = out.view(batch, seqlen_q, num_heads, head_dim)
         lse = lse.view(num_heads, batch, seqlen_q).permute(1, 0, 2).contiguous()

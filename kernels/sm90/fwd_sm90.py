@@ -87,6 +87,8 @@ class FlashAttentionForwardSm90(OverlapTiles):
         assert not (spec.narrow_first_tile and (spec.block_sparse or spec.overlap_tiles
                                                 or spec.defer_store or spec.tile_n % 32))
         assert not (spec.screen_masked_v and (spec.overlap_tiles or spec.defer_store))
+        assert not (spec.row_dot_output and (spec.store_warp or spec.defer_store
+                                             or spec.overlap_tiles or spec.o_in_q))
 
     # ------------------------------------------------------------------ host side
     @cute.jit
@@ -95,8 +97,8 @@ class FlashAttentionForwardSm90(OverlapTiles):
         mQ: cute.Tensor,  # (T, H, D)
         mK: cute.Tensor,  # (Tk, Hkv, D)
         mV: cute.Tensor,  # (Tk, Hkv, D)
-        mO: cute.Tensor,  # (T, H, D)
-        mLSE: cute.Tensor,  # (H, T) float32
+        mO: cute.Tensor,  # (T, H, D); dO with `row_dot_output` (read)
+        mLSE: cute.Tensor,  # (H, T) float32; rowsum(dO * O) with `row_dot_output`
         mCuSeqlensQ: cute.Tensor,  # (S+1,) int32
         mCuSeqlensK: cute.Tensor,  # (S+1,) int32
         max_seqlen_q: Int32,
@@ -599,7 +601,11 @@ class FlashAttentionForwardSm90(OverlapTiles):
 
         lse = cute.make_rmem_tensor(cute.make_layout(num_rows), Float32)
         softmax_finalize(acc_o, row_max, row_sum, softmax_scale, lse)
-        if const_expr(deferred is not None):
+        if const_expr(self.spec.row_dot_output):
+            mark("finalized")
+            out_store.write_row_dot(acc_o, offset_q, seqlen_q, head, m_block, tidx)
+            mark("stored")
+        elif const_expr(deferred is not None):
             out, out_lse, where = deferred
             out.store(acc_o.load().to(self.dtype))
             out_lse.store(lse.load())

@@ -41,10 +41,19 @@ class FwdSpec:
     o_in_q: bool = False       # one tile per CTA (not persistent, one Q buffer): the output is
                                # staged in the Q buffer, which frees an output buffer's smem
     trace: bool = False        # diagnostic build: per-tile phase timestamps (kernels/sm90/trace.py)
+    row_dot_output: bool = False  # the epilogue writes rowsum(dO * O) per row and head
+                                  # (float32) instead of O and lse: nsa()'s backward takes a
+                                  # recomputed branch's gate gradient without writing its output
     screen_masked_v: bool = False  # diagnostic build: each masked KV tile's V stage read for
                                    # non-finite values before its P V (kernels/sm90/screen.py),
                                    # the least an exact fix of masked NaN leaks pays; measured,
                                    # never dispatched
+
+    def writing_row_dots(self) -> "FwdSpec":
+        """This spec with `row_dot_output`: the row dots come from the consumers' registers,
+        so no output staging (storer warp, deferred or overlapped stores, O in the Q buffer)."""
+        return dataclasses.replace(self, row_dot_output=True, store_warp=False,
+                                   defer_store=False, overlap_tiles=False, o_in_q=False)
 
     @property
     def ctas_per_sm(self) -> int:

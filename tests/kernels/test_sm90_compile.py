@@ -112,6 +112,16 @@ def test_masked_value_screen_compiles_for_sm90a(call, dtype):
     assert callable(compile_forward_on_fake_tensors(spec))
 
 
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("call", ["compressed-causal", "window-causal", "selected-sparse64",
+                                  "selected-sparse64-short"])
+def test_row_dot_build_compiles_for_nsa_branches(call, head_dim):
+    """The forward that writes rowsum(dO * O) instead of O (nsa()'s backward recomputes each
+    branch so, kernels.sm90.forward.run's row_dot_into), as run() derives it from the dispatch."""
+    spec = _spec("bfloat16", head_dim, call).writing_row_dots()
+    assert callable(compile_forward_on_fake_tensors(spec))
+
+
 def test_dispatch_picks_persistent_tiles_for_short_kv_ranges():
     window = _spec("bfloat16", 128, "window-causal")
     assert window.persistent and (window.tile_m, window.tile_n) == (128, 128)

@@ -1,0 +1,87 @@
+"""The forward that writes rowsum(dO * O) instead of O (`FwdSpec.row_dot_output`): nsa()'s
+backward takes each recomputed branch's gate gradient from it (nsa/function.py
+`fused_gate_pass`). On the GPU: equal to the row dot of the kernel's own output, on the
+schedules of nsa()'s three branches; its argument checks on any machine."""
+import pytest
+import torch
+
+from gpu_marks import requires_sm90
+from sparsity import build_selected_block_sparse
+
+HEADS, KV_HEADS, D = 8, 2, 128
+
+
+def _packed(lengths, generator):
+    total = sum(lengths)
+    q = torch.randn(total, HEADS, D, device="cuda", dtype=torch.bfloat16, generator=generator)
+    k, v = (torch.randn(total, KV_HEADS, D, device="cuda", dtype=torch.bfloat16,
+                        generator=generator) for _ in range(2))
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32,
+                      device="cuda")
+    return q, k, v, cu
+
+
+def _call(case, lengths, q, k, v, cu, generator):
+    """(k, v, run keywords) of one of nsa()'s branch shapes."""
+    call = dict(cu_seqlens_q=cu, max_seqlen_q=max(lengths), causal=True)
+    if case == "window":
+        return k, v, dict(call, cu_seqlens_k=cu, max_seqlen_k=max(lengths),
+                          window_size=(511, 0))
+    if case == "compressed":
+        cf = 64
+        cmp_lengths = [n // cf for n in lengths]
+        k_cmp, v_cmp = (x[:sum(cmp_lengths)].contiguous() for x in (k, v))
+        cu_k = torch.tensor([0, *torch.tensor(cmp_lengths).cumsum(0).tolist()],
+                            dtype=torch.int32, device="cuda")
+        return k_cmp, v_cmp, dict(call, cu_seqlens_k=cu_k, max_seqlen_k=max(cmp_lengths),
+                                  compress_factor=cf)
+    # selected: 4 random 64-key blocks per 128-row tile and KV head (block 0 and the
+    # diagonal among them: the causal mask applies there), as nsa()'s selected branch
+    rows = []
+    for n in lengths:
+        for tile in range(-(-n // 128)):
+            last_block = (min((tile + 1) * 128, n) - 1) // 64
+            picks = torch.randint(0, last_block + 1, (KV_HEADS, 4), generator=generator,
+                                  device="cuda")
+            picks[:, 0] = 0
+            picks[:, 1] = last_block
+            rows.append(picks)
+    lists = build_selected_block_sparse(torch.stack(rows), cu_seqlens_q=cu, cu_seqlens_k=cu,
+                                        q_tile=128, selected_block_size=64, kv_block=64,
+                                        causal=True)
+    return k, v, dict(call, cu_seqlens_k=cu, max_seqlen_k=max(lengths), block_sparse=lists)
+
+
+@pytest.mark.gpu
+@requires_sm90
+@pytest.mark.parametrize("case", ["compressed", "selected", "window"])
+@pytest.mark.parametrize("lengths", [[4096], [300, 2048, 77, 1701]], ids=["one", "varlen"])
+def test_row_dots_equal_the_row_dots_of_the_output(case, lengths):
+    from kernels.sm90.forward import run
+
+    generator = torch.Generator(device="cuda").manual_seed(5)
+    q, k, v, cu = _packed(lengths, generator)
+    k, v, call = _call(case, lengths, q, k, v, cu, generator)
+    dout = torch.randn(q.shape, device="cuda", dtype=q.dtype, generator=generator)
+    dout[5] = 0  # a zero row: exactly zero
+    out, _ = run(q, k, v, **call)
+    into = torch.full((HEADS, q.shape[0]), float("nan"), device="cuda")
+    assert run(q, k, v, row_dot_with=dout, row_dot_into=into, **call) is None
+    expected = (dout.float() * out.float()).sum(-1).t()
+    assert torch.isfinite(into).all()  # every row written
+    assert (into[:, 5] == 0).all()
+    # The kernel's dot uses its float32 accumulator, the expected one out rounded to bf16.
+    scale = expected.abs().mean()
+    assert (into - expected).abs().max() <= 2e-2 * scale + 1e-3
+
+
+def test_row_dot_arguments_are_checked_before_any_launch():
+    from kernels.sm90.forward import _check_row_dot
+
+    q = torch.randn(10, HEADS, D, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="row_dot_with"):
+        _check_row_dot(q, None, torch.empty(HEADS, 10))
+    with pytest.raises(ValueError, match="row_dot_into"):
+        _check_row_dot(q, q, torch.empty(10, HEADS))
+    with pytest.raises(ValueError, match="packed"):
+        _check_row_dot(q[None], q[None], torch.empty(HEADS, 10))
