@@ -145,35 +145,49 @@ class OutputStore:
                 self.mLSE[head, offset_q + row] = lse[r]
 
     @cute.jit
-    def write_row_dot(self, acc_o: cute.Tensor, offset_q: Int32, seqlen_q: Int32, head: Int32,
-                      m_block: Int32, tidx: Int32):
-        """`FwdSpec.row_dot_output`: instead of O and lse, rowsum(dO * O) of this warpgroup's
-        rows into mLSE[head, row], from the float32 accumulator; mO holds dO here. A zero dO
-        element contributes exactly zero, even against a non-finite O (as the gated-sum
-        kernels' gate gradient): selected, not multiplied."""
-        wg = tidx // _WARPGROUP
+    def load_row_dot_operand(self, offset_q: Int32, seqlen_q: Int32, head: Int32,
+                             m_block: Int32, tidx: Int32) -> cute.Tensor:
+        """`FwdSpec.row_dot_output`: this thread's elements of dO (mO holds dO here), in the
+        accumulator's layout, as (2, column pairs, rows) registers. Issued before the tile's
+        last P V, so the loads' latency hides under it; rows past the sequence read its last
+        row (they are dropped in `write_row_dot`)."""
         thr = self.tiled_mma.get_slice(tidx % _WARPGROUP)
-        half = m_block * self.num_warpgroups + wg
-        first_row = half * _ROWS
+        first_row = (m_block * self.num_warpgroups + tidx // _WARPGROUP) * _ROWS
         co_mn = acc_mn_view(thr.partition_C(cute.make_identity_tensor((_ROWS, self.head_dim))))
         mdO_seq = cute.domain_offset((offset_q, 0), self.mO[None, head, None])
-        gdo_mn = acc_mn_view(thr.partition_C(
-            cute.local_tile(mdO_seq, (_ROWS, self.head_dim), (half, 0))))
-        o_mn = acc_mn_view(acc_o)
+        num_rows = cute.size(co_mn, mode=[0])
+        num_pairs = cute.size(co_mn, mode=[1]) // 2
         pair_load = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.mO.element_type,
                                         num_bits_per_copy=32)
-        pair = cute.make_rmem_tensor(cute.make_layout(2), self.mO.element_type)
-        num_pairs = cute.size(o_mn, mode=[1]) // 2
+        dout = cute.make_rmem_tensor(cute.make_layout((2, num_pairs, num_rows)),
+                                     self.mO.element_type)
+        for r in cutlass.range_constexpr(num_rows):
+            g_row = mdO_seq[cutlass.min(first_row + co_mn[r, 0][0], seqlen_q - 1), None]
+            for c in cutlass.range_constexpr(num_pairs):
+                col = self.column_pair(co_mn, r, c)[0][1]
+                cute.copy(pair_load, cute.local_tile(g_row, (2,), (col // 2,)),
+                          dout[None, c, r])
+        return dout
+
+    @cute.jit
+    def write_row_dot(self, acc_o: cute.Tensor, dout: cute.Tensor, offset_q: Int32,
+                      seqlen_q: Int32, head: Int32, m_block: Int32, tidx: Int32):
+        """`FwdSpec.row_dot_output`: instead of O and lse, rowsum(dO * O) of this warpgroup's
+        rows into mLSE[head, row], from the float32 accumulator and `load_row_dot_operand`'s
+        dO. A zero dO element contributes exactly zero, even against a non-finite O (as the
+        gated-sum kernels' gate gradient): selected, not multiplied."""
+        thr = self.tiled_mma.get_slice(tidx % _WARPGROUP)
+        first_row = (m_block * self.num_warpgroups + tidx // _WARPGROUP) * _ROWS
+        co_mn = acc_mn_view(thr.partition_C(cute.make_identity_tensor((_ROWS, self.head_dim))))
+        o_mn = acc_mn_view(acc_o)
         for r in cutlass.range_constexpr(cute.size(o_mn, mode=[0])):
             row = first_row + co_mn[r, 0][0]
             dot = Float32(0.0)
-            if row < seqlen_q:
-                for c in cutlass.range_constexpr(num_pairs):
-                    cute.copy(pair_load, self.column_pair(gdo_mn, r, c), pair)
-                    o_pair = self.column_pair(o_mn, r, c)
-                    for i in cutlass.range_constexpr(2):
-                        d = pair[i].to(Float32)
-                        dot += Float32(0.0) if d == Float32(0.0) else d * o_pair[i]
+            for c in cutlass.range_constexpr(cute.size(o_mn, mode=[1]) // 2):
+                o_pair = self.column_pair(o_mn, r, c)
+                for i in cutlass.range_constexpr(2):
+                    d = dout[i, c, r].to(Float32)
+                    dot += Float32(0.0) if d == Float32(0.0) else d * o_pair[i]
             # The four lanes of a quad hold the row's columns (the accumulator's layout).
             dot = lane_group_sum(dot, 4)
             if row < seqlen_q and co_mn[r, 0][1] == 0:

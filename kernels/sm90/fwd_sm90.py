@@ -586,6 +586,9 @@ class FlashAttentionForwardSm90(OverlapTiles):
         mark("loop_done")
         # Every Q K^T product of this tile is done: the producer may load the next tile's Q.
         q_handle.release()
+        dout_rows = None
+        if const_expr(self.spec.row_dot_output):
+            dout_rows = out_store.load_row_dot_operand(offset_q, seqlen_q, head, m_block, tidx)
         if num_iters > 0:
             last_chunks = Int32(self.tile_n // 32)
             if const_expr(self.spec.narrow_first_tile):
@@ -603,7 +606,7 @@ class FlashAttentionForwardSm90(OverlapTiles):
         softmax_finalize(acc_o, row_max, row_sum, softmax_scale, lse)
         if const_expr(self.spec.row_dot_output):
             mark("finalized")
-            out_store.write_row_dot(acc_o, offset_q, seqlen_q, head, m_block, tidx)
+            out_store.write_row_dot(acc_o, dout_rows, offset_q, seqlen_q, head, m_block, tidx)
             mark("stored")
         elif const_expr(deferred is not None):
             out, out_lse, where = deferred
