@@ -130,7 +130,8 @@ def gated_sum_backward(dout: Tensor, term: Tensor, gates: Tensor, column: int,
 def gate_gradient(dout: Tensor, term: Tensor, column: int, d_gates: Tensor) -> None:
     """Only the gate gradient of `gated_sum_backward`: rowsum(dout * term) into
     d_gates[..., column], without the term's gradient (nsa()'s backward on the sm90 kernels
-    folds the gate into the attention backward instead); one pass over dout and term."""
+    folds the gate into the attention backward instead, and takes this row dot from the
+    recomputing forward where that runs on the kernel); one pass over dout and term."""
     _check_term_backward(dout, term, None, column, d_gates)
     if backward_runs_on_sm90(dout, d_gates):
         from kernels.sm90 import gated_sum

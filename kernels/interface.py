@@ -122,7 +122,8 @@ def attention_backward_trusted(dout, q, k, v, out, lse, *, host_cu_seqlens, dout
     ``block_sparse``.
 
     ``dout_dot_out``: rowsum(dout * out), (Tq, H) floating (``(B, Nq, H)`` padded), when the
-    caller has it (nsa()'s gate backward writes it, so the branch output can be freed first);
+    caller has it (nsa()'s backward takes it from ``attention_row_dot_trusted``, so no branch
+    output is written);
     then ``out`` is not read and may be None. Only the sm90 kernel takes it: the caller checks
     ``backward_runs_on_kernel`` first (a ValueError otherwise).
 

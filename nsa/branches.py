@@ -94,7 +94,8 @@ class Branch:
     def backward_on_kernel(self, q: Tensor, k: Tensor, v: Tensor, *,
                            deterministic: bool = False, block_sparse_transposed=None) -> bool:
         """Whether `backward` runs the sm90 kernel, which takes dout_dot_out instead of out
-        (nsa() then folds the gate into lse and frees the recomputed branch output first)."""
+        (nsa() then folds the gate into lse and takes <dO, o_b> from `output_row_dots`, or
+        from the recomputed output where the forward kernel does not run)."""
         if self.host_cu_seqlens is None:
             return False
         return backward_runs_on_kernel(q, k, v, host_cu_seqlens=self.host_cu_seqlens,

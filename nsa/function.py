@@ -199,9 +199,9 @@ def packed_gradients(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, W_k: Tensor 
 
 @dataclass
 class BranchBackwardInputs:
-    """What a branch's attention backward reads after `gate_pass`: dO itself with the gate folded
-    into lse and <dO, o_b> as its dO.O on the sm90 kernel (`out` None: the branch output is
-    freed), g_b * dO with the branch output and its lse elsewhere."""
+    """What a branch's attention backward reads after `fused_gate_pass` or `gate_pass`: dO itself
+    with the gate folded into lse and <dO, o_b> as its dO.O on the sm90 kernel (`out` None: no
+    branch output is kept), g_b * dO with the branch output and its lse elsewhere."""
     dout: Tensor
     out: Tensor | None
     lse: Tensor
@@ -216,8 +216,7 @@ def gate_pass(index: int, dout: Tensor, branch_out: Tensor, gates: Tensor, d_gat
     later row (its NaN must not reach dW_gate)."""
     if on_kernel:
         gate_gradient(dout, branch_out, index, d_gates)
-        return BranchBackwardInputs(dout, None, _gate_folded_lse(lse, gates[..., index]),
-                                    d_gates[..., index])
+        return _folded_inputs(index, dout, gates, d_gates, lse)
     branch_dout = gated_sum_backward(dout, branch_out, gates, index, d_gates)
     return BranchBackwardInputs(branch_dout, branch_out, lse, None)
 
@@ -231,8 +230,15 @@ def fused_gate_pass(branch: Branch, dout: Tensor, q: Tensor, k: Tensor, v: Tenso
     if not branch.output_row_dots(dout, q, k, v, row_dots):
         return None
     d_gates[..., branch.index] = row_dots.t()
-    return BranchBackwardInputs(dout, None, _gate_folded_lse(lse, gates[..., branch.index]),
-                                d_gates[..., branch.index])
+    return _folded_inputs(branch.index, dout, gates, d_gates, lse)
+
+
+def _folded_inputs(index: int, dout: Tensor, gates: Tensor, d_gates: Tensor,
+                   lse: Tensor) -> BranchBackwardInputs:
+    """The kernel's inputs once d_gates[..., index] holds <dO, o_b>: dO itself, no output,
+    the gate folded into lse, the gate gradient as dO.O."""
+    return BranchBackwardInputs(dout, None, _gate_folded_lse(lse, gates[..., index]),
+                                d_gates[..., index])
 
 
 def _gate_folded_lse(lse: Tensor, gate: Tensor) -> Tensor:
@@ -243,7 +249,8 @@ def _gate_folded_lse(lse: Tensor, gate: Tensor) -> Tensor:
     delta = rowsum(g dO * o). Written with P' = g P = exp(S - (lse - log g)) that is
     dV = P'^T dO and dS = P' * (dO V^T - <dO, o>): the plain backward on dO itself, with lse
     replaced by this and delta by <dO, o>, which is the gate's gradient dL/dg that
-    `gate_gradient` wrote. So nsa() never writes g * dO and frees o before the backward.
+    `fused_gate_pass` (or `gate_gradient`) wrote. So nsa() never writes g * dO, and keeps no o
+    for the backward.
     A gate of exactly 0 (sigmoid underflow) adds nothing: its row gets -inf, the mark of a row
     that sees nothing (whose lse is -inf already), so P' = 0 and never NaN."""
     folded = lse - torch.log(gate).t()

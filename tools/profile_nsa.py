@@ -225,7 +225,8 @@ def profile_backward(q, k, v, W_gate, cu_seqlens, cu_seqlens_cmp, sequences, con
             block_starts, keys, values = branch_keys()
             return (block_starts, keys, values, *branch.forward(q, keys, values))
 
-        block_starts, keys, values, branch_out, _ = recompute()
+        block_starts, keys, values = branch_keys()
+        branch_out = None  # recomputed only off the fused path
         options = dict(deterministic=config.deterministic,
                        block_sparse_transposed=transposed[branch.index])
         on_kernel = branch.backward_on_kernel(q, keys, values, **options)
@@ -240,6 +241,7 @@ def profile_backward(q, k, v, W_gate, cu_seqlens, cu_seqlens_cmp, sequences, con
                          "sm90, writes <dO, o_b> (gate pass included)", into=rows)
             rows.append((f"{name}: {BRANCH_BACKWARD_STEPS[1]}", 0.0, "in recompute fwd"))
         else:
+            block_starts, keys, values, branch_out, _ = recompute()
             rows.append((f"{name}: {BRANCH_BACKWARD_STEPS[0]}", timed(recompute),
                          kernels.which_backend(q, keys, values, **branch.kernel_kwargs)))
             step = stage(f"{name}: {BRANCH_BACKWARD_STEPS[1]}",

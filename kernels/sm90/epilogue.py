@@ -26,7 +26,7 @@ from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync
 
 from kernels.sm90.layouts import acc_mn_view
-from kernels.sm90.row_dot import lane_group_sum
+from kernels.sm90.row_dot import lane_group_sum, masked_dot
 
 _WARPGROUP = 128
 _ROWS = 64  # rows of one consumer warpgroup
@@ -184,10 +184,8 @@ class OutputStore:
             row = first_row + co_mn[r, 0][0]
             dot = Float32(0.0)
             for c in cutlass.range_constexpr(cute.size(o_mn, mode=[1]) // 2):
-                o_pair = self.column_pair(o_mn, r, c)
-                for i in cutlass.range_constexpr(2):
-                    d = dout[i, c, r].to(Float32)
-                    dot += Float32(0.0) if d == Float32(0.0) else d * o_pair[i]
+                dot += masked_dot(dout[None, c, r].load().to(Float32),
+                                  self.column_pair(o_mn, r, c).load())
             # The four lanes of a quad hold the row's columns (the accumulator's layout).
             dot = lane_group_sum(dot, 4)
             if row < seqlen_q and co_mn[r, 0][1] == 0:

@@ -165,14 +165,20 @@ def _check_row_dot(q, row_dot_with, row_dot_into) -> None:
     if q.dim() != 3:
         raise ValueError(f"row_dot_into: packed (T, H, D) inputs only, got q of shape "
                          f"{tuple(q.shape)}")
-    if row_dot_with is None or row_dot_with.shape != q.shape or row_dot_with.dtype != q.dtype:
-        raise ValueError(f"row_dot_with: expected a {tuple(q.shape)} {q.dtype} tensor like q, "
-                         f"got {None if row_dot_with is None else tuple(row_dot_with.shape)}")
+    if (row_dot_with is None or row_dot_with.shape != q.shape or row_dot_with.dtype != q.dtype
+            or row_dot_with.device != q.device):
+        got = ("nothing" if row_dot_with is None else
+               f"{tuple(row_dot_with.shape)} {row_dot_with.dtype} on {row_dot_with.device}")
+        raise ValueError(f"row_dot_with: expected a {tuple(q.shape)} {q.dtype} tensor on "
+                         f"{q.device} like q (with row_dot_into), got {got}")
     expected = (q.shape[1], q.shape[0])
-    if (tuple(row_dot_into.shape) != expected or row_dot_into.dtype != torch.float32
-            or not row_dot_into.is_contiguous() or row_dot_into.device != q.device):
+    if (row_dot_into is None or tuple(row_dot_into.shape) != expected
+            or row_dot_into.dtype != torch.float32 or not row_dot_into.is_contiguous()
+            or row_dot_into.device != q.device):
+        got = ("nothing" if row_dot_into is None else
+               f"{tuple(row_dot_into.shape)} {row_dot_into.dtype} on {row_dot_into.device}")
         raise ValueError(f"row_dot_into: expected a contiguous {expected} float32 tensor on "
-                         f"{q.device}, got {tuple(row_dot_into.shape)} {row_dot_into.dtype}")
+                         f"{q.device} (with row_dot_with), got {got}")
 
 
 def _launch(spec, tensors, scalars, optional):
@@ -206,7 +212,7 @@ def run(
                          f"of {SUPPORTED_HEAD_DIMS}; kernels.flash_attn_func falls back to torch "
                          f"for others)")
     padded = q.dim() == 4
-    row_dot = row_dot_into is not None
+    row_dot = row_dot_into is not None or row_dot_with is not None
     if row_dot:
         _check_row_dot(q, row_dot_with, row_dot_into)
     if padded:

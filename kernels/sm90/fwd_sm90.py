@@ -195,7 +195,8 @@ class FlashAttentionForwardSm90(OverlapTiles):
     def shared_storage_struct(self, sQ_layout, sK_layout, sV_layout, sO_layout):
         """The CTA's shared memory (`FwdSpec.smem_bytes` computes its size). A plain method, not
         traced: the optional output buffer needs a Python `if`, which the DSL rewrites inside
-        jit functions. Without it (`o_in_q`) the output is staged in the Q buffer."""
+        jit functions. Without it (`o_in_q`) the output is staged in the Q buffer; with
+        `row_dot_output` nothing is staged."""
         dtype, stages, q_stages = self.dtype, self.spec.num_stages, self.spec.q_stages
         lse_rows = 64 * self.num_consumer_warpgroups
 
@@ -210,7 +211,7 @@ class FlashAttentionForwardSm90(OverlapTiles):
             sK=smem_buffer(dtype, cute.cosize(sK_layout), 1024),
             sV=smem_buffer(dtype, cute.cosize(sV_layout), 1024),
         )
-        if not self.spec.o_in_q:
+        if not (self.spec.o_in_q or self.spec.row_dot_output):
             fields["sO"] = smem_buffer(dtype, cute.cosize(sO_layout), 1024)
         return cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
 
@@ -261,7 +262,9 @@ class FlashAttentionForwardSm90(OverlapTiles):
         sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
         # `o_in_q`: the tile's Q is dead once every consumer's last Q K^T is done (the
         # consumers meet at a barrier before staging), and no later Q comes (one tile per CTA).
-        sO = (storage.sQ if const_expr(spec.o_in_q) else storage.sO).get_tensor(
+        # `row_dot_output` stages nothing: the view only keeps OutputStore's fields typed.
+        sO = (storage.sQ if const_expr(spec.o_in_q or spec.row_dot_output)
+              else storage.sO).get_tensor(
             sO_layout.outer, swizzle=sO_layout.inner)
         out_store = OutputStore(
             self.head_dim, self.num_consumer_warpgroups, spec.persistent,
@@ -595,10 +598,11 @@ class FlashAttentionForwardSm90(OverlapTiles):
                 if num_iters == 1:
                     # The last KV tile is the narrowed first one: P is zero past its width.
                     last_chunks = first_chunks
-            last_masked = num_iters <= num_mask_blocks  # block-sparse: the mask list comes first
-            if const_expr(not self.spec.block_sparse):
-                last_block = n_max - num_iters
-                last_masked = (last_block < unmasked_lo) | (last_block >= unmasked_hi)
+            last_masked = False
+            if const_expr(screen is not None):
+                last_masked = self.masked_at(num_iters - 1, n_max, num_mask_blocks, unmasked_lo,
+                                             unmasked_hi, seqlen_k, mFullIndex, sparse_row,
+                                             sparse_head)
             tiled_mma_pv, v_consumer = self.last_pv(tidx, v_consumer, tiled_mma_pv, acc_o, r_p,
                                                     tOrV, mark, last_chunks, screen, last_masked)
 
@@ -689,11 +693,18 @@ class FlashAttentionForwardSm90(OverlapTiles):
             acc_o=acc_o, r_p=r_p, r_p_as_acc=r_p_as_acc, row_max=row_max, row_sum=row_sum,
             correction=correction, scale_log2=scale_log2, t_coord=t_coord,
             block_range=block_range, m_block=m_block, seqlen_k=seqlen_k, screen=screen)
+        # `screen`: whether the it-th KV tile visited gets a mask (its V is read before P V).
+        masked_at = lambda it: False  # noqa: E731  (no screen: nothing to decide)
+        if const_expr(screen is not None):
+            masked_at = partial(
+                self.masked_at, n_max=n_max, num_mask_blocks=num_mask_blocks,
+                unmasked_lo=unmasked_lo, unmasked_hi=unmasked_hi, seqlen_k=seqlen_k,
+                mFullIndex=mFullIndex, sparse_row=sparse_row, sparse_head=sparse_head)
         if const_expr(self.spec.block_sparse):
             for it in cutlass.range(1, num_mask_blocks, unroll=1):
                 k_consumer, v_consumer, tiled_mma_qk, tiled_mma_pv = step(
                     n_block=mMaskIndex[sparse_row, sparse_head, it], mask="causal_window",
-                    screen_prev=True,
+                    screen_prev=masked_at(it - 1),
                     k_consumer=k_consumer, v_consumer=v_consumer, tiled_mma_qk=tiled_mma_qk,
                     tiled_mma_pv=tiled_mma_pv)
             first_full = cutlass.max(num_mask_blocks, 1)
@@ -701,7 +712,7 @@ class FlashAttentionForwardSm90(OverlapTiles):
                 for it in cutlass.range(first_full, num_iters, unroll=1):
                     k_consumer, v_consumer, tiled_mma_qk, tiled_mma_pv = step(
                         n_block=mFullIndex[sparse_row, sparse_head, it - num_mask_blocks],
-                        mask=None, screen_prev=it - 1 < num_mask_blocks,
+                        mask=None, screen_prev=masked_at(it - 1),
                         k_consumer=k_consumer, v_consumer=v_consumer,
                         tiled_mma_qk=tiled_mma_qk, tiled_mma_pv=tiled_mma_pv)
             else:
@@ -709,7 +720,7 @@ class FlashAttentionForwardSm90(OverlapTiles):
                 for it in cutlass.range(first_full, num_iters, unroll=1):
                     k_consumer, v_consumer, tiled_mma_qk, tiled_mma_pv = step(
                         n_block=mFullIndex[sparse_row, sparse_head, it - num_mask_blocks],
-                        mask="seqlen", screen_prev=it - 1 < num_mask_blocks,
+                        mask="seqlen", screen_prev=masked_at(it - 1),
                         k_consumer=k_consumer, v_consumer=v_consumer,
                         tiled_mma_qk=tiled_mma_qk, tiled_mma_pv=tiled_mma_pv)
         else:
@@ -720,23 +731,40 @@ class FlashAttentionForwardSm90(OverlapTiles):
                                          num_iters)
             for it in cutlass.range(1, it_unmasked, unroll=1):
                 k_consumer, v_consumer, tiled_mma_qk, tiled_mma_pv = step(
-                    n_block=n_max - 1 - it, mask="causal_window", screen_prev=True,
-                    k_consumer=k_consumer,
+                    n_block=n_max - 1 - it, mask="causal_window",
+                    screen_prev=masked_at(it - 1), k_consumer=k_consumer,
                     v_consumer=v_consumer, tiled_mma_qk=tiled_mma_qk, tiled_mma_pv=tiled_mma_pv)
             for it in cutlass.range(it_unmasked, it_masked_left, unroll=1):
                 k_consumer, v_consumer, tiled_mma_qk, tiled_mma_pv = step(
-                    n_block=n_max - 1 - it, mask=None, screen_prev=it == it_unmasked,
+                    n_block=n_max - 1 - it, mask=None, screen_prev=masked_at(it - 1),
                     k_consumer=k_consumer,
                     v_consumer=v_consumer, tiled_mma_qk=tiled_mma_qk, tiled_mma_pv=tiled_mma_pv)
             if const_expr(self.spec.has_window_left):
                 for it in cutlass.range(it_masked_left, num_iters, unroll=1):
                     k_consumer, v_consumer, tiled_mma_qk, tiled_mma_pv = step(
                         n_block=n_max - 1 - it, mask="causal_window",
-                        screen_prev=(it - 1 < it_unmasked) | (it > it_masked_left),
+                        screen_prev=masked_at(it - 1),
                         k_consumer=k_consumer,
                         v_consumer=v_consumer, tiled_mma_qk=tiled_mma_qk,
                         tiled_mma_pv=tiled_mma_pv)
         return k_consumer, v_consumer, tiled_mma_qk, tiled_mma_pv
+
+    @cute.jit
+    def masked_at(self, it: Int32, n_max: Int32, num_mask_blocks: Int32, unmasked_lo: Int32,
+                  unmasked_hi: Int32, seqlen_k: Int32, mFullIndex, sparse_row: Int32,
+                  sparse_head: Int32):
+        """`screen_masked_v`: whether the it-th KV tile a query tile visits gets a mask
+        (`mask_scores`' rule): block-sparse, a "mask" block or a "full" one crossing the
+        sequence end; dense, a tile outside [unmasked_lo, unmasked_hi), visited from n_max - 1
+        down."""
+        if const_expr(not self.spec.block_sparse):
+            n_block = n_max - 1 - it
+            return (n_block < unmasked_lo) | (n_block >= unmasked_hi)
+        masked = it < num_mask_blocks
+        if it >= num_mask_blocks:
+            full_block = mFullIndex[sparse_row, sparse_head, it - num_mask_blocks]
+            masked = (full_block + 1) * self.tile_n > seqlen_k
+        return masked
 
     def make_deferred_output(self, tiled_mma_pv: cute.TiledMma, tidx: Int32):
         """`defer_store`: registers that carry a finished tile's output to the next tile:

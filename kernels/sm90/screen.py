@@ -7,8 +7,10 @@ key's tile (docs/interfaces.md lists where). Any exact fix must first know wheth
 tile holds such a value, so it pays at least this read of the tile on every masked tile; the
 fix itself (a sanitised V stage and a per-row correction for the rare tile that holds one) comes
 on top. This build pays the read and only records what it found, which makes it the lower bound
-of that cost: tools/tune_sm90_forward.py times it as the variant "screen masked V" (issue 16,
-FINDINGS "Non-finite values in masked tiles").
+of that cost, with one reservation: so that the read precedes the P V, the build waits for
+each tile's V before issuing its Q K^T, on every tile (a fix would pay that too). The tool:
+tools/tune_sm90_forward.py, variant "dispatched+screen" (issue 16, FINDINGS "Non-finite
+values in masked tiles").
 """
 from dataclasses import dataclass
 

@@ -51,7 +51,8 @@ class FwdSpec:
 
     def writing_row_dots(self) -> "FwdSpec":
         """This spec with `row_dot_output`: the row dots come from the consumers' registers,
-        so no output staging (storer warp, deferred or overlapped stores, O in the Q buffer)."""
+        so no output staging (storer warp, deferred or overlapped stores, O in the Q buffer)
+        and no output buffer (`smem_bytes`)."""
         return dataclasses.replace(self, row_dot_output=True, store_warp=False,
                                    defer_store=False, overlap_tiles=False, o_in_q=False)
 
@@ -63,7 +64,8 @@ class FwdSpec:
     @property
     def smem_bytes(self) -> int:
         """Shared memory of one CTA, laid out as the kernel's `SharedStorage`: mbarriers and
-        the lse staging, then Q, K, V and (unless `o_in_q`) O buffers, each 1024-byte aligned
+        the lse staging, then Q, K, V and (unless `o_in_q` or `row_dot_output`) O buffers, each
+        1024-byte aligned
         (16-bit elements)."""
         def aligned(size: int, to: int) -> int:
             return -(-size // to) * to
@@ -71,7 +73,8 @@ class FwdSpec:
         barriers = 8 * 2 * (self.q_stages + 2 * self.num_stages)
         size = aligned(barriers, 16) + 4 * self.tile_m  # lse: one float32 per row
         buffers = [self.tile_m * self.q_stages, self.tile_n * self.num_stages,
-                   self.tile_n * self.num_stages] + ([] if self.o_in_q else [self.tile_m])
+                   self.tile_n * self.num_stages] + (
+                       [] if self.o_in_q or self.row_dot_output else [self.tile_m])
         for elements in buffers:
             size = aligned(size, 1024) + 2 * elements * self.head_dim
         return size

@@ -278,10 +278,11 @@ def test_sm90_kernel_keeps_a_non_finite_value_inside_the_tiles_that_load_it(wind
 
 @pytest.mark.gpu
 @requires_sm90
-@pytest.mark.parametrize("case", ["causal", "window", "packed"])
+@pytest.mark.parametrize("case", ["causal", "window", "packed", "sparse", "full"])
 def test_sm90_screen_flags_a_masked_non_finite_value_and_changes_nothing(case):
     """The diagnostic build behind issue 16's cost measurement (kernels/sm90/screen.py): it
-    reads the V tiles that get a mask and flags a NaN there, flags nothing on finite inputs,
+    reads the V tiles that get a mask and flags a NaN there (for "full", non-causal attention
+    over whole tiles, no tile gets a mask: nothing to flag), flags nothing on finite inputs,
     and its output and lse equal the dispatched kernel's bit for bit."""
     from kernels.sm90.forward import run
 
@@ -293,9 +294,17 @@ def test_sm90_screen_flags_a_masked_non_finite_value_and_changes_nothing(case):
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32,
                       device="cuda")
     call = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max(lengths),
-                max_seqlen_k=max(lengths), causal=True)
+                max_seqlen_k=max(lengths), causal=case != "full")
     if case == "window":
         call["window_size"] = (WINDOW, 0)
+    if case == "sparse":  # each tile lists block 0 and its own (diagonal, masked) blocks
+        tiles = n // Q_TILE
+        own = torch.arange(tiles, device="cuda")[:, None] * 2 + torch.arange(2, device="cuda")
+        selected = torch.cat([torch.zeros(tiles, 1, dtype=torch.long, device="cuda"), own], 1)
+        call["block_sparse"] = build_selected_block_sparse(
+            selected[:, None].expand(tiles, KV_HEADS, 3).contiguous(), cu_seqlens_q=cu,
+            cu_seqlens_k=cu, q_tile=Q_TILE, selected_block_size=KV_BLOCK, kv_block=KV_BLOCK,
+            causal=True)
     out, lse = run(q, k, v, **call)
     screened_out, screened_lse, flag = run(q, k, v, spec_overrides={"screen_masked_v": True},
                                            **call)
@@ -304,4 +313,4 @@ def test_sm90_screen_flags_a_masked_non_finite_value_and_changes_nothing(case):
     bad_v = v.clone()
     bad_v[BAD_ROW] = float("nan")  # in the diagonal KV tile of rows 128..255
     _, _, flag = run(q, k, bad_v, spec_overrides={"screen_masked_v": True}, **call)
-    assert flag.item() == 1
+    assert flag.item() == (0 if case == "full" else 1)

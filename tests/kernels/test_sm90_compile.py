@@ -122,6 +122,16 @@ def test_row_dot_build_compiles_for_nsa_branches(call, head_dim):
     assert callable(compile_forward_on_fake_tensors(spec))
 
 
+@pytest.mark.parametrize("call", ["causal", "window-causal", "compressed-causal"])
+def test_row_dot_build_fits_where_its_dispatch_fits(call):
+    """The row-dot build stages no output, so it needs no output buffer: it fits wherever the
+    dispatched build does (head dim 256 dispatches O in the Q buffer, which it turns off)."""
+    spec = _spec("bfloat16", 256, call)
+    row_dots = spec.writing_row_dots()
+    assert row_dots.fits_in_smem() and row_dots.smem_bytes <= spec.smem_bytes
+    assert callable(compile_forward_on_fake_tensors(row_dots))
+
+
 def test_dispatch_picks_persistent_tiles_for_short_kv_ranges():
     window = _spec("bfloat16", 128, "window-causal")
     assert window.persistent and (window.tile_m, window.tile_n) == (128, 128)

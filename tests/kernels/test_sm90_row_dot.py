@@ -11,10 +11,11 @@ from sparsity import build_selected_block_sparse
 HEADS, KV_HEADS, D = 8, 2, 128
 
 
-def _packed(lengths, generator):
+def _packed(lengths, generator, head_dim=D):
     total = sum(lengths)
-    q = torch.randn(total, HEADS, D, device="cuda", dtype=torch.bfloat16, generator=generator)
-    k, v = (torch.randn(total, KV_HEADS, D, device="cuda", dtype=torch.bfloat16,
+    q = torch.randn(total, HEADS, head_dim, device="cuda", dtype=torch.bfloat16,
+                    generator=generator)
+    k, v = (torch.randn(total, KV_HEADS, head_dim, device="cuda", dtype=torch.bfloat16,
                         generator=generator) for _ in range(2))
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32,
                       device="cuda")
@@ -56,11 +57,12 @@ def _call(case, lengths, q, k, v, cu, generator):
 @requires_sm90
 @pytest.mark.parametrize("case", ["compressed", "selected", "window"])
 @pytest.mark.parametrize("lengths", [[4096], [300, 2048, 77, 1701]], ids=["one", "varlen"])
-def test_row_dots_equal_the_row_dots_of_the_output(case, lengths):
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_row_dots_equal_the_row_dots_of_the_output(case, lengths, head_dim):
     from kernels.sm90.forward import run
 
     generator = torch.Generator(device="cuda").manual_seed(5)
-    q, k, v, cu = _packed(lengths, generator)
+    q, k, v, cu = _packed(lengths, generator, head_dim)
     k, v, call = _call(case, lengths, q, k, v, cu, generator)
     dout = torch.randn(q.shape, device="cuda", dtype=q.dtype, generator=generator)
     dout[5] = 0  # a zero row: exactly zero
@@ -77,13 +79,50 @@ def test_row_dots_equal_the_row_dots_of_the_output(case, lengths):
     assert ((into - expected).abs() <= bound).all()
 
 
-def test_row_dot_arguments_are_checked_before_any_launch():
-    from kernels.sm90.forward import _check_row_dot
+@pytest.mark.gpu
+@requires_sm90
+def test_a_zero_dout_row_gives_zero_against_a_non_finite_output():
+    """Rows whose output is NaN (they see a NaN in V) and whose dO is zero get exactly 0: the
+    products are selected, not multiplied (the gated-sum kernels' rule); rows with a nonzero dO
+    that see it get NaN."""
+    from kernels.sm90.forward import run
+
+    generator = torch.Generator(device="cuda").manual_seed(6)
+    q, k, v, cu = _packed([1000], generator)
+    v[300] = float("nan")
+    call = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=1000, max_seqlen_k=1000,
+                causal=True, window_size=(511, 0))
+    dout = torch.randn(q.shape, device="cuda", dtype=q.dtype, generator=generator)
+    dout[300:310] = 0
+    into = torch.empty(HEADS, 1000, device="cuda")
+    run(q, k, v, row_dot_with=dout, row_dot_into=into, **call)
+    assert (into[:, 300:310] == 0).all()
+    assert torch.isnan(into[:, 310:812]).all()  # rows 310..811 see key 300 (window 512)
+    assert torch.isfinite(into[:, :256]).all()  # their query tiles never load key 300
+
+
+@pytest.mark.parametrize("bad", ["no into", "no with", "into shape", "with dtype", "padded"])
+def test_row_dot_arguments_are_checked_before_any_launch(bad):
+    """run() refuses a malformed row-dot request by name, on a machine without a GPU too (so
+    before anything reaches the device)."""
+    from kernels.sm90.forward import run
 
     q = torch.randn(10, HEADS, D, dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match="row_dot_with"):
-        _check_row_dot(q, None, torch.empty(HEADS, 10))
-    with pytest.raises(ValueError, match="row_dot_into"):
-        _check_row_dot(q, q, torch.empty(10, HEADS))
-    with pytest.raises(ValueError, match="packed"):
-        _check_row_dot(q[None], q[None], torch.empty(HEADS, 10))
+    k = torch.randn(10, KV_HEADS, D, dtype=torch.bfloat16)
+    cu = torch.tensor([0, 10], dtype=torch.int32)
+    into, with_ = torch.empty(HEADS, 10), q.clone()
+    call = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=10, max_seqlen_k=10, causal=True)
+    if bad == "no into":
+        into = None
+    elif bad == "no with":
+        with_ = None
+    elif bad == "into shape":
+        into = torch.empty(10, HEADS)
+    elif bad == "with dtype":
+        with_ = q.half()
+    else:
+        q, k, with_ = q[None], k[None], with_[None]
+        call = dict(causal=True)
+    name = "packed" if bad == "padded" else ("row_dot_into" if "into" in bad else "row_dot_with")
+    with pytest.raises(ValueError, match=name):
+        run(q, k, k, row_dot_with=with_, row_dot_into=into, **call)

@@ -73,6 +73,28 @@ class DecliningForward(types.ModuleType):
         return False, "forward stays on the fallback"
 
 
+class RowDotForward(types.ModuleType):
+    """Stands in for kernels.sm90.forward: runs every forward on the fallback, and serves the
+    row-dot requests of nsa()'s backward (rowsum(dO * out) into an (H, T) tensor, no output)
+    from it, counting both kinds of call."""
+
+    def __init__(self):
+        super().__init__("kernels.sm90.forward")
+        self.plain_calls, self.row_dot_calls = 0, 0
+
+    def can_run(self, q, k, v, **kwargs):
+        return True, "row-dot stand-in"
+
+    def run(self, q, k, v, row_dot_with=None, row_dot_into=None, **kwargs):
+        out, lse = attention_forward_fallback(q, k, v, **kwargs)
+        if row_dot_into is None:
+            self.plain_calls += 1
+            return out, lse
+        self.row_dot_calls += 1
+        row_dot_into.copy_((row_dot_with.double() * out.double()).sum(-1).t())
+        return None
+
+
 @pytest.fixture
 def fake_sm90(monkeypatch) -> RecordingBackward:
     monkeypatch.setattr(interface, "_device_unsupported", lambda device: "")
@@ -159,6 +181,28 @@ def test_gradients_on_the_faked_kernel_equal_the_cpu_ones(compressed, fake_sm90,
     on_cpu = _backward(_inputs(seed=2), _options(compressed))
     for name, a, b in zip(GRAD_INPUTS, on_kernel, on_cpu):
         assert b.abs().sum() > 0, name
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("compressed", ["dense", "sparse"])
+def test_the_backward_takes_gate_gradients_from_the_row_dot_forward(compressed, fake_sm90,
+                                                                    monkeypatch):
+    """Where the forward kernel runs, each branch's recompute asks it for <dO, o_b> only (no
+    plain forward in the backward: no branch output is written), and the gradients equal the
+    CPU path's."""
+    forward = RowDotForward()
+    monkeypatch.setitem(sys.modules, "kernels.sm90.forward", forward)
+    inputs = _inputs(seed=2)
+    out = nsa(**inputs, **_options(compressed, deterministic=True))
+    plain_in_forward = forward.plain_calls
+    assert plain_in_forward == 3 and forward.row_dot_calls == 0
+    out.backward(torch.randn(out.shape, generator=torch.Generator().manual_seed(1)))
+    assert forward.row_dot_calls == 3 and forward.plain_calls == plain_in_forward
+    assert fake_sm90.folded_calls == 3  # the recording backward checked the row dots
+    on_kernel = [inputs[name].grad.clone() for name in GRAD_INPUTS]
+    monkeypatch.setattr(interface, "_device_unsupported", lambda device: "tensors on cpu")
+    on_cpu = _backward(_inputs(seed=2), _options(compressed))
+    for name, a, b in zip(GRAD_INPUTS, on_kernel, on_cpu):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
 
 
