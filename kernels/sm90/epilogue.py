@@ -69,10 +69,7 @@ class OutputStore:
         """Consumer warpgroup side: write (or stage) this warpgroup's 64 rows of O and lse.
         `tidx` counts the consumer threads from 0; r_o is O in the output type."""
         wg = tidx // _WARPGROUP
-        thr = self.tiled_mma.get_slice(tidx % _WARPGROUP)
-        half = m_block * self.num_warpgroups + wg
-        first_row = half * _ROWS
-        co_mn = acc_mn_view(thr.partition_C(cute.make_identity_tensor((_ROWS, self.head_dim))))
+        thr, half, first_row, co_mn = self.warpgroup_rows(m_block, tidx)
         if first_row + _ROWS <= seqlen_q:
             if const_expr(self.store_warp):
                 cute.arch.barrier(barrier_id=_FREE_BARRIER + wg, number_of_threads=_WITH_STORER)
@@ -144,6 +141,14 @@ class OutputStore:
             if row < seqlen_q and co_mn[r, 0][1] == 0:
                 self.mLSE[head, offset_q + row] = lse[r]
 
+    def warpgroup_rows(self, m_block: Int32, tidx: Int32):
+        """(thread slice of the accumulator layout, 64-row half of the tile, its first row,
+        this thread's (row, column) coordinates in it) for consumer thread tidx."""
+        thr = self.tiled_mma.get_slice(tidx % _WARPGROUP)
+        half = m_block * self.num_warpgroups + tidx // _WARPGROUP
+        co_mn = acc_mn_view(thr.partition_C(cute.make_identity_tensor((_ROWS, self.head_dim))))
+        return thr, half, half * _ROWS, co_mn
+
     @cute.jit
     def load_row_dot_operand(self, offset_q: Int32, seqlen_q: Int32, head: Int32,
                              m_block: Int32, tidx: Int32) -> cute.Tensor:
@@ -151,9 +156,7 @@ class OutputStore:
         accumulator's layout, as (2, column pairs, rows) registers. Issued before the tile's
         last P V, so the loads' latency hides under it; rows past the sequence read its last
         row (they are dropped in `write_row_dot`)."""
-        thr = self.tiled_mma.get_slice(tidx % _WARPGROUP)
-        first_row = (m_block * self.num_warpgroups + tidx // _WARPGROUP) * _ROWS
-        co_mn = acc_mn_view(thr.partition_C(cute.make_identity_tensor((_ROWS, self.head_dim))))
+        _, _, first_row, co_mn = self.warpgroup_rows(m_block, tidx)
         mdO_seq = cute.domain_offset((offset_q, 0), self.mO[None, head, None])
         num_rows = cute.size(co_mn, mode=[0])
         num_pairs = cute.size(co_mn, mode=[1]) // 2
@@ -176,9 +179,7 @@ class OutputStore:
         rows into mLSE[head, row], from the float32 accumulator and `load_row_dot_operand`'s
         dO. A zero dO element contributes exactly zero, even against a non-finite O (as the
         gated-sum kernels' gate gradient): selected, not multiplied."""
-        thr = self.tiled_mma.get_slice(tidx % _WARPGROUP)
-        first_row = (m_block * self.num_warpgroups + tidx // _WARPGROUP) * _ROWS
-        co_mn = acc_mn_view(thr.partition_C(cute.make_identity_tensor((_ROWS, self.head_dim))))
+        _, _, first_row, co_mn = self.warpgroup_rows(m_block, tidx)
         o_mn = acc_mn_view(acc_o)
         for r in cutlass.range_constexpr(cute.size(o_mn, mode=[0])):
             row = first_row + co_mn[r, 0][0]

@@ -601,8 +601,8 @@ class FlashAttentionForwardSm90(OverlapTiles):
             last_masked = False
             if const_expr(screen is not None):
                 last_masked = self.masked_at(num_iters - 1, n_max, num_mask_blocks, unmasked_lo,
-                                             unmasked_hi, seqlen_k, mFullIndex, sparse_row,
-                                             sparse_head)
+                                             unmasked_hi, seqlen_k, mFullIndex, mMaskIndex,
+                                             sparse_row, sparse_head)
             tiled_mma_pv, v_consumer = self.last_pv(tidx, v_consumer, tiled_mma_pv, acc_o, r_p,
                                                     tOrV, mark, last_chunks, screen, last_masked)
 
@@ -699,7 +699,8 @@ class FlashAttentionForwardSm90(OverlapTiles):
             masked_at = partial(
                 self.masked_at, n_max=n_max, num_mask_blocks=num_mask_blocks,
                 unmasked_lo=unmasked_lo, unmasked_hi=unmasked_hi, seqlen_k=seqlen_k,
-                mFullIndex=mFullIndex, sparse_row=sparse_row, sparse_head=sparse_head)
+                mFullIndex=mFullIndex, mMaskIndex=mMaskIndex, sparse_row=sparse_row,
+                sparse_head=sparse_head)
         if const_expr(self.spec.block_sparse):
             for it in cutlass.range(1, num_mask_blocks, unroll=1):
                 k_consumer, v_consumer, tiled_mma_qk, tiled_mma_pv = step(
@@ -751,20 +752,13 @@ class FlashAttentionForwardSm90(OverlapTiles):
 
     @cute.jit
     def masked_at(self, it: Int32, n_max: Int32, num_mask_blocks: Int32, unmasked_lo: Int32,
-                  unmasked_hi: Int32, seqlen_k: Int32, mFullIndex, sparse_row: Int32,
-                  sparse_head: Int32):
-        """`screen_masked_v`: whether the it-th KV tile a query tile visits gets a mask
-        (`mask_scores`' rule): block-sparse, a "mask" block or a "full" one crossing the
-        sequence end; dense, a tile outside [unmasked_lo, unmasked_hi), visited from n_max - 1
-        down."""
-        if const_expr(not self.spec.block_sparse):
-            n_block = n_max - 1 - it
-            return (n_block < unmasked_lo) | (n_block >= unmasked_hi)
-        masked = it < num_mask_blocks
-        if it >= num_mask_blocks:
-            full_block = mFullIndex[sparse_row, sparse_head, it - num_mask_blocks]
-            masked = (full_block + 1) * self.tile_n > seqlen_k
-        return masked
+                  unmasked_hi: Int32, seqlen_k: Int32, mFullIndex, mMaskIndex,
+                  sparse_row: Int32, sparse_head: Int32):
+        """`screen_masked_v`: whether the it-th KV tile a query tile visits (`kv_tile_at`)
+        gets a mask (`gets_mask`)."""
+        n_block, is_mask_tile = self.kv_tile_at(it, n_max, num_mask_blocks, mFullIndex,
+                                                mMaskIndex, sparse_row, sparse_head)
+        return self.gets_mask(n_block, is_mask_tile, seqlen_k, unmasked_lo, unmasked_hi)
 
     def make_deferred_output(self, tiled_mma_pv: cute.TiledMma, tidx: Int32):
         """`defer_store`: registers that carry a finished tile's output to the next tile:
@@ -929,16 +923,25 @@ class FlashAttentionForwardSm90(OverlapTiles):
         self, acc_s: cute.Tensor, t_coord: cute.Tensor, block_range: BlockRange, m_block: Int32,
         n_block: Int32, is_mask_tile, seqlen_k: Int32, unmasked_lo: Int32, unmasked_hi: Int32,
     ):
-        """Mask only where needed: "mask" tiles and tiles crossing the sequence end
-        (block-sparse), tiles outside [unmasked_lo, unmasked_hi) (dense)."""
+        """Mask only where `gets_mask` says; a block-sparse "full" tile only past the
+        sequence end."""
         if const_expr(self.spec.block_sparse):
             if is_mask_tile:
                 apply_mask(acc_s, t_coord, block_range, m_block, n_block, seqlen_k, True)
-            elif (n_block + 1) * self.tile_n > seqlen_k:
+            elif self.gets_mask(n_block, is_mask_tile, seqlen_k, unmasked_lo, unmasked_hi):
                 apply_mask(acc_s, t_coord, block_range, m_block, n_block, seqlen_k, False)
         else:
-            if (n_block < unmasked_lo) | (n_block >= unmasked_hi):
+            if self.gets_mask(n_block, is_mask_tile, seqlen_k, unmasked_lo, unmasked_hi):
                 apply_mask(acc_s, t_coord, block_range, m_block, n_block, seqlen_k, True)
+
+    @cute.jit
+    def gets_mask(self, n_block: Int32, is_mask_tile, seqlen_k: Int32, unmasked_lo: Int32,
+                  unmasked_hi: Int32):
+        """Whether KV tile n_block gets the in-register mask: block-sparse, a "mask" tile or
+        one crossing the sequence end; dense, a tile outside [unmasked_lo, unmasked_hi)."""
+        if const_expr(self.spec.block_sparse):
+            return is_mask_tile | ((n_block + 1) * self.tile_n > seqlen_k)
+        return (n_block < unmasked_lo) | (n_block >= unmasked_hi)
 
     @cute.jit
     def gemm_qk(self, tiled_mma_qk: cute.TiledMma, acc_s, sQ_stage, tSrK, k_handle):
