@@ -140,12 +140,18 @@ def compressed_branch(cu_seqlens: Tensor, cu_seqlens_cmp: Tensor, *, compress_bl
 def selected_branch(cu_seqlens: Tensor, selected: Tensor, *, selected_block_size: int,
                     softmax_scale: float, causal: bool, q_tile: int = SELECTION_Q_TILE,
                     max_seqlen: int | None = None,
-                    host_cu_seqlens: HostBounds | None = None) -> Branch:
+                    host_cu_seqlens: HostBounds | None = None,
+                    block_sparse: BlockSparseTensors | None = None) -> Branch:
     """Attention to the selected blocks (R, Hkv, k): kernel tiles of q_tile rows and
     selected_block_size keys, causal inside the diagonal blocks.
     host_cu_seqlens: the checked values of cu_seqlens, if the caller has them: then the lists
-    are built without reading the device (padded to host bounds, not to the longest list)."""
-    if host_cu_seqlens is None:
+    are built without reading the device (padded to host bounds, not to the longest list).
+    block_sparse: those lists, when the caller has them already (nsa()'s selection kernel
+    writes them with `selected`); trusted like host_cu_seqlens, which it requires."""
+    if block_sparse is not None:
+        if host_cu_seqlens is None:
+            raise ValueError("block_sparse: given lists need host_cu_seqlens (trusted calls)")
+    elif host_cu_seqlens is None:
         block_sparse = build_selected_block_sparse(
             selected, cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens, q_tile=q_tile,
             selected_block_size=selected_block_size, kv_block=selected_block_size, causal=causal)

@@ -288,7 +288,7 @@ def _plan_branches(q: Tensor, k_cmp: Tensor, cu_seqlens: Tensor, cu_seqlens_cmp:
     host_bounds = (sequences.cu_seqlens,
                    sequences.compressed_cu_seqlens(config.compress_block_size))
     selection = select_blocks(q, k_cmp, cu_seqlens, cu_seqlens_cmp, host_bounds=host_bounds,
-                              **config.selection_kwargs())
+                              write_selected_lists=True, **config.selection_kwargs())
     return describe_branches(selection, cu_seqlens, cu_seqlens_cmp, sequences, config)
 
 
@@ -307,7 +307,7 @@ def describe_branches(selection, cu_seqlens: Tensor, cu_seqlens_cmp: Tensor,
         selected_branch(cu_seqlens, selection.selected,
                         selected_block_size=config.selected_block_size, softmax_scale=scale,
                         causal=config.causal, q_tile=config.q_tile, max_seqlen=max_seqlen,
-                        host_cu_seqlens=host),
+                        host_cu_seqlens=host, block_sparse=selection.selected_lists),
     ]
     if config.window_size > 0:
         branches.append(window_branch(cu_seqlens, window_size=config.window_size,

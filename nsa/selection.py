@@ -13,6 +13,10 @@ computes the same lists for all tiles of all sequences at once:
    importance, everything else last; a stable descending sort keeps ties at the lower index;
    the first num_selected_blocks entries are the selection.
 
+On sm90, with blocks of one compressed token (selected_block_size == compress_block_size, the
+default) and a dense compressed branch, steps 2 and 3 are one kernel
+(kernels/sm90/select_blocks.py): no chunks, no score tensor, the lists written directly.
+
 Cost on a GPU is launches and host syncs, not math, so the work is a fixed number of whole-tensor
 ops per chunk and the host reads the sequence bounds once (one sync per call), or none when the
 caller hands them over (`host_bounds`: nsa() does). The per-tile geometry is derived on the device
@@ -31,6 +35,7 @@ from torch import Tensor
 from kernels.row_means import row_means
 from nsa.selection_rule import (CMP_KV_BLOCK, SELECTION_Q_TILE, BlockSelection,
                                 cmp_selection_width)
+from sparsity import selected_block_sparse_from_lists, selected_list_classes
 from sparsity.host_cache import cached
 
 # Upper bound on one chunk's heads x tiles x (compressed tokens + D): the score tensor plus the
@@ -44,6 +49,11 @@ _INF = float("inf")
 # 256K tokens: 0.84 ms against the sort's 2.63; one int64 top-k with the block index in the key
 # measured 5.3 ms, session 19).
 TOP_BLOCKS_ON_SM90 = True
+
+# Score and rank in one kernel on sm90 (kernels/sm90/select_blocks.py) where the selected blocks
+# are single compressed tokens (selected_block_size == compress_block_size, the default) and the
+# compressed branch is dense: one launch instead of ~60 torch ops, no score tensor.
+SELECT_ON_SM90 = True
 
 
 @dataclass(frozen=True)
@@ -90,14 +100,18 @@ def select_blocks(q: Tensor, k_cmp: Tensor, cu_seqlens: Tensor, cu_seqlens_cmp: 
                   softmax_scale: float, causal: bool = True,
                   num_cmp_selected_blocks: int | None = None, q_tile: int = SELECTION_Q_TILE,
                   cmp_kv_block: int = CMP_KV_BLOCK,
-                  host_bounds: tuple[Sequence[int], Sequence[int]] | None = None
-                  ) -> BlockSelection:
+                  host_bounds: tuple[Sequence[int], Sequence[int]] | None = None,
+                  write_selected_lists: bool = False) -> BlockSelection:
     """Selected blocks per (q tile, KV head) for the selected and the sparse compressed branch.
 
     q (T, H, D) and k_cmp (Tc, Hkv, D) packed; the result's lists are local block indices,
     ascending, -1 padded (see BlockSelection). Not differentiable (selection is discrete).
     host_bounds: the values of (cu_seqlens, cu_seqlens_cmp) when the caller has them on the
     host (nsa() does): then nothing is read from the device.
+    write_selected_lists: where the selection kernel runs, it also writes the selected branch's
+    forward lists (`BlockSelection.selected_lists`, equal to
+    sparsity.build_selected_block_sparse_trusted's from `selected` with kv_block =
+    selected_block_size); elsewhere that field stays None.
     """
     l, l_sel = compress_block_size, selected_block_size
     heads, dim = q.shape[1:]
@@ -119,17 +133,33 @@ def select_blocks(q: Tensor, k_cmp: Tensor, cu_seqlens: Tensor, cu_seqlens_cmp: 
         cmp_ranges = None if width is None else _cmp_selection_ranges(tiles, l, cmp_kv_block,
                                                                       q_tile, causal)
         scoring = _scoring_rows(tiles, q_tile, causal)
-        return offsets, tiles, ranges, cmp_ranges, scoring
+        classes = selected_list_classes(cu_seqlens, cu_host, q_tile=q_tile, kv_block=l_sel,
+                                        causal=causal)
+        return (offsets, tiles, ranges, cmp_ranges, scoring,
+                _kernel_tile_fields(tiles, ranges, classes[:2]), classes[2])
 
     # Functions of the host bounds and the rule's sizes only: kept across calls
     # (sparsity/host_cache.py).
-    offsets, tiles, ranges, cmp_ranges, scoring = cached(
+    offsets, tiles, ranges, cmp_ranges, scoring, tile_fields, mask_width = cached(
         ("selection layout", tuple(cu_host), tuple(cu_cmp_host), q_tile, l, l_sel, causal,
          None if width is None else cmp_kv_block), cu_seqlens, layout)
     if num_tiles == 0:
         return _empty_selection(q.device, kv_heads, num_selected_blocks, width, offsets)
 
     q_bar = _scoring_queries(q, *scoring, q_tile)
+    if cmp_ranges is None and l_sel == l and _selects_on_sm90(q_bar, k_cmp, num_selected_blocks):
+        from kernels.sm90 import select_blocks as kernel
+
+        if not write_selected_lists:
+            selected = kernel.run(q_bar, k_cmp.to(q_bar.dtype), tile_fields, num_selected_blocks,
+                                  softmax_scale)
+            return BlockSelection(selected=selected, cmp_selected=None, row_block_offsets=offsets)
+        selected, lists = kernel.run(q_bar, k_cmp.to(q_bar.dtype), tile_fields,
+                                     num_selected_blocks, softmax_scale, mask_width)
+        selected_lists = selected_block_sparse_from_lists(
+            lists, cu_seqlens, cu_host, q_tile=q_tile, kv_block=l_sel, causal=causal)
+        return BlockSelection(selected=selected, cmp_selected=None, row_block_offsets=offsets,
+                              selected_lists=selected_lists)
     keys = k_cmp.to(q_bar.dtype).permute(1, 2, 0)  # (Hkv, D, Tc)
     selected, cmp_selected = [], []
     for chunk in _plan_chunks(lengths, cu_cmp_host, q_tile, l, causal, heads, dim):
@@ -148,6 +178,28 @@ def select_blocks(q: Tensor, k_cmp: Tensor, cu_seqlens: Tensor, cu_seqlens_cmp: 
     return BlockSelection(selected=_cat(selected),
                           cmp_selected=_cat(cmp_selected) if cmp_ranges is not None else None,
                           row_block_offsets=offsets)
+
+
+def _selects_on_sm90(q_bar: Tensor, k_cmp: Tensor, width: int) -> bool:
+    """Whether the selection kernel (kernels/sm90/select_blocks.py) serves this call: float32
+    scoring on an sm90 GPU, SELECT_ON_SM90 set; the caller checks the rule's sizes (blocks of
+    one compressed token, no sparse compressed branch)."""
+    if not SELECT_ON_SM90 or q_bar.device.type != "cuda" or k_cmp.shape[0] == 0:
+        return False
+    try:
+        from kernels.sm90 import select_blocks as kernel
+    except ImportError:
+        return False
+    return kernel.can_run(q_bar, k_cmp, width)
+
+
+def _kernel_tile_fields(tiles: _Tiles, ranges: _BlockRanges,
+                        list_classes: tuple[Tensor, Tensor]) -> Tensor:
+    """(tiles, 6) int32, the selection kernel's per-tile input: the sequence's first compressed
+    token, the tokens the anchor sees, the candidates' end, the forced blocks' end, and the
+    selected lists' class bounds (n_full, n_visible: `sparsity.selected_list_classes`)."""
+    return torch.stack([tiles.cmp_start, tiles.cmp_seen, ranges.candidate_end,
+                        ranges.forced_end, *list_classes], 1).to(torch.int32).contiguous()
 
 
 def _cat(parts: list[Tensor]) -> Tensor:

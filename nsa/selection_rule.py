@@ -30,6 +30,10 @@ class BlockSelection:
     selected: Tensor  # (R, Hkv, num_selected_blocks) int32: blocks of selected_block_size keys
     cmp_selected: Tensor | None  # (R, Hkv, Kc) int32: blocks of cmp_kv_block compressed tokens
     row_block_offsets: Tensor  # (S+1,) int32: first global q tile of each sequence
+    # The selected branch's forward lists (sparsity.BlockSparseTensors, blocks of
+    # selected_block_size keys) where the selection kernel wrote them with `selected`; else None
+    # (the branch builds them from `selected`).
+    selected_lists: object = None
 
 
 def max_diagonal_blocks(q_tile: int, block_size: int) -> int:

@@ -10,7 +10,8 @@ from sparsity.block_sparse import (BlockSparseTensors, row_block_offsets_from_cu
                                    uniform_cu_seqlens, validate_block_sparse)
 from sparsity.builders import (build_block_sparse_from_mask, build_compressed_block_sparse,
                                build_compressed_block_sparse_trusted,
-                               build_selected_block_sparse, build_selected_block_sparse_trusted)
+                               build_selected_block_sparse, build_selected_block_sparse_trusted,
+                               selected_block_sparse_from_lists, selected_list_classes)
 from sparsity.csr import (BlockSparseCSR, check_csr_matches, transpose_block_sparse_csr,
                           validate_block_sparse_csr)
 from sparsity.transpose import transpose_block_sparse, transposed_list_lengths
@@ -25,6 +26,8 @@ __all__ = [
     "build_selected_block_sparse_trusted",
     "check_csr_matches",
     "row_block_offsets_from_cu_seqlens",
+    "selected_block_sparse_from_lists",
+    "selected_list_classes",
     "transpose_block_sparse",
     "transpose_block_sparse_csr",
     "transposed_list_lengths",

@@ -83,6 +83,39 @@ def build_selected_block_sparse_trusted(selected: Tensor, *, cu_seqlens: Tensor,
     if selected_block_size % kv_block:
         raise ValueError(f"kv_block ({kv_block}) must divide selected_block_size "
                          f"({selected_block_size}) for the trusted builder")
+    geometry, visible = _selected_geometry(cu_seqlens, host_cu_seqlens, q_tile, kv_block, causal)
+    ratio = selected_block_size // kv_block
+    widths = (selected.shape[-1] * ratio, _mask_width(q_tile, kv_block, causal))
+    return _selected_lists(selected.to(torch.int64), geometry, q_tile, selected_block_size,
+                           kv_block, causal, widths, visible)
+
+
+def selected_list_classes(cu_seqlens: Tensor, host_cu_seqlens: Sequence[int], *, q_tile: int,
+                          kv_block: int, causal: bool = True) -> tuple[Tensor, Tensor, int]:
+    """For a kernel that writes `build_selected_block_sparse_trusted`'s lists itself (nsa()'s
+    selection kernel, from blocks of kv_block keys): per tile (n_full, n_visible), (R,) int64,
+    the builder's classes (listed blocks below n_full are full, those below n_visible need the
+    mask, later ones are dropped), and the mask lists' width (full lists are as wide as the
+    selection). Trusted like the builder; no device read."""
+    _, (n_full, n_visible) = _selected_geometry(cu_seqlens, host_cu_seqlens, q_tile, kv_block,
+                                                causal)
+    return n_full, n_visible, _mask_width(q_tile, kv_block, causal)
+
+
+def selected_block_sparse_from_lists(lists: tuple[Tensor, Tensor, Tensor, Tensor],
+                                     cu_seqlens: Tensor, host_cu_seqlens: Sequence[int], *,
+                                     q_tile: int, kv_block: int,
+                                     causal: bool = True) -> BlockSparseTensors:
+    """BlockSparseTensors of (full_count, full_index, mask_count, mask_index) int32 lists that a
+    kernel wrote by `selected_list_classes`' rule: equal to what
+    `build_selected_block_sparse_trusted` builds from the same selection."""
+    geometry, _ = _selected_geometry(cu_seqlens, host_cu_seqlens, q_tile, kv_block, causal)
+    return _assemble(lists, geometry, q_tile, kv_block)
+
+
+def _selected_geometry(cu_seqlens: Tensor, host_cu_seqlens: Sequence[int], q_tile: int,
+                       kv_block: int, causal: bool) -> tuple[TileGeometry, tuple[Tensor, Tensor]]:
+    """The tiles of self-attention over cu_seqlens and their visible block range."""
     def geometry_and_range():
         cu = cu_seqlens.to(torch.int64)
         geometry = tile_geometry(cu, cu, q_tile, host_cu_q=host_cu_seqlens)
@@ -90,13 +123,13 @@ def build_selected_block_sparse_trusted(selected: Tensor, *, cu_seqlens: Tensor,
 
     # Functions of the host bounds and the sizes only: kept across calls
     # (sparsity/host_cache.py)
-    geometry, visible = cached(("selected tile geometry", tuple(host_cu_seqlens), q_tile,
-                                kv_block, causal), cu_seqlens, geometry_and_range)
-    ratio = selected_block_size // kv_block
-    widths = (selected.shape[-1] * ratio,
-              max_diagonal_blocks(q_tile, 1, kv_block) if causal else 0)
-    return _selected_lists(selected.to(torch.int64), geometry, q_tile, selected_block_size,
-                           kv_block, causal, widths, visible)
+    return cached(("selected tile geometry", tuple(host_cu_seqlens), q_tile, kv_block, causal),
+                  cu_seqlens, geometry_and_range)
+
+
+def _mask_width(q_tile: int, kv_block: int, causal: bool) -> int:
+    """The trusted builders' mask-list width: a tile's diagonal blocks (none non-causal)."""
+    return max_diagonal_blocks(q_tile, 1, kv_block) if causal else 0
 
 
 def _selected_lists(picks: Tensor, geometry: TileGeometry, q_tile: int, selected_block_size: int,

@@ -99,8 +99,8 @@ def compiled_once(kernel_class: type, spec, example_args, tvm_ffi: bool = False)
 def launch_on_current_stream(kernel_class: type, spec, fake_arguments, args, device):
     """`kernel_class(spec)`, compiled once per process (`compiled_once`) on
     `fake_arguments(spec)` plus a stream, launched on `args` on the device's current stream.
-    args: torch tensors, None, and Python ints where the fakes hold a DSL scalar (typed like
-    it). The launcher of the elementwise glue kernels (gated sum, row means)."""
+    args: torch tensors, None, and Python ints or floats where the fakes hold a DSL scalar
+    (typed like it). The launcher of the elementwise glue kernels (gated sum, row means)."""
     import torch
 
     from kernels.sm90.forward import _as_cute, _tvm_ffi_available
@@ -115,7 +115,7 @@ def launch_on_current_stream(kernel_class: type, spec, fake_arguments, args, dev
     stream = cuda.CUstream(torch.cuda.current_stream(device).cuda_stream)
     cute_args = tuple(
         _as_cute(arg) if isinstance(arg, torch.Tensor)
-        else type(fake)(arg) if isinstance(arg, int) else arg
+        else type(fake)(arg) if isinstance(arg, (int, float)) else arg
         for arg, fake in zip(args, fake_arguments(spec))) + (stream,)
     compiled_once(kernel_class, spec, lambda: cute_args)(*cute_args)
 

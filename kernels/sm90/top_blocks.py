@@ -79,76 +79,121 @@ class TopBlocksSm90:
             self.rank_row(key, out, row, lane, num_candidates)
 
     @cute.jit
-    def ordered_key(self, key: cute.Tensor, row: Int32, block: Int32, blocks: Int32) -> Int64:
-        """The block's int64 rank key (module docstring)."""
-        value = key[row, block]
-        bits = _float_bits(value)
-        if value != value:
-            bits = Int32(_NAN_BITS)
-        if bits == Int32(_NEG_ZERO_BITS):
-            bits = Int32(0)
-        ordered = bits ^ ((bits >> 31) & Int32(0x7FFFFFFF))
-        return (Int64(ordered) << 32) | Int64(blocks - 1 - block)
-
-    @cute.jit
     def rank_row(self, key: cute.Tensor, out: cute.Tensor, row: Int32, lane: Int32,
                  num_candidates: Int32):
         width = self.spec.width
         blocks = cute.size(key.shape[1])
-        # Each lane keeps its own best `width` keys, descending, in registers (a key enters
-        # only past the lane's current last, then bubbles up: unrolled max/min pairs), and
-        # counts the forced blocks (+inf) it reads.
-        top = cute.make_rmem_tensor(cute.make_layout(width), Int64)
-        for j in cutlass.range_constexpr(width):
-            top[j] = Int64(_NONE)
+        # Each lane keeps its own best `width` keys in registers, and counts the forced blocks
+        # (+inf) it reads.
+        top = new_ranks(width)
         forced = Int32(0)
         for block in cutlass.range(lane, blocks, WARP, unroll=2):
-            candidate = self.ordered_key(key, row, block, blocks)
+            candidate = ordered_key(key[row, block], block, blocks)
             if const_expr(self.spec.limited):
                 if Int32(candidate >> 32) == Int32(_PLUS_INF_ORDERED):
                     forced += 1
-            if candidate > top[width - 1]:
-                for j in cutlass.range_constexpr(width):
-                    higher = cutlass.max(top[j], candidate)
-                    candidate = cutlass.min(top[j], candidate)
-                    top[j] = higher
+            keep_best(top, candidate)
         limit = Int32(width)
         if const_expr(self.spec.limited):
             limit = cutlass.min(limit, lane_group_sum(forced, WARP) + num_candidates)
-        # Merge: round r takes the largest head over the warp (keys are distinct, so one lane
-        # holds it) and that lane pops it.
-        mine = Int64(_NONE)  # lane r: rank r's key
-        for rank in cutlass.range_constexpr(width):
-            head = top[0]
-            best = lane_group_reduce(head, WARP, cutlass.max)
-            if lane == rank:
-                mine = best
-            if head == best:
-                for j in cutlass.range_constexpr(width - 1):
-                    top[j] = top[j + 1]
-                top[width - 1] = Int64(_NONE)
-        # Lane r: rank r's block if kept (limit <= width; no block, _NONE, orders below -inf),
-        # then its place in ascending order.
-        ordered = Int32(mine >> 32)
-        block = blocks - 1 - Int32(mine & Int64(0xFFFFFFFF))
-        kept = (lane < limit) & (ordered > Int32(_MINUS_INF_ORDERED)) & (
-            ordered != Int32(_NAN_ORDERED))
-        num_kept = Int32(cute.arch.popc(cute.arch.vote_ballot_sync(kept)))
-        place = Int32(0)
-        for other in cutlass.range_constexpr(width):
-            other_block = cute.arch.shuffle_sync(block, other)
-            other_kept = cute.arch.shuffle_sync(Int32(kept), other)
-            if kept:
-                if (other_kept != 0) & (other_block < block):
-                    place += 1
-            else:
-                if (other_kept == 0) & (other < lane):
-                    place += 1
-        if lane < width:
-            if kept:
-                out[row, place] = block
-            else:
-                out[row, num_kept + place] = Int32(-1)
+        write_ranks(top, out[row, None], lane, limit, blocks)
+
+
+# ------------------------------------------------------------------------------------------------
+# The ranking, shared with the fused selection kernel (kernels/sm90/select_blocks.py): a row is
+# ranked by one warp, each lane keeping its best keys in an rmem tensor of `width` Int64.
+# ------------------------------------------------------------------------------------------------
+
+
+def new_ranks(width: int) -> cute.Tensor:
+    """A lane's empty ranking: `width` keys, all below every block's key."""
+    top = cute.make_rmem_tensor(cute.make_layout(width), Int64)
+    for j in range(width):  # traced once per key: unrolled
+        top[j] = Int64(_NONE)
+    return top
+
+
+@cute.jit
+def ordered_key(value: Float32, block: Int32, blocks: Int32) -> Int64:
+    """Block `block`'s int64 rank key for score `value` (module docstring); `blocks` bounds the
+    row's block indices (the low half holds blocks - 1 - block)."""
+    bits = _float_bits(value)
+    if value != value:
+        bits = Int32(_NAN_BITS)
+    if bits == Int32(_NEG_ZERO_BITS):
+        bits = Int32(0)
+    ordered = bits ^ ((bits >> 31) & Int32(0x7FFFFFFF))
+    return (Int64(ordered) << 32) | Int64(blocks - 1 - block)
+
+
+def forced_key(block: Int32, blocks: Int32) -> Int64:
+    """The rank key of a forced block (score +inf)."""
+    return (Int64(_PLUS_INF_ORDERED) << 32) | Int64(blocks - 1 - block)
+
+
+@cute.jit
+def keep_best(top: cute.Tensor, candidate: Int64):
+    """Insert `candidate` into the lane's descending keys `top` if it beats the last (then it
+    bubbles up: unrolled max/min pairs; the last key falls out)."""
+    width = cute.size(top.shape)
+    if candidate > top[width - 1]:
+        for j in cutlass.range_constexpr(width):
+            higher = cutlass.max(top[j], candidate)
+            candidate = cutlass.min(top[j], candidate)
+            top[j] = higher
+
+
+@cute.jit
+def merge_ranks(top: cute.Tensor, lane: Int32, limit: Int32, blocks: Int32):
+    """Merge the warp's lanes' keys: lane r gets rank r's block, whether it is kept (rank below
+    `limit`, score neither -inf nor NaN) and its place among the kept blocks in ascending order
+    (or, not kept, among the others by rank); also the number kept. Every lane of the warp must
+    call it (warp shuffles); `top` is emptied."""
+    width = cute.size(top.shape)
+    # Round r takes the largest head over the warp (keys are distinct, so one lane holds it)
+    # and that lane pops it.
+    mine = Int64(_NONE)  # lane r: rank r's key
+    for rank in cutlass.range_constexpr(width):
+        head = top[0]
+        best = lane_group_reduce(head, WARP, cutlass.max)
+        if lane == rank:
+            mine = best
+        if head == best:
+            for j in cutlass.range_constexpr(width - 1):
+                top[j] = top[j + 1]
+            top[width - 1] = Int64(_NONE)
+    # Lane r: rank r's block if kept (limit <= width; no block, _NONE, orders below -inf),
+    # then its place in ascending order.
+    ordered = Int32(mine >> 32)
+    block = blocks - 1 - Int32(mine & Int64(0xFFFFFFFF))
+    kept = (lane < limit) & (ordered > Int32(_MINUS_INF_ORDERED)) & (
+        ordered != Int32(_NAN_ORDERED))
+    num_kept = Int32(cute.arch.popc(cute.arch.vote_ballot_sync(kept)))
+    place = Int32(0)
+    for other in cutlass.range_constexpr(width):
+        other_block = cute.arch.shuffle_sync(block, other)
+        other_kept = cute.arch.shuffle_sync(Int32(kept), other)
+        if kept:
+            if (other_kept != 0) & (other_block < block):
+                place += 1
+        else:
+            if (other_kept == 0) & (other < lane):
+                place += 1
+    return block, kept, place, num_kept
+
+
+@cute.jit
+def write_ranks(top: cute.Tensor, out_row: cute.Tensor, lane: Int32, limit: Int32,
+                blocks: Int32):
+    """`merge_ranks`, then the kept blocks written in ascending order, then -1, to out_row
+    (`width` int32). Every lane of the warp must call it."""
+    width = cute.size(top.shape)
+    block, kept, place, num_kept = merge_ranks(top, lane, limit, blocks)
+    if lane < width:
+        if kept:
+            out_row[place] = block
+        else:
+            out_row[num_kept + place] = Int32(-1)
 
 
 def _float_bits(value: Float32) -> Int32:

@@ -235,3 +235,151 @@ def _on_cpu(selection):
 
     return BlockSelection(*(None if t is None else t.cpu() for t in (
         selection.selected, selection.cmp_selected, selection.row_block_offsets)))
+
+
+# --- the fused selection kernel (kernels/sm90/select_blocks.py) ----------------------------------
+
+FUSED_RULE = dict(compress_block_size=16, selected_block_size=16, num_selected_blocks=6,
+                  q_tile=32)
+
+
+def _gpu_selections(q, k, cu_seqlens, monkeypatch, causal=True, **rule):
+    """Selection of q, k (bf16, on the GPU) by the fused kernel, by the torch path (the stable
+    sort), and by the float64 reference on the same compressed keys; checks the kernel ran."""
+    from kernels.sm90 import select_blocks as kernel
+
+    calls = []
+    run = kernel.run
+
+    def counted_run(*args, **kwargs):
+        calls.append(1)
+        return run(*args, **kwargs)
+    monkeypatch.setattr(kernel, "run", counted_run)
+    k_cmp, _, cu_cmp = compress_kv(k, k, cu_seqlens, rule["compress_block_size"])
+    scale = q.shape[-1] ** -0.5
+    results = {}
+    for path in ("fused", "torch"):
+        monkeypatch.setattr(selection_module, "SELECT_ON_SM90", path == "fused")
+        monkeypatch.setattr(selection_module, "TOP_BLOCKS_ON_SM90", False)
+        results[path] = _on_cpu(select_blocks(q, k_cmp, cu_seqlens, cu_cmp, causal=causal,
+                                              softmax_scale=scale, **rule))
+    assert len(calls) == 1  # the fused path ran the kernel, the torch path did not
+    _assert_kernel_lists_equal_the_builders(q, k_cmp, cu_seqlens, cu_cmp, causal, scale, rule,
+                                            monkeypatch)
+    ref = select_blocks_reference(q.cpu().double(), k_cmp.cpu().double(), cu_seqlens.cpu(),
+                                  cu_cmp.cpu(), causal=causal, softmax_scale=scale, **rule)
+    return results["fused"], results["torch"], ref
+
+
+def _assert_kernel_lists_equal_the_builders(q, k_cmp, cu_seqlens, cu_cmp, causal, scale, rule,
+                                            monkeypatch):
+    """The selected branch's lists that the kernel writes beside its selection equal the
+    trusted builder's lists of that selection, entry for entry."""
+    from sparsity import build_selected_block_sparse_trusted
+
+    monkeypatch.setattr(selection_module, "SELECT_ON_SM90", True)
+    selection = select_blocks(q, k_cmp, cu_seqlens, cu_cmp, causal=causal, softmax_scale=scale,
+                              write_selected_lists=True, **rule)
+    built = build_selected_block_sparse_trusted(
+        selection.selected, cu_seqlens=cu_seqlens, host_cu_seqlens=cu_seqlens.tolist(),
+        q_tile=rule["q_tile"], selected_block_size=rule["selected_block_size"],
+        kv_block=rule["selected_block_size"], causal=causal)
+    written = selection.selected_lists
+    assert written is not None
+    for name in ("full_count", "full_index", "mask_count", "mask_index", "row_block_offsets"):
+        assert torch.equal(getattr(written, name), getattr(built, name)), name
+    assert (written.row_block_size, written.col_block_size) == (built.row_block_size,
+                                                                built.col_block_size)
+
+
+@pytest.mark.gpu
+@requires_sm90
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "noncausal"])
+@pytest.mark.parametrize("heads,kv_heads,dim,lengths,width", [
+    (4, 4, 128, [3000], 16),
+    (16, 4, 128, [1000, 77, 5, 0, 2900, 129, 16, 15], 16),
+    (16, 1, 64, [700, 1500], 6),
+    (8, 1, 256, [333, 31, 1200], 32),
+    (6, 2, 192, [64, 65, 900], 1),
+], ids=["gqa1", "gqa4-varlen", "gqa16-d64", "gqa8-d256", "gqa3-d192-width1"])
+def test_sm90_selection_kernel_matches_the_torch_path_and_the_reference(
+        causal, heads, kv_heads, dim, lengths, width, monkeypatch):
+    """Scores, softmax, group sum and ranking in one kernel select what the torch path and the
+    float64 reference select: varlen with sequences shorter than a tile and than a block,
+    group sizes 1..16, head dims 64..256, widths 1..32 (nsa()'s 64-token blocks at 128-row
+    tiles in the first cases)."""
+    gen = torch.Generator().manual_seed(heads * 7 + len(lengths) + dim)
+    total = sum(lengths)
+    q = torch.randn(total, heads, dim, generator=gen).to(torch.bfloat16).cuda()
+    k = (torch.randn(total, kv_heads, dim, generator=gen) + 0.5).to(torch.bfloat16).cuda()
+    rule = dict(compress_block_size=64, selected_block_size=64, num_selected_blocks=width,
+                q_tile=128) if dim == 128 else dict(FUSED_RULE, num_selected_blocks=width)
+    fused, torch_path, ref = _gpu_selections(q, k, cu_seqlens_of(lengths).cuda(), monkeypatch,
+                                             causal=causal, **rule)
+    _assert_same_selection(fused, ref)
+    _assert_same_selection(torch_path, ref)
+
+
+@pytest.mark.gpu
+@requires_sm90
+def test_sm90_selection_kernel_breaks_exact_ties_toward_the_lower_block(monkeypatch):
+    """Identical compressed keys (every candidate ties) and duplicated ones (pairs tie): the
+    lower block wins, as in the sort and the reference."""
+    gen = torch.Generator().manual_seed(11)
+    n, dim = 400, 64
+    q = torch.randn(n, 4, dim, generator=gen).to(torch.bfloat16).cuda()
+    same = torch.randn(1, 2, dim, generator=gen).expand(n, 2, dim).to(torch.bfloat16).cuda()
+    fused, torch_path, ref = _gpu_selections(q, same.contiguous(), cu_seqlens_of([n]).cuda(),
+                                             monkeypatch, **FUSED_RULE)
+    _assert_same_selection(fused, ref)
+    _assert_same_selection(torch_path, ref)
+    # Tile 5 (rows 160..191): forced 0 and the diagonal 10, 11; candidates 1..9 all tie.
+    assert fused.selected[5, 0].tolist() == [0, 1, 2, 3, 10, 11]
+    k = torch.randn(n, 2, dim, generator=gen)
+    for source, copy in ((2, 9), (3, 12), (5, 20), (1, 17)):
+        k[copy * 16:(copy + 1) * 16] = k[source * 16:(source + 1) * 16]
+    fused, torch_path, ref = _gpu_selections(q, k.to(torch.bfloat16).cuda(),
+                                             cu_seqlens_of([n]).cuda(), monkeypatch, **FUSED_RULE)
+    _assert_same_selection(fused, ref)
+    _assert_same_selection(torch_path, fused)
+
+
+@pytest.mark.gpu
+@requires_sm90
+def test_sm90_selection_kernel_ranks_a_nan_score_as_the_sort_does(monkeypatch):
+    """A NaN in one scoring query makes its tile's importances NaN (softmax of a row with a
+    NaN): the kernel's lists equal the torch path's (NaN ranks first and is never kept)."""
+    gen = torch.Generator().manual_seed(12)
+    n, dim = 600, 64
+    q = torch.randn(n, 4, dim, generator=gen)
+    q[200, 1, 7] = float("nan")  # a scoring row of tiles 6 and 7 (rows 192..255), head 1
+    k = torch.randn(n, 2, dim, generator=gen)
+    fused, torch_path, _ = _gpu_selections(q.to(torch.bfloat16).cuda(),
+                                           k.to(torch.bfloat16).cuda(),
+                                           cu_seqlens_of([n]).cuda(), monkeypatch, **FUSED_RULE)
+    _assert_same_selection(fused, torch_path)
+    # Tile 7 (anchor 224) averages rows 193..224: its 13 candidates score NaN, rank above the
+    # forced blocks and are not kept, so its KV head 0 keeps nothing (the sort's rule); head 1
+    # and the other tiles are untouched.
+    assert fused.selected[7, 0].tolist() == [-1] * 6
+    assert fused.selected[7, 1].tolist()[0] == 0 and fused.selected[6, 0].tolist()[0] == 0
+
+
+def test_selection_kernel_builds_for_sm90():
+    # CUTE_DSL_ARCH=sm_90a: tests/conftest.py
+    from kernels.sm90.select_blocks import SelectBlocksSpec, compile_on_fake_tensors
+
+    for spec in (SelectBlocksSpec(128, 4, 16), SelectBlocksSpec(64, 1, 1),
+                 SelectBlocksSpec(256, 16, 32), SelectBlocksSpec(192, 3, 19)):
+        assert compile_on_fake_tensors(spec)
+
+
+def test_selection_kernel_spec_rejects_what_it_cannot_hold():
+    from kernels.sm90.select_blocks import SelectBlocksSpec
+
+    with pytest.raises(ValueError, match="head_dim 96"):
+        SelectBlocksSpec(96, 4, 16)
+    with pytest.raises(ValueError, match="group 17"):
+        SelectBlocksSpec(128, 17, 16)
+    with pytest.raises(ValueError, match="width 33"):
+        SelectBlocksSpec(128, 4, 33)

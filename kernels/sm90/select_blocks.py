@@ -1,0 +1,350 @@
+"""Selection's scoring and ranking in one kernel: per (query tile, KV head) the selected blocks,
+straight from the scoring queries and the compressed keys.
+
+`nsa.selection` computes, per query tile and KV head, the softmax of each group head's scoring
+query against the compressed tokens its anchor sees, sums it over the group, and ranks the
+blocks (forced ones first, candidates by that importance, ties to the lower block). In torch
+that is ~60 launches per call and a (heads x tiles x tokens) score tensor (1 GiB at 256K tokens,
+chunked beyond); here it is one launch and nothing but the lists is written. This kernel serves
+selected blocks of one compressed token each (selected_block_size == compress_block_size, the
+default), where a block's importance is its token's weight; other sizes take the torch path.
+
+- One CTA per TILES_PER_CTA consecutive tiles and one KV head, one warp per tile. The tiles'
+  compressed keys (float32) are staged in shared memory TOKENS_PER_CHUNK rows at a time and
+  shared by the warps; lane l scores token `chunk + l` against its tile's group heads (the
+  scaled scoring queries sit in shared memory, read as broadcasts).
+- Two passes over the tokens the tile's anchor sees: the first keeps each lane's running max
+  and sum per head and merges them over the warp (the softmax's max and denominator); the second
+  scores the candidate blocks again, sums the group's probabilities and keeps each lane's best
+  `width` rank keys in registers (kernels/sm90/top_blocks.py's ranking: the same keys, the same
+  warp merge, so ties and NaNs rank as the sort ranks them).
+- Forced blocks (block 0 and the tile's diagonal blocks) enter the ranking as +inf without a
+  score.
+
+Inputs: q_bar (R, H, D) float32, keys (Tc, Hkv, D) float32, tiles (R, 4) int32 per tile: its
+sequence's first packed compressed token, the tokens its anchor sees, the candidates' end and the
+forced blocks' end (`nsa.selection`'s `_BlockRanges`); out (R, Hkv, width) int32.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, const_expr
+
+from kernels.sm90.layouts import with_row_strides_divisible
+from kernels.sm90.row_dot import lane_group_reduce, lane_group_sum
+from kernels.sm90.top_blocks import (MAX_WIDTH, WARP, forced_key, keep_best, merge_ranks,
+                                     new_ranks, ordered_key)
+
+TILES_PER_CTA = 4
+TOKENS_PER_CHUNK = WARP  # one token per lane
+VECTOR = 4  # float32 per 16-byte access
+_PAD = VECTOR  # floats after each staged key row: 16-byte reads of 8 lanes hit distinct banks
+MAX_GROUP = 16  # per lane: a score, a running max and a running sum per head in registers
+HEAD_DIMS = (64, 128, 192, 256)
+# Per tile: token start, tokens seen, candidate end, forced end; the selected branch's list
+# classes: blocks below n_full are full, those below n_visible need the mask, later ones are
+# dropped (sparsity._geometry.visible_block_range).
+TILE_FIELDS = 6
+_LOG2_E = math.log2(math.e)
+
+
+@dataclass(frozen=True)
+class SelectBlocksSpec:
+    """What a build fixes: the head dim, the query heads per KV head, the ranks kept, and
+    whether the selected branch's forward lists are written too (full lists of `width`, mask
+    lists of `mask_width` entries: sparsity's trusted builder's layout and widths)."""
+    head_dim: int
+    group: int
+    width: int
+    writes_lists: bool = False
+    mask_width: int = 0
+
+    def __post_init__(self):
+        if self.head_dim not in HEAD_DIMS:
+            raise ValueError(f"head_dim {self.head_dim} (expected one of {HEAD_DIMS})")
+        if not 1 <= self.group <= MAX_GROUP:
+            raise ValueError(f"group {self.group} (expected 1..{MAX_GROUP})")
+        if not 1 <= self.width <= MAX_WIDTH:
+            raise ValueError(f"width {self.width} (expected 1..{MAX_WIDTH})")
+        if not 0 <= self.mask_width <= (WARP if self.writes_lists else 0):
+            raise ValueError(f"mask_width {self.mask_width} (expected 0..{WARP} with lists, "
+                             f"else 0)")
+
+    @property
+    def smem_bytes(self) -> int:
+        queries = TILES_PER_CTA * self.group * self.head_dim
+        keys = TOKENS_PER_CHUNK * (self.head_dim + _PAD)
+        return 4 * (queries + keys) + 16
+
+
+class SelectBlocksSm90:
+    """The kernel for one `SelectBlocksSpec`; called with (q_bar, keys, tiles, out, full_count,
+    full_index, mask_count, mask_index, scale), the four lists None without `writes_lists`
+    (mask_index None also for a mask width of 0)."""
+
+    def __init__(self, spec: SelectBlocksSpec):
+        self.spec = spec
+
+    @cute.jit
+    def __call__(self, q_bar: cute.Tensor, keys: cute.Tensor, tiles: cute.Tensor,
+                 out: cute.Tensor, full_count: cute.Tensor | None, full_index: cute.Tensor | None,
+                 mask_count: cute.Tensor | None, mask_index: cute.Tensor | None, scale: Float32,
+                 stream):
+        # Rows of D float32 start 16 bytes apart (D is a multiple of 4): vector loads.
+        q_bar, keys = with_row_strides_divisible(q_bar, VECTOR), with_row_strides_divisible(keys, VECTOR)
+        grid = [cute.ceil_div(cute.size(q_bar.shape[0]), TILES_PER_CTA),
+                cute.size(keys.shape[1]), 1]
+        lists = (full_count, full_index, mask_count, mask_index)
+        self.kernel(q_bar, keys, tiles, out, *lists, scale * Float32(_LOG2_E)).launch(
+            grid=grid, block=[WARP * TILES_PER_CTA, 1, 1], smem=self.spec.smem_bytes,
+            stream=stream)
+
+    @cute.kernel
+    def kernel(self, q_bar: cute.Tensor, keys: cute.Tensor, tiles: cute.Tensor,
+               out: cute.Tensor, full_count: cute.Tensor | None, full_index: cute.Tensor | None,
+               mask_count: cute.Tensor | None, mask_index: cute.Tensor | None,
+               scale_log2: Float32):
+        spec = self.spec
+        tidx, _, _ = cute.arch.thread_idx()
+        cta, kv_head, _ = cute.arch.block_idx()
+        warp, lane = tidx // WARP, tidx % WARP
+        num_tiles = cute.size(q_bar.shape[0])
+        first_tile = cta * TILES_PER_CTA
+        tile = first_tile + warp
+
+        smem = cutlass.utils.SmemAllocator()
+        # The CTA's scoring queries, scaled by softmax_scale * log2(e): row warp * group + g.
+        sQ = smem.allocate_tensor(Float32, cute.make_layout(
+            (TILES_PER_CTA * spec.group, spec.head_dim), stride=(spec.head_dim, 1)),
+            byte_alignment=16)
+        sK = smem.allocate_tensor(Float32, cute.make_layout(
+            (TOKENS_PER_CHUNK, spec.head_dim), stride=(spec.head_dim + _PAD, 1)),
+            byte_alignment=16)
+        vectors_per_row = spec.head_dim // VECTOR
+        for i in cutlass.range(tidx, TILES_PER_CTA * spec.group * vectors_per_row,
+                               WARP * TILES_PER_CTA):
+            row, part = i // vectors_per_row, i % vectors_per_row
+            t = first_tile + row // spec.group
+            values = cute.make_rmem_tensor(cute.make_layout(VECTOR), Float32)
+            values.fill(0.0)
+            if t < num_tiles:
+                cute.autovec_copy(cute.local_tile(
+                    q_bar[t, kv_head * spec.group + row % spec.group, None], (VECTOR,), (part,)),
+                    values)
+            values.store(values.load() * scale_log2)
+            cute.autovec_copy(values, cute.local_tile(sQ[row, None], (VECTOR,), (part,)))
+
+        # This warp's tile, and the token range the CTA's tiles see together.
+        start, seen, candidate_end, forced_end = Int32(0), Int32(0), Int32(0), Int32(0)
+        if tile < num_tiles:
+            start, seen = tiles[tile, 0], tiles[tile, 1]
+            candidate_end, forced_end = tiles[tile, 2], tiles[tile, 3]
+        first_token, end_token = Int32(2**31 - 1), Int32(0)
+        for t in cutlass.range_constexpr(TILES_PER_CTA):
+            if first_tile + t < num_tiles:
+                if tiles[first_tile + t, 1] > 0:
+                    first_token = cutlass.min(first_token, tiles[first_tile + t, 0])
+                    end_token = cutlass.max(end_token,
+                                            tiles[first_tile + t, 0] + tiles[first_tile + t, 1])
+        cute.arch.sync_threads()
+
+        # Pass 1: per head the max and the sum of exp2 over the seen tokens.
+        running_max = cute.make_rmem_tensor(cute.make_layout(spec.group), Float32)
+        running_sum = cute.make_rmem_tensor(cute.make_layout(spec.group), Float32)
+        running_max.fill(-math.inf)
+        running_sum.fill(0.0)
+        scores = cute.make_rmem_tensor(cute.make_layout(spec.group), Float32)
+        for chunk in cutlass.range(first_token, end_token, TOKENS_PER_CHUNK, unroll=1):
+            self.stage_keys(keys, sK, kv_head, chunk, end_token, tidx)
+            token = chunk + lane
+            if (token >= start) & (token < start + seen):
+                self.score(sQ, sK, warp, lane, scores)
+                for g in cutlass.range_constexpr(spec.group):
+                    new_max = cute.arch.fmax(running_max[g], scores[g])
+                    if new_max != -math.inf:  # -inf - -inf would be NaN: nothing to add yet
+                        running_sum[g] = (running_sum[g] * cute.math.exp2(running_max[g] - new_max)
+                                          + cute.math.exp2(scores[g] - new_max))
+                    if scores[g] != scores[g]:  # a NaN score makes the head's softmax NaN
+                        running_sum[g] = scores[g]
+                    running_max[g] = new_max
+        inverse_sum = cute.make_rmem_tensor(cute.make_layout(spec.group), Float32)
+        for g in cutlass.range_constexpr(spec.group):
+            head_max = lane_group_reduce(running_max[g], WARP, cute.arch.fmax)
+            part = Float32(0.0)
+            if running_max[g] != -math.inf:
+                part = running_sum[g] * cute.math.exp2(running_max[g] - head_max)
+            if running_sum[g] != running_sum[g]:
+                part = running_sum[g]
+            running_max[g] = head_max
+            inverse_sum[g] = Float32(1.0) / lane_group_sum(part, WARP)
+
+        # Pass 2: rank the candidates 1 <= b < candidate_end by the group's probabilities.
+        top = new_ranks(spec.width)
+        for chunk in cutlass.range(first_token, end_token, TOKENS_PER_CHUNK, unroll=1):
+            self.stage_keys(keys, sK, kv_head, chunk, end_token, tidx)
+            block = chunk + lane - start
+            if (block >= 1) & (block < candidate_end):
+                self.score(sQ, sK, warp, lane, scores)
+                weight = Float32(0.0)
+                for g in cutlass.range_constexpr(spec.group):
+                    weight += cute.math.exp2(scores[g] - running_max[g]) * inverse_sum[g]
+                keep_best(top, ordered_key(weight, block, forced_end))
+        # Block 0 and the diagonal blocks: forced, without a score.
+        for block in cutlass.range(lane, forced_end, WARP, unroll=1):
+            if (block == 0) | (block >= candidate_end):
+                keep_best(top, forced_key(block, forced_end))
+        if tile < num_tiles:
+            block, kept, place, num_kept = merge_ranks(top, lane, Int32(spec.width), forced_end)
+            if lane < spec.width:
+                if kept:
+                    out[tile, kv_head, place] = block
+                else:
+                    out[tile, kv_head, num_kept + place] = Int32(-1)
+            if const_expr(spec.writes_lists):
+                self.write_lists(full_count, full_index, mask_count, mask_index, tiles, tile,
+                                 kv_head, lane, block, kept, place)
+
+    @cute.jit
+    def write_lists(self, full_count: cute.Tensor, full_index: cute.Tensor,
+                    mask_count: cute.Tensor, mask_index: cute.Tensor | None, tiles: cute.Tensor,
+                    tile: Int32, kv_head: Int32, lane: Int32, block: Int32, kept, place: Int32):
+        """The tile's forward lists from its ranks (lane r: rank r's block, kept or not, and its
+        place in ascending order): kept blocks below n_full are full, those below n_visible
+        mask, later ones dropped; ascending, so each class is a run of the kept blocks."""
+        spec = self.spec
+        n_full, n_visible = tiles[tile, 4], tiles[tile, 5]
+        full = kept & (block < n_full)
+        masked = kept & (block >= n_full) & (block < n_visible)
+        num_full = Int32(cute.arch.popc(cute.arch.vote_ballot_sync(full)))
+        num_masked = Int32(cute.arch.popc(cute.arch.vote_ballot_sync(masked)))
+        if full:
+            full_index[tile, kv_head, place] = block
+        if (lane >= num_full) & (lane < spec.width):
+            full_index[tile, kv_head, lane] = Int32(-1)
+        if const_expr(spec.mask_width > 0):
+            if masked & (place - num_full < spec.mask_width):
+                mask_index[tile, kv_head, place - num_full] = block
+            if (lane >= num_masked) & (lane < spec.mask_width):
+                mask_index[tile, kv_head, lane] = Int32(-1)
+        if lane == 0:
+            full_count[tile, kv_head] = num_full
+            mask_count[tile, kv_head] = cutlass.min(num_masked, Int32(spec.mask_width))
+
+    @cute.jit
+    def stage_keys(self, keys: cute.Tensor, sK: cute.Tensor, kv_head: Int32, chunk: Int32,
+                   end_token: Int32, tidx: Int32):
+        """Tokens chunk .. chunk + TOKENS_PER_CHUNK - 1 (those below end_token) of kv_head into
+        sK, between two CTA barriers (the previous chunk's readers are done, then all see it)."""
+        vectors_per_row = self.spec.head_dim // VECTOR
+        cute.arch.sync_threads()
+        for i in cutlass.range_constexpr(0, TOKENS_PER_CHUNK * vectors_per_row,
+                                         WARP * TILES_PER_CTA):
+            row = (i + tidx) // vectors_per_row
+            part = (i + tidx) % vectors_per_row
+            if chunk + row < end_token:
+                cute.autovec_copy(
+                    cute.local_tile(keys[chunk + row, kv_head, None], (VECTOR,), (part,)),
+                    cute.local_tile(sK[row, None], (VECTOR,), (part,)))
+        cute.arch.sync_threads()
+
+    @cute.jit
+    def score(self, sQ: cute.Tensor, sK: cute.Tensor, warp: Int32, lane: Int32,
+              scores: cute.Tensor):
+        """scores[g] = the scaled query of group head g of the warp's tile . staged key `lane`,
+        summed in head-dim order (a token's score does not depend on where it was staged)."""
+        spec = self.spec
+        scores.fill(0.0)
+        key = cute.make_rmem_tensor(cute.make_layout(VECTOR), Float32)
+        query = cute.make_rmem_tensor(cute.make_layout(VECTOR), Float32)
+        for part in cutlass.range(spec.head_dim // VECTOR, unroll=4):
+            cute.autovec_copy(cute.local_tile(sK[lane, None], (VECTOR,), (part,)), key)
+            for g in cutlass.range_constexpr(spec.group):
+                cute.autovec_copy(cute.local_tile(sQ[warp * spec.group + g, None], (VECTOR,),
+                                                  (part,)), query)
+                total = scores[g]
+                for e in cutlass.range_constexpr(VECTOR):
+                    total = total + query[e] * key[e]
+                scores[g] = total
+
+
+def fake_arguments(spec: SelectBlocksSpec):
+    """Fake (q_bar, keys, tiles, out, four lists, scale) for a CPU build (CUTE_DSL_ARCH=sm_90a),
+    contiguous as the launcher passes them."""
+    from cutlass.cute.runtime import make_fake_compact_tensor
+
+    rows, tokens, kv_heads = cute.sym_int(), cute.sym_int(), cute.sym_int()
+
+    def per_head(*extra):
+        return make_fake_compact_tensor(Int32, (rows, kv_heads, *extra),
+                                        stride_order=tuple(range(1 + len(extra), -1, -1)),
+                                        assumed_align=4)
+
+    q_bar = make_fake_compact_tensor(Float32, (rows, cute.sym_int(), spec.head_dim),
+                                     stride_order=(2, 1, 0), assumed_align=16)
+    keys = make_fake_compact_tensor(Float32, (tokens, kv_heads, spec.head_dim),
+                                    stride_order=(2, 1, 0), assumed_align=16)
+    tiles = make_fake_compact_tensor(Int32, (rows, TILE_FIELDS), stride_order=(1, 0),
+                                     assumed_align=4)
+    lists = (None,) * 4
+    if spec.writes_lists:
+        lists = (per_head(), per_head(spec.width), per_head(),
+                 per_head(spec.mask_width) if spec.mask_width else None)
+    return q_bar, keys, tiles, per_head(spec.width), *lists, Float32(1.0)
+
+
+def compile_on_fake_tensors(spec: SelectBlocksSpec):
+    """`spec` built for sm_90a without a GPU; for build checks."""
+    from cutlass.cute.runtime import make_fake_stream
+
+    return cute.compile(SelectBlocksSm90(spec), *fake_arguments(spec), make_fake_stream())
+
+
+# ------------------------------------------------------------------------------------------------
+# Torch side: `can_run` decides, `run` launches (nsa/selection.py).
+# ------------------------------------------------------------------------------------------------
+
+
+def can_run(q_bar, keys, width: int) -> bool:
+    """Whether the kernel selects for scoring queries q_bar (R, H, D) and compressed keys
+    (Tc, Hkv, D), both float32 on an sm90 GPU, keeping `width` blocks."""
+    import torch
+
+    from kernels.interface import kernels_unavailable
+
+    heads, dim = q_bar.shape[1:]
+    kv_heads = keys.shape[1]
+    return (q_bar.dtype == torch.float32 and keys.dtype == torch.float32
+            and dim in HEAD_DIMS and heads % kv_heads == 0
+            and 1 <= heads // kv_heads <= MAX_GROUP and 1 <= width <= MAX_WIDTH
+            and q_bar.shape[0] > 0 and not kernels_unavailable(q_bar.device))
+
+
+def run(q_bar, keys, tiles, width: int, softmax_scale: float, mask_width: int | None = None):
+    """The selected blocks of each tile, (R, Hkv, width) int32 ascending and -1 padded, as
+    `nsa.selection` ranks them; tiles (R, TILE_FIELDS) int32 (module docstring). With a
+    mask_width also the selected branch's forward lists (full_count, full_index, mask_count,
+    mask_index), as sparsity.build_selected_block_sparse_trusted builds them from the blocks."""
+    import torch
+
+    from kernels.sm90.compile import launch_on_current_stream
+
+    rows, kv_heads = q_bar.shape[0], keys.shape[1]
+
+    def per_head(*extra):
+        return torch.empty(rows, kv_heads, *extra, dtype=torch.int32, device=q_bar.device)
+
+    selected = per_head(width)
+    lists = (None,) * 4
+    if mask_width is not None:
+        lists = (per_head(), per_head(width), per_head(), per_head(mask_width))
+    spec = SelectBlocksSpec(q_bar.shape[2], q_bar.shape[1] // kv_heads, width,
+                            writes_lists=mask_width is not None, mask_width=mask_width or 0)
+    launch_on_current_stream(SelectBlocksSm90, spec, fake_arguments,
+                             (q_bar.contiguous(), keys.contiguous(), tiles.contiguous(), selected,
+                              *lists[:3], lists[3] if mask_width else None, softmax_scale),
+                             q_bar.device)
+    return selected if mask_width is None else (selected, lists)
