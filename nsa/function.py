@@ -285,11 +285,19 @@ def compressed_starts(cu_seqlens: Tensor, cu_seqlens_cmp: Tensor, sequences: Pac
 def _plan_branches(q: Tensor, k_cmp: Tensor, cu_seqlens: Tensor, cu_seqlens_cmp: Tensor,
                    sequences: PackedSequences, config: NSAConfig) -> list[Branch]:
     """Select blocks (scored against k_cmp in the compute dtype); describe the branches that run."""
+    selection = select_for_branches(q, k_cmp, cu_seqlens, cu_seqlens_cmp, sequences, config)
+    return describe_branches(selection, cu_seqlens, cu_seqlens_cmp, sequences, config)
+
+
+def select_for_branches(q: Tensor, k_cmp: Tensor, cu_seqlens: Tensor, cu_seqlens_cmp: Tensor,
+                        sequences: PackedSequences, config: NSAConfig):
+    """`select_blocks` as nsa() calls it: the host bounds handed over (no device read), and the
+    selected branch's lists written by the selection kernel where it runs.
+    tools/profile_nsa.py times this stage."""
     host_bounds = (sequences.cu_seqlens,
                    sequences.compressed_cu_seqlens(config.compress_block_size))
-    selection = select_blocks(q, k_cmp, cu_seqlens, cu_seqlens_cmp, host_bounds=host_bounds,
-                              write_selected_lists=True, **config.selection_kwargs())
-    return describe_branches(selection, cu_seqlens, cu_seqlens_cmp, sequences, config)
+    return select_blocks(q, k_cmp, cu_seqlens, cu_seqlens_cmp, host_bounds=host_bounds,
+                         write_selected_lists=True, **config.selection_kwargs())
 
 
 def describe_branches(selection, cu_seqlens: Tensor, cu_seqlens_cmp: Tensor,

@@ -43,9 +43,8 @@ from nsa import CMP_KV_BLOCK, SELECTION_Q_TILE, nsa  # noqa: E402
 from nsa.compression import (compress_backward, compress_pair,  # noqa: E402
                              compressed_cu_seqlens, compute_dtype)
 from nsa.function import (compressed_starts, describe_branches, fused_gate_pass,  # noqa: E402
-                          gate_pass)
+                          gate_pass, select_for_branches)
 from nsa.gating import NUM_BRANCHES, gate_backward, gate_weights  # noqa: E402
-from nsa.selection import select_blocks  # noqa: E402
 from nsa.validation import validate_nsa_call  # noqa: E402
 from _common import (  # noqa: E402
     add_num_seqs_argument, add_problem_arguments, check_num_seqs, cu_seqlens_of, describe_device, measure_seqlens, nsa_options,
@@ -128,7 +127,7 @@ def profile(seqlen: int, args) -> dict:
         return cu_cmp, k_cmp, v_cmp.to(v.dtype)
 
     def select():
-        return select_blocks(q, k_cmp, cu_seqlens, cu_seqlens_cmp, **config.selection_kwargs())
+        return select_for_branches(q, k_cmp, cu_seqlens, cu_seqlens_cmp, sequences, config)
 
     def build_branches():
         return describe_branches(selection, cu_seqlens, cu_seqlens_cmp, sequences, config)
@@ -144,14 +143,19 @@ def profile(seqlen: int, args) -> dict:
     rows = []
 
     def stage(name, fn, backend, into=None):
-        """fn()'s result; its time appended to `into` (rows by default) when the pass is timed."""
+        """fn()'s result; its time appended to `into` (rows by default) when the pass is timed.
+        backend: a label, or a function of the result giving it."""
         result = fn()
         if forward_timed or into is not None:
-            (rows if into is None else into).append((name, timed(fn), backend))
+            label = backend(result) if callable(backend) else backend
+            (rows if into is None else into).append((name, timed(fn), label))
         return result
 
     cu_seqlens_cmp, k_cmp, v_cmp = stage(STAGES[0], compress_kv, "torch")
-    selection = stage(STAGES[1], select, "torch")
+    # The sm90 selection kernel writes the selected branch's lists too (then the list stage
+    # builds the other branches' lists only).
+    selection = stage(STAGES[1], select, lambda result: "torch" if result.selected_lists is None
+                      else "sm90 kernel (+ selected lists)")
     branches = stage(STAGES[2], build_branches, "torch (sparsity)")
 
     k_cmp = k_cmp.to(k.dtype)

@@ -142,7 +142,9 @@ class SelectBlocksSm90:
         start, seen, candidate_end, forced_end = Int32(0), Int32(0), Int32(0), Int32(0)
         if tile < num_tiles:
             start, seen = tiles[tile, 0], tiles[tile, 1]
-            candidate_end, forced_end = tiles[tile, 2], tiles[tile, 3]
+            # Block 0 is forced in every tile, also where the rule's forced range is empty (a
+            # non-causal sequence shorter than one block).
+            candidate_end, forced_end = tiles[tile, 2], cutlass.max(tiles[tile, 3], Int32(1))
         first_token, end_token = Int32(2**31 - 1), Int32(0)
         for t in cutlass.range_constexpr(TILES_PER_CTA):
             if first_tile + t < num_tiles:

@@ -300,14 +300,14 @@ def _assert_kernel_lists_equal_the_builders(q, k_cmp, cu_seqlens, cu_cmp, causal
     (16, 4, 128, [1000, 77, 5, 0, 2900, 129, 16, 15], 16),
     (16, 1, 64, [700, 1500], 6),
     (8, 1, 256, [333, 31, 1200], 32),
-    (6, 2, 192, [64, 65, 900], 1),
-], ids=["gqa1", "gqa4-varlen", "gqa16-d64", "gqa8-d256", "gqa3-d192-width1"])
+    (6, 2, 192, [64, 65, 900], 3),
+], ids=["gqa1", "gqa4-varlen", "gqa16-d64", "gqa8-d256", "gqa3-d192-width3"])
 def test_sm90_selection_kernel_matches_the_torch_path_and_the_reference(
         causal, heads, kv_heads, dim, lengths, width, monkeypatch):
     """Scores, softmax, group sum and ranking in one kernel select what the torch path and the
     float64 reference select: varlen with sequences shorter than a tile and than a block,
-    group sizes 1..16, head dims 64..256, widths 1..32 (nsa()'s 64-token blocks at 128-row
-    tiles in the first cases)."""
+    group sizes 1..16, head dims 64..256, widths 3 (the forced blocks alone) to 32 (nsa()'s
+    64-token blocks at 128-row tiles in the first cases)."""
     gen = torch.Generator().manual_seed(heads * 7 + len(lengths) + dim)
     total = sum(lengths)
     q = torch.randn(total, heads, dim, generator=gen).to(torch.bfloat16).cuda()
