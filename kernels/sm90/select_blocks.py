@@ -10,9 +10,14 @@ selected blocks of one compressed token each (selected_block_size == compress_bl
 default), where a block's importance is its token's weight; other sizes take the torch path.
 
 - One CTA per TILES_PER_CTA consecutive tiles and one KV head, one warp per tile. The tiles'
-  compressed keys (float32) are staged in shared memory TOKENS_PER_CHUNK rows at a time and
-  shared by the warps; lane l scores token `chunk + l` against its tile's group heads (the
-  scaled scoring queries sit in shared memory, read as broadcasts).
+  compressed keys (float32) are staged in shared memory `tokens_per_chunk` rows at a time and
+  shared by the warps; lane l scores tokens `chunk + l + 32 j` (j < tokens_per_lane) against
+  its tile's group heads (the scaled scoring queries sit in shared memory, read as
+  broadcasts). Shared memory bandwidth is the limit (ncu, H200, 256K tokens, one token per
+  lane: L1 92% busy, issue 47%): per 4 head-dim elements a lane reads each of its tokens' key
+  (4 wavefronts per warp) and each group head's query (1 wavefront), for 4 x group FMAs per
+  token. Several tokens per lane share the query reads, so the reads per FMA fall from
+  (4 + group) / (4 group) toward 1 / group.
 - Two passes over the tokens the tile's anchor sees: the first keeps each lane's running max
   and sum per head and merges them over the warp (the softmax's max and denominator); the second
   scores the candidate blocks again, sums the group's probabilities and keeps each lane's best
@@ -40,7 +45,7 @@ from kernels.sm90.top_blocks import (MAX_WIDTH, WARP, forced_key, keep_best, mer
                                      new_ranks, ordered_key)
 
 TILES_PER_CTA = 4
-TOKENS_PER_CHUNK = WARP  # one token per lane
+MAX_TOKENS_PER_LANE = 4
 VECTOR = 4  # float32 per 16-byte access
 _PAD = VECTOR  # floats after each staged key row: 16-byte reads of 8 lanes hit distinct banks
 MAX_GROUP = 16  # per lane: a score, a running max and a running sum per head in registers
@@ -52,18 +57,32 @@ TILE_FIELDS = 6
 _LOG2_E = math.log2(math.e)
 
 
+def default_tokens_per_lane(group: int) -> int:
+    """Tokens each lane scores per chunk: up to MAX_TOKENS_PER_LANE, fewer for large groups (a
+    lane keeps tokens x group scores in registers, and at group 16 the query reads already
+    outnumber the key reads 4 to 1)."""
+    return max(1, min(MAX_TOKENS_PER_LANE, MAX_GROUP // group))
+
+
 @dataclass(frozen=True)
 class SelectBlocksSpec:
     """What a build fixes: the head dim, the query heads per KV head, the ranks kept, and
     whether the selected branch's forward lists are written too (full lists of `width`, mask
-    lists of `mask_width` entries: sparsity's trusted builder's layout and widths)."""
+    lists of `mask_width` entries: sparsity's trusted builder's layout and widths); the tokens
+    each lane scores per chunk (None: `default_tokens_per_lane`)."""
     head_dim: int
     group: int
     width: int
     writes_lists: bool = False
     mask_width: int = 0
+    tokens_per_lane: int | None = None
 
     def __post_init__(self):
+        if self.tokens_per_lane is None:
+            object.__setattr__(self, "tokens_per_lane", default_tokens_per_lane(self.group))
+        if not 1 <= self.tokens_per_lane <= MAX_TOKENS_PER_LANE:
+            raise ValueError(f"tokens_per_lane {self.tokens_per_lane} (expected "
+                             f"1..{MAX_TOKENS_PER_LANE})")
         if self.head_dim not in HEAD_DIMS:
             raise ValueError(f"head_dim {self.head_dim} (expected one of {HEAD_DIMS})")
         if not 1 <= self.group <= MAX_GROUP:
@@ -75,9 +94,13 @@ class SelectBlocksSpec:
                              f"else 0)")
 
     @property
+    def tokens_per_chunk(self) -> int:
+        return WARP * self.tokens_per_lane
+
+    @property
     def smem_bytes(self) -> int:
         queries = TILES_PER_CTA * self.group * self.head_dim
-        keys = TOKENS_PER_CHUNK * (self.head_dim + _PAD)
+        keys = self.tokens_per_chunk * (self.head_dim + _PAD)
         return 4 * (queries + keys) + 16
 
 
@@ -122,7 +145,7 @@ class SelectBlocksSm90:
             (TILES_PER_CTA * spec.group, spec.head_dim), stride=(spec.head_dim, 1)),
             byte_alignment=16)
         sK = smem.allocate_tensor(Float32, cute.make_layout(
-            (TOKENS_PER_CHUNK, spec.head_dim), stride=(spec.head_dim + _PAD, 1)),
+            (spec.tokens_per_chunk, spec.head_dim), stride=(spec.head_dim + _PAD, 1)),
             byte_alignment=16)
         vectors_per_row = spec.head_dim // VECTOR
         for i in cutlass.range(tidx, TILES_PER_CTA * spec.group * vectors_per_row,
@@ -159,20 +182,26 @@ class SelectBlocksSm90:
         running_sum = cute.make_rmem_tensor(cute.make_layout(spec.group), Float32)
         running_max.fill(-math.inf)
         running_sum.fill(0.0)
-        scores = cute.make_rmem_tensor(cute.make_layout(spec.group), Float32)
-        for chunk in cutlass.range(first_token, end_token, TOKENS_PER_CHUNK, unroll=1):
+        lanes_tokens = spec.tokens_per_lane
+        # scores[j, g]: the lane's j-th token of the chunk against group head g.
+        scores = cute.make_rmem_tensor(cute.make_layout((lanes_tokens, spec.group)), Float32)
+        for chunk in cutlass.range(first_token, end_token, spec.tokens_per_chunk, unroll=1):
             self.stage_keys(keys, sK, kv_head, chunk, end_token, tidx)
-            token = chunk + lane
-            if (token >= start) & (token < start + seen):
+            if (chunk + spec.tokens_per_chunk > start) & (chunk < start + seen):
                 self.score(sQ, sK, warp, lane, scores)
-                for g in cutlass.range_constexpr(spec.group):
-                    new_max = cute.arch.fmax(running_max[g], scores[g])
-                    if new_max != -math.inf:  # -inf - -inf would be NaN: nothing to add yet
-                        running_sum[g] = (running_sum[g] * cute.math.exp2(running_max[g] - new_max)
-                                          + cute.math.exp2(scores[g] - new_max))
-                    if scores[g] != scores[g]:  # a NaN score makes the head's softmax NaN
-                        running_sum[g] = scores[g]
-                    running_max[g] = new_max
+            for j in cutlass.range_constexpr(lanes_tokens):
+                token = chunk + lane + WARP * j
+                if (token >= start) & (token < start + seen):
+                    for g in cutlass.range_constexpr(spec.group):
+                        score = scores[j, g]
+                        new_max = cute.arch.fmax(running_max[g], score)
+                        if new_max != -math.inf:  # -inf - -inf would be NaN: nothing to add yet
+                            running_sum[g] = (running_sum[g]
+                                              * cute.math.exp2(running_max[g] - new_max)
+                                              + cute.math.exp2(score - new_max))
+                        if score != score:  # a NaN score makes the head's softmax NaN
+                            running_sum[g] = score
+                        running_max[g] = new_max
         inverse_sum = cute.make_rmem_tensor(cute.make_layout(spec.group), Float32)
         for g in cutlass.range_constexpr(spec.group):
             head_max = lane_group_reduce(running_max[g], WARP, cute.arch.fmax)
@@ -186,15 +215,17 @@ class SelectBlocksSm90:
 
         # Pass 2: rank the candidates 1 <= b < candidate_end by the group's probabilities.
         top = new_ranks(spec.width)
-        for chunk in cutlass.range(first_token, end_token, TOKENS_PER_CHUNK, unroll=1):
+        for chunk in cutlass.range(first_token, end_token, spec.tokens_per_chunk, unroll=1):
             self.stage_keys(keys, sK, kv_head, chunk, end_token, tidx)
-            block = chunk + lane - start
-            if (block >= 1) & (block < candidate_end):
+            if (chunk + spec.tokens_per_chunk > start + 1) & (chunk < start + candidate_end):
                 self.score(sQ, sK, warp, lane, scores)
-                weight = Float32(0.0)
-                for g in cutlass.range_constexpr(spec.group):
-                    weight += cute.math.exp2(scores[g] - running_max[g]) * inverse_sum[g]
-                keep_best(top, ordered_key(weight, block, forced_end))
+            for j in cutlass.range_constexpr(lanes_tokens):
+                block = chunk + lane + WARP * j - start
+                if (block >= 1) & (block < candidate_end):
+                    weight = Float32(0.0)
+                    for g in cutlass.range_constexpr(spec.group):
+                        weight += cute.math.exp2(scores[j, g] - running_max[g]) * inverse_sum[g]
+                    keep_best(top, ordered_key(weight, block, forced_end))
         # Block 0 and the diagonal blocks: forced, without a score.
         for block in cutlass.range(lane, forced_end, WARP, unroll=1):
             if (block == 0) | (block >= candidate_end):
@@ -239,11 +270,11 @@ class SelectBlocksSm90:
     @cute.jit
     def stage_keys(self, keys: cute.Tensor, sK: cute.Tensor, kv_head: Int32, chunk: Int32,
                    end_token: Int32, tidx: Int32):
-        """Tokens chunk .. chunk + TOKENS_PER_CHUNK - 1 (those below end_token) of kv_head into
+        """Tokens chunk .. chunk + tokens_per_chunk - 1 (those below end_token) of kv_head into
         sK, between two CTA barriers (the previous chunk's readers are done, then all see it)."""
         vectors_per_row = self.spec.head_dim // VECTOR
         cute.arch.sync_threads()
-        for i in cutlass.range_constexpr(0, TOKENS_PER_CHUNK * vectors_per_row,
+        for i in cutlass.range_constexpr(0, self.spec.tokens_per_chunk * vectors_per_row,
                                          WARP * TILES_PER_CTA):
             row = (i + tidx) // vectors_per_row
             part = (i + tidx) % vectors_per_row
@@ -256,21 +287,27 @@ class SelectBlocksSm90:
     @cute.jit
     def score(self, sQ: cute.Tensor, sK: cute.Tensor, warp: Int32, lane: Int32,
               scores: cute.Tensor):
-        """scores[g] = the scaled query of group head g of the warp's tile . staged key `lane`,
-        summed in head-dim order (a token's score does not depend on where it was staged)."""
+        """scores[j, g] = the scaled query of group head g of the warp's tile . staged key
+        `lane + 32 j`, summed in head-dim order (a token's score does not depend on where it was
+        staged, nor on how many tokens a lane scores). Rows past the staged tokens hold stale
+        keys; their scores are never used. Each query vector is read once for all the lane's
+        tokens: that is what several tokens per lane buy."""
         spec = self.spec
         scores.fill(0.0)
-        key = cute.make_rmem_tensor(cute.make_layout(VECTOR), Float32)
+        key = cute.make_rmem_tensor(cute.make_layout((VECTOR, spec.tokens_per_lane)), Float32)
         query = cute.make_rmem_tensor(cute.make_layout(VECTOR), Float32)
-        for part in cutlass.range(spec.head_dim // VECTOR, unroll=4):
-            cute.autovec_copy(cute.local_tile(sK[lane, None], (VECTOR,), (part,)), key)
+        for part in cutlass.range(spec.head_dim // VECTOR, unroll=2):
+            for j in cutlass.range_constexpr(spec.tokens_per_lane):
+                cute.autovec_copy(cute.local_tile(sK[lane + WARP * j, None], (VECTOR,), (part,)),
+                                  key[None, j])
             for g in cutlass.range_constexpr(spec.group):
                 cute.autovec_copy(cute.local_tile(sQ[warp * spec.group + g, None], (VECTOR,),
                                                   (part,)), query)
-                total = scores[g]
-                for e in cutlass.range_constexpr(VECTOR):
-                    total = total + query[e] * key[e]
-                scores[g] = total
+                for j in cutlass.range_constexpr(spec.tokens_per_lane):
+                    total = scores[j, g]
+                    for e in cutlass.range_constexpr(VECTOR):
+                        total = total + query[e] * key[e, j]
+                    scores[j, g] = total
 
 
 def fake_arguments(spec: SelectBlocksSpec):

@@ -365,13 +365,44 @@ def test_sm90_selection_kernel_ranks_a_nan_score_as_the_sort_does(monkeypatch):
     assert fused.selected[7, 1].tolist()[0] == 0 and fused.selected[6, 0].tolist()[0] == 0
 
 
+@pytest.mark.gpu
+@requires_sm90
+def test_sm90_selection_kernel_lists_do_not_depend_on_tokens_per_lane(monkeypatch):
+    """Scoring 1, 2 or 4 tokens per lane sums each score in the same order: the same lists,
+    entry for entry (varlen, group 4, a sequence shorter than one chunk of 4 x 32 tokens)."""
+    from kernels.sm90 import select_blocks as kernel
+
+    gen = torch.Generator().manual_seed(21)
+    lengths = [5000, 130, 2100]
+    q = torch.randn(sum(lengths), 16, 128, generator=gen).to(torch.bfloat16).cuda()
+    k = torch.randn(sum(lengths), 4, 128, generator=gen).to(torch.bfloat16).cuda()
+    cu_seqlens = cu_seqlens_of(lengths).cuda()
+    k_cmp, _, cu_cmp = compress_kv(k, k, cu_seqlens, 64)
+    monkeypatch.setattr(selection_module, "SELECT_ON_SM90", True)
+    lists = {}
+    for tokens in (1, 2, 4):
+        monkeypatch.setattr(kernel, "default_tokens_per_lane", lambda group, t=tokens: t)
+        selection = select_blocks(q, k_cmp, cu_seqlens, cu_cmp, compress_block_size=64,
+                                  selected_block_size=64, num_selected_blocks=16,
+                                  softmax_scale=128 ** -0.5, write_selected_lists=True)
+        lists[tokens] = (selection.selected, selection.selected_lists.full_index)
+    for tokens in (2, 4):
+        assert torch.equal(lists[tokens][0], lists[1][0]), tokens
+        assert torch.equal(lists[tokens][1], lists[1][1]), tokens
+
+
 def test_selection_kernel_builds_for_sm90():
     # CUTE_DSL_ARCH=sm_90a: tests/conftest.py
     from kernels.sm90.select_blocks import SelectBlocksSpec, compile_on_fake_tensors
 
     for spec in (SelectBlocksSpec(128, 4, 16), SelectBlocksSpec(64, 1, 1),
-                 SelectBlocksSpec(256, 16, 32), SelectBlocksSpec(192, 3, 19)):
+                 SelectBlocksSpec(256, 16, 32), SelectBlocksSpec(192, 3, 19),
+                 SelectBlocksSpec(128, 4, 16, True, 2, tokens_per_lane=1),
+                 SelectBlocksSpec(128, 8, 19, True, 2, tokens_per_lane=2)):
         assert compile_on_fake_tensors(spec)
+    # Up to 4 tokens per lane, fewer where the group's scores would crowd the registers.
+    assert [SelectBlocksSpec(128, g, 16).tokens_per_lane for g in (1, 4, 6, 8, 16)] == \
+        [4, 4, 2, 2, 1]
 
 
 def test_selection_kernel_spec_rejects_what_it_cannot_hold():
@@ -383,3 +414,5 @@ def test_selection_kernel_spec_rejects_what_it_cannot_hold():
         SelectBlocksSpec(128, 17, 16)
     with pytest.raises(ValueError, match="width 33"):
         SelectBlocksSpec(128, 4, 33)
+    with pytest.raises(ValueError, match="tokens_per_lane 5"):
+        SelectBlocksSpec(128, 4, 16, tokens_per_lane=5)
