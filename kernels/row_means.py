@@ -39,7 +39,7 @@ def row_means(xs: tuple[Tensor, ...], starts: Tensor, counts: Tensor | None, *,
         raise ValueError(f"starts, counts: expected (R,) tensors, got {tuple(starts.shape)} and "
                          f"{None if counts is None else tuple(counts.shape)}")
     rows = [x.flatten(1) if x.dim() > 1 else x[:, None] for x in xs]
-    if starts.numel() and _runs_on_sm90(rows):
+    if starts.numel() and runs_on_sm90(rows):
         from kernels.sm90 import row_means as kernel
 
         means = kernel.run(rows, starts, counts, count)
@@ -48,7 +48,9 @@ def row_means(xs: tuple[Tensor, ...], starts: Tensor, counts: Tensor | None, *,
     return tuple(m.view(starts.shape[0], *x.shape[1:]) for m, x in zip(means, xs))
 
 
-def _runs_on_sm90(rows: list[Tensor]) -> bool:
+def runs_on_sm90(rows: list[Tensor]) -> bool:
+    """Whether row_means runs the sm90 kernel for these (T, W) rows (tools/profile_nsa.py
+    names the backend with it)."""
     if kernels_unavailable(rows[0].device):
         return False
     try:

@@ -39,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import kernels  # noqa: E402
 from kernels.gated_sum import GatedSum, backward_runs_on_sm90  # noqa: E402
+from kernels.row_means import runs_on_sm90  # noqa: E402
 from nsa import CMP_KV_BLOCK, SELECTION_Q_TILE, nsa  # noqa: E402
 from nsa.compression import (compress_backward, compress_pair,  # noqa: E402
                              compressed_cu_seqlens, compute_dtype)
@@ -151,7 +152,9 @@ def profile(seqlen: int, args) -> dict:
             (rows if into is None else into).append((name, timed(fn), label))
         return result
 
-    cu_seqlens_cmp, k_cmp, v_cmp = stage(STAGES[0], compress_kv, "torch")
+    cu_seqlens_cmp, k_cmp, v_cmp = stage(
+        STAGES[0], compress_kv,
+        "sm90 kernel (row means)" if runs_on_sm90([k.flatten(1)]) else "torch")
     # The sm90 selection kernel writes the selected branch's lists too (then the list stage
     # builds the other branches' lists only).
     selection = stage(STAGES[1], select, lambda result: "torch" if result.selected_lists is None

@@ -102,7 +102,7 @@ def test_kernel_spec_rejects_what_it_cannot_build():
     (1000, 1, 8, 20, 5, True),          # one vector per row
 ], ids=lambda c: f"T{c[0]}-H{c[1]}-D{c[2]}-runs{c[3]}{'-pair' if c[5] else ''}")
 def test_kernel_matches_the_exact_means(case, dtype):
-    from kernels.row_means import _runs_on_sm90
+    from kernels.row_means import runs_on_sm90
 
     rows, heads, dim, num_runs, longest, pair = case
     gen = torch.Generator().manual_seed(rows)
@@ -110,7 +110,7 @@ def test_kernel_matches_the_exact_means(case, dtype):
     wide = [torch.randn(rows, heads + 2, dim, generator=gen).to("cuda", dtype) for _ in range(2)]
     xs = tuple(w[:, 1:heads + 1] for w in wide)[:2 if pair else 1]
     starts, counts = _runs(rows, num_runs, longest, gen, "cuda")
-    assert _runs_on_sm90([x.flatten(1) for x in xs])  # the kernel, not the torch path
+    assert runs_on_sm90([x.flatten(1) for x in xs])  # the kernel, not the torch path
     for counted in (True, False):
         run_counts = counts if counted else torch.full_like(counts, longest)
         means = row_means(xs, starts, counts if counted else None, count=longest)

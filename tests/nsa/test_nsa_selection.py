@@ -209,7 +209,7 @@ def test_selection_on_the_gpu_matches_the_reference(heads, kv_heads, lengths, ra
     """nsa()'s defaults (blocks of 64, 16 selected, 128-row tiles, sparse compressed branch)
     on bf16 inputs: the GPU path (K compression and the scoring queries on the row-means
     kernel) selects the blocks the float64 reference selects from the same values."""
-    from kernels.row_means import _runs_on_sm90
+    from kernels.row_means import runs_on_sm90
 
     rule = dict(compress_block_size=64, selected_block_size=64, num_selected_blocks=16,
                 q_tile=128, cmp_kv_block=128, num_cmp_selected_blocks=2)
@@ -219,7 +219,7 @@ def test_selection_on_the_gpu_matches_the_reference(heads, kv_heads, lengths, ra
     k = (torch.randn(total, kv_heads, 128, generator=gen) + 0.5).to(torch.bfloat16)
     cu_seqlens = cu_seqlens_of(lengths)
     q_gpu, k_gpu, cu_gpu = q.cuda(), k.cuda(), cu_seqlens.cuda()
-    assert _runs_on_sm90([q_gpu.flatten(1), k_gpu.flatten(1)])
+    assert runs_on_sm90([q_gpu.flatten(1), k_gpu.flatten(1)])
     k_cmp, _, cu_cmp = compress_kv(k_gpu, k_gpu, cu_gpu, 64)
     scale = 128 ** -0.5
     fast = select_blocks(q_gpu, k_cmp, cu_gpu, cu_cmp, softmax_scale=scale, **rule)
