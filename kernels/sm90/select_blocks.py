@@ -37,8 +37,9 @@ from dataclasses import dataclass
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32, const_expr
+from cutlass import BFloat16, Float32, Int32, const_expr
 
+from kernels.sm90 import split_products
 from kernels.sm90.layouts import with_row_strides_divisible
 from kernels.sm90.row_dot import lane_group_reduce, lane_group_sum
 from kernels.sm90.top_blocks import (MAX_WIDTH, WARP, forced_key, keep_best, merge_ranks,
@@ -46,6 +47,14 @@ from kernels.sm90.top_blocks import (MAX_WIDTH, WARP, forced_key, keep_best, mer
 
 TILES_PER_CTA = 4
 MAX_TOKENS_PER_LANE = 4
+# The tensor-core build's chunk: 2 tokens per lane (64 keys), 16 per warp in the products.
+TENSOR_CORE_TOKENS_PER_LANE = 2
+_SCORE_PAD = 4  # floats after each row of the tensor-core build's staged scores
+# Dispatch the tensor-core scoring (`SelectBlocksSpec.tensor_cores`). Off: compiled and checked
+# on the CPU only (session 22 had no device time left); turn on once
+# `pytest -m gpu tests/nsa/test_nsa_selection.py` passes with it and
+# `tools/bench_selection.py` shows it faster.
+SCORE_WITH_TENSOR_CORES = False
 VECTOR = 4  # float32 per 16-byte access
 _PAD = VECTOR  # floats after each staged key row: 16-byte reads of 8 lanes hit distinct banks
 MAX_GROUP = 16  # per lane: a score, a running max and a running sum per head in registers
@@ -57,10 +66,12 @@ TILE_FIELDS = 6
 _LOG2_E = math.log2(math.e)
 
 
-def default_tokens_per_lane(group: int) -> int:
+def default_tokens_per_lane(group: int, tensor_cores: bool = False) -> int:
     """Tokens each lane scores per chunk: up to MAX_TOKENS_PER_LANE, fewer for large groups (a
     lane keeps tokens x group scores in registers, and at group 16 the query reads already
-    outnumber the key reads 4 to 1)."""
+    outnumber the key reads 4 to 1); TENSOR_CORE_TOKENS_PER_LANE for the tensor-core build."""
+    if tensor_cores:
+        return TENSOR_CORE_TOKENS_PER_LANE
     return max(1, min(MAX_TOKENS_PER_LANE, MAX_GROUP // group))
 
 
@@ -69,17 +80,20 @@ class SelectBlocksSpec:
     """What a build fixes: the head dim, the query heads per KV head, the ranks kept, and
     whether the selected branch's forward lists are written too (full lists of `width`, mask
     lists of `mask_width` entries: sparsity's trusted builder's layout and widths); the tokens
-    each lane scores per chunk (None: `default_tokens_per_lane`)."""
+    each lane scores per chunk (None: `default_tokens_per_lane`); whether the scores come from
+    tensor cores (`split_products`: six bf16 products per float32 one) instead of FMAs."""
     head_dim: int
     group: int
     width: int
     writes_lists: bool = False
     mask_width: int = 0
     tokens_per_lane: int | None = None
+    tensor_cores: bool = False
 
     def __post_init__(self):
         if self.tokens_per_lane is None:
-            object.__setattr__(self, "tokens_per_lane", default_tokens_per_lane(self.group))
+            object.__setattr__(self, "tokens_per_lane",
+                               default_tokens_per_lane(self.group, self.tensor_cores))
         if not 1 <= self.tokens_per_lane <= MAX_TOKENS_PER_LANE:
             raise ValueError(f"tokens_per_lane {self.tokens_per_lane} (expected "
                              f"1..{MAX_TOKENS_PER_LANE})")
@@ -98,7 +112,21 @@ class SelectBlocksSpec:
         return WARP * self.tokens_per_lane
 
     @property
+    def score_rows(self) -> int:
+        """The CTA's scoring queries (TILES_PER_CTA x group), in the tensor-core build rounded
+        up to the products' 16 rows (the extra rows are zeros)."""
+        rows = TILES_PER_CTA * self.group
+        if not self.tensor_cores:
+            return rows
+        return -(-rows // split_products.MMA_M) * split_products.MMA_M
+
+    @property
     def smem_bytes(self) -> int:
+        if self.tensor_cores:
+            scores = 4 * self.score_rows * (self.tokens_per_chunk + _SCORE_PAD)
+            return (split_products.piece_bytes(self.score_rows, self.head_dim)
+                    + split_products.piece_bytes(self.tokens_per_chunk, self.head_dim)
+                    + scores + 16 * (2 * split_products.PIECES + 2))
         queries = TILES_PER_CTA * self.group * self.head_dim
         keys = self.tokens_per_chunk * (self.head_dim + _PAD)
         return 4 * (queries + keys) + 16
@@ -140,26 +168,41 @@ class SelectBlocksSm90:
         tile = first_tile + warp
 
         smem = cutlass.utils.SmemAllocator()
-        # The CTA's scoring queries, scaled by softmax_scale * log2(e): row warp * group + g.
-        sQ = smem.allocate_tensor(Float32, cute.make_layout(
-            (TILES_PER_CTA * spec.group, spec.head_dim), stride=(spec.head_dim, 1)),
-            byte_alignment=16)
-        sK = smem.allocate_tensor(Float32, cute.make_layout(
-            (spec.tokens_per_chunk, spec.head_dim), stride=(spec.head_dim + _PAD, 1)),
-            byte_alignment=16)
+        # The CTA's scoring queries, scaled by softmax_scale * log2(e): row warp * group + g;
+        # the staged keys. Float32 rows for the FMA scoring; for the tensor-core build the bf16
+        # pieces of both (split_products) and the chunk's scores.
+        scores_stage = None
+        tiled_mma = None
+        if const_expr(spec.tensor_cores):
+            query_stage = [smem.allocate_tensor(
+                BFloat16, split_products.piece_layout(spec.score_rows, spec.head_dim),
+                byte_alignment=16) for _ in range(split_products.PIECES)]
+            key_stage = [smem.allocate_tensor(
+                BFloat16, split_products.piece_layout(spec.tokens_per_chunk, spec.head_dim),
+                byte_alignment=16) for _ in range(split_products.PIECES)]
+            scores_stage = smem.allocate_tensor(Float32, cute.make_layout(
+                (spec.score_rows, spec.tokens_per_chunk),
+                stride=(spec.tokens_per_chunk + _SCORE_PAD, 1)), byte_alignment=16)
+            tiled_mma = split_products.make_tiled_mma(TILES_PER_CTA)
+        else:
+            query_stage = smem.allocate_tensor(Float32, cute.make_layout(
+                (spec.score_rows, spec.head_dim), stride=(spec.head_dim, 1)), byte_alignment=16)
+            key_stage = smem.allocate_tensor(Float32, cute.make_layout(
+                (spec.tokens_per_chunk, spec.head_dim), stride=(spec.head_dim + _PAD, 1)),
+                byte_alignment=16)
         vectors_per_row = spec.head_dim // VECTOR
-        for i in cutlass.range(tidx, TILES_PER_CTA * spec.group * vectors_per_row,
-                               WARP * TILES_PER_CTA):
+        for i in cutlass.range(tidx, spec.score_rows * vectors_per_row, WARP * TILES_PER_CTA):
             row, part = i // vectors_per_row, i % vectors_per_row
             t = first_tile + row // spec.group
             values = cute.make_rmem_tensor(cute.make_layout(VECTOR), Float32)
             values.fill(0.0)
-            if t < num_tiles:
+            # Rows past the CTA's tiles (the tensor-core build's padding to 16) stay zero.
+            if (t < num_tiles) & (row < TILES_PER_CTA * spec.group):
                 cute.autovec_copy(cute.local_tile(
                     q_bar[t, kv_head * spec.group + row % spec.group, None], (VECTOR,), (part,)),
                     values)
             values.store(values.load() * scale_log2)
-            cute.autovec_copy(values, cute.local_tile(sQ[row, None], (VECTOR,), (part,)))
+            self.store_row_part(values, query_stage, row, part)
 
         # This warp's tile, and the token range the CTA's tiles see together.
         start, seen, candidate_end, forced_end = Int32(0), Int32(0), Int32(0), Int32(0)
@@ -186,9 +229,10 @@ class SelectBlocksSm90:
         # scores[j, g]: the lane's j-th token of the chunk against group head g.
         scores = cute.make_rmem_tensor(cute.make_layout((lanes_tokens, spec.group)), Float32)
         for chunk in cutlass.range(first_token, end_token, spec.tokens_per_chunk, unroll=1):
-            self.stage_keys(keys, sK, kv_head, chunk, end_token, tidx)
-            if (chunk + spec.tokens_per_chunk > start) & (chunk < start + seen):
-                self.score(sQ, sK, warp, lane, scores)
+            self.stage_keys(keys, key_stage, kv_head, chunk, end_token, tidx)
+            self.chunk_scores(query_stage, key_stage, scores_stage, tiled_mma, tidx, warp, lane,
+                              (chunk + spec.tokens_per_chunk > start) & (chunk < start + seen),
+                              scores)
             for j in cutlass.range_constexpr(lanes_tokens):
                 token = chunk + lane + WARP * j
                 if (token >= start) & (token < start + seen):
@@ -216,9 +260,11 @@ class SelectBlocksSm90:
         # Pass 2: rank the candidates 1 <= b < candidate_end by the group's probabilities.
         top = new_ranks(spec.width)
         for chunk in cutlass.range(first_token, end_token, spec.tokens_per_chunk, unroll=1):
-            self.stage_keys(keys, sK, kv_head, chunk, end_token, tidx)
-            if (chunk + spec.tokens_per_chunk > start + 1) & (chunk < start + candidate_end):
-                self.score(sQ, sK, warp, lane, scores)
+            self.stage_keys(keys, key_stage, kv_head, chunk, end_token, tidx)
+            self.chunk_scores(
+                query_stage, key_stage, scores_stage, tiled_mma, tidx, warp, lane,
+                (chunk + spec.tokens_per_chunk > start + 1) & (chunk < start + candidate_end),
+                scores)
             for j in cutlass.range_constexpr(lanes_tokens):
                 block = chunk + lane + WARP * j - start
                 if (block >= 1) & (block < candidate_end):
@@ -268,10 +314,20 @@ class SelectBlocksSm90:
             mask_count[tile, kv_head] = cutlass.min(num_masked, Int32(spec.mask_width))
 
     @cute.jit
-    def stage_keys(self, keys: cute.Tensor, sK: cute.Tensor, kv_head: Int32, chunk: Int32,
+    def store_row_part(self, values: cute.Tensor, stage, row, part):
+        """Float32 `values` (VECTOR of them) at (row, part) of a query or key stage: as they
+        are, or as their bf16 pieces in the tensor-core build."""
+        if const_expr(self.spec.tensor_cores):
+            split_products.store_pieces(values, stage, row, part, VECTOR)
+        else:
+            cute.autovec_copy(values, cute.local_tile(stage[row, None], (VECTOR,), (part,)))
+
+    @cute.jit
+    def stage_keys(self, keys: cute.Tensor, key_stage, kv_head: Int32, chunk: Int32,
                    end_token: Int32, tidx: Int32):
         """Tokens chunk .. chunk + tokens_per_chunk - 1 (those below end_token) of kv_head into
-        sK, between two CTA barriers (the previous chunk's readers are done, then all see it)."""
+        the key stage, between two CTA barriers (the previous chunk's readers are done, then
+        all see it). Rows past end_token keep stale keys: their scores are never used."""
         vectors_per_row = self.spec.head_dim // VECTOR
         cute.arch.sync_threads()
         for i in cutlass.range_constexpr(0, self.spec.tokens_per_chunk * vectors_per_row,
@@ -279,10 +335,31 @@ class SelectBlocksSm90:
             row = (i + tidx) // vectors_per_row
             part = (i + tidx) % vectors_per_row
             if chunk + row < end_token:
+                values = cute.make_rmem_tensor(cute.make_layout(VECTOR), Float32)
                 cute.autovec_copy(
                     cute.local_tile(keys[chunk + row, kv_head, None], (VECTOR,), (part,)),
-                    cute.local_tile(sK[row, None], (VECTOR,), (part,)))
+                    values)
+                self.store_row_part(values, key_stage, row, part)
         cute.arch.sync_threads()
+
+    @cute.jit
+    def chunk_scores(self, query_stage, key_stage, scores_stage, tiled_mma, tidx: Int32,
+                     warp: Int32, lane: Int32, needed, scores: cute.Tensor):
+        """scores[j, g] for the warp's tile and the staged chunk (see `score`). The FMA build
+        scores only where the warp's tile needs the chunk; the tensor-core build computes the
+        whole CTA's (rows x chunk) scores with every thread (`split_products`), then each warp
+        reads its own."""
+        spec = self.spec
+        if const_expr(spec.tensor_cores):
+            split_products.split_products(tiled_mma, tidx, query_stage, key_stage,
+                                          scores_stage, spec.score_rows, spec.tokens_per_chunk)
+            cute.arch.sync_threads()
+            for j in cutlass.range_constexpr(spec.tokens_per_lane):
+                for g in cutlass.range_constexpr(spec.group):
+                    scores[j, g] = scores_stage[warp * spec.group + g, lane + WARP * j]
+        else:
+            if needed:
+                self.score(query_stage, key_stage, warp, lane, scores)
 
     @cute.jit
     def score(self, sQ: cute.Tensor, sK: cute.Tensor, warp: Int32, lane: Int32,
@@ -381,7 +458,8 @@ def run(q_bar, keys, tiles, width: int, softmax_scale: float, mask_width: int | 
     if mask_width is not None:
         lists = (per_head(), per_head(width), per_head(), per_head(mask_width))
     spec = SelectBlocksSpec(q_bar.shape[2], q_bar.shape[1] // kv_heads, width,
-                            writes_lists=mask_width is not None, mask_width=mask_width or 0)
+                            writes_lists=mask_width is not None, mask_width=mask_width or 0,
+                            tensor_cores=SCORE_WITH_TENSOR_CORES)
     launch_on_current_stream(SelectBlocksSm90, spec, fake_arguments,
                              (q_bar.contiguous(), keys.contiguous(), tiles.contiguous(), selected,
                               *lists[:3], lists[3] if mask_width else None, softmax_scale),

@@ -292,6 +292,16 @@ def _assert_kernel_lists_equal_the_builders(q, k_cmp, cu_seqlens, cu_cmp, causal
                                                                 built.col_block_size)
 
 
+@pytest.fixture(params=["fma", "tensor-cores"])
+def scoring(request, monkeypatch):
+    """The selection kernel's scoring: float32 FMAs (dispatched) or the tensor-core build
+    (`split_products`, not yet dispatched)."""
+    from kernels.sm90 import select_blocks as kernel
+
+    monkeypatch.setattr(kernel, "SCORE_WITH_TENSOR_CORES", request.param == "tensor-cores")
+    return request.param
+
+
 @pytest.mark.gpu
 @requires_sm90
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "noncausal"])
@@ -303,7 +313,7 @@ def _assert_kernel_lists_equal_the_builders(q, k_cmp, cu_seqlens, cu_cmp, causal
     (6, 2, 192, [64, 65, 900], 3),
 ], ids=["gqa1", "gqa4-varlen", "gqa16-d64", "gqa8-d256", "gqa3-d192-width3"])
 def test_sm90_selection_kernel_matches_the_torch_path_and_the_reference(
-        causal, heads, kv_heads, dim, lengths, width, monkeypatch):
+        causal, heads, kv_heads, dim, lengths, width, scoring, monkeypatch):
     """Scores, softmax, group sum and ranking in one kernel select what the torch path and the
     float64 reference select: varlen with sequences shorter than a tile and than a block,
     group sizes 1..16, head dims 64..256, widths 3 (the forced blocks alone) to 32 (nsa()'s
@@ -322,7 +332,7 @@ def test_sm90_selection_kernel_matches_the_torch_path_and_the_reference(
 
 @pytest.mark.gpu
 @requires_sm90
-def test_sm90_selection_kernel_breaks_exact_ties_toward_the_lower_block(monkeypatch):
+def test_sm90_selection_kernel_breaks_exact_ties_toward_the_lower_block(scoring, monkeypatch):
     """Identical compressed keys (every candidate ties) and duplicated ones (pairs tie): the
     lower block wins, as in the sort and the reference."""
     gen = torch.Generator().manual_seed(11)
@@ -346,7 +356,7 @@ def test_sm90_selection_kernel_breaks_exact_ties_toward_the_lower_block(monkeypa
 
 @pytest.mark.gpu
 @requires_sm90
-def test_sm90_selection_kernel_ranks_a_nan_score_as_the_sort_does(monkeypatch):
+def test_sm90_selection_kernel_ranks_a_nan_score_as_the_sort_does(scoring, monkeypatch):
     """A NaN in one scoring query makes its tile's importances NaN (softmax of a row with a
     NaN): the kernel's lists equal the torch path's (NaN ranks first and is never kept)."""
     gen = torch.Generator().manual_seed(12)
@@ -381,7 +391,8 @@ def test_sm90_selection_kernel_lists_do_not_depend_on_tokens_per_lane(monkeypatc
     monkeypatch.setattr(selection_module, "SELECT_ON_SM90", True)
     lists = {}
     for tokens in (1, 2, 4):
-        monkeypatch.setattr(kernel, "default_tokens_per_lane", lambda group, t=tokens: t)
+        monkeypatch.setattr(kernel, "default_tokens_per_lane",
+                            lambda group, tensor_cores=False, t=tokens: t)
         selection = select_blocks(q, k_cmp, cu_seqlens, cu_cmp, compress_block_size=64,
                                   selected_block_size=64, num_selected_blocks=16,
                                   softmax_scale=128 ** -0.5, write_selected_lists=True)
@@ -400,6 +411,13 @@ def test_selection_kernel_builds_for_sm90():
                  SelectBlocksSpec(128, 4, 16, True, 2, tokens_per_lane=1),
                  SelectBlocksSpec(128, 8, 19, True, 2, tokens_per_lane=2)):
         assert compile_on_fake_tensors(spec)
+    # The tensor-core scoring (split_products): groups that fill, pad and overfill 16 rows.
+    for spec in (SelectBlocksSpec(128, 4, 16, True, 2, tensor_cores=True),
+                 SelectBlocksSpec(64, 1, 6, tensor_cores=True),
+                 SelectBlocksSpec(192, 3, 19, True, 2, tensor_cores=True),
+                 SelectBlocksSpec(256, 16, 32, tensor_cores=True)):
+        assert compile_on_fake_tensors(spec)
+        assert spec.score_rows % 16 == 0 and spec.smem_bytes <= 227 * 1024
     # Up to 4 tokens per lane, fewer where the group's scores would crowd the registers.
     assert [SelectBlocksSpec(128, g, 16).tokens_per_lane for g in (1, 4, 6, 8, 16)] == \
         [4, 4, 2, 2, 1]

@@ -31,6 +31,7 @@ TOOL_DESCRIPTIONS = {
     "bench_kernels": "sm90 forward and backward kernels against FA4",
     "tune_sm90_backward": "variants of the sm90 backward kernel",
     "sanitize_sm90_backward": "for compute-sanitizer",
+    "bench_selection": "nsa()'s block selection",
 }
 
 
@@ -89,6 +90,17 @@ def test_bench_kernels_rejects_unknown_passes_before_needing_a_gpu(value, capsys
         load_tool("bench_kernels").main(["--passes", value])
     assert exit_info.value.code == 2
     assert "--passes" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--variants", "fma,bogus"], "unknown variants ['bogus']"),
+    (["--device", "cpu"], "needs an sm90 GPU"),
+])
+def test_bench_selection_rejects_unknown_variants_and_the_cpu(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        load_tool("bench_selection").main(argv)
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
 
 
 # ----------------------------------------------------------------------------------------------
