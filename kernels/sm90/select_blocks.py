@@ -50,6 +50,7 @@ MAX_TOKENS_PER_LANE = 4
 # The tensor-core build's chunk: 2 tokens per lane (64 keys), 16 per warp in the products.
 TENSOR_CORE_TOKENS_PER_LANE = 2
 _SCORE_PAD = 4  # floats after each row of the tensor-core build's staged scores
+SMEM_LIMIT = 227 * 1024  # an sm90 CTA's shared memory
 # Dispatch the tensor-core scoring (`SelectBlocksSpec.tensor_cores`). Off: compiled and checked
 # on the CPU only (session 22 had no device time left); turn on once
 # `pytest -m gpu tests/nsa/test_nsa_selection.py` passes with it and
@@ -97,6 +98,10 @@ class SelectBlocksSpec:
         if not 1 <= self.tokens_per_lane <= MAX_TOKENS_PER_LANE:
             raise ValueError(f"tokens_per_lane {self.tokens_per_lane} (expected "
                              f"1..{MAX_TOKENS_PER_LANE})")
+        if self.smem_bytes > SMEM_LIMIT:
+            raise ValueError(f"tokens_per_lane {self.tokens_per_lane} at head_dim "
+                             f"{self.head_dim}, group {self.group}: {self.smem_bytes} bytes of "
+                             f"shared memory (at most {SMEM_LIMIT})")
         if self.head_dim not in HEAD_DIMS:
             raise ValueError(f"head_dim {self.head_dim} (expected one of {HEAD_DIMS})")
         if not 1 <= self.group <= MAX_GROUP:

@@ -434,3 +434,5 @@ def test_selection_kernel_spec_rejects_what_it_cannot_hold():
         SelectBlocksSpec(128, 4, 33)
     with pytest.raises(ValueError, match="tokens_per_lane 5"):
         SelectBlocksSpec(128, 4, 16, tokens_per_lane=5)
+    with pytest.raises(ValueError, match="bytes of shared memory"):
+        SelectBlocksSpec(256, 16, 16, tokens_per_lane=4, tensor_cores=True)
