@@ -17,6 +17,8 @@ python3 tools/tune_sm90_forward.py --json "$out/tune.json" > "$out/tune.log" 2>&
 python3 tools/tune_sm90_backward.py --seqlens 16384 --json "$out/tune_bwd.json" > "$out/tune_bwd.log" 2>&1
 python3 tools/profile_nsa.py --seqlens 16384,65536 --repeats 5 --json "$out/profile_nsa.json" \
     > "$out/profile_nsa.log" 2>&1
+python3 tools/bench_selection.py --seqlens 16384,65536,262144 --json "$out/bench_selection.json" \
+    > "$out/bench_selection.log" 2>&1
 python3 tools/bench_nsa_vs_dense.py --seqlens 16384,65536 --passes fwd --methods nsa,nsa-graph,fa4,sdpa \
     --json "$out/bench_nsa_fwd.json" > "$out/bench_nsa_fwd.log" 2>&1
 python3 tools/bench_nsa_vs_dense.py --seqlens 16384,65536 --passes fwd+bwd --methods nsa,fa4 --warmup 1 \
@@ -34,6 +36,7 @@ echo "== kernels vs FA4";   tail -22 "$out/bench_kernels.log"
 echo "== tile schedules";   tail -28 "$out/tune.log"
 echo "== backward variants"; tail -15 "$out/tune_bwd.log"
 echo "== NSA profile";      tail -60 "$out/profile_nsa.log"
+echo "== selection";        tail -18 "$out/bench_selection.log"
 echo "== NSA fwd";          tail -12 "$out/bench_nsa_fwd.log"
 echo "== NSA fwd+bwd";      tail -18 "$out/bench_nsa_fwdbwd.log"
 echo "== sanitizer";      tail -n 1 "$out"/sanitize_*.log
