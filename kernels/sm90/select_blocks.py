@@ -25,6 +25,11 @@ default), where a block's importance is its token's weight; other sizes take the
   warp merge, so ties and NaNs rank as the sort ranks them).
 - Forced blocks (block 0 and the tile's diagonal blocks) enter the ranking as +inf without a
   score.
+- The tensor-core build (`SelectBlocksSpec.tensor_cores`, not dispatched until it has run on a
+  GPU: `SCORE_WITH_TENSOR_CORES`) stages the queries and each 64-key chunk as bf16 pieces and
+  has all four warps compute the CTA's (tiles x group) x 64 scores with `mma.sync`
+  (kernels/sm90/split_products.py: float32 precision from six bf16 products); the scores go
+  through shared memory to the warps, and passes 1 and 2 go on as above.
 
 Inputs: q_bar (R, H, D) float32, keys (Tc, Hkv, D) float32, tiles (R, 4) int32 per tile: its
 sequence's first packed compressed token, the tokens its anchor sees, the candidates' end and the
@@ -98,10 +103,6 @@ class SelectBlocksSpec:
         if not 1 <= self.tokens_per_lane <= MAX_TOKENS_PER_LANE:
             raise ValueError(f"tokens_per_lane {self.tokens_per_lane} (expected "
                              f"1..{MAX_TOKENS_PER_LANE})")
-        if self.smem_bytes > SMEM_LIMIT:
-            raise ValueError(f"tokens_per_lane {self.tokens_per_lane} at head_dim "
-                             f"{self.head_dim}, group {self.group}: {self.smem_bytes} bytes of "
-                             f"shared memory (at most {SMEM_LIMIT})")
         if self.head_dim not in HEAD_DIMS:
             raise ValueError(f"head_dim {self.head_dim} (expected one of {HEAD_DIMS})")
         if not 1 <= self.group <= MAX_GROUP:
@@ -111,6 +112,10 @@ class SelectBlocksSpec:
         if not 0 <= self.mask_width <= (WARP if self.writes_lists else 0):
             raise ValueError(f"mask_width {self.mask_width} (expected 0..{WARP} with lists, "
                              f"else 0)")
+        if self.smem_bytes > SMEM_LIMIT:
+            raise ValueError(f"tokens_per_lane {self.tokens_per_lane} at head_dim "
+                             f"{self.head_dim}, group {self.group}: {self.smem_bytes} bytes of "
+                             f"shared memory (at most {SMEM_LIMIT})")
 
     @property
     def tokens_per_chunk(self) -> int:
