@@ -24,6 +24,9 @@ Timing: `--warmup` untimed calls, then the median of `--repeats` calls, CUDA eve
 perf_counter on the CPU; inputs are random normal, never zeros. TFLOP/s counts the (row, key)
 pairs each method attends (dense: the causal triangle; NSA: an upper bound over its three
 branches, see _common.nsa_pairs), 4*D flops per pair and head forward, 3.5x that for fwd+bwd.
+"host ms" is the median wall time of the same calls until they return, without a sync: where it
+comes close to "ms", the eager call is host-bound (Python and launches, not the GPU, set its
+pace) and a CUDA graph (`nsa-graph`) is what removes it.
 
 `--deterministic` passes deterministic=True to nsa() and to our dense attention (bit-identical
 gradients from run to run; the backward's slower mode).
@@ -49,7 +52,9 @@ import datetime
 import importlib
 import json
 import platform
+import statistics
 import sys
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
@@ -62,8 +67,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import kernels  # noqa: E402
 from nsa import CMP_KV_BLOCK, SELECTION_Q_TILE, nsa  # noqa: E402
 from nsa.compression import compress_pair, compressed_cu_seqlens  # noqa: E402
-from nsa.function import compressed_starts, describe_branches  # noqa: E402
-from nsa.selection import select_blocks  # noqa: E402
+from nsa.function import (compressed_starts, describe_branches,  # noqa: E402
+                          select_for_branches)
 from nsa.validation import validate_nsa_call  # noqa: E402
 from _common import (add_num_seqs_argument, add_problem_arguments,  # noqa: E402
                      attention_tflops, capped_causal_pairs, causal_pairs, check_num_seqs,
@@ -85,6 +90,9 @@ class Result:
     tflops: float | None
     speedup: float | None  # baseline ms / this ms, same pass
     status: str            # "ok", or why it did not run
+    # Median host time of the timed calls: the Python call's wall time until it returns, no
+    # sync (where it approaches ms, the step is host-bound: an eager caller waits on it).
+    host_ms: float | None = None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -266,21 +274,37 @@ def packing_for(seqlen: int, args) -> Packing | None:
 # Timing
 # ----------------------------------------------------------------------------------------------
 
+def host_timed(fn: Callable[[], object], samples: list[float]) -> Callable[[], object]:
+    """fn, appending each call's host wall time (ms, until it returns; no sync) to samples."""
+    def timed():
+        begin = time.perf_counter()
+        result = fn()
+        samples.append((time.perf_counter() - begin) * 1e3)
+        return result
+    return timed
+
+
 def time_method(run: Callable, seqlen: int, args, packing: Packing | None = None
-                ) -> dict[str, float]:
-    """Median ms of the forward (no autograd) and of forward+backward, on random inputs."""
+                ) -> dict[str, tuple[float, float]]:
+    """(median ms, median host ms) of the forward (no autograd) and of forward+backward, on
+    random inputs; the host median over the timed calls only (`host_timed`)."""
     rows = (args.batch, seqlen) if packing is None else (sum(packing.lengths),)
     shape_q = (*rows, args.heads, args.head_dim)
     shape_kv = (*rows, args.kv_heads, args.head_dim)
     q, k, v = random_qkv(shape_q, shape_kv, args.torch_dtype, args.device)
     timings = {}
     graph = getattr(run, "cuda_graph", False)
+
+    def timed(fn):
+        hosts: list[float] = []
+        ms = time_ms(host_timed(fn, hosts), args.device, warmup=args.warmup,
+                     repeats=args.repeats)
+        return ms, statistics.median(hosts[-args.repeats:])
     if "fwd" in args.passes:
         with torch.no_grad():
             forward = (captured(lambda: run(q, k, v, packing)) if graph
                        else lambda: run(q, k, v, packing))
-            timings["fwd"] = time_ms(forward, args.device, warmup=args.warmup,
-                                     repeats=args.repeats)
+            timings["fwd"] = timed(forward)
     if "fwd+bwd" not in args.passes:
         return timings
     q, k, v = (t.requires_grad_(True) for t in (q, k, v))
@@ -290,8 +314,7 @@ def time_method(run: Callable, seqlen: int, args, packing: Packing | None = None
     def forward_backward():
         q.grad = k.grad = v.grad = None
         run(q, k, v, packing).backward(dout)
-    timings["fwd+bwd"] = time_ms(captured(forward_backward) if graph else forward_backward,
-                                 args.device, warmup=args.warmup, repeats=args.repeats)
+    timings["fwd+bwd"] = timed(captured(forward_backward) if graph else forward_backward)
     return timings
 
 
@@ -334,13 +357,13 @@ def benchmark(args) -> list[Result]:
                 continue
             pairs = attended_pairs(method, lengths, args)
             for p in args.passes:
-                ms = timings[method][p]
-                base = timings.get(baseline, {}).get(p)
+                ms, host_ms = timings[method][p]
+                base = timings.get(baseline, {}).get(p, (None,))[0]
                 results.append(Result(
                     seqlen, method, p, ms,
                     attention_tflops(pairs, 1, args.heads, args.head_dim, ms,
                                      backward=p == "fwd+bwd"),
-                    base / ms if base else None, "ok"))
+                    base / ms if base else None, "ok", host_ms))
     return results
 
 
@@ -362,7 +385,7 @@ def nsa_branches(q, k, v, cu_seqlens, max_seqlen, args):
     starts = compressed_starts(cu_seqlens, cu_seqlens_cmp, sequences, config)
     # The compute dtype: selection scores read k_cmp.
     k_cmp, v_cmp = compress_pair((k, v), starts, config.compress_block_size, (None, None))
-    selection = select_blocks(q, k_cmp, cu_seqlens, cu_seqlens_cmp, **config.selection_kwargs())
+    selection = select_for_branches(q, k_cmp, cu_seqlens, cu_seqlens_cmp, sequences, config)
     branches = describe_branches(selection, cu_seqlens, cu_seqlens_cmp, sequences, config)
     return branches, k_cmp.to(k.dtype), v_cmp.to(v.dtype)
 
@@ -449,15 +472,18 @@ def format_branch_profile(rows: list[dict]) -> str:
 # ----------------------------------------------------------------------------------------------
 
 def format_table(results: list[Result], baseline: str) -> str:
-    header = f"{'N':>8}  {'method':<9} {'pass':<8} {'ms':>10} {'speedup':>8} {'TFLOP/s':>9}  status"
-    lines = [f"speedup = {baseline} ms / method ms (same N and pass); TFLOP/s over attended pairs",
+    header = (f"{'N':>8}  {'method':<9} {'pass':<8} {'ms':>10} {'speedup':>8} {'TFLOP/s':>9} "
+              f"{'host ms':>9}  status")
+    lines = [f"speedup = {baseline} ms / method ms (same N and pass); TFLOP/s over attended "
+             f"pairs; host ms = the call's wall time until it returns (no sync)",
              header, "-" * len(header)]
     for r in results:
         ms = f"{r.ms:10.3f}" if r.ms is not None else f"{'-':>10}"
         speedup = f"{r.speedup:7.2f}x" if r.speedup is not None else f"{'-':>8}"
         tflops = f"{r.tflops:9.3f}" if r.tflops is not None else f"{'-':>9}"
-        lines.append(f"{r.seqlen:>8}  {r.method:<9} {r.pass_:<8} {ms} {speedup} {tflops}  "
-                     f"{r.status}")
+        host = f"{r.host_ms:9.3f}" if r.host_ms is not None else f"{'-':>9}"
+        lines.append(f"{r.seqlen:>8}  {r.method:<9} {r.pass_:<8} {ms} {speedup} {tflops} "
+                     f"{host}  {r.status}")
     return "\n".join(lines)
 
 
