@@ -62,6 +62,8 @@ def selection_call(variant: str, q, k_cmp, cu_seqlens, cu_cmp, args):
     def tokens_per_lane(group, tensor_cores=False):
         return tokens if tokens is not None else default_tokens(group, tensor_cores)
 
+    dispatched = (selection.SELECT_ON_SM90, kernel.SCORE_WITH_TENSOR_CORES)
+
     def run():
         selection.SELECT_ON_SM90 = variant != "torch"
         kernel.SCORE_WITH_TENSOR_CORES = variant == "tensor-cores"
@@ -73,8 +75,8 @@ def selection_call(variant: str, q, k_cmp, cu_seqlens, cu_cmp, args):
                 num_selected_blocks=args.num_selected_blocks,
                 softmax_scale=args.head_dim ** -0.5, host_bounds=host_bounds,
                 write_selected_lists=variant != "torch")
-        finally:
-            selection.SELECT_ON_SM90, kernel.SCORE_WITH_TENSOR_CORES = True, False
+        finally:  # the library's own switches back as they were
+            selection.SELECT_ON_SM90, kernel.SCORE_WITH_TENSOR_CORES = dispatched
             kernel.default_tokens_per_lane = default_tokens
     return run
 

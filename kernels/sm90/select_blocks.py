@@ -47,6 +47,7 @@ from cutlass import BFloat16, Float32, Int32, const_expr
 from kernels.sm90 import split_products
 from kernels.sm90.layouts import with_row_strides_divisible
 from kernels.sm90.row_dot import lane_group_reduce, lane_group_sum
+from kernels.sm90.spec import SMEM_PER_CTA
 from kernels.sm90.top_blocks import (MAX_WIDTH, WARP, forced_key, keep_best, merge_ranks,
                                      new_ranks, ordered_key)
 
@@ -55,7 +56,6 @@ MAX_TOKENS_PER_LANE = 4
 # The tensor-core build's chunk: 2 tokens per lane (64 keys), 16 per warp in the products.
 TENSOR_CORE_TOKENS_PER_LANE = 2
 _SCORE_PAD = 4  # floats after each row of the tensor-core build's staged scores
-SMEM_LIMIT = 227 * 1024  # an sm90 CTA's shared memory
 # Dispatch the tensor-core scoring (`SelectBlocksSpec.tensor_cores`). Off: compiled and checked
 # on the CPU only (session 22 had no device time left); turn on once
 # `pytest -m gpu tests/nsa/test_nsa_selection.py` passes with it and
@@ -112,10 +112,10 @@ class SelectBlocksSpec:
         if not 0 <= self.mask_width <= (WARP if self.writes_lists else 0):
             raise ValueError(f"mask_width {self.mask_width} (expected 0..{WARP} with lists, "
                              f"else 0)")
-        if self.smem_bytes > SMEM_LIMIT:
+        if self.smem_bytes > SMEM_PER_CTA:
             raise ValueError(f"tokens_per_lane {self.tokens_per_lane} at head_dim "
                              f"{self.head_dim}, group {self.group}: {self.smem_bytes} bytes of "
-                             f"shared memory (at most {SMEM_LIMIT})")
+                             f"shared memory (at most {SMEM_PER_CTA})")
 
     @property
     def tokens_per_chunk(self) -> int:
