@@ -116,7 +116,8 @@ def attention_row_dot_trusted(dout, q, k, v, into, *, host_cu_seqlens, **kwargs)
 
 
 def attention_backward_trusted(dout, q, k, v, out, lse, *, host_cu_seqlens, dout_dot_out=None,
-                               dq_accumulator=None, dkv_accumulators=None, **kwargs):
+                               dq_accumulator=None, dkv_accumulators=None, lse_gate=None,
+                               **kwargs):
     """``attention_backward`` without device reads; trusts what ``attention_forward_trusted``
     trusts, and that ``block_sparse_transposed`` (when given) is the transpose of
     ``block_sparse``.
@@ -135,7 +136,11 @@ def attention_backward_trusted(dout, q, k, v, out, lse, *, host_cu_seqlens, dout
     ``dkv_accumulators``: ``(dk_sum, dv_sum)``, tensors of k's and v's shape in float32
     (float64 for float64 inputs), into which dk and dv are added instead of returned fresh;
     the returned dk, dv are then these tensors. Where the sm90 kernel sums dK/dV partials in
-    float32 it adds into them directly (no buffer of its own, no conversion)."""
+    float32 it adds into them directly (no buffer of its own, no conversion).
+
+    ``lse_gate``: ``(gates, b)`` with ``dout_dot_out``, gates a floating tensor of shape
+    ``q.shape[:-1] + (B,)``: the output was ``gates[..., b] * out``, and the kernel folds that
+    gate into ``lse`` itself (``kernels.sm90.backward.gate_folded_lse``: nsa()'s branches)."""
     if dq_accumulator is not None and (
             dq_accumulator.shape != q.shape or dq_accumulator.dtype != q.dtype
             or dq_accumulator.device != q.device):
@@ -158,13 +163,36 @@ def attention_backward_trusted(dout, q, k, v, out, lse, *, host_cu_seqlens, dout
                              f"{q.device}, got {tuple(dout_dot_out.shape)} "
                              f"{dout_dot_out.dtype} on {dout_dot_out.device}")
         out = dout if out is None else out  # the checks need a tensor of out's shape and dtype
+    if lse_gate is not None:
+        _check_lse_gate(lse_gate, q, dout_dot_out)
     problem = validate_trusted_attention_backward(dout, q, k, v, out, lse,
                                                   host_cu_seqlens=host_cu_seqlens, **kwargs)
     return _run_backward(problem, dout, q, k, v, out, lse, kwargs.get("cu_seqlens_q"),
                          kwargs.get("cu_seqlens_k"), kwargs.get("block_sparse"),
                          kwargs.get("block_sparse_transposed"),
                          kwargs.get("deterministic", False), dout_dot_out, dq_accumulator,
-                         dkv_accumulators)
+                         dkv_accumulators, lse_gate)
+
+
+def _check_lse_gate(lse_gate, q, dout_dot_out) -> None:
+    """``lse_gate`` of ``attention_backward_trusted``: ``(gates, b)``, before any launch."""
+    if dout_dot_out is None:
+        raise ValueError("lse_gate: only taken with dout_dot_out (the gate's row dots)")
+    if not isinstance(lse_gate, (tuple, list)) or len(lse_gate) != 2:
+        raise ValueError(f"lse_gate: expected a (gates, branch index) pair, "
+                         f"got {type(lse_gate).__name__}")
+    gates, index = lse_gate
+    rows = tuple(q.shape[:-1])
+    if (not isinstance(gates, torch.Tensor) or gates.dim() != len(rows) + 1
+            or tuple(gates.shape[:-1]) != rows or not gates.is_floating_point()
+            or gates.device != q.device):
+        got = (f"{tuple(gates.shape)} {gates.dtype} on {gates.device}"
+               if isinstance(gates, torch.Tensor) else type(gates).__name__)
+        raise ValueError(f"lse_gate: gates expected a floating tensor of shape {rows} + (B,) on "
+                         f"{q.device}, got {got}")
+    if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < gates.shape[-1]:
+        raise ValueError(f"lse_gate: branch index must be an int in [0, {gates.shape[-1]}), "
+                         f"got {index!r}")
 
 
 def backward_runs_on_kernel(q, k, v, *, host_cu_seqlens, block_sparse_transposed=None,
@@ -190,7 +218,7 @@ def _run_forward(problem: AttentionProblem, q, k, v, cu_seqlens_q, cu_seqlens_k,
 
 def _run_backward(problem: AttentionProblem, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
                   block_sparse, block_sparse_transposed, deterministic: bool,
-                  dout_dot_out=None, dq_accumulator=None, dkv_accumulators=None):
+                  dout_dot_out=None, dq_accumulator=None, dkv_accumulators=None, lse_gate=None):
     kwargs = _normalised_kwargs(problem, cu_seqlens_q, cu_seqlens_k, block_sparse)
     kwargs.update(block_sparse_transposed=block_sparse_transposed, deterministic=deterministic)
     kernel, reason = _choose_kernel("backward", q, k, v, kwargs, problem)
@@ -203,8 +231,11 @@ def _run_backward(problem: AttentionProblem, dout, q, k, v, out, lse, cu_seqlens
         # Only the arguments given, so that run() sees what can_run() saw
         given = {name: value for name, value in (("dout_dot_out", dout_dot_out),
                                                  ("dq_accumulator", dq_accumulator),
-                                                 ("dkv_accumulators", dkv_accumulators))
+                                                 ("dkv_accumulators", dkv_accumulators),
+                                                 ("lse_gate", lse_gate))
                  if value is not None}
+        if problem.varlen:  # the host bounds it checked: run() keeps its tile layout by them
+            given["host_cu_seqlens_q"] = problem.cu_seqlens_q
         return kernel.run(dout, q, k, v, out, lse, **given, **kwargs)
     grads = fallback.backward(problem, dout, q, k, v, out, lse, block_sparse,
                               deterministic=deterministic)
@@ -315,14 +346,21 @@ def _device_unsupported(device: torch.device) -> str:
     return ""
 
 
-def transpose_block_sparse_trusted(block_sparse, *, cu_seqlens_k, host_cu_seqlens_k):
+def transpose_block_sparse_trusted(block_sparse, *, cu_seqlens_k, host_cu_seqlens_k,
+                                   host_cu_seqlens_q=None):
     """The ``block_sparse_transposed`` (a ``sparsity.BlockSparseCSR``) that the backward builds
     for packed varlen lists over ``cu_seqlens_k``, for internal callers that run several backward
     calls over the same lists (nsa) and pass it to ``attention_backward_trusted``. Trusts what
     that function trusts: the lists come from ``sparsity``'s builders, ``host_cu_seqlens_k`` are
-    the checked values of ``cu_seqlens_k``. Reads nothing from the device."""
+    the checked values of ``cu_seqlens_k``. Reads nothing from the device.
+    ``host_cu_seqlens_q``: the query bounds that the lists' row blocks were built from; with
+    them the transpose's per-tile layout is kept across calls (sparsity/host_cache.py)."""
     num_kv_blocks = block_offsets(host_cu_seqlens_k, block_sparse.col_block_size)[-1]
-    return _transpose_csr(block_sparse, num_kv_blocks, cu_seqlens_k=cu_seqlens_k)
+    layout_key = None
+    if host_cu_seqlens_q is not None:
+        layout_key = (tuple(host_cu_seqlens_q), tuple(host_cu_seqlens_k))
+    return _transpose_csr(block_sparse, num_kv_blocks, cu_seqlens_k=cu_seqlens_k,
+                          layout_key=layout_key)
 
 
 def _transpose(block_sparse, problem: AttentionProblem, cu_seqlens_k):

@@ -71,13 +71,15 @@ class Branch:
 
     def backward(self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor | None,
                  lse: Tensor, *, deterministic: bool = False, block_sparse_transposed=None,
-                 dout_dot_out: Tensor | None = None, dq_accumulator: Tensor | None = None,
+                 dout_dot_out: Tensor | None = None, lse_gate: tuple[Tensor, int] | None = None,
+                 dq_accumulator: Tensor | None = None,
                  dkv_accumulators: tuple[Tensor, Tensor] | None = None,
                  ) -> tuple[Tensor, Tensor, Tensor]:
         """(dq, dk, dv), dk and dv summed over each KV group. block_sparse_transposed: this
         branch's `transposed_lists()`, or None (the kernels build them when they need them).
         dout_dot_out: rowsum(dout * out) (T, H) in place of out, where `backward_on_kernel`
-        says the kernel runs. dq_accumulator: a tensor like q that dq is added into;
+        says the kernel runs, and with it lse_gate (gates, b): the gate the kernel folds into
+        lse. dq_accumulator: a tensor like q that dq is added into;
         dkv_accumulators: (dk_sum, dv_sum) float32 tensors that dk and dv are added into (both
         returned as the results)."""
         kwargs = dict(self.kernel_kwargs, deterministic=deterministic,
@@ -88,7 +90,8 @@ class Branch:
                 dkv_accumulators)
         return attention_backward_trusted(dout, q, k, v, out, lse,
                                           host_cu_seqlens=self.host_cu_seqlens,
-                                          dout_dot_out=dout_dot_out, dq_accumulator=dq_accumulator,
+                                          dout_dot_out=dout_dot_out, lse_gate=lse_gate,
+                                          dq_accumulator=dq_accumulator,
                                           dkv_accumulators=dkv_accumulators, **kwargs)
 
     def backward_on_kernel(self, q: Tensor, k: Tensor, v: Tensor, *,
@@ -114,7 +117,8 @@ class Branch:
             return None
         return transpose_block_sparse_trusted(block_sparse,
                                               cu_seqlens_k=self.kernel_kwargs["cu_seqlens_k"],
-                                              host_cu_seqlens_k=self.host_cu_seqlens[1])
+                                              host_cu_seqlens_k=self.host_cu_seqlens[1],
+                                              host_cu_seqlens_q=self.host_cu_seqlens[0])
 
 
 def compressed_branch(cu_seqlens: Tensor, cu_seqlens_cmp: Tensor, *, compress_block_size: int,

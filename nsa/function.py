@@ -22,7 +22,6 @@ that torch.compile sees (nsa/ops.py) run them too.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -133,7 +132,8 @@ def packed_gradients(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, W_k: Tensor 
     and dk, dv in the compute dtype, which the compressed branch's compress_backward starts and
     the other branches' attention backward adds into (the sm90 kernel adds its float32 partial
     sums there itself). On the sm90 kernel a branch needs neither its output nor g_b * dO in
-    the attention backward (`_gate_folded_lse`): the recomputing forward writes only the gate
+    the attention backward (the kernel folds the gate into lse,
+    `kernels.sm90.backward.gate_folded_lse`): the recomputing forward writes only the gate
     gradient <dO, o_b> (`fused_gate_pass`), and g_b * dO is never written."""
     dtype = compute_dtype(q.dtype)
     dout = dout.contiguous()
@@ -169,7 +169,8 @@ def packed_gradients(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, W_k: Tensor 
             del branch_out  # kept by `step` only where the fallback reads it
         # dq after the first branch: the dQ kernel adds into it as it writes.
         dq, dk_b, dv_b = branch.backward(step.dout, q, keys, values, step.out, step.lse,
-                                         dout_dot_out=step.dout_dot_out, dq_accumulator=dq,
+                                         dout_dot_out=step.dout_dot_out, lse_gate=step.lse_gate,
+                                         dq_accumulator=dq,
                                          dkv_accumulators=accumulators, **options)
         del step, keys, values
         if branch.reads_compressed:
@@ -199,13 +200,15 @@ def packed_gradients(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, W_k: Tensor 
 
 @dataclass
 class BranchBackwardInputs:
-    """What a branch's attention backward reads after `fused_gate_pass` or `gate_pass`: dO itself
-    with the gate folded into lse and <dO, o_b> as its dO.O on the sm90 kernel (`out` None: no
-    branch output is kept), g_b * dO with the branch output and its lse elsewhere."""
+    """What a branch's attention backward reads after `fused_gate_pass` or `gate_pass`: on the
+    sm90 kernel dO itself, no output, the branch's lse with its gate to fold into it
+    (`lse_gate`) and <dO, o_b> as its dO.O; elsewhere g_b * dO with the branch output and its
+    lse."""
     dout: Tensor
     out: Tensor | None
     lse: Tensor
     dout_dot_out: Tensor | None
+    lse_gate: tuple[Tensor, int] | None = None
 
 
 def gate_pass(index: int, dout: Tensor, branch_out: Tensor, gates: Tensor, d_gates: Tensor,
@@ -216,7 +219,7 @@ def gate_pass(index: int, dout: Tensor, branch_out: Tensor, gates: Tensor, d_gat
     later row (its NaN must not reach dW_gate)."""
     if on_kernel:
         gate_gradient(dout, branch_out, index, d_gates)
-        return _folded_inputs(index, dout, gates, d_gates, lse)
+        return _folded_inputs(index, dout, gates, d_gates[..., index], lse)
     branch_dout = gated_sum_backward(dout, branch_out, gates, index, d_gates)
     return BranchBackwardInputs(branch_dout, branch_out, lse, None)
 
@@ -230,31 +233,17 @@ def fused_gate_pass(branch: Branch, dout: Tensor, q: Tensor, k: Tensor, v: Tenso
     if not branch.output_row_dots(dout, q, k, v, row_dots):
         return None
     d_gates[..., branch.index] = row_dots.t()
-    return _folded_inputs(branch.index, dout, gates, d_gates, lse)
+    # The (H, T) row dots themselves as dO.O: the row-statistics kernel reads them so.
+    return _folded_inputs(branch.index, dout, gates, row_dots.t(), lse)
 
 
-def _folded_inputs(index: int, dout: Tensor, gates: Tensor, d_gates: Tensor,
+def _folded_inputs(index: int, dout: Tensor, gates: Tensor, row_dots: Tensor,
                    lse: Tensor) -> BranchBackwardInputs:
-    """The kernel's inputs once d_gates[..., index] holds <dO, o_b>: dO itself, no output,
-    the gate folded into lse, the gate gradient as dO.O."""
-    return BranchBackwardInputs(dout, None, _gate_folded_lse(lse, gates[..., index]),
-                                d_gates[..., index])
-
-
-def _gate_folded_lse(lse: Tensor, gate: Tensor) -> Tensor:
-    """lse - log(g) (H, T) float32, for a branch whose output o = softmax(S) V enters the result
-    as g * o (g: (T, H) gate column).
-
-    The attention backward of g * o with dO: dV = P^T (g dO), dS = P * (g dO V^T - delta),
-    delta = rowsum(g dO * o). Written with P' = g P = exp(S - (lse - log g)) that is
-    dV = P'^T dO and dS = P' * (dO V^T - <dO, o>): the plain backward on dO itself, with lse
-    replaced by this and delta by <dO, o>, which is the gate's gradient dL/dg that
-    `fused_gate_pass` (or `gate_gradient`) wrote. So nsa() never writes g * dO, and keeps no o
-    for the backward.
-    A gate of exactly 0 (sigmoid underflow) adds nothing: its row gets -inf, the mark of a row
-    that sees nothing (whose lse is -inf already), so P' = 0 and never NaN."""
-    folded = lse - torch.log(gate).t()
-    return folded.masked_fill_(~(gate > 0).t(), -math.inf)
+    """The kernel's inputs once <dO, o_b> is known ((T, H) row_dots): dO itself, no output,
+    the branch's lse with its gate to fold in (`kernels.sm90.backward.gate_folded_lse`: the
+    plain backward on dO with lse - log g and <dO, o_b> as dO.O is the backward of g_b o_b),
+    the gate gradient as dO.O."""
+    return BranchBackwardInputs(dout, None, lse, row_dots, (gates, index))
 
 
 def _transposed_lists(ctx) -> dict:

@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from sparsity._checks import check_cu_seqlens, check_cu_seqlens_layout
+from sparsity.host_cache import cached
 from sparsity.block_sparse import (INDEX_DTYPE, BlockSparseTensors, IndexTensors, block_offsets,
                                    validate_block_sparse)
 
@@ -68,7 +69,8 @@ class BlockSparseCSR(IndexTensors):
 def transpose_block_sparse_csr(bs: BlockSparseTensors, col_block_offsets: Tensor | None = None,
                                *, cu_seqlens_k: Tensor | None = None,
                                num_col_blocks: int | None = None,
-                               check: bool = True) -> BlockSparseCSR:
+                               check: bool = True, layout_key: tuple | None = None
+                               ) -> BlockSparseCSR:
     """The transpose of forward lists `bs` as a BlockSparseCSR.
 
     Give the column (KV) blocks per sequence as col_block_offsets (S+1,) or as cu_seqlens_k
@@ -79,15 +81,31 @@ def transpose_block_sparse_csr(bs: BlockSparseTensors, col_block_offsets: Tensor
     sequence, reading the device. check=False (for callers that validated already) runs only the
     checks that need no device read and never synchronises; entries the full check would reject
     (columns outside their sequence) are left out rather than written out of range.
+
+    layout_key (with check=False): a hashable key holding every host value that the column
+    offsets and bs.row_block_offsets derive from (the sequence bounds, as the caller holds
+    them). The per-tile geometry, a function of those only, is then kept across calls
+    (sparsity/host_cache.py) instead of being rebuilt (about 20 small launches).
     """
-    return _transpose(bs, col_block_offsets, cu_seqlens_k, num_col_blocks, check, "bs")
+    return _transpose(bs, col_block_offsets, cu_seqlens_k, num_col_blocks, check, "bs",
+                      layout_key)
 
 
 def _transpose(bs: BlockSparseTensors, col_block_offsets, cu_seqlens_k, num_col_blocks,
-               check: bool, bs_name: str) -> BlockSparseCSR:
+               check: bool, bs_name: str, layout_key: tuple | None = None) -> BlockSparseCSR:
     """transpose_block_sparse_csr, naming the forward lists `bs_name` in its errors."""
-    col_offsets, num_col_blocks = _column_offsets(bs, col_block_offsets, cu_seqlens_k,
-                                                  num_col_blocks, check, bs_name)
+    def layout():
+        offsets, total = _column_offsets(bs, col_block_offsets, cu_seqlens_k, num_col_blocks,
+                                         check, bs_name)
+        return offsets, total, _tile_geometry(bs, offsets)
+
+    if layout_key is None or check:
+        col_offsets, num_col_blocks, geometry = layout()
+    else:
+        validate_block_sparse(bs, name=bs_name, check_contents=False)
+        col_offsets, num_col_blocks, geometry = cached(
+            ("csr transpose layout", layout_key, bs.row_block_size, bs.col_block_size,
+             bs.num_rows, num_col_blocks), bs.full_count, layout)
     heads, num_tiles = bs.num_heads, bs.num_rows
     groups = num_col_blocks * heads
     # A key is ((group * 2 + kind) * span + local tile); local tiles are below num_tiles.
@@ -98,7 +116,6 @@ def _transpose(bs: BlockSparseTensors, col_block_offsets, cu_seqlens_k, num_col_
         raise ValueError(f"{bs_name} is too large for the CSR transpose: {capacity} slots and "
                          f"{groups} (KV block, head) groups of {num_tiles} tiles")
 
-    geometry = _tile_geometry(bs, col_offsets)
     keys = _sort_keys(bs, geometry, span, unlisted, check, bs_name).sort().values
     # Entry p of the sorted keys belongs to the segment (group, kind) = key // span; the segment
     # starts are where their first possible key would be inserted.

@@ -25,7 +25,7 @@ from typing import Callable, TypeVar
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
-MAX_ENTRIES = 8  # a few packings at once (e.g. train and eval shapes), bounded memory
+MAX_ENTRIES = 32  # a few packings at once (train and eval shapes), ~8 keys each
 
 T = TypeVar("T")
 _entries: OrderedDict = OrderedDict()  # least recently used first

@@ -264,7 +264,7 @@ def profile_backward(q, k, v, W_gate, cu_seqlens, cu_seqlens_cmp, sequences, con
         dq_b, dk_b, dv_b = stage(
             f"{name}: {BRANCH_BACKWARD_STEPS[2]}",
             lambda: branch.backward(step.dout, q, keys, values, step.out, step.lse,
-                                    dout_dot_out=step.dout_dot_out,
+                                    dout_dot_out=step.dout_dot_out, lse_gate=step.lse_gate,
                                     dkv_accumulators=accumulators, **options),
             kernels.which_backend(q, keys, values, backward=True, **asked,
                                   **branch.kernel_kwargs), into=rows)

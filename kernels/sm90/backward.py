@@ -90,7 +90,8 @@ def run(
     dout, q, k, v, out, lse, *, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
     max_seqlen_k=None, softmax_scale=None, causal=False, compress_factor=1, window_size=(-1, -1),
     block_sparse=None, block_sparse_transposed=None, deterministic=False, spec_overrides=None,
-    dout_dot_out=None, dq_accumulator=None, dkv_accumulators=None,
+    dout_dot_out=None, dq_accumulator=None, dkv_accumulators=None, lse_gate=None,
+    host_cu_seqlens_q=None,
 ):
     """(dq, dk, dv) of the sm90 backward kernel; dk and dv summed over each KV group.
 
@@ -102,7 +103,13 @@ def run(
     dkv_accumulators: (dk_sum, dv_sum), contiguous float32 tensors of k's and v's shape that
     dk and dv are added into and returned as; the kernel adds into them itself, its float32
     partial sums (`BwdSpec.partial_dkv`) or, one CTA per KV tile, its dK, dV as it stores them
-    (`BwdSpec.add_dkv`)."""
+    (`BwdSpec.add_dkv`).
+    lse_gate: (gates (Tq, H, B), b) with dout_dot_out: `lse` is the branch's own and the gate
+    gates[..., b] is folded into it here (`gate_folded_lse`; on the GPU in the row-statistics
+    launch, `GateFoldedStatistics`). nsa()'s backward passes it instead of folding in torch.
+    host_cu_seqlens_q: the values of cu_seqlens_q (packed inputs), when the caller holds them:
+    the query tile layout is then kept across calls (sparsity/host_cache.py) instead of being
+    rebuilt on the device (about 20 small launches) by every call."""
     if q.dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"q: dtype {q.dtype} is not supported by the sm90 backward kernel "
                          f"(bfloat16 or float16)")
@@ -119,6 +126,8 @@ def run(
         cu_seqlens_q = _uniform_cu_seqlens(batch, seqlen_q, q.device)
         cu_seqlens_k = _uniform_cu_seqlens(batch, seqlen_k, q.device)
         max_seqlen_q, max_seqlen_k = seqlen_q, seqlen_k
+        if lse_gate is not None:
+            lse_gate = (lse_gate[0].reshape(-1, *lse_gate[0].shape[2:]), lse_gate[1])
     total_q, num_heads, head_dim = q.shape
     # The dQ kernel adds into the caller's dq where it can write it; elsewhere dq is added after.
     dq_into = None if dq_accumulator is None else _kernel_rows(dq_accumulator, q.shape)
@@ -156,8 +165,8 @@ def run(
             dk.zero_()
             dv.zero_()
     else:
-        tiles = QueryTiles(cu_seqlens_q, total_q)
-        lse_log2, dpsum = tiles.row_statistics(dout, out, lse, dout_dot_out)
+        tiles = query_tiles(cu_seqlens_q, total_q, None if padded else host_cu_seqlens_q)
+        lse_log2, dpsum = tiles.row_statistics(dout, out, lse, dout_dot_out, lse_gate)
         dq_acc = None
         if spec.fuses_dq:
             dq_acc = torch.zeros((num_heads, tiles.num_slots, head_dim), dtype=torch.float32,
@@ -220,6 +229,34 @@ def run(
     return dq, dk, dv
 
 
+def query_tiles(cu_seqlens_q: torch.Tensor, total_q: int, host_cu_seqlens_q=None) -> "QueryTiles":
+    """`QueryTiles` of these sequences; with their host values, from sparsity/host_cache.py
+    (a function of the host bounds only, so the three branches of an nsa() backward, and the
+    steps of a training loop with the same packing, build it once)."""
+    if host_cu_seqlens_q is None:
+        return QueryTiles(cu_seqlens_q, total_q)
+    from sparsity.host_cache import cached
+
+    return cached(("query tiles", tuple(host_cu_seqlens_q), total_q), cu_seqlens_q,
+                  lambda: QueryTiles(cu_seqlens_q, total_q))
+
+
+def gate_folded_lse(lse: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """lse - log(g) (H, T) float32, for a branch whose output o = softmax(S) V enters the
+    result as g * o (g: (T, H) gate column).
+
+    The attention backward of g * o with dO: dV = P^T (g dO), dS = P * (g dO V^T - delta),
+    delta = rowsum(g dO * o). Written with P' = g P = exp(S - (lse - log g)) that is
+    dV = P'^T dO and dS = P' * (dO V^T - <dO, o>): the plain backward on dO itself, with lse
+    replaced by this and delta by <dO, o> (the gate's gradient, which nsa() has). So nsa()
+    never writes g * dO, and keeps no o for the backward.
+    A gate that is not > 0 (sigmoid underflow; NaN) adds nothing: its row gets -inf, the mark
+    of a row that sees nothing (whose lse is -inf already), so P' = 0 and never NaN. The GPU
+    computes the same in `GateFoldedStatistics` (kernels/sm90/bwd_preprocess.py)."""
+    folded = lse.float() - torch.log(gate.float()).t()
+    return folded.masked_fill_(~(gate > 0).t(), -math.inf)
+
+
 class QueryTiles:
     """The 64-row query tile layout of the kernel's row statistics and dQ accumulator.
 
@@ -241,17 +278,26 @@ class QueryTiles:
         self.slot = SLOT_ROWS * self.tile_offsets[sequence].to(torch.int64) + rows - cu[sequence]
         self.slot32 = self.slot.to(torch.int32)  # < 2**31: kernels.validate checks the slots
 
-    def row_statistics(self, dout, out, lse, dout_dot_out=None):
+    def row_statistics(self, dout, out, lse, dout_dot_out=None, lse_gate=None):
         """(lse * log2(e), rowsum(dO * O)) as (H, slots) float32, +inf / 0 in the padding. On
-        the GPU one CuTe DSL pass (kernels/sm90/bwd_preprocess.py); on the CPU (the unit tests'
-        reference), or from a given dout_dot_out (T, H), in torch (then O is not read)."""
+        the GPU one CuTe DSL pass (kernels/sm90/bwd_preprocess.py): from O and dO, or from a
+        given dout_dot_out (T, H) with the gate of `lse_gate` folded into lse
+        (`GateFoldedStatistics`). On the CPU (the unit tests' reference), or from a given
+        dout_dot_out without a gate, in torch (O is then not read)."""
         num_heads = dout.shape[1]
         lse_log2 = torch.full((num_heads, self.num_slots), math.inf, dtype=torch.float32,
                               device=dout.device)
         dpsum = torch.zeros((num_heads, self.num_slots), dtype=torch.float32, device=dout.device)
-        if dout.is_cuda and dout.shape[0] > 0 and dout_dot_out is None:
+        on_gpu = dout.is_cuda and dout.shape[0] > 0
+        if on_gpu and dout_dot_out is None:
             _launch_preprocess(dout, out, lse, self.slot32, lse_log2, dpsum)
             return lse_log2, dpsum
+        if lse_gate is not None:
+            gates, index = lse_gate
+            if on_gpu and gates.dtype == torch.float32 and gates.stride(-1) == 1:
+                _launch_gate_fold(dout_dot_out, lse, gates, index, self.slot32, lse_log2, dpsum)
+                return lse_log2, dpsum
+            lse = gate_folded_lse(lse, gates[..., index])
         scaled = lse.float() * _LOG2_E
         # A row that sees nothing has lse = -inf: +inf makes its P = exp2(s - inf) exactly 0.
         lse_log2[:, self.slot] = torch.where(torch.isneginf(scaled), math.inf, scaled)
@@ -398,6 +444,18 @@ def _launch_dq_convert(dq_acc, tile_offsets, cu_seqlens, dq, block_cols: int, sc
                          accumulate)
     launch_compiled(compiled_dq_convert, spec, (dq_acc, tile_offsets, cu_seqlens, dq), (scale,),
                     lambda scalars: (cutlass.Float32(scalars[0]),), (), as_cute=_as_cute)
+
+
+def _launch_gate_fold(dout_dot_out, lse, gates, index, slot, lse_log2, dpsum):
+    from kernels.sm90.bwd_preprocess import GateFoldedStatistics, GateFoldSpec
+    from kernels.sm90.compile import fake_gate_fold_arguments, launch_on_current_stream
+
+    # (T, H) row dots as the kernel reads them, (H, T): nsa() passes the transpose of the
+    # (H, T) tensor its forward wrote, so this is a view, not a copy.
+    dots = dout_dot_out.t().float().contiguous()
+    launch_on_current_stream(GateFoldedStatistics, GateFoldSpec(), fake_gate_fold_arguments,
+                             (dots, lse.float().contiguous(), gates, index, slot, lse_log2,
+                              dpsum), lse.device)
 
 
 def _launch_preprocess(dout, out, lse, slot, lse_log2, dpsum):

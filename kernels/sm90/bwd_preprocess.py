@@ -96,3 +96,61 @@ class BackwardPreprocess:
                     lse = Float32.inf  # P = exp2(s - inf) = 0 exactly for such a row
                 mLSElog2[head, slot] = lse
 
+
+
+@dataclass(frozen=True)
+class GateFoldSpec:
+    """The compile key of `GateFoldedStatistics`: every operand is float32, so one build."""
+    rows_per_cta: int = _THREADS
+
+
+class GateFoldedStatistics:
+    """The row statistics of one nsa() branch whose gate is folded into its lse, from the row
+    dots the recomputing forward wrote (`nsa.function.fused_gate_pass`): one launch instead of
+    the ~15 small torch ops (log, subtract, masks, two scatters) of folding and scattering.
+
+    lse log2(e) = (lse - ln g) * log2(e), +inf where g is not > 0 (a gate that underflowed, or
+    NaN: the branch adds nothing to that row) or where that is -inf (the row sees nothing);
+    dO.O = the given row dot, both at the row's slot. The rule and its reasons:
+    `kernels.sm90.backward.gate_folded_lse`. One thread per (row, head): the row dots and lse
+    are read, and the slots written, along rows; the gate column is a strided gather.
+    """
+
+    def __init__(self, spec: GateFoldSpec):
+        self.spec = spec
+
+    @cute.jit
+    def __call__(
+        self,
+        mDots: cute.Tensor,      # (H, T) float32: <dO, o_b> per head and row
+        mLSE: cute.Tensor,       # (H, T) float32, natural log; -inf where a row sees nothing
+        mGates: cute.Tensor,     # (T, H, B) float32 gate weights
+        gate_index: cutlass.Int32,  # b: this branch's gate column
+        mSlot: cute.Tensor,      # (T,) int32: the row's slot in the tile layout
+        mLSElog2: cute.Tensor,   # (H, P) float32 out
+        mDPsum: cute.Tensor,     # (H, P) float32 out
+        stream: cuda.CUstream,
+    ):
+        total = cute.size(mSlot.shape[0])
+        rows = self.spec.rows_per_cta
+        self.kernel(mDots, mLSE, mGates, gate_index, mSlot, mLSElog2, mDPsum).launch(
+            grid=((total + rows - 1) // rows, cute.size(mDots.shape[0]), 1),
+            block=[rows, 1, 1], stream=stream)
+
+    @cute.kernel
+    def kernel(self, mDots: cute.Tensor, mLSE: cute.Tensor, mGates: cute.Tensor,
+               gate_index: cutlass.Int32, mSlot: cute.Tensor, mLSElog2: cute.Tensor,
+               mDPsum: cute.Tensor):
+        tidx, _, _ = cute.arch.thread_idx()
+        row_block, head, _ = cute.arch.block_idx()
+        row = row_block * self.spec.rows_per_cta + tidx
+        if row < cute.size(mSlot.shape[0]):
+            slot = mSlot[row]
+            mDPsum[head, slot] = mDots[head, row]
+            gate = mGates[row, head, gate_index]
+            lse = Float32.inf
+            if gate > Float32(0.0):  # False for NaN too
+                folded = (mLSE[head, row] - cute.math.log(gate, fastmath=False)) * Float32(_LOG2_E)
+                if folded != -Float32.inf:
+                    lse = folded
+            mLSElog2[head, slot] = lse

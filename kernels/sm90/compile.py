@@ -243,6 +243,20 @@ def fake_preprocess_arguments(spec):
     return (o, dout, lse, fake_int32_vector(), fake_row_statistics(), fake_row_statistics())
 
 
+def fake_gate_fold_arguments(spec):
+    """Fake tensors and scalar standing for `GateFoldedStatistics`' arguments (the stream
+    excluded): row dots and lse (H, T) float32, the gates (T, H, B) float32, the gate column,
+    the rows' slots (T,) int32, lse log2(e) and dO.O (H, P)."""
+    def heads_by_rows():
+        return make_fake_tensor(cutlass.Float32, (cute.sym_int(), cute.sym_int()),
+                                stride=(cute.sym_int(), 1), assumed_align=4)
+
+    gates = make_fake_tensor(cutlass.Float32, tuple(cute.sym_int() for _ in range(3)),
+                             stride=(cute.sym_int(), cute.sym_int(), 1), assumed_align=4)
+    return (heads_by_rows(), heads_by_rows(), gates, cutlass.Int32(0), fake_int32_vector(),
+            fake_row_statistics(), fake_row_statistics())
+
+
 def compiled_dq_convert(spec, example_args, tvm_ffi: bool = False):
     """The fused backward's dQ conversion kernel for `spec` (`compiled_once`)."""
     from kernels.sm90.dq_convert import BackwardDqConvert
@@ -276,4 +290,13 @@ def compile_preprocess_on_fake_tensors(spec):
     from kernels.sm90.bwd_preprocess import BackwardPreprocess
 
     return cute.compile(BackwardPreprocess(spec), *fake_preprocess_arguments(spec),
+                        make_fake_stream())
+
+
+@functools.lru_cache(maxsize=None)
+def compile_gate_fold_on_fake_tensors(spec):
+    """Compile the gate-folding row statistics for sm_90a without a GPU (CUTE_DSL_ARCH=sm_90a)."""
+    from kernels.sm90.bwd_preprocess import GateFoldedStatistics
+
+    return cute.compile(GateFoldedStatistics(spec), *fake_gate_fold_arguments(spec),
                         make_fake_stream())

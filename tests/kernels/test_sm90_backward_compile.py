@@ -263,3 +263,11 @@ def test_backward_row_statistics_kernel_compiles_for_sm90a(dtype, head_dim):
     from kernels.sm90.compile import compile_preprocess_on_fake_tensors
 
     assert callable(compile_preprocess_on_fake_tensors(PreprocessSpec(dtype, head_dim)))
+
+
+def test_gate_folded_row_statistics_compile_for_sm90a():
+    """The row statistics that fold nsa()'s gate into lse (`GateFoldedStatistics`)."""
+    from kernels.sm90.bwd_preprocess import GateFoldSpec
+    from kernels.sm90.compile import compile_gate_fold_on_fake_tensors
+
+    assert callable(compile_gate_fold_on_fake_tensors(GateFoldSpec()))

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from kernels.sm90.backward import QueryTiles, work_units
+from kernels.sm90.backward import QueryTiles, gate_folded_lse, query_tiles, work_units
 from sparsity import build_block_sparse_from_mask, transpose_block_sparse_csr
 from gpu_marks import requires_sm90
 
@@ -165,6 +165,83 @@ def test_row_statistics_kernel_matches_torch(dtype, head_dim):
     assert torch.allclose(lse_log2.cpu()[finite], ref_lse[finite], rtol=1e-6, atol=1e-6)
     assert torch.allclose(dpsum.cpu(), ref_dpsum, rtol=1e-4, atol=1e-3)
     assert (dpsum.cpu() != 0).sum() > 0.9 * heads * 1000  # the test is not vacuous
+
+
+def _gated_statistics_inputs(lengths, heads, device, seed=0):
+    """(cu_seqlens, lse (H, T), gates (T, H, 3), row dots (H, T)) float32 with the edge cases
+    of the gate fold: gates of 0 and NaN, rows that see nothing (lse = -inf)."""
+    gen = torch.Generator().manual_seed(seed)
+    total = sum(lengths)
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    lse = torch.randn(heads, total, generator=gen) * 3
+    lse[:, ::7] = -math.inf
+    gates = torch.rand(total, heads, 3, generator=gen)
+    gates[::5, :, 1] = 0.0
+    gates[3::11, :, 1] = math.nan
+    row_dots = torch.randn(heads, total, generator=gen)
+    return tuple(t.to(device) for t in (cu, lse, gates, row_dots))
+
+
+def test_row_statistics_fold_the_gate_into_lse():
+    """`lse_gate`: the row statistics of (lse, gate) equal those of the torch-folded lse
+    (`gate_folded_lse`): +inf where the gate is 0 or NaN or the row sees nothing, the row dots
+    as dO.O, at each row's slot."""
+    cu, lse, gates, row_dots = _gated_statistics_inputs([130, 1, 64, 200], heads=3, device="cpu")
+    tiles = QueryTiles(cu, 395)
+    dout = torch.empty(395, 3, 8)
+    got = tiles.row_statistics(dout, None, lse, row_dots.t(), lse_gate=(gates, 1))
+    expected = tiles.row_statistics(dout, None, gate_folded_lse(lse, gates[..., 1]),
+                                    row_dots.t())
+    for a, b in zip(got, expected):
+        assert torch.equal(a, b)
+    lse_log2 = got[0][:, tiles.slot]
+    assert torch.isposinf(lse_log2[:, ::5]).all() and torch.isposinf(lse_log2[:, 3::11]).all()
+    assert torch.isposinf(lse_log2[:, ::7]).all() and not torch.isnan(lse_log2).any()
+    assert lse_log2.isfinite().sum() > 0.6 * lse_log2.numel()  # not vacuous
+
+
+def test_query_tiles_are_kept_by_their_host_bounds():
+    """With the host bounds, the tile layout is built once per packing (sparsity/host_cache.py)
+    and equals a fresh build; another packing gets its own."""
+    from sparsity import host_cache
+
+    host_cache.clear()
+    cu = torch.tensor([0, 100, 101, 300], dtype=torch.int32)
+    first = query_tiles(cu, 300, (0, 100, 101, 300))
+    assert query_tiles(cu, 300, (0, 100, 101, 300)) is first
+    fresh = QueryTiles(cu, 300)
+    for field in ("tile_offsets", "cu_seqlens", "slot", "slot32"):
+        assert torch.equal(getattr(first, field), getattr(fresh, field))
+    assert first.num_slots == fresh.num_slots
+    other_cu = torch.tensor([0, 200, 300], dtype=torch.int32)
+    other = query_tiles(other_cu, 300, (0, 200, 300))
+    assert other is not first and torch.equal(other.slot, QueryTiles(other_cu, 300).slot)
+    assert query_tiles(cu, 300) is not first  # no host bounds: built each call
+    host_cache.clear()
+
+
+@pytest.mark.gpu
+@requires_sm90
+def test_gate_fold_kernel_equals_the_torch_fold():
+    """`GateFoldedStatistics` (one launch) against the torch fold on the CPU, varlen slots,
+    gates of 0 and NaN and rows that see nothing: the same +inf marks, values to float32
+    rounding of the log (libdevice logf against torch's), the row dots exact."""
+    lengths = [130, 1, 64, 2000]
+    cu, lse, gates, row_dots = _gated_statistics_inputs(lengths, heads=4, device="cuda", seed=2)
+    total = sum(lengths)
+    tiles = QueryTiles(cu, total)
+    dout = torch.empty(total, 4, 64, device="cuda", dtype=torch.bfloat16)
+    got_lse, got_dpsum = tiles.row_statistics(dout, None, lse, row_dots.t(), lse_gate=(gates, 1))
+    cpu_tiles = QueryTiles(cu.cpu(), total)
+    ref_lse, ref_dpsum = cpu_tiles.row_statistics(dout.cpu(), None, lse.cpu(), row_dots.t().cpu(),
+                                                  lse_gate=(gates.cpu(), 1))
+    got_lse, got_dpsum = got_lse.cpu(), got_dpsum.cpu()
+    assert torch.equal(got_dpsum, ref_dpsum)
+    assert torch.equal(got_lse.isposinf(), ref_lse.isposinf())
+    assert not got_lse.isnan().any()
+    finite = ref_lse.isfinite()
+    assert finite.sum() > 0.5 * finite.numel()
+    torch.testing.assert_close(got_lse[finite], ref_lse[finite], rtol=2e-7, atol=2e-6)
 
 
 @pytest.mark.gpu

@@ -417,3 +417,16 @@ def test_trusted_backward_adds_into_accumulators_and_checks_its_internal_argumen
     with pytest.raises(ValueError, match="dout_dot_out: expected"):
         attention_backward_trusted(dout, q, k, v, None, lse, host_cu_seqlens=None, causal=True,
                                    dout_dot_out=row_dots[..., :1])
+    gates = torch.rand(*q.shape[:-1], 3)
+    for lse_gate, message in (((gates, 1), "lse_gate: only taken with dout_dot_out"),):
+        with pytest.raises(ValueError, match=message):
+            attention_backward_trusted(dout, q, k, v, out, lse, host_cu_seqlens=None,
+                                       causal=True, lse_gate=lse_gate)
+    for lse_gate, message in ((gates, "lse_gate: expected a \\(gates, branch index\\) pair"),
+                              ((gates[..., 0], 0), "lse_gate: gates expected"),
+                              ((gates.int(), 0), "lse_gate: gates expected"),
+                              ((gates, 3), "lse_gate: branch index must be"),
+                              ((gates, True), "lse_gate: branch index must be")):
+        with pytest.raises(ValueError, match=message):  # refused before the kernel choice
+            attention_backward_trusted(dout, q, k, v, None, lse, host_cu_seqlens=None,
+                                       causal=True, dout_dot_out=row_dots, lse_gate=lse_gate)

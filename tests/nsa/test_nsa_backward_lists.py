@@ -18,6 +18,7 @@ import nsa.branches as branches_module
 from kernels import interface
 from kernels.interface import add_into_accumulators
 from kernels.fallback import attention_backward_fallback, attention_forward_fallback
+from kernels.sm90.backward import gate_folded_lse
 from nsa import nsa
 from nsa_testing import SMALL, random_inputs
 from op_counting import OpCounter
@@ -41,8 +42,10 @@ class RecordingBackward(types.ModuleType):
         return True, "recording stand-in"
 
     def run(self, dout, q, k, v, out, lse, dout_dot_out=None, dq_accumulator=None,
-            dkv_accumulators=None, **kwargs):
+            dkv_accumulators=None, lse_gate=None, host_cu_seqlens_q=None, **kwargs):
         self.calls.append(kwargs)
+        if lse_gate is not None:  # the kernel folds the gate into lse itself
+            lse = gate_folded_lse(lse, lse_gate[0][..., lse_gate[1]])
         if not self.compute:
             dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
         else:

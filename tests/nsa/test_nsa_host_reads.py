@@ -90,9 +90,9 @@ def test_trusted_calls_equal_fully_checked_calls(layout, compressed, monkeypatch
     checked_calls = []
 
     def checked(public):
-        def call(*args, host_cu_seqlens, dout_dot_out=None, dq_accumulator=None,
+        def call(*args, host_cu_seqlens, dout_dot_out=None, lse_gate=None, dq_accumulator=None,
                  dkv_accumulators=None, **kwargs):
-            assert dout_dot_out is None  # only given where the sm90 kernel runs
+            assert dout_dot_out is None and lse_gate is None  # only where the sm90 kernel runs
             checked_calls.append(host_cu_seqlens)
             result = public(*args, **kwargs)
             if dq_accumulator is None and dkv_accumulators is None:

@@ -94,14 +94,15 @@ def test_gate_weights_and_backward_match_reference(branches, gated, chunk_rows, 
 
 
 def test_gate_folded_lse_scales_probabilities_by_the_gate():
-    """nsa()'s backward on the kernels reads lse - log g: exp(s - folded) = g * exp(s - lse).
+    """nsa()'s backward on the kernels reads lse - log g (folded by the backward's row
+    statistics): exp(s - folded) = g * exp(s - lse).
     A gate of 0 (sigmoid underflow) and a row that sees nothing (lse = -inf) both give -inf,
     the mark of a row that adds nothing: never NaN, never +inf."""
-    from nsa.function import _gate_folded_lse
+    from kernels.sm90.backward import gate_folded_lse
 
     lse = torch.tensor([[1.5, float("-inf"), 0.25, float("-inf"), 2.0]])  # (H=1, T=5)
     gate = torch.tensor([[0.3], [0.7], [0.0], [0.0], [1.0]])  # (T, H) column
-    folded = _gate_folded_lse(lse, gate)
+    folded = gate_folded_lse(lse, gate)
     assert folded.shape == lse.shape
     score = torch.tensor(0.9)
     for t in (0, 4):

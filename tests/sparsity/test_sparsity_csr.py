@@ -272,6 +272,30 @@ def test_unchecked_transpose_reads_nothing_from_the_device(by, monkeypatch):
     assert trusted.equals(checked)
 
 
+def test_transpose_layout_kept_by_its_key_serves_other_lists_of_the_packing():
+    """layout_key: the per-tile geometry of one packing is built once (sparsity/host_cache.py)
+    and reused for other lists over the same sequences; each transpose still equals the
+    checked one."""
+    from sparsity import host_cache
+
+    host_cache.clear()
+    lengths = [300, 0, 17, 129, 64]
+    cu = cu_from_lengths(lengths)
+    tiles = int(row_block_offsets_from_cu_seqlens(cu, 32)[-1])
+    num_col_blocks = int(row_block_offsets_from_cu_seqlens(cu, 16)[-1])
+    key = (tuple(cu.tolist()), tuple(cu.tolist()))
+    for seed in (1, 2):
+        gen = torch.Generator().manual_seed(seed)
+        picks = torch.randint(-1, 12, (tiles, 2, 5), generator=gen).to(torch.int32)
+        bs = build_selected_block_sparse(picks, cu_seqlens_q=cu, cu_seqlens_k=cu, q_tile=32,
+                                         selected_block_size=16, kv_block=16)
+        kept = transpose_block_sparse_csr(bs, cu_seqlens_k=cu, num_col_blocks=num_col_blocks,
+                                          check=False, layout_key=key)
+        assert kept.equals(transpose_block_sparse_csr(bs, cu_seqlens_k=cu))
+        assert len(host_cache._entries) == 1  # the second lists found the first one's layout
+    host_cache.clear()
+
+
 # --- errors that name the argument or field ---------------------------------------------------
 
 def test_transpose_argument_errors():
