@@ -147,20 +147,22 @@ def select_blocks(q: Tensor, k_cmp: Tensor, cu_seqlens: Tensor, cu_seqlens_cmp: 
         return _empty_selection(q.device, kv_heads, num_selected_blocks, width, offsets)
 
     q_bar = _scoring_queries(q, *scoring, q_tile)
-    if cmp_ranges is None and l_sel == l and _selects_on_sm90(q_bar, k_cmp, num_selected_blocks):
+    k_score = k_cmp.to(q_bar.dtype)  # both paths score in the scoring queries' dtype
+    if cmp_ranges is None and l_sel == l and _selects_on_sm90(q_bar, k_score,
+                                                                num_selected_blocks):
         from kernels.sm90 import select_blocks as kernel
 
         if not write_selected_lists:
-            selected = kernel.run(q_bar, k_cmp.to(q_bar.dtype), tile_fields, num_selected_blocks,
+            selected = kernel.run(q_bar, k_score, tile_fields, num_selected_blocks,
                                   softmax_scale)
             return BlockSelection(selected=selected, cmp_selected=None, row_block_offsets=offsets)
-        selected, lists = kernel.run(q_bar, k_cmp.to(q_bar.dtype), tile_fields,
-                                     num_selected_blocks, softmax_scale, mask_width)
+        selected, lists = kernel.run(q_bar, k_score, tile_fields, num_selected_blocks,
+                                     softmax_scale, mask_width)
         selected_lists = selected_block_sparse_from_lists(
             lists, cu_seqlens, cu_host, q_tile=q_tile, kv_block=l_sel, causal=causal)
         return BlockSelection(selected=selected, cmp_selected=None, row_block_offsets=offsets,
                               selected_lists=selected_lists)
-    keys = k_cmp.to(q_bar.dtype).permute(1, 2, 0)  # (Hkv, D, Tc)
+    keys = k_score.permute(1, 2, 0)  # (Hkv, D, Tc)
     selected, cmp_selected = [], []
     for chunk in _plan_chunks(lengths, cu_cmp_host, q_tile, l, causal, heads, dim):
         part = tiles[chunk.tiles]

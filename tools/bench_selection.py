@@ -88,9 +88,9 @@ def measure(seqlen: int, args) -> dict:
     k = torch.randn(seqlen, args.kv_heads, args.head_dim, generator=generator,
                     device=args.device).to(args.torch_dtype)
     cu_seqlens = torch.tensor([0, seqlen], dtype=torch.int32, device=args.device)
-    # As nsa() scores: compressed keys in the inputs' dtype.
+    # As nsa() scores: the compressed keys as compression returns them (the compute dtype,
+    # float32 for bf16 inputs; nsa.function.compress_and_plan).
     k_cmp, _, cu_cmp = compress_kv(k, k, cu_seqlens, args.compress_block_size)
-    k_cmp = k_cmp.to(q.dtype)
     calls = {variant: selection_call(variant, q, k_cmp, cu_seqlens, cu_cmp, args)
              for variant in args.variants}
     ms = interleaved_medians(calls, args.device, rounds=args.rounds, repeats=args.repeats)
