@@ -383,4 +383,18 @@ def _transpose_csr(block_sparse, num_kv_blocks: int, **kv_blocks):
     # check=False: the caller checked (or trusts) the lists and the sequences; the checks would
     # read the device. The host count of KV blocks sizes the result without a read.
     return transpose_block_sparse_csr(block_sparse, **kv_blocks, num_col_blocks=num_kv_blocks,
-                                      check=False)
+                                      check=False, sort_keys=_sort_keys_kernel(block_sparse))
+
+
+def _sort_keys_kernel(block_sparse):
+    """The sm90 kernel that writes the transpose's sort keys in one launch
+    (kernels/sm90/list_layout.py), where it runs; None: sparsity's torch ops."""
+    device = block_sparse.full_count.device
+    if (min(block_sparse.full_index.shape[-1], block_sparse.mask_index.shape[-1]) < 1
+            or device.type != "cuda" or kernels_unavailable(device)):
+        return None
+    try:
+        from kernels.sm90 import list_layout
+    except ImportError:  # not built for this install
+        return None
+    return list_layout.transpose_keys

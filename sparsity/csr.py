@@ -69,8 +69,8 @@ class BlockSparseCSR(IndexTensors):
 def transpose_block_sparse_csr(bs: BlockSparseTensors, col_block_offsets: Tensor | None = None,
                                *, cu_seqlens_k: Tensor | None = None,
                                num_col_blocks: int | None = None,
-                               check: bool = True, layout_key: tuple | None = None
-                               ) -> BlockSparseCSR:
+                               check: bool = True, layout_key: tuple | None = None,
+                               sort_keys=None) -> BlockSparseCSR:
     """The transpose of forward lists `bs` as a BlockSparseCSR.
 
     Give the column (KV) blocks per sequence as col_block_offsets (S+1,) or as cu_seqlens_k
@@ -86,47 +86,58 @@ def transpose_block_sparse_csr(bs: BlockSparseTensors, col_block_offsets: Tensor
     offsets and bs.row_block_offsets derive from (the sequence bounds, as the caller holds
     them). The per-tile geometry, a function of those only, is then kept across calls
     (sparsity/host_cache.py) instead of being rebuilt (about 20 small launches).
+
+    sort_keys (with check=False): a faster builder of the slots' sort keys, called as
+    sort_keys(bs, geometry, span, unlisted) and returning what `_sort_keys` returns (kernels
+    pass the sm90 kernel, kernels/sm90/list_layout.py; sparsity itself stays torch only).
     """
     return _transpose(bs, col_block_offsets, cu_seqlens_k, num_col_blocks, check, "bs",
-                      layout_key)
+                      layout_key, sort_keys)
 
 
 def _transpose(bs: BlockSparseTensors, col_block_offsets, cu_seqlens_k, num_col_blocks,
-               check: bool, bs_name: str, layout_key: tuple | None = None) -> BlockSparseCSR:
+               check: bool, bs_name: str, layout_key: tuple | None = None,
+               sort_keys=None) -> BlockSparseCSR:
     """transpose_block_sparse_csr, naming the forward lists `bs_name` in its errors."""
+    heads, num_tiles = bs.num_heads, bs.num_rows
+    # A key is ((group * 2 + kind) * span + local tile); local tiles are below num_tiles.
+    span = max(num_tiles, 1)
+
     def layout():
         offsets, total = _column_offsets(bs, col_block_offsets, cu_seqlens_k, num_col_blocks,
                                          check, bs_name)
-        return offsets, total, _tile_geometry(bs, offsets)
+        # Where each (group, kind) segment's first possible key would sort.
+        segment_keys = torch.arange(2 * total * heads + 1, device=bs.device) * span
+        return offsets.to(INDEX_DTYPE), total, _tile_geometry(bs, offsets), segment_keys
 
     if layout_key is None or check:
-        col_offsets, num_col_blocks, geometry = layout()
+        col_offsets32, num_col_blocks, geometry, segment_keys = layout()
     else:
         validate_block_sparse(bs, name=bs_name, check_contents=False)
-        col_offsets, num_col_blocks, geometry = cached(
+        col_offsets32, num_col_blocks, geometry, segment_keys = cached(
             ("csr transpose layout", layout_key, bs.row_block_size, bs.col_block_size,
-             bs.num_rows, num_col_blocks), bs.full_count, layout)
-    heads, num_tiles = bs.num_heads, bs.num_rows
+             num_tiles, heads, num_col_blocks), bs.full_count, layout)
     groups = num_col_blocks * heads
-    # A key is ((group * 2 + kind) * span + local tile); local tiles are below num_tiles.
-    span = max(num_tiles, 1)
     unlisted = 2 * groups * span  # sorts after every listed entry and marks the empty slots
     capacity = num_tiles * heads * (bs.full_index.shape[-1] + bs.mask_index.shape[-1])
     if unlisted >= 2**63 or capacity > _INT32_MAX:
         raise ValueError(f"{bs_name} is too large for the CSR transpose: {capacity} slots and "
                          f"{groups} (KV block, head) groups of {num_tiles} tiles")
 
-    keys = _sort_keys(bs, geometry, span, unlisted, check, bs_name).sort().values
-    # Entry p of the sorted keys belongs to the segment (group, kind) = key // span; the segment
-    # starts are where their first possible key would be inserted.
-    starts = torch.searchsorted(keys, torch.arange(2 * groups + 1, device=keys.device) * span)
+    if sort_keys is not None and not check:
+        keys = sort_keys(bs, geometry, span, unlisted)
+    else:
+        keys = _sort_keys(bs, geometry, span, unlisted, check, bs_name)
+    keys = keys.sort().values
+    # Entry p of the sorted keys belongs to the segment (group, kind) = key // span.
+    starts = torch.searchsorted(keys, segment_keys)
     offsets = starts[0::2]
     mask_count = (starts[1::2] - offsets[:-1]).view(num_col_blocks, heads)
     index = torch.where(keys < unlisted, keys % span, -1)
     return BlockSparseCSR(
         offsets=offsets.to(INDEX_DTYPE), index=index.to(INDEX_DTYPE),
         mask_count=mask_count.to(INDEX_DTYPE).contiguous(), row_block_size=bs.col_block_size,
-        col_block_size=bs.row_block_size, row_block_offsets=col_offsets.to(INDEX_DTYPE))
+        col_block_size=bs.row_block_size, row_block_offsets=col_offsets32)
 
 
 def validate_block_sparse_csr(csr, *, name: str = "block_sparse_transposed",

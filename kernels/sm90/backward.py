@@ -377,6 +377,15 @@ def work_units(csr, chunk: int) -> torch.Tensor:
     shapes (lists + capacity / chunk), so nothing is read back from the device; units past the
     real ones are empty (first = end) and their CTAs exit at once. Empty lists get no unit
     (their keys' dK/dV stay 0 in the zeroed accumulators)."""
+    if csr.offsets.is_cuda:  # one launch (kernels/sm90/list_layout.py) instead of ~37 ops
+        from kernels.sm90 import list_layout
+
+        return list_layout.work_units(csr, chunk)
+    return work_units_torch(csr, chunk)
+
+
+def work_units_torch(csr, chunk: int) -> torch.Tensor:
+    """`work_units` in torch ops (the CPU, and the GPU kernel's reference in the tests)."""
     offsets = csr.offsets.to(torch.int64)
     lengths = offsets.diff()
     chunks = (lengths + chunk - 1) // chunk

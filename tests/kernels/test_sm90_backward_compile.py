@@ -271,3 +271,11 @@ def test_gate_folded_row_statistics_compile_for_sm90a():
     from kernels.sm90.compile import compile_gate_fold_on_fake_tensors
 
     assert callable(compile_gate_fold_on_fake_tensors(GateFoldSpec()))
+
+
+@pytest.mark.parametrize("kernel", ["transpose_keys", "work_units"])
+def test_list_layout_kernels_compile_for_sm90a(kernel):
+    """The backward's list layout kernels (kernels/sm90/list_layout.py)."""
+    from kernels.sm90.list_layout import compile_on_fake_tensors
+
+    assert callable(compile_on_fake_tensors(kernel))

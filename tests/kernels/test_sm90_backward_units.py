@@ -5,7 +5,8 @@ import math
 import pytest
 import torch
 
-from kernels.sm90.backward import QueryTiles, gate_folded_lse, query_tiles, work_units
+from kernels.sm90.backward import (QueryTiles, gate_folded_lse, query_tiles, work_units,
+                                   work_units_torch)
 from sparsity import build_block_sparse_from_mask, transpose_block_sparse_csr
 from gpu_marks import requires_sm90
 
@@ -242,6 +243,43 @@ def test_gate_fold_kernel_equals_the_torch_fold():
     finite = ref_lse.isfinite()
     assert finite.sum() > 0.5 * finite.numel()
     torch.testing.assert_close(got_lse[finite], ref_lse[finite], rtol=2e-7, atol=2e-6)
+
+
+@pytest.mark.gpu
+@requires_sm90
+@pytest.mark.parametrize("kv_block", [64, 128])
+def test_list_layout_kernels_equal_their_torch_ops(kv_block):
+    """kernels/sm90/list_layout.py against the torch ops they replace, on NSA-like varlen lists
+    with an empty and a one-token sequence: the transpose's sort keys bit for bit (and the CSR
+    built from them equals the checked transpose), the split-list work units bit for bit where
+    real, all zero (empty) after."""
+    from kernels.interface import transpose_block_sparse_trusted
+    from kernels.sm90 import list_layout
+    from sparsity.csr import _column_offsets, _sort_keys, _tile_geometry
+
+    lengths = [1000, 0, 1, 300, 2100]
+    bs, cu = _nsa_like_lists(lengths, heads=2, kv_block=kv_block, seed=kv_block)
+    bs, cu = bs.to("cuda"), cu.cuda()
+    offsets, total = _column_offsets(bs, None, cu, None, True, "bs")
+    geometry = _tile_geometry(bs, offsets)
+    span = bs.num_rows
+    unlisted = 2 * total * bs.num_heads * span
+    expected = _sort_keys(bs, geometry, span, unlisted, False, "bs")
+    got = list_layout.transpose_keys(bs, geometry, span, unlisted)
+    assert torch.equal(got, expected)
+    assert (expected < unlisted).sum() > 0.2 * expected.numel()  # not vacuous
+    host = tuple(cu.tolist())
+    csr = transpose_block_sparse_trusted(bs, cu_seqlens_k=cu, host_cu_seqlens_k=host,
+                                         host_cu_seqlens_q=host)
+    assert csr.equals(transpose_block_sparse_csr(bs, cu_seqlens_k=cu))
+    for chunk in (1, 3, 16):
+        units = work_units(csr, chunk)
+        reference = work_units_torch(csr, chunk)
+        assert units.shape == reference.shape
+        real = reference[:, 3] < reference[:, 4]
+        assert real.sum() > 10
+        assert torch.equal(units[real], reference[real])
+        assert torch.equal(units[~real], torch.zeros_like(units[~real]))
 
 
 @pytest.mark.gpu
