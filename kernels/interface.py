@@ -21,6 +21,7 @@ not exported; user input always goes through the public, fully checking function
 """
 from __future__ import annotations
 
+import functools
 import importlib
 import os
 from types import ModuleType
@@ -28,10 +29,11 @@ from types import ModuleType
 import torch
 
 from . import fallback
-from .validate import (AttentionProblem, block_offsets, check_block_sparse_transposed,
-                       check_deterministic, check_not_meta, int32_limits_reason,
-                       validate_attention_backward, validate_attention_forward,
-                       validate_trusted_attention_backward, validate_trusted_attention_forward)
+from .validate import (AttentionProblem, block_offsets, check_backward_tensors,
+                       check_block_sparse_transposed, check_deterministic, check_not_meta,
+                       int32_limits_reason, validate_attention_backward,
+                       validate_attention_forward, validate_trusted_attention_backward,
+                       validate_trusted_attention_forward)
 
 DISABLE_ENV = "NSA_CUTE_DISABLE"
 FALLBACK = "fallback"
@@ -141,6 +143,22 @@ def attention_backward_trusted(dout, q, k, v, out, lse, *, host_cu_seqlens, dout
     ``lse_gate``: ``(gates, b)`` with ``dout_dot_out``, gates a floating tensor of shape
     ``q.shape[:-1] + (B,)``: the output was ``gates[..., b] * out``, and the kernel folds that
     gate into ``lse`` itself (``kernels.sm90.backward.gate_folded_lse``: nsa()'s branches)."""
+    _check_internal_arguments(q, k, v, dout_dot_out, lse_gate, dq_accumulator, dkv_accumulators)
+    if dout_dot_out is not None:
+        out = dout if out is None else out  # the checks need a tensor of out's shape and dtype
+    problem = validate_trusted_attention_backward(dout, q, k, v, out, lse,
+                                                  host_cu_seqlens=host_cu_seqlens, **kwargs)
+    return _run_backward(problem, dout, q, k, v, out, lse, kwargs.get("cu_seqlens_q"),
+                         kwargs.get("cu_seqlens_k"), kwargs.get("block_sparse"),
+                         kwargs.get("block_sparse_transposed"),
+                         kwargs.get("deterministic", False), dout_dot_out, dq_accumulator,
+                         dkv_accumulators, lse_gate)
+
+
+def _check_internal_arguments(q, k, v, dout_dot_out, lse_gate, dq_accumulator,
+                              dkv_accumulators) -> None:
+    """The internal backward arguments (``attention_backward_trusted``'s docstring), by name,
+    before any launch."""
     if dq_accumulator is not None and (
             dq_accumulator.shape != q.shape or dq_accumulator.dtype != q.dtype
             or dq_accumulator.device != q.device):
@@ -162,16 +180,8 @@ def attention_backward_trusted(dout, q, k, v, out, lse, *, host_cu_seqlens, dout
             raise ValueError(f"dout_dot_out: expected a floating tensor of shape {expected} on "
                              f"{q.device}, got {tuple(dout_dot_out.shape)} "
                              f"{dout_dot_out.dtype} on {dout_dot_out.device}")
-        out = dout if out is None else out  # the checks need a tensor of out's shape and dtype
     if lse_gate is not None:
         _check_lse_gate(lse_gate, q, dout_dot_out)
-    problem = validate_trusted_attention_backward(dout, q, k, v, out, lse,
-                                                  host_cu_seqlens=host_cu_seqlens, **kwargs)
-    return _run_backward(problem, dout, q, k, v, out, lse, kwargs.get("cu_seqlens_q"),
-                         kwargs.get("cu_seqlens_k"), kwargs.get("block_sparse"),
-                         kwargs.get("block_sparse_transposed"),
-                         kwargs.get("deterministic", False), dout_dot_out, dq_accumulator,
-                         dkv_accumulators, lse_gate)
 
 
 def _check_lse_gate(lse_gate, q, dout_dot_out) -> None:
@@ -205,6 +215,74 @@ def backward_runs_on_kernel(q, k, v, *, host_cu_seqlens, block_sparse_transposed
     kernel, _ = _kernel_for_call("backward", problem, q, k, v, kwargs,
                                  block_sparse_transposed, deterministic)
     return kernel is not None
+
+
+def plan_backward_trusted(q, k, v, *, host_cu_seqlens, block_sparse_transposed=None,
+                          deterministic=False, **kwargs) -> "KernelBackward | None":
+    """The sm90 backward of one attention call, checked and dispatched once, for a caller that
+    then asks its row dots and its gradients (nsa()'s backward, per branch): a
+    ``KernelBackward``, or None where the backward kernel does not run (the caller then takes
+    the ``attention_backward_trusted`` path with the output). Arguments and trust as
+    ``backward_runs_on_kernel``; reads no device value.
+
+    Why: each of ``backward_runs_on_kernel``, ``attention_row_dot_trusted`` and
+    ``attention_backward_trusted`` validates the call and chooses its kernel again, about
+    0.3 ms of host time per nsa() branch on an H200's host, which the eager backward at 16K
+    tokens waits for (FINDINGS, session 23)."""
+    problem = validate_trusted_attention_forward(q, k, v, host_cu_seqlens=host_cu_seqlens,
+                                                 **kwargs)
+    check_deterministic(deterministic)
+    if block_sparse_transposed is not None:
+        check_block_sparse_transposed(block_sparse_transposed, kwargs.get("block_sparse"),
+                                      problem, device=q.device, check_contents=False)
+    forward_kwargs = _normalised_kwargs(problem, kwargs.get("cu_seqlens_q"),
+                                        kwargs.get("cu_seqlens_k"), kwargs.get("block_sparse"))
+    backward_kwargs = dict(forward_kwargs, block_sparse_transposed=block_sparse_transposed,
+                           deterministic=deterministic)
+    backward_kernel, _ = _choose_kernel("backward", q, k, v, backward_kwargs, problem)
+    if backward_kernel is None or q.shape[0] == 0:
+        return None
+    forward_kernel, _ = _choose_kernel("forward", q, k, v, forward_kwargs)
+    return KernelBackward(problem, q, k, v, forward_kernel, forward_kwargs, backward_kernel,
+                          backward_kwargs)
+
+
+class KernelBackward:
+    """``plan_backward_trusted``'s result: the row dots and the backward of its (q, k, v) call
+    on the kernels it chose, with only the per-call arguments checked."""
+
+    def __init__(self, problem: AttentionProblem, q, k, v, forward_kernel, forward_kwargs,
+                 backward_kernel, backward_kwargs):
+        self.problem, self.q, self.k, self.v = problem, q, k, v
+        self._forward, self._forward_kwargs = forward_kernel, forward_kwargs
+        self._backward, self._backward_kwargs = backward_kernel, backward_kwargs
+
+    def row_dots(self, dout, into) -> bool:
+        """``attention_row_dot_trusted`` of the planned call: rowsum(dout * out) into ``into``
+        ((H, Tq) float32), out never written; False where the forward kernel does not run."""
+        if self._forward is None:
+            return False
+        self._forward.run(self.q, self.k, self.v, row_dot_with=dout, row_dot_into=into,
+                          **self._forward_kwargs)
+        return True
+
+    def backward(self, dout, lse, *, dout_dot_out, lse_gate=None, dq_accumulator=None,
+                 dkv_accumulators=None):
+        """``attention_backward_trusted`` of the planned call with ``dout_dot_out`` (out not
+        read): (dq, dk, dv), added into the accumulators where given."""
+        if dout_dot_out is None:
+            raise ValueError("dout_dot_out: required (the planned backward does not read out)")
+        _check_internal_arguments(self.q, self.k, self.v, dout_dot_out, lse_gate,
+                                  dq_accumulator, dkv_accumulators)
+        check_backward_tensors(self.problem, self.q, dout, None, lse, reads_out=False)
+        given = {name: value for name, value in (("lse_gate", lse_gate),
+                                                 ("dq_accumulator", dq_accumulator),
+                                                 ("dkv_accumulators", dkv_accumulators))
+                 if value is not None}
+        if self.problem.varlen:
+            given["host_cu_seqlens_q"] = self.problem.cu_seqlens_q
+        return self._backward.run(dout, self.q, self.k, self.v, None, lse,
+                                  dout_dot_out=dout_dot_out, **given, **self._backward_kwargs)
 
 
 def _run_forward(problem: AttentionProblem, q, k, v, cu_seqlens_q, cu_seqlens_k, block_sparse):
@@ -328,6 +406,19 @@ def _choose_kernel(direction: str, q, k, v, kwargs: dict,
     return kernel, ""
 
 
+def device_capability(device: torch.device) -> tuple[int, int]:
+    """torch.cuda.get_device_capability of a CUDA device, kept per device index: asked at
+    every kernel decision (a dozen per nsa() step), it cost the host ~25 us each time (H200
+    host, session 23)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _capability(index)
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
 def kernels_unavailable(device: torch.device) -> str:
     """Why no CuTe DSL kernel runs on ``device`` (``NSA_CUTE_DISABLE=1``, not an sm_90 GPU);
     empty when they can."""
@@ -340,7 +431,7 @@ def _device_unsupported(device: torch.device) -> str:
     """Why the kernels cannot run on ``device``; empty when they can."""
     if device.type != "cuda":
         return f"tensors on {device.type}"
-    major, minor = torch.cuda.get_device_capability(device)
+    major, minor = device_capability(device)
     if (major, minor) != (9, 0):
         return f"GPU is sm_{major}{minor}, the kernels need sm_90"
     return ""

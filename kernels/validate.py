@@ -180,7 +180,21 @@ def _validate_backward(
         compress_factor=compress_factor, window_size=window_size, block_sparse=block_sparse,
         host_cu_seqlens=host_cu_seqlens, trusted=trusted,
     )
+    check_backward_tensors(problem, q, dout, out, lse)
+    check_deterministic(deterministic)
+    if block_sparse_transposed is not None:
+        check_block_sparse_transposed(block_sparse_transposed, block_sparse, problem,
+                                      device=q.device, check_contents=not trusted)
+    return problem
+
+
+def check_backward_tensors(problem: AttentionProblem, q, dout, out, lse, *,
+                           reads_out: bool = True) -> None:
+    """dout and out like q, lse as the forward returns it for `problem`. reads_out=False: a
+    call that takes rowsum(dO * O) instead of out (out is not checked, and may be None)."""
     for name, tensor in (("out", out), ("dout", dout)):
+        if name == "out" and not reads_out:
+            continue
         _check_tensor(name, tensor)
         if tuple(tensor.shape) != tuple(q.shape):
             raise ValueError(f"{name} must have the shape of q {tuple(q.shape)}, "
@@ -198,12 +212,6 @@ def _validate_backward(
     if lse.dtype != lse_dtype(q.dtype):
         raise TypeError(f"lse must be {lse_dtype(q.dtype)} for {q.dtype} inputs, got {lse.dtype}")
     _check_same_device("lse", lse, q)
-
-    check_deterministic(deterministic)
-    if block_sparse_transposed is not None:
-        check_block_sparse_transposed(block_sparse_transposed, block_sparse, problem,
-                                      device=q.device, check_contents=not trusted)
-    return problem
 
 
 def lse_dtype(dtype: torch.dtype) -> torch.dtype:

@@ -21,10 +21,10 @@ from dataclasses import dataclass
 from torch import Tensor
 
 import kernels
-from kernels.interface import (add_into_accumulators, attention_backward_trusted,
-                               attention_forward_trusted, attention_row_dot_trusted,
-                               backward_runs_on_kernel, kernels_unavailable,
-                               transpose_block_sparse_trusted)
+from kernels.interface import (KernelBackward, add_into_accumulators,
+                               attention_backward_trusted, attention_forward_trusted,
+                               attention_row_dot_trusted, kernels_unavailable,
+                               plan_backward_trusted, transpose_block_sparse_trusted)
 from sparsity import (BlockSparseTensors, build_compressed_block_sparse,
                       build_compressed_block_sparse_trusted, build_selected_block_sparse,
                       build_selected_block_sparse_trusted)
@@ -59,10 +59,14 @@ class Branch:
                                          **self.kernel_kwargs)
 
     def output_row_dots(self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor,
-                        into: Tensor) -> bool:
+                        into: Tensor, plan: KernelBackward | None = None) -> bool:
         """rowsum(dout * o) per row and head of this branch's output o into `into` ((H, T)
         contiguous float32) without writing o, on the sm90 forward kernel; False (nothing
-        written) where it does not run (the caller then recomputes o with `forward`)."""
+        written) where it does not run (the caller then recomputes o with `forward`).
+        plan: this branch's `plan_backward` for these q, k, v (then nothing is checked or
+        chosen again)."""
+        if plan is not None:
+            return plan.row_dots(dout, into)
         if self.host_cu_seqlens is None:
             return False
         return attention_row_dot_trusted(dout, q, k, v, into,
@@ -74,14 +78,19 @@ class Branch:
                  dout_dot_out: Tensor | None = None, lse_gate: tuple[Tensor, int] | None = None,
                  dq_accumulator: Tensor | None = None,
                  dkv_accumulators: tuple[Tensor, Tensor] | None = None,
-                 ) -> tuple[Tensor, Tensor, Tensor]:
+                 plan: KernelBackward | None = None) -> tuple[Tensor, Tensor, Tensor]:
         """(dq, dk, dv), dk and dv summed over each KV group. block_sparse_transposed: this
         branch's `transposed_lists()`, or None (the kernels build them when they need them).
         dout_dot_out: rowsum(dout * out) (T, H) in place of out, where `backward_on_kernel`
         says the kernel runs, and with it lse_gate (gates, b): the gate the kernel folds into
         lse. dq_accumulator: a tensor like q that dq is added into;
         dkv_accumulators: (dk_sum, dv_sum) float32 tensors that dk and dv are added into (both
-        returned as the results)."""
+        returned as the results). plan: this branch's `plan_backward` for these q, k, v and
+        options (the call then goes straight to its kernel, with dout_dot_out)."""
+        if plan is not None:
+            return plan.backward(dout, lse, dout_dot_out=dout_dot_out, lse_gate=lse_gate,
+                                 dq_accumulator=dq_accumulator,
+                                 dkv_accumulators=dkv_accumulators)
         kwargs = dict(self.kernel_kwargs, deterministic=deterministic,
                       block_sparse_transposed=block_sparse_transposed)
         if self.host_cu_seqlens is None:  # then backward_on_kernel is False: out is given
@@ -99,12 +108,20 @@ class Branch:
         """Whether `backward` runs the sm90 kernel, which takes dout_dot_out instead of out
         (nsa() then folds the gate into lse and takes <dO, o_b> from `output_row_dots`, or
         from the recomputed output where the forward kernel does not run)."""
+        return self.plan_backward(q, k, v, deterministic=deterministic,
+                                  block_sparse_transposed=block_sparse_transposed) is not None
+
+    def plan_backward(self, q: Tensor, k: Tensor, v: Tensor, *, deterministic: bool = False,
+                      block_sparse_transposed=None) -> KernelBackward | None:
+        """This branch's backward on the sm90 kernels for these q, k, v, checked and dispatched
+        once (`kernels.interface.plan_backward_trusted`), for `output_row_dots` and `backward`;
+        None where the backward kernel does not run or without the host bounds."""
         if self.host_cu_seqlens is None:
-            return False
-        return backward_runs_on_kernel(q, k, v, host_cu_seqlens=self.host_cu_seqlens,
-                                       deterministic=deterministic,
-                                       block_sparse_transposed=block_sparse_transposed,
-                                       **self.kernel_kwargs)
+            return None
+        return plan_backward_trusted(q, k, v, host_cu_seqlens=self.host_cu_seqlens,
+                                     deterministic=deterministic,
+                                     block_sparse_transposed=block_sparse_transposed,
+                                     **self.kernel_kwargs)
 
     def transposed_lists(self):
         """This branch's block-sparse lists in the backward's layout (a sparsity.BlockSparseCSR)

@@ -158,10 +158,11 @@ def packed_gradients(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, W_k: Tensor 
                        block_sparse_transposed=transposed[branch.index])
         # (No rows: the kernel path's checks would stand dO in for the absent output, and an
         # empty dO may have any strides.)
-        on_kernel = q.shape[0] > 0 and branch.backward_on_kernel(q, keys, values, **options)
+        plan = branch.plan_backward(q, keys, values, **options) if q.shape[0] > 0 else None
+        on_kernel = plan is not None
         step = None
         if on_kernel:
-            step = fused_gate_pass(branch, dout, q, keys, values, gates, d_gates, lse)
+            step = fused_gate_pass(branch, dout, q, keys, values, gates, d_gates, lse, plan)
         if step is None:
             branch_out, _ = branch.forward(q, keys, values)
             step = gate_pass(branch.index, dout, branch_out, gates, d_gates, lse,
@@ -170,8 +171,8 @@ def packed_gradients(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, W_k: Tensor 
         # dq after the first branch: the dQ kernel adds into it as it writes.
         dq, dk_b, dv_b = branch.backward(step.dout, q, keys, values, step.out, step.lse,
                                          dout_dot_out=step.dout_dot_out, lse_gate=step.lse_gate,
-                                         dq_accumulator=dq,
-                                         dkv_accumulators=accumulators, **options)
+                                         dq_accumulator=dq, dkv_accumulators=accumulators,
+                                         plan=plan, **options)
         del step, keys, values
         if branch.reads_compressed:
             # dk_cmp, dv_cmp flow back through the projection and the mean pooling.
@@ -225,12 +226,14 @@ def gate_pass(index: int, dout: Tensor, branch_out: Tensor, gates: Tensor, d_gat
 
 
 def fused_gate_pass(branch: Branch, dout: Tensor, q: Tensor, k: Tensor, v: Tensor,
-                    gates: Tensor, d_gates: Tensor, lse: Tensor) -> BranchBackwardInputs | None:
+                    gates: Tensor, d_gates: Tensor, lse: Tensor,
+                    plan=None) -> BranchBackwardInputs | None:
     """`gate_pass` on the kernel without the branch output: the recomputing forward writes
     <dO, o_b> per row and head from its float32 accumulator instead of o_b (2 x T x H x D
-    bytes neither written nor read back). None where the forward kernel does not run."""
+    bytes neither written nor read back). None where the forward kernel does not run.
+    plan: the branch's `Branch.plan_backward` for these q, k, v."""
     row_dots = torch.empty(q.shape[1], q.shape[0], dtype=torch.float32, device=q.device)
-    if not branch.output_row_dots(dout, q, k, v, row_dots):
+    if not branch.output_row_dots(dout, q, k, v, row_dots, plan=plan):
         return None
     d_gates[..., branch.index] = row_dots.t()
     # The (H, T) row dots themselves as dO.O: the row-statistics kernel reads them so.

@@ -22,7 +22,9 @@ SPARSE_TILE_N = (64, 128)
 
 
 def _is_sm90(device: torch.device) -> bool:
-    return torch.cuda.is_available() and torch.cuda.get_device_capability(device) == (9, 0)
+    from kernels.interface import device_capability
+
+    return torch.cuda.is_available() and device_capability(device) == (9, 0)
 
 
 def unsupported_inputs(q, k, v, head_dims, kernel: str = "kernel") -> str:
@@ -92,7 +94,13 @@ def _spec_for(q, causal, window_size, block_sparse, compress_factor=1, max_seqle
 
 @functools.lru_cache(maxsize=8)
 def _num_sms(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _sm_count_of(index)
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count_of(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 @functools.lru_cache(maxsize=64)

@@ -27,6 +27,8 @@ def _nsa_like_lists(lengths, heads, kv_block, seed=0):
     mask = torch.zeros(1, heads, total, total, dtype=torch.bool)
     start = 0
     for length in lengths:
+        if length == 0:  # an empty sequence lists nothing
+            continue
         tiles, blocks = -(-length // 128), -(-length // kv_block)
         pick = torch.rand(heads, tiles, blocks, generator=gen) < 0.3
         pick[..., 0] = True

@@ -209,6 +209,58 @@ def test_the_backward_takes_gate_gradients_from_the_row_dot_forward(compressed, 
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
 
 
+def test_the_backward_checks_and_dispatches_each_branch_once(fake_sm90, monkeypatch):
+    """Per branch, the backward validates the call once and chooses its two kernels once
+    (`kernels.interface.plan_backward_trusted`), then asks the row dots and the gradients of
+    the kernels it chose (before: three validations and four kernel choices per branch)."""
+    monkeypatch.setitem(sys.modules, "kernels.sm90.forward", RowDotForward())
+    counts = {"validations": 0, "choices": 0}
+
+    def counting(name, function):
+        def call(*args, **kwargs):
+            counts[name] += 1
+            return function(*args, **kwargs)
+        return call
+    monkeypatch.setattr(interface, "validate_trusted_attention_forward",
+                        counting("validations", interface.validate_trusted_attention_forward))
+    monkeypatch.setattr(interface, "validate_trusted_attention_backward",
+                        counting("validations", interface.validate_trusted_attention_backward))
+    monkeypatch.setattr(interface, "_choose_kernel",
+                        counting("choices", interface._choose_kernel))
+    inputs = _inputs(seed=2)
+    out = nsa(**inputs, **_options("sparse", deterministic=True))
+    forward_counts = dict(counts)
+    assert forward_counts == {"validations": 3, "choices": 3}  # one per branch's forward
+    out.backward(torch.randn(out.shape, generator=torch.Generator().manual_seed(1)))
+    assert counts["validations"] - forward_counts["validations"] == 3
+    assert counts["choices"] - forward_counts["choices"] == 6  # backward + row-dot forward
+    assert len(fake_sm90.calls) == 3 and fake_sm90.folded_calls == 3
+
+
+def test_a_planned_backward_checks_its_per_call_arguments(fake_sm90):
+    """`KernelBackward.backward` skips the validation done when planning, not the checks of
+    what each call brings: dout and lse against the planned q, dout_dot_out required, the
+    internal arguments by name, all before the kernel runs."""
+    q = torch.randn(20, 4, 8)
+    k, v = torch.randn(20, 2, 8), torch.randn(20, 2, 8)
+    cu = torch.tensor([0, 12, 20], dtype=torch.int32)
+    plan = interface.plan_backward_trusted(q, k, v, host_cu_seqlens=((0, 12, 20), (0, 12, 20)),
+                                           cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=12,
+                                           max_seqlen_k=12, causal=True)
+    assert plan is not None
+    dout, lse, dots = torch.randn(20, 4, 8), torch.randn(4, 20), torch.randn(20, 4)
+    for call, message in (
+            (lambda: plan.backward(dout, lse, dout_dot_out=None), "dout_dot_out: required"),
+            (lambda: plan.backward(dout[:19], lse, dout_dot_out=dots), "dout must have"),
+            (lambda: plan.backward(dout, lse[:, :19], dout_dot_out=dots), "lse must have"),
+            (lambda: plan.backward(dout, lse, dout_dot_out=dots[:, :1]), "dout_dot_out: expected"),
+            (lambda: plan.backward(dout, lse, dout_dot_out=dots, lse_gate=(dots, 0)),
+             "lse_gate: gates expected")):
+        with pytest.raises(ValueError, match=message):
+            call()
+    assert not fake_sm90.calls  # refused before the kernel
+
+
 @pytest.mark.parametrize("compressed", ["dense", "sparse"])
 def test_building_the_transposed_lists_reads_nothing(compressed, fake_sm90, transpose_builds,
                                                      monkeypatch):
