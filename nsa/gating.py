@@ -10,6 +10,7 @@ import torch
 from torch import Tensor
 
 from nsa.compression import compute_dtype
+from sparsity.host_cache import cached
 
 NUM_BRANCHES = 3
 
@@ -17,15 +18,24 @@ NUM_BRANCHES = 3
 def gate_weights(q: Tensor, W_gate: Tensor | None, branches: tuple[bool, bool, bool]) -> Tensor:
     """(T, H, 3) branch weights for packed q (T, H, D)."""
     dtype = compute_dtype(q.dtype)
-    # Filled on the device from Python scalars: a host-to-device copy (torch.tensor(branches))
-    # is refused inside CUDA-graph capture.
-    running = torch.zeros(NUM_BRANCHES, dtype=dtype, device=q.device)
+    # A function of (branches, dtype, device) only: kept across calls (sparsity/host_cache.py;
+    # it was 5 launches of host time per call, twice per training step).
+    key = ("running branches", tuple(branches), dtype, W_gate is None)
+    running = cached(key, q, lambda: _running_weights(branches, dtype, q.device, W_gate is None))
+    if W_gate is None:
+        return running.expand(*q.shape[:2], NUM_BRANCHES)
+    return torch.sigmoid(gate_logits(q, W_gate)) * running
+
+
+def _running_weights(branches: tuple[bool, bool, bool], dtype, device, mean: bool) -> Tensor:
+    """(3,) 1 for a running branch, 0 for the others; divided by the running count (mean
+    gating) when `mean`. Filled on the device from Python scalars: a host-to-device copy
+    (torch.tensor(branches)) is refused inside CUDA-graph capture."""
+    running = torch.zeros(NUM_BRANCHES, dtype=dtype, device=device)
     for branch, runs in enumerate(branches):
         if runs:
             running[branch].fill_(1.0)
-    if W_gate is None:
-        return (running / sum(branches)).expand(*q.shape[:2], NUM_BRANCHES)
-    return torch.sigmoid(gate_logits(q, W_gate)) * running
+    return running / sum(branches) if mean else running
 
 
 def gate_logits(q: Tensor, W_gate: Tensor) -> Tensor:

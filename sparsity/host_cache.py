@@ -15,7 +15,9 @@ Rules that keep it correct:
   captured graph neither stores a tensor that holds no values until replay nor reads one that
   an eviction could free: capture builds its own, as without the cache;
 - fake tensors (torch.compile's tracing) and meta tensors bypass the cache;
-- callers never write into a returned tensor.
+- callers never write into a returned tensor;
+- entries are built outside inference mode, so a training call may use what an evaluation
+  call under torch.inference_mode() stored.
 """
 from __future__ import annotations
 
@@ -40,7 +42,14 @@ def cached(key: tuple, like: torch.Tensor, build: Callable[[], T]) -> T:
     if full_key in _entries:
         _entries.move_to_end(full_key)
         return _entries[full_key]
-    value = _entries[full_key] = build()
+    if torch.is_inference_mode_enabled():
+        # An inference tensor kept here could not be saved for backward by a later training
+        # call (e.g. the first call ran under torch.inference_mode for evaluation).
+        with torch.inference_mode(False):
+            value = build()
+    else:
+        value = build()
+    _entries[full_key] = value
     while len(_entries) > MAX_ENTRIES:
         _entries.popitem(last=False)
     return value

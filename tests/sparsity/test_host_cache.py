@@ -89,3 +89,15 @@ def test_a_capture_and_a_side_stream_neither_store_nor_read():
         host_cache.cached((key,), like, lambda: builds.append(1) or like + 5)
     assert builds == [1, 1]  # neither was stored
     assert host_cache.cached(("kept",), like, lambda: like + 6) is kept
+
+
+def test_entries_built_under_inference_mode_serve_training_calls():
+    """An entry stored by a call under torch.inference_mode() is a normal tensor: a later
+    autograd call may save it for backward."""
+    like = torch.empty(1)
+    with torch.inference_mode():
+        kept = host_cache.cached(("weights",), like, lambda: torch.full((3,), 0.5))
+    assert not kept.is_inference()
+    x = torch.ones(3, requires_grad=True)
+    (x * host_cache.cached(("weights",), like, lambda: None)).sum().backward()
+    assert torch.equal(x.grad, torch.full((3,), 0.5))
