@@ -481,7 +481,9 @@ def _sort_keys_kernel(block_sparse):
     """The sm90 kernel that writes the transpose's sort keys in one launch
     (kernels/sm90/list_layout.py), where it runs; None: sparsity's torch ops."""
     device = block_sparse.full_count.device
+    slots = block_sparse.full_index.numel() + block_sparse.mask_index.numel()
     if (min(block_sparse.full_index.shape[-1], block_sparse.mask_index.shape[-1]) < 1
+            or slots >= 2**31 - 1024  # its int32 slot index, plus a CTA of threads
             or device.type != "cuda" or kernels_unavailable(device)):
         return None
     try:

@@ -66,6 +66,7 @@ class Branch:
         plan: this branch's `plan_backward` for these q, k, v (then nothing is checked or
         chosen again)."""
         if plan is not None:
+            _check_planned(plan, q, k, v)
             return plan.row_dots(dout, into)
         if self.host_cu_seqlens is None:
             return False
@@ -88,6 +89,7 @@ class Branch:
         returned as the results). plan: this branch's `plan_backward` for these q, k, v and
         options (the call then goes straight to its kernel, with dout_dot_out)."""
         if plan is not None:
+            _check_planned(plan, q, k, v)
             return plan.backward(dout, lse, dout_dot_out=dout_dot_out, lse_gate=lse_gate,
                                  dq_accumulator=dq_accumulator,
                                  dkv_accumulators=dkv_accumulators)
@@ -136,6 +138,13 @@ class Branch:
                                               cu_seqlens_k=self.kernel_kwargs["cu_seqlens_k"],
                                               host_cu_seqlens_k=self.host_cu_seqlens[1],
                                               host_cu_seqlens_q=self.host_cu_seqlens[0])
+
+
+def _check_planned(plan: KernelBackward, q: Tensor, k: Tensor, v: Tensor) -> None:
+    """A plan runs the tensors it was made for: refuse others rather than compute their
+    gradients from the planned ones."""
+    if q is not plan.q or k is not plan.k or v is not plan.v:
+        raise ValueError("plan: made for other q, k, v tensors (Branch.plan_backward)")
 
 
 def compressed_branch(cu_seqlens: Tensor, cu_seqlens_cmp: Tensor, *, compress_block_size: int,

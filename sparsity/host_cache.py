@@ -5,7 +5,9 @@ bounds (which nsa() holds on the host) and of its configuration; built on the de
 about a hundred small launches per forward, which is host time in an eager step (H100, 16K
 tokens: the eager forward is launch-bound, FINDINGS session 14). A call whose packing repeats
 (a padded batch, a fixed-shape training loop, a benchmark) finds them here instead. A loop whose
-packing changes every step gains nothing and loses nothing but a dictionary lookup.
+packing changes every step gains nothing and keeps the last few packings' tensors alive
+(about 8 entries per packing, the largest a few bytes per token, e.g. the backward's query
+tile slots, 4 bytes a token); `clear()` frees them.
 
 Rules that keep it correct:
 - the key holds every value the build depends on; the device is added here;

@@ -110,6 +110,8 @@ def run(
     host_cu_seqlens_q: the values of cu_seqlens_q (packed inputs), when the caller holds them:
     the query tile layout is then kept across calls (sparsity/host_cache.py) instead of being
     rebuilt on the device (about 20 small launches) by every call."""
+    if lse_gate is not None and dout_dot_out is None:
+        raise ValueError("lse_gate: only taken with dout_dot_out (the gate's row dots)")
     if q.dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"q: dtype {q.dtype} is not supported by the sm90 backward kernel "
                          f"(bfloat16 or float16)")
@@ -275,8 +277,15 @@ class QueryTiles:
         self.num_slots = SLOT_ROWS * (total_q // SLOT_ROWS + num_seqs)
         rows = torch.arange(total_q, device=device)
         sequence = torch.searchsorted(cu[1:], rows, right=True)
-        self.slot = SLOT_ROWS * self.tile_offsets[sequence].to(torch.int64) + rows - cu[sequence]
-        self.slot32 = self.slot.to(torch.int32)  # < 2**31: kernels.validate checks the slots
+        slot = SLOT_ROWS * self.tile_offsets[sequence].to(torch.int64) + rows - cu[sequence]
+        # Only int32 kept (< 2**31: kernels.validate checks the slots): host_cache holds this
+        # layout per packing, 4 bytes a row.
+        self.slot32 = slot.to(torch.int32)
+
+    @property
+    def slot(self) -> torch.Tensor:
+        """The rows' slots as int64 (the torch paths' index)."""
+        return self.slot32.to(torch.int64)
 
     def row_statistics(self, dout, out, lse, dout_dot_out=None, lse_gate=None):
         """(lse * log2(e), rowsum(dO * O)) as (H, slots) float32, +inf / 0 in the padding. On
@@ -308,7 +317,7 @@ class QueryTiles:
             r1 = min(r0 + _CHUNK_ROWS, dout.shape[0])
             d = dout[r0:r1].float()
             rowsum = (d * out[r0:r1].float()).masked_fill_(d == 0, 0).sum(-1)  # (rows, H)
-            dpsum[:, self.slot[r0:r1]] = rowsum.t()
+            dpsum[:, self.slot32[r0:r1].long()] = rowsum.t()
         return lse_log2, dpsum
 
     def gather_dq(self, dq_acc, block_cols: int, softmax_scale: float, dtype,
@@ -318,7 +327,7 @@ class QueryTiles:
         order (kernels/sm90/dq_accumulator.py), or added into `into` (a (T, H, D) tensor of
         `dtype` the conversion kernel can write) and returned as it. On the GPU one CuTe DSL
         pass (kernels/sm90/dq_convert.py); on the CPU (the unit tests' reference) in torch."""
-        total_q = self.slot.numel()
+        total_q = self.slot32.numel()
         dq = into
         if dq is None:
             dq = torch.empty((total_q, dq_acc.shape[0], dq_acc.shape[2]), dtype=dtype,
@@ -377,7 +386,9 @@ def work_units(csr, chunk: int) -> torch.Tensor:
     shapes (lists + capacity / chunk), so nothing is read back from the device; units past the
     real ones are empty (first = end) and their CTAs exit at once. Empty lists get no unit
     (their keys' dK/dV stay 0 in the zeroed accumulators)."""
-    if csr.offsets.is_cuda:  # one launch (kernels/sm90/list_layout.py) instead of ~37 ops
+    # One launch (kernels/sm90/list_layout.py) instead of ~37 ops; its int32 unit and entry
+    # arithmetic needs the entries plus a chunk below 2**31.
+    if csr.offsets.is_cuda and csr.index.numel() + chunk < 2**31 - 1:
         from kernels.sm90 import list_layout
 
         return list_layout.work_units(csr, chunk)

@@ -203,6 +203,16 @@ def test_row_statistics_fold_the_gate_into_lse():
     assert lse_log2.isfinite().sum() > 0.6 * lse_log2.numel()  # not vacuous
 
 
+def test_backward_run_refuses_a_gate_without_row_dots():
+    """`lse_gate` goes with `dout_dot_out` (the kernel folds the gate only there): alone it is
+    refused by name, not ignored."""
+    from kernels.sm90 import backward
+
+    q = torch.randn(8, 2, 64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="lse_gate: only taken with dout_dot_out"):
+        backward.run(q, q, q, q, q, torch.zeros(2, 8), lse_gate=(torch.rand(8, 2, 3), 0))
+
+
 def test_query_tiles_are_kept_by_their_host_bounds():
     """With the host bounds, the tile layout is built once per packing (sparsity/host_cache.py)
     and equals a fresh build; another packing gets its own."""

@@ -259,6 +259,14 @@ def test_a_planned_backward_checks_its_per_call_arguments(fake_sm90):
         with pytest.raises(ValueError, match=message):
             call()
     assert not fake_sm90.calls  # refused before the kernel
+    # A branch refuses to run a plan on tensors other than those it was made for.
+    branch = branches_module.Branch(branches_module.SELECTED, dict(
+        cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=12, max_seqlen_k=12, causal=True),
+        ((0, 12, 20), (0, 12, 20)))
+    with pytest.raises(ValueError, match="plan: made for other q, k, v"):
+        branch.backward(dout, q.clone(), k, v, None, lse, dout_dot_out=dots, plan=plan)
+    with pytest.raises(ValueError, match="plan: made for other q, k, v"):
+        branch.output_row_dots(dout, q, k.clone(), v, torch.empty(4, 20), plan=plan)
 
 
 @pytest.mark.parametrize("compressed", ["dense", "sparse"])
