@@ -128,7 +128,7 @@ def attention_backward_trusted(dout, q, k, v, out, lse, *, host_cu_seqlens, dout
     caller has it (nsa()'s backward takes it from ``attention_row_dot_trusted``, so no branch
     output is written);
     then ``out`` is not read and may be None. Only the sm90 kernel takes it: the caller checks
-    ``backward_runs_on_kernel`` first (a ValueError otherwise).
+    ``plan_backward_trusted`` first (a ValueError otherwise).
 
     ``dq_accumulator``: a tensor of q's shape and dtype into which dq is added instead of
     returned fresh (the returned dq is then this tensor); the sm90 dQ kernel adds as it writes
@@ -205,28 +205,17 @@ def _check_lse_gate(lse_gate, q, dout_dot_out) -> None:
                          f"got {index!r}")
 
 
-def backward_runs_on_kernel(q, k, v, *, host_cu_seqlens, block_sparse_transposed=None,
-                            deterministic=False, **kwargs) -> bool:
-    """Whether ``attention_backward_trusted`` with these arguments runs the sm90 kernel (which
-    takes ``dout_dot_out``). Reads no device value; pass the ``block_sparse_transposed`` the
-    backward will get (without it, block-sparse calls would build the transpose here)."""
-    problem = validate_trusted_attention_forward(q, k, v, host_cu_seqlens=host_cu_seqlens,
-                                                 **kwargs)
-    kernel, _ = _kernel_for_call("backward", problem, q, k, v, kwargs,
-                                 block_sparse_transposed, deterministic)
-    return kernel is not None
-
-
 def plan_backward_trusted(q, k, v, *, host_cu_seqlens, block_sparse_transposed=None,
                           deterministic=False, **kwargs) -> "KernelBackward | None":
     """The sm90 backward of one attention call, checked and dispatched once, for a caller that
     then asks its row dots and its gradients (nsa()'s backward, per branch): a
     ``KernelBackward``, or None where the backward kernel does not run (the caller then takes
     the ``attention_backward_trusted`` path with the output). Arguments and trust as
-    ``backward_runs_on_kernel``; reads no device value.
+    ``attention_backward_trusted``'s; pass the ``block_sparse_transposed`` the backward will
+    get (without it, block-sparse calls would build the transpose here). Reads no device value.
 
-    Why: each of ``backward_runs_on_kernel``, ``attention_row_dot_trusted`` and
-    ``attention_backward_trusted`` validates the call and chooses its kernel again, about
+    Why: asking whether the backward runs on the kernel, then ``attention_row_dot_trusted``,
+    then ``attention_backward_trusted`` validated the call and chose its kernel each time, about
     0.3 ms of host time per nsa() branch on an H200's host, which the eager backward at 16K
     tokens waits for (FINDINGS, session 23)."""
     problem = validate_trusted_attention_forward(q, k, v, host_cu_seqlens=host_cu_seqlens,
@@ -275,14 +264,10 @@ class KernelBackward:
         _check_internal_arguments(self.q, self.k, self.v, dout_dot_out, lse_gate,
                                   dq_accumulator, dkv_accumulators)
         check_backward_tensors(self.problem, self.q, dout, None, lse, reads_out=False)
-        given = {name: value for name, value in (("lse_gate", lse_gate),
-                                                 ("dq_accumulator", dq_accumulator),
-                                                 ("dkv_accumulators", dkv_accumulators))
-                 if value is not None}
-        if self.problem.varlen:
-            given["host_cu_seqlens_q"] = self.problem.cu_seqlens_q
-        return self._backward.run(dout, self.q, self.k, self.v, None, lse,
-                                  dout_dot_out=dout_dot_out, **given, **self._backward_kwargs)
+        given = _given_to_kernel(self.problem, dout_dot_out, dq_accumulator, dkv_accumulators,
+                                 lse_gate)
+        return self._backward.run(dout, self.q, self.k, self.v, None, lse, **given,
+                                  **self._backward_kwargs)
 
 
 def _run_forward(problem: AttentionProblem, q, k, v, cu_seqlens_q, cu_seqlens_k, block_sparse):
@@ -306,18 +291,27 @@ def _run_backward(problem: AttentionProblem, dout, q, k, v, out, lse, cu_seqlens
                              f"call runs the fallback ({reason})")
         out = None  # the kernel reads the row dots instead (out stood in for the checks only)
     if kernel is not None:
-        # Only the arguments given, so that run() sees what can_run() saw
-        given = {name: value for name, value in (("dout_dot_out", dout_dot_out),
-                                                 ("dq_accumulator", dq_accumulator),
-                                                 ("dkv_accumulators", dkv_accumulators),
-                                                 ("lse_gate", lse_gate))
-                 if value is not None}
-        if problem.varlen:  # the host bounds it checked: run() keeps its tile layout by them
-            given["host_cu_seqlens_q"] = problem.cu_seqlens_q
-        return kernel.run(dout, q, k, v, out, lse, **given, **kwargs)
+        return kernel.run(dout, q, k, v, out, lse, **kwargs,
+                          **_given_to_kernel(problem, dout_dot_out, dq_accumulator,
+                                             dkv_accumulators, lse_gate))
     grads = fallback.backward(problem, dout, q, k, v, out, lse, block_sparse,
                               deterministic=deterministic)
     return add_into_accumulators(grads, dq_accumulator, dkv_accumulators)
+
+
+def _given_to_kernel(problem: AttentionProblem, dout_dot_out, dq_accumulator, dkv_accumulators,
+                     lse_gate) -> dict:
+    """The internal arguments of the sm90 backward's run() that a call gives (only those, so
+    that run() sees what can_run() saw), and for packed inputs the host bounds the checks read:
+    run() keeps its query tile layout by them."""
+    given = {name: value for name, value in (("dout_dot_out", dout_dot_out),
+                                             ("dq_accumulator", dq_accumulator),
+                                             ("dkv_accumulators", dkv_accumulators),
+                                             ("lse_gate", lse_gate))
+             if value is not None}
+    if problem.varlen:
+        given["host_cu_seqlens_q"] = problem.cu_seqlens_q
+    return given
 
 
 def add_into_accumulators(grads, dq_accumulator, dkv_accumulators):

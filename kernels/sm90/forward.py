@@ -94,13 +94,7 @@ def _spec_for(q, causal, window_size, block_sparse, compress_factor=1, max_seqle
 
 @functools.lru_cache(maxsize=8)
 def _num_sms(device: torch.device) -> int:
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return _sm_count_of(index)
-
-
-@functools.lru_cache(maxsize=None)
-def _sm_count_of(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 @functools.lru_cache(maxsize=64)
