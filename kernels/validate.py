@@ -25,6 +25,7 @@ from typing import Iterator, Sequence
 import torch
 
 from kernels.sm90.spec import QUERY_SLOT_ROWS  # the backward's query-tile rows
+from kernels.sm90.spec import list_walk_of, splits_lists
 
 # The fallback computes in any of these; the CuTe kernels accept a subset (their `can_run` says
 # which). float64 exists for oracles and gradcheck.
@@ -587,13 +588,16 @@ def int32_limits_reason(q, k, *, backward: bool = False, cu_seqlens_q=None, max_
     if slots > INT32_MAX:
         return (f"{slots} query-tile slots (64 x (Tq // 64 + S)) of the backward's dQ "
                 "accumulator exceed its Int32 extent")
-    # As kernels/sm90/spec.py `choose_backward_spec` decides: block-sparse lists are split into
-    # work units (a one-dimensional grid) unless the backward is deterministic.
-    if block_sparse is None or deterministic:
-        if num_seqs > GRID_YZ_MAX or num_kv_heads > GRID_YZ_MAX:
-            return (f"the backward's grid (KV tiles, Hkv = {num_kv_heads}, S = {num_seqs}) "
-                    f"exceeds CUDA's limit of {GRID_YZ_MAX} on its y and z extents")
-    else:
+    # As kernels/sm90/spec.py `choose_backward_spec` decides: block-sparse lists that are split
+    # into work units run a one-dimensional grid.
+    split = block_sparse is not None and splits_lists(
+        block_sparse.col_block_size, q.shape[-1], deterministic,
+        block_sparse.full_count.shape[1] <= num_kv_heads,
+        list_walk_of(block_sparse, num_heads))
+    if not split and (num_seqs > GRID_YZ_MAX or num_kv_heads > GRID_YZ_MAX):
+        return (f"the backward's grid (KV tiles, Hkv = {num_kv_heads}, S = {num_seqs}) "
+                f"exceeds CUDA's limit of {GRID_YZ_MAX} on its y and z extents")
+    if block_sparse is not None:  # the transpose's offsets, split or not
         capacity = block_sparse.full_index.numel() + block_sparse.mask_index.numel()
         if capacity > INT32_MAX:
             return (f"the transposed block-sparse lists' capacity ({capacity} entries) exceeds "

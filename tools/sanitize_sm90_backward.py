@@ -4,8 +4,9 @@ Runs, on an sm_90 GPU, at head dims 128 and 64 (128-row query steps): dense caus
 (with one-row, 64-row and 129-row sequences), a causal window, compress_factor 64 (split rows,
 launched heaviest first; also head by head), each fast and deterministic, the dense cases also with dQ fused
 into the KV-centric kernel (the writer warp and the accumulator's conversion; dispatched from
-4096-key sequences on), and 64-key block-sparse lists (split lists; also with two warpgroups
-on alternate query steps); asserts the gradients are finite.
+4096-key sequences on), 64-key block-sparse lists (split lists; also with two warpgroups
+on alternate query steps), and 128-key lists per query head (the fused dQ in head-major work
+units, and the dQ kernel); asserts the gradients are finite.
 Each call launches three backward kernels (row statistics, the KV-centric kernel, and the dQ
 kernel or the fused dQ's conversion), whose names all contain "Backward", so the filter below
 instruments every one of them. Meant as the program under compute-sanitizer (FINDINGS,
@@ -35,7 +36,7 @@ CASES = (
 )
 
 
-def run_cases(head_dim: int = 128) -> None:
+def run_cases(head_dim: int = 128, block_sparse_only: bool = False) -> None:
     from kernels import attention_forward
     from kernels.sm90 import backward
 
@@ -51,7 +52,7 @@ def run_cases(head_dim: int = 128) -> None:
         bounds = torch.tensor([0, *lengths]).cumsum(0)
         return bounds.to(device=device, dtype=torch.int32)
 
-    for lengths, options, heads, kv_heads in CASES:
+    for lengths, options, heads, kv_heads in () if block_sparse_only else CASES:
         keys = [n // options.get("compress_factor", 1) for n in lengths]
         q, dout = randn(sum(lengths), heads, head_dim), randn(sum(lengths), heads, head_dim)
         k, v = randn(sum(keys), kv_heads, head_dim), randn(sum(keys), kv_heads, head_dim)
@@ -75,6 +76,18 @@ def run_cases(head_dim: int = 128) -> None:
         grads = backward.run(dout, q, k, v, out, lse, causal=False, block_sparse=lists,
                              max_seqlen_q=n, max_seqlen_k=n, spec_overrides=overrides)
         assert all(torch.isfinite(g).all() for g in grads), overrides
+    # 128-key lists per query head: with long walks the fused dQ in head-major work units
+    # (the dispatcher's choice for walks of FUSED_DQ_MIN_LIST_WALK steps; forced here on a
+    # small case), and the dQ kernel walking the group unsplit.
+    n = 2048
+    lists = block_sparse_case(n, 4, 0.5, 128)[0]
+    q, dout = randn(1, n, 4, head_dim), randn(1, n, 4, head_dim)
+    k, v = randn(1, n, 2, head_dim), randn(1, n, 2, head_dim)
+    out, lse = attention_forward(q, k, v, causal=False, block_sparse=lists)
+    for overrides in (dict(split_lists=True, dq_separate=False), None):
+        grads = backward.run(dout, q, k, v, out, lse, causal=False, block_sparse=lists,
+                             max_seqlen_q=n, max_seqlen_k=n, spec_overrides=overrides)
+        assert all(torch.isfinite(g).all() for g in grads), overrides
     torch.cuda.synchronize()
 
 
@@ -85,12 +98,14 @@ def main(argv=None) -> int:
     parser.add_argument("--head-dims", type=int, nargs="+", choices=(128, 64), default=[128, 64],
                         help="head dims to run (default both; 64 takes 128-row query steps); "
                              "one per process lets the sanitizer runs go side by side")
+    parser.add_argument("--block-sparse-only", action="store_true",
+                        help="only the block-sparse cases (a shorter run under racecheck)")
     args = parser.parse_args(argv)
     if not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)):
         print("sanitize_sm90_backward: needs an sm_90 GPU", file=sys.stderr)
         return 1
     for head_dim in args.head_dims:
-        run_cases(head_dim)
+        run_cases(head_dim, args.block_sparse_only)
     print("sanitize_sm90_backward: every case ran, gradients finite")
     return 0
 

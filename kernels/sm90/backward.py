@@ -14,9 +14,10 @@ built by `kernels.interface` when the caller gave none). Three launches, no host
 2. the KV-centric kernel (kernels/sm90/bwd_sm90.py): dK, dV, written in the input type (or
    added into float32 accumulators where several CTAs share a KV tile, converted after);
 3. the query-centric dQ kernel (kernels/sm90/bwd_dq_sm90.py), which writes dQ in the input
-   type (`BwdSpec.dq_separate`, every dispatched call). With `dq_separate` off (a tuner
-   variant) the KV-centric kernel reduces dQ into a zeroed float32 accumulator in the tile
-   layout instead, and torch scales it and gathers it back to (T, H, D).
+   type (`BwdSpec.dq_separate`); or, where the dispatcher fuses dQ (plain causal or full
+   attention, 128-key lists with long walks: `choose_backward_spec`), the KV-centric kernel
+   reduces dQ into a zeroed float32 accumulator in the tile layout and
+   kernels/sm90/dq_convert.py scales it and writes it back to (T, H, D).
 """
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ from kernels.sm90.forward import (SUPPORTED_DTYPES, _num_sms, _uniform_cu_seqlen
                                   aligned_rows, launch_compiled,
                                   unsupported_inputs)
 from kernels.sm90.spec import (BACKWARD_DENSE_TILE_N, H100_NUM_SMS, choose_backward_spec,
-                               dq_spec_for)
+                               dq_spec_for, list_walk_of)
 from kernels.sm90.spec import QUERY_SLOT_ROWS as SLOT_ROWS  # `QueryTiles`' tile rows
 
 SUPPORTED_HEAD_DIMS = (64, 128)
@@ -74,7 +75,8 @@ def _spec_for(q, k, causal, window_size, block_sparse, compress_factor, determin
         sparse_block_size=block_sparse.col_block_size if block_sparse is not None else None,
         deterministic=deterministic, kv_tile_ctas=kv_tile_ctas, max_seqlen_k=max_seqlen_k,
         num_sms=_sm_count(q.device),
-        lists_span_kv_groups=block_sparse is None or _lists_span_kv_groups(block_sparse, k))
+        lists_span_kv_groups=block_sparse is None or _lists_span_kv_groups(block_sparse, k),
+        list_walk=None if block_sparse is None else list_walk_of(block_sparse, q.shape[-2]))
 
 
 def _sm_count(device) -> int:
@@ -194,7 +196,7 @@ def run(
                 csr = transpose_block_sparse_csr(block_sparse, cu_seqlens_k=cu_seqlens_k)
             lists = (csr.offsets, csr.index, csr.mask_count, csr.row_block_offsets)
             if spec.split_lists:
-                units = work_units(csr, LIST_CHUNK)
+                units = work_units(csr, list_chunk(csr, spec), head_major=spec.fuses_dq)
                 num_ctas = units.shape[0]
         if max_seqlen_k > 0 and num_ctas > 0:
             tensors = (q, k, v, dout, lse_log2, dpsum, dq_acc, dk, dv, cu_seqlens_q,
@@ -380,33 +382,56 @@ def _row_splits(num_ctas: int, max_query_tiles: int, device) -> int:
     return max(1, min(-(-wanted // max(num_ctas, 1)), max_query_tiles))
 
 
-def work_units(csr, chunk: int) -> torch.Tensor:
+def list_chunk(csr, spec) -> int:
+    """List entries per work unit of `split_lists`. With the dQ kernel beside it: LIST_CHUNK,
+    which bounds NSA's block 0 (listed by every query tile). With the fused dQ: twice the mean
+    list (from the capacity, a host bound), at least LIST_CHUNK, so that lists of even length
+    stay whole: each chunk more re-reads K and V and adds float32 dK/dV partials (random 25%
+    lists per query head, 128-key blocks, H200: 97.7 ms in chunks of 16, 85.4 whole, at 64K)."""
+    if not spec.fuses_dq:
+        return LIST_CHUNK
+    lists = max(csr.offsets.numel() - 1, 1)
+    return max(LIST_CHUNK, 2 * -(-csr.index.numel() // lists))
+
+
+def work_units(csr, chunk: int, head_major: bool = False) -> torch.Tensor:
     """(U, 5) int32 work units of `split_lists`: (sequence, KV block in it, list head, first
-    entry, end entry), each list cut into chunks of at most `chunk` entries. U is bounded from
-    shapes (lists + capacity / chunk), so nothing is read back from the device; units past the
-    real ones are empty (first = end) and their CTAs exit at once. Empty lists get no unit
-    (their keys' dK/dV stay 0 in the zeroed accumulators)."""
+    entry, end entry), each list cut into chunks of at most `chunk` entries, in CSR order (KV
+    block by KV block) or, `head_major`, list head by list head. U is bounded from shapes
+    (lists + capacity / chunk), so nothing is read back from the device; units past the real
+    ones are empty (first = end) and their CTAs exit at once. Empty lists get no unit (their
+    keys' dK/dV stay 0 in the zeroed accumulators).
+
+    The fused dQ takes them head-major: the CTAs running together then add into one head's
+    float32 dQ accumulator (32 MiB at 64K, D=128), which L2 holds, not into every head's
+    at random query tiles (random 25% lists, H200: 128.8 ms KV block by KV block, 97.7 head by
+    head, chunks of 16, 64K)."""
     # One launch (kernels/sm90/list_layout.py) instead of ~37 ops; its int32 unit and entry
     # arithmetic needs the entries plus a chunk below 2**31.
     if csr.offsets.is_cuda and csr.index.numel() + chunk < 2**31 - 1:
         from kernels.sm90 import list_layout
 
-        return list_layout.work_units(csr, chunk)
-    return work_units_torch(csr, chunk)
+        return list_layout.work_units(csr, chunk, head_major)
+    return work_units_torch(csr, chunk, head_major)
 
 
-def work_units_torch(csr, chunk: int) -> torch.Tensor:
+def work_units_torch(csr, chunk: int, head_major: bool = False) -> torch.Tensor:
     """`work_units` in torch ops (the CPU, and the GPU kernel's reference in the tests)."""
     offsets = csr.offsets.to(torch.int64)
-    lengths = offsets.diff()
+    num_lists = offsets.numel() - 1
+    # order[i]: the list (CSR group) taken i-th.
+    order = torch.arange(num_lists, device=offsets.device)
+    if head_major and num_lists:
+        order = order.view(-1, csr.num_heads).t().reshape(-1)
+    lengths = (offsets[1:] - offsets[:-1])[order]
     chunks = (lengths + chunk - 1) // chunk
     ends = chunks.cumsum(0)
-    num_lists = lengths.numel()
     unit = torch.arange(num_lists + csr.index.numel() // chunk, device=offsets.device)
-    owner = torch.searchsorted(ends, unit, right=True)
-    real = owner < num_lists
-    owner = owner.clamp(max=max(num_lists - 1, 0))
-    first = offsets[owner] + (unit - (ends[owner] - chunks[owner])) * chunk
+    taken = torch.searchsorted(ends, unit, right=True)
+    real = taken < num_lists
+    taken = taken.clamp(max=max(num_lists - 1, 0))
+    owner = order[taken] if num_lists else taken
+    first = offsets[owner] + (unit - (ends[taken] - chunks[taken])) * chunk
     end = torch.minimum(first + chunk, offsets[owner + 1])
     first, end = torch.where(real, first, 0), torch.where(real, end, 0)
     kv_row, list_head = owner // csr.num_heads, owner % csr.num_heads

@@ -10,7 +10,8 @@ units took ~65 of them per step. Two elementwise kernels replace them:
   sequence. The transpose is then one torch sort and a search (sparsity/csr.py).
 - `WorkUnits`: the (sequence, KV block, list head, first entry, end entry) chunks of
   `BwdSpec.split_lists` (`kernels.sm90.backward.work_units`' torch ops): one thread per list
-  writes its chunks at the list's place in the running count of chunks (one torch cumsum).
+  writes its chunks at the list's place in the running count of chunks (one torch cumsum, over
+  the lists in CSR order or taken head by head).
 
 One thread per slot or list, 256 per CTA; both are equal to their torch versions bit for bit
 (tests/kernels/test_list_layout.py, GPU).
@@ -90,7 +91,8 @@ class TransposeKeys:
 
 class WorkUnits:
     """Called with the CSR's offsets (G + 1,) int32 (G = KV blocks x list heads), the running
-    count of each list's chunks (G,) int64 (inclusive), the KV blocks' sequence offsets
+    count of each list's chunks (G,) int64 (inclusive; in whatever order the units are to run:
+    a list's units start at its count minus its chunks), the KV blocks' sequence offsets
     (S + 1,) int32, the list heads, the chunk, and the units out (U, 5) int32, zeroed: units
     past the real ones stay (0, 0, 0, 0, 0), empty (first = end), and their CTAs exit."""
 
@@ -215,10 +217,10 @@ def transpose_keys(bs, geometry, span: int, unlisted: int):
     return keys
 
 
-def work_units(csr, chunk: int):
-    """`kernels.sm90.backward.work_units(csr, chunk)` in one launch (and a cumsum): (U, 5)
-    int32, U = lists + capacity // chunk; the real units equal the torch version's, the rest
-    are all zero (empty)."""
+def work_units(csr, chunk: int, head_major: bool = False):
+    """`kernels.sm90.backward.work_units(csr, chunk, head_major)` in one launch (and a cumsum):
+    (U, 5) int32, U = lists + capacity // chunk; the real units equal the torch version's, the
+    rest are all zero (empty)."""
     import torch
 
     from kernels.sm90.compile import launch_on_current_stream
@@ -229,8 +231,13 @@ def work_units(csr, chunk: int):
                         device=offsets.device)
     if num_lists == 0:
         return units
-    lengths = offsets.diff()
-    chunk_ends = torch.cumsum(torch.div(lengths + (chunk - 1), chunk, rounding_mode="floor"), 0)
+    chunks = torch.div(offsets.diff() + (chunk - 1), chunk, rounding_mode="floor")
+    if head_major:  # the running count over the lists taken head by head, kept in CSR order
+        heads = csr.num_heads
+        chunk_ends = chunks.view(-1, heads).t().reshape(-1).cumsum(0).view(heads, -1).t()
+        chunk_ends = chunk_ends.reshape(-1)
+    else:
+        chunk_ends = torch.cumsum(chunks, 0)
     launch_on_current_stream(
         WorkUnits, ListLayoutSpec(), fake_work_units_arguments,
         (offsets, chunk_ends, csr.row_block_offsets, csr.num_heads, chunk, units),

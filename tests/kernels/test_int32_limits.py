@@ -37,13 +37,19 @@ def limits(q, k, *, num_seqs=1, max_seqlen_q=None, max_seqlen_k=None, **kwargs):
                                max_seqlen_k=max_seqlen_k, **kwargs)
 
 
+def lists(rows, heads, width, kv_block):
+    """Forward block-sparse lists as the limits read them: shapes and the KV block."""
+    return types.SimpleNamespace(full_count=meta(rows, heads), full_index=meta(rows, heads, width),
+                                 mask_index=meta(rows, heads, 1), col_block_size=kv_block)
+
+
 def test_a_million_tokens_fit():
     # 1M tokens at H=32, D=128: q has 2**32 elements, beyond int32, but every index the kernels
     # compute in Int32 (rows, tiles, slots) stays far below it (strides are 64-bit).
     q, k = meta(2**20, 32, 128), meta(2**20, 8, 128)
     assert q.numel() > INT32_MAX
     assert limits(q, k) == "" and limits(q, k, backward=True) == ""
-    sparse = types.SimpleNamespace(full_index=meta(2**13, 8, 16), mask_index=meta(2**13, 8, 2))
+    sparse = lists(2**13, 8, 16, 64)
     assert limits(q, k, backward=True, block_sparse=sparse) == ""
 
 
@@ -62,10 +68,16 @@ def test_backward_grid_holds_at_most_65535_sequences():
     assert "65535" in limits(q, k, backward=True, **kwargs)
     # Block-sparse lists split into work units: a one-dimensional grid again, unless the
     # backward is deterministic.
-    sparse = types.SimpleNamespace(full_index=meta(70_000, 2, 1), mask_index=meta(70_000, 2, 1))
+    sparse = lists(70_000, 2, 1, 64)
     assert limits(q, k, backward=True, block_sparse=sparse, **kwargs) == ""
     assert "65535" in limits(q, k, backward=True, block_sparse=sparse, deterministic=True,
                              **kwargs)
+    # Lists per query head are split only at 128 keys with walks long enough for the fused dQ
+    # (kernels/sm90/spec.py `splits_lists`).
+    for kv_block, width, split in ((64, 40, False), (128, 8, False), (128, 40, True)):
+        per_head = lists(70_000, 4, width, kv_block)
+        reason = limits(q, k, backward=True, block_sparse=per_head, **kwargs)
+        assert (reason == "") == split, (kv_block, width, reason)
 
 
 def test_backward_slots_beyond_int32():

@@ -383,6 +383,27 @@ def test_heads_order_backward_matches_fallback(case: Case, monkeypatch):
 
 ALTERNATE_STEPS_CASES = [case for case in GRADIENT_CASES + DETERMINISTIC_CASES
                          if case.kv_block == 64]
+# 128-key lists per query head: the fused dQ in head-major work units, which the dispatcher
+# picks for long walks only (the lists here are short; the test lowers the bar).
+FUSED_LIST_CASES = [case for case in GRADIENT_CASES
+                    if case.kv_block == 128 and case.lists_per == "q"]
+
+
+@requires_sm90
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", FUSED_LIST_CASES, ids=lambda case: case.id)
+def test_fused_dq_list_units_backward_matches_fallback(case: Case, monkeypatch):
+    """128-key lists per query head run as work units taken head by head, each unit one
+    head's whole list, with dQ fused into the KV-centric kernel (`fuses_listed_dq`): the
+    varlen lists with empty tiles and unlisted blocks of the block-sparse cases."""
+    from kernels.sm90 import spec as sm90_spec
+
+    monkeypatch.setattr(sm90_spec, "FUSED_DQ_MIN_LIST_WALK", {64: 1, 128: 1})
+    spec = sm90_spec.choose_backward_spec(
+        dtype="bfloat16", head_dim=case.dim, causal=case.causal, window_size=case.window,
+        sparse_block_size=128, lists_span_kv_groups=False, list_walk=1)
+    assert spec.split_lists and spec.fuses_dq
+    check_against_fallback(case)
 
 
 @requires_sm90

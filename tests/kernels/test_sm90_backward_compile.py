@@ -147,9 +147,10 @@ def test_backward_dispatch_steps_128_rows_at_head_dim_64_with_128_key_tiles():
 def test_backward_dispatch_fuses_dq_only_for_plain_causal_or_full_attention():
     """dQ fused into the KV-centric kernel with the writer warp (session 17, H100: faster on
     dense causal from 4096-key sequences on) where no window, compress factor or list applies,
-    in the fast mode; every other call (packed short sequences too), and the deterministic
-    mode, keeps the query-centric dQ kernel (the KV-centric kernel then needs no dQ staging
-    and keeps two CTAs per SM at 64-key tiles)."""
+    in the fast mode; every other call of these (packed short sequences too, NSA's lists per
+    KV group), and the deterministic mode, keeps the query-centric dQ kernel (the KV-centric
+    kernel then needs no dQ staging and keeps two CTAs per SM at 64-key tiles). Lists per
+    query head: the test below."""
     for call in _distinct_calls():
         causal, window, cf, sparse, _, _ = CALLS[call.split("/")[0]]
         max_seqlen_k = CALLS[call.split("/")[0]][5]
@@ -244,16 +245,44 @@ def test_backward_dispatch_splits_rows_only_for_grids_smaller_than_the_gpu():
     assert not _backward_spec("bfloat16", 128, "sparse128", grid="few-kv-tiles").split_rows
 
 
-@pytest.mark.parametrize("sparse_block", [64, 128])
-def test_backward_lists_per_query_head_walk_the_group_unsplit_and_compile(sparse_block):
-    """Lists per query head inside a KV group are not split into work units (a unit would walk
-    one head and add float32 partials per head: 1.9x slower on the H100, session 11)."""
-    spec = choose_backward_spec(dtype="bfloat16", head_dim=128, causal=False,
-                                window_size=(-1, -1), sparse_block_size=sparse_block,
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_backward_64_key_lists_per_query_head_walk_the_group_unsplit_and_compile(head_dim):
+    """64-key lists per query head inside a KV group are not split into work units (a unit
+    would walk one head and add float32 partials per head: 1.9x slower on the H100, session
+    11)."""
+    spec = choose_backward_spec(dtype="bfloat16", head_dim=head_dim, causal=False,
+                                window_size=(-1, -1), sparse_block_size=64,
                                 lists_span_kv_groups=False)
     assert not spec.split_lists and not spec.partial_dkv and not spec.deterministic
-    assert _backward_spec("bfloat16", 128, "sparse128").split_lists
+    assert spec.dq_separate
     assert callable(compile_backward_on_fake_tensors(spec))
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_backward_128_key_lists_per_head_with_long_walks_take_the_fused_dq(head_dim):
+    """128-key lists per query head whose whole lists walk at least FUSED_DQ_MIN_LIST_WALK
+    query tiles run as work units with the fused dQ (the units head by head,
+    `kernels.sm90.backward.work_units`); shorter walks walk the group unsplit with the dQ
+    kernel, and so do deterministic calls; lists per KV group keep split units with the dQ
+    kernel (session 24, H100: the fused path lost there)."""
+    from kernels.sm90.spec import FUSED_DQ_MIN_LIST_WALK
+
+    def spec_for(lists_span_kv_groups=False, **kwargs):
+        return choose_backward_spec(dtype="bfloat16", head_dim=head_dim, causal=False,
+                                    window_size=(-1, -1), sparse_block_size=128,
+                                    lists_span_kv_groups=lists_span_kv_groups, **kwargs)
+
+    walk = FUSED_DQ_MIN_LIST_WALK[head_dim]
+    spec = spec_for(list_walk=walk)
+    assert spec.split_lists and spec.fuses_dq and spec.partial_dkv
+    assert spec == spec_for()  # a compile-only caller (no lists) gets the long-walk variant
+    assert callable(compile_backward_on_fake_tensors(spec))
+    short = spec_for(list_walk=walk - 1)
+    assert short.dq_separate and not short.split_lists
+    deterministic = spec_for(deterministic=True)
+    assert not deterministic.split_lists and deterministic.dq_separate
+    per_group = spec_for(lists_span_kv_groups=True, list_walk=4 * walk)
+    assert per_group.split_lists and per_group.dq_separate
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])

@@ -41,19 +41,23 @@ def _nsa_like_lists(lengths, heads, kv_block, seed=0):
     return bs, cu
 
 
+@pytest.mark.parametrize("head_major", [False, True], ids=["csr-order", "head-major"])
 @pytest.mark.parametrize("chunk", [1, 3, 16])
-def test_work_units_cover_every_list_entry_once_in_chunks(chunk):
+def test_work_units_cover_every_list_entry_once_in_chunks(chunk, head_major):
     lengths = [1000, 1, 300, 2100]
-    bs, cu = _nsa_like_lists(lengths, heads=2, kv_block=64)
+    bs, cu = _nsa_like_lists(lengths, heads=3, kv_block=64)
     csr = transpose_block_sparse_csr(bs, cu_seqlens_k=cu)
-    units = work_units(csr, chunk)
+    units = work_units(csr, chunk, head_major=head_major)
     assert units.dtype == torch.int32 and units.shape[1] == 5
     offsets = csr.offsets.tolist()
     blocks = csr.row_block_offsets.tolist()
     covered = torch.zeros(offsets[-1], dtype=torch.int64)
+    taken = []  # (list head, global KV block) of the real units, in unit order
     for sequence, n_block, head, first, end in units.tolist():
         if first == end:
             continue  # an empty unit past the real ones
+        taken.append((head, blocks[sequence] + n_block) if head_major
+                     else (blocks[sequence] + n_block, head))
         assert 0 < end - first <= chunk
         kv_row = blocks[sequence] + n_block
         assert blocks[sequence] <= kv_row < blocks[sequence + 1]
@@ -61,6 +65,9 @@ def test_work_units_cover_every_list_entry_once_in_chunks(chunk):
         assert offsets[group] <= first < end <= offsets[group + 1]
         covered[first:end] += 1
     assert torch.equal(covered, torch.ones_like(covered))
+    # Units run list by list in the asked order: KV block by KV block, or head by head (the
+    # fused dQ's: the CTAs running together add into one head's accumulator).
+    assert taken == sorted(taken) and len({t[0 if head_major else 1] for t in taken}) == 3
     # The longest unit is bounded by the chunk, whatever the longest list (block 0's).
     longest_list = max(b - a for a, b in zip(offsets, offsets[1:]))
     assert longest_list > chunk
@@ -284,9 +291,9 @@ def test_list_layout_kernels_equal_their_torch_ops(kv_block):
     csr = transpose_block_sparse_trusted(bs, cu_seqlens_k=cu, host_cu_seqlens_k=host,
                                          host_cu_seqlens_q=host)
     assert csr.equals(transpose_block_sparse_csr(bs, cu_seqlens_k=cu))
-    for chunk in (1, 3, 16):
-        units = work_units(csr, chunk)
-        reference = work_units_torch(csr, chunk)
+    for chunk, head_major in ((1, False), (3, False), (16, False), (3, True), (16, True)):
+        units = work_units(csr, chunk, head_major)
+        reference = work_units_torch(csr, chunk, head_major)
         assert units.shape == reference.shape
         real = reference[:, 3] < reference[:, 4]
         assert real.sum() > 10
