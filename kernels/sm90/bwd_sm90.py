@@ -11,7 +11,9 @@ varlen, GQA. Structure:
   cut by causal x compress factor and the window, or the transposed block-sparse list), so dK
   and dV are summed over the group in registers and written once, in the input type: no
   atomics and no float32 buffers for them (FA4 turns GQA packing off in its backward and pays
-  for float32 dK/dV instead).
+  for float32 dK/dV instead). Split block-sparse lists (`BwdSpec.split_lists`) launch one CTA
+  per work unit instead, a chunk of one list walked for the heads that share the list, and add
+  float32 dK/dV partials (kernels/sm90/backward.py `work_units`).
 - A producer warp TMA-loads K and V once, then per step Q and lse (`q_stages` deep) and dO and
   dO.O. Each consumer warpgroup owns 64 keys and computes, per query tile, with wgmma:
   S^T = K Q^T and dP^T = V dO^T (keys as rows, so P^T and dS^T are already laid out as the
