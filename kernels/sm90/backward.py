@@ -43,6 +43,11 @@ _LOG2_E = 1.4426950408889634
 # `BwdSpec.split_lists`: list entries (128-row query tiles) per work unit. NSA's lists average
 # about 8 entries per KV block; block 0's has one per query tile.
 LIST_CHUNK = 16
+# Split-list units beside the dQ kernel taken head by head as the fused dQ's are (a tuner
+# variant, tools/tune_sm90_backward.py "units head-major"): the CTAs running together would
+# read one KV group's Q and dO, which L2 might hold, instead of every group's at random query
+# tiles (NSA's selected branch: about 17.5 GB of Q/dO reads at 64K). Not measured yet.
+HEAD_MAJOR_UNITS_WITH_DQ_KERNEL = False
 # Rows per chunk of the preprocess and postprocess (bounds their float32 temporaries).
 _CHUNK_ROWS = 32768
 
@@ -196,7 +201,8 @@ def run(
                 csr = transpose_block_sparse_csr(block_sparse, cu_seqlens_k=cu_seqlens_k)
             lists = (csr.offsets, csr.index, csr.mask_count, csr.row_block_offsets)
             if spec.split_lists:
-                units = work_units(csr, list_chunk(csr, spec), head_major=spec.fuses_dq)
+                units = work_units(csr, list_chunk(csr, spec),
+                                   head_major=spec.fuses_dq or HEAD_MAJOR_UNITS_WITH_DQ_KERNEL)
                 num_ctas = units.shape[0]
         if max_seqlen_k > 0 and num_ctas > 0:
             tensors = (q, k, v, dout, lse_log2, dpsum, dq_acc, dk, dv, cu_seqlens_q,
