@@ -76,9 +76,9 @@ def run_cases(head_dim: int = 128, block_sparse_only: bool = False) -> None:
         grads = backward.run(dout, q, k, v, out, lse, causal=False, block_sparse=lists,
                              max_seqlen_q=n, max_seqlen_k=n, spec_overrides=overrides)
         assert all(torch.isfinite(g).all() for g in grads), overrides
-    # 128-key lists per query head: with long walks the fused dQ in head-major work units
-    # (the dispatcher's choice for walks of FUSED_DQ_MIN_LIST_WALK steps; forced here on a
-    # small case), and the dQ kernel walking the group unsplit.
+    # 128-key lists per query head: the fused dQ in head-major work units (the dispatcher's
+    # choice for lists FUSED_DQ_MIN_LIST_WIDTH wide; forced here on a small case), and the dQ
+    # kernel walking the group unsplit.
     n = 2048
     lists = block_sparse_case(n, 4, 0.5, 128)[0]
     q, dout = randn(1, n, 4, head_dim), randn(1, n, 4, head_dim)

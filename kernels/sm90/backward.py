@@ -15,7 +15,7 @@ built by `kernels.interface` when the caller gave none). Three launches, no host
    added into float32 accumulators where several CTAs share a KV tile, converted after);
 3. the query-centric dQ kernel (kernels/sm90/bwd_dq_sm90.py), which writes dQ in the input
    type (`BwdSpec.dq_separate`); or, where the dispatcher fuses dQ (plain causal or full
-   attention, 128-key lists with long walks: `choose_backward_spec`), the KV-centric kernel
+   attention, wide 128-key lists per query head: `choose_backward_spec`), the KV-centric kernel
    reduces dQ into a zeroed float32 accumulator in the tile layout and
    kernels/sm90/dq_convert.py scales it and writes it back to (T, H, D).
 """
@@ -32,7 +32,7 @@ from kernels.sm90.forward import (SUPPORTED_DTYPES, _num_sms, _uniform_cu_seqlen
                                   aligned_rows, launch_compiled,
                                   unsupported_inputs)
 from kernels.sm90.spec import (BACKWARD_DENSE_TILE_N, H100_NUM_SMS, choose_backward_spec,
-                               dq_spec_for, list_walk_of)
+                               dq_spec_for, list_shape)
 from kernels.sm90.spec import QUERY_SLOT_ROWS as SLOT_ROWS  # `QueryTiles`' tile rows
 
 SUPPORTED_HEAD_DIMS = (64, 128)
@@ -42,7 +42,7 @@ SPARSE_KV_BLOCKS = (64, 128)
 _LOG2_E = 1.4426950408889634
 # `BwdSpec.split_lists`: list entries (128-row query tiles) per work unit. NSA's lists average
 # about 8 entries per KV block; block 0's has one per query tile.
-LIST_CHUNK = 16
+LIST_CHUNK = 16  # (beside the dQ kernel; the fused dQ's units are longer: `list_chunk`)
 # Split-list units beside the dQ kernel taken head by head as the fused dQ's are (a tuner
 # variant, tools/tune_sm90_backward.py "units head-major"): the CTAs running together would
 # read one KV group's Q and dO, which L2 might hold, instead of every group's at random query
@@ -80,17 +80,12 @@ def _spec_for(q, k, causal, window_size, block_sparse, compress_factor, determin
         sparse_block_size=block_sparse.col_block_size if block_sparse is not None else None,
         deterministic=deterministic, kv_tile_ctas=kv_tile_ctas, max_seqlen_k=max_seqlen_k,
         num_sms=_sm_count(q.device),
-        lists_span_kv_groups=block_sparse is None or _lists_span_kv_groups(block_sparse, k),
-        list_walk=None if block_sparse is None else list_walk_of(block_sparse, q.shape[-2]))
+        lists=None if block_sparse is None else list_shape(block_sparse, q.shape[-2],
+                                                            k.shape[-2]))
 
 
 def _sm_count(device) -> int:
     return _num_sms(device) if device.type == "cuda" else H100_NUM_SMS
-
-
-def _lists_span_kv_groups(block_sparse, k) -> bool:
-    """Whether each list serves all query heads of a KV group (list heads <= KV heads)."""
-    return block_sparse.full_count.shape[1] <= k.shape[-2]
 
 
 def run(
@@ -144,7 +139,7 @@ def run(
                          cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_seqlen_q,
                          max_seqlen_k=max_seqlen_k, compress_factor=compress_factor,
                          window_size=window_size, block_sparse=block_sparse,
-                         deterministic=deterministic)
+                         deterministic=deterministic, causal=causal)
     dout = aligned_rows(dout)
     out = None if out is None else aligned_rows(out)
     if softmax_scale is None:
@@ -425,9 +420,12 @@ def work_units_torch(csr, chunk: int, head_major: bool = False) -> torch.Tensor:
     """`work_units` in torch ops (the CPU, and the GPU kernel's reference in the tests)."""
     offsets = csr.offsets.to(torch.int64)
     num_lists = offsets.numel() - 1
+    if num_lists == 0:  # nothing listed: every unit empty
+        return torch.zeros(csr.index.numel() // chunk, 5, dtype=torch.int32,
+                           device=offsets.device)
     # order[i]: the list (CSR group) taken i-th.
     order = torch.arange(num_lists, device=offsets.device)
-    if head_major and num_lists:
+    if head_major:
         order = order.view(-1, csr.num_heads).t().reshape(-1)
     lengths = (offsets[1:] - offsets[:-1])[order]
     chunks = (lengths + chunk - 1) // chunk
@@ -435,8 +433,8 @@ def work_units_torch(csr, chunk: int, head_major: bool = False) -> torch.Tensor:
     unit = torch.arange(num_lists + csr.index.numel() // chunk, device=offsets.device)
     taken = torch.searchsorted(ends, unit, right=True)
     real = taken < num_lists
-    taken = taken.clamp(max=max(num_lists - 1, 0))
-    owner = order[taken] if num_lists else taken
+    taken = taken.clamp(max=num_lists - 1)
+    owner = order[taken]
     first = offsets[owner] + (unit - (ends[taken] - chunks[taken])) * chunk
     end = torch.minimum(first + chunk, offsets[owner + 1])
     first, end = torch.where(real, first, 0), torch.where(real, end, 0)

@@ -435,8 +435,8 @@ BACKWARD_HEAD_DIMS = (64, 128)
 QUERY_SLOT_ROWS = 64
 FUSED_DQ_MIN_KEYS = 4096  # the fused dQ from this longest sequence (keys) on
 # 128-key block-sparse lists per query head take the fused dQ (64-key tiles cannot:
-# `can_fuse_dq`) where a whole list walks at least FUSED_DQ_MIN_LIST_WALK[head_dim] query
-# tiles: each unit of the fused path walks one head's list, loads K and V for it and adds
+# `can_fuse_dq`) where the lists are at least FUSED_DQ_MIN_LIST_WIDTH[head_dim] query tiles
+# wide: each unit of the fused path walks one head's list, loads K and V for it and adds
 # float32 dK/dV partials, and the float32 dQ accumulator is zeroed and converted, which short
 # lists do not repay. Lists per KV group keep the dQ kernel: there the fused path lost on the
 # H100. Session 24, two kernels / fused, same call (ms):
@@ -449,7 +449,7 @@ FUSED_DQ_MIN_KEYS = 4096  # the fused dQ from this longest sequence (keys) on
 # |   D=128 width 7 1.43 / 1.71, 14 2.73 / 2.76, 27 (64K) 22.3 / 20.2; D=64 width 7 0.87 / 0.94
 # At D=64 nothing was measured between widths 7 and 27: 16 sits between them.
 FUSED_DQ_LIST_BLOCK = 128
-FUSED_DQ_MIN_LIST_WALK = {64: 16, 128: 32}
+FUSED_DQ_MIN_LIST_WIDTH = {64: 16, 128: 32}
 # 64-key tiles with two consumer warpgroups on alternate query steps (`BwdSpec.alternate_steps`,
 # session 18): compiles without serialised wgmmas (SASS: 6 waits for 48 HGMMAs at head dim 128,
 # against a wait after each of them at two CTAs per SM) and matches the fallback on the GPU,
@@ -469,33 +469,52 @@ BACKWARD_DENSE_TILE_N = 128  # keys per backward CTA without block-sparse lists
 H100_NUM_SMS = 132  # the SM count assumed where no GPU is asked (compile-only dispatch)
 
 
-def list_walk_of(block_sparse, num_heads: int) -> int:
-    """The (query tile, query head) steps a whole transposed list of `block_sparse` walks,
-    about: the forward lists' width (each KV block is listed about as often as a tile lists
-    blocks) times the query heads that share a list. Shapes only, no device read."""
-    width = block_sparse.full_index.shape[-1] + block_sparse.mask_index.shape[-1]
-    return width * max(num_heads // block_sparse.full_count.shape[1], 1)
+@dataclass(frozen=True)
+class ListShape:
+    """What the backward dispatch reads of a call's block-sparse lists: shapes only, no device
+    read (`list_shape`)."""
+    spans_kv_groups: bool    # each list serves all query heads of a KV group (list heads <= Hkv)
+    per_query_head: bool     # one list per query head (list heads >= H; MHA lists are both)
+    width: int               # forward list slots per query tile (full + mask): about the
+                             # entries of a transposed list, each KV block being listed about
+                             # as often as a tile lists blocks
 
 
-def fuses_listed_dq(sparse_block_size, head_dim: int, deterministic: bool,
-                    lists_span_kv_groups: bool, list_walk: int | None) -> bool:
+def list_shape(block_sparse, num_heads: int, num_kv_heads: int) -> ListShape:
+    list_heads = block_sparse.full_count.shape[1]
+    return ListShape(spans_kv_groups=list_heads <= num_kv_heads,
+                     per_query_head=list_heads >= num_heads,
+                     width=block_sparse.full_index.shape[-1] + block_sparse.mask_index.shape[-1])
+
+
+def plain_mask(causal: bool, window_size, compress_factor: int) -> bool:
+    """No compress factor and no window (a right window under causal masking is no window)."""
+    left, right = int(window_size[0]), int(window_size[1])
+    return compress_factor == 1 and left < 0 and (bool(causal) or right < 0)
+
+
+def fuses_listed_dq(sparse_block_size, head_dim: int, deterministic: bool, plain_mask: bool,
+                    lists: ListShape | None) -> bool:
     """Whether a block-sparse call's lists run as head-major work units with the fused dQ:
-    128-key lists per query head with long walks (FUSED_DQ_MIN_LIST_WALK; `list_walk` None, a
-    compile-only caller, counts as long), not in deterministic mode."""
-    return (sparse_block_size == FUSED_DQ_LIST_BLOCK and not deterministic
-            and not lists_span_kv_groups
-            and head_dim in FUSED_DQ_MIN_LIST_WALK
-            and (list_walk is None or list_walk >= FUSED_DQ_MIN_LIST_WALK[head_dim]))
+    128-key lists, one per query head, at least FUSED_DQ_MIN_LIST_WIDTH[head_dim] wide, with
+    no compress factor or window (`plain_mask`: the fused dQ measured slower on compressed keys,
+    session 17, and nothing else was measured), not in deterministic mode. `lists` None (a
+    compile-only caller) counts as NSA's lists, one per KV group: not fused."""
+    if sparse_block_size != FUSED_DQ_LIST_BLOCK or deterministic or not plain_mask:
+        return False
+    if lists is None or head_dim not in FUSED_DQ_MIN_LIST_WIDTH:
+        return False
+    return lists.per_query_head and lists.width >= FUSED_DQ_MIN_LIST_WIDTH[head_dim]
 
 
-def splits_lists(sparse_block_size, head_dim: int, deterministic: bool,
-                 lists_span_kv_groups: bool, list_walk: int | None) -> bool:
+def splits_lists(sparse_block_size, deterministic: bool, lists: ListShape | None,
+                 fused_lists: bool) -> bool:
     """`BwdSpec.split_lists` of a call (`choose_backward_spec`; kernels/validate.py checks the
-    grid by it): its lists run as work units, a one-dimensional grid."""
+    grid by it): its lists run as work units, a one-dimensional grid. Lists that serve a KV
+    group (NSA's; `lists` None counts as such) are split beside the dQ kernel; lists per query
+    head only where they take the fused dQ (`fuses_listed_dq`)."""
     return (sparse_block_size is not None and not deterministic
-            and (lists_span_kv_groups or fuses_listed_dq(sparse_block_size, head_dim,
-                                                         deterministic, lists_span_kv_groups,
-                                                         list_walk)))
+            and (lists is None or lists.spans_kv_groups or fused_lists))
 
 
 def choose_backward_spec(
@@ -503,7 +522,7 @@ def choose_backward_spec(
     compress_factor: int = 1, sparse_block_size: int | None = None,
     deterministic: bool = False, kv_tile_ctas: int | None = None,
     max_seqlen_k: int | None = None, num_sms: int = H100_NUM_SMS,
-    lists_span_kv_groups: bool = True, list_walk: int | None = None,
+    lists: ListShape | None = None,
 ) -> BwdSpec:
     """The backward variant the dispatcher compiles for a call. Head dims above 128 do not fit:
     dK and dV of a 64-key warpgroup slice take 64 x D float32 registers each per thread group
@@ -515,18 +534,20 @@ def choose_backward_spec(
     dQ reduce). Calls that fill the GPU keep one CTA per KV tile (split rows cost float32 dK/dV
     accumulators and a conversion: causal window 512 at 16K 2.61 -> 2.80 ms).
 
-    `lists_span_kv_groups`: each block-sparse list serves every query head of a KV group (NSA's
-    lists; or one query head per KV head). Only such lists are split into work units: a unit
-    walks one list, so lists per query head would make each unit walk one head of the group and
-    add float32 dK/dV partials per head (random lists per query head, 25% of the 128-key
-    blocks at 16K: 13.6 ms split, 7.3 ms with one CTA walking the group, session 11), except
-    128-key lists whose units walk long enough for the fused dQ (`fuses_listed_dq`;
-    `list_walk`: the steps of a whole list, about, `list_walk_of`)."""
+    `lists` (`list_shape`; None: a compile-only caller, taken as lists that serve a KV group,
+    NSA's): lists that serve every query head of a KV group are split into work units beside
+    the dQ kernel. Lists per query head inside a group are not: a unit walks one list, so each
+    would walk one head of the group and add float32 dK/dV partials per head (random lists per
+    query head, 25% of the 128-key blocks at 16K: 13.6 ms split, 7.3 ms with one CTA walking
+    the group, session 11); except wide 128-key lists, whose units take the fused dQ
+    (`fuses_listed_dq`, session 24)."""
     if head_dim not in BACKWARD_HEAD_DIMS:
         raise ValueError(f"no sm90 backward variant for head_dim {head_dim} "
                          f"(supported: {BACKWARD_HEAD_DIMS})")
     left, right = int(window_size[0]), int(window_size[1])
     tile_n = sparse_block_size if sparse_block_size is not None else BACKWARD_DENSE_TILE_N
+    fused_lists = fuses_listed_dq(sparse_block_size, head_dim, deterministic,
+                                  plain_mask(causal, window_size, compress_factor), lists)
     # Head dim 64 steps 128 query rows (FA3/FA4's tile there): at 64 rows a step's
     # exponentials, row statistics and barriers carried half the tensor work of head dim 128
     # (H100, session 18, the whole backward with FA4 in the same run: dense causal 0.83x ->
@@ -543,10 +564,9 @@ def choose_backward_spec(
                      and sparse_block_size is None),
         # NSA lists block 0 in every query tile: one work unit per KV block would run N/128
         # tiles where the average runs ~8. Split lists into chunks (not in deterministic mode,
-        # whose dK/dV must not depend on the order of float32 partial sums). 128-key lists
-        # per query head with long walks are split too (below, they take the fused dQ).
-        split_lists=splits_lists(sparse_block_size, head_dim, deterministic,
-                                 lists_span_kv_groups, list_walk),
+        # whose dK/dV must not depend on the order of float32 partial sums). Wide 128-key lists
+        # per query head are split too (below, they take the fused dQ).
+        split_lists=splits_lists(sparse_block_size, deterministic, lists, fused_lists),
         split_rows=(sparse_block_size is None and not deterministic and kv_tile_ctas is not None
                     and kv_tile_ctas < num_sms))
     # dQ fused into this kernel (FA3/FA4's order and dQ writer warp, `fuses_dq`) where
@@ -568,8 +588,8 @@ def choose_backward_spec(
     # compress factor 64 16K 2.26 -> 1.40, 64K 13.0 -> 7.5; causal window 512 16K 2.60 ->
     # 1.93. The deterministic mode takes it everywhere (it sums dQ in registers, in a fixed
     # order; `can_fuse_dq`).
-    # 128-key lists per query head with long walks take the fused dQ too, in work units
-    # taken head by head (kernels/sm90/backward.py `work_units`, `list_chunk`), so the fused
+    # Wide 128-key lists per query head take the fused dQ too, in work units taken head by
+    # head (kernels/sm90/backward.py `work_units`, `list_chunk`), so the fused
     # dQ's sums land in one head's accumulator at a time, which L2 holds. H200, session 24,
     # random 25% lists per query head, two kernels / fused: 16K 6.18 / 5.35 ms, 64K 105.2 /
     # 85.4 (FA4 5.31 / 85.4 in the same run; KV block by KV block the fused dQ took 128.8 ms
@@ -577,8 +597,8 @@ def choose_backward_spec(
     plain = not (spec.block_sparse or spec.compressed or spec.has_window_left
                  or spec.has_window_right)
     long_keys = max_seqlen_k is None or max_seqlen_k >= FUSED_DQ_MIN_KEYS
-    fused_lists = fuses_listed_dq(sparse_block_size, head_dim, deterministic,
-                                  lists_span_kv_groups, list_walk)
+    if fused_lists:  # split for the fused dQ: it must be there (`splits_lists` counts on it)
+        assert spec.can_fuse_dq and spec.split_lists, spec
     if (plain and long_keys or fused_lists) and spec.can_fuse_dq:
         spec = dataclasses.replace(spec, dq_separate=False)
     if not spec.fits_in_smem():

@@ -72,12 +72,23 @@ def test_backward_grid_holds_at_most_65535_sequences():
     assert limits(q, k, backward=True, block_sparse=sparse, **kwargs) == ""
     assert "65535" in limits(q, k, backward=True, block_sparse=sparse, deterministic=True,
                              **kwargs)
-    # Lists per query head are split only at 128 keys with walks long enough for the fused dQ
-    # (kernels/sm90/spec.py `splits_lists`).
-    for kv_block, width, split in ((64, 40, False), (128, 8, False), (128, 40, True)):
+    # Lists per query head are split only at 128 keys, wide enough for the fused dQ, with no
+    # window or compressed keys (kernels/sm90/spec.py `splits_lists`, `fuses_listed_dq`;
+    # head dim 64 here: at least 16 wide).
+    for kv_block, width, extra, split in ((64, 40, {}, False), (128, 8, {}, False),
+                                          (128, 40, {}, True),
+                                          (128, 40, dict(window_size=(8, 0)), False),
+                                          (128, 40, dict(window_size=(-1, 0), causal=True), True),
+                                          (128, 40, dict(deterministic=True), False)):
         per_head = lists(70_000, 4, width, kv_block)
-        reason = limits(q, k, backward=True, block_sparse=per_head, **kwargs)
-        assert (reason == "") == split, (kv_block, width, reason)
+        reason = limits(q, k, backward=True, block_sparse=per_head, **extra, **kwargs)
+        assert (reason == "") == split, (kv_block, width, extra, reason)
+    # Padded (B, N, H, D) inputs, head dim 128 (at least 32 wide): the same grid rule.
+    q4, k4 = meta(70_000, 16, 4, 128), meta(70_000, 16, 2, 128)
+    for width, split in ((31, False), (32, True)):
+        reason = limits(q4, k4, backward=True, block_sparse=lists(70_000, 4, width - 1, 128),
+                        **kwargs)
+        assert (reason == "") == split, (width, reason)
 
 
 def test_backward_slots_beyond_int32():

@@ -391,19 +391,30 @@ FUSED_LIST_CASES = [case for case in GRADIENT_CASES
 
 @requires_sm90
 @pytest.mark.gpu
+@pytest.mark.parametrize("chunk", [None, 2], ids=["whole-lists", "chunks-of-2"])
 @pytest.mark.parametrize("case", FUSED_LIST_CASES, ids=lambda case: case.id)
-def test_fused_dq_list_units_backward_matches_fallback(case: Case, monkeypatch):
+def test_fused_dq_list_units_backward_matches_fallback(case: Case, chunk, monkeypatch):
     """128-key lists per query head run as work units taken head by head, each unit one
-    head's whole list, with dQ fused into the KV-centric kernel (`fuses_listed_dq`): the
-    varlen lists with empty tiles and unlisted blocks of the block-sparse cases."""
+    head's whole list (or chunks of 2 entries, so lists span several units), with dQ fused
+    into the KV-centric kernel (`fuses_listed_dq`): the varlen lists with empty tiles and
+    unlisted blocks of the block-sparse cases. The dispatched spec and units are checked."""
+    from kernels.sm90 import backward
     from kernels.sm90 import spec as sm90_spec
 
-    monkeypatch.setattr(sm90_spec, "FUSED_DQ_MIN_LIST_WALK", {64: 1, 128: 1})
-    spec = sm90_spec.choose_backward_spec(
-        dtype="bfloat16", head_dim=case.dim, causal=case.causal, window_size=case.window,
-        sparse_block_size=128, lists_span_kv_groups=False, list_walk=1)
-    assert spec.split_lists and spec.fuses_dq
+    monkeypatch.setattr(sm90_spec, "FUSED_DQ_MIN_LIST_WIDTH", {64: 1, 128: 1})
+    if chunk is not None:
+        monkeypatch.setattr(backward, "list_chunk", lambda csr, spec: chunk)
+    launched, unit_calls = [], []
+    launch, work_units = backward._launch, backward.work_units
+    monkeypatch.setattr(backward, "_launch",
+                        lambda spec, *args: (launched.append(spec), launch(spec, *args))[1])
+    monkeypatch.setattr(backward, "work_units", lambda csr, chunk_, head_major=False: (
+        unit_calls.append((chunk_, head_major)), work_units(csr, chunk_, head_major))[1])
     check_against_fallback(case)
+    assert launched and all(spec.split_lists and spec.fuses_dq for spec in launched)
+    assert unit_calls and all(head_major for _, head_major in unit_calls)
+    if chunk is not None:
+        assert all(chunk_ == chunk for chunk_, _ in unit_calls)
 
 
 @requires_sm90

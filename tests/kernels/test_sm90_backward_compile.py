@@ -12,7 +12,8 @@ import cutlass  # noqa: F401  (a broken CuTe DSL install must fail here, not ski
 
 from kernels.sm90.compile import (compile_backward_kernel_on_fake_tensors,
                                   compile_backward_on_fake_tensors, compile_dq_on_fake_tensors)
-from kernels.sm90.spec import FUSED_DQ_MIN_KEYS, BwdSpec, choose_backward_spec, dq_spec_for
+from kernels.sm90.spec import (FUSED_DQ_MIN_KEYS, BwdSpec, ListShape, choose_backward_spec,
+                               dq_spec_for)
 from test_sm90_compile import CALLS
 
 
@@ -245,6 +246,9 @@ def test_backward_dispatch_splits_rows_only_for_grids_smaller_than_the_gpu():
     assert not _backward_spec("bfloat16", 128, "sparse128", grid="few-kv-tiles").split_rows
 
 
+PER_HEAD_LISTS = ListShape(spans_kv_groups=False, per_query_head=True, width=64)
+
+
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_backward_64_key_lists_per_query_head_walk_the_group_unsplit_and_compile(head_dim):
     """64-key lists per query head inside a KV group are not split into work units (a unit
@@ -252,37 +256,43 @@ def test_backward_64_key_lists_per_query_head_walk_the_group_unsplit_and_compile
     11)."""
     spec = choose_backward_spec(dtype="bfloat16", head_dim=head_dim, causal=False,
                                 window_size=(-1, -1), sparse_block_size=64,
-                                lists_span_kv_groups=False)
+                                lists=PER_HEAD_LISTS)
     assert not spec.split_lists and not spec.partial_dkv and not spec.deterministic
     assert spec.dq_separate
     assert callable(compile_backward_on_fake_tensors(spec))
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])
-def test_backward_128_key_lists_per_head_with_long_walks_take_the_fused_dq(head_dim):
-    """128-key lists per query head whose whole lists walk at least FUSED_DQ_MIN_LIST_WALK
-    query tiles run as work units with the fused dQ (the units head by head,
-    `kernels.sm90.backward.work_units`); shorter walks walk the group unsplit with the dQ
-    kernel, and so do deterministic calls; lists per KV group keep split units with the dQ
-    kernel (session 24, H100: the fused path lost there)."""
-    from kernels.sm90.spec import FUSED_DQ_MIN_LIST_WALK
+def test_backward_wide_128_key_lists_per_query_head_take_the_fused_dq(head_dim):
+    """128-key lists per query head at least FUSED_DQ_MIN_LIST_WIDTH wide run as work units
+    with the fused dQ (the units head by head, `kernels.sm90.backward.work_units`), MHA lists
+    (per query head and per KV head) too; narrower lists walk the group unsplit with the dQ
+    kernel, and so do deterministic calls and calls with a window or compressed keys; lists per
+    KV group keep split units with the dQ kernel (session 24, H100: the fused path lost
+    there), as do compile-only calls (no lists given: NSA's)."""
+    from kernels.sm90.spec import FUSED_DQ_MIN_LIST_WIDTH
 
-    def spec_for(lists_span_kv_groups=False, **kwargs):
-        return choose_backward_spec(dtype="bfloat16", head_dim=head_dim, causal=False,
-                                    window_size=(-1, -1), sparse_block_size=128,
-                                    lists_span_kv_groups=lists_span_kv_groups, **kwargs)
+    def spec_for(lists, **kwargs):
+        kwargs = dict(dict(causal=False, window_size=(-1, -1)), **kwargs)
+        return choose_backward_spec(dtype="bfloat16", head_dim=head_dim, sparse_block_size=128,
+                                    lists=lists, **kwargs)
 
-    walk = FUSED_DQ_MIN_LIST_WALK[head_dim]
-    spec = spec_for(list_walk=walk)
+    width = FUSED_DQ_MIN_LIST_WIDTH[head_dim]
+    wide = ListShape(spans_kv_groups=False, per_query_head=True, width=width)
+    spec = spec_for(wide)
     assert spec.split_lists and spec.fuses_dq and spec.partial_dkv
-    assert spec == spec_for()  # a compile-only caller (no lists) gets the long-walk variant
     assert callable(compile_backward_on_fake_tensors(spec))
-    short = spec_for(list_walk=walk - 1)
-    assert short.dq_separate and not short.split_lists
-    deterministic = spec_for(deterministic=True)
-    assert not deterministic.split_lists and deterministic.dq_separate
-    per_group = spec_for(lists_span_kv_groups=True, list_walk=4 * walk)
-    assert per_group.split_lists and per_group.dq_separate
+    assert spec_for(wide, causal=True) == dataclasses.replace(spec, causal=True)
+    assert spec_for(dataclasses.replace(wide, spans_kv_groups=True)) == spec  # MHA
+    narrow = spec_for(dataclasses.replace(wide, width=width - 1))
+    assert narrow.dq_separate and not narrow.split_lists
+    for other in (dict(deterministic=True), dict(compress_factor=64, causal=True),
+                  dict(window_size=(256, 0), causal=True)):
+        assert spec_for(wide, **other).dq_separate, other
+    assert not spec_for(wide, deterministic=True).split_lists
+    per_group = ListShape(spans_kv_groups=True, per_query_head=False, width=4 * width)
+    for lists in (per_group, None):
+        assert spec_for(lists).split_lists and spec_for(lists).dq_separate
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])

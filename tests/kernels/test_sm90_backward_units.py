@@ -73,6 +73,22 @@ def test_work_units_cover_every_list_entry_once_in_chunks(chunk, head_major):
     assert longest_list > chunk
 
 
+@pytest.mark.parametrize("head_major", [False, True], ids=["csr-order", "head-major"])
+def test_work_units_of_no_lists_are_all_empty(head_major):
+    """No KV block at all (every sequence empty), spare capacity: units bounded from the
+    capacity, every one empty."""
+    from sparsity.csr import BlockSparseCSR
+
+    csr = BlockSparseCSR(offsets=torch.zeros(1, dtype=torch.int32),
+                         index=torch.full((5,), -1, dtype=torch.int32),
+                         mask_count=torch.zeros(0, 2, dtype=torch.int32),
+                         row_block_size=64, col_block_size=128,
+                         row_block_offsets=torch.zeros(2, dtype=torch.int32))
+    units = work_units_torch(csr, 2, head_major)
+    assert units.shape == (2, 5) and units.dtype == torch.int32
+    assert not units.any()
+
+
 def test_query_tiles_pad_each_sequence_to_whole_64_row_tiles():
     cu = torch.tensor([0, 1, 65, 65, 300], dtype=torch.int32)
     tiles = QueryTiles(cu, 300)
