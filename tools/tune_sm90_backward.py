@@ -3,8 +3,9 @@
 The backward dispatcher (`kernels/sm90/spec.py::choose_backward_spec`) picks its switches by
 measurements of this script and of torch.profiler runs (FINDINGS, sessions 11-17):
 `dq_separate` (dQ from the query-centric kernel, or fused into the KV-centric one with a dQ
-writer warp: fused for plain causal or full attention) and `split_rows` (several CTAs per KV
-tile, for calls with fewer KV tiles than SMs, such as compressed keys). For each case it runs
+writer warp: fused for plain causal or full attention, and for wide 128-key lists per query
+head, session 24), `split_lists` and `split_rows` (several CTAs per KV tile, for calls with
+fewer KV tiles than SMs, such as compressed keys). For each case it runs
 the dispatched spec and the variants with a switch turned, checks every variant's dq/dk/dv
 against the dispatched kernel's (the float32 sums are ordered differently, so within 1e-2
 relative, not bitwise), and prints backward times.
