@@ -73,6 +73,28 @@ def test_work_units_cover_every_list_entry_once_in_chunks(chunk, head_major):
     assert longest_list > chunk
 
 
+def test_list_chunk_keeps_even_lists_whole_only_for_the_fused_dq():
+    """Beside the dQ kernel units hold LIST_CHUNK entries (NSA's block 0 spread out); with the
+    fused dQ twice the mean list from the capacity, at least LIST_CHUNK."""
+    import dataclasses
+
+    from kernels.sm90.backward import LIST_CHUNK, list_chunk
+    from kernels.sm90.spec import ListShape, choose_backward_spec
+
+    bs, cu = _nsa_like_lists([3000, 700], heads=2, kv_block=128)
+    csr = transpose_block_sparse_csr(bs, cu_seqlens_k=cu)
+    lists = csr.offsets.numel() - 1
+    per_head = ListShape(spans_kv_groups=False, per_query_head=True, width=64)
+    fused = choose_backward_spec(dtype="bfloat16", head_dim=128, causal=True,
+                                 window_size=(-1, -1), sparse_block_size=128, lists=per_head)
+    assert fused.fuses_dq
+    assert list_chunk(csr, dataclasses.replace(fused, dq_separate=True)) == LIST_CHUNK
+    mean = -(-csr.index.numel() // lists)
+    assert list_chunk(csr, fused) == max(LIST_CHUNK, 2 * mean)
+    empty = dataclasses.replace(csr, index=csr.index[:LIST_CHUNK])  # a capacity below 2 x 16
+    assert list_chunk(empty, fused) == LIST_CHUNK
+
+
 @pytest.mark.parametrize("head_major", [False, True], ids=["csr-order", "head-major"])
 def test_work_units_of_no_lists_are_all_empty(head_major):
     """No KV block at all (every sequence empty), spare capacity: units bounded from the
