@@ -51,6 +51,12 @@ VARIANTS = {
     # Dense walks: CTAs launched KV tile by KV tile (heads innermost), heaviest first
     # (dispatched for compressed causal keys).
     "heavy first": dict(heavy_first=True),
+    # Split rows by bands common to every KV tile, launched band by band, with the fused dQ:
+    # its float32 sums then land in about one band of rows at a time (compressed keys: each
+    # query row meets few KV tiles, and the whole accumulator missed L2, session 18).
+    "row bands, fused dQ": dict(split_rows=True, row_bands=True, heavy_first=False,
+                                dq_separate=False),
+    "row bands": dict(split_rows=True, row_bands=True, heavy_first=False),
     # 64-key tiles: two consumer warpgroups on alternate query steps, one CTA per SM.
     "alternate steps": dict(alternate_steps=True),
     # Query rows per step (128 is dispatched at head dim 64 with 128-key tiles).

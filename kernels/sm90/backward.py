@@ -185,7 +185,9 @@ def run(
         units = None
         num_ctas = -(-max_seqlen_k // spec.tile_n)
         row_splits = 1
-        if spec.split_rows:  # dense only: num_ctas KV tiles of BACKWARD_DENSE_TILE_N keys
+        if spec.row_bands:  # bands of rows whose fused dQ sums L2 holds
+            row_splits = _row_bands(max_seqlen_q, num_heads, head_dim, spec.tile_m)
+        elif spec.split_rows:  # dense only: num_ctas KV tiles of BACKWARD_DENSE_TILE_N keys
             row_splits = _row_splits(kv_tile_ctas, -(-max_seqlen_q // spec.tile_m), q.device)
         if spec.block_sparse:
             csr = block_sparse_transposed
@@ -381,6 +383,18 @@ def _row_splits(num_ctas: int, max_query_tiles: int, device) -> int:
     keys at 16K: 2 KV tiles x 8 KV heads = 16 CTAs otherwise), at most one per query tile."""
     wanted = 2 * _sm_count(device)
     return max(1, min(-(-wanted // max(num_ctas, 1)), max_query_tiles))
+
+
+# `BwdSpec.row_bands`: float32 dQ accumulator bytes of one band of rows (all heads): the CTAs
+# running together add into about one band, so L2 (50 MiB on the H100) should hold it.
+ROW_BAND_BYTES = 16 << 20
+
+
+def _row_bands(max_seqlen_q: int, num_heads: int, head_dim: int, tile_m: int) -> int:
+    """`row_bands`: the bands each sequence's query steps are cut into, so that a band of the
+    longest sequence holds about ROW_BAND_BYTES of the dQ accumulator (at least one step)."""
+    rows = max(ROW_BAND_BYTES // (num_heads * head_dim * 4) // tile_m, 1) * tile_m
+    return max(-(-max_seqlen_q // rows), 1)
 
 
 def list_chunk(csr, spec) -> int:

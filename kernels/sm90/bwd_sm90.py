@@ -88,6 +88,7 @@ class FlashAttentionBackwardSm90:
         assert not spec.alternate_steps or (self.tile_n == 64 and self.tile_m == 64
                                             and spec.dq_separate)
         assert not (spec.heavy_first and spec.block_sparse)
+        assert not spec.row_bands or (spec.split_rows and not spec.heavy_first)
         self.num_wg = spec.num_consumer_warpgroups
         self.key_wg = spec.key_warpgroups
         self.num_consumer_threads = _WARPGROUP * self.num_wg
@@ -186,7 +187,7 @@ class FlashAttentionBackwardSm90:
         self.kernel(
             tma_atom_q, tma_q, tma_atom_do, tma_do, tma_atom_k, tma_k, tma_atom_v, tma_v,
             tma_atom_lse, tma_lse, tma_atom_dpsum, tma_dpsum, mdQacc, mdK, mdV,
-            mCuSeqlensQ, mCuSeqlensK, mQTileOffsets, row_splits, softmax_scale,
+            mCuSeqlensQ, mCuSeqlensK, mQTileOffsets, num_kv_tiles, row_splits, softmax_scale,
             softmax_scale * Float32(_LOG2_E), compress_factor, window_left, window_right,
             mListOffsets, mListIndex, mListMaskCount, mKvBlockOffsets, mUnits, sQ_layout,
             sK_layout, sdS_layout, sdQ_layout, tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq,
@@ -199,14 +200,14 @@ class FlashAttentionBackwardSm90:
         """(KV tiles, Hkv, sequences), `row_splits` times along the KV tiles with
         `split_rows`, or one CTA per work unit with `split_lists`. `heavy_first` folds the KV
         heads into the first extent, innermost: CTAs start in KV tile order, whatever the
-        head (the kernel unfolds it)."""
+        head (the kernel unfolds it); `row_bands` likewise, bands outermost."""
         if self.spec.split_lists:
             return (num_kv_tiles, 1, 1)
         if self.spec.split_rows:
             num_kv_tiles = num_kv_tiles * row_splits
         num_kv_heads = cute.size(mK.shape[1])
         num_seqs = cute.size(mCuSeqlensQ.shape[0]) - 1
-        if self.spec.heavy_first:
+        if self.spec.heavy_first or self.spec.row_bands:
             return (num_kv_tiles * num_kv_heads, 1, num_seqs)
         return (num_kv_tiles, num_kv_heads, num_seqs)
 
@@ -239,7 +240,8 @@ class FlashAttentionBackwardSm90:
         tma_atom_lse: cute.CopyAtom, mLSE: cute.Tensor, tma_atom_dpsum: cute.CopyAtom,
         mDPsum: cute.Tensor, mdQacc: Optional[cute.Tensor], mdK: cute.Tensor, mdV: cute.Tensor,
         mCuSeqlensQ: cute.Tensor, mCuSeqlensK: cute.Tensor, mQTileOffsets: cute.Tensor,
-        row_splits: Int32, softmax_scale: Float32, scale_log2: Float32, compress_factor,
+        num_kv_tiles: Int32, row_splits: Int32, softmax_scale: Float32, scale_log2: Float32,
+        compress_factor,
         window_left: Int32, window_right: Int32,
         mListOffsets: Optional[cute.Tensor], mListIndex: Optional[cute.Tensor],
         mListMaskCount: Optional[cute.Tensor], mKvBlockOffsets: Optional[cute.Tensor],
@@ -257,11 +259,14 @@ class FlashAttentionBackwardSm90:
         # `split_lists`: a chunk [entry_lo, entry_hi) of one list (one list head's heads).
         list_head, entry_lo, entry_hi = Int32(0), Int32(0), Int32(1)
         split = Int32(0)
-        if const_expr(spec.heavy_first):  # KV heads innermost in the first extent (`grid`)
+        if const_expr(spec.heavy_first or spec.row_bands):  # KV heads innermost (`grid`)
             num_kv_heads = cute.size(mK.shape[2])
             head_kv = n_block % num_kv_heads
             n_block = n_block // num_kv_heads
-        if const_expr(spec.split_rows):
+        if const_expr(spec.row_bands):  # bands outermost, then KV tiles
+            split = n_block // num_kv_tiles
+            n_block = n_block % num_kv_tiles
+        elif const_expr(spec.split_rows):
             split = n_block % row_splits
             n_block = n_block // row_splits
         if const_expr(spec.split_lists):
@@ -324,8 +329,14 @@ class FlashAttentionBackwardSm90:
             entry_hi=entry_hi, split=split, row_splits=row_splits)
         q_tile_offset = mQTileOffsets[batch]
 
-        # KV tiles past their sequence's end have nothing to do (the grid covers the longest).
-        if (n_block * self.tile_n < seqlen_k) & (entry_lo < entry_hi):
+        # KV tiles past their sequence's end have nothing to do (the grid covers the longest),
+        # nor a band of rows that sees none of the tile's keys (`row_bands`).
+        has_work = (n_block * self.tile_n < seqlen_k) & (entry_lo < entry_hi)
+        if const_expr(spec.row_bands):
+            band_min, band_max = self.row_band(block_range, n_block, split, row_splits,
+                                               seqlen_q, seqlen_k)
+            has_work = has_work & (band_min < band_max)
+        if has_work:
             if warp_idx < 4:
                 cute.arch.setmaxregister_decrease(self.producer_regs)
                 if warp_idx == 0:
@@ -389,7 +400,10 @@ class FlashAttentionBackwardSm90:
                                       entry_hi=mListOffsets[list_row + 1])
         else:
             m_min, m_max = block_range.m_block_min_max(n_block, seqlen_q, seqlen_k)
-            if const_expr(self.spec.split_rows):
+            if const_expr(self.spec.row_bands):
+                m_min, m_max = self.row_band(block_range, n_block, split, row_splits,
+                                             seqlen_q, seqlen_k)
+            elif const_expr(self.spec.split_rows):
                 # This CTA's share of the KV tile's query tiles: one of row_splits equal runs.
                 share = (m_max - m_min + row_splits - 1) // row_splits
                 m_min = cutlass.min(m_min + split * share, m_max)
@@ -410,6 +424,20 @@ class FlashAttentionBackwardSm90:
                 for m_block in cutlass.range(end_unmasked, m_max, unroll=1):
                     state = step_fn(head, m_block, "causal_window", False, *state)
         return state
+
+    @cute.jit
+    def row_band(self, block_range: BlockRange, n_block: Int32, band: Int32, bands: Int32,
+                 seqlen_q: Int32, seqlen_k: Int32):
+        """`row_bands`: the query steps [m_min, m_max) of KV tile n_block in band `band` of
+        `bands`. The sequence's steps are cut into `bands` equal runs, the same for every KV
+        tile, so the CTAs of one band add into the same rows of the dQ accumulator; empty
+        (m_min == m_max) where the band sees none of the tile's keys."""
+        m_min, m_max = block_range.m_block_min_max(n_block, seqlen_q, seqlen_k)
+        steps = (seqlen_q + self.tile_m - 1) // self.tile_m
+        per_band = (steps + bands - 1) // bands
+        band_min = cutlass.min(cutlass.max(m_min, band * per_band), m_max)
+        band_max = cutlass.max(cutlass.min(m_max, (band + 1) * per_band), band_min)
+        return band_min, band_max
 
     @cute.jit
     def walk_list(self, step_fn, state, head: Int32, list_head: Int32, entry_lo: Int32,

@@ -272,6 +272,11 @@ class BwdSpec:
     alternate_steps: bool = False  # 64-key tiles: two consumer warpgroups share the tile and
                                    # take alternate query steps, each with its own dK/dV
                                    # (summed through smem at the end); one CTA per SM
+    row_bands: bool = False    # `split_rows` by bands of query steps common to every KV tile
+                               # (`row_splits` bands per sequence), CTAs launched band by band
+                               # (KV tiles, then KV heads innermost): the CTAs running together
+                               # add the fused dQ into one band of rows, which L2 can hold.
+                               # A tuner variant (session 24), not dispatched
 
     @property
     def key_warpgroups(self) -> int:
@@ -465,6 +470,9 @@ ALTERNATE_STEPS_AT_64_KEYS = False
 # the whole backward interleaved with the order by heads: 0.641 -> 0.609 ms at 16K, 4.45 ->
 # 4.02 at 64K, 15.1 -> 13.9 at 128K, 61.9 -> 51.0 at 256K.
 HEAVY_FIRST_COMPRESSED_CAUSAL = True
+# `BwdSpec.row_bands` wherever `split_rows` is dispatched: a switch for the GPU tests (the
+# tuner turns the spec field itself); off until measured.
+ROW_BANDS_FOR_SPLIT_ROWS = False
 BACKWARD_DENSE_TILE_N = 128  # keys per backward CTA without block-sparse lists
 H100_NUM_SMS = 132  # the SM count assumed where no GPU is asked (compile-only dispatch)
 
@@ -601,6 +609,8 @@ def choose_backward_spec(
         assert spec.can_fuse_dq and spec.split_lists, spec
     if (plain and long_keys or fused_lists) and spec.can_fuse_dq:
         spec = dataclasses.replace(spec, dq_separate=False)
+    if ROW_BANDS_FOR_SPLIT_ROWS and spec.split_rows:
+        spec = dataclasses.replace(spec, row_bands=True, heavy_first=False)
     if not spec.fits_in_smem():
         raise ValueError(f"no sm90 backward variant for head_dim {head_dim} with {tile_n}-key "
                          f"tiles fits shared memory ({spec.smem_bytes} bytes)")

@@ -389,6 +389,33 @@ FUSED_LIST_CASES = [case for case in GRADIENT_CASES
                     if case.kv_block == 128 and case.lists_per == "q"]
 
 
+# Calls with fewer KV tiles than SMs (split rows): compressed keys and short padded batches.
+ROW_BAND_CASES = [case for case in GRADIENT_CASES
+                  if case.compress_factor > 1 and case.kv_block is None] + [
+    Case("bf16", 128, PADDED_LENGTHS, 4, causal=True, padded=True),
+    Case("fp16", 64, PADDED_LENGTHS, 4, causal=False, padded=True)]
+
+
+@requires_sm90
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ROW_BAND_CASES, ids=lambda case: case.id)
+def test_row_band_backward_matches_fallback(case: Case, monkeypatch):
+    """Split rows by bands common to every KV tile, launched band by band
+    (`BwdSpec.row_bands`, a tuner variant: compressed keys with the two-kernel path, dense
+    calls with the fused dQ), including bands that see none of a KV tile's keys."""
+    from kernels.sm90 import backward
+    from kernels.sm90 import spec as sm90_spec
+
+    monkeypatch.setattr(sm90_spec, "ROW_BANDS_FOR_SPLIT_ROWS", True)
+    monkeypatch.setattr(backward, "ROW_BAND_BYTES", 1 << 16)  # many bands at these sizes
+    launched = []
+    launch = backward._launch
+    monkeypatch.setattr(backward, "_launch",
+                        lambda spec, *args: (launched.append(spec), launch(spec, *args))[1])
+    check_against_fallback(case)
+    assert launched and all(spec.row_bands and spec.split_rows for spec in launched)
+
+
 @requires_sm90
 @pytest.mark.gpu
 @pytest.mark.parametrize("chunk", [None, 2], ids=["whole-lists", "chunks-of-2"])

@@ -295,6 +295,22 @@ def test_backward_wide_128_key_lists_per_query_head_take_the_fused_dq(head_dim):
         assert spec_for(lists).split_lists and spec_for(lists).dq_separate
 
 
+@pytest.mark.parametrize("call", ["compressed-causal", "causal"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_row_band_backward_variants_compile_for_sm90a(head_dim, call, monkeypatch):
+    """Split rows by bands launched band by band (`BwdSpec.row_bands`, behind
+    ROW_BANDS_FOR_SPLIT_ROWS): with the dQ kernel (compressed keys) and the fused dQ (dense
+    causal), as the switch dispatches them where split rows are."""
+    from kernels.sm90 import spec as sm90_spec
+
+    monkeypatch.setattr(sm90_spec, "ROW_BANDS_FOR_SPLIT_ROWS", True)
+    spec = _spec_of("bfloat16", head_dim, f"{call}/few-kv-tiles")
+    assert spec.row_bands and spec.split_rows and not spec.heavy_first
+    assert spec.fuses_dq == (call == "causal")
+    assert callable(compile_backward_on_fake_tensors(spec))
+    assert not _spec_of("bfloat16", head_dim, f"{call}/many-kv-tiles").row_bands
+
+
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_backward_row_statistics_kernel_compiles_for_sm90a(dtype, head_dim):
