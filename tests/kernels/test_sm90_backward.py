@@ -393,7 +393,10 @@ FUSED_LIST_CASES = [case for case in GRADIENT_CASES
 ROW_BAND_CASES = [case for case in GRADIENT_CASES
                   if case.compress_factor > 1 and case.kv_block is None] + [
     Case("bf16", 128, PADDED_LENGTHS, 4, causal=True, padded=True),
-    Case("fp16", 64, PADDED_LENGTHS, 4, causal=False, padded=True)]
+    Case("fp16", 64, PADDED_LENGTHS, 4, causal=False, padded=True),
+    # Long enough for the fused dQ (FUSED_DQ_MIN_KEYS), few enough KV tiles for split rows.
+    Case("bf16", 128, (4096, 4096), 16, causal=True, padded=True),
+    Case("bf16", 64, (4096, 4096), 16, causal=True, padded=True)]
 
 
 @requires_sm90
@@ -401,8 +404,9 @@ ROW_BAND_CASES = [case for case in GRADIENT_CASES
 @pytest.mark.parametrize("case", ROW_BAND_CASES, ids=lambda case: case.id)
 def test_row_band_backward_matches_fallback(case: Case, monkeypatch):
     """Split rows by bands common to every KV tile, launched band by band
-    (`BwdSpec.row_bands`, a tuner variant: compressed keys with the two-kernel path, dense
-    calls with the fused dQ), including bands that see none of a KV tile's keys."""
+    (`BwdSpec.row_bands`, a tuner variant: compressed keys and short dense calls with the
+    two-kernel path, 4096-key dense calls with the fused dQ), including bands that see none of
+    a KV tile's keys."""
     from kernels.sm90 import backward
     from kernels.sm90 import spec as sm90_spec
 
@@ -414,6 +418,8 @@ def test_row_band_backward_matches_fallback(case: Case, monkeypatch):
                         lambda spec, *args: (launched.append(spec), launch(spec, *args))[1])
     check_against_fallback(case)
     assert launched and all(spec.row_bands and spec.split_rows for spec in launched)
+    if case.lengths[0] >= sm90_spec.FUSED_DQ_MIN_KEYS and case.compress_factor == 1:
+        assert all(spec.fuses_dq for spec in launched)
 
 
 @requires_sm90
