@@ -25,7 +25,7 @@ from typing import Iterator, Sequence
 import torch
 
 from kernels.sm90.spec import QUERY_SLOT_ROWS  # the backward's query-tile rows
-from kernels.sm90.spec import fuses_listed_dq, list_shape, plain_mask, splits_lists
+from kernels.sm90.spec import list_shape, splits_lists
 
 # The fallback computes in any of these; the CuTe kernels accept a subset (their `can_run` says
 # which). float64 exists for oracles and gradcheck.
@@ -591,12 +591,9 @@ def int32_limits_reason(q, k, *, backward: bool = False, cu_seqlens_q=None, max_
                 "accumulator exceed its Int32 extent")
     # As kernels/sm90/spec.py `choose_backward_spec` decides: block-sparse lists that are split
     # into work units run a one-dimensional grid.
-    split = False
-    if block_sparse is not None:
-        lists = list_shape(block_sparse, num_heads, num_kv_heads)
-        split = splits_lists(block_sparse.col_block_size, deterministic, lists, fuses_listed_dq(
-            block_sparse.col_block_size, q.shape[-1], deterministic,
-            plain_mask(causal, window_size, compress_factor), lists))
+    split = block_sparse is not None and splits_lists(
+        block_sparse.col_block_size, q.shape[-1], deterministic, causal, window_size,
+        compress_factor, list_shape(block_sparse, num_heads, num_kv_heads))
     if not split and (num_seqs > GRID_YZ_MAX or num_kv_heads > GRID_YZ_MAX):
         return (f"the backward's grid (KV tiles, Hkv = {num_kv_heads}, S = {num_seqs}) "
                 f"exceeds CUDA's limit of {GRID_YZ_MAX} on its y and z extents")

@@ -399,15 +399,17 @@ class FlashAttentionBackwardSm90:
                                       entry_lo=mListOffsets[list_row],
                                       entry_hi=mListOffsets[list_row + 1])
         else:
-            m_min, m_max = block_range.m_block_min_max(n_block, seqlen_q, seqlen_k)
             if const_expr(self.spec.row_bands):
                 m_min, m_max = self.row_band(block_range, n_block, split, row_splits,
                                              seqlen_q, seqlen_k)
-            elif const_expr(self.spec.split_rows):
-                # This CTA's share of the KV tile's query tiles: one of row_splits equal runs.
-                share = (m_max - m_min + row_splits - 1) // row_splits
-                m_min = cutlass.min(m_min + split * share, m_max)
-                m_max = cutlass.min(m_min + share, m_max)
+            else:
+                m_min, m_max = block_range.m_block_min_max(n_block, seqlen_q, seqlen_k)
+                if const_expr(self.spec.split_rows):
+                    # This CTA's share of the KV tile's query tiles: one of row_splits equal
+                    # runs.
+                    share = (m_max - m_min + row_splits - 1) // row_splits
+                    m_min = cutlass.min(m_min + split * share, m_max)
+                    m_max = cutlass.min(m_min + share, m_max)
             # Query tiles in order: masked ones (the diagonal), unmasked ones, masked ones
             # again (the window's far edge). One loop per compile-time mask kind: a runtime
             # "does this step need the mask" branch between the S/dP products and their wait

@@ -501,28 +501,32 @@ def plain_mask(causal: bool, window_size, compress_factor: int) -> bool:
     return compress_factor == 1 and left < 0 and (bool(causal) or right < 0)
 
 
-def fuses_listed_dq(sparse_block_size, head_dim: int, deterministic: bool, plain_mask: bool,
-                    lists: ListShape | None) -> bool:
+def fuses_listed_dq(sparse_block_size, head_dim: int, deterministic: bool, causal: bool,
+                    window_size, compress_factor: int, lists: ListShape | None) -> bool:
     """Whether a block-sparse call's lists run as head-major work units with the fused dQ:
     128-key lists, one per query head, at least FUSED_DQ_MIN_LIST_WIDTH[head_dim] wide, with
     no compress factor or window (`plain_mask`: the fused dQ measured slower on compressed keys,
     session 17, and nothing else was measured), not in deterministic mode. `lists` None (a
     compile-only caller) counts as NSA's lists, one per KV group: not fused."""
-    if sparse_block_size != FUSED_DQ_LIST_BLOCK or deterministic or not plain_mask:
+    if sparse_block_size != FUSED_DQ_LIST_BLOCK or deterministic:
+        return False
+    if not plain_mask(causal, window_size, compress_factor):
         return False
     if lists is None or head_dim not in FUSED_DQ_MIN_LIST_WIDTH:
         return False
     return lists.per_query_head and lists.width >= FUSED_DQ_MIN_LIST_WIDTH[head_dim]
 
 
-def splits_lists(sparse_block_size, deterministic: bool, lists: ListShape | None,
-                 fused_lists: bool) -> bool:
+def splits_lists(sparse_block_size, head_dim: int, deterministic: bool, causal: bool,
+                 window_size, compress_factor: int, lists: ListShape | None) -> bool:
     """`BwdSpec.split_lists` of a call (`choose_backward_spec`; kernels/validate.py checks the
     grid by it): its lists run as work units, a one-dimensional grid. Lists that serve a KV
     group (NSA's; `lists` None counts as such) are split beside the dQ kernel; lists per query
     head only where they take the fused dQ (`fuses_listed_dq`)."""
-    return (sparse_block_size is not None and not deterministic
-            and (lists is None or lists.spans_kv_groups or fused_lists))
+    if sparse_block_size is None or deterministic:
+        return False
+    return lists is None or lists.spans_kv_groups or fuses_listed_dq(
+        sparse_block_size, head_dim, deterministic, causal, window_size, compress_factor, lists)
 
 
 def choose_backward_spec(
@@ -554,8 +558,9 @@ def choose_backward_spec(
                          f"(supported: {BACKWARD_HEAD_DIMS})")
     left, right = int(window_size[0]), int(window_size[1])
     tile_n = sparse_block_size if sparse_block_size is not None else BACKWARD_DENSE_TILE_N
-    fused_lists = fuses_listed_dq(sparse_block_size, head_dim, deterministic,
-                                  plain_mask(causal, window_size, compress_factor), lists)
+    list_call = (sparse_block_size, head_dim, deterministic, causal, window_size,
+                 compress_factor, lists)
+    fused_lists = fuses_listed_dq(*list_call)
     # Head dim 64 steps 128 query rows (FA3/FA4's tile there): at 64 rows a step's
     # exponentials, row statistics and barriers carried half the tensor work of head dim 128
     # (H100, session 18, the whole backward with FA4 in the same run: dense causal 0.83x ->
@@ -574,7 +579,7 @@ def choose_backward_spec(
         # tiles where the average runs ~8. Split lists into chunks (not in deterministic mode,
         # whose dK/dV must not depend on the order of float32 partial sums). Wide 128-key lists
         # per query head are split too (below, they take the fused dQ).
-        split_lists=splits_lists(sparse_block_size, deterministic, lists, fused_lists),
+        split_lists=splits_lists(*list_call),
         split_rows=(sparse_block_size is None and not deterministic and kv_tile_ctas is not None
                     and kv_tile_ctas < num_sms))
     # dQ fused into this kernel (FA3/FA4's order and dQ writer warp, `fuses_dq`) where
