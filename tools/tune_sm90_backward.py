@@ -39,9 +39,9 @@ VARIANTS = {
     # kernels.sm90.backward.LIST_CHUNK in the child).
     "split_lists off": dict(split_lists=False),
     "list_chunk 48": dict(list_chunk=48),
-    # Split-list units beside the dQ kernel taken head by head (the fused dQ's order; sets
-    # kernels.sm90.backward.HEAD_MAJOR_UNITS_WITH_DQ_KERNEL in the child).
-    "units head-major": dict(head_major_units=True),
+    # Split-list units taken KV block by KV block instead of head by head (sets
+    # kernels.sm90.backward.UNITS_HEAD_MAJOR in the child).
+    "units CSR order": dict(head_major_units=False),
     # dQ in the query-centric kernel (kernels/sm90/bwd_dq_sm90.py) or fused into the KV-centric
     # one (not at 64-key tiles and head dim 128: two dQ products per step).
     "dq own kernel": dict(dq_separate=True),
@@ -117,10 +117,10 @@ def run_variant(case: str, variant: str, n: int, heads: int, heads_kv: int, dim:
     def call(overrides):
         overrides = dict(overrides)
         backward.LIST_CHUNK = overrides.pop("list_chunk", chunk)
-        backward.HEAD_MAJOR_UNITS_WITH_DQ_KERNEL = overrides.pop("head_major_units", head_major)
+        backward.UNITS_HEAD_MAJOR = overrides.pop("head_major_units", head_major)
         return backward.run(dout, q, k, v, out, lse, spec_overrides=overrides or None, **common)
 
-    chunk, head_major = backward.LIST_CHUNK, backward.HEAD_MAJOR_UNITS_WITH_DQ_KERNEL
+    chunk, head_major = backward.LIST_CHUNK, backward.UNITS_HEAD_MAJOR
 
     reference = call({})
     grads = call(VARIANTS[variant])

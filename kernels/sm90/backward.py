@@ -43,11 +43,13 @@ _LOG2_E = 1.4426950408889634
 # `BwdSpec.split_lists`: list entries (128-row query tiles) per work unit. NSA's lists average
 # about 8 entries per KV block; block 0's has one per query tile.
 LIST_CHUNK = 16  # (beside the dQ kernel; the fused dQ's units are longer: `list_chunk`)
-# Split-list units beside the dQ kernel taken head by head as the fused dQ's are (a tuner
-# variant, tools/tune_sm90_backward.py "units head-major"): the CTAs running together would
-# read one KV group's Q and dO, which L2 might hold, instead of every group's at random query
-# tiles (NSA's selected branch: about 17.5 GB of Q/dO reads at 64K). Not measured yet.
-HEAD_MAJOR_UNITS_WITH_DQ_KERNEL = False
+# Split-list units taken head by head (list head by list head), beside the dQ kernel as with
+# the fused dQ: the CTAs running together read one KV group's Q and dO, which L2 holds, instead
+# of every group's at random query tiles. H100, session 25, NSA-like 16 x 64-key lists per KV
+# group (H=32, Hkv=8, D=128), the whole backward, CSR order / head by head: 16K 2.57 / 2.14 ms,
+# 64K 10.18 / 9.09; random 25% 64-key lists per query head 5.77 / 5.75 and 101.5 / 101.8.
+# False (the tuner's "units CSR order") takes them KV block by KV block.
+UNITS_HEAD_MAJOR = True
 # Rows per chunk of the preprocess and postprocess (bounds their float32 temporaries).
 _CHUNK_ROWS = 32768
 
@@ -73,13 +75,13 @@ def can_run(q, k, v, *, block_sparse=None, causal=False, window_size=(-1, -1),
 
 
 def _spec_for(q, k, causal, window_size, block_sparse, compress_factor, deterministic,
-              kv_tile_ctas=None, max_seqlen_k=None):
+              kv_tile_ctas=None, max_seqlen_k=None, dq_accumulator_bytes=None):
     return choose_backward_spec(
         dtype=str(q.dtype).removeprefix("torch."), head_dim=q.shape[-1], causal=causal,
         window_size=window_size, compress_factor=compress_factor,
         sparse_block_size=block_sparse.col_block_size if block_sparse is not None else None,
         deterministic=deterministic, kv_tile_ctas=kv_tile_ctas, max_seqlen_k=max_seqlen_k,
-        num_sms=_sm_count(q.device),
+        num_sms=_sm_count(q.device), dq_accumulator_bytes=dq_accumulator_bytes,
         lists=None if block_sparse is None else list_shape(block_sparse, q.shape[-2],
                                                             k.shape[-2]))
 
@@ -148,7 +150,7 @@ def run(
     kv_tile_ctas = (-(-(max_seqlen_k or 0) // BACKWARD_DENSE_TILE_N) * k.shape[1]
                     * (cu_seqlens_q.numel() - 1))
     spec = _spec_for(q, k, causal, window_size, block_sparse, compress_factor, deterministic,
-                     kv_tile_ctas, max_seqlen_k)
+                     kv_tile_ctas, max_seqlen_k, dq_accumulator_bytes=4 * q.numel())
     if spec_overrides:
         spec = dataclasses.replace(spec, **spec_overrides)
 
@@ -199,7 +201,7 @@ def run(
             lists = (csr.offsets, csr.index, csr.mask_count, csr.row_block_offsets)
             if spec.split_lists:
                 units = work_units(csr, list_chunk(csr, spec),
-                                   head_major=spec.fuses_dq or HEAD_MAJOR_UNITS_WITH_DQ_KERNEL)
+                                   head_major=UNITS_HEAD_MAJOR)
                 num_ctas = units.shape[0]
         if max_seqlen_k > 0 and num_ctas > 0:
             tensors = (q, k, v, dout, lse_log2, dpsum, dq_acc, dk, dv, cu_seqlens_q,

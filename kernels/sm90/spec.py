@@ -471,8 +471,19 @@ ALTERNATE_STEPS_AT_64_KEYS = False
 # 4.02 at 64K, 15.1 -> 13.9 at 128K, 61.9 -> 51.0 at 256K.
 HEAVY_FIRST_COMPRESSED_CAUSAL = True
 # `BwdSpec.row_bands` wherever `split_rows` is dispatched: a switch for the GPU tests (the
-# tuner turns the spec field itself); off until measured.
+# tuner turns the spec field itself).
 ROW_BANDS_FOR_SPLIT_ROWS = False
+# Compressed causal keys from this many keys on (the longest sequence) run split rows by bands
+# with the fused dQ (`BwdSpec.row_bands`): the CTAs running together add into about one band
+# of the float32 dQ accumulator, which L2 holds, and the query-centric dQ kernel's three
+# products per step become one. H100, session 25, compress factor 64, H=32, Hkv=8, D=128, the
+# whole backward (heaviest first with the dQ kernel / row bands with it / row bands fused):
+# 64K (1024 keys) 4.02 / 3.89 / 4.38 ms, 256K (4096 keys) 50.2 / 50.0 / 46.2.
+ROW_BANDS_FUSED_MIN_KEYS = 4096
+# ... while that accumulator (4 bytes per query row, head and dim) stays within this: the dQ
+# kernel needs none, and nsa()'s backward at 1M tokens (H=32, D=128: a 16 GiB accumulator)
+# must stay within 1.5x of its gradients' memory.
+ROW_BANDS_FUSED_MAX_ACCUMULATOR_BYTES = 4 << 30
 BACKWARD_DENSE_TILE_N = 128  # keys per backward CTA without block-sparse lists
 H100_NUM_SMS = 132  # the SM count assumed where no GPU is asked (compile-only dispatch)
 
@@ -534,7 +545,7 @@ def choose_backward_spec(
     compress_factor: int = 1, sparse_block_size: int | None = None,
     deterministic: bool = False, kv_tile_ctas: int | None = None,
     max_seqlen_k: int | None = None, num_sms: int = H100_NUM_SMS,
-    lists: ListShape | None = None,
+    lists: ListShape | None = None, dq_accumulator_bytes: int | None = None,
 ) -> BwdSpec:
     """The backward variant the dispatcher compiles for a call. Head dims above 128 do not fit:
     dK and dV of a 64-key warpgroup slice take 64 x D float32 registers each per thread group
@@ -552,7 +563,10 @@ def choose_backward_spec(
     would walk one head of the group and add float32 dK/dV partials per head (random lists per
     query head, 25% of the 128-key blocks at 16K: 13.6 ms split, 7.3 ms with one CTA walking
     the group, session 11); except wide 128-key lists, whose units take the fused dQ
-    (`fuses_listed_dq`, session 24)."""
+    (`fuses_listed_dq`, session 24).
+
+    `dq_accumulator_bytes` (4 x q's elements; None: unknown, a compile-only caller) bounds the
+    float32 dQ accumulator of compressed keys' fused row bands (ROW_BANDS_FUSED_MAX_ACCUMULATOR_BYTES)."""
     if head_dim not in BACKWARD_HEAD_DIMS:
         raise ValueError(f"no sm90 backward variant for head_dim {head_dim} "
                          f"(supported: {BACKWARD_HEAD_DIMS})")
@@ -614,6 +628,13 @@ def choose_backward_spec(
         assert spec.can_fuse_dq and spec.split_lists, spec
     if (plain and long_keys or fused_lists) and spec.can_fuse_dq:
         spec = dataclasses.replace(spec, dq_separate=False)
+    compressed_causal = (spec.compressed and spec.causal and not spec.block_sparse
+                         and not spec.has_window_left)
+    if (compressed_causal and spec.can_fuse_dq and max_seqlen_k is not None
+            and max_seqlen_k >= ROW_BANDS_FUSED_MIN_KEYS and dq_accumulator_bytes is not None
+            and dq_accumulator_bytes <= ROW_BANDS_FUSED_MAX_ACCUMULATOR_BYTES):
+        spec = dataclasses.replace(spec, split_rows=True, row_bands=True, heavy_first=False,
+                                   dq_separate=False)
     if ROW_BANDS_FOR_SPLIT_ROWS and spec.split_rows:
         spec = dataclasses.replace(spec, row_bands=True, heavy_first=False)
     if not spec.fits_in_smem():

@@ -422,6 +422,32 @@ def test_row_band_backward_matches_fallback(case: Case, monkeypatch):
         assert all(spec.fuses_dq for spec in launched)
 
 
+COMPRESSED_CASES = [case for case in GRADIENT_CASES
+                    if case.compress_factor > 1 and case.kv_block is None]
+
+
+@requires_sm90
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", COMPRESSED_CASES, ids=lambda case: case.id)
+def test_compressed_fused_row_band_backward_matches_fallback(case: Case, monkeypatch):
+    """Compressed causal keys with the fused dQ in row bands (dispatched from
+    ROW_BANDS_FUSED_MIN_KEYS keys on; the test lowers the bar and the band size so these
+    lengths take many bands); windowed and non-causal compressed calls keep their path."""
+    from kernels.sm90 import backward
+    from kernels.sm90 import spec as sm90_spec
+
+    monkeypatch.setattr(sm90_spec, "ROW_BANDS_FUSED_MIN_KEYS", 1)
+    monkeypatch.setattr(backward, "ROW_BAND_BYTES", 1 << 16)
+    launched = []
+    launch = backward._launch
+    monkeypatch.setattr(backward, "_launch",
+                        lambda spec, *args: (launched.append(spec), launch(spec, *args))[1])
+    check_against_fallback(case)
+    fused_bands = case.causal and case.window == (-1, -1) and not case.deterministic
+    assert launched and all(spec.row_bands == spec.fuses_dq == fused_bands
+                            for spec in launched), launched
+
+
 @requires_sm90
 @pytest.mark.gpu
 @pytest.mark.parametrize("chunk", [None, 2], ids=["whole-lists", "chunks-of-2"])

@@ -313,6 +313,33 @@ def test_row_band_backward_variants_compile_for_sm90a(head_dim, call, monkeypatc
 
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_compressed_fused_row_band_variant_compiles_for_sm90a(dtype, head_dim):
+    """Long compressed causal keys take split rows by bands with the fused dQ while its float32
+    accumulator stays within ROW_BANDS_FUSED_MAX_ACCUMULATOR_BYTES; shorter keys, a larger
+    accumulator, an unknown one, a window or the deterministic mode keep the dQ kernel."""
+    from kernels.sm90.spec import (ROW_BANDS_FUSED_MAX_ACCUMULATOR_BYTES,
+                                   ROW_BANDS_FUSED_MIN_KEYS)
+
+    def spec_for(keys=ROW_BANDS_FUSED_MIN_KEYS, accumulator=1 << 30, **options):
+        call = dict(dtype=dtype, head_dim=head_dim, causal=True, window_size=(-1, -1),
+                    compress_factor=64, kv_tile_ctas=GRID_SIZES["many-kv-tiles"],
+                    max_seqlen_k=keys, dq_accumulator_bytes=accumulator) | options
+        return choose_backward_spec(**call)
+
+    spec = spec_for()
+    assert spec.row_bands and spec.split_rows and spec.fuses_dq and not spec.heavy_first
+    assert spec.partial_dkv and spec.fits_in_smem()  # nsa()'s float32 dk, dv take its partials
+    assert callable(compile_backward_on_fake_tensors(spec))
+    for other in (dict(keys=ROW_BANDS_FUSED_MIN_KEYS - 1),
+                  dict(accumulator=ROW_BANDS_FUSED_MAX_ACCUMULATOR_BYTES + 1),
+                  dict(accumulator=None), dict(window_size=(1023, 0)),
+                  dict(deterministic=True), dict(causal=False)):
+        other_spec = spec_for(**other)
+        assert other_spec.dq_separate and not other_spec.row_bands, other
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_backward_row_statistics_kernel_compiles_for_sm90a(dtype, head_dim):
     from kernels.sm90.bwd_preprocess import PreprocessSpec
     from kernels.sm90.compile import compile_preprocess_on_fake_tensors

@@ -56,6 +56,24 @@ def test_nsa_on_kernels_matches_reference(case):
 
 
 @requires_sm90
+def test_nsa_with_fused_compressed_row_bands_matches_reference(monkeypatch):
+    """The compressed branch's backward with the fused dQ in row bands (dispatched from
+    ROW_BANDS_FUSED_MIN_KEYS compressed keys on, 256K tokens at the defaults; lowered here),
+    adding into nsa()'s running dq and float32 dk, dv."""
+    from kernels.sm90 import backward
+    from kernels.sm90 import spec as sm90_spec
+
+    monkeypatch.setattr(sm90_spec, "ROW_BANDS_FUSED_MIN_KEYS", 1)
+    monkeypatch.setattr(backward, "ROW_BAND_BYTES", 1 << 16)
+    launched = []
+    launch = backward._launch
+    monkeypatch.setattr(backward, "_launch",
+                        lambda spec, *args: (launched.append(spec), launch(spec, *args))[1])
+    test_nsa_on_kernels_matches_reference(CASES[0])
+    assert any(spec.row_bands and spec.fuses_dq and spec.compressed for spec in launched)
+
+
+@requires_sm90
 def test_nsa_padded_equals_packed_on_kernels():
     torch.manual_seed(3)
     q = torch.randn(2, 1100, 8, 128, device="cuda", dtype=torch.bfloat16)
