@@ -478,8 +478,9 @@ ROW_BANDS_FOR_SPLIT_ROWS = False
 # of the float32 dQ accumulator, which L2 holds, and the query-centric dQ kernel's three
 # products per step become one. H100, session 25, compress factor 64, H=32, Hkv=8, D=128, the
 # whole backward (heaviest first with the dQ kernel / row bands with it / row bands fused):
-# 64K (1024 keys) 4.02 / 3.89 / 4.38 ms, 256K (4096 keys) 50.2 / 50.0 / 46.2.
-ROW_BANDS_FUSED_MIN_KEYS = 4096
+# 64K (1024 keys) 4.02 / 3.89 / 4.38 ms, 128K (2048 keys) 13.73 / - / 13.06, 256K (4096
+# keys) 50.2 / 50.0 / 46.2.
+ROW_BANDS_FUSED_MIN_KEYS = 2048
 # ... while that accumulator (4 bytes per query row, head and dim) stays within this: the dQ
 # kernel needs none, and nsa()'s backward at 1M tokens (H=32, D=128: a 16 GiB accumulator)
 # must stay within 1.5x of its gradients' memory.
