@@ -20,6 +20,12 @@ timed alone on the previous stage's real outputs: `--warmup` untimed calls, then
 (forward; forward+backward) for comparison with the sums. The backward needs the forward's
 outputs: with `--passes bwd` the forward stages run once, untimed.
 
+On a GPU each stage gets two times. "eager ms": the events span the host's work too, what an
+eager caller waits for; at 16K a stage of a few launches is host-bound there (compression's
+10-us kernels read 0.2 ms). "device ms": a spin kernel queued first lets the host enqueue the
+whole stage before the start event (`_common.time_ms(gpu_only=True)`), so the events bracket
+the launched work alone, as a CUDA graph replays it; the shares are of the device times.
+
     python tools/profile_nsa.py                                  # per-device default sizes
     python tools/profile_nsa.py --seqlens 65536 --json profile.json
     python tools/profile_nsa.py --passes fwd                     # the forward alone
@@ -54,6 +60,7 @@ from _common import (  # noqa: E402
 
 STAGES = ("compress k, v", "select blocks", "build block lists", "compressed branch",
           "selected branch", "window branch", "gate + combine")
+GLUE_STAGES = STAGES[:3]  # issue 15's glue: at most 15% of the forward
 PASSES = ("fwd", "bwd")
 BRANCH_NAMES = ("compressed", "selected", "window")  # nsa.branches' order (Branch.index)
 GATE_WEIGHTS, TRANSPOSED_LISTS, GATE_BACKWARD, GRADIENT_SUMS = (
@@ -111,8 +118,12 @@ def profile(seqlen: int, args) -> dict:
     l = config.compress_block_size
     forward_timed = "fwd" in args.passes
 
-    def timed(fn) -> float:
-        return time_ms(fn, args.device, warmup=args.warmup, repeats=args.repeats)
+    def timed(fn) -> tuple[float, float | None]:
+        """(eager ms, device ms or None off the GPU) of fn (the module docstring)."""
+        eager = time_ms(fn, args.device, warmup=args.warmup, repeats=args.repeats)
+        if args.device.type != "cuda":
+            return eager, None
+        return eager, time_ms(fn, args.device, warmup=0, repeats=args.repeats, gpu_only=True)
 
     def nsa_call(q_, k_, v_, W_gate_):
         return nsa(q_, k_, v_, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, W_gate=W_gate_,
@@ -178,10 +189,9 @@ def profile(seqlen: int, args) -> dict:
         end_to_end = timed(lambda: nsa_call(q, k, v, W_gate))
         selected_lists = branches[1].kernel_kwargs["block_sparse"]
         result.update({
-            "stages": [{"stage": name, "ms": ms, "backend": backend}
-                       for name, ms, backend in rows],
-            "sum_ms": sum(ms for _, ms, _ in rows),
-            "nsa_forward_ms": end_to_end,
+            **stage_rows("stages", "sum", rows),
+            "nsa_forward_ms": end_to_end[0], "nsa_forward_device_ms": end_to_end[1],
+            **glue_of(rows),
             "selected_lists_per_tile": int(selected_lists.full_index.shape[-1]
                                            + selected_lists.mask_index.shape[-1]),
         })
@@ -246,7 +256,7 @@ def profile_backward(q, k, v, W_gate, cu_seqlens, cu_seqlens_cmp, sequences, con
 
             step = stage(f"{name}: {BRANCH_BACKWARD_STEPS[0]}", recompute_row_dots,
                          "sm90, writes <dO, o_b> (gate pass included)", into=rows)
-            rows.append((f"{name}: {BRANCH_BACKWARD_STEPS[1]}", 0.0, "in recompute fwd"))
+            rows.append((f"{name}: {BRANCH_BACKWARD_STEPS[1]}", (0.0, 0.0), "in recompute fwd"))
         else:
             block_starts, keys, values, branch_out, _ = recompute()
             rows.append((f"{name}: {BRANCH_BACKWARD_STEPS[0]}", timed(recompute),
@@ -293,39 +303,83 @@ def profile_backward(q, k, v, W_gate, cu_seqlens, cu_seqlens_cmp, sequences, con
         out = nsa_call(*inputs[:3], inputs[3] if W_gate is not None else None)
         return torch.autograd.grad(out, inputs, dout)
 
-    return {
-        "backward_stages": [{"stage": name, "ms": ms, "backend": backend}
-                            for name, ms, backend in rows],
-        "backward_sum_ms": sum(ms for _, ms, _ in rows),
-        "nsa_forward_backward_ms": timed(forward_backward),
-    }
+    end_to_end = timed(forward_backward)
+    return {**stage_rows("backward_stages", "backward_sum", rows),
+            "nsa_forward_backward_ms": end_to_end[0],
+            "nsa_forward_backward_device_ms": end_to_end[1]}
+
+
+def stage_rows(key: str, sum_key: str, rows) -> dict:
+    """The JSON of (name, (eager ms, device ms), backend) rows and their sums."""
+    device = [timing[1] for _, timing, _ in rows]
+    return {key: [{"stage": name, "ms": timing[0], "device_ms": timing[1], "backend": backend}
+                  for name, timing, backend in rows],
+            f"{sum_key}_ms": sum(timing[0] for _, timing, _ in rows),
+            f"{sum_key}_device_ms": None if None in device else sum(device)}
+
+
+def glue_of(rows) -> dict:
+    """Compression + selection + list building (the GLUE_STAGES rows): eager and device ms,
+    and their share of the stages' sum (of device time on a GPU)."""
+    glue = [timing for name, timing, _ in rows if name in GLUE_STAGES]
+    eager = sum(t[0] for t in glue)
+    device = None if any(t[1] is None for t in glue) else sum(t[1] for t in glue)
+    if device is None:
+        share = eager / max(sum(t[0] for _, t, _ in rows), 1e-12)
+    else:
+        share = device / max(sum(t[1] for _, t, _ in rows), 1e-12)
+    return {"glue_ms": eager, "glue_device_ms": device, "glue_share": share}
+
+
+def _table(title: str, stages, total_ms, total_device_ms, width: int) -> list[str]:
+    """Rows of eager ms, device ms and the share (of device time on a GPU, else of eager)."""
+    on_device = total_device_ms is not None
+    total = total_device_ms if on_device else total_ms
+    share = "share dev" if on_device else "share"
+    lines = [f"  {title:<{width}} {'eager ms':>10} {'device ms':>10} {share:>9}  backend",
+             "  " + "-" * (width + 40)]
+    for stage in stages:
+        device = stage["device_ms"]
+        part = device if on_device else stage["ms"]
+        lines.append(f"  {stage['stage']:<{width}} {stage['ms']:10.3f} "
+                     f"{'-' if device is None else f'{device:.3f}':>10} "
+                     f"{part / total if total else 0.0:9.1%}  {stage['backend']}")
+    return lines
+
+
+def _ms_pair(eager: float, device: float | None) -> str:
+    return f"{eager:10.3f} {'-' if device is None else f'{device:.3f}':>10}"
 
 
 def format_profile(result: dict) -> str:
     lines = [f"N={result['seqlen']} ({result['tokens']} tokens in {result['sequences']} "
              f"sequences)"]
     if "stages" in result:
-        total = result["sum_ms"]
-        lines += [f"  {'stage':<20} {'ms':>10} {'share':>7}  backend", "  " + "-" * 60]
-        for stage in result["stages"]:
-            lines.append(f"  {stage['stage']:<20} {stage['ms']:10.3f} "
-                         f"{stage['ms'] / total:7.1%}  {stage['backend']}")
-        lines.append(f"  {'sum of stages':<20} {total:10.3f}")
-        lines.append(f"  {'nsa() forward':<20} {result['nsa_forward_ms']:10.3f}  (end to end)")
+        lines += _table("stage", result["stages"], result["sum_ms"], result["sum_device_ms"], 20)
+        lines.append(f"  {'sum of stages':<20} "
+                     f"{_ms_pair(result['sum_ms'], result['sum_device_ms'])}")
+        lines.append(f"  {'glue (first three)':<20} "
+                     f"{_ms_pair(result['glue_ms'], result['glue_device_ms'])} "
+                     f"{result['glue_share']:9.1%}  of the sum")
+        lines.append(f"  {'nsa() forward':<20} "
+                     f"{_ms_pair(result['nsa_forward_ms'], result['nsa_forward_device_ms'])}"
+                     f"  (end to end)")
     if "backward_stages" in result:
-        total = result["backward_sum_ms"]
         if "stages" in result:
             lines.append("")
-        lines += [f"  {'backward stage':<28} {'ms':>10} {'share':>7}  backend",
-                  "  " + "-" * 68]
-        for stage in result["backward_stages"]:
-            lines.append(f"  {stage['stage']:<28} {stage['ms']:10.3f} "
-                         f"{stage['ms'] / total:7.1%}  {stage['backend']}")
-        lines.append(f"  {'sum of backward stages':<28} {total:10.3f}")
+        lines += _table("backward stage", result["backward_stages"], result["backward_sum_ms"],
+                        result["backward_sum_device_ms"], 28)
+        lines.append(f"  {'sum of backward stages':<28} "
+                     f"{_ms_pair(result['backward_sum_ms'], result['backward_sum_device_ms'])}")
         if "stages" in result:
-            lines.append(f"  {'sum of fwd + bwd stages':<28} {result['sum_ms'] + total:10.3f}")
-        lines.append(f"  {'nsa() forward+backward':<28} "
-                     f"{result['nsa_forward_backward_ms']:10.3f}  (end to end)")
+            both = [(result["sum_ms"], result["sum_device_ms"]),
+                    (result["backward_sum_ms"], result["backward_sum_device_ms"])]
+            device = None if None in (both[0][1], both[1][1]) else both[0][1] + both[1][1]
+            lines.append(f"  {'sum of fwd + bwd stages':<28} "
+                         f"{_ms_pair(both[0][0] + both[1][0], device)}")
+        end_to_end = _ms_pair(result["nsa_forward_backward_ms"],
+                              result["nsa_forward_backward_device_ms"])
+        lines.append(f"  {'nsa() forward+backward':<28} {end_to_end}  (end to end)")
     return "\n".join(lines)
 
 

@@ -178,6 +178,12 @@ def test_profile_times_every_stage(tmp_path):
     assert result["sum_ms"] == pytest.approx(sum(s["ms"] for s in result["stages"]))
     assert result["nsa_forward_ms"] > 0 and result["passes"] == ["fwd"]
     assert "backward_stages" not in result and "nsa_forward_backward_ms" not in result
+    # Off the GPU no device time; the glue is the first three stages' share of the sum.
+    assert all(s["device_ms"] is None for s in result["stages"])
+    assert result["sum_device_ms"] is None and result["nsa_forward_device_ms"] is None
+    glue = sum(s["ms"] for s in result["stages"][:3])
+    assert result["glue_ms"] == pytest.approx(glue) and result["glue_device_ms"] is None
+    assert result["glue_share"] == pytest.approx(glue / result["sum_ms"])
 
 
 EVERY_BACKWARD_STAGE = [
@@ -211,7 +217,7 @@ def test_profile_times_every_forward_and_backward_stage(tmp_path, capsys):
     backends = {s["stage"]: s["backend"] for s in result["backward_stages"]}
     assert backends["selected: attention bwd"].startswith("fallback")
     for stage in [*profile.STAGES, *EVERY_BACKWARD_STAGE, "sum of backward stages",
-                  "sum of fwd + bwd stages", "nsa() forward+backward"]:
+                  "sum of fwd + bwd stages", "nsa() forward+backward", "glue (first three)"]:
         assert stage in printed
 
 
