@@ -125,8 +125,13 @@ def profile(seqlen: int, args) -> dict:
             return eager, None
         return eager, time_ms(fn, args.device, warmup=0, repeats=args.repeats, gpu_only=True)
 
+    # End to end as a training loop calls it: with the host copy of the bounds (without it
+    # nsa() reads cu_seqlens back, a sync that the device-time column would count as work).
+    host_cu_seqlens = tuple(cu_seqlens.tolist())
+
     def nsa_call(q_, k_, v_, W_gate_):
         return nsa(q_, k_, v_, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, W_gate=W_gate_,
+                   host_cu_seqlens=host_cu_seqlens,
                    num_cmp_selected_blocks=args.num_cmp_selected_blocks, **nsa_options(args))
 
     # Each stage as NSAFunction.forward runs it, with the host copies of the sequence bounds it
