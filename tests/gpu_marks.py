@@ -1,5 +1,6 @@
 """The skip mark of tests that need our sm_90 kernels on a GPU (they also carry the `gpu` mark,
-which CI deselects). One definition for tests/kernels and tests/nsa."""
+which CI deselects), and a recorder of the backward kernels launched. One definition for
+tests/kernels and tests/nsa."""
 import pytest
 import torch
 
@@ -10,3 +11,15 @@ def sm90_available() -> bool:
 
 
 requires_sm90 = pytest.mark.skipif(not sm90_available(), reason="needs an sm_90 GPU")
+
+
+def record_backward_launches(monkeypatch) -> list:
+    """The `BwdSpec` of every sm90 backward kernel launch from here on, in order (wraps
+    kernels.sm90.backward._launch): GPU tests assert the variant the dispatcher picked ran."""
+    from kernels.sm90 import backward
+
+    launched = []
+    launch = backward._launch
+    monkeypatch.setattr(backward, "_launch",
+                        lambda spec, *args: (launched.append(spec), launch(spec, *args))[1])
+    return launched

@@ -35,7 +35,7 @@ import torch
 
 import kernels
 from kernels.fallback import attention_backward_fallback, attention_forward_fallback
-from gpu_marks import requires_sm90
+from gpu_marks import record_backward_launches, requires_sm90
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 HEAD_DIMS = (64, 128)
@@ -412,10 +412,7 @@ def test_row_band_backward_matches_fallback(case: Case, monkeypatch):
 
     monkeypatch.setattr(sm90_spec, "ROW_BANDS_FOR_SPLIT_ROWS", True)
     monkeypatch.setattr(backward, "ROW_BAND_BYTES", 1 << 16)  # many bands at these sizes
-    launched = []
-    launch = backward._launch
-    monkeypatch.setattr(backward, "_launch",
-                        lambda spec, *args: (launched.append(spec), launch(spec, *args))[1])
+    launched = record_backward_launches(monkeypatch)
     check_against_fallback(case)
     assert launched and all(spec.row_bands and spec.split_rows for spec in launched)
     if case.lengths[0] >= sm90_spec.FUSED_DQ_MIN_KEYS and case.compress_factor == 1:
@@ -438,10 +435,7 @@ def test_compressed_fused_row_band_backward_matches_fallback(case: Case, monkeyp
 
     monkeypatch.setattr(sm90_spec, "ROW_BANDS_FUSED_MIN_KEYS", 1)
     monkeypatch.setattr(backward, "ROW_BAND_BYTES", 1 << 16)
-    launched = []
-    launch = backward._launch
-    monkeypatch.setattr(backward, "_launch",
-                        lambda spec, *args: (launched.append(spec), launch(spec, *args))[1])
+    launched = record_backward_launches(monkeypatch)
     check_against_fallback(case)
     fused_bands = case.causal and case.window == (-1, -1) and not case.deterministic
     assert launched and all(spec.row_bands == spec.fuses_dq == fused_bands

@@ -16,7 +16,7 @@ import kernels
 from nsa import nsa, nsa_reference
 from nsa.branches import COMPRESSED, SELECTED, WINDOW, Branch
 from nsa_testing import cu_seqlens_of, differentiable, grads_of, random_inputs, rel_err
-from gpu_marks import requires_sm90
+from gpu_marks import record_backward_launches, requires_sm90
 
 pytestmark = pytest.mark.gpu
 
@@ -65,10 +65,7 @@ def test_nsa_with_fused_compressed_row_bands_matches_reference(monkeypatch):
 
     monkeypatch.setattr(sm90_spec, "ROW_BANDS_FUSED_MIN_KEYS", 1)
     monkeypatch.setattr(backward, "ROW_BAND_BYTES", 1 << 16)
-    launched = []
-    launch = backward._launch
-    monkeypatch.setattr(backward, "_launch",
-                        lambda spec, *args: (launched.append(spec), launch(spec, *args))[1])
+    launched = record_backward_launches(monkeypatch)
     test_nsa_on_kernels_matches_reference(CASES[0])
     assert any(spec.row_bands and spec.fuses_dq and spec.compressed for spec in launched)
 
