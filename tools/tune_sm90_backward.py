@@ -48,9 +48,13 @@ VARIANTS = {
     "dq fused": dict(dq_separate=False),
     # 64-key tiles at head dim 128: two CTAs per SM serialise every wgmma (232 registers).
     "one CTA per SM": dict(one_cta_per_sm=True),
-    # Dense walks: CTAs launched KV tile by KV tile (heads innermost), heaviest first
-    # (dispatched for compressed causal keys).
-    "heavy first": dict(heavy_first=True),
+    # Dense walks: CTAs launched KV tile by KV tile (heads innermost), heaviest first, with the
+    # dQ kernel (dispatched for compressed causal keys below ROW_BANDS_FUSED_MIN_KEYS; above,
+    # the dispatch before session 25, with "... one CTA per tile" where the KV tiles fill the
+    # SMs).
+    "heavy first": dict(heavy_first=True, row_bands=False, dq_separate=True),
+    "heavy first, one CTA per tile": dict(heavy_first=True, row_bands=False, dq_separate=True,
+                                          split_rows=False),
     # Split rows by bands common to every KV tile, launched band by band, with the fused dQ:
     # its float32 sums then land in about one band of rows at a time (compressed keys: each
     # query row meets few KV tiles, and the whole accumulator missed L2, session 18).
@@ -174,7 +178,7 @@ def main(argv=None):
                     continue  # 128-row steps: head dim 64 with two key warpgroups only
                 if variant == "alternate steps" and block != 64:
                     continue  # 64-key tiles only
-                if variant == "heavy first" and sparse:
+                if variant.startswith("heavy first") and sparse:
                     continue  # dense walks only
                 rows.append(_child(case, variant, n, args))
                 print(_format(rows[-1]), flush=True)
