@@ -193,10 +193,11 @@ def profile(seqlen: int, args) -> dict:
         del combine_terms
         end_to_end = timed(lambda: nsa_call(q, k, v, W_gate))
         selected_lists = branches[1].kernel_kwargs["block_sparse"]
+        stages = stage_rows("stages", "sum", rows)
         result.update({
-            **stage_rows("stages", "sum", rows),
+            **stages,
             "nsa_forward_ms": end_to_end[0], "nsa_forward_device_ms": end_to_end[1],
-            **glue_of(rows),
+            **glue_of(stages),
             "selected_lists_per_tile": int(selected_lists.full_index.shape[-1]
                                            + selected_lists.mask_index.shape[-1]),
         })
@@ -323,17 +324,18 @@ def stage_rows(key: str, sum_key: str, rows) -> dict:
             f"{sum_key}_device_ms": None if None in device else sum(device)}
 
 
-def glue_of(rows) -> dict:
-    """Compression + selection + list building (the GLUE_STAGES rows): eager and device ms,
-    and their share of the stages' sum (of device time on a GPU)."""
-    glue = [timing for name, timing, _ in rows if name in GLUE_STAGES]
-    eager = sum(t[0] for t in glue)
-    device = None if any(t[1] is None for t in glue) else sum(t[1] for t in glue)
-    if device is None:
-        share = eager / max(sum(t[0] for _, t, _ in rows), 1e-12)
-    else:
-        share = device / max(sum(t[1] for _, t, _ in rows), 1e-12)
-    return {"glue_ms": eager, "glue_device_ms": device, "glue_share": share}
+def glue_of(forward: dict) -> dict:
+    """Compression + selection + list building (the GLUE_STAGES rows of the forward's
+    `stage_rows`): eager and device ms, and their share of the stages' sum (of device time on
+    a GPU)."""
+    glue = [stage for stage in forward["stages"] if stage["stage"] in GLUE_STAGES]
+    eager = sum(stage["ms"] for stage in glue)
+    if forward["sum_device_ms"] is None:
+        return {"glue_ms": eager, "glue_device_ms": None,
+                "glue_share": eager / max(forward["sum_ms"], 1e-12)}
+    device = sum(stage["device_ms"] for stage in glue)
+    return {"glue_ms": eager, "glue_device_ms": device,
+            "glue_share": device / max(forward["sum_device_ms"], 1e-12)}
 
 
 def _table(title: str, stages, total_ms, total_device_ms, width: int) -> list[str]:
@@ -344,10 +346,8 @@ def _table(title: str, stages, total_ms, total_device_ms, width: int) -> list[st
     lines = [f"  {title:<{width}} {'eager ms':>10} {'device ms':>10} {share:>9}  backend",
              "  " + "-" * (width + 40)]
     for stage in stages:
-        device = stage["device_ms"]
-        part = device if on_device else stage["ms"]
-        lines.append(f"  {stage['stage']:<{width}} {stage['ms']:10.3f} "
-                     f"{'-' if device is None else f'{device:.3f}':>10} "
+        part = stage["device_ms"] if on_device else stage["ms"]
+        lines.append(f"  {stage['stage']:<{width}} {_ms_pair(stage['ms'], stage['device_ms'])} "
                      f"{part / total if total else 0.0:9.1%}  {stage['backend']}")
     return lines
 
@@ -377,11 +377,10 @@ def format_profile(result: dict) -> str:
         lines.append(f"  {'sum of backward stages':<28} "
                      f"{_ms_pair(result['backward_sum_ms'], result['backward_sum_device_ms'])}")
         if "stages" in result:
-            both = [(result["sum_ms"], result["sum_device_ms"]),
-                    (result["backward_sum_ms"], result["backward_sum_device_ms"])]
-            device = None if None in (both[0][1], both[1][1]) else both[0][1] + both[1][1]
-            lines.append(f"  {'sum of fwd + bwd stages':<28} "
-                         f"{_ms_pair(both[0][0] + both[1][0], device)}")
+            devices = (result["sum_device_ms"], result["backward_sum_device_ms"])
+            both = _ms_pair(result["sum_ms"] + result["backward_sum_ms"],
+                            None if None in devices else sum(devices))
+            lines.append(f"  {'sum of fwd + bwd stages':<28} {both}")
         end_to_end = _ms_pair(result["nsa_forward_backward_ms"],
                               result["nsa_forward_backward_device_ms"])
         lines.append(f"  {'nsa() forward+backward':<28} {end_to_end}  (end to end)")

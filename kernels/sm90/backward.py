@@ -419,10 +419,11 @@ def work_units(csr, chunk: int, head_major: bool = False) -> torch.Tensor:
     ones are empty (first = end) and their CTAs exit at once. Empty lists get no unit (their
     keys' dK/dV stay 0 in the zeroed accumulators).
 
-    The fused dQ takes them head-major: the CTAs running together then add into one head's
-    float32 dQ accumulator (32 MiB at 64K, D=128), which L2 holds, not into every head's
-    at random query tiles (random 25% lists, H200: 128.8 ms KV block by KV block, 97.7 head by
-    head, chunks of 16, 64K)."""
+    `run` takes them head-major (`UNITS_HEAD_MAJOR`): with the fused dQ the CTAs running
+    together then add into one head's float32 dQ accumulator (32 MiB at 64K, D=128), which L2
+    holds, not into every head's at random query tiles (random 25% lists, H200: 128.8 ms KV
+    block by KV block, 97.7 head by head, chunks of 16, 64K); beside the dQ kernel they read
+    one KV group's Q and dO."""
     # One launch (kernels/sm90/list_layout.py) instead of ~37 ops; its int32 unit and entry
     # arithmetic needs the entries plus a chunk below 2**31.
     if csr.offsets.is_cuda and csr.index.numel() + chunk < 2**31 - 1:

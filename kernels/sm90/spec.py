@@ -276,7 +276,8 @@ class BwdSpec:
                                # (`row_splits` bands per sequence), CTAs launched band by band
                                # (KV tiles, then KV heads innermost): the CTAs running together
                                # add the fused dQ into one band of rows, which L2 can hold.
-                               # A tuner variant (session 24), not dispatched
+                               # Dispatched for long compressed causal keys (session 25,
+                               # ROW_BANDS_FUSED_MIN_KEYS)
 
     @property
     def key_warpgroups(self) -> int:
@@ -567,7 +568,8 @@ def choose_backward_spec(
     (`fuses_listed_dq`, session 24).
 
     `dq_accumulator_bytes` (4 x q's elements; None: unknown, a compile-only caller) bounds the
-    float32 dQ accumulator of compressed keys' fused row bands (ROW_BANDS_FUSED_MAX_ACCUMULATOR_BYTES)."""
+    float32 dQ accumulator of compressed keys' fused row bands
+    (ROW_BANDS_FUSED_MAX_ACCUMULATOR_BYTES)."""
     if head_dim not in BACKWARD_HEAD_DIMS:
         raise ValueError(f"no sm90 backward variant for head_dim {head_dim} "
                          f"(supported: {BACKWARD_HEAD_DIMS})")
@@ -622,8 +624,7 @@ def choose_backward_spec(
     # random 25% lists per query head, two kernels / fused: 16K 6.18 / 5.35 ms, 64K 105.2 /
     # 85.4 (FA4 5.31 / 85.4 in the same run; KV block by KV block the fused dQ took 128.8 ms
     # at 64K).
-    plain = not (spec.block_sparse or spec.compressed or spec.has_window_left
-                 or spec.has_window_right)
+    plain = not spec.block_sparse and plain_mask(causal, window_size, compress_factor)
     long_keys = max_seqlen_k is None or max_seqlen_k >= FUSED_DQ_MIN_KEYS
     if fused_lists:  # split for the fused dQ: it must be there (`splits_lists` counts on it)
         assert spec.can_fuse_dq and spec.split_lists, spec
