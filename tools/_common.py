@@ -20,6 +20,13 @@ def positive_int(text: str) -> int:
     return value
 
 
+def positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text}")
+    return value
+
+
 def int_list(text: str) -> list[int]:
     """'1024,4096' -> [1024, 4096] (each positive)."""
     try:

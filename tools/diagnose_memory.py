@@ -19,13 +19,15 @@ fails, then bisecting to a multiple of `--resolution` tokens (64K); it prints ea
 peak and the stage that reached it (forward or backward). Each trial at a million tokens takes
 a minute or more on an H100, so `--passes fwd+bwd` and a coarser `--resolution` keep one
 search inside a 10-minute device command (session 12: the full search at 64K resolution did
-not finish the forward's in 600 s).
+not finish the forward's in 600 s; session 26: fwd+bwd from 1M at 256K resolution had tried 1M
+and 2M when a 420 s limit killed it). `--time-limit` starts no trial past that many seconds
+and reports the range found so far instead of being killed with nothing.
 
     python tools/diagnose_memory.py                       # per-device default sizes
     python tools/diagnose_memory.py --seqlens 65536,262144 --json memory.json
     python tools/diagnose_memory.py --seqlens 262144 --max-length
     python tools/diagnose_memory.py --seqlens 1048576 --max-length --passes fwd+bwd \
-        --resolution 262144
+        --resolution 262144 --time-limit 400
 
 The tool sets PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True unless the caller set it: at a
 million tokens the caching allocator's fragmentation (7.7 GiB reserved but unallocated in a
@@ -38,6 +40,7 @@ import argparse
 import gc
 import os
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -52,9 +55,9 @@ from nsa.selection import select_blocks  # noqa: E402
 from nsa.validation import validate_nsa_arguments  # noqa: E402
 from sparsity import row_block_offsets_from_cu_seqlens, transpose_block_sparse_csr  # noqa: E402
 from _common import (  # noqa: E402
-    add_problem_arguments, describe_device, measure_seqlens, nsa_options, positive_int,
-    problem_defaults_epilog, problem_summary, random_gate, random_qkv, resolve_problem_arguments,
-    write_results_json)
+    add_problem_arguments, describe_device, measure_seqlens, nsa_options, positive_float,
+    positive_int, problem_defaults_epilog, problem_summary, random_gate, random_qkv,
+    resolve_problem_arguments, write_results_json)
 
 MiB = 2 ** 20
 
@@ -206,13 +209,21 @@ def fits(seqlen: int, args, backward: bool) -> tuple[bool, dict]:
         return False, dict(error=str(error).splitlines()[0])
 
 
-def max_length(args) -> list[dict]:
+def max_length(args, clock=time.monotonic) -> list[dict]:
     """The longest N (a multiple of args.resolution) whose forward, and forward+backward, fit
-    (the passes in args.passes): one row per trial, then one row per pass with the answer."""
+    (the passes in args.passes): one row per trial, then one row per pass with the answer.
+
+    With args.time_limit (seconds from the call), no trial starts past the limit: a pass cut
+    short reports what it knows, the longest N that fitted and the shortest that did not (None
+    when none failed yet), with complete=False; a pass not started reports neither."""
     step = args.resolution
+    deadline = None if args.time_limit is None else clock() + args.time_limit
     rows = []
 
-    def trial(n: int, backward: bool) -> bool:
+    def trial(n: int, backward: bool) -> bool | None:
+        """Whether N fits; None, without trying, once the time limit has passed."""
+        if deadline is not None and clock() >= deadline:
+            return None
         ok, info = fits(n, args, backward)
         # fits' frame (and a failed trial's traceback) is gone: return its blocks to the GPU.
         gc.collect()
@@ -222,18 +233,45 @@ def max_length(args) -> list[dict]:
         return ok
 
     for backward in (p == "fwd+bwd" for p in args.passes):
-        good, n = 0, max(step, args.seqlens[0] // step * step)
-        while trial(n, backward):  # double until a trial fails
-            good, n = n, 2 * n
-        bad = n
-        while bad - good > step:  # bisect between the last fit and the first failure
-            n = (good + bad) // 2 // step * step
-            good, bad = (n, bad) if trial(n, backward) else (good, n)
+        good, bad = search_longest(lambda n: trial(n, backward),
+                                   max(step, args.seqlens[0] // step * step), step)
         pass_name = "fwd+bwd" if backward else "fwd"
-        rows.append(dict(pass_=pass_name, max_seqlen=good))
-        print(f"{pass_name}: the longest N that fits is {good} tokens (a multiple of {step}; "
-              f"{bad} does not fit)")
+        complete = bad is not None and bad - good <= step
+        rows.append(dict(pass_=pass_name, max_seqlen=good, first_failure=bad,
+                         complete=complete))
+        print(describe_answer(pass_name, good, bad, step, complete))
     return rows
+
+
+def search_longest(fits_at, start: int, step: int) -> tuple[int, int | None]:
+    """(good, bad): doubling from `start` until fits_at fails, then bisecting to `step`.
+    good: the longest N found to fit (0 if none), bad: the shortest found not to (None if none).
+    fits_at returns None to stop the search where it is (the time limit)."""
+    good, bad, n = 0, None, start
+    while (ok := fits_at(n)):  # double until a trial fails
+        good, n = n, 2 * n
+    if ok is None:
+        return good, bad
+    bad = n
+    while bad - good > step:  # bisect between the last fit and the first failure
+        n = (good + bad) // 2 // step * step
+        ok = fits_at(n)
+        if ok is None:
+            break
+        good, bad = (n, bad) if ok else (good, n)
+    return good, bad
+
+
+def describe_answer(pass_name: str, good: int, bad: int | None, step: int,
+                    complete: bool) -> str:
+    if complete:
+        return (f"{pass_name}: the longest N that fits is {good} tokens (a multiple of {step}; "
+                f"{bad} does not fit)")
+    if good == 0 and bad is None:
+        return f"{pass_name}: not searched (the time limit was reached first)"
+    failed = "no failure yet" if bad is None else f"{bad} does not fit"
+    return (f"{pass_name}: stopped by the time limit: {good} tokens fit, {failed}; the longest "
+            f"N lies in [{good}, {bad if bad is not None else 'untested'})")
 
 
 def describe_trial(row: dict) -> str:
@@ -294,6 +332,10 @@ def parse_args(argv):
     parser.add_argument("--resolution", type=positive_int, default=65536,
                         help="with --max-length: the answer's granularity in tokens "
                              "(default 65536)")
+    parser.add_argument("--time-limit", type=positive_float, default=None,
+                        help="with --max-length: start no trial after this many seconds and "
+                             "report the range found so far (a trial at a million tokens takes "
+                             "a minute or more; default: no limit)")
     parser.add_argument("--json", type=Path, help="write the results to this JSON file")
     args = parser.parse_args(argv)
     resolve_problem_arguments(args, parser)

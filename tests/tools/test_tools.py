@@ -365,6 +365,75 @@ def test_diagnose_max_length_needs_cuda(capsys):
     assert "--max-length needs a CUDA device" in capsys.readouterr().err
 
 
+class _FakeClock:
+    """A clock that only the faked trials advance (`_fake_search`)."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _fake_search(monkeypatch, longest: int, per_trial: float, argv: list[str]):
+    """max_length's rows and the trials it ran, with fits faked: N fits iff N <= longest, each
+    trial taking per_trial seconds on a fake clock."""
+    tool = load_tool("diagnose_memory")
+    clock, tried = _FakeClock(), []
+
+    def fake_fits(n, args, backward):
+        tried.append((n, backward))
+        clock.now += per_trial
+        if n > longest:
+            return False, dict(error="out of memory")
+        return True, dict(peak=n, must_exist=n, stage="backward" if backward else "forward")
+
+    monkeypatch.setattr(tool, "fits", fake_fits)
+    args = tool.parse_args([*TINY, "--max-length", *argv])
+    return tool.max_length(args, clock=clock), tried
+
+
+def test_max_length_doubles_then_bisects_to_the_resolution(monkeypatch):
+    rows, tried = _fake_search(monkeypatch, longest=5 * 65536 + 100, per_trial=1.0,
+                               argv=["--seqlens", "65536", "--passes", "fwd+bwd"])
+    assert [n // 65536 for n, _ in tried] == [1, 2, 4, 8, 6, 5]
+    assert rows[-1] == dict(pass_="fwd+bwd", max_seqlen=5 * 65536, first_failure=6 * 65536,
+                            complete=True)
+
+
+def test_max_length_time_limit_reports_the_range_found_so_far(monkeypatch, capsys):
+    # 2.5 trials' worth of seconds: 64K, 128K and 256K run (the last one starts at 2 s), the
+    # 512K trial never starts; the fwd+bwd pass is not started at all.
+    rows, tried = _fake_search(monkeypatch, longest=5 * 65536, per_trial=1.0,
+                               argv=["--seqlens", "65536", "--time-limit", "2.5"])
+    assert [n // 65536 for n, _ in tried] == [1, 2, 4]
+    answers = [r for r in rows if "max_seqlen" in r]
+    assert answers == [
+        dict(pass_="fwd", max_seqlen=4 * 65536, first_failure=None, complete=False),
+        dict(pass_="fwd+bwd", max_seqlen=0, first_failure=None, complete=False)]
+    out = capsys.readouterr().out
+    assert "fwd: stopped by the time limit: 262144 tokens fit, no failure yet" in out
+    assert "fwd+bwd: not searched" in out
+
+
+def test_max_length_time_limit_during_the_bisection_keeps_the_bracket(monkeypatch, capsys):
+    # 8 x 64K fails at the 4th trial; the 5th (6 x 64K, a fit) ends at 5 s, the limit.
+    rows, tried = _fake_search(monkeypatch, longest=6 * 65536 + 1, per_trial=1.0,
+                               argv=["--seqlens", "65536", "--passes", "fwd",
+                                     "--time-limit", "5"])
+    assert [n // 65536 for n, _ in tried] == [1, 2, 4, 8, 6]
+    assert rows[-1] == dict(pass_="fwd", max_seqlen=6 * 65536, first_failure=8 * 65536,
+                            complete=False)
+    assert "the longest N lies in [393216, 524288)" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("value", ["0", "-3", "inf", "soon"])
+def test_diagnose_rejects_a_time_limit_that_is_not_a_positive_number(value, capsys):
+    with pytest.raises(SystemExit):
+        load_tool("diagnose_memory").parse_args([*TINY, "--max-length", "--time-limit", value])
+    assert "--time-limit" in capsys.readouterr().err
+
+
 # ----------------------------------------------------------------------------------------------
 # Shared helpers
 # ----------------------------------------------------------------------------------------------
