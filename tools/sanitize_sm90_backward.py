@@ -2,7 +2,8 @@
 
 Runs, on an sm_90 GPU, at head dims 128 and 64 (128-row query steps): dense causal GQA varlen
 (with one-row, 64-row and 129-row sequences), a causal window, compress_factor 64 (split rows,
-launched heaviest first; also head by head), each fast and deterministic, the dense cases also with dQ fused
+launched heaviest first; also head by head, and in row bands with the fused dQ), each fast
+and deterministic, the dense cases also with dQ fused
 into the KV-centric kernel (the writer warp and the accumulator's conversion; dispatched from
 4096-key sequences on), 64-key block-sparse lists (split lists; also with two warpgroups
 on alternate query steps), and 128-key lists per query head (the fused dQ in head-major work
@@ -20,6 +21,7 @@ session 11):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 from pathlib import Path
 
@@ -34,6 +36,18 @@ CASES = (
     ([500], dict(causal=True, window_size=(100, 0)), 4, 1),
     ([2048], dict(causal=True, compress_factor=64), 4, 1),
 )
+
+
+@contextlib.contextmanager
+def small_row_bands(backward_module):
+    """Row bands of one step at these sizes (`ROW_BAND_BYTES` bounds a band's share of the dQ
+    accumulator; 16 MiB would make one band of a small call)."""
+    saved = backward_module.ROW_BAND_BYTES
+    backward_module.ROW_BAND_BYTES = 1 << 16
+    try:
+        yield
+    finally:
+        backward_module.ROW_BAND_BYTES = saved
 
 
 def run_cases(head_dim: int = 128, block_sparse_only: bool = False) -> None:
@@ -64,8 +78,13 @@ def run_cases(head_dim: int = 128, block_sparse_only: bool = False) -> None:
             runs.append(dict(spec_overrides=dict(dq_separate=False)))
         if "compress_factor" in options:  # CTAs launched head by head too (not heaviest first)
             runs.append(dict(spec_overrides=dict(heavy_first=False)))
+            # The fused dQ in row bands (dispatched from ROW_BANDS_FUSED_MIN_KEYS compressed
+            # keys on), here in bands of one query step (small_row_bands): 32 bands at head dim 128.
+            runs.append(dict(spec_overrides=dict(split_rows=True, row_bands=True,
+                                                 heavy_first=False, dq_separate=False)))
         for run in runs:
-            grads = backward.run(dout, q, k, v, out, lse, **run, **kwargs)
+            with small_row_bands(backward):
+                grads = backward.run(dout, q, k, v, out, lse, **run, **kwargs)
             assert all(torch.isfinite(g).all() for g in grads), (lengths, options, run)
     n = 1024
     lists = block_sparse_case(n, 4, 0.25, 64)[0]
