@@ -269,9 +269,11 @@ def describe_answer(pass_name: str, good: int, bad: int | None, step: int,
                 f"{bad} does not fit)")
     if good == 0 and bad is None:
         return f"{pass_name}: not searched (the time limit was reached first)"
-    failed = "no failure yet" if bad is None else f"{bad} does not fit"
-    return (f"{pass_name}: stopped by the time limit: {good} tokens fit, {failed}; the longest "
-            f"N lies in [{good}, {bad if bad is not None else 'untested'})")
+    if bad is None:
+        return (f"{pass_name}: stopped by the time limit: {good} tokens fit, no longer N was "
+                f"tried")
+    return (f"{pass_name}: stopped by the time limit: the longest N that fits lies in "
+            f"[{good}, {bad}) ({good} fits, {bad} does not)")
 
 
 def describe_trial(row: dict) -> str:

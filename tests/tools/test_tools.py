@@ -412,7 +412,7 @@ def test_max_length_time_limit_reports_the_range_found_so_far(monkeypatch, capsy
         dict(pass_="fwd", max_seqlen=4 * 65536, first_failure=None, complete=False),
         dict(pass_="fwd+bwd", max_seqlen=0, first_failure=None, complete=False)]
     out = capsys.readouterr().out
-    assert "fwd: stopped by the time limit: 262144 tokens fit, no failure yet" in out
+    assert "fwd: stopped by the time limit: 262144 tokens fit, no longer N was tried" in out
     assert "fwd+bwd: not searched" in out
 
 
@@ -424,7 +424,7 @@ def test_max_length_time_limit_during_the_bisection_keeps_the_bracket(monkeypatc
     assert [n // 65536 for n, _ in tried] == [1, 2, 4, 8, 6]
     assert rows[-1] == dict(pass_="fwd", max_seqlen=6 * 65536, first_failure=8 * 65536,
                             complete=False)
-    assert "the longest N lies in [393216, 524288)" in capsys.readouterr().out
+    assert "the longest N that fits lies in [393216, 524288)" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("value", ["0", "-3", "inf", "soon"])
