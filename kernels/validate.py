@@ -133,8 +133,8 @@ def _validate_forward(
         cu_seqlens_k=cu_k,
         max_seqlen_q=max_q,
         max_seqlen_k=max_k,
-        softmax_scale=_check_softmax_scale(softmax_scale, head_dim),
-        causal=_check_bool("causal", causal),
+        softmax_scale=check_softmax_scale(softmax_scale, head_dim),
+        causal=check_bool("causal", causal),
         compress_factor=_check_compress_factor(compress_factor),
         window_size=_check_window_size(window_size),
         block_sparse_heads=None,
@@ -398,7 +398,8 @@ def _check_int(name: str, value) -> int:
     return int(value)
 
 
-def _check_bool(name: str, value) -> bool:
+def check_bool(name: str, value) -> bool:
+    """A bool argument, strictly (a string such as "false" would be silently truthy)."""
     if not isinstance(value, bool):
         raise TypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
     return value
@@ -407,10 +408,11 @@ def _check_bool(name: str, value) -> bool:
 def check_deterministic(value) -> bool:
     """The backward's ``deterministic`` switch: a bool, so that a stray positional argument or
     a string such as "false" is an error, not a silently truthy mode."""
-    return _check_bool("deterministic", value)
+    return check_bool("deterministic", value)
 
 
-def _check_softmax_scale(value, head_dim: int) -> float:
+def check_softmax_scale(value, head_dim: int) -> float:
+    """softmax_scale: None (head_dim ** -0.5) or a positive float finite in float32."""
     if value is None:
         return head_dim ** -0.5
     if isinstance(value, bool) or not isinstance(value, numbers.Real):

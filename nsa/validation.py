@@ -9,7 +9,6 @@ without it is refused (a read to the host would break the graph).
 """
 from __future__ import annotations
 
-import math
 import numbers
 from dataclasses import dataclass
 from itertools import accumulate
@@ -17,14 +16,13 @@ from itertools import accumulate
 import torch
 from torch import Tensor
 
+from kernels.validate import check_bool, check_softmax_scale
 from nsa.config import NSAConfig
 from nsa.selection_rule import min_selected_blocks
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 # cu_seqlens is int32, so no sequence is longer; the kernels take max_seqlen as an Int32.
 MAX_SEQLEN_LIMIT = 2**31 - 1
-# Scores are scaled in float32 (kernels, selection): a larger softmax_scale would be inf there.
-FLOAT32_MAX = torch.finfo(torch.float32).max
 
 
 @dataclass(frozen=True)
@@ -64,12 +62,12 @@ def validate_nsa_call(q, k, v, *, cu_seqlens, max_seqlen, compress_block_size,
         selected_block_size=_positive_int("selected_block_size", selected_block_size),
         num_selected_blocks=_positive_int("num_selected_blocks", num_selected_blocks),
         window_size=_int_at_least("window_size", window_size, 0),
-        causal=_bool("causal", causal),
+        causal=check_bool("causal", causal),
         softmax_scale=1.0,  # resolved below, once the head dim is known
         num_cmp_selected_blocks=None if num_cmp_selected_blocks is None else
         _int_at_least("num_cmp_selected_blocks", num_cmp_selected_blocks, 0),
         q_tile=q_tile, cmp_kv_block=cmp_kv_block,
-        deterministic=_bool("deterministic", deterministic),
+        deterministic=check_bool("deterministic", deterministic),
     )
     _check_block_sizes(config)
 
@@ -89,7 +87,7 @@ def validate_nsa_call(q, k, v, *, cu_seqlens, max_seqlen, compress_block_size,
         sequences = PackedSequences(
             cu_seqlens=tuple(i * (seqlen if batch else 0) for i in range(max(batch, 1) + 1)),
             max_seqlen=_check_padded_max_seqlen(max_seqlen, seqlen))
-    scale = _softmax_scale(softmax_scale, head_dim)
+    scale = check_softmax_scale(softmax_scale, head_dim)
     num_selected = _useful_selected_blocks(config, sequences.max_seqlen)
     return config.resolved(softmax_scale=scale, num_selected_blocks=num_selected), sequences
 
@@ -241,20 +239,6 @@ def _useful_selected_blocks(config: NSAConfig, max_seqlen: int) -> int:
     return min(config.num_selected_blocks, max(blocks, fewest))
 
 
-def _softmax_scale(value, head_dim: int) -> float:
-    if value is None:
-        return head_dim ** -0.5
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"softmax_scale must be a float or None, got {type(value).__name__}")
-    value = float(value)
-    if not (math.isfinite(value) and value > 0):
-        raise ValueError(f"softmax_scale must be positive and finite, got {value}")
-    if value > FLOAT32_MAX:
-        raise ValueError(f"softmax_scale must be finite in float32 (<= {FLOAT32_MAX:.6e}), in "
-                         f"which scores are scaled, got {value}")
-    return value
-
-
 def _tensor(name: str, value) -> None:
     if not isinstance(value, Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
@@ -277,7 +261,3 @@ def _positive_int(name: str, value) -> int:
     return _int_at_least(name, value, 1)
 
 
-def _bool(name: str, value) -> bool:
-    if not isinstance(value, bool):
-        raise TypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
-    return value
