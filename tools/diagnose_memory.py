@@ -25,6 +25,7 @@ and reports the range found so far instead of being killed with nothing.
 
     python tools/diagnose_memory.py                       # per-device default sizes
     python tools/diagnose_memory.py --seqlens 65536,262144 --json memory.json
+    python tools/diagnose_memory.py --seqlens 1048576 --no-dense    # nsa()'s peak at 1M
     python tools/diagnose_memory.py --seqlens 262144 --max-length
     python tools/diagnose_memory.py --seqlens 1048576 --max-length --passes fwd+bwd \
         --resolution 262144 --time-limit 400
@@ -172,6 +173,9 @@ def diagnose(seqlen: int, args) -> dict:
     result = {"seqlen": seqlen, "inputs": sum(t.nbytes for t in (q, k, v)),
               "must_exist": must_exist, "metadata": metadata}
     for name, fn in (("nsa", run_nsa), ("dense", run_dense)):
+        if name == "dense" and args.no_dense:
+            result[name] = None
+            continue
         peak = peak_bytes(fn, dout, args.device)
         q.grad = k.grad = v.grad = None
         with torch.no_grad():
@@ -300,10 +304,11 @@ def format_result(result: dict) -> str:
         if key in meta:
             lines.append(f"  {key:<34} {human(meta[key]):>14}")
     lines.append(f"  {'memory':<34} {'nsa':>14} {'dense':>14}")
+    dense = result["dense"] or {}  # None with --no-dense
     for key in ("saved_for_backward", "peak_fwd", "peak_fwd_bwd"):
         lines.append(f"  {key:<34} {human(result['nsa'][key]):>14} "
-                     f"{human(result['dense'][key]):>14}")
-    ratios = [result[name]["peak_over_must_exist"] for name in ("nsa", "dense")]
+                     f"{human(dense.get(key)):>14}")
+    ratios = [result["nsa"]["peak_over_must_exist"], dense.get("peak_over_must_exist")]
     lines.append(f"  {'peak / must exist':<34} "
                  + " ".join(f"{'-' if r is None else f'{r:.2f}x':>14}" for r in ratios)
                  + f"   (must exist: {human(result['must_exist'])})")
@@ -334,6 +339,9 @@ def parse_args(argv):
     parser.add_argument("--resolution", type=positive_int, default=65536,
                         help="with --max-length: the answer's granularity in tokens "
                              "(default 65536)")
+    parser.add_argument("--no-dense", action="store_true",
+                        help="measure nsa() alone, without the dense comparison (dense "
+                             "attention at a million tokens takes minutes)")
     parser.add_argument("--time-limit", type=positive_float, default=None,
                         help="with --max-length: start no trial after this many seconds and "
                              "report the range found so far (a trial at a million tokens takes "

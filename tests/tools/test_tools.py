@@ -360,6 +360,18 @@ def test_diagnose_reports_metadata_and_saved_bytes(tmp_path):
         assert result["nsa"]["peak_fwd_bwd"] is None and result["nsa"]["peak_over_must_exist"] is None
 
 
+def test_diagnose_without_dense_measures_nsa_alone(tmp_path, capsys):
+    out = tmp_path / "memory.json"
+    assert load_tool("diagnose_memory").main(
+        [*TINY, "--seqlens", "256", "--no-dense", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())["results"][0]
+    assert result["dense"] is None
+    assert result["nsa"]["saved_for_backward"] >= result["inputs"]
+    memory_rows = [line for line in capsys.readouterr().out.splitlines()
+                   if line.strip().startswith("saved_for_backward")]
+    assert memory_rows and memory_rows[0].split()[-1] == "-"  # the dense column is empty
+
+
 def test_diagnose_max_length_needs_cuda(capsys):
     assert load_tool("diagnose_memory").main([*TINY, "--max-length"]) == 2
     assert "--max-length needs a CUDA device" in capsys.readouterr().err
