@@ -259,5 +259,3 @@ def _int_at_least(name: str, value, low: int) -> int:
 
 def _positive_int(name: str, value) -> int:
     return _int_at_least(name, value, 1)
-
-

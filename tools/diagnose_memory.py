@@ -276,8 +276,9 @@ def describe_answer(pass_name: str, good: int, bad: int | None, step: int,
     if bad is None:
         return (f"{pass_name}: stopped by the time limit: {good} tokens fit, no longer N was "
                 f"tried")
+    fitted = f"{good} fits" if good else "no N tried fits"
     return (f"{pass_name}: stopped by the time limit: the longest N that fits lies in "
-            f"[{good}, {bad}) ({good} fits, {bad} does not)")
+            f"[{good}, {bad}) ({fitted}, {bad} does not)")
 
 
 def describe_trial(row: dict) -> str:

@@ -2,8 +2,8 @@
 
 Runs, on an sm_90 GPU, at head dims 128 and 64 (128-row query steps): dense causal GQA varlen
 (with one-row, 64-row and 129-row sequences), a causal window, compress_factor 64 (split rows,
-launched heaviest first; also head by head, and in row bands with the fused dQ), each fast
-and deterministic, the dense cases also with dQ fused
+launched heaviest first), each fast and deterministic, the compressed case also head by head
+and in row bands with the fused dQ (fast only, as dispatched), the dense cases also with dQ fused
 into the KV-centric kernel (the writer warp and the accumulator's conversion; dispatched from
 4096-key sequences on), 64-key block-sparse lists (split lists; also with two warpgroups
 on alternate query steps), and 128-key lists per query head (the fused dQ in head-major work

@@ -439,6 +439,16 @@ def test_max_length_time_limit_during_the_bisection_keeps_the_bracket(monkeypatc
     assert "the longest N that fits lies in [393216, 524288)" in capsys.readouterr().out
 
 
+def test_max_length_time_limit_before_anything_fits_says_so(monkeypatch, capsys):
+    # 4 x 64K fails at once (the first trial ends at 1 s, the limit); no bisection step runs.
+    rows, tried = _fake_search(monkeypatch, longest=65536, per_trial=1.0,
+                               argv=["--seqlens", "262144", "--passes", "fwd",
+                                     "--time-limit", "1"])
+    assert [n // 65536 for n, _ in tried] == [4]
+    assert rows[-1] == dict(pass_="fwd", max_seqlen=0, first_failure=4 * 65536, complete=False)
+    assert "lies in [0, 262144) (no N tried fits, 262144 does not)" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("value", ["0", "-3", "inf", "soon"])
 def test_diagnose_rejects_a_time_limit_that_is_not_a_positive_number(value, capsys):
     with pytest.raises(SystemExit):
