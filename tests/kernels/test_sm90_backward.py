@@ -457,10 +457,8 @@ def test_fused_dq_list_units_backward_matches_fallback(case: Case, chunk, monkey
     monkeypatch.setattr(sm90_spec, "FUSED_DQ_MIN_LIST_WIDTH", {64: 1, 128: 1})
     if chunk is not None:
         monkeypatch.setattr(backward, "list_chunk", lambda csr, spec: chunk)
-    launched, unit_calls = [], []
-    launch, work_units = backward._launch, backward.work_units
-    monkeypatch.setattr(backward, "_launch",
-                        lambda spec, *args: (launched.append(spec), launch(spec, *args))[1])
+    launched = record_backward_launches(monkeypatch)
+    unit_calls, work_units = [], backward.work_units
     monkeypatch.setattr(backward, "work_units", lambda csr, chunk_, head_major=False: (
         unit_calls.append((chunk_, head_major)), work_units(csr, chunk_, head_major))[1])
     check_against_fallback(case)
