@@ -23,15 +23,17 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .interface import kernels_unavailable
+from .device import kernels_unavailable
 
 class GatedSum:
     """Accumulate `gates[..., column] * term` for terms shaped like `like`, then `result()`.
 
     gates: (T, H, G) floating, on like's device; terms: (T, H, D) with like's shape and dtype.
+    keep_terms: the caller reads the terms after `result()` (nsa() keeps its branch outputs for
+    the backward), so the sm90 path writes the sum into a new tensor instead of the first term.
     """
 
-    def __init__(self, gates: Tensor, like: Tensor):
+    def __init__(self, gates: Tensor, like: Tensor, keep_terms: bool = False):
         if gates.dim() != 3 or gates.shape[:2] != like.shape[:2]:
             raise ValueError(f"gates: expected shape ({like.shape[0]}, {like.shape[1]}, G) for "
                              f"terms of shape {tuple(like.shape)}, got {tuple(gates.shape)}")
@@ -39,6 +41,7 @@ class GatedSum:
             raise ValueError(f"gates: expected a floating tensor on {like.device}, got "
                              f"{gates.dtype} on {gates.device}")
         self.like = like
+        self.keep_terms = keep_terms
         self.backend, self.reason = self.choose_backend(like)
         self._result: Tensor | None = None
         accumulate = torch.promote_types(like.dtype, torch.float32)
@@ -88,7 +91,7 @@ class GatedSum:
         """The sum in like's dtype (zeros without terms); later calls return the same tensor.
         On the sm90 path it is written over the first term as `add` kept it (the caller's
         tensor when that was contiguous and 16-byte aligned, else a copy): a caller's first term
-        must not be used afterwards."""
+        must not be used afterwards, unless the sum was made with keep_terms."""
         if self._result is None:
             self._result = self._sum()
         return self._result
@@ -100,7 +103,8 @@ class GatedSum:
             return torch.zeros_like(self.like)
         from kernels.sm90 import gated_sum
 
-        out = gated_sum.run(self.terms, self.columns, self.gates)
+        into = torch.empty_like(self.terms[0]) if self.keep_terms else None
+        out = gated_sum.run(self.terms, self.columns, self.gates, into=into)
         self.terms.clear()
         return out
 

@@ -7,6 +7,7 @@ from torch import Tensor
 from nsa import ops as nsa_ops
 from nsa.config import NSAConfig
 from nsa.function import NSAFunction
+from nsa.memory_policy import keeps_branch_outputs
 from nsa.selection_rule import CMP_KV_BLOCK, SELECTION_Q_TILE
 from nsa.validation import PackedSequences, validate_nsa_call
 
@@ -18,6 +19,7 @@ def nsa(q: Tensor, k: Tensor, v: Tensor, *, cu_seqlens: Tensor | None = None,
         causal: bool = True, softmax_scale: float | None = None,
         num_cmp_selected_blocks: int | None = None, deterministic: bool = False,
         host_cu_seqlens: tuple[int, ...] | list[int] | None = None,
+        recompute: bool | None = None,
         _q_tile: int = SELECTION_Q_TILE, _cmp_kv_block: int = CMP_KV_BLOCK) -> Tensor:
     """Native Sparse Attention: compressed + selected + sliding-window branches, gated.
 
@@ -59,6 +61,11 @@ def nsa(q: Tensor, k: Tensor, v: Tensor, *, cu_seqlens: Tensor | None = None,
         which would read it. Required with cu_seqlens under torch.compile (a ValueError naming it
         otherwise); padded inputs need nothing (their bounds come from the shape), and passing
         it without cu_seqlens is a ValueError.
+    recompute: how the backward gets each branch's output (for its gate gradient): True
+        recomputes each branch's forward (the least memory: what 1M tokens need on one GPU),
+        False keeps the outputs the forward wrote (three q-sized tensors until the backward),
+        None (the default) keeps them when they take at most 1/8 of the device's memory (a
+        fixed 4 GiB off CUDA), see nsa/memory_policy.py. The result is the same either way.
     torch.compile: nsa() compiles with fullgraph=True, forward and backward. While compiling it
         calls the custom ops `torch.ops.nsa_cute.nsa_forward` / `nsa_backward` (nsa/ops.py),
         opaque to the compiler, which compute what eager nsa() computes (the backward also
@@ -74,30 +81,33 @@ def nsa(q: Tensor, k: Tensor, v: Tensor, *, cu_seqlens: Tensor | None = None,
         num_cmp_selected_blocks=num_cmp_selected_blocks, q_tile=_q_tile,
         cmp_kv_block=_cmp_kv_block, deterministic=deterministic,
         host_cu_seqlens=host_cu_seqlens)
+    if recompute is not None and not isinstance(recompute, bool):
+        raise TypeError(f"recompute must be None or a bool, got {type(recompute).__name__} "
+                        f"{recompute!r}")
     weights = tuple(None if W is None else W.contiguous() for W in (W_k, W_v, W_gate))
     # The checks read cu_seqlens once (or took host_cu_seqlens); its values travel with the call
     # from here on.
     if cu_seqlens is not None:
         return _packed_nsa(q.contiguous(), k.contiguous(), v.contiguous(), *weights, cu_seqlens,
-                           config, sequences)
+                           config, sequences, recompute)
     # A padded batch is B sequences of N rows, packed (an empty batch as one empty sequence);
     # built on the device, so nothing waits on it (sequences.cu_seqlens holds the same values).
     batch, seqlen = q.shape[:2]
     cu_seqlens = torch.arange(max(batch, 1) + 1, dtype=torch.int32, device=q.device) * \
         (seqlen if batch else 0)
     packed = (x.reshape(batch * seqlen, *x.shape[2:]) for x in (q, k, v))
-    out = _packed_nsa(*packed, *weights, cu_seqlens, config, sequences)
+    out = _packed_nsa(*packed, *weights, cu_seqlens, config, sequences, recompute)
     return out.view(q.shape)
 
 
 def _packed_nsa(q, k, v, W_k, W_v, W_gate, cu_seqlens: Tensor, config: NSAConfig,
-                sequences: PackedSequences) -> Tensor:
+                sequences: PackedSequences, recompute: bool | None) -> Tensor:
     """nsa() on packed, checked tensors: NSAFunction eagerly, the custom ops under
     torch.compile (which cannot trace NSAFunction's device reads and value-sized lists)."""
     if torch.compiler.is_compiling():
-        out, *_lses = nsa_ops.nsa_forward(q, k, v, W_k, W_v, W_gate, cu_seqlens,
-                                          list(sequences.cu_seqlens), sequences.max_seqlen,
-                                          *nsa_ops.config_arguments(config))
-        return out
+        return nsa_ops.nsa_forward(q, k, v, W_k, W_v, W_gate, cu_seqlens,
+                                   list(sequences.cu_seqlens), sequences.max_seqlen,
+                                   *nsa_ops.config_arguments(config), recompute)[0]
+    keep_outputs = keeps_branch_outputs(q, sum(config.branches), recompute)
     return NSAFunction.apply(q, k, v, W_k, W_v, W_gate, cu_seqlens, sequences.max_seqlen,
-                             config, sequences.cu_seqlens)
+                             config, sequences.cu_seqlens, keep_outputs)

@@ -1,12 +1,13 @@
 """NSAFunction: the autograd Function behind nsa(), on packed varlen tensors.
 
 Forward: compress K/V -> select blocks -> run the three branches through `kernels` -> gate.
-It saves the inputs, the compact block-sparse lists and each branch's lse, never a branch output:
-the backward recomputes one branch at a time for its gate gradient <dO, o_b> (on the sm90
-kernels the recomputing forward writes that row dot instead of o_b), runs that branch's
+It saves the inputs, the compressed K/V, the compact block-sparse lists, each branch's lse and,
+where nsa/memory_policy.py's rule says so, each branch's output. The backward takes each
+branch's gate gradient <dO, o_b> from the kept output, or recomputes the branch for it (on the
+sm90 kernels the recomputing forward writes that row dot instead of o_b), runs that branch's
 attention backward (on the sm90 kernel with the gate folded into lse; elsewhere with
-dO_b = g_b * dO on the recomputed output), adds its dq/dk/dv into the running
-sums and frees the branch's tensors before the next, so the peak is one branch.
+dO_b = g_b * dO on the output), adds its dq/dk/dv into the running sums and frees the branch's
+tensors before the next, so without kept outputs the peak is one branch.
 The lists' transposes that the sm90 backward reads are built once, on the first backward, and
 kept with the saved lists (a retained graph's next backward reuses them); `config.deterministic`
 goes to every branch's attention backward. The backward builds no autograd graph: gradients
@@ -44,18 +45,23 @@ class NSAFunction(torch.autograd.Function):
 
     Arguments are trusted (nsa() validates them); gradients flow to q, k, v, W_k, W_v, W_gate.
     host_cu_seqlens: cu_seqlens's values as nsa() read them; None reads them here (once).
+    keep_outputs: keep the branch outputs for the backward instead of recomputing them
+    (`nsa.memory_policy.keeps_branch_outputs` decides).
     """
 
     @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, W_k: Tensor | None, W_v: Tensor | None,
                 W_gate: Tensor | None, cu_seqlens: Tensor, max_seqlen: int,
-                config: NSAConfig, host_cu_seqlens: tuple[int, ...] | None = None) -> Tensor:
+                config: NSAConfig, host_cu_seqlens: tuple[int, ...] | None = None,
+                keep_outputs: bool = False) -> Tensor:
         if host_cu_seqlens is None:
             host_cu_seqlens = tuple(cu_seqlens.tolist())
         sequences = PackedSequences(tuple(host_cu_seqlens), max_seqlen)
-        out, branches, cu_seqlens_cmp, lses = packed_forward(
-            q, k, v, W_k, W_v, W_gate, cu_seqlens, sequences, config)
-        ctx.save_for_backward(q, k, v, W_k, W_v, W_gate, cu_seqlens, cu_seqlens_cmp, *lses)
+        out, branches, cu_seqlens_cmp, lses, kept = packed_forward(
+            q, k, v, W_k, W_v, W_gate, cu_seqlens, sequences, config, keep_outputs)
+        ctx.num_branches = len(branches)
+        ctx.save_for_backward(q, k, v, W_k, W_v, W_gate, cu_seqlens, cu_seqlens_cmp,
+                              *kept.compressed, *lses, *kept.outputs)
         ctx.branches, ctx.config, ctx.sequences = branches, config, sequences
         ctx.transposed_lists = None  # built by the first backward (`_transposed_lists`)
         return out
@@ -68,30 +74,43 @@ class NSAFunction(torch.autograd.Function):
             grads = _gradients(ctx, dout)
         q, k, v, W_k, W_v, W_gate = ctx.saved_tensors[:6]
         grads = refuse_double_backward("nsa()", grads, (dout, q, k, v, W_k, W_v, W_gate))
-        return (*grads, None, None, None, None)
+        return (*grads, None, None, None, None, None)
+
+
+@dataclass
+class KeptForBackward:
+    """What the forward keeps beyond the inputs and lses: the compressed keys and values in the
+    input dtype (T / l rows: small; None: the backward compresses again) and, where kept, the
+    branch outputs in branch order (empty where the backward recomputes them)."""
+    compressed: tuple[Tensor, Tensor] | None
+    outputs: tuple[Tensor, ...] = ()
 
 
 def packed_forward(q: Tensor, k: Tensor, v: Tensor, W_k: Tensor | None, W_v: Tensor | None,
                    W_gate: Tensor | None, cu_seqlens: Tensor, sequences: PackedSequences,
-                   config: NSAConfig) -> tuple[Tensor, list[Branch], Tensor, list[Tensor]]:
+                   config: NSAConfig, keep_outputs: bool = False
+                   ) -> tuple[Tensor, list[Branch], Tensor, list[Tensor], KeptForBackward]:
     """NSAFunction's forward without autograd: (out, the branches that ran, the compressed
-    cu_seqlens, each branch's lse), the last three what `packed_gradients` needs."""
+    cu_seqlens, each branch's lse, what it keeps), the last four what `packed_gradients` needs.
+    keep_outputs: keep the branch outputs (else the backward recomputes them)."""
     branches, cu_seqlens_cmp, k_cmp, v_cmp = compress_and_plan(q, k, v, W_k, W_v, cu_seqlens,
                                                                sequences, config)
     k_cmp, v_cmp = k_cmp.to(k.dtype), v_cmp.to(v.dtype)
 
     # One pass over the branch outputs on sm90; elsewhere a float32 sum that frees each
-    # output as it is added (kernels/gated_sum.py).
-    out = GatedSum(gate_weights(q, W_gate, config.branches), like=q)
-    lses = []
+    # output as it is added (kernels/gated_sum.py), unless they are kept.
+    out = GatedSum(gate_weights(q, W_gate, config.branches), like=q, keep_terms=keep_outputs)
+    lses, outputs = [], []
     for branch in branches:
         keys, values = (k_cmp, v_cmp) if branch.reads_compressed else (k, v)
         branch_out, lse = branch.forward(q, keys, values)
         out.add(branch.index, branch_out)
         lses.append(lse)
+        if keep_outputs:
+            outputs.append(branch_out)
         del branch_out
-    del k_cmp, v_cmp
-    return out.result(), branches, cu_seqlens_cmp, lses
+    return (out.result(), branches, cu_seqlens_cmp, lses,
+            KeptForBackward((k_cmp, v_cmp), tuple(outputs)))
 
 
 def compress_and_plan(q: Tensor, k: Tensor, v: Tensor | None, W_k: Tensor | None,
@@ -114,17 +133,22 @@ def compress_and_plan(q: Tensor, k: Tensor, v: Tensor | None, W_k: Tensor | None
 
 def _gradients(ctx, dout: Tensor) -> tuple:
     """(dq, dk, dv, dW_k, dW_v, dW_gate) of NSAFunction, None for absent weights."""
-    q, k, v, W_k, W_v, W_gate, cu_seqlens, cu_seqlens_cmp, *lses = ctx.saved_tensors
+    q, k, v, W_k, W_v, W_gate, cu_seqlens, cu_seqlens_cmp, k_cmp, v_cmp, *rest = \
+        ctx.saved_tensors
+    lses, outputs = rest[:ctx.num_branches], tuple(rest[ctx.num_branches:])
     return packed_gradients(dout, q, k, v, W_k, W_v, W_gate, cu_seqlens, cu_seqlens_cmp, lses,
-                            ctx.branches, ctx.sequences, ctx.config, _transposed_lists(ctx))
+                            ctx.branches, ctx.sequences, ctx.config, _transposed_lists(ctx),
+                            KeptForBackward((k_cmp, v_cmp), outputs))
 
 
 def packed_gradients(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, W_k: Tensor | None,
                      W_v: Tensor | None, W_gate: Tensor | None, cu_seqlens: Tensor,
                      cu_seqlens_cmp: Tensor, lses, branches: list[Branch],
-                     sequences: PackedSequences, config: NSAConfig, transposed: dict) -> tuple:
+                     sequences: PackedSequences, config: NSAConfig, transposed: dict,
+                     kept: KeptForBackward | None = None) -> tuple:
     """(dq, dk, dv, dW_k, dW_v, dW_gate) of `packed_forward`, None for absent weights, given
-    what it returned; `transposed` as `_transposed_lists` builds it.
+    what it returned; `transposed` as `_transposed_lists` builds it. kept: what the forward
+    kept (None: compress and recompute every branch here).
 
     Memory is what this is laid out for (1M tokens must train on one 80 GB GPU): one branch
     is recomputed at a time, and besides the inputs only these gradients stay alive between
@@ -134,7 +158,8 @@ def packed_gradients(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, W_k: Tensor 
     sums there itself). On the sm90 kernel a branch needs neither its output nor g_b * dO in
     the attention backward (the kernel folds the gate into lse,
     `kernels.sm90.backward.gate_folded_lse`): the recomputing forward writes only the gate
-    gradient <dO, o_b> (`fused_gate_pass`), and g_b * dO is never written."""
+    gradient <dO, o_b> (`fused_gate_pass`), and g_b * dO is never written. With kept outputs
+    nothing is recomputed: the gate pass reads o_b (one pass over dO and o_b per branch)."""
     dtype = compute_dtype(q.dtype)
     dout = dout.contiguous()
     gates = gate_weights(q, W_gate, config.branches).contiguous()
@@ -142,12 +167,17 @@ def packed_gradients(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, W_k: Tensor 
     dq = dk = dv = None
     dW_k = dW_v = dW_gate = None
 
+    outputs = kept.outputs if kept is not None else ()
     branch: Branch
-    for branch, lse in zip(branches, lses):
+    for position, (branch, lse) in enumerate(zip(branches, lses)):
         if branch.reads_compressed:
             starts = compressed_starts(cu_seqlens, cu_seqlens_cmp, sequences, config)
-            keys, values = (x_cmp.to(x.dtype) for x_cmp, x in zip(
-                compress_pair((k, v), starts, config.compress_block_size, (W_k, W_v)), (k, v)))
+            if kept is not None and kept.compressed is not None:
+                keys, values = kept.compressed
+            else:
+                keys, values = (x_cmp.to(x.dtype) for x_cmp, x in zip(
+                    compress_pair((k, v), starts, config.compress_block_size, (W_k, W_v)),
+                    (k, v)))
             accumulators = None  # dk, dv of the compressed keys go through compress_backward
         else:
             keys, values = k, v
@@ -161,7 +191,10 @@ def packed_gradients(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, W_k: Tensor 
         plan = branch.plan_backward(q, keys, values, **options) if q.shape[0] > 0 else None
         on_kernel = plan is not None
         step = None
-        if on_kernel:
+        if position < len(outputs):
+            step = gate_pass(branch.index, dout, outputs[position], gates, d_gates, lse,
+                             on_kernel=on_kernel)
+        elif on_kernel:
             step = fused_gate_pass(branch, dout, q, keys, values, gates, d_gates, lse, plan)
         if step is None:
             branch_out, _ = branch.forward(q, keys, values)

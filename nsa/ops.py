@@ -9,7 +9,8 @@ shapes from the input shapes alone, and the backward registered as the forward's
 Custom ops take tensors and primitives only, so NSAConfig travels as its fields and the
 sequence bounds as a list of ints (`host_cu_seqlens`, what nsa() checked); both ops rebuild the
 objects inside. The forward returns each branch's lse besides out (an absent window branch's is
-an empty tensor), all sized by q's shape. The backward recomputes compression and selection
+an empty tensor) and each branch's output where nsa/memory_policy.py keeps them (else empty
+tensors), all sized by q's shape (the rule depends on shapes only, so the fake agrees). The backward recomputes compression and selection
 before NSAFunction's backward: the block-sparse lists' sizes depend on values, so they cannot
 cross the op boundary, and selection is deterministic, so the recomputed lists are the ones the
 forward used. That costs one selection more per step than eager nsa(), which keeps the lists.
@@ -25,7 +26,9 @@ from torch import Tensor
 
 from nsa.compression import compute_dtype
 from nsa.config import NSAConfig
-from nsa.function import compress_and_plan, packed_forward, packed_gradients, transposed_lists
+from nsa.function import (KeptForBackward, compress_and_plan, packed_forward, packed_gradients,
+                          transposed_lists)
+from nsa.memory_policy import keeps_branch_outputs
 from nsa.validation import PackedSequences
 
 NAMESPACE = "nsa_cute"
@@ -73,32 +76,38 @@ def nsa_forward(q: Tensor, k: Tensor, v: Tensor, W_k: Optional[Tensor], W_v: Opt
                 max_seqlen: int, compress_block_size: int, selected_block_size: int,
                 num_selected_blocks: int, window_size: int, causal: bool,
                 softmax_scale: float, num_cmp_selected_blocks: Optional[int], q_tile: int,
-                cmp_kv_block: int, deterministic: bool
-                ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                cmp_kv_block: int, deterministic: bool, recompute: Optional[bool]
+                ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(out (T, H, D), lse of the compressed, selected and window branches (H, T) each; the
-    window's is empty when window_size is 0). Packed, contiguous, validated inputs."""
+    window's is empty when window_size is 0; the three branch outputs (T, H, D) where they are
+    kept for the backward, else empty). Packed, contiguous, validated inputs."""
     config = _config(compress_block_size, selected_block_size, num_selected_blocks, window_size,
                      causal, softmax_scale, num_cmp_selected_blocks, q_tile, cmp_kv_block,
                      deterministic)
     sequences = PackedSequences(tuple(host_cu_seqlens), max_seqlen)
     q, k, v, W_k, W_v, W_gate = _contiguous(q, k, v, W_k, W_v, W_gate)
+    keep = keeps_branch_outputs(q, sum(config.branches), recompute)
     with torch.no_grad():
-        out, _, _, lses = packed_forward(q, k, v, W_k, W_v, W_gate, cu_seqlens, sequences,
-                                         config)
+        out, _, _, lses, kept = packed_forward(q, k, v, W_k, W_v, W_gate, cu_seqlens, sequences,
+                                               config, keep)
     if len(lses) < 3:
         lses.append(q.new_empty(0, dtype=_lse_dtype(q)))
-    return (out, *lses)
+    outputs = list(kept.outputs) + [_absent(q) for _ in range(3 - len(kept.outputs))]
+    return (out, *lses, *outputs)
 
 
 @nsa_forward.register_fake
 def _nsa_forward_fake(q, k, v, W_k, W_v, W_gate, cu_seqlens, host_cu_seqlens, max_seqlen,
                       compress_block_size, selected_block_size, num_selected_blocks,
                       window_size, causal, softmax_scale, num_cmp_selected_blocks, q_tile,
-                      cmp_kv_block, deterministic):
+                      cmp_kv_block, deterministic, recompute):
     rows, heads = q.shape[0], q.shape[1]
     lse = q.new_empty((heads, rows), dtype=_lse_dtype(q))
     window_lse = lse.new_empty((heads, rows) if window_size > 0 else (0,))
-    return q.new_empty(q.shape), lse, lse.new_empty(lse.shape), window_lse
+    num_branches = 3 if window_size > 0 else 2
+    kept = num_branches if keeps_branch_outputs(q, num_branches, recompute) else 0
+    outputs = [q.new_empty(q.shape) for _ in range(kept)] + [_absent(q) for _ in range(3 - kept)]
+    return (q.new_empty(q.shape), lse, lse.new_empty(lse.shape), window_lse, *outputs)
 
 
 # --- backward ------------------------------------------------------------------------------------
@@ -107,13 +116,14 @@ def _nsa_forward_fake(q, k, v, W_k, W_v, W_gate, cu_seqlens, host_cu_seqlens, ma
 def nsa_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, W_k: Optional[Tensor],
                  W_v: Optional[Tensor], W_gate: Optional[Tensor], cu_seqlens: Tensor,
                  lse_compressed: Tensor, lse_selected: Tensor, lse_window: Tensor,
+                 out_compressed: Tensor, out_selected: Tensor, out_window: Tensor,
                  host_cu_seqlens: list[int], max_seqlen: int, compress_block_size: int,
                  selected_block_size: int, num_selected_blocks: int, window_size: int,
                  causal: bool, softmax_scale: float, num_cmp_selected_blocks: Optional[int],
-                 q_tile: int, cmp_kv_block: int, deterministic: bool
+                 q_tile: int, cmp_kv_block: int, deterministic: bool, recompute: Optional[bool]
                  ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(dq, dk, dv, dW_k, dW_v, dW_gate) of nsa_forward's out; an absent weight's gradient is
-    an empty tensor."""
+    an empty tensor. out_*: the branch outputs nsa_forward kept (empty: recomputed here)."""
     config = _config(compress_block_size, selected_block_size, num_selected_blocks, window_size,
                      causal, softmax_scale, num_cmp_selected_blocks, q_tile, cmp_kv_block,
                      deterministic)
@@ -127,15 +137,18 @@ def nsa_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, W_k: Optional[Te
         branches, cu_seqlens_cmp = compress_and_plan(q, k, None, W_k, None, cu_seqlens,
                                                      sequences, config)[:2]
         lses = (lse_compressed, lse_selected, lse_window)[:len(branches)]
+        outputs = _contiguous(out_compressed, out_selected, out_window)[:len(branches)]
+        kept = KeptForBackward(None, outputs) if outputs[0].shape == q.shape else None
         grads = packed_gradients(dout.contiguous(), q, k, v, W_k, W_v, W_gate, cu_seqlens,
                                  cu_seqlens_cmp, lses, branches, sequences, config,
-                                 transposed_lists(branches))
+                                 transposed_lists(branches), kept)
     return tuple(_absent(q) if g is None else g for g in grads)
 
 
 @nsa_backward.register_fake
 def _nsa_backward_fake(dout, q, k, v, W_k, W_v, W_gate, cu_seqlens, lse_compressed,
-                       lse_selected, lse_window, *_primitives):
+                       lse_selected, lse_window, out_compressed, out_selected, out_window,
+                       *_primitives):
     weights = tuple(_absent(q) if W is None else W.new_empty(W.shape) for W in (W_k, W_v, W_gate))
     return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), *weights)
 

@@ -240,28 +240,30 @@ _KERNELS = {GatedSumSpec: (GatedSumSm90, fake_arguments),
 
 def _launch(spec, args, like):
     """Compile `spec` once per process and launch it on torch tensors `args`."""
-    from kernels.sm90.compile import launch_on_current_stream
+    from kernels.sm90.launch import launch_on_current_stream
 
     kernel, fake = _KERNELS[type(spec)]
     launch_on_current_stream(kernel, spec, fake, args, like.device)
 
 
-def run(terms, columns, gates):
-    """sum_i gates[..., columns[i]] * terms[i], written into terms[0] and returned.
+def run(terms, columns, gates, into=None):
+    """sum_i gates[..., columns[i]] * terms[i], written into `into` (a contiguous tensor like
+    terms[0]) or, without it, into terms[0]; returned.
 
     terms: 1-3 contiguous, 16-byte aligned (T, H, D) bf16/fp16 tensors of one shape and dtype;
     gates: a contiguous (T, H, G) float32 tensor; the caller (`kernels.gated_sum.GatedSum`) has
     made sure.
     """
     first = terms[0]
+    out_rows = (first if into is None else into).view(-1, first.shape[-1])
     spec = GatedSumSpec(str(first.dtype).removeprefix("torch."), first.shape[-1],
                         tuple(columns), gates.shape[-1])
     rows = [t.view(-1, t.shape[-1]) for t in terms] + [None] * (MAX_TERMS - len(terms))
     row_gates = gates.view(-1, gates.shape[-1])
     for r0, r1 in _launch_rows(rows[0]):
         flat = [None if t is None else t[r0:r1].view(-1) for t in rows]
-        _launch(spec, (row_gates[r0:r1].view(-1), flat[0], *flat), first)
-    return first
+        _launch(spec, (row_gates[r0:r1].view(-1), out_rows[r0:r1].view(-1), *flat), first)
+    return first if into is None else into
 
 
 def run_backward(dout, term, gates, column, d_gates, term_gradient=True):

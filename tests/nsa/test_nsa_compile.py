@@ -138,7 +138,7 @@ def test_compile_without_host_cu_seqlens_is_refused_naming_it():
         call(inputs["q"], inputs["k"], inputs["v"], inputs["cu_seqlens"])
 
 
-def _op_arguments(options: dict, *, weights: bool):
+def _op_arguments(options: dict, *, weights: bool, recompute: bool | None = None):
     inputs = random_inputs(LENGTHS, HEADS, KV_HEADS, HEAD_DIM, seed=1, dtype=torch.float32)
     q, k, v = (inputs[n].requires_grad_() for n in ("q", "k", "v"))
     W_k, W_v, W_gate = ((inputs[n].requires_grad_() if weights else None)
@@ -149,26 +149,33 @@ def _op_arguments(options: dict, *, weights: bool):
         W_gate=W_gate, causal=True, softmax_scale=None, num_cmp_selected_blocks=None,
         **test_only, **options)
     return (q, k, v, W_k, W_v, W_gate, inputs["cu_seqlens"], list(sequences.cu_seqlens),
-            sequences.max_seqlen, *config_arguments(config))
+            sequences.max_seqlen, *config_arguments(config), recompute)
 
 
 @pytest.mark.parametrize("weights", [True, False])
 @pytest.mark.parametrize("window_size", [12, 0])
-def test_the_ops_pass_opcheck(weights, window_size):
-    args = _op_arguments(dict(SMALL, window_size=window_size), weights=weights)
+@pytest.mark.parametrize("recompute", [True, False])
+def test_the_ops_pass_opcheck(weights, window_size, recompute):
+    args = _op_arguments(dict(SMALL, window_size=window_size), weights=weights,
+                         recompute=recompute)
     torch.library.opcheck(torch.ops.nsa_cute.nsa_forward.default, args)
-    out, *lses = torch.ops.nsa_cute.nsa_forward(*args)
+    out, *rest = torch.ops.nsa_cute.nsa_forward(*args)
+    lses, outputs = rest[:3], rest[3:]
     assert lses[2].numel() == (0 if window_size == 0 else lses[0].numel())
+    kept = 0 if recompute else (2 if window_size == 0 else 3)
+    assert [o.shape == out.shape for o in outputs] == [True] * kept + [False] * (3 - kept)
     dout = torch.randn_like(out)
     tensors, primitives = args[:7], args[7:]
     backward_args = (dout, *(t.detach() if t is not None else None for t in tensors),
-                     *(lse.detach() for lse in lses), *primitives)
+                     *(x.detach() for x in lses + outputs), *primitives)
     torch.library.opcheck(torch.ops.nsa_cute.nsa_backward.default, backward_args)
 
 
-def test_the_ops_compute_what_eager_nsa_computes():
-    """The ops outside compile, against NSAFunction (what eager nsa() runs): the same values."""
-    args = _op_arguments(dict(SMALL), weights=True)
+@pytest.mark.parametrize("recompute", [True, False])
+def test_the_ops_compute_what_eager_nsa_computes(recompute):
+    """The ops outside compile, against NSAFunction (what eager nsa() runs): the same values,
+    with the branch outputs recomputed or kept."""
+    args = _op_arguments(dict(SMALL), weights=True, recompute=recompute)
     q, k, v, W_k, W_v, W_gate, cu_seqlens = args[:7]
     leaves = (q, k, v, W_k, W_v, W_gate)
     out = torch.ops.nsa_cute.nsa_forward(*args)[0]
