@@ -1,0 +1,88 @@
+"""The all-to-all between sequence shards and head shards, differentiable both ways.
+
+Tensors here are 4-D (L, n, h, D): L = B for a padded batch, L = 1 for packed tokens, n the
+tokens along the sequence, h the heads. With W ranks:
+
+  sequence_to_heads: (L, n, h, D) on every rank, its n tokens of all h heads
+                  -> (L, W*n, h/W, D): all tokens of head slice r (heads [r*h/W, (r+1)*h/W))
+  heads_to_sequence: the inverse.
+
+Several tensors (q, k, v; or dq, dk, dv) travel in one all-to-all: each rank's message to rank j
+is the concatenation of every tensor's head slice j, so one collective pays the latency once.
+They must share the dtype, L, n and D. The backward of one direction is the other direction
+(an all-to-all is a permutation of the data: its adjoint is the inverse permutation), which moves
+every gradient element to where its input came from without adding anything: bitwise exact.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from nsa.distributed.groups import ContextParallelGroup
+
+
+def sequence_to_heads(tensors: tuple[Tensor, ...], group: ContextParallelGroup
+                      ) -> tuple[Tensor, ...]:
+    world = group.world_size
+    heads = [x.shape[2] // world for x in tensors]
+    # (L, n, h, D) -> (L, n, W, h/W, D): the W axis picks the destination rank.
+    by_destination = torch.cat([x.unflatten(2, (world, h)) for x, h in zip(tensors, heads)],
+                               dim=3)
+    send = by_destination.permute(2, 0, 1, 3, 4).contiguous()  # (W, L, n, sum h/W, D)
+    received = _all_to_all(send, group)  # [i] = rank i's tokens of this rank's heads
+    batch, tokens = send.shape[1], send.shape[2]
+    # Rank order is token order (rank i holds shard i), so stacking along n restores the sequence.
+    return tuple(part.permute(1, 0, 2, 3, 4).reshape(batch, world * tokens, h, part.shape[-1])
+                 for part, h in zip(received.split(heads, dim=3), heads))
+
+
+def heads_to_sequence(tensors: tuple[Tensor, ...], group: ContextParallelGroup
+                      ) -> tuple[Tensor, ...]:
+    world = group.world_size
+    heads = [x.shape[2] for x in tensors]
+    # (L, W*n, h, D) -> (L, W, n, h, D): the W axis picks the rank that holds those tokens.
+    by_destination = torch.cat([x.unflatten(1, (world, x.shape[1] // world)) for x in tensors],
+                               dim=3)
+    send = by_destination.transpose(0, 1).contiguous()  # (W, L, n, sum h, D)
+    received = _all_to_all(send, group)  # [j] = this rank's tokens of rank j's heads
+    batch, tokens = send.shape[1], send.shape[2]
+    # Rank j computed heads [j*h, (j+1)*h): putting W before h restores the global head order.
+    return tuple(part.permute(1, 2, 0, 3, 4).reshape(batch, tokens, world * h, part.shape[-1])
+                 for part, h in zip(received.split(heads, dim=3), heads))
+
+
+def _all_to_all(send: Tensor, group: ContextParallelGroup) -> Tensor:
+    if group.world_size == 1:
+        return send
+    received = torch.empty_like(send)
+    dist.all_to_all_single(received, send, group=group.process_group)
+    return received
+
+
+class SequenceToHeads(torch.autograd.Function):
+    """sequence_to_heads forward, heads_to_sequence backward."""
+
+    @staticmethod
+    def forward(ctx, group: ContextParallelGroup, *tensors: Tensor):
+        ctx.group = group
+        return sequence_to_heads(tensors, group)
+
+    @staticmethod
+    def backward(ctx, *grads: Tensor):
+        # Unused outputs arrive as zeros (autograd materializes them), so every rank joins the
+        # same collective whatever its own graph used.
+        return (None, *heads_to_sequence(grads, ctx.group))
+
+
+class HeadsToSequence(torch.autograd.Function):
+    """heads_to_sequence forward, sequence_to_heads backward."""
+
+    @staticmethod
+    def forward(ctx, group: ContextParallelGroup, *tensors: Tensor):
+        ctx.group = group
+        return heads_to_sequence(tensors, group)
+
+    @staticmethod
+    def backward(ctx, *grads: Tensor):
+        return (None, *sequence_to_heads(grads, ctx.group))

@@ -1,0 +1,382 @@
+"""nsa_context_parallel (heads mode) against one-process nsa(), on gloo with 2 and 4 processes.
+
+Each world size is one spawn of W processes (process start dominates the time) that runs every
+check of that size and reports per check; the tests below read those reports. Every rank also
+computes one-process nsa() on the full inputs (the same seed everywhere) and compares its shard:
+outputs and dq, dk, dv bitwise (heads mode runs the very code one process runs, on a subset of
+heads: the all-to-all only moves numbers), and dW_k, dW_v, dW_gate summed over the ranks bitwise
+(each rank's partial is zero outside its heads, so the sum adds only exact zeros).
+Bad inputs: every rank must raise a ValueError naming the argument, and the group must still work
+afterwards (the next check runs collectives); a hung rank fails the test through the join timeout.
+"""
+from __future__ import annotations
+
+import datetime
+import multiprocessing
+import os
+import traceback
+
+import pytest
+import torch
+
+JOIN_TIMEOUT_S = 150
+OPTIONS = dict(compress_block_size=8, selected_block_size=16, num_selected_blocks=4,
+               window_size=24, _q_tile=32, _cmp_kv_block=8)
+WEIGHTS = ("W_k", "W_v", "W_gate")
+
+# name: (H, Hkv, D, layout, lengths or (B, N), weights, dtype). Packed documents cross the shard
+# bounds (128 for 2 ranks; 64, 128, 192 for 4), and each selection tile, window and compressed
+# block near a bound reads tokens from both sides of it.
+EQUALITY_CASES = {
+    2: {
+        "padded_gqa1_weights": (8, 8, 16, "padded", (2, 128), True, torch.float32),
+        "packed_gqa4_weights": (16, 4, 16, "packed", (50, 150, 56), True, torch.float32),
+        "packed_gqa4_no_weights": (16, 4, 16, "packed", (50, 150, 56), False, torch.float32),
+        "packed_gqa8_bf16": (16, 2, 16, "packed", (21, 200, 35), True, torch.bfloat16),
+        "padded_gqa8_no_weights": (32, 4, 16, "padded", (2, 96), False, torch.float32),
+    },
+    4: {
+        "packed_gqa8_weights": (32, 4, 16, "packed", (40, 100, 75, 41), True, torch.float32),
+        "padded_gqa4_no_weights": (16, 4, 16, "padded", (2, 128), False, torch.float32),
+        "packed_gqa1_no_weights": (8, 8, 16, "packed", (40, 100, 75, 41), False,
+                                   torch.float32),
+        "padded_gqa1_weights": (8, 8, 16, "padded", (2, 64), True, torch.float32),
+    },
+}
+# name: the phrase the ValueError must contain on every rank.
+BAD_INPUT_CASES = {
+    2: {
+        "mode_sequence_not_available": "mode='sequence'",
+        "unequal_shards": "q must hold the same number of tokens on every rank",
+        "cu_seqlens_disagree": "cu_seqlens must be the same global cu_seqlens",
+        "local_cu_seqlens_instead_of_global": "cu_seqlens must be the global cu_seqlens",
+        "k_on_another_device_on_one_rank": "k is on the meta device",
+        "options_disagree": "window_size must be the same on every rank",
+        "requires_grad_disagrees": "must require grad alike",
+        "mode_unknown": "mode must be one of",
+    },
+    4: {
+        "auto_with_world_not_dividing_kv_heads": "heads mode needs the context-parallel world "
+                                                 "size to divide Hkv (got world size 4, Hkv 2)",
+        "heads_with_world_not_dividing_kv_heads": "mode='heads'",
+        "unequal_shards": "q must hold the same number of tokens on every rank",
+    },
+}
+
+
+# ------------------------------------------------------------------------------------------------
+# What each rank runs
+# ------------------------------------------------------------------------------------------------
+
+def _full_inputs(heads, kv_heads, head_dim, layout, shape, weights, dtype, seed=0) -> dict:
+    gen = torch.Generator().manual_seed(seed)
+
+    def randn(*size, scale=1.0):
+        return (torch.randn(*size, generator=gen) * scale).to(dtype)
+
+    lead = (sum(shape),) if layout == "packed" else tuple(shape)
+    inputs = dict(q=randn(*lead, heads, head_dim), k=randn(*lead, kv_heads, head_dim),
+                  v=randn(*lead, kv_heads, head_dim), dout=randn(*lead, heads, head_dim))
+    if layout == "packed":
+        inputs["cu_seqlens"] = torch.tensor((0, *shape)).cumsum(0).to(torch.int32)
+    if weights:
+        scale = head_dim ** -0.5
+        inputs.update(W_k=randn(kv_heads, head_dim, head_dim, scale=scale),
+                      W_v=randn(kv_heads, head_dim, head_dim, scale=scale),
+                      W_gate=randn(heads, 3, head_dim, scale=scale))
+    return inputs
+
+
+def _check_equal_to_one_process(group, case) -> None:
+    from nsa.distributed import nsa_context_parallel, shard_sequence, unshard_sequence
+
+    inputs = _full_inputs(*case)
+    seq_dim = 0 if "cu_seqlens" in inputs else 1
+    names = [n for n in ("q", "k", "v", *WEIGHTS) if n in inputs]
+    cu_seqlens = inputs.get("cu_seqlens")
+
+    expected, expected_grads = _one_process_result(group, inputs, names)
+    world = torch.distributed.get_world_size(_process_group(group))
+    one_kv_head_per_rank = inputs["k"].shape[-2] == world
+    if one_kv_head_per_rank:
+        # The CPU fallback's matmuls take another kernel (another summation order) when they
+        # see a single KV head, so nsa() on one KV head differs from nsa() on several in the
+        # last bit, in one process too. Heads mode is then bitwise equal to one process running
+        # nsa() per KV head, and within float rounding of the all-heads call.
+        nearly, nearly_grads = expected, expected_grads
+        expected, expected_grads = _one_process_result(group, inputs, names, head_groups=world)
+
+    def shard(x, name):
+        return shard_sequence(x, group, seq_dim=seq_dim, name=name)
+
+    local = {n: (shard(inputs[n], n) if n in ("q", "k", "v") else inputs[n]).clone()
+             .requires_grad_() for n in names}
+    out = nsa_context_parallel(local["q"], local["k"], local["v"], group=group,
+                               cu_seqlens=cu_seqlens,
+                               **{n: local[n] for n in WEIGHTS if n in local}, **OPTIONS)
+    grads = dict(zip(names, torch.autograd.grad(out, [local[n] for n in names],
+                                                shard(inputs["dout"], "dout"))))
+
+    # Every collective first, the asserts after: a rank failing an assert must not leave the
+    # others waiting in a collective it skipped.
+    gathered = unshard_sequence(out, group, seq_dim=seq_dim)
+    weight_sums = {name: _sum_over_ranks(grads[name], group) for name in WEIGHTS if name in grads}
+
+    assert torch.equal(out, shard(expected, "out")), "output shard differs from one process"
+    assert torch.equal(gathered, expected), "unshard_sequence(out) differs from one process"
+    for name in ("q", "k", "v"):
+        assert torch.equal(grads[name], shard(expected_grads[name], name)), f"d{name} differs"
+    for name, total in weight_sums.items():
+        assert torch.equal(total, expected_grads[name]), f"sum over ranks of d{name} differs"
+    if one_kv_head_per_rank:
+        assert _rel_err(gathered, nearly) < 1e-6
+        for name in ("q", "k", "v"):
+            assert _rel_err(grads[name], shard(nearly_grads[name], name)) < 1e-6, name
+        for name, total in weight_sums.items():
+            assert _rel_err(total, nearly_grads[name]) < 1e-6, name
+
+
+def _rel_err(actual, expected) -> float:
+    expected = expected.double()
+    return float((actual.double() - expected).norm() / expected.norm())
+
+
+def _sum_over_ranks(partial, group):
+    """The partials added in rank order (all-gathered, so the order is ours, not the backend's)."""
+    process_group = _process_group(group)
+    partials = [torch.empty_like(partial)
+                for _ in range(torch.distributed.get_world_size(process_group))]
+    torch.distributed.all_gather(partials, partial, group=process_group)
+    total = partials[0]
+    for other in partials[1:]:
+        total = total + other
+    return total
+
+
+def _one_process_result(group, inputs, names, head_groups: int = 1):
+    """nsa() on the full inputs in one process: computed on the group's first rank and
+    broadcast (exact), so the W processes sharing the CPU compute it once, not W times.
+    head_groups > 1: one nsa() call per slice of Hkv / head_groups KV heads (and their q heads),
+    joined along the heads, weight gradients added (each slice's is zero elsewhere)."""
+    import torch.distributed as dist
+    shapes = {"out": inputs["q"]} | {n: inputs[n] for n in names}
+    results = {n: torch.empty_like(x) for n, x in shapes.items()}
+    first = dist.get_global_rank(_process_group(group), 0)
+    if dist.get_rank() == first:
+        results = _sliced_nsa(inputs, names, head_groups)
+    for name in shapes:
+        dist.broadcast(results[name], src=first, group=_process_group(group))
+    return results["out"], {n: results[n] for n in names}
+
+
+def _sliced_nsa(inputs, names, head_groups: int) -> dict:
+    from nsa import nsa
+    leaves = {n: inputs[n].clone().requires_grad_() for n in names}
+    heads, kv_heads = inputs["q"].shape[-2], inputs["k"].shape[-2]
+    outs = []
+    for part in range(head_groups):
+        qs = slice(part * heads // head_groups, (part + 1) * heads // head_groups)
+        ks = slice(part * kv_heads // head_groups, (part + 1) * kv_heads // head_groups)
+        sliced = {"q": leaves["q"][..., qs, :], "k": leaves["k"][..., ks, :],
+                  "v": leaves["v"][..., ks, :], "W_k": leaves.get("W_k"),
+                  "W_v": leaves.get("W_v"), "W_gate": leaves.get("W_gate")}
+        sliced = {n: (None if x is None else x[qs] if n == "W_gate" else x[ks]
+                      if n in WEIGHTS else x) for n, x in sliced.items()}
+        outs.append(nsa(sliced["q"], sliced["k"], sliced["v"],
+                        cu_seqlens=inputs.get("cu_seqlens"),
+                        **{n: sliced[n] for n in WEIGHTS}, **OPTIONS))
+    out = torch.cat(outs, dim=-2)
+    grads = torch.autograd.grad(out, [leaves[n] for n in names], inputs["dout"])
+    return {"out": out.detach()} | dict(zip(names, grads))
+
+
+def _process_group(group):
+    return group[0].get_group(group[1]) if isinstance(group, tuple) else group
+
+
+def _bad_call(group, name, rank, world) -> None:
+    """Make this rank's part of bad input `name` and call nsa_context_parallel with it."""
+    from nsa.distributed import nsa_context_parallel, shard_sequence
+
+    kv_heads = 2 if "dividing_kv_heads" in name else 4
+    lengths = (20, 50, 37, 21)
+    inputs = _full_inputs(16, kv_heads, 16, "packed", lengths, True, torch.float32, seed=3)
+    q, k, v = (shard_sequence(inputs[n], group, name=n) for n in ("q", "k", "v"))
+    kwargs = dict(group=group, cu_seqlens=inputs["cu_seqlens"], **OPTIONS,
+                  **{n: inputs[n] for n in WEIGHTS})
+    last = rank == world - 1
+    if name == "mode_sequence_not_available":
+        kwargs["mode"] = "sequence"
+    elif name == "heads_with_world_not_dividing_kv_heads":
+        kwargs["mode"] = "heads"
+    elif name == "mode_unknown" and last:
+        kwargs["mode"] = "ring"
+    elif name == "unequal_shards" and last:
+        q, k, v = q[:-8], k[:-8], v[:-8]
+    elif name == "cu_seqlens_disagree" and last:
+        kwargs["cu_seqlens"] = torch.tensor((0, 20, 70, 108, 128), dtype=torch.int32)
+    elif name == "local_cu_seqlens_instead_of_global":  # every rank makes the same mistake
+        kwargs["cu_seqlens"] = torch.tensor((0, 20, q.shape[0]), dtype=torch.int32)
+    elif name == "k_on_another_device_on_one_rank" and last:
+        k = torch.empty(k.shape, device="meta")
+    elif name == "options_disagree" and last:
+        kwargs["window_size"] = 64
+    elif name == "requires_grad_disagrees" and last:
+        q = q.clone().requires_grad_()
+    nsa_context_parallel(q, k, v, **kwargs)
+
+
+def _sum_over_group_still_works(group, world) -> None:
+    total = torch.ones(1)
+    torch.distributed.all_reduce(total, group=group)
+    assert total.item() == world
+
+
+def _worker(rank: int, world: int, store_path: str, results) -> None:
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+    checks: list[tuple[str, str | None]] = []
+    try:
+        dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank,
+                                world_size=world, timeout=datetime.timedelta(seconds=60))
+        group = dist.group.WORLD
+        for name, case in EQUALITY_CASES[world].items():
+            checks.append((f"equal:{name}", _outcome(_check_equal_to_one_process, group, case)))
+        for name, phrase in BAD_INPUT_CASES[world].items():
+            checks.append((f"bad:{name}", _raised(lambda: _bad_call(group, name, rank, world),
+                                                  phrase)))
+            _sum_over_group_still_works(group, world)
+        checks.append(("mesh_dimension", _outcome(_check_mesh_dimension, world)))
+        dist.destroy_process_group()
+    except Exception:  # reported, so the parent fails with this rank's traceback
+        checks.append(("worker", traceback.format_exc()))
+    results.put((rank, checks))
+
+
+def _check_mesh_dimension(world) -> None:
+    """(mesh, dim) on a 2-D (data x context) mesh: each context row computes its own copy."""
+    from torch.distributed.device_mesh import init_device_mesh
+    mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "cp"))
+    _check_equal_to_one_process((mesh, "cp"), (16, 4, 16, "packed", (50, 150, 56), True,
+                                                torch.float32))
+
+
+def _outcome(check, *args) -> str | None:
+    try:
+        check(*args)
+    except Exception:
+        return traceback.format_exc()
+    return None
+
+
+def _raised(call, phrase: str) -> str | None:
+    try:
+        call()
+    except ValueError as error:
+        return None if phrase in str(error) else f"ValueError without {phrase!r}: {error}"
+    except Exception:
+        return "expected a ValueError, got:\n" + traceback.format_exc()
+    return "no error was raised"
+
+
+# ------------------------------------------------------------------------------------------------
+# The parent: one spawn per world size
+# ------------------------------------------------------------------------------------------------
+
+_REPORTS: dict[int, dict[str, list[str | None]]] = {}
+
+
+def _run_world(world: int, tmp_dir) -> dict[str, list[str | None]]:
+    if world in _REPORTS:
+        return _REPORTS[world]
+    context = multiprocessing.get_context("spawn")
+    results = context.Queue()
+    store = os.path.join(str(tmp_dir), f"store_{world}")
+    processes = [context.Process(target=_worker, args=(rank, world, store, results), daemon=True)
+                 for rank in range(world)]
+    for process in processes:
+        process.start()
+    reports: dict[int, list] = {}
+    try:
+        for _ in range(world):
+            rank, checks = results.get(timeout=JOIN_TIMEOUT_S)
+            reports[rank] = checks
+    except Exception:
+        pass
+    for process in processes:
+        process.join(timeout=10)
+        if process.is_alive():
+            process.kill()
+            process.join()
+    missing = sorted(set(range(world)) - set(reports))
+    assert not missing, f"ranks {missing} of {world} hung or died without a report"
+    by_check: dict[str, list[str | None]] = {}
+    for rank in range(world):
+        for name, outcome in reports[rank]:
+            by_check.setdefault(name, [None] * world)[rank] = outcome
+    _REPORTS[world] = by_check
+    return by_check
+
+
+@pytest.fixture(scope="module")
+def reports(tmp_path_factory):
+    return lambda world: _run_world(world, tmp_path_factory.mktemp(f"world{world}"))
+
+
+def _assert_passed(report: dict, name: str) -> None:
+    assert "worker" not in report, report["worker"]
+    assert name in report, f"check {name} did not run"
+    failures = {rank: outcome for rank, outcome in enumerate(report[name]) if outcome}
+    assert not failures, "\n".join(f"rank {r}: {o}" for r, o in failures.items())
+
+
+@pytest.mark.parametrize("world, name", [(w, n) for w, cases in EQUALITY_CASES.items()
+                                         for n in cases])
+def test_heads_mode_equals_one_process(reports, world, name):
+    _assert_passed(reports(world), f"equal:{name}")
+
+
+@pytest.mark.parametrize("world, name", [(w, n) for w, cases in BAD_INPUT_CASES.items()
+                                         for n in cases])
+def test_bad_input_raises_on_every_rank(reports, world, name):
+    _assert_passed(reports(world), f"bad:{name}")
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_one_dimension_of_a_device_mesh(reports, world):
+    _assert_passed(reports(world), "mesh_dimension")
+
+
+# ------------------------------------------------------------------------------------------------
+# In this process: what needs no group
+# ------------------------------------------------------------------------------------------------
+
+def test_shard_sequence_refuses_a_length_the_world_does_not_divide():
+    from nsa.distributed import shard_sequence
+    with pytest.raises(ValueError, match=r"q has 10 tokens.*multiple of 4"):
+        shard_sequence(torch.randn(10, 2, 4), rank=0, world_size=4, name="q")
+
+
+def test_shard_sequence_splits_contiguously_along_seq_dim():
+    from nsa.distributed import shard_bounds, shard_sequence
+    x = torch.randn(2, 12, 3, 4)
+    parts = [shard_sequence(x, rank=r, world_size=3, seq_dim=1) for r in range(3)]
+    assert torch.equal(torch.cat(parts, dim=1), x)
+    assert shard_bounds(12, rank=2, world_size=3) == (8, 12)
+
+
+@pytest.mark.parametrize("mode, world, kv_heads, expected", [
+    ("auto", 4, 8, "heads"), ("heads", 2, 2, "heads"), ("auto", 1, 1, "heads")])
+def test_choose_mode_picks_heads_when_the_world_divides_kv_heads(mode, world, kv_heads, expected):
+    from nsa.distributed import choose_mode
+    assert choose_mode(mode, world, kv_heads) == expected
+
+
+@pytest.mark.parametrize("mode", ["auto", "sequence", "heads"])
+def test_choose_mode_names_the_argument_and_the_values(mode):
+    from nsa.distributed import choose_mode
+    with pytest.raises(ValueError, match=rf"mode='{mode}'.*world size 4, Hkv 2"):
+        choose_mode(mode, 4, 2)
+    if mode != "heads":
+        with pytest.raises(ValueError, match="not available yet"):
+            choose_mode(mode, 4, 2)
