@@ -1,0 +1,273 @@
+"""Benchmark nsa() across GPUs (context parallelism, nsa.distributed) against one GPU.
+
+Run under torchrun, one process per GPU (NCCL), or with --device cpu on gloo:
+
+    torchrun --nproc-per-node 8 tools/bench_context_parallel.py --seqlen 262144 --json cp.json
+    torchrun --nproc-per-node 4 tools/bench_context_parallel.py --seqlen 1048576 --no-check
+    python tools/bench_context_parallel.py --device cpu --seqlen 512 --heads 4 --kv-heads 2
+
+Without torchrun's environment (RANK, WORLD_SIZE) it runs as a group of one process.
+Every rank builds the same full inputs from --seed (packed: --num-seqs random-length documents,
+which cross the shard bounds), takes its contiguous shard, and runs nsa_context_parallel forward
+and forward+backward. With --check (the default) rank 0 also runs one-GPU nsa() on the full
+inputs and compares the gathered output and dq, dk, dv with it (heads mode: bitwise expected)
+and times it, for the ratio "context-parallel time / (one-GPU time / W)" (1.0 = perfect scaling).
+Timing: --warmup untimed calls, then the median of --repeats (CUDA events on a GPU,
+perf_counter on the CPU); the reported time is the slowest rank's median. The all-to-alls alone
+(q, k, v to head shards and the output back; the backward moves the same volumes the other way)
+are timed the same way, to give communication's share of the step.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from _common import (DTYPES, cu_seqlens_of, describe_device, positive_int,  # noqa: E402
+                     resolve_device, time_ms, varlen_lengths, write_results_json)
+from nsa import nsa  # noqa: E402
+from nsa.distributed import (choose_mode, nsa_context_parallel, resolve_group,  # noqa: E402
+                             shard_sequence, unshard_sequence)
+from nsa.distributed.exchange import heads_to_sequence, sequence_to_heads  # noqa: E402
+
+TOOL = "bench_context_parallel"
+
+
+def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog=f"{TOOL}.py",
+        description="Time nsa() across GPUs (context parallelism, heads mode) against one GPU: "
+                    "forward, forward+backward, the all-to-all alone; check equality.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--seqlen", type=positive_int, default=None,
+                        help="global tokens T, split over the ranks (default: 262144 on CUDA, "
+                             "512 on the CPU)")
+    parser.add_argument("--num-seqs", type=positive_int, default=4,
+                        help="documents packed into the T tokens (random lengths)")
+    parser.add_argument("--heads", type=positive_int, default=32)
+    parser.add_argument("--kv-heads", type=positive_int, default=8)
+    parser.add_argument("--head-dim", type=positive_int, default=128)
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default=None,
+                        help="default: bfloat16 on CUDA, float32 on the CPU (whose bfloat16 "
+                             "matmuls are slow)")
+    parser.add_argument("--mode", choices=("auto", "heads", "sequence"), default="auto")
+    parser.add_argument("--compress-block-size", type=positive_int, default=64)
+    parser.add_argument("--selected-block-size", type=positive_int, default=64)
+    parser.add_argument("--num-selected-blocks", type=positive_int, default=16)
+    parser.add_argument("--window-size", type=int, default=512)
+    parser.add_argument("--no-weights", action="store_true",
+                        help="run without W_k, W_v, W_gate (mean gating)")
+    parser.add_argument("--check", action=argparse.BooleanOptionalAction, default=True,
+                        help="rank 0 runs one-GPU nsa() on the full inputs: equality and ratio")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--repeats", type=positive_int, default=10)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", default=None, help="cuda (one GPU per rank) or cpu (gloo)")
+    parser.add_argument("--json", type=Path, default=None, help="write the results here")
+    args = parser.parse_args(argv)
+    if args.heads % args.kv_heads:
+        parser.error(f"--kv-heads ({args.kv_heads}) must divide --heads ({args.heads})")
+    if args.warmup < 0:
+        parser.error("--warmup must be >= 0")
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_arguments(argv)
+    created_group = _init_process_group(args)
+    try:
+        return _run(args, argv)
+    finally:
+        if created_group:
+            dist.destroy_process_group()
+
+
+def _init_process_group(args) -> bool:
+    """Join torchrun's group (NCCL on CUDA, gloo on the CPU), or make a group of one."""
+    wants_cuda = args.device != "cpu" and (args.device is not None or torch.cuda.is_available())
+    if wants_cuda and "LOCAL_RANK" in os.environ:
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    if dist.is_initialized():
+        return False
+    backend = "nccl" if wants_cuda else "gloo"
+    if "RANK" in os.environ:
+        dist.init_process_group(backend)
+    else:
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    return True
+
+
+def _run(args, argv) -> dict:
+    group = resolve_group(dist.group.WORLD)
+    rank, world = group.rank, group.world_size
+    device = resolve_device(args.device)
+    if device.type == "cuda":
+        device = torch.device("cuda", torch.cuda.current_device())
+    seqlen = args.seqlen or (262144 if device.type == "cuda" else 512)
+    if seqlen % world:
+        raise SystemExit(f"--seqlen {seqlen} must be a multiple of the {world} ranks")
+    mode = choose_mode(args.mode, world, args.kv_heads)  # the same error on every rank
+    args.dtype = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
+    dtype = DTYPES[args.dtype]
+    full = _full_inputs(args, seqlen, dtype, device)
+    options = dict(compress_block_size=args.compress_block_size,
+                   selected_block_size=args.selected_block_size,
+                   num_selected_blocks=args.num_selected_blocks, window_size=args.window_size)
+    # Replicated trainable weights: the backward computes each rank's partial dW too.
+    weights = {n: full[n].detach().requires_grad_() for n in ("W_k", "W_v", "W_gate")
+               if n in full}
+    local = {n: shard_sequence(full[n], group.process_group, name=n).contiguous()
+             for n in ("q", "k", "v", "dout")}
+    cu_seqlens, host_cu = full["cu_seqlens"], full["host_cu_seqlens"]
+
+    def forward(leaves=None):
+        q, k, v = leaves or (local["q"], local["k"], local["v"])
+        return nsa_context_parallel(q, k, v, group=group.process_group, cu_seqlens=cu_seqlens,
+                                    host_cu_seqlens=host_cu, mode=args.mode, **weights, **options)
+
+    leaves = [local[n].detach().requires_grad_() for n in ("q", "k", "v")]
+
+    def forward_backward():
+        out = forward(leaves)
+        return torch.autograd.grad(out, [*leaves, *weights.values()], local["dout"])
+
+    out = forward(leaves)
+    grads = torch.autograd.grad(out, leaves, local["dout"], retain_graph=True)
+    gathered = {"out": unshard_sequence(out, group.process_group)} | {
+        n: unshard_sequence(g, group.process_group) for n, g in zip(("dq", "dk", "dv"), grads)}
+    del out, grads
+
+    dist.barrier()
+    with torch.no_grad():  # an inference-style forward: no graph kept
+        fwd_ms = _slowest(time_ms(lambda: forward(), device, warmup=args.warmup,
+                                  repeats=args.repeats), device)
+    fwd_bwd_ms = _slowest(time_ms(forward_backward, device, warmup=args.warmup,
+                                  repeats=args.repeats), device)
+    comm = _time_exchanges(args, local, group, device, dtype)
+
+    result = {"world_size": world, "mode": mode, "seqlen": seqlen, "num_seqs": args.num_seqs,
+              "heads": args.heads, "kv_heads": args.kv_heads, "head_dim": args.head_dim,
+              "dtype": args.dtype, "weights": not args.no_weights, "options": options,
+              "device": describe_device(device), "fwd_ms": fwd_ms, "fwd_bwd_ms": fwd_bwd_ms,
+              **comm,
+              "comm_share_fwd": comm["all_to_all_fwd_ms"] / fwd_ms,
+              "comm_share_fwd_bwd": comm["all_to_all_fwd_bwd_ms"] / fwd_bwd_ms}
+    if args.check:
+        result.update(_compare_with_one_device(args, full, weights, options, gathered, device,
+                                               rank, world, fwd_ms, fwd_bwd_ms))
+    if rank == 0:
+        _print_table(result)
+        if args.json is not None:
+            write_results_json(args.json, TOOL, list(argv or sys.argv[1:]), result["device"],
+                               [result])
+    return result
+
+
+def _full_inputs(args, seqlen, dtype, device) -> dict:
+    """The same full inputs on every rank: one seed, one generator on the device."""
+    generator = torch.Generator(device=device).manual_seed(args.seed)
+
+    def randn(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=generator, device=device) * scale).to(dtype)
+
+    lengths = varlen_lengths(seqlen, min(args.num_seqs, seqlen),
+                             torch.Generator().manual_seed(args.seed))
+    H, Hkv, D = args.heads, args.kv_heads, args.head_dim
+    full = dict(q=randn(seqlen, H, D), k=randn(seqlen, Hkv, D), v=randn(seqlen, Hkv, D),
+                dout=randn(seqlen, H, D), cu_seqlens=cu_seqlens_of(lengths, device),
+                host_cu_seqlens=tuple(cu_seqlens_of(lengths, torch.device("cpu")).tolist()))
+    if not args.no_weights:
+        scale = D ** -0.5
+        full.update(W_k=randn(Hkv, D, D, scale=scale), W_v=randn(Hkv, D, D, scale=scale),
+                    W_gate=randn(H, 3, D, scale=scale))
+    return full
+
+
+def _time_exchanges(args, local, group, device, dtype) -> dict:
+    """The forward's two all-to-alls alone: q, k, v to head shards, the output back. The
+    backward's move the same bytes (dout to head shards; dq, dk, dv back)."""
+    q, k, v = (local[n].unsqueeze(0) for n in ("q", "k", "v"))
+    out_heads = torch.randn(1, q.shape[1] * group.world_size, q.shape[2] // group.world_size,
+                            q.shape[3], device=device).to(dtype)
+    to_heads = _slowest(time_ms(lambda: sequence_to_heads((q, k, v), group), device,
+                                warmup=args.warmup, repeats=args.repeats), device)
+    to_sequence = _slowest(time_ms(lambda: heads_to_sequence((out_heads,), group), device,
+                                   warmup=args.warmup, repeats=args.repeats), device)
+    return {"all_to_all_qkv_ms": to_heads, "all_to_all_out_ms": to_sequence,
+            "all_to_all_fwd_ms": to_heads + to_sequence,
+            "all_to_all_fwd_bwd_ms": 2 * (to_heads + to_sequence)}
+
+
+def _compare_with_one_device(args, full, weights, options, gathered, device, rank, world,
+                             fwd_ms, fwd_bwd_ms) -> dict:
+    """Rank 0: one-device nsa() on the full inputs, its times, and the equality verdicts;
+    broadcast so every rank returns the same record."""
+    verdict = torch.zeros(8, dtype=torch.float64, device=device)
+    if rank == 0:
+        leaves = [full[n].detach().clone().requires_grad_() for n in ("q", "k", "v")]
+
+        def one_device(grad: bool):
+            out = nsa(*leaves, cu_seqlens=full["cu_seqlens"],
+                      host_cu_seqlens=full["host_cu_seqlens"], **weights, **options)
+            return torch.autograd.grad(out, [*leaves, *weights.values()], full["dout"]) \
+                if grad else out
+
+        with torch.enable_grad():
+            out = one_device(False)
+        expected = {"out": out.detach(), **dict(zip(("dq", "dk", "dv"), torch.autograd.grad(
+            out, leaves, full["dout"])))}
+        bitwise = all(torch.equal(gathered[n], expected[n]) for n in expected)
+        max_diff = max(float((gathered[n].float() - expected[n].float()).abs().max())
+                       for n in expected)
+        with torch.no_grad():
+            one_fwd = time_ms(lambda: one_device(False), device, warmup=args.warmup,
+                              repeats=args.repeats)
+        one_fwd_bwd = time_ms(lambda: one_device(True), device, warmup=args.warmup,
+                              repeats=args.repeats)
+        verdict[:4] = torch.tensor([float(bitwise), max_diff, one_fwd, one_fwd_bwd],
+                                   dtype=torch.float64)
+    dist.broadcast(verdict, src=dist.get_global_rank(dist.group.WORLD, 0))
+    bitwise, max_diff, one_fwd, one_fwd_bwd = verdict[:4].tolist()
+    return {"bitwise_equal_one_device": bool(bitwise), "max_abs_diff": max_diff,
+            "one_device_fwd_ms": one_fwd, "one_device_fwd_bwd_ms": one_fwd_bwd,
+            "fwd_ratio_to_ideal": fwd_ms / (one_fwd / world),
+            "fwd_bwd_ratio_to_ideal": fwd_bwd_ms / (one_fwd_bwd / world)}
+
+
+def _slowest(ms: float, device) -> float:
+    """The slowest rank's time: a step waits for every rank."""
+    value = torch.tensor([ms], dtype=torch.float64, device=device)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return float(value.item())
+
+
+def _print_table(result: dict) -> None:
+    print(f"nsa context parallel: {result['world_size']} ranks, mode {result['mode']}, "
+          f"T={result['seqlen']} in {result['num_seqs']} documents, H={result['heads']} "
+          f"Hkv={result['kv_heads']} D={result['head_dim']} {result['dtype']}, "
+          f"{result['device']}")
+    rows = [("forward", result["fwd_ms"], result["all_to_all_fwd_ms"], "fwd"),
+            ("forward+backward", result["fwd_bwd_ms"], result["all_to_all_fwd_bwd_ms"],
+             "fwd_bwd")]
+    print(f"{'pass':<18}{'ms':>10}{'all-to-all ms':>15}{'comm share':>12}"
+          f"{'1 device ms':>13}{'ms / (1 dev / W)':>18}")
+    for name, ms, comm_ms, key in rows:
+        one = result.get(f"one_device_{key}_ms")
+        ratio = result.get(f"{key}_ratio_to_ideal")
+        print(f"{name:<18}{ms:>10.3f}{comm_ms:>15.3f}{comm_ms / ms:>12.1%}"
+              f"{'' if one is None else f'{one:.3f}':>13}"
+              f"{'' if ratio is None else f'{ratio:.2f}':>18}")
+    if "bitwise_equal_one_device" in result:
+        print(f"equal to one device: bitwise {result['bitwise_equal_one_device']}, "
+              f"max |diff| {result['max_abs_diff']:.3g} (out, dq, dk, dv)")
+
+
+if __name__ == "__main__":
+    main()
