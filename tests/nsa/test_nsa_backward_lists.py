@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import nsa.branches as branches_module
-from kernels import interface
+from kernels import device as kernels_device, dispatch, interface
 from kernels.interface import add_into_accumulators
 from kernels.fallback import attention_backward_fallback, attention_forward_fallback
 from kernels.sm90.backward import gate_folded_lse
@@ -100,8 +100,8 @@ class RowDotForward(types.ModuleType):
 
 @pytest.fixture
 def fake_sm90(monkeypatch) -> RecordingBackward:
-    monkeypatch.setattr(interface, "_device_unsupported", lambda device: "")
-    monkeypatch.delenv(interface.DISABLE_ENV, raising=False)
+    monkeypatch.setattr(kernels_device, "_device_unsupported", lambda device: "")
+    monkeypatch.delenv(kernels_device.DISABLE_ENV, raising=False)
     backward = RecordingBackward()
     monkeypatch.setitem(sys.modules, "kernels.sm90.forward", DecliningForward())
     monkeypatch.setitem(sys.modules, "kernels.sm90.backward", backward)
@@ -180,7 +180,7 @@ def test_gradients_on_the_faked_kernel_equal_the_cpu_ones(compressed, fake_sm90,
     on_kernel = _backward(_inputs(seed=2), _options(compressed, deterministic=True))
     assert fake_sm90.calls
     assert fake_sm90.folded_calls == 3  # every branch's backward had the gate folded in
-    monkeypatch.setattr(interface, "_device_unsupported", lambda device: "tensors on cpu")
+    monkeypatch.setattr(kernels_device, "_device_unsupported", lambda device: "tensors on cpu")
     on_cpu = _backward(_inputs(seed=2), _options(compressed))
     for name, a, b in zip(GRAD_INPUTS, on_kernel, on_cpu):
         assert b.abs().sum() > 0, name
@@ -196,14 +196,14 @@ def test_the_backward_takes_gate_gradients_from_the_row_dot_forward(compressed, 
     forward = RowDotForward()
     monkeypatch.setitem(sys.modules, "kernels.sm90.forward", forward)
     inputs = _inputs(seed=2)
-    out = nsa(**inputs, **_options(compressed, deterministic=True))
+    out = nsa(**inputs, **_options(compressed, deterministic=True), recompute=True)
     plain_in_forward = forward.plain_calls
     assert plain_in_forward == 3 and forward.row_dot_calls == 0
     out.backward(torch.randn(out.shape, generator=torch.Generator().manual_seed(1)))
     assert forward.row_dot_calls == 3 and forward.plain_calls == plain_in_forward
     assert fake_sm90.folded_calls == 3  # the recording backward checked the row dots
     on_kernel = [inputs[name].grad.clone() for name in GRAD_INPUTS]
-    monkeypatch.setattr(interface, "_device_unsupported", lambda device: "tensors on cpu")
+    monkeypatch.setattr(kernels_device, "_device_unsupported", lambda device: "tensors on cpu")
     on_cpu = _backward(_inputs(seed=2), _options(compressed))
     for name, a, b in zip(GRAD_INPUTS, on_kernel, on_cpu):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
@@ -225,8 +225,8 @@ def test_the_backward_checks_and_dispatches_each_branch_once(fake_sm90, monkeypa
                         counting("validations", interface.validate_trusted_attention_forward))
     monkeypatch.setattr(interface, "validate_trusted_attention_backward",
                         counting("validations", interface.validate_trusted_attention_backward))
-    monkeypatch.setattr(interface, "_choose_kernel",
-                        counting("choices", interface._choose_kernel))
+    monkeypatch.setattr(dispatch, "attention_kernel",
+                        counting("choices", dispatch.attention_kernel))
     inputs = _inputs(seed=2)
     out = nsa(**inputs, **_options("sparse", deterministic=True))
     forward_counts = dict(counts)

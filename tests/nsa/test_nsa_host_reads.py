@@ -10,7 +10,7 @@ Before this change (varlen, three sequences): 32 reads in the forward and 49 in 
 the dense compressed branch, 59 and 89 with the sparse one. Each kernel call re-read cu_seqlens
 and re-checked the block-sparse lists' contents (21 reads per list), and the number of compressed
 tokens was read in the forward and again in the backward. After: 6 and 0 (dense), 11 and 0
-(sparse); the padded layout has no cu_seqlens to check, one read fewer. Since session 11
+(sparse); the padded layout has no cu_seqlens to check, one read fewer. Since then
 selection takes the host bounds nsa() read and the selected branch's lists are built from them
 (`build_selected_block_sparse_trusted`), and so are the sparse compressed branch's
 (`build_compressed_block_sparse_trusted`), each padded to host bounds: 1 read in the forward
@@ -82,7 +82,8 @@ def test_trusted_calls_equal_fully_checked_calls(layout, compressed, monkeypatch
     trusted values are true) and gives the same bits."""
     def run():
         inputs = _inputs(layout, seed=3)
-        out = nsa(**inputs, **_options(compressed))
+        # recompute=True: the recomputing forwards are kernel calls too
+        out = nsa(**inputs, **_options(compressed), recompute=True)
         out.backward(torch.randn(out.shape, generator=torch.Generator().manual_seed(4)))
         return [out] + [inputs[n].grad for n in ("q", "k", "v", "W_k", "W_v", "W_gate")]
 
@@ -201,7 +202,7 @@ def test_trusted_backward_equals_public_backward_without_reads(monkeypatch):
 def test_with_host_bounds_nothing_is_read_forward_or_backward(layout, compressed, monkeypatch):
     """With host_cu_seqlens (varlen) or a padded batch: not one device read in the forward or
     the backward, and no tensor made from Python values (a host -> device copy on a GPU), which
-    is what CUDA-graph capture needs. The first GPU capture (session 12) failed on two such
+    is what CUDA-graph capture needs. The first GPU capture (H100, 2026-11-24) failed on two such
     copies, `x[i] = 1.0` in the gate weights and `key[..., 0] = float` in selection."""
     inputs = _inputs(layout, seed=5)
     host = {}
