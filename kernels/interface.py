@@ -1,13 +1,13 @@
 """The torch entry points: validate, then run the CuTe DSL kernel where it applies, else the
 torch fallback. Both compute the function of docs/interfaces.md.
 
-A kernel is used when all hold: the tensors are on an sm_90 GPU, ``NSA_CUTE_DISABLE`` is not set
-to 1, ``kernels.sm90.<direction>`` imports, the shapes fit the kernels' 32-bit index arithmetic
-(``kernels.validate.int32_limits_reason``) and its ``can_run(q, k, v, **kwargs)`` says yes.
+``kernels.dispatch`` decides which path a call takes (and why), here and in ``which_backend``:
+the kernel when the tensors are on an sm_90 GPU, ``NSA_CUTE_DISABLE`` is not set to 1,
+``kernels.sm90.<direction>`` imports, the shapes fit the kernels' 32-bit index arithmetic
+(``kernels.sm90.limits.int32_limits_reason``) and its ``can_run(q, k, v, **kwargs)`` says yes.
 Tensors on the meta device are refused by name (they have no values to compute on). The
 kernel modules receive the keyword arguments already validated and normalised (scale resolved,
-``max_seqlen_*`` filled in, ``window_size`` a tuple of ints). Only a failed import sends a call
-to the fallback; an error raised by a kernel is never swallowed.
+``max_seqlen_*`` filled in, ``window_size`` a tuple of ints).
 
 The backward takes ``deterministic`` (default False, the fast mode): with True the gradients
 are bit-identical from run to run (a kernel sums its partial dQ in a fixed order rather than by
@@ -21,21 +21,16 @@ not exported; user input always goes through the public, fully checking function
 """
 from __future__ import annotations
 
-import functools
-import importlib
-import os
-from types import ModuleType
-
 import torch
 
-from . import fallback
-from .validate import (AttentionProblem, block_offsets, check_backward_tensors,
-                       check_block_sparse_transposed, check_deterministic, check_not_meta,
-                       int32_limits_reason, validate_attention_backward,
+from . import dispatch, fallback
+from .dispatch import normalised_kwargs
+from .dispatch import transpose_block_sparse_trusted  # noqa: F401  (nsa's branches take it here)
+from .validate import (AttentionProblem, check_backward_tensors, check_block_sparse_transposed,
+                       check_deterministic, check_not_meta, validate_attention_backward,
                        validate_attention_forward, validate_trusted_attention_backward,
                        validate_trusted_attention_forward)
 
-DISABLE_ENV = "NSA_CUTE_DISABLE"
 FALLBACK = "fallback"
 SM90 = "sm90"
 
@@ -108,9 +103,9 @@ def attention_row_dot_trusted(dout, q, k, v, into, *, host_cu_seqlens, **kwargs)
         return False
     problem = validate_trusted_attention_forward(q, k, v, host_cu_seqlens=host_cu_seqlens,
                                                  **kwargs)
-    normalised = _normalised_kwargs(problem, kwargs.get("cu_seqlens_q"),
+    normalised = normalised_kwargs(problem, kwargs.get("cu_seqlens_q"),
                                     kwargs.get("cu_seqlens_k"), kwargs.get("block_sparse"))
-    kernel, _ = _choose_kernel("forward", q, k, v, normalised)
+    kernel, _ = dispatch.attention_kernel("forward", q, k, v, normalised)
     if kernel is None or q.shape[0] == 0:
         return False
     kernel.run(q, k, v, row_dot_with=dout, row_dot_into=into, **normalised)
@@ -217,21 +212,21 @@ def plan_backward_trusted(q, k, v, *, host_cu_seqlens, block_sparse_transposed=N
     Why: asking whether the backward runs on the kernel, then ``attention_row_dot_trusted``,
     then ``attention_backward_trusted`` validated the call and chose its kernel each time, about
     0.3 ms of host time per nsa() branch on an H200's host, which the eager backward at 16K
-    tokens waits for (FINDINGS, session 23)."""
+    tokens waits for (FINDINGS, 2026-11-27)."""
     problem = validate_trusted_attention_forward(q, k, v, host_cu_seqlens=host_cu_seqlens,
                                                  **kwargs)
     check_deterministic(deterministic)
     if block_sparse_transposed is not None:
         check_block_sparse_transposed(block_sparse_transposed, kwargs.get("block_sparse"),
                                       problem, device=q.device, check_contents=False)
-    forward_kwargs = _normalised_kwargs(problem, kwargs.get("cu_seqlens_q"),
+    forward_kwargs = normalised_kwargs(problem, kwargs.get("cu_seqlens_q"),
                                         kwargs.get("cu_seqlens_k"), kwargs.get("block_sparse"))
     backward_kwargs = dict(forward_kwargs, block_sparse_transposed=block_sparse_transposed,
                            deterministic=deterministic)
-    backward_kernel, _ = _choose_kernel("backward", q, k, v, backward_kwargs, problem)
+    backward_kernel, _ = dispatch.attention_kernel("backward", q, k, v, backward_kwargs, problem)
     if backward_kernel is None or q.shape[0] == 0:
         return None
-    forward_kernel, _ = _choose_kernel("forward", q, k, v, forward_kwargs)
+    forward_kernel, _ = dispatch.attention_kernel("forward", q, k, v, forward_kwargs)
     return KernelBackward(problem, q, k, v, forward_kernel, forward_kwargs, backward_kernel,
                           backward_kwargs)
 
@@ -272,8 +267,8 @@ class KernelBackward:
 
 def _run_forward(problem: AttentionProblem, q, k, v, cu_seqlens_q, cu_seqlens_k, block_sparse):
     """The kernel when it applies, else the fallback, for a validated call."""
-    kwargs = _normalised_kwargs(problem, cu_seqlens_q, cu_seqlens_k, block_sparse)
-    kernel, _ = _choose_kernel("forward", q, k, v, kwargs)
+    kwargs = normalised_kwargs(problem, cu_seqlens_q, cu_seqlens_k, block_sparse)
+    kernel, _ = dispatch.attention_kernel("forward", q, k, v, kwargs)
     if kernel is not None:
         return kernel.run(q, k, v, **kwargs)
     return fallback.forward(problem, q, k, v, block_sparse)
@@ -282,9 +277,9 @@ def _run_forward(problem: AttentionProblem, q, k, v, cu_seqlens_q, cu_seqlens_k,
 def _run_backward(problem: AttentionProblem, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
                   block_sparse, block_sparse_transposed, deterministic: bool,
                   dout_dot_out=None, dq_accumulator=None, dkv_accumulators=None, lse_gate=None):
-    kwargs = _normalised_kwargs(problem, cu_seqlens_q, cu_seqlens_k, block_sparse)
+    kwargs = normalised_kwargs(problem, cu_seqlens_q, cu_seqlens_k, block_sparse)
     kwargs.update(block_sparse_transposed=block_sparse_transposed, deterministic=deterministic)
-    kernel, reason = _choose_kernel("backward", q, k, v, kwargs, problem)
+    kernel, reason = dispatch.attention_kernel("backward", q, k, v, kwargs, problem)
     if dout_dot_out is not None:
         if kernel is None:
             raise ValueError(f"dout_dot_out: only the sm90 backward kernel takes it, and this "
@@ -341,147 +336,10 @@ def which_backend(q, k, v, *, backward: bool = False, **kwargs) -> str:
     if backward and transposed is not None:
         check_block_sparse_transposed(transposed, kwargs.get("block_sparse"), problem,
                                       device=q.device, check_contents=True)
-    kernel, reason = _kernel_for_call("backward" if backward else "forward", problem, q, k, v,
-                                      kwargs, transposed, deterministic)
+    call = normalised_kwargs(problem, kwargs.get("cu_seqlens_q"), kwargs.get("cu_seqlens_k"),
+                             kwargs.get("block_sparse"))
+    if backward:
+        call.update(block_sparse_transposed=transposed, deterministic=deterministic)
+    kernel, reason = dispatch.attention_kernel("backward" if backward else "forward", q, k, v,
+                                               call, problem)
     return SM90 if kernel is not None else f"{FALLBACK} ({reason})"
-
-
-def _kernel_for_call(direction: str, problem: AttentionProblem, q, k, v, kwargs: dict,
-                     block_sparse_transposed=None, deterministic: bool = False
-                     ) -> tuple[ModuleType | None, str]:
-    """`_choose_kernel` for a call's checked keyword arguments (those of attention_forward;
-    the transposed lists and deterministic for the backward)."""
-    normalised = _normalised_kwargs(problem, kwargs.get("cu_seqlens_q"),
-                                    kwargs.get("cu_seqlens_k"), kwargs.get("block_sparse"))
-    if direction == "backward":
-        normalised.update(block_sparse_transposed=block_sparse_transposed,
-                          deterministic=deterministic)
-    return _choose_kernel(direction, q, k, v, normalised, problem)
-
-
-def _normalised_kwargs(problem: AttentionProblem, cu_seqlens_q, cu_seqlens_k,
-                       block_sparse) -> dict:
-    return dict(
-        cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-        max_seqlen_q=problem.max_seqlen_q, max_seqlen_k=problem.max_seqlen_k,
-        softmax_scale=problem.softmax_scale, causal=problem.causal,
-        compress_factor=problem.compress_factor, window_size=problem.window_size,
-        block_sparse=block_sparse,
-    )
-
-
-def _choose_kernel(direction: str, q, k, v, kwargs: dict,
-                   problem: AttentionProblem | None = None) -> tuple[ModuleType | None, str]:
-    """The kernel module to run, or None and the reason the fallback runs.
-
-    For the backward with block sparsity, fills ``kwargs["block_sparse_transposed"]`` when a
-    kernel module is available and the caller did not pass one (built here, per call; callers
-    that run several backward calls over the same lists pass it instead).
-    """
-    unsupported = kernels_unavailable(q.device)
-    if unsupported:
-        return None, unsupported
-    try:
-        kernel = importlib.import_module(f"kernels.sm90.{direction}")
-    except ImportError as error:  # not built for this install; kernel bugs still raise
-        return None, f"kernels.sm90.{direction} unavailable ({error})"
-    # Shapes the kernels' 32-bit index arithmetic or launch grid cannot hold go to the fallback
-    # (which has no such limit), before any list is transposed for them.
-    too_large = int32_limits_reason(q, k, backward=direction == "backward", **kwargs)
-    if too_large:
-        return None, f"kernels.sm90.{direction}: {too_large}"
-    if (direction == "backward" and kwargs.get("block_sparse") is not None
-            and kwargs.get("block_sparse_transposed") is None):
-        kwargs["block_sparse_transposed"] = _transpose(kwargs["block_sparse"], problem,
-                                                       kwargs["cu_seqlens_k"])
-    ok, reason = kernel.can_run(q, k, v, **kwargs)
-    if not ok:
-        return None, f"kernels.sm90.{direction}: {reason}"
-    return kernel, ""
-
-
-def device_capability(device: torch.device) -> tuple[int, int]:
-    """torch.cuda.get_device_capability of a CUDA device, kept per device index: asked at
-    every kernel decision (a dozen per nsa() step), it cost the host ~25 us each time (H200
-    host, session 23)."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return _capability(index)
-
-
-@functools.lru_cache(maxsize=None)
-def _capability(index: int) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(index)
-
-
-def kernels_unavailable(device: torch.device) -> str:
-    """Why no CuTe DSL kernel runs on ``device`` (``NSA_CUTE_DISABLE=1``, not an sm_90 GPU);
-    empty when they can."""
-    if os.environ.get(DISABLE_ENV) == "1":
-        return f"{DISABLE_ENV}=1"
-    return _device_unsupported(device)
-
-
-def _device_unsupported(device: torch.device) -> str:
-    """Why the kernels cannot run on ``device``; empty when they can."""
-    if device.type != "cuda":
-        return f"tensors on {device.type}"
-    major, minor = device_capability(device)
-    if (major, minor) != (9, 0):
-        return f"GPU is sm_{major}{minor}, the kernels need sm_90"
-    return ""
-
-
-def transpose_block_sparse_trusted(block_sparse, *, cu_seqlens_k, host_cu_seqlens_k,
-                                   host_cu_seqlens_q=None):
-    """The ``block_sparse_transposed`` (a ``sparsity.BlockSparseCSR``) that the backward builds
-    for packed varlen lists over ``cu_seqlens_k``, for internal callers that run several backward
-    calls over the same lists (nsa) and pass it to ``attention_backward_trusted``. Trusts what
-    that function trusts: the lists come from ``sparsity``'s builders, ``host_cu_seqlens_k`` are
-    the checked values of ``cu_seqlens_k``. Reads nothing from the device.
-    ``host_cu_seqlens_q``: the query bounds that the lists' row blocks were built from; with
-    them the transpose's per-tile layout is kept across calls (sparsity/host_cache.py)."""
-    num_kv_blocks = block_offsets(host_cu_seqlens_k, block_sparse.col_block_size)[-1]
-    layout_key = None
-    if host_cu_seqlens_q is not None:
-        layout_key = (tuple(host_cu_seqlens_q), tuple(host_cu_seqlens_k))
-    return _transpose_csr(block_sparse, num_kv_blocks, cu_seqlens_k=cu_seqlens_k,
-                          layout_key=layout_key)
-
-
-def _transpose(block_sparse, problem: AttentionProblem, cu_seqlens_k):
-    """The backward layout (rows = KV blocks) of forward-layout lists that the call's checks have
-    passed."""
-    num_kv_blocks = problem.key_block_offsets(block_sparse.col_block_size)[-1]
-    if cu_seqlens_k is not None:
-        return _transpose_csr(block_sparse, num_kv_blocks, cu_seqlens_k=cu_seqlens_k)
-    # Padded: B sequences of max_seqlen_k keys. The offsets are made on the device: the host
-    # holds them too, but a host list copied to the GPU waits for the stream as a read would.
-    per_sequence = -(-problem.max_seqlen_k // block_sparse.col_block_size)
-    offsets = per_sequence * torch.arange(problem.num_seqs + 1, dtype=torch.int32,
-                                          device=block_sparse.full_count.device)
-    return _transpose_csr(block_sparse, num_kv_blocks, col_block_offsets=offsets)
-
-
-def _transpose_csr(block_sparse, num_kv_blocks: int, **kv_blocks):
-    from sparsity import transpose_block_sparse_csr
-
-    # check=False: the caller checked (or trusts) the lists and the sequences; the checks would
-    # read the device. The host count of KV blocks sizes the result without a read.
-    return transpose_block_sparse_csr(block_sparse, **kv_blocks, num_col_blocks=num_kv_blocks,
-                                      check=False, sort_keys=_sort_keys_kernel(block_sparse))
-
-
-def _sort_keys_kernel(block_sparse):
-    """The sm90 kernel that writes the transpose's sort keys in one launch
-    (kernels/sm90/list_layout.py), where it runs; None: sparsity's torch ops."""
-    device = block_sparse.full_count.device
-    slots = block_sparse.full_index.numel() + block_sparse.mask_index.numel()
-    if (min(block_sparse.full_index.shape[-1], block_sparse.mask_index.shape[-1]) < 1
-            or slots >= 2**31 - 1024  # its int32 slot index, plus a CTA of threads
-            or device.type != "cuda" or kernels_unavailable(device)):
-        return None
-    try:
-        from kernels.sm90 import list_layout
-    except ImportError:  # not built for this install
-        return None
-    return list_layout.transpose_keys

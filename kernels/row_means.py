@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .interface import kernels_unavailable
+from .dispatch import sm90_module
 
 # Upper bound on the elements (rows x row length) the torch path gathers at once.
 GATHER_CHUNK_ELEMENTS = 1 << 26
@@ -39,9 +39,8 @@ def row_means(xs: tuple[Tensor, ...], starts: Tensor, counts: Tensor | None, *,
         raise ValueError(f"starts, counts: expected (R,) tensors, got {tuple(starts.shape)} and "
                          f"{None if counts is None else tuple(counts.shape)}")
     rows = [x.flatten(1) if x.dim() > 1 else x[:, None] for x in xs]
-    if starts.numel() and runs_on_sm90(rows):
-        from kernels.sm90 import row_means as kernel
-
+    kernel = _kernel_for(rows) if starts.numel() else None
+    if kernel is not None:
         means = kernel.run(rows, starts, counts, count)
     else:
         means = [_torch_row_means(x, starts, counts, count) for x in rows]
@@ -51,13 +50,15 @@ def row_means(xs: tuple[Tensor, ...], starts: Tensor, counts: Tensor | None, *,
 def runs_on_sm90(rows: list[Tensor]) -> bool:
     """Whether row_means runs the sm90 kernel for these (T, W) rows (tools/profile_nsa.py
     names the backend with it)."""
-    if kernels_unavailable(rows[0].device):
-        return False
-    try:
-        from kernels.sm90 import row_means as kernel
-    except ImportError:
-        return False
-    return all(kernel.can_run(x) for x in rows)
+    return _kernel_for(rows) is not None
+
+
+def _kernel_for(rows: list[Tensor]):
+    """``kernels.sm90.row_means`` where it averages these (T, W) rows, else None."""
+    kernel, _ = sm90_module("row_means", rows[0].device)
+    if kernel is None or not all(kernel.can_run(x) for x in rows):
+        return None
+    return kernel
 
 
 def _torch_row_means(x: Tensor, starts: Tensor, counts: Tensor | None, count: int) -> Tensor:

@@ -21,10 +21,11 @@ from dataclasses import dataclass
 from torch import Tensor
 
 import kernels
+from kernels.device import kernels_unavailable
 from kernels.interface import (KernelBackward, add_into_accumulators,
                                attention_backward_trusted, attention_forward_trusted,
-                               attention_row_dot_trusted, kernels_unavailable,
-                               plan_backward_trusted, transpose_block_sparse_trusted)
+                               attention_row_dot_trusted, plan_backward_trusted,
+                               transpose_block_sparse_trusted)
 from sparsity import (BlockSparseTensors, build_compressed_block_sparse,
                       build_compressed_block_sparse_trusted, build_selected_block_sparse,
                       build_selected_block_sparse_trusted)

@@ -32,6 +32,7 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
+from kernels import selection as selection_kernels
 from kernels.row_means import row_means
 from nsa.selection_rule import (CMP_KV_BLOCK, SELECTION_Q_TILE, BlockSelection,
                                 cmp_selection_width)
@@ -47,7 +48,7 @@ _INF = float("inf")
 # Rank on sm90 with one warp per row (kernels/sm90/top_blocks.py: each lane's best keys kept in
 # registers over one pass, then a warp merge) instead of a stable sort of the whole row (H100,
 # 256K tokens: 0.84 ms against the sort's 2.63; one int64 top-k with the block index in the key
-# measured 5.3 ms, session 19).
+# measured 5.3 ms, 2026-11-25).
 TOP_BLOCKS_ON_SM90 = True
 
 # Score and rank in one kernel on sm90 (kernels/sm90/select_blocks.py) where the selected blocks
@@ -150,14 +151,13 @@ def select_blocks(q: Tensor, k_cmp: Tensor, cu_seqlens: Tensor, cu_seqlens_cmp: 
     k_score = k_cmp.to(q_bar.dtype)  # both paths score in the scoring queries' dtype
     if cmp_ranges is None and l_sel == l and _selects_on_sm90(q_bar, k_score,
                                                                 num_selected_blocks):
-        from kernels.sm90 import select_blocks as kernel
-
         if not write_selected_lists:
-            selected = kernel.run(q_bar, k_score, tile_fields, num_selected_blocks,
-                                  softmax_scale)
+            selected = selection_kernels.select_blocks(q_bar, k_score, tile_fields,
+                                                       num_selected_blocks, softmax_scale)
             return BlockSelection(selected=selected, cmp_selected=None, row_block_offsets=offsets)
-        selected, lists = kernel.run(q_bar, k_score, tile_fields, num_selected_blocks,
-                                     softmax_scale, mask_width)
+        selected, lists = selection_kernels.select_blocks(q_bar, k_score, tile_fields,
+                                                          num_selected_blocks, softmax_scale,
+                                                          mask_width)
         selected_lists = selected_block_sparse_from_lists(
             lists, cu_seqlens, cu_host, q_tile=q_tile, kv_block=l_sel, causal=causal)
         return BlockSelection(selected=selected, cmp_selected=None, row_block_offsets=offsets,
@@ -186,13 +186,7 @@ def _selects_on_sm90(q_bar: Tensor, k_cmp: Tensor, width: int) -> bool:
     """Whether the selection kernel (kernels/sm90/select_blocks.py) serves this call: float32
     scoring on an sm90 GPU, SELECT_ON_SM90 set; the caller checks the rule's sizes (blocks of
     one compressed token, no sparse compressed branch)."""
-    if not SELECT_ON_SM90 or q_bar.device.type != "cuda" or k_cmp.shape[0] == 0:
-        return False
-    try:
-        from kernels.sm90 import select_blocks as kernel
-    except ImportError:
-        return False
-    return kernel.can_run(q_bar, k_cmp, width)
+    return SELECT_ON_SM90 and selection_kernels.selection_kernel_serves(q_bar, k_cmp, width)
 
 
 def _kernel_tile_fields(tiles: _Tiles, ranges: _BlockRanges,
@@ -389,13 +383,7 @@ def _ranking_keys(importance: Tensor, ranges: _BlockRanges) -> Tensor:
 def _top_blocks_on_sm90(key: Tensor, width: int) -> bool:
     """Whether the ranking kernel (kernels/sm90/top_blocks.py) serves this call: float32 keys
     on an sm90 GPU, at most 32 ranks (one per lane), TOP_BLOCKS_ON_SM90 set."""
-    if not TOP_BLOCKS_ON_SM90 or key.device.type != "cuda":
-        return False
-    try:
-        from kernels.sm90 import top_blocks as kernel
-    except ImportError:
-        return False
-    return kernel.can_run(key, width)
+    return TOP_BLOCKS_ON_SM90 and selection_kernels.ranking_kernel_serves(key, width)
 
 
 def _top_blocks(key: Tensor, width: int, num_candidates: int | None = None) -> Tensor:
@@ -406,9 +394,7 @@ def _top_blocks(key: Tensor, width: int, num_candidates: int | None = None) -> T
     to the lower block index; on sm90 the ranking kernel gives the same lists.
     """
     if _top_blocks_on_sm90(key, width):
-        from kernels.sm90 import top_blocks as kernel
-
-        return kernel.run(key, width, num_candidates)
+        return selection_kernels.top_blocks(key, width, num_candidates)
     if key.shape[-1] < width:
         key = torch.nn.functional.pad(key, (0, width - key.shape[-1]), value=-_INF)
     ranked_key, ranked = key.sort(dim=-1, descending=True, stable=True)

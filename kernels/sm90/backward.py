@@ -26,11 +26,11 @@ import math
 
 import torch
 
-from kernels.validate import require_int32_limits
-from kernels.sm90.forward import _as_cute as forward_as_cute
-from kernels.sm90.forward import (SUPPORTED_DTYPES, _num_sms, _uniform_cu_seqlens,
-                                  aligned_rows, launch_compiled,
-                                  unsupported_inputs)
+from kernels.device import sm_count
+from kernels.sm90.forward import SUPPORTED_DTYPES, unsupported_inputs
+from kernels.sm90.launch import (aligned_rows, as_cute, launch_compiled, launch_on_current_stream,
+                                 uniform_cu_seqlens)
+from kernels.sm90.limits import require_int32_limits
 from kernels.sm90.spec import (BACKWARD_DENSE_TILE_N, H100_NUM_SMS, choose_backward_spec,
                                dq_spec_for, list_shape)
 from kernels.sm90.spec import QUERY_SLOT_ROWS as SLOT_ROWS  # `QueryTiles`' tile rows
@@ -45,7 +45,7 @@ _LOG2_E = 1.4426950408889634
 LIST_CHUNK = 16  # (beside the dQ kernel; the fused dQ's units are longer: `list_chunk`)
 # Split-list units taken head by head (list head by list head), beside the dQ kernel as with
 # the fused dQ: the CTAs running together read one KV group's Q and dO, which L2 holds, instead
-# of every group's at random query tiles. H100, session 25, NSA-like 16 x 64-key lists per KV
+# of every group's at random query tiles. H100, 2026-11-27, NSA-like 16 x 64-key lists per KV
 # group (H=32, Hkv=8, D=128), the whole backward, CSR order / head by head: 16K 2.57 / 2.14 ms,
 # 64K 10.18 / 9.09; random 25% 64-key lists per query head 5.77 / 5.75 and 101.5 / 101.8.
 # False (the tuner's "units CSR order") takes them KV block by KV block.
@@ -87,7 +87,7 @@ def _spec_for(q, k, causal, window_size, block_sparse, compress_factor, determin
 
 
 def _sm_count(device) -> int:
-    return _num_sms(device) if device.type == "cuda" else H100_NUM_SMS
+    return sm_count(device) if device.type == "cuda" else H100_NUM_SMS
 
 
 def run(
@@ -129,8 +129,8 @@ def run(
         dout, q, k, v, out, dout_dot_out = (None if t is None else t.reshape(-1, *t.shape[2:])
                                             for t in (dout, q, k, v, out, dout_dot_out))
         lse = lse.permute(1, 0, 2).reshape(num_heads, batch * seqlen_q)
-        cu_seqlens_q = _uniform_cu_seqlens(batch, seqlen_q, q.device)
-        cu_seqlens_k = _uniform_cu_seqlens(batch, seqlen_k, q.device)
+        cu_seqlens_q = uniform_cu_seqlens(batch, seqlen_q, q.device)
+        cu_seqlens_k = uniform_cu_seqlens(batch, seqlen_k, q.device)
         max_seqlen_q, max_seqlen_k = seqlen_q, seqlen_k
         if lse_gate is not None:
             lse_gate = (lse_gate[0].reshape(-1, *lse_gate[0].shape[2:]), lse_gate[1])
@@ -464,9 +464,9 @@ def work_units_torch(csr, chunk: int, head_major: bool = False) -> torch.Tensor:
 
 
 def _as_cute(t: torch.Tensor | None, tvm_ffi: bool = False):
-    """The forward's view, with tensors of two or more modes 16-byte aligned (TMA reads the
-    float32 lse and dO.O; q, k, v and dO are checked or copied so), int32 vectors 4-byte."""
-    return forward_as_cute(t, tvm_ffi, None if t is None else 16 if t.dim() > 1 else 4)
+    """`as_cute`, with tensors of two or more modes 16-byte aligned (TMA reads the float32 lse
+    and dO.O; q, k, v and dO are checked or copied so), int32 vectors 4-byte."""
+    return as_cute(t, tvm_ffi, None if t is None else 16 if t.dim() > 1 else 4)
 
 
 def _typed_scalars(scalars):
@@ -481,7 +481,7 @@ def _launch(spec, tensors, scalars, optional):
     from kernels.sm90.compile import compiled_backward
 
     launch_compiled(compiled_backward, spec, tensors, scalars, _typed_scalars, optional,
-                    as_cute=_as_cute)
+                    as_cute_view=_as_cute)
 
 
 def _typed_dq_scalars(scalars):
@@ -496,7 +496,7 @@ def _launch_dq(spec, tensors, scalars, forward_lists):
     from kernels.sm90.compile import compiled_dq
 
     launch_compiled(compiled_dq, spec, tensors, scalars, _typed_dq_scalars, forward_lists,
-                    as_cute=_as_cute)
+                    as_cute_view=_as_cute)
 
 
 def _launch_dq_convert(dq_acc, tile_offsets, cu_seqlens, dq, block_cols: int, scale: float,
@@ -509,12 +509,12 @@ def _launch_dq_convert(dq_acc, tile_offsets, cu_seqlens, dq, block_cols: int, sc
     spec = DqConvertSpec(str(dq.dtype).removeprefix("torch."), dq.shape[-1], block_cols,
                          accumulate)
     launch_compiled(compiled_dq_convert, spec, (dq_acc, tile_offsets, cu_seqlens, dq), (scale,),
-                    lambda scalars: (cutlass.Float32(scalars[0]),), (), as_cute=_as_cute)
+                    lambda scalars: (cutlass.Float32(scalars[0]),), (), as_cute_view=_as_cute)
 
 
 def _launch_gate_fold(dout_dot_out, lse, gates, index, slot, lse_log2, dpsum):
     from kernels.sm90.bwd_preprocess import GateFoldedStatistics, GateFoldSpec
-    from kernels.sm90.compile import fake_gate_fold_arguments, launch_on_current_stream
+    from kernels.sm90.compile import fake_gate_fold_arguments
 
     # (T, H) row dots as the kernel reads them, (H, T): nsa() passes the transpose of the
     # (H, T) tensor its forward wrote, so this is a view, not a copy.
@@ -528,10 +528,10 @@ def _launch_preprocess(dout, out, lse, slot, lse_log2, dpsum):
     from kernels.sm90.bwd_preprocess import PreprocessSpec
     from kernels.sm90.compile import compiled_preprocess
 
-    def as_cute(t, tvm_ffi=False):  # 16-byte vectors from O and dO, scalars elsewhere
-        return forward_as_cute(t, tvm_ffi, 16 if t.dim() == 3 else 4)
+    def as_vectors(t, tvm_ffi=False):  # 16-byte vectors from O and dO, scalars elsewhere
+        return as_cute(t, tvm_ffi, 16 if t.dim() == 3 else 4)
 
     spec = PreprocessSpec(str(dout.dtype).removeprefix("torch."), dout.shape[-1])
     launch_compiled(compiled_preprocess, spec, (out, dout, lse.float().contiguous(), slot,
                                                 lse_log2, dpsum),
-                    (), lambda scalars: (), (), as_cute=as_cute)
+                    (), lambda scalars: (), (), as_cute_view=as_vectors)

@@ -4,7 +4,7 @@ The KV-centric backward (kernels/sm90/bwd_sm90.py) adds a 64 x D float32 block o
 global memory per 64 keys and 64 query rows it visits. Where a query tile sees few keys of each
 KV tile that sees it (NSA's 64-key selected blocks, the compressed branch, where every KV tile
 of 128 compressed keys adds into all of dQ), those reductions and the Q/dO reloads dominate:
-NSA's selected branch ran its backward at 13x its forward (H100, session 11). This kernel
+NSA's selected branch ran its backward at 13x its forward (H100, 2026-11-24). This kernel
 computes dQ the forward's way round instead, and the KV-centric kernel then skips its dQ
 (`BwdSpec.dq_separate`):
 
@@ -311,7 +311,7 @@ class DqBackwardSm90:
         state = (kv_consumer, tiled_mma_sdp, tiled_mma_dq)
         if const_expr(self.spec.block_sparse):
             # One copy of the step with a runtime mask choice: a loop per mask kind tripled
-            # the code and measured no faster on the H100's 64-key lists (session 16).
+            # the code and measured no faster on the H100's 64-key lists (2026-11-24).
             for it in cutlass.range(num_iters, unroll=1):
                 state = step(it, "if_needed", *state)
         else:

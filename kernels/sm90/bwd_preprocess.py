@@ -5,7 +5,7 @@ scattered into the 64-row query tile layout that both backward kernels read
 
 One pass over O and dO in their input type. The torch version it replaces converted both to
 float32 tensors first, multiplied and summed: at 64K tokens, H=32, that moved about 6 GB and
-took ~3 ms of a 13 ms selected-branch backward (H100, session 12, torch.profiler).
+took ~3 ms of a 13 ms selected-branch backward (H100, 2026-11-24, torch.profiler).
 
 Each row's D elements are read as 16-byte vectors by D/8 adjacent lanes, which add their dot
 products with butterfly shuffles; a CTA of 128 threads covers `rows_per_cta` rows of one head.

@@ -451,7 +451,7 @@ class FlashAttentionBackwardSm90:
         # Full KV blocks crossing the sequence end still mask the keys past it.
         full_needs_mask = (n_block + 1) * self.tile_n > seqlen_k
         # One copy of the step with a runtime mask choice: a loop per mask kind (as the dense
-        # walk has) tripled the code and measured no faster on 64-key lists (H100, session 16).
+        # walk has) tripled the code and measured no faster on 64-key lists (H100, 2026-11-24).
         for entry in cutlass.range(entry_lo, entry_hi, unroll=1):
             q_tile = mListIndex[entry]
             needs_mask = full_needs_mask | (entry - start < num_mask)
@@ -535,7 +535,7 @@ class FlashAttentionBackwardSm90:
             tdQrdS = wg_dq.make_fragment_A(wg_dq.partition_A(sdS))  # (..., dS stage)
             tdQrK = wg_dq.make_fragment_B(wg_dq.partition_B(transposed(sK)))  # K head-dim-major
             # dS^T from registers into sdS (rows x keys) with stmatrix.trans: 4 instructions
-            # per thread instead of 32 16-bit stores (ncu, H100, session 17).
+            # per thread instead of 32 16-bit stores (ncu, H100, 2026-11-24).
             ds_store_atom = cute.make_copy_atom(
                 warp.StMatrix8x8x16bOp(transpose=True, num_matrices=4), self.dtype)
             thr_ds_store = cute.make_tiled_copy_C(ds_store_atom, tiled_mma_sdp).get_slice(tidx)
@@ -644,8 +644,8 @@ class FlashAttentionBackwardSm90:
                                   tSrQ[None, None, None, q_stage], zero_init=True)
         # The row statistics of this thread's columns (query rows) go to registers while the
         # products run: read after the wait, their smem latency led the exponentials' chain
-        # (ncu, H100, session 17: a sixth of the fused kernel's stall samples). 128-row steps
-        # read lse after the wait (the variant measured on the H100, session 18): there S and
+        # (ncu, H100, 2026-11-24: a sixth of the fused kernel's stall samples). 128-row steps
+        # read lse after the wait (the variant measured on the H100, 2026-11-25): there S and
         # dP in flight hold 128 registers, dK and dV 64 more.
         s_mn = acc_mn_view(acc_s)
         c_mn = acc_mn_view(t_coord)

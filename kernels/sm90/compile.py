@@ -1,6 +1,7 @@
-"""Compile the sm90 forward kernel, cached by its `FwdSpec`.
+"""Compile the sm90 attention kernels, cached by their specs (`launch.compiled_once`), and the
+fake arguments that build them without a GPU.
 
-Two ways in, one kernel:
+Two ways in per kernel (shown for the forward; the backward's kernels have the same pair):
 - `compiled_forward(spec, args)`: the run-time path. Compiles once per spec with the first
   call's tensors, all of whose extents and strides are marked dynamic, so the result serves every
   sequence length, batch and head count. CuTe DSL's disk cache (CUTE_DSL_CACHE_DIR) keeps it
@@ -20,10 +21,11 @@ from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream, mak
 
 from kernels.sm90.dtypes import CUTLASS_DTYPES
 from kernels.sm90.fwd_sm90 import FlashAttentionForwardSm90
+from kernels.sm90.launch import compiled_once
 from kernels.sm90.spec import FwdSpec
 
 
-# The launcher's tensors (forward.py `_as_cute`) have every extent and stride dynamic but the
+# The launchers' tensors (launch.py `as_cute`) have every extent and stride dynamic but the
 # unit stride: (?, ?, ?):(?{i64}, ?{i64}, 1), so nothing is known of their divisibility. The
 # fakes say the same, or a build could pass here and fail on the device (it did: a 32-bit store
 # proven aligned only by a static head-dim stride).
@@ -74,50 +76,6 @@ def fake_arguments(spec: FwdSpec):
             cutlass.Int64, tuple(cute.sym_int() for _ in range(4)), stride_order=(3, 2, 1, 0))
     screen = fake_int32_vector(1) if spec.screen_masked_v else None
     return (q, k, v, o, lse, cu_q, cu_k), (*sparse, trace, screen)
-
-
-_COMPILED: dict[tuple[type, object, bool], object] = {}
-
-
-def compiled_once(kernel_class: type, spec, example_args, tvm_ffi: bool = False):
-    """`kernel_class(spec)` compiled on first use with `example_args()` (dynamic-layout cute
-    tensors, scalars, stream), then cached in memory by (class, spec, tvm_ffi).
-
-    With `tvm_ffi` the result is called with torch tensors and Python scalars on the current
-    stream (apache-tvm-ffi), which costs far less host time per launch than converting every
-    argument through DLPack; the example arguments then end with a fake env stream.
-    """
-    key = (kernel_class, spec, tvm_ffi)
-    kernel = _COMPILED.get(key)
-    if kernel is None:
-        options = "--enable-tvm-ffi" if tvm_ffi else None
-        kernel = cute.compile(kernel_class(spec), *example_args(), options=options)
-        _COMPILED[key] = kernel
-    return kernel
-
-
-def launch_on_current_stream(kernel_class: type, spec, fake_arguments, args, device):
-    """`kernel_class(spec)`, compiled once per process (`compiled_once`) on
-    `fake_arguments(spec)` plus a stream, launched on `args` on the device's current stream.
-    args: torch tensors, None, and Python ints or floats where the fakes hold a DSL scalar
-    (typed like it). The launcher of the elementwise glue kernels (gated sum, row means)."""
-    import torch
-
-    from kernels.sm90.forward import _as_cute, _tvm_ffi_available
-
-    if _tvm_ffi_available():
-        compiled_once(kernel_class, spec, lambda: (
-            *fake_arguments(spec), make_fake_stream(use_tvm_ffi_env_stream=True)),
-            tvm_ffi=True)(*args)
-        return
-    import cuda.bindings.driver as cuda
-
-    stream = cuda.CUstream(torch.cuda.current_stream(device).cuda_stream)
-    cute_args = tuple(
-        _as_cute(arg) if isinstance(arg, torch.Tensor)
-        else type(fake)(arg) if isinstance(arg, (int, float)) else arg
-        for arg, fake in zip(args, fake_arguments(spec))) + (stream,)
-    compiled_once(kernel_class, spec, lambda: cute_args)(*cute_args)
 
 
 def compiled_forward(spec: FwdSpec, example_args, tvm_ffi: bool = False):

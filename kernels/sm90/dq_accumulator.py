@@ -15,9 +15,9 @@ thread t sits at float ((v // 4) * 128 + t) * 4 + v % 4 of the block, so each th
 eight 16-byte vectors and a warp's store covers 512 contiguous bytes (no bank conflicts); the
 block is one contiguous 64 x cols run of the (H, P, D) tensor, which the conversion pass
 (kernels/sm90/dq_convert.py, from CuTe's fragment) reads back in row order. A row-major,
-swizzled staging block with a tiled TMA reduce-add (sessions 11-17) cost 2-way conflicted
+swizzled staging block with a tiled TMA reduce-add (2026-11-24) cost 2-way conflicted
 8-byte stores and run-time swizzle arithmetic on the consumers' critical path (ncu, H100,
-session 17).
+2026-11-24).
 """
 from __future__ import annotations
 

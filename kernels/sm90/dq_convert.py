@@ -10,7 +10,7 @@ load one contiguous 512-byte run) and puts them, scaled, where the same wgmma fr
 them in a float32 smem tile (rows padded by 8 floats: conflict-free 8-byte stores); then the
 threads store the tile's rows with 16-byte smem loads and contiguous 8-byte global stores.
 Storing the pairs straight to global memory, 8 rows per warp store, took 0.37 ms at 16K
-tokens, H=32, D=128 against 0.14 ms for a row-order accumulator (H100, session 17).
+tokens, H=32, D=128 against 0.14 ms for a row-order accumulator (H100, 2026-11-24).
 """
 from __future__ import annotations
 

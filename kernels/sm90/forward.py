@@ -7,13 +7,14 @@ packed sequences (a free reshape), so the kernel has a single, varlen, code path
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
-import os
 
 import torch
 
-from kernels.validate import require_int32_limits
+from kernels.device import is_sm90, sm_count
+from kernels.sm90.launch import (aligned_rows, has_aligned_rows, launch_compiled,
+                                 uniform_cu_seqlens)
+from kernels.sm90.limits import require_int32_limits
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
 SUPPORTED_HEAD_DIMS = (64, 128, 192, 256)
@@ -21,16 +22,10 @@ TILE_M = 128
 SPARSE_TILE_N = (64, 128)
 
 
-def _is_sm90(device: torch.device) -> bool:
-    from kernels.interface import device_capability
-
-    return torch.cuda.is_available() and device_capability(device) == (9, 0)
-
-
 def unsupported_inputs(q, k, v, head_dims, kernel: str = "kernel") -> str:
     """Why no sm90 kernel takes these tensors (device, CuTe DSL, dtype, head dim, strides);
     empty when one may. Shared by the forward's and the backward's `can_run`."""
-    if not q.is_cuda or not _is_sm90(q.device):
+    if not is_sm90(q.device):
         return "needs an sm_90 GPU"
     try:
         import cutlass  # noqa: F401  (nvidia-cutlass-dsl)
@@ -45,17 +40,6 @@ def unsupported_inputs(q, k, v, head_dims, kernel: str = "kernel") -> str:
         if not has_aligned_rows(t):
             return f"{name} needs a contiguous last dim and 16-byte aligned rows"
     return ""
-
-
-def has_aligned_rows(t: torch.Tensor) -> bool:
-    """A unit last stride and 16-byte aligned rows (16-bit elements): what the kernels' TMA
-    loads and paired stores assume."""
-    return t.stride(-1) == 1 and not any(s % 8 for s in t.stride()[:-1]) and t.data_ptr() % 16 == 0
-
-
-def aligned_rows(t: torch.Tensor) -> torch.Tensor:
-    """t itself when its rows are 16-byte aligned with a unit last stride, else a copy."""
-    return t if has_aligned_rows(t) else t.contiguous()
 
 
 def can_run(q, k, v, *, block_sparse=None, causal=False, window_size=(-1, -1),
@@ -92,44 +76,6 @@ def _spec_for(q, causal, window_size, block_sparse, compress_factor=1, max_seqle
         tile_m=TILE_M, max_seqlen_k=max_seqlen_k)
 
 
-@functools.lru_cache(maxsize=8)
-def _num_sms(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-@functools.lru_cache(maxsize=64)
-def _uniform_cu_seqlens(batch: int, seqlen: int, device: torch.device) -> torch.Tensor:
-    """Cached per shape, so a padded launch allocates nothing extra."""
-    from sparsity import uniform_cu_seqlens
-
-    return uniform_cu_seqlens(batch, seqlen, device=device)
-
-
-def _as_cute(t: torch.Tensor | None, tvm_ffi: bool = False, assumed_align: int | None = None):
-    """A cute tensor view of t with every extent and stride dynamic but the last (stride 1).
-    Assumed 16-byte aligned for 16-bit elements and 4-byte otherwise, unless given."""
-    from cutlass.cute.runtime import from_dlpack
-
-    if t is None:
-        return None
-    if assumed_align is None:
-        assumed_align = 16 if t.element_size() == 2 else 4
-    return from_dlpack(t.detach(), assumed_align=assumed_align,
-                       enable_tvm_ffi=tvm_ffi).mark_layout_dynamic(leading_dim=t.dim() - 1)
-
-
-@functools.lru_cache(maxsize=1)
-def _tvm_ffi_available() -> bool:
-    """Launch through apache-tvm-ffi when installed (NSA_CUTE_TVM_FFI=0 turns it off)."""
-    if os.environ.get("NSA_CUTE_TVM_FFI", "1") == "0":
-        return False
-    try:
-        import tvm_ffi  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 def _typed_scalars(scalars):
     """(max_seqlen_q, softmax_scale, compress_factor, window left, window right, SM count) as
     DSL types."""
@@ -138,29 +84,6 @@ def _typed_scalars(scalars):
     max_seqlen_q, scale, compress_factor, left, right, num_sms = scalars
     return (cutlass.Int32(max_seqlen_q), cutlass.Float32(scale), cutlass.Int32(compress_factor),
             cutlass.Int32(left), cutlass.Int32(right), cutlass.Int32(num_sms))
-
-
-def launch_compiled(compiled, spec, tensors, scalars, typed_scalars, optional, as_cute=None):
-    """Compile `spec` with `compiled` (`kernels.sm90.compile.compiled_*`) on first use, then
-    launch on the current stream; `typed_scalars` turns the Python scalars into DSL types (only
-    needed to compile). Shared by the forward, the backward and their tools."""
-    from cutlass.cute.runtime import make_fake_stream
-
-    as_cute = as_cute or _as_cute
-    if _tvm_ffi_available():
-        # Python scalars go straight through; the typed ones are needed only to compile.
-        kernel = compiled(spec, lambda: (
-            *(as_cute(t, True) for t in tensors), *typed_scalars(scalars),
-            *(as_cute(t, True) for t in optional), make_fake_stream(use_tvm_ffi_env_stream=True),
-        ), tvm_ffi=True)
-        kernel(*tensors, *scalars, *optional)
-        return
-    import cuda.bindings.driver as cuda
-
-    stream = cuda.CUstream(torch.cuda.current_stream(tensors[0].device).cuda_stream)
-    args = (*(as_cute(t) for t in tensors), *typed_scalars(scalars),
-            *(as_cute(t) for t in optional), stream)
-    compiled(spec, lambda: args)(*args)
 
 
 def _check_row_dot(q, row_dot_with, row_dot_into) -> None:
@@ -221,8 +144,8 @@ def run(
         batch, seqlen_q, num_heads, head_dim = q.shape
         seqlen_k = k.shape[1]
         q, k, v = (t.reshape(-1, *t.shape[2:]) for t in (q, k, v))
-        cu_seqlens_q = _uniform_cu_seqlens(batch, seqlen_q, q.device)
-        cu_seqlens_k = _uniform_cu_seqlens(batch, seqlen_k, q.device)
+        cu_seqlens_q = uniform_cu_seqlens(batch, seqlen_q, q.device)
+        cu_seqlens_k = uniform_cu_seqlens(batch, seqlen_k, q.device)
         max_seqlen_q, max_seqlen_k = seqlen_q, seqlen_k
     total_q, num_heads, head_dim = q.shape
     require_int32_limits("kernels.sm90.forward.run", q, k, cu_seqlens_q=cu_seqlens_q,
@@ -261,12 +184,12 @@ def run(
                      * (cu_seqlens_q.numel() - 1))
         num_ctas = num_tiles
         if spec.persistent:
-            num_ctas = min(num_tiles, _num_sms(q.device) * spec.ctas_per_sm)
+            num_ctas = min(num_tiles, sm_count(q.device) * spec.ctas_per_sm)
         trace_buffer = torch.zeros(trace_shape(num_ctas, spec.tile_m, num_tiles),
                                    dtype=torch.int64, device=q.device)
     if max_seqlen_q > 0 and total_q > 0:
         scalars = (max_seqlen_q, softmax_scale, compress_factor, max(window_size[0], 0),
-                   max(window_size[1], 0), _num_sms(q.device))
+                   max(window_size[1], 0), sm_count(q.device))
         tensors = (q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)
         optional = (None,) * 5
         if block_sparse is not None:

@@ -1,6 +1,7 @@
 """The backward's list layout in one launch each, instead of tens of small torch ops per call.
 
-nsa()'s eager backward at 16K tokens is bound by host time (FINDINGS, sessions 22-23): every
+nsa()'s eager backward at 16K tokens is bound by host time (FINDINGS, "nsa()'s eager backward:
+host time", 2026-11-27): every
 torch op costs the host ~20-25 us, and building the transposed lists and the split-list work
 units took ~65 of them per step. Two elementwise kernels replace them:
 
@@ -14,7 +15,8 @@ units took ~65 of them per step. Two elementwise kernels replace them:
   the lists in CSR order or taken head by head).
 
 One thread per slot or list, 256 per CTA; both are equal to their torch versions bit for bit
-(tests/kernels/test_list_layout.py, GPU).
+(tests/kernels/test_sm90_backward_units.py
+`test_list_layout_kernels_equal_their_torch_ops`, GPU).
 """
 from __future__ import annotations
 
@@ -190,19 +192,12 @@ def compile_on_fake_tensors(kernel: str):
     return cute.compile(kernel_class(spec), *fakes(spec), make_fake_stream())
 
 
-def can_run(device) -> bool:
-    """Whether the kernels run on `device` (an sm90 GPU with the CuTe DSL)."""
-    from kernels.interface import kernels_unavailable
-
-    return not kernels_unavailable(device)
-
-
 def transpose_keys(bs, geometry, span: int, unlisted: int):
     """`sparsity.csr._sort_keys(bs, geometry, span, unlisted, check=False)` in one launch: the
     flat int64 keys of bs's slots (lists of width >= 1 each, on an sm90 GPU)."""
     import torch
 
-    from kernels.sm90.compile import launch_on_current_stream
+    from kernels.sm90.launch import launch_on_current_stream
 
     rows, heads = bs.full_count.shape
     width = bs.full_index.shape[-1] + bs.mask_index.shape[-1]
@@ -223,7 +218,7 @@ def work_units(csr, chunk: int, head_major: bool = False):
     rest are all zero (empty)."""
     import torch
 
-    from kernels.sm90.compile import launch_on_current_stream
+    from kernels.sm90.launch import launch_on_current_stream
 
     offsets = csr.offsets
     num_lists = offsets.numel() - 1

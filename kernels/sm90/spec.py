@@ -127,9 +127,9 @@ def _choose_spec(
     # Short KV ranges per query tile (a causal window, compressed keys): persistent CTAs walking
     # 128x128 tiles with two Q buffers, ping-pong between the consumer warpgroups, and the
     # output store handed to a storer warp, so a tile's store and the next tile's Q load
-    # overlap the compute. H100, device time, interleaved (tools/tune_sm90_forward.py, session
-    # 4): window 512 0.319 -> 0.295 ms at 16K and 1.282 -> 1.204 at 64K against the session-3
-    # pick (64x64 tiles, two CTAs per SM, which led before the storer warp); compressed keys
+    # overlap the compute. H100, device time, interleaved (tools/tune_sm90_forward.py,
+    # 2026-11-22): window 512 0.319 -> 0.295 ms at 16K and 1.282 -> 1.204 at 64K against the
+    # earlier pick (64x64 tiles, two CTAs per SM, which led before the storer warp); compressed keys
     # 0.128 -> 0.121-0.123 ms at 16K, 1.041 -> 1.02-1.06 at 64K (ping-pong alone: no change).
     # Storing a tile's output under the next tile's first Q K^T (`defer_store`) adds 0-1%,
     # not taken. Dense causal runs 10% slower persistent: its long tiles balance better as one
@@ -138,21 +138,21 @@ def _choose_spec(
     # short.
     #
     # Compressed keys also narrow the first (diagonal) KV tile to the 32-key chunks each
-    # warpgroup's rows see (on average half a 128-key tile is past every row): session 5,
+    # warpgroup's rows see (on average half a 128-key tile is past every row): 2026-11-23,
     # interleaved, 0.122-0.124 -> 0.115-0.116 ms at 16K, 1.02-1.06 -> 1.00-1.06 at 64K. Windows
     # keep the full tile (0.305-0.310 vs 0.306 ms at 16K, 1.217-1.273 vs 1.225-1.241 at 64K:
     # their diagonal tile is one of five).
     #
     # Block-sparse lists of at most 48 blocks per query tile (`sparse_list_capacity`, the
     # lists' allocated length: NSA's selected branch lists 16-20) take the persistent
-    # schedule too, without ping-pong: session 5, interleaved against FA4 on the same random
+    # schedule too, without ping-pong: 2026-11-23, interleaved against FA4 on the same random
     # 128x128 lists, 5% at 16K (6 blocks) 0.404 -> 0.338 ms (FA4 0.382), 5% at 64K (26 blocks)
     # 6.18 -> 5.97 (FA4 5.85), 25% at 16K (32 blocks) 1.703 -> 1.654; 25% at 64K (128
     # blocks) 27.8 -> 28.1, slower, so long lists keep one CTA per tile.
     #
     # Windows also put a GQA group's heads side by side in the tile order (`heads_fastest`):
     # the CTAs running at once then share each K/V tile of the group in L2 and read one band of
-    # Q and O rows. Session 6, interleaved: 16K 0.303 -> 0.298 ms, 64K 1.209 -> 1.174 (FA4
+    # Q and O rows. 2026-11-23, interleaved: 16K 0.303 -> 0.298 ms, 64K 1.209 -> 1.174 (FA4
     # 0.338 / 1.416). Compressed keys do not gain (16K 0.116 -> 0.119, 64K 1.039 -> 1.022), nor
     # short block-sparse lists, whose per-head lists share nothing (5% at 64K 5.95 -> 8.42).
     # Head dims 192 and 256: the same kernel with 64-key tiles and one Q buffer. One tile per
@@ -160,7 +160,7 @@ def _choose_spec(
     # 256 (Q 64 + K 64 + V 64 KiB); the persistent schedule needs the Q buffer for the next
     # tile, so at 256 it keeps one K/V stage (192 KiB with its output buffer). Registers fit as
     # they are (the output accumulator of 64 rows x 256 columns is 128 per thread, scores and P
-    # of a 64-key tile 48 more; SASS shows no spills at 240). H100, session 7, interleaved
+    # of a 64-key tile 48 more; SASS shows no spills at 240). H100, 2026-11-23, interleaved
     # (tune_sm90_forward.py, 16K): head dim 256 dense causal 8.21 -> 6.24-6.41 ms with two
     # stages (FA4 5.67); windows 0.674 -> 0.612 ms (64K 2.691 -> 2.466) one tile per CTA with
     # two stages, against the persistent schedule with one; compressed keys stay persistent
@@ -174,7 +174,7 @@ def _choose_spec(
     # 192) is a short KV range too: each 128-row tile sees at most 32 KV tiles, and one CTA per
     # tile spends much of each tile on its prologue and epilogue. It takes the window schedule
     # (persistent, ping-pong, storer warp, GQA heads side by side; two Q buffers up to 128).
-    # Session 8, H100, interleaved, 16K tokens, H=32, Hkv=8 (FINDINGS section 1): D=128 causal
+    # 2026-11-24, H100, interleaved, 16K tokens, H=32, Hkv=8 (FINDINGS section 1): D=128 causal
     # 64 x 256 0.206 -> 0.141 ms (FA4 0.230), 8 x 2048 0.513 -> 0.452 (FA4 0.524), 4 x 4096
     # 0.883 -> 0.837 (FA4 0.883), 32 random lengths 0.409 -> 0.298 (FA4 0.342); non-causal
     # alike; 2 x 8192 a tie, 1 x 16384 3% slower, so longer sequences keep one CTA per tile.
@@ -195,7 +195,7 @@ def _choose_spec(
     # round robin (FA3's tile and scheduling there). At 64 columns the output accumulator is 32
     # registers per thread, so 160 hold it beside 128-key scores and P (SASS: no spills), and
     # a CTA has 50% more rows to hide each warpgroup's softmax under the others' products.
-    # Session 8, H100, interleaved (tune_sm90_forward.py --head-dim 64): dense causal 16K
+    # 2026-11-24, H100, interleaved (tune_sm90_forward.py --head-dim 64): dense causal 16K
     # 2.708 -> 2.196 ms with 192-row tiles (FA4 1.879), 64K 42.20 -> 34.82 (FA4 32.11); the
     # turns then 2.32 -> 2.10 (FA4 1.95) and 34.76 -> 33.31 (FA4 31.94); non-causal 16K 5.23
     # -> 4.07 -> 3.97 (FA4 3.80). Short ranges keep 128-row tiles (192 rows: packed 4096-token
@@ -276,7 +276,7 @@ class BwdSpec:
                                # (`row_splits` bands per sequence), CTAs launched band by band
                                # (KV tiles, then KV heads innermost): the CTAs running together
                                # add the fused dQ into one band of rows, which L2 can hold.
-                               # Dispatched for long compressed causal keys (session 25,
+                               # Dispatched for long compressed causal keys (2026-11-27,
                                # ROW_BANDS_FUSED_MIN_KEYS)
 
     @property
@@ -308,13 +308,13 @@ class BwdSpec:
     @property
     def dv_before_ds(self) -> bool:
         """Issue dV += P^T dO before computing dS, so the product runs under it (H100,
-        session 16, measured together with the dense walks' mask loops: dense causal and
+        2026-11-24, measured together with the dense walks' mask loops: dense causal and
         compress factor 64 about 5% faster at 64K, within the run-to-run spread at 16K). Not
         where registers run short: two 64-key CTAs per SM at head dim 128 (232 registers,
         ptxas serialises every wgmma anyway; the early issue made the backward 7-9% slower),
         and 128-row steps, where the float32 P kept live beside the dV product made ptxas
         serialise every wgmma (SASS: a wait after each of the 96 HGMMAs; head dim 64 dense
-        causal at 16K 6.13 ms against 4.69 ms with dV after dS, H100, session 18)."""
+        causal at 16K 6.13 ms against 4.69 ms with dV after dS, H100, 2026-11-25)."""
         return not (self.ctas_per_sm == 2 and self.head_dim == 128) and self.tile_m == 64
 
     @property
@@ -445,7 +445,7 @@ FUSED_DQ_MIN_KEYS = 4096  # the fused dQ from this longest sequence (keys) on
 # wide: each unit of the fused path walks one head's list, loads K and V for it and adds
 # float32 dK/dV partials, and the float32 dQ accumulator is zeroed and converted, which short
 # lists do not repay. Lists per KV group keep the dQ kernel: there the fused path lost on the
-# H100. Session 24, two kernels / fused, same call (ms):
+# H100. 2026-11-27, two kernels / fused, same call (ms):
 # | H100, D=128 | lists per query head: width 7 (5% at 16K) 1.44 / 2.13, 27 (5% at 64K) 21.2
 # |   / 25.0, 52 (10% at 64K) 42.3 / 41.8, 27 (20% at 16K) 5.20 / 4.77, 33 (25% at 16K) 6.25 /
 # |   5.60; per KV group (4 heads): 10% at 16K 2.89 / 3.34, NSA-like 16 x 128 3.22 / 3.13 at
@@ -457,9 +457,9 @@ FUSED_DQ_MIN_KEYS = 4096  # the fused dQ from this longest sequence (keys) on
 FUSED_DQ_LIST_BLOCK = 128
 FUSED_DQ_MIN_LIST_WIDTH = {64: 16, 128: 32}
 # 64-key tiles with two consumer warpgroups on alternate query steps (`BwdSpec.alternate_steps`,
-# session 18): compiles without serialised wgmmas (SASS: 6 waits for 48 HGMMAs at head dim 128,
+# 2026-11-25): compiles without serialised wgmmas (SASS: 6 waits for 48 HGMMAs at head dim 128,
 # against a wait after each of them at two CTAs per SM) and matches the fallback on the GPU,
-# but is slower than two CTAs per SM (H100, session 19, D=128, the whole backward: random 25%
+# but is slower than two CTAs per SM (H100, 2026-11-25, D=128, the whole backward: random 25%
 # 64-key lists 5.70 -> 5.84 ms at 16K, 100.4 -> 114.3 at 64K; NSA-like 16 x 64 per group
 # 2.65 -> 2.69 at 16K): kept as a tuner variant, not dispatched.
 ALTERNATE_STEPS_AT_64_KEYS = False
@@ -467,7 +467,7 @@ ALTERNATE_STEPS_AT_64_KEYS = False
 # of a compressed causal call walks the query tiles from n * 128 * cf on, so its work falls
 # linearly with n; launched head by head, the heavy tiles of the last heads start late (a
 # greedy model of 132 SMs put that order at 1.24-1.59x the balanced time from 16K to 512K,
-# heaviest first at 1.00-1.10x). H100, session 19, compress factor 64, H=32, Hkv=8, D=128,
+# heaviest first at 1.00-1.10x). H100, 2026-11-25, compress factor 64, H=32, Hkv=8, D=128,
 # the whole backward interleaved with the order by heads: 0.641 -> 0.609 ms at 16K, 4.45 ->
 # 4.02 at 64K, 15.1 -> 13.9 at 128K, 61.9 -> 51.0 at 256K.
 HEAVY_FIRST_COMPRESSED_CAUSAL = True
@@ -477,7 +477,7 @@ ROW_BANDS_FOR_SPLIT_ROWS = False
 # Compressed causal keys from this many keys on (the longest sequence) run split rows by bands
 # with the fused dQ (`BwdSpec.row_bands`): the CTAs running together add into about one band
 # of the float32 dQ accumulator, which L2 holds, and the query-centric dQ kernel's three
-# products per step become one. H100, session 25, compress factor 64, H=32, Hkv=8, D=128, the
+# products per step become one. H100, 2026-11-27, compress factor 64, H=32, Hkv=8, D=128, the
 # whole backward (heaviest first with the dQ kernel / row bands with it / row bands fused):
 # 64K (1024 keys) 4.02 / 3.89 / 4.38 ms, 128K (2048 keys) 13.73 / - / 13.06, 256K (4096
 # keys) 50.2 / 50.0 / 46.2.
@@ -519,7 +519,7 @@ def fuses_listed_dq(sparse_block_size, head_dim: int, deterministic: bool, causa
     """Whether a block-sparse call's lists run as head-major work units with the fused dQ:
     128-key lists, one per query head, at least FUSED_DQ_MIN_LIST_WIDTH[head_dim] wide, with
     no compress factor or window (`plain_mask`: the fused dQ measured slower on compressed keys,
-    session 17, and nothing else was measured), not in deterministic mode. `lists` None (a
+    2026-11-24, and nothing else was measured), not in deterministic mode. `lists` None (a
     compile-only caller) counts as NSA's lists, one per KV group: not fused."""
     if sparse_block_size != FUSED_DQ_LIST_BLOCK or deterministic:
         return False
@@ -555,7 +555,7 @@ def choose_backward_spec(
 
     `kv_tile_ctas` (KV tiles x KV heads x sequences of the call, when known) picks `split_rows`
     for calls that would leave SMs idle: compressed keys at 16K make 16 CTAs on 132 SMs
-    (H100, session 11: compress_factor 64 backward 5.93 -> 2.25 ms with split rows and the TMA
+    (H100, 2026-11-24: compress_factor 64 backward 5.93 -> 2.25 ms with split rows and the TMA
     dQ reduce). Calls that fill the GPU keep one CTA per KV tile (split rows cost float32 dK/dV
     accumulators and a conversion: causal window 512 at 16K 2.61 -> 2.80 ms).
 
@@ -564,8 +564,8 @@ def choose_backward_spec(
     the dQ kernel. Lists per query head inside a group are not: a unit walks one list, so each
     would walk one head of the group and add float32 dK/dV partials per head (random lists per
     query head, 25% of the 128-key blocks at 16K: 13.6 ms split, 7.3 ms with one CTA walking
-    the group, session 11); except wide 128-key lists, whose units take the fused dQ
-    (`fuses_listed_dq`, session 24).
+    the group, 2026-11-24); except wide 128-key lists, whose units take the fused dQ
+    (`fuses_listed_dq`, 2026-11-27).
 
     `dq_accumulator_bytes` (4 x q's elements; None: unknown, a compile-only caller) bounds the
     float32 dQ accumulator of compressed keys' fused row bands
@@ -580,7 +580,7 @@ def choose_backward_spec(
     fused_lists = fuses_listed_dq(*list_call)
     # Head dim 64 steps 128 query rows (FA3/FA4's tile there): at 64 rows a step's
     # exponentials, row statistics and barriers carried half the tensor work of head dim 128
-    # (H100, session 18, the whole backward with FA4 in the same run: dense causal 0.83x ->
+    # (H100, 2026-11-25, the whole backward with FA4 in the same run: dense causal 0.83x ->
     # 1.02x FA4 at 16K, 0.87x -> 1.02x at 64K; window 512 0.94x -> 0.97x, 1.09x -> 1.12x).
     tile_m = 128 if head_dim == 64 and tile_n == 128 else 64
     q_stages = 2
@@ -601,26 +601,26 @@ def choose_backward_spec(
                     and kv_tile_ctas < num_sms))
     # dQ fused into this kernel (FA3/FA4's order and dQ writer warp, `fuses_dq`) where
     # every query tile meets many KV tiles in order: plain causal or full attention. H100,
-    # session 17, torch.profiler device time of the kernels alone (fused / KV-centric + dQ):
+    # 2026-11-24, torch.profiler device time of the kernels alone (fused / KV-centric + dQ):
     # dense causal 16K 10.07 / 10.59 ms, 64K 163.2 / 183.7; causal window 512 0.80 / 1.04 and
     # 3.10 / 4.07 (a tie once the float32 accumulator is zeroed and converted); compress
     # factor 64 0.53 / 0.47 and 6.14 / 4.04; random 25% 128-key lists 5.20 / 5.84 and
     # 134.6 / 111.0 (the reductions land on query tiles in random order at 64K).
     # Packed short sequences keep the dQ kernel: a KV tile meets few query tiles there, and
     # the accumulator's zeroing and conversion cost more than the fused product saves (same
-    # session, 16K tokens in causal sequences of L, fused / two kernels: L = 256-1024
+    # day, 16K tokens in causal sequences of L, fused / two kernels: L = 256-1024
     # 1.16-1.18x, 2048 1.09x, 4096 0.95x, 8192 0.91x, 16384 0.84x). `max_seqlen_k` None: a
     # compile-only caller, taken as long.
     # Elsewhere dQ comes from the query-centric kernel: recomputing S and dP once more per
     # query tile cost less than the fused dQ's reductions, Q/dO reloads and accumulator
-    # conversion (H100, session 12, the fused dQ before the writer warp vs `dq own kernel`):
+    # conversion (H100, 2026-11-24, the fused dQ before the writer warp vs `dq own kernel`):
     # random 64-key lists like NSA's selected branch 16K 7.25 -> 3.40 ms, 64K 29.1 -> 13.1;
     # compress factor 64 16K 2.26 -> 1.40, 64K 13.0 -> 7.5; causal window 512 16K 2.60 ->
     # 1.93. The deterministic mode takes it everywhere (it sums dQ in registers, in a fixed
     # order; `can_fuse_dq`).
     # Wide 128-key lists per query head take the fused dQ too, in work units taken head by
     # head (kernels/sm90/backward.py `work_units`, `list_chunk`), so the fused
-    # dQ's sums land in one head's accumulator at a time, which L2 holds. H200, session 24,
+    # dQ's sums land in one head's accumulator at a time, which L2 holds. H200, 2026-11-27,
     # random 25% lists per query head, two kernels / fused: 16K 6.18 / 5.35 ms, 64K 105.2 /
     # 85.4 (FA4 5.31 / 85.4 in the same run; KV block by KV block the fused dQ took 128.8 ms
     # at 64K).

@@ -4,7 +4,7 @@ nsa()'s selection scores every block of every (query tile, KV head) row and keep
 blocks (score +inf) plus the best candidates, equal scores going to the lower block index
 (`nsa.selection._top_blocks`, whose torch path is a stable descending sort of every row). At
 256K tokens that is 16K rows of 4096 blocks and the sort took 2.7 ms of a 40 ms forward (H100,
-session 19; an int64 top-k with the index in the key took 5.3 ms). A row needs only its first
+2026-11-25; an int64 top-k with the index in the key took 5.3 ms). A row needs only its first
 `width` ranks (16 + 3 at the defaults), so this kernel ranks by repeated selection instead:
 
 - one warp per row, four rows per CTA; lane l reads blocks l, l + 32, ... (coalesced, from L1
@@ -15,7 +15,7 @@ session 19; an int64 top-k with the index in the key took 5.3 ms). A row needs o
   "ranked first";
 - each lane keeps its best `width` keys in registers over one pass of its blocks, then
   `width` rounds of a butterfly max over the lanes' heads (the winner pops its head) leave
-  rank r in lane r. (Session 19's first version scanned the row once per rank: 2.68 ms at
+  rank r in lane r. (The first version, 2026-11-25, scanned the row once per rank: 2.68 ms at
   256K, no faster than the sort.)
 
 A rank is kept if it is below the row's limit (width, or the forced blocks + num_candidates
@@ -228,20 +228,19 @@ def compile_on_fake_tensors(spec: TopBlocksSpec):
 
 
 def can_run(key, width: int) -> bool:
-    """Whether the kernel ranks `key` (..., B) float32 on an sm90 GPU for `width` ranks."""
+    """Whether the kernel ranks `key` (..., B) float32 for `width` ranks (the device is
+    `kernels.dispatch`'s question)."""
     import torch
 
-    from kernels.interface import kernels_unavailable
-
     return (key.dtype == torch.float32 and 1 <= width <= MAX_WIDTH and key.shape[-1] > 0
-            and key.numel() > 0 and not kernels_unavailable(key.device))
+            and key.numel() > 0)
 
 
 def run(key, width: int, num_candidates: int | None):
     """(..., width) int32: `nsa.selection._top_blocks`'s lists for key (..., B) float32."""
     import torch
 
-    from kernels.sm90.compile import launch_on_current_stream
+    from kernels.sm90.launch import launch_on_current_stream
 
     rows = key.reshape(-1, key.shape[-1])
     if rows.stride(-1) != 1:

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from kernels import (attention_backward, attention_forward, flash_attn_func,
-                     flash_attn_varlen_func, interface)
+                     flash_attn_varlen_func)
+from kernels.device import DISABLE_ENV
 from reference_attention import one_thread, random_block_sparse  # noqa: F401 (fixture)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -165,7 +166,7 @@ def test_deterministic_sparse_fallback_is_bitwise_repeatable_on_cuda(monkeypatch
     """On CUDA the sparse path's scatter of dK/dV is the one sum whose order is not fixed
     (index_add_ adds atomically); deterministic=True sorts it. Many tiles list the same blocks
     here, so atomic adds would collide."""
-    monkeypatch.setenv(interface.DISABLE_ENV, "1")  # the fallback, also on sm_90
+    monkeypatch.setenv(DISABLE_ENV, "1")  # the fallback, also on sm_90
     generator = torch.Generator().manual_seed(7)
     seqlens = (300, 257)
     cu = torch.tensor([0, 300, 557], dtype=torch.int32, device="cuda")

@@ -9,7 +9,7 @@ import types
 import pytest
 import torch
 
-from kernels import attention_backward, attention_forward, interface, which_backend
+from kernels import attention_backward, attention_forward, device as kernels_device, which_backend
 from kernels.fallback import attention_forward_fallback
 from reference_attention import one_thread, random_block_sparse  # noqa: F401 (fixture)
 
@@ -54,8 +54,8 @@ class FakeKernel(types.ModuleType):
 @pytest.fixture
 def fake_sm90(monkeypatch):
     """Pretend the tensors sit on an sm_90 GPU; install fake kernel modules."""
-    monkeypatch.setattr(interface, "_device_unsupported", lambda device: "")
-    monkeypatch.delenv(interface.DISABLE_ENV, raising=False)
+    monkeypatch.setattr(kernels_device, "_device_unsupported", lambda device: "")
+    monkeypatch.delenv(kernels_device.DISABLE_ENV, raising=False)
     kernels = {direction: FakeKernel(f"kernels.sm90.{direction}")
                for direction in ("forward", "backward")}
     for direction, module in kernels.items():
@@ -183,9 +183,9 @@ def test_kernel_errors_are_not_swallowed(fake_sm90):
 
 
 def test_disable_env_forces_the_fallback(fake_sm90, monkeypatch):
-    monkeypatch.setenv(interface.DISABLE_ENV, "1")
+    monkeypatch.setenv(kernels_device.DISABLE_ENV, "1")
     q, k, v = _inputs()
-    assert which_backend(q, k, v) == f"fallback ({interface.DISABLE_ENV}=1)"
+    assert which_backend(q, k, v) == f"fallback ({kernels_device.DISABLE_ENV}=1)"
     attention_forward(q, k, v)
     assert not fake_sm90["forward"].can_run_calls
 

@@ -167,12 +167,12 @@ def test_kernel_takes_any_term_layout_and_broadcast_gates():
 @requires_sm90
 def test_kernel_through_dlpack_equals_tvm_ffi(monkeypatch):
     """The launch without apache-tvm-ffi (NSA_CUTE_TVM_FFI=0) computes the same sum."""
-    import kernels.sm90.forward as forward
+    import kernels.sm90.launch as launch
 
     outputs, gates = _problem(1000, 3, 128, torch.bfloat16, 3, device="cuda", seed=11)
     results = []
     for tvm_ffi in (True, False):
-        monkeypatch.setattr(forward, "_tvm_ffi_available", lambda tvm_ffi=tvm_ffi: tvm_ffi)
+        monkeypatch.setattr(launch, "tvm_ffi_available", lambda tvm_ffi=tvm_ffi: tvm_ffi)
         total = GatedSum(gates, like=outputs[0])
         for column, out in enumerate(outputs):
             total.add(column, out.clone())

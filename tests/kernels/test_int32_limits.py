@@ -2,7 +2,7 @@
 
 Sequence bounds are int32, so ``max_seqlen_*`` above 2**31 - 1 is refused by every entry point
 with a ValueError naming it. Shapes that a kernel's Int32 index arithmetic or its launch grid
-cannot hold (`kernels.validate.int32_limits_reason`, which reads shapes only, so meta tensors
+cannot hold (`kernels.sm90.limits.int32_limits_reason`, which reads shapes only, so meta tensors
 describe them without memory) are sent to the fallback, which has no such limits, with the
 reason in `which_backend`.
 """
@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from kernels import flash_attn_func, flash_attn_varlen_func, which_backend
-from kernels.validate import INT32_MAX, int32_limits_reason
+from kernels.sm90.limits import int32_limits_reason
+from kernels.validate import INT32_MAX
 from test_fallback_dispatch import fake_sm90  # noqa: F401 (fixture)
 from gpu_marks import requires_sm90
 

@@ -211,14 +211,15 @@ def test_compile_cache_returns_the_same_kernel():
 
 def test_launcher_built_arguments_compile_for_sm90a():
     """The fake tensors above must be no more specific than what the launcher passes: build
-    the arguments exactly as kernels/sm90/forward.py does (`_as_cute` of torch tensors, here
+    the arguments exactly as kernels/sm90/forward.py does (`launch.as_cute` of torch tensors, here
     small CPU ones: compiling reads only their dtype and layout) and compile from them. A build
     that leaned on a static head-dim stride passed with fakes and failed on the device."""
     import cutlass.cute as cute
     import torch
     from cutlass.cute.runtime import make_fake_stream
 
-    from kernels.sm90.forward import _as_cute, _typed_scalars
+    from kernels.sm90.forward import _typed_scalars
+    from kernels.sm90.launch import as_cute
     from kernels.sm90.fwd_sm90 import FlashAttentionForwardSm90
 
     spec = _spec("bfloat16", 128, "compressed-causal")
@@ -228,7 +229,7 @@ def test_launcher_built_arguments_compile_for_sm90a():
     lse = torch.empty(4, 300)
     cu_q = torch.tensor([0, 300], dtype=torch.int32)
     cu_k = torch.tensor([0, 4], dtype=torch.int32)
-    args = (*(_as_cute(t) for t in (q, k, k.clone(), out, lse, cu_q, cu_k)),
+    args = (*(as_cute(t) for t in (q, k, k.clone(), out, lse, cu_q, cu_k)),
             *_typed_scalars((300, 0.088, 64, 0, 0, 132)), *(None,) * 7, make_fake_stream())
     assert callable(cute.compile(FlashAttentionForwardSm90(spec), *args))
 

@@ -141,6 +141,7 @@ def test_padded_gqa_matches_fallback(group):
 def test_dlpack_launch_matches_tvm_ffi(monkeypatch):
     """The launch without apache-tvm-ffi (NSA_CUTE_TVM_FFI=0): same kernel, same output."""
     import kernels.sm90.forward as forward
+    import kernels.sm90.launch as launch
 
     torch.manual_seed(6)
     q = torch.randn(1500, 8, 128, device="cuda", dtype=torch.bfloat16)
@@ -150,7 +151,7 @@ def test_dlpack_launch_matches_tvm_ffi(monkeypatch):
     kwargs = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=1000, max_seqlen_k=1000,
                   softmax_scale=0.1, causal=True)
     out_ffi, lse_ffi = forward.run(q, k, v, **kwargs)
-    monkeypatch.setattr(forward, "_tvm_ffi_available", lambda: False)
+    monkeypatch.setattr(launch, "tvm_ffi_available", lambda: False)
     out, lse = forward.run(q, k, v, **kwargs)
     assert torch.equal(out, out_ffi) and torch.equal(lse, lse_ffi)
 

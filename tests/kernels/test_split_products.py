@@ -99,7 +99,7 @@ def test_split_products_equal_float64_products_to_float32_precision(spec):
     within 2**-18 of the sum of |a_k b_k| of the float64 ones (float32 accumulation over up to
     256 terms, allowing the tensor core's adds to truncate), and 100x closer than a plain bf16
     product; every (row, column) in its place (a misplaced one misses by O(1))."""
-    from kernels.sm90.compile import launch_on_current_stream
+    from kernels.sm90.launch import launch_on_current_stream
 
     gen = torch.Generator().manual_seed(spec.rows + spec.cols + spec.dim)
     scale = torch.exp(torch.randn(1, spec.dim, generator=gen))

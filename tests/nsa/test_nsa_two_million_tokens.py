@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import kernels
-from kernels import interface
+from kernels import device as kernels_device
 from nsa import nsa
 from nsa_testing import cu_seqlens_of, rel_err
 
@@ -51,7 +51,7 @@ def test_nsa_forward_at_two_million_tokens_matches_the_fallback_on_slices(monkey
         on_kernels = out[rows].float()
         assert torch.isfinite(out).all()
         del out
-        monkeypatch.setattr(interface, "_device_unsupported", lambda _: "the test's fallback run")
+        monkeypatch.setattr(kernels_device, "_device_unsupported", lambda _: "the test's fallback run")
         assert kernels.which_backend(q, k, v, **attention).startswith("fallback")
         on_fallback = nsa(q, k, v, **call)[rows].float()
     for name, part in (("first rows", slice(0, 2048)), ("last rows", slice(2048, 2048 + 4096)),

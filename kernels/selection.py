@@ -1,0 +1,46 @@
+"""NSA's block selection kernels behind one front: scoring and ranking in one launch
+(`kernels.sm90.select_blocks`), and ranking alone (`kernels.sm90.top_blocks`).
+
+`nsa.selection` computes the same lists in torch everywhere; these say whether a kernel serves
+a call (`kernels.dispatch` asks the device) and run it.
+"""
+from __future__ import annotations
+
+from torch import Tensor
+
+from .dispatch import sm90_module
+
+
+def selection_kernel_serves(q_bar: Tensor, keys: Tensor, width: int) -> bool:
+    """Whether the selection kernel scores queries q_bar (R, H, D) against compressed keys
+    (Tc, Hkv, D) and keeps `width` blocks per tile (float32 inputs on an sm90 GPU)."""
+    if q_bar.device.type != "cuda" or keys.shape[0] == 0:  # (tests fake the device on the CPU)
+        return False
+    kernel, _ = sm90_module("select_blocks", q_bar.device)
+    return kernel is not None and kernel.can_run(q_bar, keys, width)
+
+
+def select_blocks(q_bar: Tensor, keys: Tensor, tiles: Tensor, width: int, softmax_scale: float,
+                  mask_width: int | None = None):
+    """The selection kernel's lists (`kernels.sm90.select_blocks.run`), where
+    `selection_kernel_serves` says it runs."""
+    from kernels.sm90 import select_blocks as kernel
+
+    return kernel.run(q_bar, keys, tiles, width, softmax_scale, mask_width)
+
+
+def ranking_kernel_serves(key: Tensor, width: int) -> bool:
+    """Whether the ranking kernel ranks `key` (..., B) for `width` ranks (float32 on an sm90
+    GPU, at most one rank per lane)."""
+    if key.device.type != "cuda":  # (tests fake the device on the CPU)
+        return False
+    kernel, _ = sm90_module("top_blocks", key.device)
+    return kernel is not None and kernel.can_run(key, width)
+
+
+def top_blocks(key: Tensor, width: int, num_candidates: int | None) -> Tensor:
+    """The ranking kernel's (..., width) int32 lists (`kernels.sm90.top_blocks.run`), where
+    `ranking_kernel_serves` says it runs."""
+    from kernels.sm90 import top_blocks as kernel
+
+    return kernel.run(key, width, num_candidates)
