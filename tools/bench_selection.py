@@ -7,7 +7,7 @@ sequence of N random bf16 tokens compressed as nsa() compresses them. Variants:
                  `SELECT_ON_SM90` off); its lists are built by the branch, so not timed here
   fma            the selection kernel with float32 FMA scoring (kernels/sm90/select_blocks.py),
                  the tokens per lane it dispatches
-  fma-1, fma-2   the same, 1 or 2 tokens per lane (the build before session 22, and its middle)
+  fma-1, fma-2   the same, 1 or 2 tokens per lane (the build before 2026-11-27, and its middle)
   tensor-cores   the kernel scoring on tensor cores (kernels/sm90/split_products.py: six bf16
                  products per float32 one)
 The variants are timed round robin in a shuffled order (`_common.interleaved_medians`:

@@ -11,7 +11,7 @@ units, and the dQ kernel); asserts the gradients are finite.
 Each call launches three backward kernels (row statistics, the KV-centric kernel, and the dQ
 kernel or the fused dQ's conversion), whose names all contain "Backward", so the filter below
 instruments every one of them. Meant as the program under compute-sanitizer (FINDINGS,
-session 11):
+2026-11-24):
 
     compute-sanitizer --tool racecheck --kernel-name kns=Backward \\
         python3 tools/sanitize_sm90_backward.py

@@ -1,10 +1,10 @@
 """Time compile-time variants of the sm90 backward kernel against the dispatched one.
 
 The backward dispatcher (`kernels/sm90/spec.py::choose_backward_spec`) picks its switches by
-measurements of this script and of torch.profiler runs (FINDINGS, sessions 11-17):
+measurements of this script and of torch.profiler runs (FINDINGS, 2026-11-24):
 `dq_separate` (dQ from the query-centric kernel, or fused into the KV-centric one with a dQ
 writer warp: fused for plain causal or full attention, and for wide 128-key lists per query
-head, session 24), `split_lists` and `split_rows` (several CTAs per KV tile, for calls with
+head, 2026-11-27), `split_lists` and `split_rows` (several CTAs per KV tile, for calls with
 fewer KV tiles than SMs, such as compressed keys). For each case it runs
 the dispatched spec and the variants with a switch turned, checks every variant's dq/dk/dv
 against the dispatched kernel's (the float32 sums are ordered differently, so within 1e-2
@@ -50,14 +50,14 @@ VARIANTS = {
     "one CTA per SM": dict(one_cta_per_sm=True),
     # Dense walks: CTAs launched KV tile by KV tile (heads innermost), heaviest first, with the
     # dQ kernel (dispatched for compressed causal keys below ROW_BANDS_FUSED_MIN_KEYS; above,
-    # the dispatch before session 25, with "... one CTA per tile" where the KV tiles fill the
+    # the dispatch before 2026-11-27, with "... one CTA per tile" where the KV tiles fill the
     # SMs).
     "heavy first": dict(heavy_first=True, row_bands=False, dq_separate=True),
     "heavy first, one CTA per tile": dict(heavy_first=True, row_bands=False, dq_separate=True,
                                           split_rows=False),
     # Split rows by bands common to every KV tile, launched band by band, with the fused dQ:
     # its float32 sums then land in about one band of rows at a time (compressed keys: each
-    # query row meets few KV tiles, and the whole accumulator missed L2, session 18).
+    # query row meets few KV tiles, and the whole accumulator missed L2, 2026-11-25).
     "row bands, fused dQ": dict(split_rows=True, row_bands=True, heavy_first=False,
                                 dq_separate=False),
     "row bands": dict(split_rows=True, row_bands=True, heavy_first=False),

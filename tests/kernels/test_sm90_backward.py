@@ -538,7 +538,7 @@ def test_block_sparse_backward_stays_finite_over_many_launches(case: Case):
 
 def test_case_list_covers_every_feature():
     """Every feature the backward must support appears in at least one case, the ids are unique
-    and readable, and the list stays small enough to compile in one GPU session."""
+    and readable, and the list stays small enough to compile in one GPU run."""
     cases = GRADIENT_CASES + DETERMINISTIC_CASES
     ids = [case.id for case in cases]
     assert len(ids) == len(set(ids)), "duplicate case ids"

@@ -146,7 +146,7 @@ def test_backward_dispatch_steps_128_rows_at_head_dim_64_with_128_key_tiles():
 
 
 def test_backward_dispatch_fuses_dq_only_for_plain_causal_or_full_attention():
-    """dQ fused into the KV-centric kernel with the writer warp (session 17, H100: faster on
+    """dQ fused into the KV-centric kernel with the writer warp (2026-11-24, H100: faster on
     dense causal from 4096-key sequences on) where no window, compress factor or list applies,
     in the fast mode; every other call of these (packed short sequences too, NSA's lists per
     KV group), and the deterministic mode, keeps the query-centric dQ kernel (the KV-centric
@@ -175,7 +175,7 @@ def test_backward_dispatch_fuses_dq_only_for_plain_causal_or_full_attention():
 
 def test_backward_issues_dv_before_ds_except_where_the_wgmmas_are_serialised():
     """Two 64-key CTAs per SM at head dim 128 leave 232 registers per consumer thread: ptxas
-    serialises every wgmma there, and the early dV issue measured slower (H100, session 16);
+    serialises every wgmma there, and the early dV issue measured slower (H100, 2026-11-24);
     128-row steps keep dV after dS too; everywhere else dV goes to the tensor cores before dS
     is computed. The one-CTA-per-SM
     variant (a tuner switch) has the registers and takes the early issue; it compiles."""
@@ -252,8 +252,8 @@ PER_HEAD_LISTS = ListShape(spans_kv_groups=False, per_query_head=True, width=64)
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_backward_64_key_lists_per_query_head_walk_the_group_unsplit_and_compile(head_dim):
     """64-key lists per query head inside a KV group are not split into work units (a unit
-    would walk one head and add float32 partials per head: 1.9x slower on the H100, session
-    11)."""
+    would walk one head and add float32 partials per head: 1.9x slower on the H100,
+    2026-11-24)."""
     spec = choose_backward_spec(dtype="bfloat16", head_dim=head_dim, causal=False,
                                 window_size=(-1, -1), sparse_block_size=64,
                                 lists=PER_HEAD_LISTS)
@@ -268,7 +268,7 @@ def test_backward_wide_128_key_lists_per_query_head_take_the_fused_dq(head_dim):
     with the fused dQ (the units head by head, `kernels.sm90.backward.work_units`), MHA lists
     (per query head and per KV head) too; narrower lists walk the group unsplit with the dQ
     kernel, and so do deterministic calls and calls with a window or compressed keys; lists per
-    KV group keep split units with the dQ kernel (session 24, H100: the fused path lost
+    KV group keep split units with the dQ kernel (2026-11-27, H100: the fused path lost
     there), as do compile-only calls (no lists given: NSA's)."""
     from kernels.sm90.spec import FUSED_DQ_MIN_LIST_WIDTH
 
