@@ -1,0 +1,325 @@
+"""Train a causal LM with NSA and with dense attention on real long documents, side by side.
+
+The documents are the Python source files this machine already has (the standard library and
+torch's package: nsa/models/corpus.py), byte-level tokens, packed into batches of exactly
+--seq-len tokens with cu_seqlens (documents never attend to each other; long ones are split).
+A fixed rule holds out ~5% of the files; held-out loss is measured on a fixed set of held-out
+batches every --eval-every steps.
+
+With --attention both, the NSA model and the dense model (nsa.models.CausalLM with
+attention="nsa" / "dense": identical in every shared weight, built from one seed) train on the
+same batches in the same order with the same optimizer and schedule, one after the other. The
+JSON holds both curves (train loss and held-out loss against steps, tokens and training
+seconds), tokens/s, and the comparison at equal tokens and at equal wall-clock; the PNG draws
+them (needs matplotlib: pip install -e '.[plot]').
+
+    python tools/train_lm.py --model tiny --device cpu --seq-len 2048 --steps 20
+    python tools/train_lm.py --model base --seq-len 32768 --steps 1200 --minutes 10 \\
+        --json lm_32k.json --png lm_32k.png                          # H100: the comparison
+
+Timing: training seconds exclude evaluation; each step ends with loss.item() (a sync) on a GPU,
+so a step's time is its device time. tokens/s is measured after --warmup-steps steps (the first
+steps compile kernels).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _common import positive_int, resolve_device  # noqa: E402
+from nsa.models.corpus import (DocumentPacker, find_documents, heldout_batches,  # noqa: E402
+                               source_roots, split_documents)
+from nsa.models.lm import MODEL_PRESETS, CausalLM, LMConfig  # noqa: E402
+
+LR_DEFAULTS = {"tiny": 3e-3, "small": 6e-4, "base": 6e-4}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description="Train a causal LM with NSA and dense attention on real long documents "
+                    "(Python source files), same seed, data and model; writes JSON and a PNG.")
+    parser.add_argument("--attention", choices=["nsa", "dense", "both"], default="both")
+    parser.add_argument("--model", choices=sorted(MODEL_PRESETS), default=None,
+                        help="size preset (default: base on a GPU, tiny on a CPU)")
+    parser.add_argument("--seq-len", type=positive_int, default=None,
+                        help="tokens per packed batch (default 32768 on a GPU, 2048 on a CPU)")
+    parser.add_argument("--steps", type=positive_int, default=None,
+                        help="optimizer steps per model (the schedule's length; default 1000 "
+                             "on a GPU, 20 on a CPU)")
+    parser.add_argument("--minutes", type=float, default=None,
+                        help="training time budget per model: stop when it is spent, and "
+                             "anneal the learning rate by the larger of step and time progress")
+    parser.add_argument("--device", default=None, help="cpu, cuda or cuda:N")
+    parser.add_argument("--seed", type=int, default=0, help="weights and data order")
+    parser.add_argument("--lr", type=float, default=None, help="peak AdamW learning rate")
+    parser.add_argument("--weight-decay", type=float, default=0.1)
+    parser.add_argument("--warmup-steps", type=int, default=None,
+                        help="learning-rate warm-up steps, and steps left out of tokens/s "
+                             "(default: 2%% of --steps, at least 2)")
+    parser.add_argument("--eval-every", type=int, default=None,
+                        help="held-out evaluation every N steps (0: only at the start and end; "
+                             "default: --steps / 10)")
+    parser.add_argument("--eval-batches", type=positive_int, default=4,
+                        help="held-out batches of --seq-len tokens per evaluation")
+    parser.add_argument("--corpus", choices=["stdlib", "stdlib+torch"], default="stdlib+torch",
+                        help="which installed sources make the documents")
+    parser.add_argument("--max-documents", type=positive_int, default=None,
+                        help="use only the first N training documents (and N/20 held-out)")
+    parser.add_argument("--json", type=Path, help="write the results here")
+    parser.add_argument("--png", type=Path, help="draw the loss curves and throughput here")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("--test-q-tile", type=positive_int, default=None,
+                        help="test only: nsa()'s selection tile (tiny CPU runs)")
+    args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
+    args.device = resolve_device(args.device)
+    on_gpu = args.device.type == "cuda"
+    args.model = args.model or ("base" if on_gpu else "tiny")
+    args.seq_len = args.seq_len or (32768 if on_gpu else 2048)
+    args.steps = args.steps or (1000 if on_gpu else 20)
+    args.lr = args.lr or LR_DEFAULTS[args.model]
+    if args.warmup_steps is None:
+        args.warmup_steps = max(2, args.steps // 50)
+    if args.eval_every is None:
+        args.eval_every = max(1, args.steps // 10)
+    if args.minutes is not None and args.minutes <= 0:
+        parser.error(f"--minutes must be positive, got {args.minutes}")
+    return args
+
+
+def model_config(args: argparse.Namespace, attention: str) -> LMConfig:
+    config = MODEL_PRESETS[args.model].with_attention(attention)
+    if args.device.type != "cuda":
+        config = replace(config, compute_dtype="float32")  # no bf16 kernels on a CPU
+    if args.test_q_tile is not None:
+        config = replace(config, test_q_tile=args.test_q_tile)
+    return config
+
+
+def learning_rate(progress: float, step: int, args: argparse.Namespace) -> float:
+    """Linear warm-up over --warmup-steps, then cosine to 10% of the peak at progress 1."""
+    if step < args.warmup_steps:
+        return args.lr * (step + 1) / args.warmup_steps
+    return args.lr * (0.1 + 0.45 * (1 + math.cos(math.pi * min(progress, 1.0))))
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@torch.no_grad()
+def heldout_loss(model: CausalLM, batches, device: torch.device) -> float:
+    """Mean loss per held-out target token over the fixed held-out batches."""
+    model.eval()
+    total, count = 0.0, 0
+    for batch in batches:
+        batch = batch.to(device)
+        loss = model(batch.input_ids, labels=batch.labels, **batch.model_inputs())
+        total += float(loss) * batch.num_targets
+        count += batch.num_targets
+    model.train()
+    return total / count
+
+
+def train_one(attention: str, args, train_documents, eval_set) -> dict:
+    config = model_config(args, attention)
+    torch.manual_seed(args.seed)
+    model = CausalLM(config, seed=args.seed).to(args.device)
+    fused = args.device.type == "cuda"
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95),
+                                  weight_decay=args.weight_decay, fused=fused)
+    packer = DocumentPacker(train_documents, args.seq_len, seed=args.seed)
+    budget = None if args.minutes is None else args.minutes * 60
+    print(f"[{attention}] {model.num_parameters() / 1e6:.1f}M parameters, {config}")
+
+    record = dict(attention=attention, parameters=model.num_parameters(),
+                  config=config.to_dict(), steps=[], train_loss=[], tokens=[], seconds=[],
+                  lr=[], eval=[])
+
+    def evaluate(step: int, tokens: int, seconds: float) -> None:
+        loss = heldout_loss(model, eval_set, args.device)
+        record["eval"].append(dict(step=step, tokens=tokens, seconds=seconds,
+                                   heldout_loss=loss))
+
+    evaluate(0, 0, 0.0)
+    tokens_seen, train_seconds = 0, 0.0
+    steady_tokens, steady_seconds = 0, 0.0
+    bar = tqdm(total=args.steps, desc=attention, disable=args.no_progress, dynamic_ncols=True,
+               file=sys.stdout)
+    batches = iter(packer)
+    step = 0
+    for step in range(1, args.steps + 1):
+        batch = next(batches).to(args.device)
+        progress = (step - 1) / args.steps
+        if budget is not None:
+            progress = max(progress, train_seconds / budget)
+        lr = learning_rate(progress, step - 1, args)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+
+        synchronize(args.device)
+        start = time.perf_counter()
+        loss = model(batch.input_ids, labels=batch.labels, **batch.model_inputs())
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        loss_value = loss.item()  # a sync: the step's work is done when the clock stops
+        elapsed = time.perf_counter() - start
+
+        train_seconds += elapsed
+        tokens_seen += batch.num_tokens
+        if step > args.warmup_steps:
+            steady_tokens += batch.num_tokens
+            steady_seconds += elapsed
+        for key, value in (("steps", step), ("train_loss", loss_value), ("tokens", tokens_seen),
+                           ("seconds", train_seconds), ("lr", lr)):
+            record[key].append(value)
+        bar.update(1)
+        bar.set_postfix(loss=f"{loss_value:.3f}", tok_s=f"{batch.num_tokens / elapsed:,.0f}")
+        out_of_time = budget is not None and train_seconds >= budget
+        if (args.eval_every and step % args.eval_every == 0) or step == args.steps \
+                or out_of_time:
+            evaluate(step, tokens_seen, train_seconds)
+            bar.write(f"[{attention}] step {step} tokens {tokens_seen:,} "
+                      f"train {loss_value:.4f} held-out {record['eval'][-1]['heldout_loss']:.4f}")
+        if out_of_time:
+            break
+    bar.close()
+    record.update(
+        steps_run=step, tokens_seen=tokens_seen, train_seconds=train_seconds,
+        tokens_per_second=tokens_seen / train_seconds,
+        steady_tokens_per_second=steady_tokens / steady_seconds if steady_seconds else None,
+        final_heldout_loss=record["eval"][-1]["heldout_loss"],
+        peak_memory_gib=(torch.cuda.max_memory_allocated(args.device) / 2 ** 30
+                         if args.device.type == "cuda" else None))
+    if args.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(args.device)
+    del model, optimizer
+    return record
+
+
+def heldout_at(record: dict, *, tokens: int | None = None, seconds: float | None = None):
+    """Held-out loss at the last evaluation with at most `tokens` tokens seen (or `seconds` of
+    training), and that evaluation's point."""
+    key, limit = ("tokens", tokens) if tokens is not None else ("seconds", seconds)
+    points = [e for e in record["eval"] if e[key] <= limit + 1e-9]
+    return points[-1] if points else None
+
+
+def compare(nsa_run: dict, dense_run: dict) -> dict:
+    """NSA vs dense at equal tokens seen and at equal training wall-clock."""
+    tokens = min(nsa_run["tokens_seen"], dense_run["tokens_seen"])
+    seconds = min(nsa_run["train_seconds"], dense_run["train_seconds"])
+    result = {}
+    for name, where in (("equal_tokens", dict(tokens=tokens)),
+                        ("equal_seconds", dict(seconds=seconds))):
+        a, b = heldout_at(nsa_run, **where), heldout_at(dense_run, **where)
+        result[name] = dict(
+            **where, nsa=a, dense=b,
+            nsa_over_dense=a["heldout_loss"] / b["heldout_loss"] if a and b else None)
+    speeds = [run["steady_tokens_per_second"] or run["tokens_per_second"]
+              for run in (nsa_run, dense_run)]
+    result["throughput_nsa_over_dense"] = speeds[0] / speeds[1]
+    return result
+
+
+def draw(summary: dict, path: Path) -> None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print(f"--png {path}: skipped, matplotlib is not installed "
+              "(pip install -e '.[plot]')")
+        return
+    runs = summary["runs"]
+    figure, axes = plt.subplots(1, 4, figsize=(20, 4.5))
+    for run in runs:
+        name = run["attention"]
+        axes[0].plot(run["tokens"], run["train_loss"], label=name, alpha=0.8)
+        for axis, key in ((axes[1], "tokens"), (axes[2], "seconds")):
+            axis.plot([e[key] for e in run["eval"]], [e["heldout_loss"] for e in run["eval"]],
+                      marker="o", label=name)
+    axes[0].set(title="train loss", xlabel="tokens seen", ylabel="nats / byte")
+    axes[1].set(title="held-out loss vs tokens", xlabel="tokens seen", ylabel="nats / byte")
+    axes[2].set(title="held-out loss vs training time", xlabel="seconds",
+                ylabel="nats / byte")
+    names = [run["attention"] for run in runs]
+    speeds = [run["steady_tokens_per_second"] or run["tokens_per_second"] for run in runs]
+    bars = axes[3].bar(names, speeds, color=["C0", "C1"][:len(runs)])
+    axes[3].bar_label(bars, labels=[f"{s:,.0f}" for s in speeds])
+    axes[3].set(title=f"training throughput at {summary['seq_len']:,} tokens/batch",
+                ylabel="tokens / s")
+    for axis in axes[:3]:
+        axis.legend()
+        axis.grid(alpha=0.3)
+    figure.suptitle(f"{summary['model']} ({runs[0]['parameters'] / 1e6:.0f}M) on "
+                    f"{summary['device']}, seed {summary['seed']}")
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    print(f"wrote {path}")
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    roots = source_roots(include_torch=args.corpus == "stdlib+torch")
+    train_documents, heldout_documents = split_documents(find_documents(roots))
+    if args.max_documents is not None:
+        train_documents = train_documents[:args.max_documents]
+        heldout_documents = heldout_documents[:max(1, args.max_documents // 20)]
+    eval_set = heldout_batches(heldout_documents, args.seq_len, args.eval_batches)
+    print(f"corpus: {len(train_documents)} training and {len(heldout_documents)} held-out "
+          f"documents ({args.corpus}); held-out set {sum(b.num_tokens for b in eval_set):,} "
+          f"tokens in {len(eval_set)} batches of up to {args.seq_len:,}")
+
+    attentions = ["nsa", "dense"] if args.attention == "both" else [args.attention]
+    runs = [train_one(attention, args, train_documents, eval_set) for attention in attentions]
+    summary = dict(
+        tool="train_lm",
+        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        command=" ".join(["python", "tools/train_lm.py", *args.argv]),
+        device=(torch.cuda.get_device_name(args.device) if args.device.type == "cuda"
+                else f"cpu ({torch.get_num_threads()} threads)"),
+        torch=torch.__version__, model=args.model, seq_len=args.seq_len, seed=args.seed,
+        lr=args.lr, corpus=args.corpus, train_documents=len(train_documents),
+        heldout_documents=len(heldout_documents),
+        heldout_tokens=sum(b.num_tokens for b in eval_set), runs=runs)
+    if len(runs) == 2:
+        summary["comparison"] = compare(*runs)
+    for run in runs:
+        steady = run["steady_tokens_per_second"]
+        print(f"[{run['attention']}] {run['steps_run']} steps, {run['tokens_seen']:,} tokens in "
+              f"{run['train_seconds']:.1f} s: held-out {run['final_heldout_loss']:.4f}, "
+              f"{run['tokens_per_second']:,.0f} tokens/s"
+              + (f" ({steady:,.0f} after warm-up)" if steady else ""))
+    if "comparison" in summary:
+        c = summary["comparison"]
+        for key in ("equal_tokens", "equal_seconds"):
+            ratio = c[key]["nsa_over_dense"]
+            print(f"NSA / dense held-out loss at {key.replace('_', ' ')}: "
+                  + ("n/a" if ratio is None else f"{ratio:.4f}"))
+        print(f"NSA / dense throughput: {c['throughput_nsa_over_dense']:.2f}x")
+    if args.json:
+        args.json.write_text(json.dumps(summary, indent=2))
+        print(f"wrote {args.json}")
+    if args.png:
+        draw(summary, args.png)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
