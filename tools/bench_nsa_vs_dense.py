@@ -3,11 +3,13 @@
 Methods, each timed where it can run (a method that cannot is listed with the reason):
   nsa          nsa.nsa (ours: CuTe DSL kernels on sm_90, the PyTorch fallback elsewhere)
   nsa-graph    the same nsa() call captured in a CUDA graph (torch.cuda.graph) and replayed:
-               the forward alone and forward+backward are each one capture (CUDA only; the
-               padded inputs need no host bounds, so nsa() reads nothing from the device)
+               the forward alone and forward+backward are each one capture (CUDA only; padded
+               inputs need no host bounds and packed ones pass host_cu_seqlens, so nsa() reads
+               nothing from the device)
   dense        kernels.flash_attn_func(causal=True) (ours, same dispatch)
   sdpa         torch.nn.functional.scaled_dot_product_attention(is_causal=True, enable_gqa=True)
   fa4          flash_attn.cute.flash_attn_func(causal=True), if flash-attn-4 is installed
+               (packed inputs: its flash_attn_varlen_func on the same cu_seqlens)
   fla-nsa      fla.ops.nsa.parallel_nsa, if fla is installed (its NSA: own selection rule,
                group size H/Hkv a power of two >= 16)
   fa4-nsa      the seed's NSA design on FA4's public kernels, if flash-attn-4 is installed
@@ -19,6 +21,24 @@ Inputs: a padded batch of B sequences of N tokens, or with `--num-seqs S` the sa
 packed into S sequences of random lengths (varlen, the same lengths for every method: nsa()
 with `cu_seqlens` and its host copy, our and FA4's varlen attention, fla with `cu_seqlens`;
 SDPA and fa4-nsa take padded inputs only and say so). `--branch-profile` is padded.
+
+Packed documents (`--packed`, instead of --seqlens): named workloads of document lengths fixed
+by a seed (tools/packed_workloads.py), packed the same way for every method: nsa() eager and in a
+CUDA graph with cu_seqlens and host_cu_seqlens, dense FA4 through flash_attn_varlen_func.
+
+  lognormal-2k  64K tokens, log-normal lengths, median 2K, sigma 1, capped at 32K, the last
+                trimmed to fill the total (seed 0: 25 documents, the longest 8,031)
+  docs-8k       64K tokens, 8 documents of 8K
+  docs-1k       16K tokens, 16 documents of 1K
+  docs-256      16K tokens, 64 documents of 256
+  (any lognormal-<median> or docs-<length> works; `--packed standard` names these four;
+  `--total-tokens` sets each workload's total, one value for all or one per workload)
+
+After the main table a packed summary gives per workload and pass: documents, the longest, the
+attended-pair ratio (dense causal pairs / NSA's pairs, counted per document: row i attends
+min(i+1, n*l') selected, min(i+1, w) window and (i+1)//l compressed keys, with the options
+benchmarked), nsa ms, dense ms, the speedup, and its share of the limit, (dense ms / ratio) /
+nsa ms, against the target of 70%. The dense column is fa4 where it ran, else our dense.
 
 Timing: `--warmup` untimed calls, then the median of `--repeats` calls, CUDA events on a GPU and
 perf_counter on the CPU; inputs are random normal, never zeros. TFLOP/s counts the (row, key)
@@ -43,6 +63,7 @@ branch profile alone.
     python tools/bench_nsa_vs_dense.py --seqlens 16384,65536 --heads 64 --kv-heads 4
     python tools/bench_nsa_vs_dense.py --seqlens 65536 --methods none --branch-profile
     python tools/bench_nsa_vs_dense.py --seqlens 65536 --num-seqs 16     # varlen: 16 lengths
+    python tools/bench_nsa_vs_dense.py --packed standard --methods nsa,nsa-graph,fa4
     python tools/plot_bench.py bench.json                            # charts
 """
 from __future__ import annotations
@@ -53,6 +74,7 @@ import importlib
 import json
 import platform
 import statistics
+import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -72,9 +94,14 @@ from nsa.function import (compressed_starts, describe_branches,  # noqa: E402
 from nsa.validation import validate_nsa_call  # noqa: E402
 from _common import (add_num_seqs_argument, add_problem_arguments,  # noqa: E402
                      attention_tflops, capped_causal_pairs, causal_pairs, check_num_seqs,
+                     int_list,
                      compressed_pairs, cu_seqlens_of, nsa_options, nsa_pairs,
                      problem_defaults_epilog, random_gate, random_qkv,
                      resolve_problem_arguments, time_ms, varlen_lengths)
+from packed_workloads import (STANDARD_WORKLOADS, TARGET_SHARE_OF_LIMIT,  # noqa: E402
+                              NSAPairRule, PackedWorkload, attended_pair_ratio, build_workload,
+                              dense_pairs, nsa_document_pairs, parse_workload_name,
+                              share_of_limit)
 
 METHODS = ("nsa", "nsa-graph", "dense", "sdpa", "fa4", "fla-nsa", "fa4-nsa")
 OURS = ("nsa", "nsa-graph", "dense")
@@ -93,6 +120,8 @@ class Result:
     # Median host time of the timed calls: the Python call's wall time until it returns, no
     # sync (where it approaches ms, the step is host-bound: an eager caller waits on it).
     host_ms: float | None = None
+    # The packed workload's name (`--packed`; seqlen is then its total tokens), else None.
+    workload: str | None = None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -115,7 +144,7 @@ class Packing:
 
 def padded_only(name: str, packing) -> None:
     if packing is not None:
-        raise RuntimeError(f"{name} takes padded inputs only (no --num-seqs)")
+        raise RuntimeError(f"{name} takes padded inputs only (no --num-seqs or --packed)")
 
 
 def nsa_method(args) -> Callable:
@@ -266,8 +295,30 @@ def packing_for(seqlen: int, args) -> Packing | None:
         return None
     lengths = varlen_lengths(args.batch * seqlen, args.num_seqs,
                              torch.Generator().manual_seed(3))
-    cu_seqlens = cu_seqlens_of(lengths, args.device)
+    return packing_of(lengths, args.device)
+
+
+def packing_of(lengths, device: torch.device) -> Packing:
+    """cu_seqlens (int32) on the device and its host copy, taken before any timed call so the
+    calls read nothing back."""
+    lengths = list(lengths)
+    cu_seqlens = cu_seqlens_of(lengths, device)
     return Packing(lengths, cu_seqlens, tuple(cu_seqlens.tolist()))
+
+
+@dataclass
+class Case:
+    """One measured input: a padded (or --num-seqs) N, or a packed workload."""
+    seqlen: int                        # N, or the workload's total tokens
+    packing: Packing | None
+    workload: PackedWorkload | None = None
+
+
+def benchmark_cases(args) -> list[Case]:
+    if args.packed:
+        return [Case(workload.total_tokens, packing_of(workload.lengths, args.device), workload)
+                for workload in args.workloads]
+    return [Case(seqlen, packing_for(seqlen, args)) for seqlen in args.seqlens]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -327,9 +378,14 @@ def benchmark(args) -> list[Result]:
         except (ImportError, RuntimeError) as error:
             unavailable[method] = f"unavailable: {error}"
 
-    for seqlen in args.seqlens:
+    for case in benchmark_cases(args):
+        seqlen, packing = case.seqlen, case.packing
+        workload = case.workload.name if case.workload else None
+
+        def not_run(method: str, status: str) -> list[Result]:
+            return [Result(seqlen, method, p, None, None, None, status, workload=workload)
+                    for p in args.passes]
         timings = {}
-        packing = packing_for(seqlen, args)
         lengths = [seqlen] * args.batch if packing is None else packing.lengths
         for method in args.methods:
             if method in unavailable:
@@ -337,21 +393,16 @@ def benchmark(args) -> list[Result]:
             try:
                 timings[method] = time_method(runners[method], seqlen, args, packing)
             except torch.OutOfMemoryError:
-                unavailable_here = "out of memory"
-                results += [Result(seqlen, method, p, None, None, None, unavailable_here)
-                            for p in args.passes]
+                results += not_run(method, "out of memory")
                 torch.cuda.empty_cache()
             except Exception as error:  # third-party failures are reported, ours raise
                 if method in OURS:
                     raise
-                results += [Result(seqlen, method, p, None, None, None,
-                                   f"error: {type(error).__name__}: {error}"[:200])
-                            for p in args.passes]
+                results += not_run(method, f"error: {type(error).__name__}: {error}"[:200])
         baseline = args.baseline if args.baseline in timings else "dense"
         for method in args.methods:
             if method in unavailable:
-                results += [Result(seqlen, method, p, None, None, None, unavailable[method])
-                            for p in args.passes]
+                results += not_run(method, unavailable[method])
                 continue
             if method not in timings:
                 continue
@@ -363,8 +414,80 @@ def benchmark(args) -> list[Result]:
                     seqlen, method, p, ms,
                     attention_tflops(pairs, 1, args.heads, args.head_dim, ms,
                                      backward=p == "fwd+bwd"),
-                    base / ms if base else None, "ok", host_ms))
+                    base / ms if base else None, "ok", host_ms, workload))
     return results
+
+
+# ----------------------------------------------------------------------------------------------
+# Packed documents: the summary against the attended-pair limit
+# ----------------------------------------------------------------------------------------------
+
+NSA_METHODS_PACKED = ("nsa", "nsa-graph")
+# The dense reference of the packed summary, in order of preference: FA4 is the anchor the
+# issue names; our dense attention stands in where FA4 cannot run (the CPU).
+DENSE_REFERENCES = ("fa4", "dense")
+
+
+def workload_record(workload: PackedWorkload, rule: NSAPairRule) -> dict:
+    """Everything that defines a workload and its pair counts (for the JSON)."""
+    return dict(workload=workload.name, seed=workload.seed, rule=workload.rule,
+                total_tokens=workload.total_tokens, documents=workload.documents,
+                longest=workload.longest, lengths=list(workload.lengths),
+                dense_pairs=dense_pairs(workload.lengths),
+                nsa_pairs=nsa_document_pairs(workload.lengths, rule),
+                pair_ratio=attended_pair_ratio(workload.lengths, rule))
+
+
+def packed_summary(results: list[Result], workloads: list[PackedWorkload],
+                   rule: NSAPairRule) -> list[dict]:
+    """One row per workload, pass and NSA method that ran: its ms beside the dense reference's
+    (fa4, else our dense), the speedup, the pair ratio and the speedup's share of it."""
+    timed = {(r.workload, r.method, r.pass_): r.ms for r in results
+             if r.status == "ok" and r.ms is not None}
+    passes = list(dict.fromkeys(r.pass_ for r in results))
+    rows = []
+    for workload in workloads:
+        record = workload_record(workload, rule)
+        for pass_ in passes:
+            dense_method = next((m for m in DENSE_REFERENCES
+                                 if (workload.name, m, pass_) in timed), None)
+            dense_ms = timed.get((workload.name, dense_method, pass_))
+            for method in NSA_METHODS_PACKED:
+                nsa_ms = timed.get((workload.name, method, pass_))
+                if nsa_ms is None:
+                    continue
+                speedup = dense_ms / nsa_ms if dense_ms else None
+                share = (share_of_limit(dense_ms, nsa_ms, record["pair_ratio"])
+                         if dense_ms else None)
+                rows.append(dict(workload=workload.name, documents=workload.documents,
+                                 longest=workload.longest, total_tokens=workload.total_tokens,
+                                 pair_ratio=record["pair_ratio"], pass_=pass_, method=method,
+                                 nsa_ms=nsa_ms, dense_method=dense_method, dense_ms=dense_ms,
+                                 speedup=speedup, share_of_limit=share))
+    return rows
+
+
+def format_packed_table(rows: list[dict]) -> str:
+    header = (f"{'workload':<14} {'tokens':>7} {'docs':>5} {'longest':>7} {'ratio':>6}  "
+              f"{'pass':<8} {'method':<9} {'nsa ms':>9} {'dense':>5} {'dense ms':>9} "
+              f"{'speedup':>8} {'share of limit':>14}")
+    lines = ["Packed documents: ratio = dense causal pairs / NSA pairs (the speedup at dense "
+             "attention's pairs per second); share of limit = (dense ms / ratio) / nsa ms; "
+             f"target: {TARGET_SHARE_OF_LIMIT:.0%} of the limit",
+             header, "-" * len(header)]
+    for r in rows:
+        dense_ms = f"{r['dense_ms']:9.3f}" if r["dense_ms"] is not None else f"{'-':>9}"
+        speedup = f"{r['speedup']:7.2f}x" if r["speedup"] is not None else f"{'-':>8}"
+        if r["share_of_limit"] is None:
+            share = f"{'-':>14}"
+        else:
+            verdict = "ok" if r["share_of_limit"] >= TARGET_SHARE_OF_LIMIT else "below"
+            share = f"{r['share_of_limit']:7.0%} {verdict:>6}"
+        lines.append(f"{r['workload']:<14} {r['total_tokens']:>7} {r['documents']:>5} "
+                     f"{r['longest']:>7} {r['pair_ratio']:6.2f}  {r['pass_']:<8} "
+                     f"{r['method']:<9} {r['nsa_ms']:9.3f} {r['dense_method'] or '-':>5} "
+                     f"{dense_ms} {speedup} {share}")
+    return "\n".join(lines)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -414,8 +537,8 @@ def profile_branches(seqlen: int, args) -> list[dict]:
 
     def timed(fn) -> float:
         # At least 3 warm-up calls: with one, the selected branch's backward at 16K read 24.4 ms
-        # where a direct timing after 3 read 7.2 ms (H100, session 11; the first branch timed
-        # also pays for the GPU leaving its idle clocks).
+        # where a direct timing after 3 read 7.2 ms (H100, 2026-11-24, commit adce0ac; the
+        # first branch timed also pays for the GPU leaving its idle clocks).
         return time_ms(fn, args.device, warmup=max(args.warmup, 3), repeats=args.repeats)
 
     rows = []
@@ -472,8 +595,11 @@ def format_branch_profile(rows: list[dict]) -> str:
 # ----------------------------------------------------------------------------------------------
 
 def format_table(results: list[Result], baseline: str) -> str:
-    header = (f"{'N':>8}  {'method':<9} {'pass':<8} {'ms':>10} {'speedup':>8} {'TFLOP/s':>9} "
-              f"{'host ms':>9}  status")
+    # Packed rows name their workload where the others give N (wider column then).
+    width = max([8] + [len(r.workload) for r in results if r.workload])
+    label = "workload" if any(r.workload for r in results) else "N"
+    header = (f"{label:>{width}}  {'method':<9} {'pass':<8} {'ms':>10} {'speedup':>8} "
+              f"{'TFLOP/s':>9} {'host ms':>9}  status")
     lines = [f"speedup = {baseline} ms / method ms (same N and pass); TFLOP/s over attended "
              f"pairs; host ms = the call's wall time until it returns (no sync)",
              header, "-" * len(header)]
@@ -482,7 +608,8 @@ def format_table(results: list[Result], baseline: str) -> str:
         speedup = f"{r.speedup:7.2f}x" if r.speedup is not None else f"{'-':>8}"
         tflops = f"{r.tflops:9.3f}" if r.tflops is not None else f"{'-':>9}"
         host = f"{r.host_ms:9.3f}" if r.host_ms is not None else f"{'-':>9}"
-        lines.append(f"{r.seqlen:>8}  {r.method:<9} {r.pass_:<8} {ms} {speedup} {tflops} "
+        case = r.workload or r.seqlen
+        lines.append(f"{case:>{width}}  {r.method:<9} {r.pass_:<8} {ms} {speedup} {tflops} "
                      f"{host}  {r.status}")
     return "\n".join(lines)
 
@@ -496,6 +623,22 @@ def attention_backends(args) -> dict[str, str]:
                                               **deterministic_option(args))}
 
 
+def git_commit() -> str | None:
+    """HEAD of the checkout the tool runs from, "+dirty" when tracked files differ; None where
+    there is no git checkout (a copied tree)."""
+    root = Path(__file__).resolve().parents[1]
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=root,
+                              capture_output=True, text=True, timeout=10)
+        if head.returncode:
+            return None
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                               cwd=root, capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return head.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
+
+
 def run_metadata(args, argv) -> dict:
     device = (torch.cuda.get_device_name(args.device) if args.device.type == "cuda"
               else f"cpu ({platform.processor() or platform.machine()}, "
@@ -503,6 +646,7 @@ def run_metadata(args, argv) -> dict:
     return {
         "tool": "bench_nsa_vs_dense",
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "git_commit": git_commit(),
         "command": " ".join(["python", "tools/bench_nsa_vs_dense.py", *argv]),
         "device": device,
         "torch": torch.__version__,
@@ -510,7 +654,7 @@ def run_metadata(args, argv) -> dict:
         "problem": {key: getattr(args, key) for key in (
             "batch", "heads", "kv_heads", "head_dim", "dtype", "compress_block_size",
             "selected_block_size", "num_selected_blocks", "window_size", "gate", "deterministic",
-            "num_seqs", "warmup", "repeats")},
+            "num_seqs", "packed", "total_tokens", "warmup", "repeats")},
         "baseline": args.baseline,
     }
 
@@ -535,8 +679,20 @@ def parse_args(argv):
                         help="also time each NSA branch alone, forward and backward, on "
                              "nsa()'s own lists (see the description)")
     add_num_seqs_argument(parser)
+    packed = parser.add_argument_group("packed documents (see the description)")
+    packed.add_argument("--packed", default=None,
+                        help="comma-separated workloads to run instead of --seqlens: "
+                             "lognormal-<median> and docs-<length>, e.g. "
+                             f"{','.join(STANDARD_WORKLOADS)} (or 'standard' for these four)")
+    packed.add_argument("--total-tokens", type=int_list, default=None,
+                        help="each packed workload's total tokens: one value for all or one "
+                             "per workload (default: 64K for lognormal, docs-L 16K or 8 "
+                             "documents, whichever is more)")
+    packed.add_argument("--packed-seed", type=int, default=0,
+                        help="seed of the lognormal lengths (default 0)")
     parser.add_argument("--json", type=Path, help="write the results to this JSON file")
     args = parser.parse_args(argv)
+    check_packed_arguments(args, parser)
     resolve_problem_arguments(args, parser)
     check_num_seqs(args, parser)
     args.methods = [m.strip() for m in args.methods.split(",") if m.strip()]
@@ -556,6 +712,44 @@ def parse_args(argv):
     return args
 
 
+def check_packed_arguments(args, parser) -> None:
+    """Resolve --packed into args.workloads (before the device defaults fill --seqlens: a
+    packed run measures its workloads, not N)."""
+    args.workloads = []
+    if args.packed is None:
+        if args.total_tokens is not None:
+            parser.error("--total-tokens needs --packed")
+        return
+    names = [n.strip() for n in args.packed.split(",") if n.strip()]
+    names = [w for n in names for w in (STANDARD_WORKLOADS if n == "standard" else [n])]
+    for option, value in (("--seqlens", args.seqlens), ("--num-seqs", args.num_seqs),
+                          ("--batch", args.batch)):
+        if value is not None:
+            parser.error(f"--packed sets the tokens itself: drop {option}")
+    if args.branch_profile:
+        parser.error("--branch-profile is padded: drop --packed")
+    try:
+        for name in names:
+            parse_workload_name(name)
+    except ValueError as error:
+        parser.error(f"--packed: {error}")
+    if not names or len(set(names)) != len(names):
+        parser.error(f"--packed: expected distinct workload names, got {args.packed!r}")
+    totals = args.total_tokens or [None]
+    if len(totals) not in (1, len(names)):
+        parser.error(f"--total-tokens: give one value or one per workload ({len(names)})")
+    totals = totals * len(names) if len(totals) == 1 else totals
+    try:
+        args.workloads = [build_workload(name, total, seed=args.packed_seed)
+                          for name, total in zip(names, totals)]
+    except RuntimeError as error:  # no numpy for the lognormal lengths
+        parser.error(f"--packed: {error}")
+    args.packed = names
+    args.batch = 1
+    # --seqlens stays the list of totals (the header, check_num_seqs) once args.packed is set.
+    args.seqlens = [w.total_tokens for w in args.workloads]
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
@@ -567,9 +761,18 @@ def main(argv=None) -> int:
           f"n={args.num_selected_blocks} w={args.window_size} "
           f"{'learned' if args.gate else 'mean'} gates"
           f"{'; deterministic backward' if args.deterministic else ''}")
+    rule = NSAPairRule.from_args(args)
+    for workload in args.workloads:
+        record = workload_record(workload, rule)
+        print(f"{workload.name}: {workload.total_tokens} tokens in {workload.documents} "
+              f"documents, the longest {workload.longest}; dense / NSA pairs "
+              f"{record['pair_ratio']:.2f} ({workload.rule})")
     results = benchmark(args)
     if results:
         print(format_table(results, args.baseline))
+    packed_rows = packed_summary(results, args.workloads, rule) if args.packed else []
+    if packed_rows:
+        print(format_packed_table(packed_rows))
     branch_rows = []
     if args.branch_profile:
         for seqlen in args.seqlens:
@@ -581,6 +784,12 @@ def main(argv=None) -> int:
             for r in results]}
         if args.branch_profile:
             payload["branch_profile"] = branch_rows
+        if args.packed:
+            payload["packed"] = {
+                "target_share_of_limit": TARGET_SHARE_OF_LIMIT,
+                "workloads": [workload_record(w, rule) for w in args.workloads],
+                "summary": [{**{k: v for k, v in row.items() if k != "pass_"},
+                             "pass": row["pass_"]} for row in packed_rows]}
         args.json.write_text(json.dumps(payload, indent=2))
         print(f"wrote {args.json}")
     return 0

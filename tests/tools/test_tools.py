@@ -297,6 +297,82 @@ def test_bench_varlen_packs_the_batch_and_reports_padded_only_methods(tmp_path):
         bench.parse_args([*TINY, "--seqlens", "4", "--num-seqs", "9"])
 
 
+def test_bench_packed_workloads_run_every_method_on_the_same_documents(tmp_path, capsys):
+    """--packed: each workload's documents go to nsa() and our dense varlen attention alike (on
+    the CPU: no FA4, no graph, both said), and the summary gives the pair ratio beside the times
+    and the speedup's share of it."""
+    out = tmp_path / "packed.json"
+    bench = load_tool("bench_nsa_vs_dense")
+    tiny = ["--device", "cpu", "--heads", "2", "--kv-heads", "1", "--head-dim", "16",
+            "--warmup", "1", "--repeats", "1", "--passes", "fwd"]
+    assert bench.main([*tiny, "--packed", "docs-64,lognormal-64", "--total-tokens", "160,256",
+                       "--methods", "nsa,nsa-graph,dense,fa4", "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "docs-64: 160 tokens in 3 documents, the longest 64" in printed
+    assert "share of limit" in printed and "target: 70% of the limit" in printed
+    payload = json.loads(out.read_text())
+    assert payload["meta"]["problem"]["packed"] == ["docs-64", "lognormal-64"]
+    assert "git_commit" in payload["meta"]
+    workloads = {w["workload"]: w for w in payload["packed"]["workloads"]}
+    assert workloads["docs-64"]["lengths"] == [64, 64, 32]
+    assert sum(workloads["lognormal-64"]["lengths"]) == 256
+    rows = {(r["workload"], r["method"]): r for r in payload["results"]}
+    assert rows[("docs-64", "nsa")]["status"] == "ok" and rows[("docs-64", "nsa")]["seqlen"] == 160
+    assert rows[("docs-64", "nsa-graph")]["status"].startswith("unavailable")
+    assert rows[("lognormal-64", "fa4")]["status"].startswith("unavailable")
+    summary = payload["packed"]["summary"]
+    assert [(r["workload"], r["method"], r["dense_method"]) for r in summary] == [
+        ("docs-64", "nsa", "dense"), ("lognormal-64", "nsa", "dense")]
+    for row in summary:
+        pairs = workloads[row["workload"]]
+        assert row["pair_ratio"] == pytest.approx(pairs["dense_pairs"] / pairs["nsa_pairs"])
+        assert row["share_of_limit"] == pytest.approx(
+            row["dense_ms"] / row["pair_ratio"] / row["nsa_ms"])
+
+
+def test_bench_packed_table_prefers_fa4_as_the_dense_reference():
+    bench = load_tool("bench_nsa_vs_dense")
+    import packed_workloads
+    workload = packed_workloads.build_workload("docs-8k")
+    rule = packed_workloads.NSAPairRule(64, 64, 16, 512)
+
+    def result(method, pass_, ms):
+        return bench.Result(65536, method, pass_, ms, None, None, "ok", workload="docs-8k")
+    results = [result("nsa", "fwd", 10.0), result("nsa-graph", "fwd", 8.0),
+               result("dense", "fwd", 40.0), result("fa4", "fwd", 27.0)]
+    rows = bench.packed_summary(results, [workload], rule)
+    assert [(r["method"], r["dense_method"], r["dense_ms"]) for r in rows] == [
+        ("nsa", "fa4", 27.0), ("nsa-graph", "fa4", 27.0)]
+    ratio = packed_workloads.attended_pair_ratio(workload.lengths, rule)
+    assert rows[1]["speedup"] == pytest.approx(27.0 / 8.0)
+    assert rows[1]["share_of_limit"] == pytest.approx(27.0 / 8.0 / ratio)
+    table = bench.format_packed_table(rows)
+    # docs-8k: ratio 2.70; nsa at 2.70x reaches 100% of the limit, the graph 125%: both ok
+    assert "docs-8k" in table and "2.70" in table and "ok" in table and "below" not in table
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--packed", "docs-1k", "--seqlens", "512"], "drop --seqlens"),
+    (["--packed", "docs-1k", "--num-seqs", "2"], "drop --num-seqs"),
+    (["--packed", "docs-1k,uniform-2k"], "unknown packed workload 'uniform-2k'"),
+    (["--packed", "docs-1k,docs-256", "--total-tokens", "1,2,3"], "--total-tokens"),
+    (["--total-tokens", "512"], "--total-tokens needs --packed"),
+    (["--packed", "docs-1k", "--branch-profile"], "--branch-profile is padded"),
+])
+def test_bench_rejects_inconsistent_packed_options(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        load_tool("bench_nsa_vs_dense").main(["--device", "cpu", *argv])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_bench_packed_standard_names_the_four_workloads():
+    args = load_tool("bench_nsa_vs_dense").parse_args(["--device", "cpu", "--packed", "standard"])
+    assert [(w.name, w.total_tokens) for w in args.workloads] == [
+        ("lognormal-2k", 65536), ("docs-8k", 65536), ("docs-1k", 16384), ("docs-256", 16384)]
+    assert args.seqlens == [65536, 65536, 16384, 16384] and args.batch == 1
+
+
 def test_bench_branch_profile_times_each_branch_forward_and_backward(tmp_path):
     """--branch-profile: each NSA branch alone on nsa()'s own lists, forward and backward (and
     --deterministic passed through), here on the CPU's fallback; --methods none runs only it."""
