@@ -3,9 +3,9 @@
 nsa()'s tile layouts, selection ranges and compression rows are functions of the sequence
 bounds (which nsa() holds on the host) and of its configuration; built on the device they cost
 about a hundred small launches per forward, which is host time in an eager step (H100, 16K
-tokens: the eager forward is launch-bound, FINDINGS session 14). A call whose packing repeats
-(a padded batch, a fixed-shape training loop, a benchmark) finds them here instead. A loop whose
-packing changes every step gains nothing and keeps the last few packings' tensors alive
+tokens: the eager forward is launch-bound; docs/history.md, 2026-11-24). A call whose packing
+repeats (a padded batch, a fixed-shape training loop, a benchmark) finds them here instead. A
+loop whose packing changes every step gains nothing and keeps the last few packings' tensors alive
 (about 8 entries per packing, the largest a few bytes per token, e.g. the backward's query
 tile slots, 4 bytes a token); `clear()` frees them.
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# One device-machine session: GPU tests, kernel benchmarks against FA4, NSA against dense attention,
+# One call on a GPU machine: GPU tests, kernel benchmarks against FA4, NSA against dense attention,
 # compute-sanitizer, the longest sequence that fits, training; logs under $OUT, a summary last.
-#   source .device/activate.sh && bash tools/device_check.sh
+#   bash tools/device_check.sh   (with the package, flash-attn-4 and fla-core installed)
 set -uo pipefail
 if [ "${1:-}" = "-h" ] || [ "${1:-}" = "--help" ]; then
   sed -n '2,4p' "$0" | sed 's/^# \{0,1\}//'

@@ -18,10 +18,11 @@ whose forward+backward, fit the GPU: doubling from the first of --seqlens until 
 fails, then bisecting to a multiple of `--resolution` tokens (64K); it prints each trial's
 peak and the stage that reached it (forward or backward). Each trial at a million tokens takes
 a minute or more on an H100, so `--passes fwd+bwd` and a coarser `--resolution` keep one
-search inside a 10-minute device command (session 12: the full search at 64K resolution did
-not finish the forward's in 600 s; session 26: fwd+bwd from 1M at 256K resolution had tried 1M
-and 2M when a 420 s limit killed it). `--time-limit` starts no trial past that many seconds
-and reports the range found so far instead of being killed with nothing.
+search inside a 10-minute device command (on an H100, 2026-11-24: the full search at 64K
+resolution did not finish the forward's in 600 s; 2026-11-27: fwd+bwd from 1M at 256K
+resolution had tried 1M and 2M when a 420 s limit killed it). `--time-limit` starts no trial
+past that many seconds and reports the range found so far instead of being killed with
+nothing.
 
     python tools/diagnose_memory.py                       # per-device default sizes
     python tools/diagnose_memory.py --seqlens 65536,262144 --json memory.json
@@ -31,9 +32,9 @@ and reports the range found so far instead of being killed with nothing.
         --resolution 262144 --time-limit 400
 
 The tool sets PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True unless the caller set it: at a
-million tokens the caching allocator's fragmentation (7.7 GiB reserved but unallocated in a
-session-14 run) decides whether a step fits, and training at such lengths wants the setting
-too. The peaks reported are allocated bytes either way.
+million tokens the caching allocator's fragmentation (7.7 GiB reserved but unallocated in an
+H100 run of 2026-11-24, commit 6f48f9f) decides whether a step fits, and training at such
+lengths wants the setting too. The peaks reported are allocated bytes either way.
 """
 from __future__ import annotations
 
