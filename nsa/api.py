@@ -19,7 +19,8 @@ def nsa(q: Tensor, k: Tensor, v: Tensor, *, cu_seqlens: Tensor | None = None,
         causal: bool = True, softmax_scale: float | None = None,
         num_cmp_selected_blocks: int | None = None, deterministic: bool = False,
         host_cu_seqlens: tuple[int, ...] | list[int] | None = None,
-        recompute: bool | None = None,
+        recompute: bool | None = None, context_parallel_group=None,
+        context_parallel_mode: str = "auto",
         _q_tile: int = SELECTION_Q_TILE, _cmp_kv_block: int = CMP_KV_BLOCK) -> Tensor:
     """Native Sparse Attention: compressed + selected + sliding-window branches, gated.
 
@@ -66,6 +67,13 @@ def nsa(q: Tensor, k: Tensor, v: Tensor, *, cu_seqlens: Tensor | None = None,
         False keeps the outputs the forward wrote (three q-sized tensors until the backward),
         None (the default) keeps them when they take at most 1/8 of the device's memory (a
         fixed 4 GiB off CUDA), see nsa/memory_policy.py. The result is the same either way.
+    context_parallel_group: run across the ranks of this torch.distributed group (a
+        ProcessGroup, a 1-D DeviceMesh, or (mesh, dim name)): q, k, v are then this rank's
+        contiguous token shard (packed inputs with the whole sequence's cu_seqlens, the same on
+        every rank) and the result is this rank's shard of the output; a collective call
+        (`nsa.distributed.nsa_context_parallel`, docs/context_parallel.md). None (the default)
+        runs on this process alone.
+    context_parallel_mode: "auto", "heads" or "sequence" with context_parallel_group.
     torch.compile: nsa() compiles with fullgraph=True, forward and backward. While compiling it
         calls the custom ops `torch.ops.nsa_cute.nsa_forward` / `nsa_backward` (nsa/ops.py),
         opaque to the compiler, which compute what eager nsa() computes (the backward also
@@ -73,6 +81,17 @@ def nsa(q: Tensor, k: Tensor, v: Tensor, *, cu_seqlens: Tensor | None = None,
     _q_tile, _cmp_kv_block: test-only overrides of SELECTION_Q_TILE and CMP_KV_BLOCK, so tests
         can exercise many tiles at tiny sizes. The kernels are built for the defaults.
     """
+    if context_parallel_group is not None:
+        from nsa.distributed import nsa_context_parallel
+
+        return nsa_context_parallel(
+            q, k, v, group=context_parallel_group, cu_seqlens=cu_seqlens,
+            host_cu_seqlens=host_cu_seqlens, mode=context_parallel_mode, W_k=W_k, W_v=W_v,
+            W_gate=W_gate, max_seqlen=max_seqlen, compress_block_size=compress_block_size,
+            selected_block_size=selected_block_size, num_selected_blocks=num_selected_blocks,
+            window_size=window_size, causal=causal, softmax_scale=softmax_scale,
+            num_cmp_selected_blocks=num_cmp_selected_blocks, deterministic=deterministic,
+            recompute=recompute, _q_tile=_q_tile, _cmp_kv_block=_cmp_kv_block)
     config, sequences = validate_nsa_call(
         q, k, v, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
         compress_block_size=compress_block_size, selected_block_size=selected_block_size,

@@ -23,7 +23,7 @@ from nsa.distributed.groups import ContextParallelGroup
 # nsa() options passed through unchanged; each is compared across ranks by name.
 NSA_OPTIONS = ("max_seqlen", "compress_block_size", "selected_block_size", "num_selected_blocks",
                "window_size", "causal", "softmax_scale", "num_cmp_selected_blocks",
-               "deterministic", "_q_tile", "_cmp_kv_block")
+               "deterministic", "recompute", "_q_tile", "_cmp_kv_block")
 MODES = ("auto", "heads", "sequence")
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _DEVICE_TYPES = ("cpu", "cuda", "meta")

@@ -247,10 +247,32 @@ def _worker(rank: int, world: int, store_path: str, results) -> None:
                                                   phrase)))
             _sum_over_group_still_works(group, world)
         checks.append(("mesh_dimension", _outcome(_check_mesh_dimension, world)))
+        checks.append(("nsa_keyword", _outcome(_check_nsa_keyword, group)))
         dist.destroy_process_group()
     except Exception:  # reported, so the parent fails with this rank's traceback
         checks.append(("worker", traceback.format_exc()))
     results.put((rank, checks))
+
+
+def _check_nsa_keyword(group) -> None:
+    """nsa(..., context_parallel_group=group) is nsa_context_parallel: the same bits, forward
+    and backward, with recompute passed through."""
+    from nsa import nsa
+    from nsa.distributed import nsa_context_parallel, shard_sequence
+
+    inputs = _full_inputs(16, 4, 16, "packed", (50, 150, 56), True, torch.float32, seed=3)
+    results = []
+    for call in (lambda q, k, v, **kw: nsa(q, k, v, context_parallel_group=group, **kw),
+                 lambda q, k, v, **kw: nsa_context_parallel(q, k, v, group=group, **kw)):
+        local = {n: shard_sequence(inputs[n], group, name=n).clone().requires_grad_()
+                 for n in ("q", "k", "v")}
+        out = call(local["q"], local["k"], local["v"], cu_seqlens=inputs["cu_seqlens"],
+                   W_gate=inputs["W_gate"], recompute=True, **OPTIONS)
+        grads = torch.autograd.grad(out, list(local.values()),
+                                    shard_sequence(inputs["dout"], group, name="dout"))
+        results.append((out, *grads))
+    for a, b in zip(*results):
+        assert torch.equal(a, b), "nsa(context_parallel_group=) differs from nsa_context_parallel"
 
 
 def _check_mesh_dimension(world) -> None:
@@ -345,6 +367,11 @@ def test_bad_input_raises_on_every_rank(reports, world, name):
 @pytest.mark.parametrize("world", [2, 4])
 def test_one_dimension_of_a_device_mesh(reports, world):
     _assert_passed(reports(world), "mesh_dimension")
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_nsa_takes_the_context_parallel_group(reports, world):
+    _assert_passed(reports(world), "nsa_keyword")
 
 
 # ------------------------------------------------------------------------------------------------

@@ -32,6 +32,8 @@ TOOL_DESCRIPTIONS = {
     "tune_sm90_backward": "variants of the sm90 backward kernel",
     "sanitize_sm90_backward": "for compute-sanitizer",
     "bench_selection": "nsa()'s block selection",
+    "bench_context_parallel": "nsa() across GPUs",
+    "train_lm": "NSA and dense attention on real long documents",
 }
 
 
