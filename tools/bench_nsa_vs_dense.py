@@ -150,7 +150,7 @@ def padded_only(name: str, packing) -> None:
 def nsa_method(args) -> Callable:
     W_gate = random_gate(args.heads, args.head_dim, args.torch_dtype, args.device,
                          requires_grad=True) if args.gate else None
-    options = nsa_options(args) | deterministic_option(args)
+    options = nsa_options(args) | deterministic_option(args) | RECOMPUTE_OPTIONS[args.recompute]
 
     def run(q, k, v, packing=None):
         if packing is None:
@@ -201,6 +201,10 @@ def dense_method(args) -> Callable:
         return kernels.flash_attn_varlen_func(q, k, v, causal=True, **varlen_kwargs(packing),
                                               **options)
     return run
+
+
+# --recompute: nsa()'s recompute argument (nsa/memory_policy.py); auto leaves its default
+RECOMPUTE_OPTIONS = {"auto": {}, "keep": {"recompute": False}, "recompute": {"recompute": True}}
 
 
 def deterministic_option(args) -> dict:
@@ -654,6 +658,7 @@ def run_metadata(args, argv) -> dict:
         "problem": {key: getattr(args, key) for key in (
             "batch", "heads", "kv_heads", "head_dim", "dtype", "compress_block_size",
             "selected_block_size", "num_selected_blocks", "window_size", "gate", "deterministic",
+            "recompute",
             "num_seqs", "packed", "total_tokens", "warmup", "repeats")},
         "baseline": args.baseline,
     }
@@ -675,6 +680,9 @@ def parse_args(argv):
     parser.add_argument("--deterministic", action="store_true",
                         help="deterministic=True for nsa() and our dense attention: "
                              "bit-identical gradients from run to run (slower backward)")
+    parser.add_argument("--recompute", choices=sorted(RECOMPUTE_OPTIONS), default="auto",
+                        help="nsa()'s backward: keep the branch outputs (keep), recompute them "
+                             "(recompute), or nsa()'s size rule (auto, the default)")
     parser.add_argument("--branch-profile", action="store_true",
                         help="also time each NSA branch alone, forward and backward, on "
                              "nsa()'s own lists (see the description)")

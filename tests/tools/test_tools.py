@@ -34,6 +34,7 @@ TOOL_DESCRIPTIONS = {
     "bench_selection": "nsa()'s block selection",
     "bench_context_parallel": "nsa() across GPUs",
     "train_lm": "NSA and dense attention on real long documents",
+    "run_gpu_tests": "split over the visible GPUs",
 }
 
 
@@ -718,3 +719,17 @@ def test_sanitize_case_needs_an_sm90_gpu(capsys):
         pytest.skip("the CPU answer only")
     assert load_tool("sanitize_sm90_backward").main([]) == 1
     assert "needs an sm_90 GPU" in capsys.readouterr().err
+
+
+def test_run_gpu_tests_deals_every_test_once_round_robin():
+    tool = load_tool("run_gpu_tests")
+    ids = [f"t::{i}" for i in range(10)]
+    shards = tool.deal(ids, 4)
+    assert shards == [ids[0::4], ids[1::4], ids[2::4], ids[3::4]]
+    assert sorted(sum(shards, [])) == sorted(ids)
+
+
+def test_run_gpu_tests_reads_pytest_counts():
+    tool = load_tool("run_gpu_tests")
+    assert tool.counts("== 3 failed, 120 passed, 2 skipped, 1 error in 10.0s ==") == {
+        "failed": 3, "passed": 120, "skipped": 2, "error": 1}

@@ -1,0 +1,111 @@
+"""Run the GPU test suite (`pytest -m gpu`) split over the visible GPUs, one pytest per GPU.
+
+The suite is mostly kernel compilation (host CPU) and many small launches, so N GPUs and a few
+processes per GPU finish it several times sooner: the tests are collected once, dealt
+round-robin to the shards (neighbouring tests, often variants of one kernel, land in different
+processes), and each shard runs in its own process with CUDA_VISIBLE_DEVICES set to its GPU and
+its own CuTe DSL compile cache (shards never write one cache at once). Logs go to --log-dir; the summary gives each shard's counts and the total,
+and the exit code is nonzero when a shard failed or reported a failure.
+
+    python tools/run_gpu_tests.py                          # every visible GPU, all gpu tests
+    python tools/run_gpu_tests.py --gpus 2 tests/nsa       # two GPUs, the nsa tests only
+    python tools/run_gpu_tests.py --per-gpu 3              # three processes on each GPU
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+_COUNTS = re.compile(r"(\d+) (passed|failed|skipped|errors?|deselected|xfailed|xpassed)")
+
+
+def collect(paths: list[str], marker: str) -> list[str]:
+    """The node ids pytest selects with `-m marker` under `paths`."""
+    listing = subprocess.run(
+        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", marker,
+         "-p", "no:cacheprovider", *paths], cwd=REPO, capture_output=True, text=True)
+    ids = [line for line in listing.stdout.splitlines() if "::" in line]
+    if listing.returncode not in (0, 5) or not ids:
+        raise SystemExit(f"collection failed (exit {listing.returncode}):\n{listing.stdout[-3000:]}"
+                         f"\n{listing.stderr[-3000:]}")
+    return ids
+
+
+def deal(ids: list[str], shards: int) -> list[list[str]]:
+    """Round-robin: shard i gets ids i, i + shards, ..."""
+    return [ids[i::shards] for i in range(shards)]
+
+
+def counts(log_tail: str) -> dict[str, int]:
+    """pytest's final counts ('3 passed, 1 skipped') as a dict."""
+    found: dict[str, int] = {}
+    for number, kind in _COUNTS.findall(log_tail):
+        found[kind.rstrip("s") if kind.startswith("error") else kind] = int(number)
+    return found
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     epilog=__doc__.split("\n\n", 1)[1])
+    parser.add_argument("paths", nargs="*", default=["tests"], help="test paths (default: tests)")
+    parser.add_argument("--gpus", type=int, default=None,
+                        help="GPUs to use (default: every visible GPU)")
+    parser.add_argument("--per-gpu", type=int, default=1,
+                        help="processes per GPU (default 1; compilation is host work, so 2-3 "
+                             "keep a GPU busier where the host has the cores)")
+    parser.add_argument("--marker", default="gpu", help="pytest -m expression (default: gpu)")
+    parser.add_argument("--log-dir", default=os.environ.get("OUT", "gpu-test-logs"),
+                        help="where each shard's log goes (default: $OUT or ./gpu-test-logs)")
+    args = parser.parse_args(argv)
+
+    gpus = args.gpus
+    if gpus is None:
+        import torch
+        gpus = torch.cuda.device_count()
+    if gpus < 1:
+        parser.error("--gpus: no GPU visible (give --gpus N with N >= 1 on a GPU machine)")
+    if args.per_gpu < 1:
+        parser.error(f"--per-gpu: expected an integer >= 1, got {args.per_gpu}")
+    ids = collect(args.paths, args.marker)
+    shards = [shard for shard in deal(ids, gpus * args.per_gpu) if shard]
+    log_dir = Path(args.log_dir)
+    log_dir.mkdir(parents=True, exist_ok=True)
+    print(f"{len(ids)} tests in {len(shards)} processes on {gpus} GPUs; logs in {log_dir}",
+          flush=True)
+
+    started = time.perf_counter()
+    running = []
+    for index, shard in enumerate(shards):
+        env = dict(os.environ, CUDA_VISIBLE_DEVICES=str(index % gpus),
+                   CUTE_DSL_CACHE_DIR=os.path.join(
+                       os.environ.get("CUTE_DSL_CACHE_DIR", "/tmp/cute-dsl-cache"),
+                       f"shard{index}"))
+        log = open(log_dir / f"gpu_tests_{index}.log", "w")
+        command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                   "-p", "no:warnings", "-m", args.marker, *shard]
+        running.append((index, subprocess.Popen(command, cwd=REPO, env=env, stdout=log,
+                                              stderr=subprocess.STDOUT), log))
+    failed = False
+    total: dict[str, int] = {}
+    for index, process, log in running:
+        code = process.wait()
+        log.close()
+        tail = (log_dir / f"gpu_tests_{index}.log").read_text()[-2000:]
+        found = counts(tail.splitlines()[-1] if tail.strip() else "")
+        for kind, number in found.items():
+            total[kind] = total.get(kind, 0) + number
+        failed |= code != 0 or found.get("failed", 0) > 0 or found.get("error", 0) > 0
+        print(f"shard {index} (GPU {index % gpus}): exit {code}, {found}", flush=True)
+    print(f"all: {total} in {time.perf_counter() - started:.0f} s", flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
