@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -61,6 +62,9 @@ def main(argv=None) -> int:
                         help="processes per GPU (default 1; compilation is host work, so 2-3 "
                              "keep a GPU busier where the host has the cores)")
     parser.add_argument("--marker", default="gpu", help="pytest -m expression (default: gpu)")
+    parser.add_argument("--time-limit", type=float, default=None,
+                        help="seconds; then every shard still running is interrupted (pytest "
+                             "reports what it ran so far) and the summary says so")
     parser.add_argument("--log-dir", default=os.environ.get("OUT", "gpu-test-logs"),
                         help="where each shard's log goes (default: $OUT or ./gpu-test-logs)")
     args = parser.parse_args(argv)
@@ -88,11 +92,13 @@ def main(argv=None) -> int:
                        os.environ.get("CUTE_DSL_CACHE_DIR", "/tmp/cute-dsl-cache"),
                        f"shard{index}"))
         log = open(log_dir / f"gpu_tests_{index}.log", "w")
-        command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+        # -v: each test's outcome in the log as it finishes, so an interrupted shard still tells
+        command = [sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider",
                    "-p", "no:warnings", "-m", args.marker, *shard]
         running.append((index, subprocess.Popen(command, cwd=REPO, env=env, stdout=log,
                                               stderr=subprocess.STDOUT), log))
-    failed = False
+    interrupted = _wait_all([process for _, process, _ in running], started, args.time_limit)
+    failed = bool(interrupted)
     total: dict[str, int] = {}
     for index, process, log in running:
         code = process.wait()
@@ -103,8 +109,28 @@ def main(argv=None) -> int:
             total[kind] = total.get(kind, 0) + number
         failed |= code != 0 or found.get("failed", 0) > 0 or found.get("error", 0) > 0
         print(f"shard {index} (GPU {index % gpus}): exit {code}, {found}", flush=True)
-    print(f"all: {total} in {time.perf_counter() - started:.0f} s", flush=True)
+    cut = f"; {len(interrupted)} shards interrupted at the time limit" if interrupted else ""
+    print(f"all: {total} in {time.perf_counter() - started:.0f} s{cut}", flush=True)
     return 1 if failed else 0
+
+
+def _wait_all(processes, started: float, time_limit: float | None) -> list:
+    """Wait for every process; past time_limit interrupt the ones left (SIGINT: pytest then
+    prints its summary), kill any that outlive 30 s more. Returns the interrupted ones."""
+    while time_limit is not None and any(p.poll() is None for p in processes):
+        if time.perf_counter() - started > time_limit:
+            left = [p for p in processes if p.poll() is None]
+            for process in left:
+                process.send_signal(signal.SIGINT)
+            deadline = time.perf_counter() + 30
+            for process in left:
+                try:
+                    process.wait(timeout=max(0.0, deadline - time.perf_counter()))
+                except subprocess.TimeoutExpired:
+                    process.kill()
+            return left
+        time.sleep(1)
+    return []
 
 
 if __name__ == "__main__":
