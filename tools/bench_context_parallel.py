@@ -62,6 +62,12 @@ def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--selected-block-size", type=positive_int, default=64)
     parser.add_argument("--num-selected-blocks", type=positive_int, default=16)
     parser.add_argument("--window-size", type=int, default=512)
+    parser.add_argument("--recompute", choices=("auto", "keep", "recompute"), default="auto",
+                        help="nsa()'s recompute argument, the same for the context-parallel and "
+                             "the one-GPU run (auto: nsa()'s size rule, which can decide "
+                             "differently for a rank's heads than for all of them; on the "
+                             "kernels kept and recomputed gate gradients differ in the last "
+                             "bits, so the bitwise check wants keep or recompute)")
     parser.add_argument("--no-weights", action="store_true",
                         help="run without W_k, W_v, W_gate (mean gating)")
     parser.add_argument("--check", action=argparse.BooleanOptionalAction, default=True,
@@ -120,6 +126,8 @@ def _run(args, argv) -> dict:
     options = dict(compress_block_size=args.compress_block_size,
                    selected_block_size=args.selected_block_size,
                    num_selected_blocks=args.num_selected_blocks, window_size=args.window_size)
+    if args.recompute != "auto":
+        options["recompute"] = args.recompute == "recompute"
     # Replicated trainable weights: the backward computes each rank's partial dW too.
     weights = {n: full[n].detach().requires_grad_() for n in ("W_k", "W_v", "W_gate")
                if n in full}
