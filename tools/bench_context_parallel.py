@@ -68,6 +68,10 @@ def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
                              "differently for a rank's heads than for all of them; on the "
                              "kernels kept and recomputed gate gradients differ in the last "
                              "bits, so the bitwise check wants keep or recompute)")
+    parser.add_argument("--deterministic", action="store_true",
+                        help="deterministic=True for both runs (the default backward sums dQ "
+                             "in an order that changes from run to run, so its dq can differ "
+                             "in the last bits even between two one-GPU runs)")
     parser.add_argument("--no-weights", action="store_true",
                         help="run without W_k, W_v, W_gate (mean gating)")
     parser.add_argument("--check", action=argparse.BooleanOptionalAction, default=True,
@@ -126,6 +130,8 @@ def _run(args, argv) -> dict:
     options = dict(compress_block_size=args.compress_block_size,
                    selected_block_size=args.selected_block_size,
                    num_selected_blocks=args.num_selected_blocks, window_size=args.window_size)
+    if args.deterministic:
+        options["deterministic"] = True
     if args.recompute != "auto":
         options["recompute"] = args.recompute == "recompute"
     # Replicated trainable weights: the backward computes each rank's partial dW too.
@@ -217,7 +223,8 @@ def _compare_with_one_device(args, full, weights, options, gathered, device, ran
                              fwd_ms, fwd_bwd_ms) -> dict:
     """Rank 0: one-device nsa() on the full inputs, its times, and the equality verdicts;
     broadcast so every rank returns the same record."""
-    verdict = torch.zeros(8, dtype=torch.float64, device=device)
+    names = ("out", "dq", "dk", "dv")
+    verdict = torch.zeros(2 * len(names) + 2, dtype=torch.float64, device=device)
     if rank == 0:
         leaves = [full[n].detach().clone().requires_grad_() for n in ("q", "k", "v")]
 
@@ -231,19 +238,21 @@ def _compare_with_one_device(args, full, weights, options, gathered, device, ran
             out = one_device(False)
         expected = {"out": out.detach(), **dict(zip(("dq", "dk", "dv"), torch.autograd.grad(
             out, leaves, full["dout"])))}
-        bitwise = all(torch.equal(gathered[n], expected[n]) for n in expected)
-        max_diff = max(float((gathered[n].float() - expected[n].float()).abs().max())
-                       for n in expected)
+        equal = [float(torch.equal(gathered[n], expected[n])) for n in names]
+        diffs = [float((gathered[n].float() - expected[n].float()).abs().max()) for n in names]
         with torch.no_grad():
             one_fwd = time_ms(lambda: one_device(False), device, warmup=args.warmup,
                               repeats=args.repeats)
         one_fwd_bwd = time_ms(lambda: one_device(True), device, warmup=args.warmup,
                               repeats=args.repeats)
-        verdict[:4] = torch.tensor([float(bitwise), max_diff, one_fwd, one_fwd_bwd],
-                                   dtype=torch.float64)
+        verdict[:] = torch.tensor([*equal, *diffs, one_fwd, one_fwd_bwd], dtype=torch.float64)
     dist.broadcast(verdict, src=dist.get_global_rank(dist.group.WORLD, 0))
-    bitwise, max_diff, one_fwd, one_fwd_bwd = verdict[:4].tolist()
-    return {"bitwise_equal_one_device": bool(bitwise), "max_abs_diff": max_diff,
+    values = verdict.tolist()
+    equal, diffs = values[:len(names)], values[len(names):2 * len(names)]
+    one_fwd, one_fwd_bwd = values[-2:]
+    return {"bitwise_equal_one_device": all(equal), "max_abs_diff": max(diffs),
+            "bitwise_equal": dict(zip(names, map(bool, equal))),
+            "max_abs_diffs": dict(zip(names, diffs)),
             "one_device_fwd_ms": one_fwd, "one_device_fwd_bwd_ms": one_fwd_bwd,
             "fwd_ratio_to_ideal": fwd_ms / (one_fwd / world),
             "fwd_bwd_ratio_to_ideal": fwd_bwd_ms / (one_fwd_bwd / world)}
@@ -274,7 +283,9 @@ def _print_table(result: dict) -> None:
               f"{'' if ratio is None else f'{ratio:.2f}':>18}")
     if "bitwise_equal_one_device" in result:
         print(f"equal to one device: bitwise {result['bitwise_equal_one_device']}, "
-              f"max |diff| {result['max_abs_diff']:.3g} (out, dq, dk, dv)")
+              f"max |diff| {result['max_abs_diff']:.3g}; per tensor: " + ", ".join(
+                  f"{n} {'equal' if result['bitwise_equal'][n] else 'differs'} "
+                  f"({result['max_abs_diffs'][n]:.3g})" for n in result["bitwise_equal"]))
 
 
 if __name__ == "__main__":
