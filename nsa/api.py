@@ -127,6 +127,9 @@ def _packed_nsa(q, k, v, W_k, W_v, W_gate, cu_seqlens: Tensor, config: NSAConfig
         return nsa_ops.nsa_forward(q, k, v, W_k, W_v, W_gate, cu_seqlens,
                                    list(sequences.cu_seqlens), sequences.max_seqlen,
                                    *nsa_ops.config_arguments(config), recompute)[0]
-    keep_outputs = keeps_branch_outputs(q, sum(config.branches), recompute)
+    # Kept only for a backward that can happen (no graph under no_grad or without grads).
+    differentiable = torch.is_grad_enabled() and any(
+        x is not None and x.requires_grad for x in (q, k, v, W_k, W_v, W_gate))
+    keep_outputs = differentiable and keeps_branch_outputs(q, sum(config.branches), recompute)
     return NSAFunction.apply(q, k, v, W_k, W_v, W_gate, cu_seqlens, sequences.max_seqlen,
                              config, sequences.cu_seqlens, keep_outputs)

@@ -26,6 +26,19 @@ REPO = Path(__file__).resolve().parents[1]
 _COUNTS = re.compile(r"(\d+) (passed|failed|skipped|errors?|deselected|xfailed|xpassed)")
 
 
+def visible_devices(gpus: int) -> list[str]:
+    """The first `gpus` devices this process may use, as CUDA_VISIBLE_DEVICES entries: a shard
+    must stay inside the caller's own CUDA_VISIBLE_DEVICES (GPU 0 of a shard is the caller's
+    first visible GPU, not the machine's)."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    entries = [e.strip() for e in visible.split(",") if e.strip()] if visible else \
+        [str(i) for i in range(gpus)]
+    if len(entries) < gpus:
+        raise SystemExit(f"--gpus {gpus}: only {len(entries)} visible (CUDA_VISIBLE_DEVICES="
+                         f"{visible})")
+    return entries[:gpus]
+
+
 def collect(paths: list[str], marker: str) -> list[str]:
     """The node ids pytest selects with `-m marker` under `paths`."""
     listing = subprocess.run(
@@ -86,8 +99,9 @@ def main(argv=None) -> int:
 
     started = time.perf_counter()
     running = []
+    devices = visible_devices(gpus)
     for index, shard in enumerate(shards):
-        env = dict(os.environ, CUDA_VISIBLE_DEVICES=str(index % gpus),
+        env = dict(os.environ, CUDA_VISIBLE_DEVICES=devices[index % gpus],
                    CUTE_DSL_CACHE_DIR=os.path.join(
                        os.environ.get("CUTE_DSL_CACHE_DIR", "/tmp/cute-dsl-cache"),
                        f"shard{index}"))

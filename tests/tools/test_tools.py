@@ -733,3 +733,11 @@ def test_run_gpu_tests_reads_pytest_counts():
     tool = load_tool("run_gpu_tests")
     assert tool.counts("== 3 failed, 120 passed, 2 skipped, 1 error in 10.0s ==") == {
         "failed": 3, "passed": 120, "skipped": 2, "error": 1}
+
+
+def test_run_gpu_tests_keeps_shards_inside_the_callers_visible_devices(monkeypatch):
+    tool = load_tool("run_gpu_tests")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
+    assert tool.visible_devices(2) == ["2", "3"]
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    assert tool.visible_devices(3) == ["0", "1", "2"]
