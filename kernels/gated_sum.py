@@ -11,8 +11,8 @@ NSA's forward combines its branch outputs with per-row, per-head gates. Two ways
   half-precision term) and one term.
 
 On an H100 the torch path took 4.65 ms for 3 terms of 64K x 32 x 128 bf16 in the forward
-profile, the largest single stage of `nsa()`'s forward at 64K; the kernel 0.87 ms (FINDINGS
-section 2, session 9).
+profile, the largest single stage of `nsa()`'s forward at 64K; the kernel 0.87 ms
+(docs/history.md, section 2).
 
 `gated_sum_backward` is the backward of one term (NSA's backward, per branch): the gate
 gradient rowsum(dO * o_b) and the term's gradient g_b * dO, one CuTe DSL pass on sm90;
@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .device import kernels_unavailable
+from . import dispatch
 
 class GatedSum:
     """Accumulate `gates[..., column] * term` for terms shaped like `like`, then `result()`.
@@ -56,14 +56,11 @@ class GatedSum:
     @staticmethod
     def choose_backend(like: Tensor, backward: bool = False) -> tuple[str, str]:
         """("sm90", "") or ("torch", why not the kernel), for terms shaped like `like` (with
-        `backward`: for `gated_sum_backward` of such a term)."""
-        unsupported = kernels_unavailable(like.device)
-        if unsupported:
-            return "torch", unsupported
-        try:
-            from kernels.sm90 import gated_sum
-        except ImportError as error:
-            return "torch", f"kernels.sm90.gated_sum unavailable ({error})"
+        `backward`: for `gated_sum_backward` of such a term): the device and the import asked
+        of `kernels.dispatch`, the shapes of the kernel module."""
+        gated_sum, reason = dispatch.sm90_module("gated_sum", like.device)
+        if gated_sum is None:
+            return "torch", reason
         ok, reason = gated_sum.can_run(like, backward=backward)
         return ("sm90", "") if ok else ("torch", f"kernels.sm90.gated_sum: {reason}")
 

@@ -1,7 +1,9 @@
 """Time each stage of the NSA forward and backward.
 
 Forward (`--passes fwd`): compression, selection, block lists, each branch, gating. Backward
-(`--passes bwd`): the stages nsa.function._gradients runs: the gate weights, the transposed lists
+(`--passes bwd`): the stages nsa.function._gradients runs with `recompute=True` (where nsa()
+keeps the branch outputs, its default up to 1/8 of the GPU's memory, the recompute rows do not
+run and the gate pass reads the kept output: nsa/memory_policy.py): the gate weights, the transposed lists
 (built once), then per branch the recompute of its forward (for the compressed branch with the
 compression of K and V), its gate pass (nsa.function.gate_pass: dL/dg, and g_b * dO where
 the attention backward is not the sm90 kernel, which takes the gate folded into lse; on the

@@ -5,7 +5,7 @@ gate column of term i. The sum runs in float32 and is rounded once, as the torch
 (`kernels.gated_sum`, an fp32 accumulator updated term by term) does; the difference is the
 memory traffic. The torch path reads and writes a (T, H, D) float32 accumulator once per term
 through mixed-dtype, broadcasting elementwise kernels: H100, 64K tokens x 32 heads x 128,
-3 terms, 4.65 ms in the forward profile (FINDINGS section 2, session 9). This kernel reads each
+3 terms, 4.65 ms in the forward profile (docs/history.md, section 2). This kernel reads each
 term once and writes the result once in its dtype (about 2 GiB there: 0.87 ms, 2.5 TB/s), into
 the first term's storage, so no new (T, H, D) buffer is allocated either.
 
