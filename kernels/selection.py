@@ -21,12 +21,14 @@ def selection_kernel_serves(q_bar: Tensor, keys: Tensor, width: int) -> bool:
 
 
 def select_blocks(q_bar: Tensor, keys: Tensor, tiles: Tensor, width: int, softmax_scale: float,
-                  mask_width: int | None = None):
+                  mask_width: int | None = None, *, tensor_cores: bool = False):
     """The selection kernel's lists (`kernels.sm90.select_blocks.run`), where
-    `selection_kernel_serves` says it runs."""
+    `selection_kernel_serves` says it runs. tensor_cores: score on tensor cores (the kernel's
+    split-products build); False, the float32 FMA build, is the dispatched one."""
     from kernels.sm90 import select_blocks as kernel
 
-    return kernel.run(q_bar, keys, tiles, width, softmax_scale, mask_width)
+    return kernel.run(q_bar, keys, tiles, width, softmax_scale, mask_width,
+                      tensor_cores=tensor_cores)
 
 
 def ranking_kernel_serves(key: Tensor, width: int) -> bool:

@@ -15,7 +15,9 @@ computes the same lists for all tiles of all sequences at once:
 
 On sm90, with blocks of one compressed token (selected_block_size == compress_block_size, the
 default) and a dense compressed branch, steps 2 and 3 are one kernel
-(kernels/sm90/select_blocks.py): no chunks, no score tensor, the lists written directly.
+(kernels/sm90/select_blocks.py): no chunks, no score tensor, the lists written directly
+(`select_blocks`'s selection_kernel, ranking_kernel and tensor_cores choose the kernels; the
+defaults are the dispatched paths).
 
 Cost on a GPU is launches and host syncs, not math, so the work is a fixed number of whole-tensor
 ops per chunk and the host reads the sequence bounds once (one sync per call), or none when the
@@ -45,16 +47,6 @@ SCORE_CHUNK_ELEMENTS = 1 << 26
 
 _INF = float("inf")
 
-# Rank on sm90 with one warp per row (kernels/sm90/top_blocks.py: each lane's best keys kept in
-# registers over one pass, then a warp merge) instead of a stable sort of the whole row (H100,
-# 256K tokens: 0.84 ms against the sort's 2.63; one int64 top-k with the block index in the key
-# measured 5.3 ms, 2026-11-25).
-TOP_BLOCKS_ON_SM90 = True
-
-# Score and rank in one kernel on sm90 (kernels/sm90/select_blocks.py) where the selected blocks
-# are single compressed tokens (selected_block_size == compress_block_size, the default) and the
-# compressed branch is dense: one launch instead of ~60 torch ops, no score tensor.
-SELECT_ON_SM90 = True
 
 
 @dataclass(frozen=True)
@@ -102,7 +94,8 @@ def select_blocks(q: Tensor, k_cmp: Tensor, cu_seqlens: Tensor, cu_seqlens_cmp: 
                   num_cmp_selected_blocks: int | None = None, q_tile: int = SELECTION_Q_TILE,
                   cmp_kv_block: int = CMP_KV_BLOCK,
                   host_bounds: tuple[Sequence[int], Sequence[int]] | None = None,
-                  write_selected_lists: bool = False) -> BlockSelection:
+                  write_selected_lists: bool = False, selection_kernel: bool = True,
+                  ranking_kernel: bool = True, tensor_cores: bool = False) -> BlockSelection:
     """Selected blocks per (q tile, KV head) for the selected and the sparse compressed branch.
 
     q (T, H, D) and k_cmp (Tc, Hkv, D) packed; the result's lists are local block indices,
@@ -113,6 +106,21 @@ def select_blocks(q: Tensor, k_cmp: Tensor, cu_seqlens: Tensor, cu_seqlens_cmp: 
     forward lists (`BlockSelection.selected_lists`, equal to
     sparsity.build_selected_block_sparse_trusted's from `selected` with kv_block =
     selected_block_size); elsewhere that field stays None.
+
+    The kernels (each only where it serves the call: float32 scoring on an sm90 GPU; the
+    defaults are the dispatched paths, nsa()'s):
+    selection_kernel: score and rank in one kernel (kernels/sm90/select_blocks.py) where the
+    selected blocks are single compressed tokens (selected_block_size == compress_block_size,
+    the default) and the compressed branch is dense: one launch instead of ~60 torch ops, no
+    score tensor. False: the chunked torch scoring below.
+    ranking_kernel: on the torch scoring path, rank with one warp per row
+    (kernels/sm90/top_blocks.py: each lane's best keys kept in registers over one pass, then a
+    warp merge) instead of a stable sort of the whole row (H100, 256K tokens: 0.84 ms against
+    the sort's 2.63; one int64 top-k with the block index in the key measured 5.3 ms,
+    2026-11-25). Both give the same lists.
+    tensor_cores: where the selection kernel runs, its tensor-core scoring build
+    (`kernels.sm90.select_blocks.run`'s tensor_cores); False, the float32 FMA build, is the
+    dispatched one.
     """
     l, l_sel = compress_block_size, selected_block_size
     heads, dim = q.shape[1:]
@@ -149,15 +157,16 @@ def select_blocks(q: Tensor, k_cmp: Tensor, cu_seqlens: Tensor, cu_seqlens_cmp: 
 
     q_bar = _scoring_queries(q, *scoring, q_tile)
     k_score = k_cmp.to(q_bar.dtype)  # both paths score in the scoring queries' dtype
-    if cmp_ranges is None and l_sel == l and _selects_on_sm90(q_bar, k_score,
-                                                                num_selected_blocks):
+    if cmp_ranges is None and l_sel == l and _selects_on_sm90(
+            q_bar, k_score, num_selected_blocks, selection_kernel=selection_kernel):
         if not write_selected_lists:
             selected = selection_kernels.select_blocks(q_bar, k_score, tile_fields,
-                                                       num_selected_blocks, softmax_scale)
+                                                       num_selected_blocks, softmax_scale,
+                                                       tensor_cores=tensor_cores)
             return BlockSelection(selected=selected, cmp_selected=None, row_block_offsets=offsets)
         selected, lists = selection_kernels.select_blocks(q_bar, k_score, tile_fields,
                                                           num_selected_blocks, softmax_scale,
-                                                          mask_width)
+                                                          mask_width, tensor_cores=tensor_cores)
         selected_lists = selected_block_sparse_from_lists(
             lists, cu_seqlens, cu_host, q_tile=q_tile, kv_block=l_sel, causal=causal)
         return BlockSelection(selected=selected, cmp_selected=None, row_block_offsets=offsets,
@@ -171,22 +180,24 @@ def select_blocks(q: Tensor, k_cmp: Tensor, cu_seqlens: Tensor, cu_seqlens_cmp: 
         importance = _block_sums(token_weight, part, chunk.tokens.start, l_sel // l,
                                  -(-chunk.longest // l_sel))
         selected.append(_top_blocks(_ranking_keys(importance, ranges[chunk.tiles]),
-                                    num_selected_blocks))
+                                    num_selected_blocks, ranking_kernel=ranking_kernel))
         if cmp_ranges is not None:
             importance = _block_sums(token_weight, part, chunk.tokens.start, cmp_kv_block,
                                      -(-(chunk.longest // l) // cmp_kv_block))
             cmp_selected.append(_top_blocks(_ranking_keys(importance, cmp_ranges[chunk.tiles]),
-                                            width, num_cmp_selected_blocks))
+                                            width, num_cmp_selected_blocks,
+                                            ranking_kernel=ranking_kernel))
     return BlockSelection(selected=_cat(selected),
                           cmp_selected=_cat(cmp_selected) if cmp_ranges is not None else None,
                           row_block_offsets=offsets)
 
 
-def _selects_on_sm90(q_bar: Tensor, k_cmp: Tensor, width: int) -> bool:
+def _selects_on_sm90(q_bar: Tensor, k_cmp: Tensor, width: int, *,
+                     selection_kernel: bool = True) -> bool:
     """Whether the selection kernel (kernels/sm90/select_blocks.py) serves this call: float32
-    scoring on an sm90 GPU, SELECT_ON_SM90 set; the caller checks the rule's sizes (blocks of
-    one compressed token, no sparse compressed branch)."""
-    return SELECT_ON_SM90 and selection_kernels.selection_kernel_serves(q_bar, k_cmp, width)
+    scoring on an sm90 GPU, selection_kernel set (the default, the dispatched path); the caller
+    checks the rule's sizes (blocks of one compressed token, no sparse compressed branch)."""
+    return selection_kernel and selection_kernels.selection_kernel_serves(q_bar, k_cmp, width)
 
 
 def _kernel_tile_fields(tiles: _Tiles, ranges: _BlockRanges,
@@ -380,20 +391,23 @@ def _ranking_keys(importance: Tensor, ranges: _BlockRanges) -> Tensor:
     return key
 
 
-def _top_blocks_on_sm90(key: Tensor, width: int) -> bool:
+def _top_blocks_on_sm90(key: Tensor, width: int, *, ranking_kernel: bool = True) -> bool:
     """Whether the ranking kernel (kernels/sm90/top_blocks.py) serves this call: float32 keys
-    on an sm90 GPU, at most 32 ranks (one per lane), TOP_BLOCKS_ON_SM90 set."""
-    return TOP_BLOCKS_ON_SM90 and selection_kernels.ranking_kernel_serves(key, width)
+    on an sm90 GPU, at most 32 ranks (one per lane), ranking_kernel set (the default, the
+    dispatched path)."""
+    return ranking_kernel and selection_kernels.ranking_kernel_serves(key, width)
 
 
-def _top_blocks(key: Tensor, width: int, num_candidates: int | None = None) -> Tensor:
+def _top_blocks(key: Tensor, width: int, num_candidates: int | None = None, *,
+                ranking_kernel: bool = True) -> Tensor:
     """(tiles, Hkv, width) int32: forced blocks, then the best candidates, ascending, -1 padded.
 
     Keeps the forced blocks (key +inf) plus num_candidates candidates, or as many as fit in
     `width` when None. A stable descending sort puts equal importances in block order, so ties go
-    to the lower block index; on sm90 the ranking kernel gives the same lists.
+    to the lower block index; on sm90 the ranking kernel gives the same lists (ranking_kernel:
+    use it where it serves, the default and dispatched path; False: always the sort).
     """
-    if _top_blocks_on_sm90(key, width):
+    if _top_blocks_on_sm90(key, width, ranking_kernel=ranking_kernel):
         return selection_kernels.top_blocks(key, width, num_candidates)
     if key.shape[-1] < width:
         key = torch.nn.functional.pad(key, (0, width - key.shape[-1]), value=-_INF)

@@ -4,12 +4,13 @@ Selection as nsa() runs it (`nsa.function.select_for_branches`: scoring queries,
 group's softmax, the ranking, and on the kernel the selected branch's forward lists), on one
 sequence of N random bf16 tokens compressed as nsa() compresses them. Variants:
   torch          the chunked torch scoring and the ranking kernel (nsa.selection's fallback path,
-                 `SELECT_ON_SM90` off); its lists are built by the branch, so not timed here
+                 `select_blocks(..., selection_kernel=False)`); its lists are built by the
+                 branch, so not timed here
   fma            the selection kernel with float32 FMA scoring (kernels/sm90/select_blocks.py),
                  the tokens per lane it dispatches
   fma-1, fma-2   the same, 1 or 2 tokens per lane (the build before 2026-11-27, and its middle)
-  tensor-cores   the kernel scoring on tensor cores (kernels/sm90/split_products.py: six bf16
-                 products per float32 one)
+  tensor-cores   the kernel scoring on tensor cores (`tensor_cores=True`;
+                 kernels/sm90/split_products.py: six bf16 products per float32 one)
 The variants are timed round robin in a shuffled order (`_common.interleaved_medians`:
 device time, the host's launch work hidden), medians printed per N. Then each variant's
 selection is compared with the fma build's: the rows (tile, KV head) whose blocks differ (float32
@@ -49,8 +50,9 @@ def variant_list(text: str) -> list[str]:
 
 
 def selection_call(variant: str, q, k_cmp, cu_seqlens, cu_cmp, args):
-    """A function running the selection as `variant` selects (module switches set per call,
-    so variants can alternate)."""
+    """A function running the selection as `variant` selects (the kernel choice passed as
+    select_blocks's arguments, the tokens per lane patched per call, so variants can
+    alternate)."""
     import nsa.selection as selection
     from kernels.sm90 import select_blocks as kernel
 
@@ -62,11 +64,7 @@ def selection_call(variant: str, q, k_cmp, cu_seqlens, cu_cmp, args):
     def tokens_per_lane(group, tensor_cores=False):
         return tokens if tokens is not None else default_tokens(group, tensor_cores)
 
-    dispatched = (selection.SELECT_ON_SM90, kernel.SCORE_WITH_TENSOR_CORES)
-
     def run():
-        selection.SELECT_ON_SM90 = variant != "torch"
-        kernel.SCORE_WITH_TENSOR_CORES = variant == "tensor-cores"
         kernel.default_tokens_per_lane = tokens_per_lane
         try:
             return selection.select_blocks(
@@ -74,9 +72,9 @@ def selection_call(variant: str, q, k_cmp, cu_seqlens, cu_cmp, args):
                 selected_block_size=args.selected_block_size,
                 num_selected_blocks=args.num_selected_blocks,
                 softmax_scale=args.head_dim ** -0.5, host_bounds=host_bounds,
-                write_selected_lists=variant != "torch")
-        finally:  # the library's own switches back as they were
-            selection.SELECT_ON_SM90, kernel.SCORE_WITH_TENSOR_CORES = dispatched
+                write_selected_lists=variant != "torch", selection_kernel=variant != "torch",
+                tensor_cores=variant == "tensor-cores")
+        finally:  # the library's own tokens per lane back as they were
             kernel.default_tokens_per_lane = default_tokens
     return run
 

@@ -25,9 +25,9 @@ default), where a block's importance is its token's weight; other sizes take the
   warp merge, so ties and NaNs rank as the sort ranks them).
 - Forced blocks (block 0 and the tile's diagonal blocks) enter the ranking as +inf without a
   score.
-- The tensor-core build (`SelectBlocksSpec.tensor_cores`, not dispatched until it has run on a
-  GPU: `SCORE_WITH_TENSOR_CORES`) stages the queries and each 64-key chunk as bf16 pieces and
-  has all four warps compute the CTA's (tiles x group) x 64 scores with `mma.sync`
+- The tensor-core build (`SelectBlocksSpec.tensor_cores`, `run(..., tensor_cores=True)`; not
+  dispatched: the argument defaults to False) stages the queries and each 64-key chunk as bf16
+  pieces and has all four warps compute the CTA's (tiles x group) x 64 scores with `mma.sync`
   (kernels/sm90/split_products.py: float32 precision from six bf16 products); the scores go
   through shared memory to the warps, and passes 1 and 2 go on as above.
 
@@ -56,11 +56,6 @@ MAX_TOKENS_PER_LANE = 4
 # The tensor-core build's chunk: 2 tokens per lane (64 keys), 16 per warp in the products.
 TENSOR_CORE_TOKENS_PER_LANE = 2
 _SCORE_PAD = 4  # floats after each row of the tensor-core build's staged scores
-# Dispatch the tensor-core scoring (`SelectBlocksSpec.tensor_cores`). Off: compiled and checked
-# on the CPU only at first (no GPU time was left for it); turn on once
-# `pytest -m gpu tests/nsa/test_nsa_selection.py` passes with it and
-# `tools/bench_selection.py` shows it faster.
-SCORE_WITH_TENSOR_CORES = False
 VECTOR = 4  # float32 per 16-byte access
 _PAD = VECTOR  # floats after each staged key row: 16-byte reads of 8 lanes hit distinct banks
 MAX_GROUP = 16  # per lane: a score, a running max and a running sum per head in registers
@@ -448,11 +443,18 @@ def can_run(q_bar, keys, width: int) -> bool:
             and q_bar.shape[0] > 0)
 
 
-def run(q_bar, keys, tiles, width: int, softmax_scale: float, mask_width: int | None = None):
+def run(q_bar, keys, tiles, width: int, softmax_scale: float, mask_width: int | None = None, *,
+        tensor_cores: bool = False):
     """The selected blocks of each tile, (R, Hkv, width) int32 ascending and -1 padded, as
     `nsa.selection` ranks them; tiles (R, TILE_FIELDS) int32 (module docstring). With a
     mask_width also the selected branch's forward lists (full_count, full_index, mask_count,
-    mask_index), as sparsity.build_selected_block_sparse_trusted builds them from the blocks."""
+    mask_index), as sparsity.build_selected_block_sparse_trusted builds them from the blocks.
+
+    tensor_cores: score on tensor cores (`SelectBlocksSpec.tensor_cores`, module docstring).
+    False (the default) is the dispatched float32 FMA build: the tensor-core one selects the
+    same blocks on a GPU but measured slower (docs/kernels.md, split_products.py); switch the
+    default once `pytest -m gpu tests/nsa/test_nsa_selection.py` passes with it and
+    `tools/bench_selection.py` shows it faster."""
     import torch
 
     from kernels.sm90.launch import launch_on_current_stream
@@ -468,7 +470,7 @@ def run(q_bar, keys, tiles, width: int, softmax_scale: float, mask_width: int | 
         lists = (per_head(), per_head(width), per_head(), per_head(mask_width))
     spec = SelectBlocksSpec(q_bar.shape[2], q_bar.shape[1] // kv_heads, width,
                             writes_lists=mask_width is not None, mask_width=mask_width or 0,
-                            tensor_cores=SCORE_WITH_TENSOR_CORES)
+                            tensor_cores=tensor_cores)
     launch_on_current_stream(SelectBlocksSm90, spec, fake_arguments,
                              (q_bar.contiguous(), keys.contiguous(), tiles.contiguous(), selected,
                               *lists[:3], lists[3] if mask_width else None, softmax_scale),

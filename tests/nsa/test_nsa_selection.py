@@ -13,11 +13,10 @@ RULE = dict(compress_block_size=4, selected_block_size=8, num_selected_blocks=5,
             cmp_kv_block=4, num_cmp_selected_blocks=2)
 
 
-@pytest.fixture(params=["sort", "sm90"])
-def ranking(request, monkeypatch):
-    """Both ways of ranking a tile's blocks: the stable sort, and on an sm90 GPU the ranking
-    kernel (`nsa.selection.TOP_BLOCKS_ON_SM90`; elsewhere both take the sort)."""
-    monkeypatch.setattr(selection_module, "TOP_BLOCKS_ON_SM90", request.param == "sm90")
+@pytest.fixture(params=[False, True], ids=["sort", "sm90"])
+def ranking_kernel(request):
+    """Both ways of ranking a tile's blocks, `select_blocks`'s ranking_kernel: the stable sort,
+    and on an sm90 GPU the ranking kernel (elsewhere both take the sort)."""
     return request.param
 
 
@@ -34,7 +33,7 @@ def _tie_heavy_keys(shape, seed):
 @requires_sm90
 @pytest.mark.parametrize("width,candidates", [(5, None), (5, 2), (19, 16), (32, None), (7, 0),
                                               (1, None), (40, None)])
-def test_sm90_ranking_equals_the_stable_sort(width, candidates, monkeypatch):
+def test_sm90_ranking_equals_the_stable_sort(width, candidates):
     """The ranking kernel (kernels/sm90/top_blocks.py) gives the stable descending sort's lists
     bit for bit: tie-heavy keys, rows shorter than the width, and nsa()'s shape at 256K tokens
     (4096 blocks of 64, causal: a tile sees the blocks up to its own) with random scores.
@@ -49,21 +48,22 @@ def test_sm90_ranking_equals_the_stable_sort(width, candidates, monkeypatch):
         key = key.cuda()
         lists = {}
         for name in ("sort", "sm90"):
-            monkeypatch.setattr(selection_module, "TOP_BLOCKS_ON_SM90", name == "sm90")
-            lists[name] = selection_module._top_blocks(key, width, candidates)
+            lists[name] = selection_module._top_blocks(key, width, candidates,
+                                                       ranking_kernel=name == "sm90")
         assert selection_module._top_blocks_on_sm90(key, width) == (width <= 32)
         assert torch.equal(lists["sort"], lists["sm90"]), (width, candidates, key.shape)
     assert top_blocks.can_run(key, width) == (width <= top_blocks.MAX_WIDTH)
 
 
-def _select_both(q, k, cu_seqlens, **rule):
+def _select_both(q, k, cu_seqlens, ranking_kernel=True, **rule):
     """Fast selection (float32 inputs) and reference selection (float64) on the same values."""
     k_cmp, _, cu_cmp = compress_kv(k, k, cu_seqlens, rule["compress_block_size"])
     k_ref, _, cu_ref = compress_kv_reference(k.double(), k.double(), cu_seqlens,
                                              rule["compress_block_size"])
     assert torch.equal(cu_cmp, cu_ref)
     scale = q.shape[-1] ** -0.5
-    fast = select_blocks(q, k_cmp, cu_seqlens, cu_cmp, softmax_scale=scale, **rule)
+    fast = select_blocks(q, k_cmp, cu_seqlens, cu_cmp, softmax_scale=scale,
+                         ranking_kernel=ranking_kernel, **rule)
     ref = select_blocks_reference(q.double(), k_ref, cu_seqlens, cu_cmp, softmax_scale=scale,
                                   **rule)
     return fast, ref
@@ -85,12 +85,13 @@ def _assert_same_selection(fast, ref):
     (16, 1, [90, 17]),
     (8, 2, [1, 2, 5, 8, 15, 33, 70, 121]),
 ], ids=["group1", "group4-varlen", "group16", "group4-8seqs"])
-def test_selection_matches_reference(causal, heads, kv_heads, lengths, ranking):
+def test_selection_matches_reference(causal, heads, kv_heads, lengths, ranking_kernel):
     gen = torch.Generator().manual_seed(len(lengths) * 100 + heads)
     total = sum(lengths)
     q = torch.randn(total, heads, 8, generator=gen)
     k = torch.randn(total, kv_heads, 8, generator=gen)
-    fast, ref = _select_both(q, k, cu_seqlens_of(lengths), causal=causal, **RULE)
+    fast, ref = _select_both(q, k, cu_seqlens_of(lengths), causal=causal,
+                             ranking_kernel=ranking_kernel, **RULE)
     _assert_same_selection(fast, ref)
     assert fast.selected.shape == (sum(-(-n // 16) for n in lengths), kv_heads, 5)
 
@@ -112,14 +113,15 @@ def test_chunked_scoring_gives_the_same_selection(causal, monkeypatch):
     _assert_same_selection(chunked, ref)
 
 
-def test_exact_ties_go_to_the_lower_block(ranking):
+def test_exact_ties_go_to_the_lower_block(ranking_kernel):
     # Identical keys everywhere: every compressed token scores the same, every candidate block
     # has the same importance, so the lowest-numbered candidates must win.
     n = 160
     gen = torch.Generator().manual_seed(4)
     q = torch.randn(n, 4, 8, generator=gen)
     k = torch.randn(1, 2, 8, generator=gen).expand(n, 2, 8).contiguous()
-    fast, ref = _select_both(q, k, cu_seqlens_of([n]), causal=True, **RULE)
+    fast, ref = _select_both(q, k, cu_seqlens_of([n]), causal=True,
+                             ranking_kernel=ranking_kernel, **RULE)
     _assert_same_selection(fast, ref)
     # Tile 5 (rows 80..95): forced blocks 0, 10, 11; candidates 1..9 all tied -> 1, 2.
     assert fast.selected[5, 0].tolist() == [0, 1, 2, 10, 11]
@@ -128,7 +130,7 @@ def test_exact_ties_go_to_the_lower_block(ranking):
     assert fast.cmp_selected[5, 0].tolist()[:4] == [0, 1, 2, 5]
 
 
-def test_ties_between_duplicated_blocks_match_the_reference(ranking):
+def test_ties_between_duplicated_blocks_match_the_reference(ranking_kernel):
     # Random keys, but some selection blocks are exact copies of others: their importances tie
     # exactly, in float32 and in float64, and both paths must keep the lower copy.
     n = 256
@@ -137,7 +139,8 @@ def test_ties_between_duplicated_blocks_match_the_reference(ranking):
     k = torch.randn(n, 2, 8, generator=gen)
     for source, copy in ((2, 9), (3, 12), (5, 20), (1, 25)):
         k[copy * 8:(copy + 1) * 8] = k[source * 8:(source + 1) * 8]
-    fast, ref = _select_both(q, k, cu_seqlens_of([n]), causal=True, **RULE)
+    fast, ref = _select_both(q, k, cu_seqlens_of([n]), causal=True,
+                             ranking_kernel=ranking_kernel, **RULE)
     _assert_same_selection(fast, ref)
 
 
@@ -205,7 +208,7 @@ def test_selection_given_the_host_bounds_reads_nothing_and_selects_the_same(monk
     (16, 4, [1000, 77, 2900, 129]),
     (16, 1, [700, 1500]),
 ], ids=["gqa1", "gqa4-varlen", "gqa16-varlen"])
-def test_selection_on_the_gpu_matches_the_reference(heads, kv_heads, lengths, ranking):
+def test_selection_on_the_gpu_matches_the_reference(heads, kv_heads, lengths, ranking_kernel):
     """nsa()'s defaults (blocks of 64, 16 selected, 128-row tiles, sparse compressed branch)
     on bf16 inputs: the GPU path (K compression and the scoring queries on the row-means
     kernel) selects the blocks the float64 reference selects from the same values."""
@@ -222,7 +225,8 @@ def test_selection_on_the_gpu_matches_the_reference(heads, kv_heads, lengths, ra
     assert runs_on_sm90([q_gpu.flatten(1), k_gpu.flatten(1)])
     k_cmp, _, cu_cmp = compress_kv(k_gpu, k_gpu, cu_gpu, 64)
     scale = 128 ** -0.5
-    fast = select_blocks(q_gpu, k_cmp, cu_gpu, cu_cmp, softmax_scale=scale, **rule)
+    fast = select_blocks(q_gpu, k_cmp, cu_gpu, cu_cmp, softmax_scale=scale,
+                         ranking_kernel=ranking_kernel, **rule)
     k_ref, _, cu_ref = compress_kv_reference(k.double(), k.double(), cu_seqlens, 64)
     ref = select_blocks_reference(q.double(), k_ref, cu_seqlens, cu_ref, softmax_scale=scale,
                                   **rule)
@@ -243,9 +247,10 @@ FUSED_RULE = dict(compress_block_size=16, selected_block_size=16, num_selected_b
                   q_tile=32)
 
 
-def _gpu_selections(q, k, cu_seqlens, monkeypatch, causal=True, **rule):
-    """Selection of q, k (bf16, on the GPU) by the fused kernel, by the torch path (the stable
-    sort), and by the float64 reference on the same compressed keys; checks the kernel ran."""
+def _gpu_selections(q, k, cu_seqlens, monkeypatch, causal=True, tensor_cores=False, **rule):
+    """Selection of q, k (bf16, on the GPU) by the fused kernel (its tensor-core build with
+    tensor_cores), by the torch path (the stable sort), and by the float64 reference on the same
+    compressed keys; checks the kernel ran."""
     from kernels.sm90 import select_blocks as kernel
 
     calls = []
@@ -259,27 +264,26 @@ def _gpu_selections(q, k, cu_seqlens, monkeypatch, causal=True, **rule):
     scale = q.shape[-1] ** -0.5
     results = {}
     for path in ("fused", "torch"):
-        monkeypatch.setattr(selection_module, "SELECT_ON_SM90", path == "fused")
-        monkeypatch.setattr(selection_module, "TOP_BLOCKS_ON_SM90", False)
-        results[path] = _on_cpu(select_blocks(q, k_cmp, cu_seqlens, cu_cmp, causal=causal,
-                                              softmax_scale=scale, **rule))
+        results[path] = _on_cpu(select_blocks(
+            q, k_cmp, cu_seqlens, cu_cmp, causal=causal, softmax_scale=scale,
+            selection_kernel=path == "fused", ranking_kernel=False, tensor_cores=tensor_cores,
+            **rule))
     assert len(calls) == 1  # the fused path ran the kernel, the torch path did not
     _assert_kernel_lists_equal_the_builders(q, k_cmp, cu_seqlens, cu_cmp, causal, scale, rule,
-                                            monkeypatch)
+                                            tensor_cores)
     ref = select_blocks_reference(q.cpu().double(), k_cmp.cpu().double(), cu_seqlens.cpu(),
                                   cu_cmp.cpu(), causal=causal, softmax_scale=scale, **rule)
     return results["fused"], results["torch"], ref
 
 
 def _assert_kernel_lists_equal_the_builders(q, k_cmp, cu_seqlens, cu_cmp, causal, scale, rule,
-                                            monkeypatch):
+                                            tensor_cores):
     """The selected branch's lists that the kernel writes beside its selection equal the
     trusted builder's lists of that selection, entry for entry."""
     from sparsity import build_selected_block_sparse_trusted
 
-    monkeypatch.setattr(selection_module, "SELECT_ON_SM90", True)
     selection = select_blocks(q, k_cmp, cu_seqlens, cu_cmp, causal=causal, softmax_scale=scale,
-                              write_selected_lists=True, **rule)
+                              write_selected_lists=True, tensor_cores=tensor_cores, **rule)
     built = build_selected_block_sparse_trusted(
         selection.selected, cu_seqlens=cu_seqlens, host_cu_seqlens=cu_seqlens.tolist(),
         q_tile=rule["q_tile"], selected_block_size=rule["selected_block_size"],
@@ -292,13 +296,10 @@ def _assert_kernel_lists_equal_the_builders(q, k_cmp, cu_seqlens, cu_cmp, causal
                                                                 built.col_block_size)
 
 
-@pytest.fixture(params=["fma", "tensor-cores"])
-def scoring(request, monkeypatch):
-    """The selection kernel's scoring: float32 FMAs (dispatched) or the tensor-core build
-    (`split_products`, not yet dispatched)."""
-    from kernels.sm90 import select_blocks as kernel
-
-    monkeypatch.setattr(kernel, "SCORE_WITH_TENSOR_CORES", request.param == "tensor-cores")
+@pytest.fixture(params=[False, True], ids=["fma", "tensor-cores"])
+def tensor_cores(request):
+    """The selection kernel's scoring, `select_blocks`'s tensor_cores: float32 FMAs
+    (dispatched) or the tensor-core build (`split_products`, not dispatched)."""
     return request.param
 
 
@@ -313,7 +314,7 @@ def scoring(request, monkeypatch):
     (6, 2, 192, [64, 65, 900], 3),
 ], ids=["gqa1", "gqa4-varlen", "gqa16-d64", "gqa8-d256", "gqa3-d192-width3"])
 def test_sm90_selection_kernel_matches_the_torch_path_and_the_reference(
-        causal, heads, kv_heads, dim, lengths, width, scoring, monkeypatch):
+        causal, heads, kv_heads, dim, lengths, width, tensor_cores, monkeypatch):
     """Scores, softmax, group sum and ranking in one kernel select what the torch path and the
     float64 reference select: varlen with sequences shorter than a tile and than a block,
     group sizes 1..16, head dims 64..256, widths 3 (the forced blocks alone) to 32 (nsa()'s
@@ -325,14 +326,15 @@ def test_sm90_selection_kernel_matches_the_torch_path_and_the_reference(
     rule = dict(compress_block_size=64, selected_block_size=64, num_selected_blocks=width,
                 q_tile=128) if dim == 128 else dict(FUSED_RULE, num_selected_blocks=width)
     fused, torch_path, ref = _gpu_selections(q, k, cu_seqlens_of(lengths).cuda(), monkeypatch,
-                                             causal=causal, **rule)
+                                             causal=causal, tensor_cores=tensor_cores, **rule)
     _assert_same_selection(fused, ref)
     _assert_same_selection(torch_path, ref)
 
 
 @pytest.mark.gpu
 @requires_sm90
-def test_sm90_selection_kernel_breaks_exact_ties_toward_the_lower_block(scoring, monkeypatch):
+def test_sm90_selection_kernel_breaks_exact_ties_toward_the_lower_block(tensor_cores,
+                                                                        monkeypatch):
     """Identical compressed keys (every candidate ties) and duplicated ones (pairs tie): the
     lower block wins, as in the sort and the reference."""
     gen = torch.Generator().manual_seed(11)
@@ -340,7 +342,8 @@ def test_sm90_selection_kernel_breaks_exact_ties_toward_the_lower_block(scoring,
     q = torch.randn(n, 4, dim, generator=gen).to(torch.bfloat16).cuda()
     same = torch.randn(1, 2, dim, generator=gen).expand(n, 2, dim).to(torch.bfloat16).cuda()
     fused, torch_path, ref = _gpu_selections(q, same.contiguous(), cu_seqlens_of([n]).cuda(),
-                                             monkeypatch, **FUSED_RULE)
+                                             monkeypatch, tensor_cores=tensor_cores,
+                                             **FUSED_RULE)
     _assert_same_selection(fused, ref)
     _assert_same_selection(torch_path, ref)
     # Tile 5 (rows 160..191): forced 0 and the diagonal 10, 11; candidates 1..9 all tie.
@@ -349,14 +352,15 @@ def test_sm90_selection_kernel_breaks_exact_ties_toward_the_lower_block(scoring,
     for source, copy in ((2, 9), (3, 12), (5, 20), (1, 17)):
         k[copy * 16:(copy + 1) * 16] = k[source * 16:(source + 1) * 16]
     fused, torch_path, ref = _gpu_selections(q, k.to(torch.bfloat16).cuda(),
-                                             cu_seqlens_of([n]).cuda(), monkeypatch, **FUSED_RULE)
+                                             cu_seqlens_of([n]).cuda(), monkeypatch,
+                                             tensor_cores=tensor_cores, **FUSED_RULE)
     _assert_same_selection(fused, ref)
     _assert_same_selection(torch_path, fused)
 
 
 @pytest.mark.gpu
 @requires_sm90
-def test_sm90_selection_kernel_ranks_a_nan_score_as_the_sort_does(scoring, monkeypatch):
+def test_sm90_selection_kernel_ranks_a_nan_score_as_the_sort_does(tensor_cores, monkeypatch):
     """A NaN in one scoring query makes its tile's importances NaN (softmax of a row with a
     NaN): the kernel's lists equal the torch path's (NaN ranks first and is never kept)."""
     gen = torch.Generator().manual_seed(12)
@@ -366,7 +370,8 @@ def test_sm90_selection_kernel_ranks_a_nan_score_as_the_sort_does(scoring, monke
     k = torch.randn(n, 2, dim, generator=gen)
     fused, torch_path, _ = _gpu_selections(q.to(torch.bfloat16).cuda(),
                                            k.to(torch.bfloat16).cuda(),
-                                           cu_seqlens_of([n]).cuda(), monkeypatch, **FUSED_RULE)
+                                           cu_seqlens_of([n]).cuda(), monkeypatch,
+                                           tensor_cores=tensor_cores, **FUSED_RULE)
     _assert_same_selection(fused, torch_path)
     # Tile 7 (anchor 224) averages rows 193..224: its 13 candidates score NaN, rank above the
     # forced blocks and are not kept, so its KV head 0 keeps nothing (the sort's rule); head 1
@@ -388,7 +393,6 @@ def test_sm90_selection_kernel_lists_do_not_depend_on_tokens_per_lane(monkeypatc
     k = torch.randn(sum(lengths), 4, 128, generator=gen).to(torch.bfloat16).cuda()
     cu_seqlens = cu_seqlens_of(lengths).cuda()
     k_cmp, _, cu_cmp = compress_kv(k, k, cu_seqlens, 64)
-    monkeypatch.setattr(selection_module, "SELECT_ON_SM90", True)
     lists = {}
     for tokens in (1, 2, 4):
         monkeypatch.setattr(kernel, "default_tokens_per_lane",
