@@ -92,38 +92,15 @@ def attention_forward_trusted(q, k, v, *, host_cu_seqlens, **kwargs):
                         kwargs.get("block_sparse"))
 
 
-def attention_row_dot_trusted(dout, q, k, v, into, *, host_cu_seqlens, **kwargs) -> bool:
-    """rowsum(dout * out) per row and head into ``into`` (a contiguous (H, T) float32 tensor),
-    ``out`` being ``attention_forward_trusted(q, k, v, ...)``'s output, computed by the sm90
-    forward kernel from its float32 accumulator without writing ``out`` (packed inputs; a zero
-    dout element contributes exactly zero). Returns whether the kernel ran; False (nothing
-    written) where the forward would run the fallback, whose caller then recomputes ``out``.
-    nsa()'s backward takes each recomputed branch's gate gradient so."""
-    if q.dim() != 3:
-        return False
-    problem = validate_trusted_attention_forward(q, k, v, host_cu_seqlens=host_cu_seqlens,
-                                                 **kwargs)
-    normalised = normalised_kwargs(problem, kwargs.get("cu_seqlens_q"),
-                                    kwargs.get("cu_seqlens_k"), kwargs.get("block_sparse"))
-    kernel, _ = dispatch.attention_kernel("forward", q, k, v, normalised)
-    if kernel is None or q.shape[0] == 0:
-        return False
-    kernel.run(q, k, v, row_dot_with=dout, row_dot_into=into, **normalised)
-    return True
-
-
-def attention_backward_trusted(dout, q, k, v, out, lse, *, host_cu_seqlens, dout_dot_out=None,
-                               dq_accumulator=None, dkv_accumulators=None, lse_gate=None,
-                               **kwargs):
+def attention_backward_trusted(dout, q, k, v, out, lse, *, host_cu_seqlens,
+                               dq_accumulator=None, dkv_accumulators=None, **kwargs):
     """``attention_backward`` without device reads; trusts what ``attention_forward_trusted``
     trusts, and that ``block_sparse_transposed`` (when given) is the transpose of
     ``block_sparse``.
 
-    ``dout_dot_out``: rowsum(dout * out), (Tq, H) floating (``(B, Nq, H)`` padded), when the
-    caller has it (nsa()'s backward takes it from ``attention_row_dot_trusted``, so no branch
-    output is written);
-    then ``out`` is not read and may be None. Only the sm90 kernel takes it: the caller checks
-    ``plan_backward_trusted`` first (a ValueError otherwise).
+    The backward from the gate's row dots instead of the output (``dout_dot_out`` and
+    ``lse_gate``, which nsa()'s branches use on the sm90 kernels) is the plan's:
+    ``plan_backward_trusted(...).backward``, the one route that takes them.
 
     ``dq_accumulator``: a tensor of q's shape and dtype into which dq is added instead of
     returned fresh (the returned dq is then this tensor); the sm90 dQ kernel adds as it writes
@@ -133,27 +110,24 @@ def attention_backward_trusted(dout, q, k, v, out, lse, *, host_cu_seqlens, dout
     ``dkv_accumulators``: ``(dk_sum, dv_sum)``, tensors of k's and v's shape in float32
     (float64 for float64 inputs), into which dk and dv are added instead of returned fresh;
     the returned dk, dv are then these tensors. Where the sm90 kernel sums dK/dV partials in
-    float32 it adds into them directly (no buffer of its own, no conversion).
-
-    ``lse_gate``: ``(gates, b)`` with ``dout_dot_out``, gates a floating tensor of shape
-    ``q.shape[:-1] + (B,)``: the output was ``gates[..., b] * out``, and the kernel folds that
-    gate into ``lse`` itself (``kernels.sm90.backward.gate_folded_lse``: nsa()'s branches)."""
-    _check_internal_arguments(q, k, v, dout_dot_out, lse_gate, dq_accumulator, dkv_accumulators)
-    if dout_dot_out is not None:
-        out = dout if out is None else out  # the checks need a tensor of out's shape and dtype
+    float32 it adds into them directly (no buffer of its own, no conversion)."""
+    _check_internal_arguments(q, k, v, None, None, dq_accumulator, dkv_accumulators)
     problem = validate_trusted_attention_backward(dout, q, k, v, out, lse,
                                                   host_cu_seqlens=host_cu_seqlens, **kwargs)
     return _run_backward(problem, dout, q, k, v, out, lse, kwargs.get("cu_seqlens_q"),
                          kwargs.get("cu_seqlens_k"), kwargs.get("block_sparse"),
                          kwargs.get("block_sparse_transposed"),
-                         kwargs.get("deterministic", False), dout_dot_out, dq_accumulator,
-                         dkv_accumulators, lse_gate)
+                         kwargs.get("deterministic", False), dq_accumulator, dkv_accumulators)
 
 
 def _check_internal_arguments(q, k, v, dout_dot_out, lse_gate, dq_accumulator,
                               dkv_accumulators) -> None:
-    """The internal backward arguments (``attention_backward_trusted``'s docstring), by name,
-    before any launch."""
+    """The internal backward arguments, by name, before any launch: the accumulators
+    (``attention_backward_trusted``'s docstring) and the planned backward's ``dout_dot_out``,
+    rowsum(dout * out) as (Tq, H) floating, with its ``lse_gate`` ``(gates, b)``: gates a
+    floating tensor of shape ``q.shape[:-1] + (B,)``, the output having been
+    ``gates[..., b] * out``, the gate the kernel folds into lse
+    (``kernels.sm90.backward.gate_folded_lse``)."""
     if dq_accumulator is not None and (
             dq_accumulator.shape != q.shape or dq_accumulator.dtype != q.dtype
             or dq_accumulator.device != q.device):
@@ -180,7 +154,7 @@ def _check_internal_arguments(q, k, v, dout_dot_out, lse_gate, dq_accumulator,
 
 
 def _check_lse_gate(lse_gate, q, dout_dot_out) -> None:
-    """``lse_gate`` of ``attention_backward_trusted``: ``(gates, b)``, before any launch."""
+    """``lse_gate`` of the planned backward: ``(gates, b)``, before any launch."""
     if dout_dot_out is None:
         raise ValueError("lse_gate: only taken with dout_dot_out (the gate's row dots)")
     if not isinstance(lse_gate, (tuple, list)) or len(lse_gate) != 2:
@@ -209,10 +183,10 @@ def plan_backward_trusted(q, k, v, *, host_cu_seqlens, block_sparse_transposed=N
     ``attention_backward_trusted``'s; pass the ``block_sparse_transposed`` the backward will
     get (without it, block-sparse calls would build the transpose here). Reads no device value.
 
-    Why: asking whether the backward runs on the kernel, then ``attention_row_dot_trusted``,
-    then ``attention_backward_trusted`` validated the call and chose its kernel each time, about
-    0.3 ms of host time per nsa() branch on an H200's host, which the eager backward at 16K
-    tokens waits for (FINDINGS, 2026-11-27)."""
+    Why: asking whether the backward runs on the kernel, then the row dots, then the backward
+    (three separate entry points before 2026-11-28) validated the call and chose its kernel
+    each time, about 0.3 ms of host time per nsa() branch on an H200's host, which the eager
+    backward at 16K tokens waits for (docs/history.md, 2026-11-27)."""
     problem = validate_trusted_attention_forward(q, k, v, host_cu_seqlens=host_cu_seqlens,
                                                  **kwargs)
     check_deterministic(deterministic)
@@ -242,8 +216,8 @@ class KernelBackward:
         self._backward, self._backward_kwargs = backward_kernel, backward_kwargs
 
     def row_dots(self, dout, into) -> bool:
-        """``attention_row_dot_trusted`` of the planned call: rowsum(dout * out) into ``into``
-        ((H, Tq) float32), out never written; False where the forward kernel does not run."""
+        """The planned call's rowsum(dout * out) into ``into`` ((H, Tq) float32) from the forward
+        kernel's float32 accumulator, out never written; False where that kernel does not run."""
         if self._forward is None:
             return False
         self._forward.run(self.q, self.k, self.v, row_dot_with=dout, row_dot_into=into,
@@ -276,19 +250,14 @@ def _run_forward(problem: AttentionProblem, q, k, v, cu_seqlens_q, cu_seqlens_k,
 
 def _run_backward(problem: AttentionProblem, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
                   block_sparse, block_sparse_transposed, deterministic: bool,
-                  dout_dot_out=None, dq_accumulator=None, dkv_accumulators=None, lse_gate=None):
+                  dq_accumulator=None, dkv_accumulators=None):
     kwargs = normalised_kwargs(problem, cu_seqlens_q, cu_seqlens_k, block_sparse)
     kwargs.update(block_sparse_transposed=block_sparse_transposed, deterministic=deterministic)
-    kernel, reason = dispatch.attention_kernel("backward", q, k, v, kwargs, problem)
-    if dout_dot_out is not None:
-        if kernel is None:
-            raise ValueError(f"dout_dot_out: only the sm90 backward kernel takes it, and this "
-                             f"call runs the fallback ({reason})")
-        out = None  # the kernel reads the row dots instead (out stood in for the checks only)
+    kernel, _ = dispatch.attention_kernel("backward", q, k, v, kwargs, problem)
     if kernel is not None:
         return kernel.run(dout, q, k, v, out, lse, **kwargs,
-                          **_given_to_kernel(problem, dout_dot_out, dq_accumulator,
-                                             dkv_accumulators, lse_gate))
+                          **_given_to_kernel(problem, None, dq_accumulator, dkv_accumulators,
+                                             None))
     grads = fallback.backward(problem, dout, q, k, v, out, lse, block_sparse,
                               deterministic=deterministic)
     return add_into_accumulators(grads, dq_accumulator, dkv_accumulators)

@@ -24,7 +24,7 @@ import kernels
 from kernels.device import kernels_unavailable
 from kernels.interface import (KernelBackward, add_into_accumulators,
                                attention_backward_trusted, attention_forward_trusted,
-                               attention_row_dot_trusted, plan_backward_trusted,
+                               plan_backward_trusted,
                                transpose_block_sparse_trusted)
 from sparsity import (BlockSparseTensors, build_compressed_block_sparse,
                       build_compressed_block_sparse_trusted, build_selected_block_sparse,
@@ -60,20 +60,13 @@ class Branch:
                                          **self.kernel_kwargs)
 
     def output_row_dots(self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor,
-                        into: Tensor, plan: KernelBackward | None = None) -> bool:
+                        into: Tensor, plan: KernelBackward) -> bool:
         """rowsum(dout * o) per row and head of this branch's output o into `into` ((H, T)
-        contiguous float32) without writing o, on the sm90 forward kernel; False (nothing
-        written) where it does not run (the caller then recomputes o with `forward`).
-        plan: this branch's `plan_backward` for these q, k, v (then nothing is checked or
-        chosen again)."""
-        if plan is not None:
-            _check_planned(plan, q, k, v)
-            return plan.row_dots(dout, into)
-        if self.host_cu_seqlens is None:
-            return False
-        return attention_row_dot_trusted(dout, q, k, v, into,
-                                         host_cu_seqlens=self.host_cu_seqlens,
-                                         **self.kernel_kwargs)
+        contiguous float32) without writing o, on the sm90 forward kernel of `plan` (this
+        branch's `plan_backward` for these q, k, v); False (nothing written) where that kernel
+        does not run (the caller then recomputes o with `forward`)."""
+        _check_planned(plan, q, k, v)
+        return plan.row_dots(dout, into)
 
     def backward(self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor | None,
                  lse: Tensor, *, deterministic: bool = False, block_sparse_transposed=None,
@@ -83,36 +76,30 @@ class Branch:
                  plan: KernelBackward | None = None) -> tuple[Tensor, Tensor, Tensor]:
         """(dq, dk, dv), dk and dv summed over each KV group. block_sparse_transposed: this
         branch's `transposed_lists()`, or None (the kernels build them when they need them).
-        dout_dot_out: rowsum(dout * out) (T, H) in place of out, where `backward_on_kernel`
-        says the kernel runs, and with it lse_gate (gates, b): the gate the kernel folds into
-        lse. dq_accumulator: a tensor like q that dq is added into;
-        dkv_accumulators: (dk_sum, dv_sum) float32 tensors that dk and dv are added into (both
-        returned as the results). plan: this branch's `plan_backward` for these q, k, v and
-        options (the call then goes straight to its kernel, with dout_dot_out)."""
+        plan: this branch's `plan_backward` for these q, k, v and options: the call then goes
+        straight to its kernel with dout_dot_out, rowsum(dout * out) (T, H) in place of out,
+        and lse_gate (gates, b), the gate the kernel folds into lse (only a plan takes these
+        two). Without a plan, out is read. dq_accumulator: a tensor like q that dq is added
+        into; dkv_accumulators: (dk_sum, dv_sum) float32 tensors that dk and dv are added into
+        (both returned as the results)."""
         if plan is not None:
             _check_planned(plan, q, k, v)
             return plan.backward(dout, lse, dout_dot_out=dout_dot_out, lse_gate=lse_gate,
                                  dq_accumulator=dq_accumulator,
                                  dkv_accumulators=dkv_accumulators)
+        if dout_dot_out is not None or lse_gate is not None:
+            raise ValueError("dout_dot_out, lse_gate: only a planned backward takes them "
+                             "(Branch.plan_backward)")
         kwargs = dict(self.kernel_kwargs, deterministic=deterministic,
                       block_sparse_transposed=block_sparse_transposed)
-        if self.host_cu_seqlens is None:  # then backward_on_kernel is False: out is given
+        if self.host_cu_seqlens is None:
             return add_into_accumulators(
                 kernels.attention_backward(dout, q, k, v, out, lse, **kwargs), dq_accumulator,
                 dkv_accumulators)
         return attention_backward_trusted(dout, q, k, v, out, lse,
                                           host_cu_seqlens=self.host_cu_seqlens,
-                                          dout_dot_out=dout_dot_out, lse_gate=lse_gate,
                                           dq_accumulator=dq_accumulator,
                                           dkv_accumulators=dkv_accumulators, **kwargs)
-
-    def backward_on_kernel(self, q: Tensor, k: Tensor, v: Tensor, *,
-                           deterministic: bool = False, block_sparse_transposed=None) -> bool:
-        """Whether `backward` runs the sm90 kernel, which takes dout_dot_out instead of out
-        (nsa() then folds the gate into lse and takes <dO, o_b> from `output_row_dots`, or
-        from the recomputed output where the forward kernel does not run)."""
-        return self.plan_backward(q, k, v, deterministic=deterministic,
-                                  block_sparse_transposed=block_sparse_transposed) is not None
 
     def plan_backward(self, q: Tensor, k: Tensor, v: Tensor, *, deterministic: bool = False,
                       block_sparse_transposed=None) -> KernelBackward | None:

@@ -260,7 +260,7 @@ def gate_pass(index: int, dout: Tensor, branch_out: Tensor, gates: Tensor, d_gat
 
 def fused_gate_pass(branch: Branch, dout: Tensor, q: Tensor, k: Tensor, v: Tensor,
                     gates: Tensor, d_gates: Tensor, lse: Tensor,
-                    plan=None) -> BranchBackwardInputs | None:
+                    plan) -> BranchBackwardInputs | None:
     """`gate_pass` on the kernel without the branch output: the recomputing forward writes
     <dO, o_b> per row and head from its float32 accumulator instead of o_b (2 x T x H x D
     bytes neither written nor read back). None where the forward kernel does not run.

@@ -254,19 +254,22 @@ def profile_backward(q, k, v, W_gate, cu_seqlens, cu_seqlens_cmp, sequences, con
         branch_out = None  # recomputed only off the fused path
         options = dict(deterministic=config.deterministic,
                        block_sparse_transposed=transposed[branch.index])
-        on_kernel = branch.backward_on_kernel(q, keys, values, **options)
+        # As nsa() does: the backward checked and dispatched once per branch, for these keys
+        plan = branch.plan_backward(q, keys, values, **options)
+        on_kernel = plan is not None
         fused = on_kernel and fused_gate_pass(branch, dout, q, keys, values, gates, d_gates,
-                                              lse) is not None
+                                              lse, plan) is not None
         if fused:  # the recomputing forward writes the gate gradient, not the output
             def recompute_row_dots():
-                _, keys, values = branch_keys()
-                return fused_gate_pass(branch, dout, q, keys, values, gates, d_gates, lse)
+                # The plan holds these keys, so the compression is not timed again here
+                return fused_gate_pass(branch, dout, q, keys, values, gates, d_gates, lse, plan)
 
             step = stage(f"{name}: {BRANCH_BACKWARD_STEPS[0]}", recompute_row_dots,
-                         "sm90, writes <dO, o_b> (gate pass included)", into=rows)
+                         "sm90, writes <dO, o_b> (gate pass included; compression not "
+                         "timed)", into=rows)
             rows.append((f"{name}: {BRANCH_BACKWARD_STEPS[1]}", (0.0, 0.0), "in recompute fwd"))
-        else:
-            block_starts, keys, values, branch_out, _ = recompute()
+        else:  # the output recomputed (timed with the compression); the plan keeps these keys
+            branch_out, _ = branch.forward(q, keys, values)
             rows.append((f"{name}: {BRANCH_BACKWARD_STEPS[0]}", timed(recompute),
                          kernels.which_backend(q, keys, values, **branch.kernel_kwargs)))
             step = stage(f"{name}: {BRANCH_BACKWARD_STEPS[1]}",
@@ -283,7 +286,7 @@ def profile_backward(q, k, v, W_gate, cu_seqlens, cu_seqlens_cmp, sequences, con
             f"{name}: {BRANCH_BACKWARD_STEPS[2]}",
             lambda: branch.backward(step.dout, q, keys, values, step.out, step.lse,
                                     dout_dot_out=step.dout_dot_out, lse_gate=step.lse_gate,
-                                    dkv_accumulators=accumulators, **options),
+                                    dkv_accumulators=accumulators, plan=plan, **options),
             kernels.which_backend(q, keys, values, backward=True, **asked,
                                   **branch.kernel_kwargs), into=rows)
         if sums["q"] is None:
@@ -296,7 +299,7 @@ def profile_backward(q, k, v, W_gate, cu_seqlens, cu_seqlens_cmp, sequences, con
                 lambda: (compress_backward(dk_b, k, block_starts, l),
                          compress_backward(dv_b, v, block_starts, l)), "torch", into=rows)
             sums["k"], sums["v"] = dk_x, dv_x
-        del block_starts, keys, values, branch_out, step, dq_b, dk_b, dv_b
+        del block_starts, keys, values, branch_out, step, dq_b, dk_b, dv_b, plan
 
     if W_gate is not None:
         stage(GATE_BACKWARD, lambda: gate_backward(q, W_gate, gates, d_gates, sums["q"]),

@@ -258,6 +258,14 @@ def test_a_planned_backward_checks_its_per_call_arguments(fake_sm90):
              "lse_gate: gates expected")):
         with pytest.raises(ValueError, match=message):
             call()
+    gates = torch.rand(20, 4, 3)
+    for lse_gate, message in ((gates, "lse_gate: expected a \\(gates, branch index\\) pair"),
+                              ((gates[..., 0], 0), "lse_gate: gates expected"),
+                              ((gates.int(), 0), "lse_gate: gates expected"),
+                              ((gates, 3), "lse_gate: branch index must be"),
+                              ((gates, True), "lse_gate: branch index must be")):
+        with pytest.raises(ValueError, match=message):
+            plan.backward(dout, lse, dout_dot_out=dots, lse_gate=lse_gate)
     assert not fake_sm90.calls  # refused before the kernel
     # A branch refuses to run a plan on tensors other than those it was made for.
     branch = branches_module.Branch(branches_module.SELECTED, dict(
@@ -267,6 +275,9 @@ def test_a_planned_backward_checks_its_per_call_arguments(fake_sm90):
         branch.backward(dout, q.clone(), k, v, None, lse, dout_dot_out=dots, plan=plan)
     with pytest.raises(ValueError, match="plan: made for other q, k, v"):
         branch.output_row_dots(dout, q, k.clone(), v, torch.empty(4, 20), plan=plan)
+    # The row dots in place of the output are the plan's alone.
+    with pytest.raises(ValueError, match="only a planned backward takes them"):
+        branch.backward(dout, q, k, v, None, lse, dout_dot_out=dots)
 
 
 @pytest.mark.parametrize("compressed", ["dense", "sparse"])
