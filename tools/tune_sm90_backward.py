@@ -39,8 +39,8 @@ VARIANTS = {
     # kernels.sm90.backward.LIST_CHUNK in the child).
     "split_lists off": dict(split_lists=False),
     "list_chunk 48": dict(list_chunk=48),
-    # Split-list units taken KV block by KV block instead of head by head (sets
-    # kernels.sm90.backward.UNITS_HEAD_MAJOR in the child).
+    # Split-list units taken KV block by KV block instead of head by head
+    # (kernels.sm90.backward.run(head_major_units=False)).
     "units CSR order": dict(head_major_units=False),
     # dQ in the query-centric kernel (kernels/sm90/bwd_dq_sm90.py) or fused into the KV-centric
     # one (not at 64-key tiles and head dim 128: two dQ products per step).
@@ -121,10 +121,11 @@ def run_variant(case: str, variant: str, n: int, heads: int, heads_kv: int, dim:
     def call(overrides):
         overrides = dict(overrides)
         backward.LIST_CHUNK = overrides.pop("list_chunk", chunk)
-        backward.UNITS_HEAD_MAJOR = overrides.pop("head_major_units", head_major)
-        return backward.run(dout, q, k, v, out, lse, spec_overrides=overrides or None, **common)
+        head_major_units = overrides.pop("head_major_units", backward.UNITS_HEAD_MAJOR)
+        return backward.run(dout, q, k, v, out, lse, spec_overrides=overrides or None,
+                            head_major_units=head_major_units, **common)
 
-    chunk, head_major = backward.LIST_CHUNK, backward.UNITS_HEAD_MAJOR
+    chunk = backward.LIST_CHUNK
 
     reference = call({})
     grads = call(VARIANTS[variant])

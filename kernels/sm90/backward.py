@@ -48,8 +48,8 @@ LIST_CHUNK = 16  # (beside the dQ kernel; the fused dQ's units are longer: `list
 # of every group's at random query tiles. H100, 2026-11-27, NSA-like 16 x 64-key lists per KV
 # group (H=32, Hkv=8, D=128), the whole backward, CSR order / head by head: 16K 2.57 / 2.14 ms,
 # 64K 10.18 / 9.09; random 25% 64-key lists per query head 5.77 / 5.75 and 101.5 / 101.8.
-# False (the tuner's "units CSR order") takes them KV block by KV block.
-UNITS_HEAD_MAJOR = True
+# run(head_major_units=False) (the tuner's "units CSR order") takes them KV block by KV block.
+UNITS_HEAD_MAJOR = True  # run()'s default
 # Rows per chunk of the preprocess and postprocess (bounds their float32 temporaries).
 _CHUNK_ROWS = 32768
 
@@ -95,7 +95,7 @@ def run(
     max_seqlen_k=None, softmax_scale=None, causal=False, compress_factor=1, window_size=(-1, -1),
     block_sparse=None, block_sparse_transposed=None, deterministic=False, spec_overrides=None,
     dout_dot_out=None, dq_accumulator=None, dkv_accumulators=None, lse_gate=None,
-    host_cu_seqlens_q=None,
+    host_cu_seqlens_q=None, head_major_units=UNITS_HEAD_MAJOR,
 ):
     """(dq, dk, dv) of the sm90 backward kernel; dk and dv summed over each KV group.
 
@@ -113,7 +113,9 @@ def run(
     launch, `GateFoldedStatistics`). nsa()'s backward passes it instead of folding in torch.
     host_cu_seqlens_q: the values of cu_seqlens_q (packed inputs), when the caller holds them:
     the query tile layout is then kept across calls (sparsity/host_cache.py) instead of being
-    rebuilt on the device (about 20 small launches) by every call."""
+    rebuilt on the device (about 20 small launches) by every call.
+    head_major_units: split-list work units taken list head by list head (the default,
+    UNITS_HEAD_MAJOR) or, False, KV block by KV block (tools/tune_sm90_backward.py compares)."""
     if lse_gate is not None and dout_dot_out is None:
         raise ValueError("lse_gate: only taken with dout_dot_out (the gate's row dots)")
     if q.dtype not in SUPPORTED_DTYPES:
@@ -200,8 +202,7 @@ def run(
                 csr = transpose_block_sparse_csr(block_sparse, cu_seqlens_k=cu_seqlens_k)
             lists = (csr.offsets, csr.index, csr.mask_count, csr.row_block_offsets)
             if spec.split_lists:
-                units = work_units(csr, list_chunk(csr, spec),
-                                   head_major=UNITS_HEAD_MAJOR)
+                units = work_units(csr, list_chunk(csr, spec), head_major=head_major_units)
                 num_ctas = units.shape[0]
         if max_seqlen_k > 0 and num_ctas > 0:
             tensors = (q, k, v, dout, lse_log2, dpsum, dq_acc, dk, dv, cu_seqlens_q,
@@ -419,7 +420,7 @@ def work_units(csr, chunk: int, head_major: bool = False) -> torch.Tensor:
     ones are empty (first = end) and their CTAs exit at once. Empty lists get no unit (their
     keys' dK/dV stay 0 in the zeroed accumulators).
 
-    `run` takes them head-major (`UNITS_HEAD_MAJOR`): with the fused dQ the CTAs running
+    `run` takes them head-major by default (`head_major_units`): with the fused dQ the CTAs running
     together then add into one head's float32 dQ accumulator (32 MiB at 64K, D=128), which L2
     holds, not into every head's at random query tiles (random 25% lists, H200: 128.8 ms KV
     block by KV block, 97.7 head by head, chunks of 16, 64K); beside the dQ kernel they read
