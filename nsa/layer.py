@@ -86,6 +86,9 @@ class NSAAttention(nn.Module):
     rope_base: rotary embedding base (theta).
     softmax_scale: attention scale (default D ** -0.5).
     bias: biases on the q, k, v projections (the output projection never has one).
+    recompute: nsa()'s backward memory policy (None: nsa/memory_policy.py's size rule, which
+        sees one call; in a deep model at long lengths pass True so that the layers do not
+        each keep three q-sized branch outputs until their backward). The output is the same.
     _q_tile, _cmp_kv_block: nsa()'s test-only tile overrides (tests at tiny sizes).
     """
 
@@ -96,7 +99,8 @@ class NSAAttention(nn.Module):
                  num_cmp_selected_blocks: int | None = None, compress_weights: bool = True,
                  gate: bool = True, rope_base: float = 10000.0,
                  softmax_scale: float | None = None, bias: bool = False,
-                 deterministic: bool = False, _q_tile: int = SELECTION_Q_TILE,
+                 deterministic: bool = False, recompute: bool | None = None,
+                 _q_tile: int = SELECTION_Q_TILE,
                  _cmp_kv_block: int = CMP_KV_BLOCK, device=None, dtype=None):
         super().__init__()
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
@@ -120,6 +124,7 @@ class NSAAttention(nn.Module):
             num_selected_blocks=num_selected_blocks, window_size=window_size,
             num_cmp_selected_blocks=num_cmp_selected_blocks, _q_tile=_q_tile,
             _cmp_kv_block=_cmp_kv_block)
+        self.recompute = recompute  # nsa()'s only: the reference has no backward to steer
 
         factory = dict(device=device, dtype=dtype)
         self.q_proj = nn.Linear(hidden_size, num_heads * head_dim, bias=bias, **factory)
@@ -195,7 +200,7 @@ class NSAAttention(nn.Module):
                       host_cu_seqlens=host_cu_seqlens, W_k=_as(self.W_k, dtype),
                       W_v=_as(self.W_v, dtype), W_gate=_as(self.W_gate, dtype),
                       softmax_scale=self.softmax_scale, deterministic=self.deterministic,
-                      **self.nsa_options)
+                      recompute=self.recompute, **self.nsa_options)
         elif packed:
             out = kernels.flash_attn_varlen_func(
                 q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
