@@ -11,7 +11,8 @@ fi
 out=${OUT:-/tmp/nsa-device-out}
 mkdir -p "$out"
 python3 -c 'import torch; print(torch.__version__, torch.cuda.get_device_name())'
-python3 -m pytest -m gpu -q -p no:warnings tests > "$out/gpu_tests.log" 2>&1
+# The GPU tests over every visible GPU (tools/run_gpu_tests.py); each shard's log beside
+python3 tools/run_gpu_tests.py --log-dir "$out/gpu_tests" > "$out/gpu_tests.log" 2>&1
 python3 tools/bench_kernels.py --reps 20 --json "$out/bench_kernels.json" > "$out/bench_kernels.log" 2>&1
 python3 tools/tune_sm90_forward.py --json "$out/tune.json" > "$out/tune.log" 2>&1
 python3 tools/tune_sm90_backward.py --seqlens 16384 --json "$out/tune_bwd.json" > "$out/tune_bwd.log" 2>&1
