@@ -54,6 +54,10 @@ class LMConfig:
     rms_norm_eps: float = 1e-6
     init_std: float = 0.02
     compute_dtype: str = "float32"  # activations: "float32" | "bfloat16" | "float16"
+    # nsa()'s backward memory policy for every layer (nsa/memory_policy.py): None keeps each
+    # layer's branch outputs while they fit its per-call rule; True recomputes (long sequences
+    # in deep models, where every layer keeping three q-sized outputs adds up).
+    recompute: bool | None = None
     # nsa()'s test-only tile overrides, so tiny CI models exercise many selection tiles.
     test_q_tile: int | None = None
     test_cmp_kv_block: int | None = None
@@ -131,7 +135,7 @@ def attention_layer(config: LMConfig) -> NSAAttention:
         num_selected_blocks=config.num_selected_blocks, window_size=config.window_size,
         num_cmp_selected_blocks=config.num_cmp_selected_blocks,
         compress_weights=config.compress_weights, gate=config.gate,
-        rope_base=config.rope_base, **test_tiles)
+        rope_base=config.rope_base, recompute=config.recompute, **test_tiles)
 
 
 class CausalLM(nn.Module):

@@ -73,6 +73,13 @@ def test_packed_equals_padded_and_loss_and_gradients(attention):
         assert parameter.grad.abs().sum() > 0, name
 
 
+def test_recompute_reaches_every_layer():
+    """LMConfig.recompute is the layers' nsa() memory policy (no effect on values)."""
+    model = CausalLM(replace(MODEL_PRESETS["tiny"], recompute=True))
+    layers = [m for m in model.modules() if type(m).__name__ == "NSAAttention"]
+    assert layers and all(layer.recompute is True for layer in layers)
+
+
 def test_state_dict_round_trip():
     model = CausalLM(TINY, seed=1)
     with torch.no_grad():
