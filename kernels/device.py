@@ -20,7 +20,7 @@ KERNEL_CAPABILITY = (9, 0)
 def device_capability(device: torch.device) -> tuple[int, int]:
     """torch.cuda.get_device_capability of a CUDA device, kept per device index: asked at every
     kernel decision (a dozen per nsa() step), it cost the host about 25 us each time (H200 host,
-    2026-11-27, FINDINGS "nsa()'s eager backward: host time")."""
+    2026-11-27, docs/history.md "nsa()'s eager backward, host time")."""
     index = device.index if device.index is not None else torch.cuda.current_device()
     return _capability(index)
 

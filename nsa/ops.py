@@ -10,10 +10,10 @@ Custom ops take tensors and primitives only, so NSAConfig travels as its fields 
 sequence bounds as a list of ints (`host_cu_seqlens`, what nsa() checked); both ops rebuild the
 objects inside. The forward returns each branch's lse besides out (an absent window branch's is
 an empty tensor) and each branch's output where nsa/memory_policy.py keeps them (else empty
-tensors), all sized by q's shape (the rule depends on shapes only, so the fake agrees). The backward recomputes compression and selection
-before NSAFunction's backward: the block-sparse lists' sizes depend on values, so they cannot
-cross the op boundary, and selection is deterministic, so the recomputed lists are the ones the
-forward used. That costs one selection more per step than eager nsa(), which keeps the lists.
+tensors), all sized by q's shape (the rule depends on shapes only, so the fake agrees). The
+backward recomputes compression and selection before NSAFunction's backward: the block-sparse
+lists' sizes depend on values, so they cannot cross the op boundary, and selection is
+deterministic, so the recomputed lists are the ones the forward used. That costs one selection more per step than eager nsa(), which keeps the lists.
 
 Eager nsa() does not use these ops (it keeps NSAFunction, its list cache and its double-backward
 refusal); they compute the same values with the same code (`nsa.function.packed_forward`,

@@ -112,7 +112,8 @@ def interleaved_medians(fns: dict[str, Callable[[], object]], device: torch.devi
 
     Clocks, power and neighbours drift over a run: timing one fn's calls after another's hands
     that drift to one of them (a 64K block-sparse kernel read 0.80x FA4 when timed right after
-    FA4's calls and 0.99x alone, FINDINGS section 1). Interleaved, both see the same drift."""
+    FA4's calls and 0.99x alone, docs/history.md section 1). Interleaved, both see the same
+    drift."""
     samples: dict[str, list[float]] = {key: [] for key in fns}
     order = list(fns)
     generator = random.Random(seed)

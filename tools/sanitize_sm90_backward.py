@@ -10,7 +10,7 @@ on alternate query steps), and 128-key lists per query head (the fused dQ in hea
 units, and the dQ kernel); asserts the gradients are finite.
 Each call launches three backward kernels (row statistics, the KV-centric kernel, and the dQ
 kernel or the fused dQ's conversion), whose names all contain "Backward", so the filter below
-instruments every one of them. Meant as the program under compute-sanitizer (FINDINGS,
+instruments every one of them. Meant as the program under compute-sanitizer (docs/history.md,
 2026-11-24):
 
     compute-sanitizer --tool racecheck --kernel-name kns=Backward \\

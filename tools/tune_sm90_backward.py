@@ -1,7 +1,7 @@
 """Time compile-time variants of the sm90 backward kernel against the dispatched one.
 
 The backward dispatcher (`kernels/sm90/spec.py::choose_backward_spec`) picks its switches by
-measurements of this script and of torch.profiler runs (FINDINGS, 2026-11-24):
+measurements of this script and of torch.profiler runs (docs/history.md, 2026-11-24):
 `dq_separate` (dQ from the query-centric kernel, or fused into the KV-centric one with a dQ
 writer warp: fused for plain causal or full attention, and for wide 128-key lists per query
 head, 2026-11-27), `split_lists` and `split_rows` (several CTAs per KV tile, for calls with

@@ -5,7 +5,7 @@ smem (stmatrix) -> one TMA store; a 64-row half that crosses the sequence end is
 straight from registers (32-bit stores of column pairs, each row predicated), so no other
 sequence's rows are touched. Registers are not the fast path for whole halves: each store
 instruction then writes 16 bytes into each of 8 rows, and a compressed tile's store phase took
-3,500 cycles instead of 550-960 (2026-11-23, FINDINGS).
+3,500 cycles instead of 550-960 (2026-11-23, docs/history.md).
 
 Two ways to finish the smem path (`FwdSpec.store_warp`):
 - the consumer warpgroup itself issues the TMA store and writes lse from registers;

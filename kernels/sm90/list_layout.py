@@ -1,9 +1,8 @@
 """The backward's list layout in one launch each, instead of tens of small torch ops per call.
 
-nsa()'s eager backward at 16K tokens is bound by host time (FINDINGS, "nsa()'s eager backward:
-host time", 2026-11-27): every
-torch op costs the host ~20-25 us, and building the transposed lists and the split-list work
-units took ~65 of them per step. Two elementwise kernels replace them:
+nsa()'s eager backward at 16K tokens is bound by host time (docs/history.md, "nsa()'s eager
+backward, host time", 2026-11-27): every torch op costs the host ~20-25 us, and building the
+transposed lists and the split-list work units took ~65 of them per step. Two elementwise kernels replace them:
 
 - `TransposeKeys`: the int64 sort key of every slot of the forward lists
   (`sparsity.csr._sort_keys`' torch ops): ((global KV block * Hs + head) * 2 + kind) * span +

@@ -2,7 +2,7 @@
 
 A tile's last `P V` is issued with the next tile's first `Q K^T` and runs under that tile's
 first softmax; the previous output is finalised and stored after it. Measured -3% at 16K
-compressed keys and +5% at 64K (FINDINGS, 2026-11-23), so the dispatcher does not pick it;
+compressed keys and +5% at 64K (docs/history.md, 2026-11-23), so the dispatcher does not pick it;
 tools/tune_sm90_forward.py times it. A mixin of `FlashAttentionForwardSm90`: it uses the
 kernel's products (`gemm_qk`, `gemm_pv`, `last_pv`), turns and KV loop.
 """

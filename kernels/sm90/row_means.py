@@ -5,8 +5,8 @@ compression of K and V (every complete block of l rows) and selection's scoring 
 128-row query tile, the mean of the 128 rows of q ending at its first row). In torch both were a
 gather of the rows, a float32 copy and a reduction: at 64K tokens, H=32, D=128 on an H100 about
 1.5 ms of the forward's 7.9 ms of device time for the scoring queries (the whole of q gathered,
-masked and summed, in four chunks) and 0.7 ms for the compression (FINDINGS, 2026-11-24). This
-kernel reads each row once and writes only the means.
+masked and summed, in four chunks) and 0.7 ms for the compression (docs/history.md,
+2026-11-24). This kernel reads each row once and writes only the means.
 
 Layout: x is a (T, W) view (W = H * D elements per row, row stride 64-bit: q has more than
 2**31 elements from 512K tokens on at H=32), out (R, W) float32. CTA (r, c) owns output r and

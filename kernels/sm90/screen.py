@@ -9,7 +9,7 @@ fix itself (a sanitised V stage and a per-row correction for the rare tile that 
 on top. This build pays the read and only records what it found, which makes it the lower bound
 of that cost, with one reservation: so that the read precedes the P V, the build waits for
 each tile's V before issuing its Q K^T, on every tile (a fix would pay that too). The tool:
-tools/tune_sm90_forward.py, variant "dispatched+screen" (issue 16, FINDINGS "Non-finite
+tools/tune_sm90_forward.py, variant "dispatched+screen" (issue 16, docs/history.md "Non-finite
 values in masked tiles").
 """
 from dataclasses import dataclass

@@ -174,8 +174,8 @@ def _choose_spec(
     # 192) is a short KV range too: each 128-row tile sees at most 32 KV tiles, and one CTA per
     # tile spends much of each tile on its prologue and epilogue. It takes the window schedule
     # (persistent, ping-pong, storer warp, GQA heads side by side; two Q buffers up to 128).
-    # 2026-11-24, H100, interleaved, 16K tokens, H=32, Hkv=8 (FINDINGS section 1): D=128 causal
-    # 64 x 256 0.206 -> 0.141 ms (FA4 0.230), 8 x 2048 0.513 -> 0.452 (FA4 0.524), 4 x 4096
+    # 2026-11-24, H100, interleaved, 16K tokens, H=32, Hkv=8 (docs/history.md section 1): D=128
+    # causal 64 x 256 0.206 -> 0.141 ms (FA4 0.230), 8 x 2048 0.513 -> 0.452 (FA4 0.524), 4 x 4096
     # 0.883 -> 0.837 (FA4 0.883), 32 random lengths 0.409 -> 0.298 (FA4 0.342); non-causal
     # alike; 2 x 8192 a tie, 1 x 16384 3% slower, so longer sequences keep one CTA per tile.
     # D=192: 64 x 256 0.262 -> 0.209, 4 x 4096 1.336 -> 1.292, 32 random lengths 0.524 ->
