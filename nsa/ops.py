@@ -13,7 +13,8 @@ an empty tensor) and each branch's output where nsa/memory_policy.py keeps them 
 tensors), all sized by q's shape (the rule depends on shapes only, so the fake agrees). The
 backward recomputes compression and selection before NSAFunction's backward: the block-sparse
 lists' sizes depend on values, so they cannot cross the op boundary, and selection is
-deterministic, so the recomputed lists are the ones the forward used. That costs one selection more per step than eager nsa(), which keeps the lists.
+deterministic, so the recomputed lists are the ones the forward used. That costs one selection
+more per step than eager nsa(), which keeps the lists.
 
 Eager nsa() does not use these ops (it keeps NSAFunction, its list cache and its double-backward
 refusal); they compute the same values with the same code (`nsa.function.packed_forward`,

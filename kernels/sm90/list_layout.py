@@ -2,7 +2,8 @@
 
 nsa()'s eager backward at 16K tokens is bound by host time (docs/history.md, "nsa()'s eager
 backward, host time", 2026-11-27): every torch op costs the host ~20-25 us, and building the
-transposed lists and the split-list work units took ~65 of them per step. Two elementwise kernels replace them:
+transposed lists and the split-list work units took ~65 of them per step. Two elementwise
+kernels replace them:
 
 - `TransposeKeys`: the int64 sort key of every slot of the forward lists
   (`sparsity.csr._sort_keys`' torch ops): ((global KV block * Hs + head) * 2 + kind) * span +
