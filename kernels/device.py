@@ -56,6 +56,12 @@ def _device_unsupported(device: torch.device) -> str:
 
 
 @functools.lru_cache(maxsize=8)
+def total_memory(device: torch.device) -> int:
+    """Bytes of memory of a CUDA device (nsa()'s memory policy sizes what it keeps by it)."""
+    return torch.cuda.get_device_properties(device).total_memory
+
+
+@functools.lru_cache(maxsize=8)
 def sm_count(device: torch.device) -> int:
     """The streaming multiprocessors of a CUDA device (the persistent grids' size)."""
     return torch.cuda.get_device_properties(device).multi_processor_count

@@ -23,11 +23,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from kernels.device import total_memory
+
 KEEP_FRACTION = 1 / 8
 # Off CUDA (the fallback on the CPU) the device's memory is the host's: a fixed budget instead.
 HOST_KEEP_BUDGET = 4 * 2**30
-
-_device_memory: dict[int, int] = {}
 
 
 def kept_output_bytes(q: Tensor, num_branches: int) -> int:
@@ -39,10 +39,9 @@ def keep_budget_bytes(device: torch.device) -> int:
     """The most bytes of branch outputs kept by default on `device`."""
     if device.type != "cuda":
         return HOST_KEEP_BUDGET
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _device_memory:
-        _device_memory[index] = torch.cuda.get_device_properties(index).total_memory
-    return int(_device_memory[index] * KEEP_FRACTION)
+    if device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return int(total_memory(device) * KEEP_FRACTION)
 
 
 def keeps_branch_outputs(q: Tensor, num_branches: int, recompute: bool | None) -> bool:
