@@ -99,10 +99,7 @@ def nsa(q: Tensor, k: Tensor, v: Tensor, *, cu_seqlens: Tensor | None = None,
         W_gate=W_gate, causal=causal, softmax_scale=softmax_scale,
         num_cmp_selected_blocks=num_cmp_selected_blocks, q_tile=_q_tile,
         cmp_kv_block=_cmp_kv_block, deterministic=deterministic,
-        host_cu_seqlens=host_cu_seqlens)
-    if recompute is not None and not isinstance(recompute, bool):
-        raise TypeError(f"recompute must be None or a bool, got {type(recompute).__name__} "
-                        f"{recompute!r}")
+        host_cu_seqlens=host_cu_seqlens, recompute=recompute)
     weights = tuple(None if W is None else W.contiguous() for W in (W_k, W_v, W_gate))
     # The checks read cu_seqlens once (or took host_cu_seqlens); its values travel with the call
     # from here on.

@@ -52,9 +52,10 @@ def validate_nsa_arguments(q, k, v, **kwargs) -> tuple[NSAConfig, int]:
 def validate_nsa_call(q, k, v, *, cu_seqlens, max_seqlen, compress_block_size,
                       selected_block_size, num_selected_blocks, window_size, W_k, W_v, W_gate,
                       causal, softmax_scale, num_cmp_selected_blocks, q_tile,
-                      cmp_kv_block, deterministic=False, host_cu_seqlens=None
-                      ) -> tuple[NSAConfig, PackedSequences]:
-    """The resolved options and the sequences, or an error naming the first bad argument."""
+                      cmp_kv_block, deterministic=False, host_cu_seqlens=None,
+                      recompute=None) -> tuple[NSAConfig, PackedSequences]:
+    """The resolved options and the sequences, or an error naming the first bad argument.
+    recompute (the backward's memory policy, not part of the config) is only checked here."""
     q_tile = _positive_int("_q_tile", q_tile)
     cmp_kv_block = _positive_int("_cmp_kv_block", cmp_kv_block)
     config = NSAConfig(
@@ -89,6 +90,7 @@ def validate_nsa_call(q, k, v, *, cu_seqlens, max_seqlen, compress_block_size,
             max_seqlen=_check_padded_max_seqlen(max_seqlen, seqlen))
     scale = check_softmax_scale(softmax_scale, head_dim)
     num_selected = _useful_selected_blocks(config, sequences.max_seqlen)
+    _optional_bool("recompute", recompute)
     return config.resolved(softmax_scale=scale, num_selected_blocks=num_selected), sequences
 
 
@@ -259,3 +261,9 @@ def _int_at_least(name: str, value, low: int) -> int:
 
 def _positive_int(name: str, value) -> int:
     return _int_at_least(name, value, 1)
+
+
+def _optional_bool(name: str, value) -> None:
+    """None or a bool, strictly (a string such as "false" would be silently truthy)."""
+    if value is not None and not isinstance(value, bool):
+        raise TypeError(f"{name} must be None or a bool, got {type(value).__name__} {value!r}")
