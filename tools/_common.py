@@ -132,6 +132,17 @@ def add_num_seqs_argument(parser) -> None:
                              "(varlen); default: batch sequences of N")
 
 
+# --recompute: nsa()'s recompute argument (nsa/memory_policy.py); auto leaves nsa()'s size rule
+RECOMPUTE_OPTIONS = {"auto": {}, "keep": {"recompute": False}, "recompute": {"recompute": True}}
+
+
+def add_recompute_argument(parser, help_more: str = "") -> None:
+    """--recompute keep|recompute|auto, read back with RECOMPUTE_OPTIONS[args.recompute]."""
+    parser.add_argument("--recompute", choices=sorted(RECOMPUTE_OPTIONS), default="auto",
+                        help="nsa()'s backward: keep the branch outputs (keep), recompute them "
+                             "(recompute), or nsa()'s size rule (auto, the default)" + help_more)
+
+
 def check_num_seqs(args, parser) -> None:
     """Refuse --num-seqs beyond the tokens of the shortest N (after the problem's defaults)."""
     for seqlen in args.seqlens:

@@ -30,8 +30,9 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from _common import (DTYPES, cu_seqlens_of, describe_device, positive_int,  # noqa: E402
-                     resolve_device, time_ms, varlen_lengths, write_results_json)
+from _common import (DTYPES, RECOMPUTE_OPTIONS, add_recompute_argument,  # noqa: E402
+                     cu_seqlens_of, describe_device, positive_int, resolve_device, time_ms,
+                     varlen_lengths, write_results_json)
 from nsa import nsa  # noqa: E402
 from nsa.distributed import (choose_mode, nsa_context_parallel, resolve_group,  # noqa: E402
                              shard_sequence, unshard_sequence)
@@ -62,12 +63,10 @@ def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--selected-block-size", type=positive_int, default=64)
     parser.add_argument("--num-selected-blocks", type=positive_int, default=16)
     parser.add_argument("--window-size", type=int, default=512)
-    parser.add_argument("--recompute", choices=("auto", "keep", "recompute"), default="auto",
-                        help="nsa()'s recompute argument, the same for the context-parallel and "
-                             "the one-GPU run (auto: nsa()'s size rule, which can decide "
-                             "differently for a rank's heads than for all of them; on the "
-                             "kernels kept and recomputed gate gradients differ in the last "
-                             "bits, so the bitwise check wants keep or recompute)")
+    add_recompute_argument(parser, help_more=(
+        "; the same for the context-parallel and the one-GPU run (auto can decide differently "
+        "for a rank's heads than for all of them; on the kernels kept and recomputed gate "
+        "gradients differ in the last bits, so the bitwise check wants keep or recompute)"))
     parser.add_argument("--deterministic", action="store_true",
                         help="deterministic=True for both runs (the default backward sums dQ "
                              "in an order that changes from run to run, so its dq can differ "
@@ -132,8 +131,7 @@ def _run(args, argv) -> dict:
                    num_selected_blocks=args.num_selected_blocks, window_size=args.window_size)
     if args.deterministic:
         options["deterministic"] = True
-    if args.recompute != "auto":
-        options["recompute"] = args.recompute == "recompute"
+    options.update(RECOMPUTE_OPTIONS[args.recompute])
     # Replicated trainable weights: the backward computes each rank's partial dW too.
     weights = {n: full[n].detach().requires_grad_() for n in ("W_k", "W_v", "W_gate")
                if n in full}

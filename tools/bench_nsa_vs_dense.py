@@ -92,7 +92,8 @@ from nsa.compression import compress_pair, compressed_cu_seqlens  # noqa: E402
 from nsa.function import (compressed_starts, describe_branches,  # noqa: E402
                           select_for_branches)
 from nsa.validation import validate_nsa_call  # noqa: E402
-from _common import (add_num_seqs_argument, add_problem_arguments,  # noqa: E402
+from _common import (RECOMPUTE_OPTIONS, add_num_seqs_argument,  # noqa: E402
+                     add_problem_arguments, add_recompute_argument,
                      attention_tflops, capped_causal_pairs, causal_pairs, check_num_seqs,
                      int_list,
                      compressed_pairs, cu_seqlens_of, nsa_options, nsa_pairs,
@@ -201,10 +202,6 @@ def dense_method(args) -> Callable:
         return kernels.flash_attn_varlen_func(q, k, v, causal=True, **varlen_kwargs(packing),
                                               **options)
     return run
-
-
-# --recompute: nsa()'s recompute argument (nsa/memory_policy.py); auto leaves its default
-RECOMPUTE_OPTIONS = {"auto": {}, "keep": {"recompute": False}, "recompute": {"recompute": True}}
 
 
 def deterministic_option(args) -> dict:
@@ -680,9 +677,7 @@ def parse_args(argv):
     parser.add_argument("--deterministic", action="store_true",
                         help="deterministic=True for nsa() and our dense attention: "
                              "bit-identical gradients from run to run (slower backward)")
-    parser.add_argument("--recompute", choices=sorted(RECOMPUTE_OPTIONS), default="auto",
-                        help="nsa()'s backward: keep the branch outputs (keep), recompute them "
-                             "(recompute), or nsa()'s size rule (auto, the default)")
+    add_recompute_argument(parser)
     parser.add_argument("--branch-profile", action="store_true",
                         help="also time each NSA branch alone, forward and backward, on "
                              "nsa()'s own lists (see the description)")
