@@ -150,13 +150,12 @@ def _check_internal_arguments(q, k, v, dout_dot_out, lse_gate, dq_accumulator,
                              f"{q.device}, got {tuple(dout_dot_out.shape)} "
                              f"{dout_dot_out.dtype} on {dout_dot_out.device}")
     if lse_gate is not None:
-        _check_lse_gate(lse_gate, q, dout_dot_out)
+        _check_lse_gate(lse_gate, q)
 
 
-def _check_lse_gate(lse_gate, q, dout_dot_out) -> None:
-    """``lse_gate`` of the planned backward: ``(gates, b)``, before any launch."""
-    if dout_dot_out is None:
-        raise ValueError("lse_gate: only taken with dout_dot_out (the gate's row dots)")
+def _check_lse_gate(lse_gate, q) -> None:
+    """``lse_gate`` of the planned backward: ``(gates, b)``, before any launch (the plan has
+    already required ``dout_dot_out``, which the gate goes with)."""
     if not isinstance(lse_gate, (tuple, list)) or len(lse_gate) != 2:
         raise ValueError(f"lse_gate: expected a (gates, branch index) pair, "
                          f"got {type(lse_gate).__name__}")
