@@ -4,8 +4,10 @@ The suite is mostly kernel compilation (host CPU) and many small launches, so N 
 processes per GPU finish it several times sooner: the tests are collected once, dealt
 round-robin to the shards (neighbouring tests, often variants of one kernel, land in different
 processes), and each shard runs in its own process with CUDA_VISIBLE_DEVICES set to its GPU and
-its own CuTe DSL compile cache (shards never write one cache at once). Logs go to --log-dir; the summary gives each shard's counts and the total,
-and the exit code is nonzero when a shard failed or reported a failure.
+its own CuTe DSL compile cache (shards never write one cache at once). Tests marked `whole_gpu`
+(they need a GPU's memory to themselves, e.g. 2M tokens) run after the shards, one at a time
+per GPU. Logs go to --log-dir; the summary gives each shard's counts and the total, and the
+exit code is nonzero when a shard failed or reported a failure.
 
     python tools/run_gpu_tests.py                          # every visible GPU, all gpu tests
     python tools/run_gpu_tests.py --gpus 2 tests/nsa       # two GPUs, the nsa tests only
@@ -39,13 +41,16 @@ def visible_devices(gpus: int) -> list[str]:
     return entries[:gpus]
 
 
-def collect(paths: list[str], marker: str) -> list[str]:
-    """The node ids pytest selects with `-m marker` under `paths`."""
+WHOLE_GPU = "whole_gpu"
+
+
+def collect(paths: list[str], marker: str, allow_empty: bool = False) -> list[str]:
+    """The node ids pytest selects with `-m marker` under `paths` (allow_empty: none is fine)."""
     listing = subprocess.run(
         [sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", marker,
          "-p", "no:cacheprovider", *paths], cwd=REPO, capture_output=True, text=True)
     ids = [line for line in listing.stdout.splitlines() if "::" in line]
-    if listing.returncode not in (0, 5) or not ids:
+    if listing.returncode not in (0, 5) or not (ids or allow_empty):
         raise SystemExit(f"collection failed (exit {listing.returncode}):\n{listing.stdout[-3000:]}"
                          f"\n{listing.stderr[-3000:]}")
     return ids
@@ -90,40 +95,54 @@ def main(argv=None) -> int:
         parser.error("--gpus: no GPU visible (give --gpus N with N >= 1 on a GPU machine)")
     if args.per_gpu < 1:
         parser.error(f"--per-gpu: expected an integer >= 1, got {args.per_gpu}")
-    ids = collect(args.paths, args.marker)
-    shards = [shard for shard in deal(ids, gpus * args.per_gpu) if shard]
+    shared_marker = f"({args.marker}) and not {WHOLE_GPU}"
+    ids = collect(args.paths, shared_marker, allow_empty=True)
+    alone = collect(args.paths, f"({args.marker}) and {WHOLE_GPU}", allow_empty=True)
+    if not ids and not alone:
+        raise SystemExit(f"no test under {args.paths} carries -m {args.marker!r}")
     log_dir = Path(args.log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
-    print(f"{len(ids)} tests in {len(shards)} processes on {gpus} GPUs; logs in {log_dir}",
-          flush=True)
+    devices = visible_devices(gpus)
+    # Shared shards first (many per GPU), then the whole-GPU tests: one process per GPU, each
+    # running its tests one after another, so no other test shares its GPU's memory.
+    phases = [(shared_marker, [s for s in deal(ids, gpus * args.per_gpu) if s], "gpu_tests"),
+              (f"({args.marker}) and {WHOLE_GPU}", [s for s in deal(alone, gpus) if s],
+               "gpu_tests_whole_gpu")]
+    print(f"{len(ids)} tests in {len(phases[0][1])} processes on {gpus} GPUs, then "
+          f"{len(alone)} with a GPU each; logs in {log_dir}", flush=True)
 
     started = time.perf_counter()
-    running = []
-    devices = visible_devices(gpus)
-    for index, shard in enumerate(shards):
-        env = dict(os.environ, CUDA_VISIBLE_DEVICES=devices[index % gpus],
-                   CUTE_DSL_CACHE_DIR=os.path.join(
-                       os.environ.get("CUTE_DSL_CACHE_DIR", "/tmp/cute-dsl-cache"),
-                       f"shard{index}"))
-        log = open(log_dir / f"gpu_tests_{index}.log", "w")
-        # -v: each test's outcome in the log as it finishes, so an interrupted shard still tells
-        command = [sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider",
-                   "-p", "no:warnings", "-m", args.marker, *shard]
-        running.append((index, subprocess.Popen(command, cwd=REPO, env=env, stdout=log,
-                                              stderr=subprocess.STDOUT), log))
-    interrupted = _wait_all([process for _, process, _ in running], started, args.time_limit)
-    failed = bool(interrupted)
+    failed = False
     total: dict[str, int] = {}
-    for index, process, log in running:
-        code = process.wait()
-        log.close()
-        tail = (log_dir / f"gpu_tests_{index}.log").read_text()[-2000:]
-        found = counts(tail.splitlines()[-1] if tail.strip() else "")
-        for kind, number in found.items():
-            total[kind] = total.get(kind, 0) + number
-        failed |= code != 0 or found.get("failed", 0) > 0 or found.get("error", 0) > 0
-        print(f"shard {index} (GPU {index % gpus}): exit {code}, {found}", flush=True)
-    cut = f"; {len(interrupted)} shards interrupted at the time limit" if interrupted else ""
+    cut = ""
+    for marker, shards, log_name in phases:
+        running = []
+        for index, shard in enumerate(shards):
+            env = dict(os.environ, CUDA_VISIBLE_DEVICES=devices[index % gpus],
+                       CUTE_DSL_CACHE_DIR=os.path.join(
+                           os.environ.get("CUTE_DSL_CACHE_DIR", "/tmp/cute-dsl-cache"),
+                           f"shard{index}"))
+            log = open(log_dir / f"{log_name}_{index}.log", "w")
+            # -v: each test's outcome in the log as it finishes, so an interrupted shard tells
+            command = [sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider",
+                       "-p", "no:warnings", "-m", marker, *shard]
+            running.append((index, subprocess.Popen(command, cwd=REPO, env=env, stdout=log,
+                                                  stderr=subprocess.STDOUT), log))
+        interrupted = _wait_all([process for _, process, _ in running], started,
+                                args.time_limit)
+        failed |= bool(interrupted)
+        for index, process, log in running:
+            code = process.wait()
+            log.close()
+            tail = (log_dir / f"{log_name}_{index}.log").read_text()[-2000:]
+            found = counts(tail.splitlines()[-1] if tail.strip() else "")
+            for kind, number in found.items():
+                total[kind] = total.get(kind, 0) + number
+            failed |= code != 0 or found.get("failed", 0) > 0 or found.get("error", 0) > 0
+            print(f"{log_name} {index} (GPU {index % gpus}): exit {code}, {found}", flush=True)
+        if interrupted:
+            cut = f"; {len(interrupted)} processes interrupted at the time limit"
+            break
     print(f"all: {total} in {time.perf_counter() - started:.0f} s{cut}", flush=True)
     return 1 if failed else 0
 

@@ -23,6 +23,7 @@ def _sm90_with_memory() -> bool:
 
 
 @pytest.mark.gpu
+@pytest.mark.whole_gpu
 @pytest.mark.skipif(not _sm90_with_memory(), reason="needs an sm_90 GPU with ~110 GB (H200)")
 def test_nsa_forward_at_two_million_tokens_matches_the_fallback_on_slices(monkeypatch):
     heads, kv_heads, dim = 32, 8, 128

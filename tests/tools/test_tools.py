@@ -741,3 +741,11 @@ def test_run_gpu_tests_keeps_shards_inside_the_callers_visible_devices(monkeypat
     assert tool.visible_devices(2) == ["2", "3"]
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
     assert tool.visible_devices(3) == ["0", "1", "2"]
+
+
+def test_run_gpu_tests_keeps_whole_gpu_tests_out_of_the_shared_shards():
+    tool = load_tool("run_gpu_tests")
+    path = ["tests/nsa/test_nsa_two_million_tokens.py"]
+    alone = tool.collect(path, f"(gpu) and {tool.WHOLE_GPU}", allow_empty=True)
+    assert len(alone) == 1 and "two_million" in alone[0]
+    assert tool.collect(path, f"(gpu) and not {tool.WHOLE_GPU}", allow_empty=True) == []
