@@ -23,7 +23,10 @@ from __future__ import annotations
 
 import torch
 
-from . import dispatch, fallback
+import sys
+
+from . import call_cache, dispatch, fallback
+from .device import kernels_unavailable
 from .dispatch import normalised_kwargs
 from .dispatch import transpose_block_sparse_trusted  # noqa: F401  (nsa's branches take it here)
 from .validate import (AttentionProblem, check_backward_tensors, check_block_sparse_transposed,
@@ -84,12 +87,37 @@ def attention_forward_trusted(q, k, v, *, host_cu_seqlens, **kwargs):
 
     ``host_cu_seqlens = (cu_q, cu_k)`` are the caller's host copies of the already checked
     ``cu_seqlens_q/k`` values; ``block_sparse`` must come from ``sparsity``'s builders. Every
-    other check runs as in ``attention_forward`` (see ``validate_trusted_attention_forward``).
+    other check runs as in ``attention_forward`` (see ``validate_trusted_attention_forward``),
+    once per call signature: a call like an earlier one reuses its checks and kernel choice
+    (``kernels.call_cache``).
     """
-    problem = validate_trusted_attention_forward(q, k, v, host_cu_seqlens=host_cu_seqlens,
-                                                 **kwargs)
-    return _run_forward(problem, q, k, v, kwargs.get("cu_seqlens_q"), kwargs.get("cu_seqlens_k"),
-                        kwargs.get("block_sparse"))
+    signature = _trusted_signature("forward", (q, k, v), host_cu_seqlens, kwargs)
+    decision = call_cache.lookup(signature)
+    if decision is None:
+        problem = validate_trusted_attention_forward(q, k, v, host_cu_seqlens=host_cu_seqlens,
+                                                     **kwargs)
+        call = normalised_kwargs(problem, kwargs.get("cu_seqlens_q"),
+                                 kwargs.get("cu_seqlens_k"), kwargs.get("block_sparse"))
+        decision = (problem, dispatch.attention_kernel("forward", q, k, v, call)[0])
+        call_cache.store(signature, decision)
+    problem, kernel = decision
+    block_sparse = kwargs.get("block_sparse")
+    if kernel is not None:
+        return kernel.run(q, k, v, **normalised_kwargs(problem, kwargs.get("cu_seqlens_q"),
+                                                       kwargs.get("cu_seqlens_k"),
+                                                       block_sparse))
+    return fallback.forward(problem, q, k, v, block_sparse)
+
+
+def _trusted_signature(kind: str, tensors: tuple, host_cu_seqlens, kwargs: dict) -> tuple:
+    """``call_cache.call_signature`` plus what the kernel choice asks besides the arguments:
+    the device's answer (``NSA_CUTE_DISABLE``, the GPU) and the kernel modules in use (tests
+    swap them), so a changed answer is a new signature."""
+    device = tensors[0].device
+    modules = (id(sys.modules.get("kernels.sm90.forward")),
+               id(sys.modules.get("kernels.sm90.backward")))
+    return (call_cache.call_signature(kind, tensors, host_cu_seqlens, kwargs),
+            kernels_unavailable(device), modules)
 
 
 def attention_backward_trusted(dout, q, k, v, out, lse, *, host_cu_seqlens,
@@ -185,7 +213,36 @@ def plan_backward_trusted(q, k, v, *, host_cu_seqlens, block_sparse_transposed=N
     Why: asking whether the backward runs on the kernel, then the row dots, then the backward
     (three separate entry points before 2026-11-28) validated the call and chose its kernel
     each time, about 0.3 ms of host time per nsa() branch on an H200's host, which the eager
-    backward at 16K tokens waits for (docs/history.md, 2026-11-27)."""
+    backward at 16K tokens waits for (docs/history.md, 2026-11-27). The checks and choices
+    are kept per call signature as for the forward (``kernels.call_cache``)."""
+    # A backward that would build its lists' transpose here does device work per call:
+    # decided afresh each time (nsa() always passes the transpose).
+    reusable = block_sparse_transposed is not None or kwargs.get("block_sparse") is None
+    signature = _trusted_signature("planned backward", (q, k, v), host_cu_seqlens,
+                                   dict(kwargs, deterministic=deterministic,
+                                        block_sparse_transposed=block_sparse_transposed))
+    decision = call_cache.lookup(signature) if reusable else None
+    if decision is None:
+        decision = _plan_backward_decision(q, k, v, host_cu_seqlens, block_sparse_transposed,
+                                           deterministic, kwargs)
+        if reusable:
+            call_cache.store(signature, decision)
+    problem, forward_kernel, backward_kernel, transposed = decision
+    if backward_kernel is None or q.shape[0] == 0:
+        return None
+    forward_kwargs = normalised_kwargs(problem, kwargs.get("cu_seqlens_q"),
+                                       kwargs.get("cu_seqlens_k"), kwargs.get("block_sparse"))
+    backward_kwargs = dict(forward_kwargs, deterministic=deterministic,
+                           block_sparse_transposed=(transposed if block_sparse_transposed is None
+                                                    else block_sparse_transposed))
+    return KernelBackward(problem, q, k, v, forward_kernel, forward_kwargs, backward_kernel,
+                          backward_kwargs)
+
+
+def _plan_backward_decision(q, k, v, host_cu_seqlens, block_sparse_transposed, deterministic,
+                            kwargs) -> tuple:
+    """(problem, forward kernel, backward kernel, the transpose the backward's dispatch built
+    or None) of ``plan_backward_trusted``: its checks and kernel choices."""
     problem = validate_trusted_attention_forward(q, k, v, host_cu_seqlens=host_cu_seqlens,
                                                  **kwargs)
     check_deterministic(deterministic)
@@ -193,15 +250,16 @@ def plan_backward_trusted(q, k, v, *, host_cu_seqlens, block_sparse_transposed=N
         check_block_sparse_transposed(block_sparse_transposed, kwargs.get("block_sparse"),
                                       problem, device=q.device, check_contents=False)
     forward_kwargs = normalised_kwargs(problem, kwargs.get("cu_seqlens_q"),
-                                        kwargs.get("cu_seqlens_k"), kwargs.get("block_sparse"))
+                                       kwargs.get("cu_seqlens_k"), kwargs.get("block_sparse"))
     backward_kwargs = dict(forward_kwargs, block_sparse_transposed=block_sparse_transposed,
                            deterministic=deterministic)
     backward_kernel, _ = dispatch.attention_kernel("backward", q, k, v, backward_kwargs, problem)
-    if backward_kernel is None or q.shape[0] == 0:
-        return None
+    if backward_kernel is None:
+        return problem, None, None, None
     forward_kernel, _ = dispatch.attention_kernel("forward", q, k, v, forward_kwargs)
-    return KernelBackward(problem, q, k, v, forward_kernel, forward_kwargs, backward_kernel,
-                          backward_kwargs)
+    built = backward_kwargs["block_sparse_transposed"]
+    return problem, forward_kernel, backward_kernel, (
+        None if built is block_sparse_transposed else built)
 
 
 class KernelBackward:

@@ -61,7 +61,7 @@ class NSAFunction(torch.autograd.Function):
             q, k, v, W_k, W_v, W_gate, cu_seqlens, sequences, config, keep_outputs)
         ctx.num_branches = len(branches)
         ctx.save_for_backward(q, k, v, W_k, W_v, W_gate, cu_seqlens, cu_seqlens_cmp,
-                              *kept.compressed, *lses, *kept.outputs)
+                              *kept.compressed, kept.gates, *lses, *kept.outputs)
         ctx.branches, ctx.config, ctx.sequences = branches, config, sequences
         ctx.transposed_lists = None  # built by the first backward (`_transposed_lists`)
         return out
@@ -81,9 +81,12 @@ class NSAFunction(torch.autograd.Function):
 class KeptForBackward:
     """What the forward keeps beyond the inputs and lses: the compressed keys and values in the
     input dtype (T / l rows: small; None: the backward compresses again) and, where kept, the
-    branch outputs in branch order (empty where the backward recomputes them)."""
+    branch outputs in branch order (empty where the backward recomputes them) with the gate
+    weights (T, H, 3) that combined them (None: the backward computes them again; kept with
+    the outputs only, 12 bytes a row and head, so the memory-tight recompute path keeps none)."""
     compressed: tuple[Tensor, Tensor] | None
     outputs: tuple[Tensor, ...] = ()
+    gates: Tensor | None = None
 
 
 def packed_forward(q: Tensor, k: Tensor, v: Tensor, W_k: Tensor | None, W_v: Tensor | None,
@@ -110,7 +113,8 @@ def packed_forward(q: Tensor, k: Tensor, v: Tensor, W_k: Tensor | None, W_v: Ten
             outputs.append(branch_out)
         del branch_out
     return (out.result(), branches, cu_seqlens_cmp, lses,
-            KeptForBackward((k_cmp, v_cmp), tuple(outputs)))
+            KeptForBackward((k_cmp, v_cmp), tuple(outputs),
+                            out.gates if keep_outputs else None))
 
 
 def compress_and_plan(q: Tensor, k: Tensor, v: Tensor | None, W_k: Tensor | None,
@@ -133,12 +137,12 @@ def compress_and_plan(q: Tensor, k: Tensor, v: Tensor | None, W_k: Tensor | None
 
 def _gradients(ctx, dout: Tensor) -> tuple:
     """(dq, dk, dv, dW_k, dW_v, dW_gate) of NSAFunction, None for absent weights."""
-    q, k, v, W_k, W_v, W_gate, cu_seqlens, cu_seqlens_cmp, k_cmp, v_cmp, *rest = \
+    q, k, v, W_k, W_v, W_gate, cu_seqlens, cu_seqlens_cmp, k_cmp, v_cmp, gates, *rest = \
         ctx.saved_tensors
     lses, outputs = rest[:ctx.num_branches], tuple(rest[ctx.num_branches:])
     return packed_gradients(dout, q, k, v, W_k, W_v, W_gate, cu_seqlens, cu_seqlens_cmp, lses,
                             ctx.branches, ctx.sequences, ctx.config, _transposed_lists(ctx),
-                            KeptForBackward((k_cmp, v_cmp), outputs))
+                            KeptForBackward((k_cmp, v_cmp), outputs, gates))
 
 
 def packed_gradients(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, W_k: Tensor | None,
@@ -162,7 +166,9 @@ def packed_gradients(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, W_k: Tensor 
     nothing is recomputed: the gate pass reads o_b (one pass over dO and o_b per branch)."""
     dtype = compute_dtype(q.dtype)
     dout = dout.contiguous()
-    gates = gate_weights(q, W_gate, config.branches).contiguous()
+    gates = kept.gates if kept is not None and kept.gates is not None else \
+        gate_weights(q, W_gate, config.branches)
+    gates = gates.contiguous()
     d_gates = torch.zeros(*q.shape[:2], NUM_BRANCHES, dtype=dtype, device=q.device)
     dq = dk = dv = None
     dW_k = dW_v = dW_gate = None
