@@ -255,14 +255,12 @@ def run(terms, columns, gates, into=None):
     made sure.
     """
     first = terms[0]
-    out_rows = (first if into is None else into).view(-1, first.shape[-1])
     spec = GatedSumSpec(str(first.dtype).removeprefix("torch."), first.shape[-1],
                         tuple(columns), gates.shape[-1])
-    rows = [t.view(-1, t.shape[-1]) for t in terms] + [None] * (MAX_TERMS - len(terms))
-    row_gates = gates.view(-1, gates.shape[-1])
-    for r0, r1 in _launch_rows(rows[0]):
-        flat = [None if t is None else t[r0:r1].view(-1) for t in rows]
-        _launch(spec, (row_gates[r0:r1].view(-1), out_rows[r0:r1].view(-1), *flat), first)
+    tensors = [gates, first if into is None else into, *terms]
+    tensors += [None] * (MAX_TERMS - len(terms))
+    for flat in _launch_chunks(tensors, first):
+        _launch(spec, flat, first)
     return first if into is None else into
 
 
@@ -276,16 +274,24 @@ def run_backward(dout, term, gates, column, d_gates, term_gradient=True):
     spec = GatedSumBackwardSpec(str(dout.dtype).removeprefix("torch."), dout.shape[-1], column,
                                 d_gates.shape[-1], term_gradient)
     d_term = torch.empty_like(dout) if term_gradient else None
-    rows = [None if t is None else t.view(-1, t.shape[-1])
-            for t in (gates if term_gradient else None, d_gates, dout, term, d_term)]
-    for r0, r1 in _launch_rows(rows[2]):
-        _launch(spec, [None if t is None else t[r0:r1].view(-1) for t in rows], dout)
+    tensors = [gates if term_gradient else None, d_gates, dout, term, d_term]
+    for flat in _launch_chunks(tensors, dout):
+        _launch(spec, flat, dout)
     return d_term
 
 
-def _launch_rows(rows):
-    """[r0, r1) ranges of the (t, h) rows of `rows` (a (T * H, D) view), each launch at most
-    LAUNCH_ELEMENTS elements: the kernels index their flat tensors in 32 bits (q at 1M tokens, H=32,
-    D=128 has 2**32). A range starts at a multiple of D elements: 16-byte aligned."""
-    per_launch = LAUNCH_ELEMENTS // rows.shape[1]
-    return [(r0, min(r0 + per_launch, rows.shape[0])) for r0 in range(0, rows.shape[0], per_launch)]
+def _launch_chunks(tensors, like):
+    """Per launch, the flat views of `tensors` (contiguous tensors whose leading dims are like's
+    (T, H) rows; None stays None) over one range of rows, each launch at most LAUNCH_ELEMENTS
+    elements of `like`: the kernels index their flat tensors in 32 bits (q at 1M tokens, H=32,
+    D=128 has 2**32). A range starts at a multiple of D elements: 16-byte aligned. One range
+    (the usual case) passes each tensor's flat view itself: no slices, one view op a tensor."""
+    flat = [None if t is None else t.view(-1) for t in tensors]
+    row_elements = like.shape[-1]
+    rows = like.numel() // row_elements
+    per_launch = LAUNCH_ELEMENTS // row_elements
+    if rows <= per_launch:
+        return [flat]
+    widths = [None if t is None else t.numel() // rows for t in flat]
+    return [[None if t is None else t[r0 * w:min(r0 + per_launch, rows) * w]
+             for t, w in zip(flat, widths)] for r0 in range(0, rows, per_launch)]

@@ -320,3 +320,23 @@ def test_kernels_split_tensors_over_launches(monkeypatch):
     assert (error <= exact.abs() * torch.finfo(torch.bfloat16).eps / 2 + 1e-6).all()
     dout, term, gates = _backward_problem(rows, heads, 128, torch.bfloat16, "cuda", seed=6)
     _check_backward(dout, term, gates, column=1)
+
+
+def test_launch_chunks_cover_the_rows_once_in_ranges_of_whole_rows(monkeypatch):
+    """The flat views each launch gets: one range (each tensor's own flat view) below the
+    32-bit limit; above it, consecutive ranges of whole (t, h) rows, the gates' and the terms'
+    ranges over the same rows (CPU: views only, no launch)."""
+    import kernels.sm90.gated_sum as sm90_gated_sum
+
+    rows, heads, dim = 7, 3, 16
+    terms = torch.randn(rows, heads, dim)
+    gates = torch.randn(rows, heads, 3)
+    (whole,) = sm90_gated_sum._launch_chunks([gates, terms, None], terms)
+    assert whole[0].data_ptr() == gates.data_ptr() and whole[1].numel() == terms.numel()
+    assert whole[2] is None
+    monkeypatch.setattr(sm90_gated_sum, "LAUNCH_ELEMENTS", 4 * dim + 3)  # 4 rows a launch
+    chunks = sm90_gated_sum._launch_chunks([gates, terms, None], terms)
+    assert [c[1].numel() // dim for c in chunks] == [4, 4, 4, 4, 4, 1]
+    assert torch.equal(torch.cat([c[0] for c in chunks]), gates.flatten())
+    assert torch.equal(torch.cat([c[1] for c in chunks]), terms.flatten())
+    assert all(c[2] is None for c in chunks)
