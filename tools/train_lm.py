@@ -17,6 +17,14 @@ them (needs matplotlib: pip install -e '.[plot]').
     python tools/train_lm.py --model base --seq-len 32768 --steps 1200 --minutes 10 \\
         --json lm_32k.json --png lm_32k.png                          # H100: the comparison
 
+Two GPUs can train the two models at once, one each (--attention nsa / dense, the same other
+arguments: the same batches in the same order), and --combine joins the two JSON files into
+the comparison:
+
+    CUDA_VISIBLE_DEVICES=0 python tools/train_lm.py --attention nsa --json nsa.json ... &
+    CUDA_VISIBLE_DEVICES=1 python tools/train_lm.py --attention dense --json dense.json ... &
+    wait; python tools/train_lm.py --combine nsa.json dense.json --json lm.json --png lm.png
+
 Timing: training seconds exclude evaluation; each step ends with loss.item() (a sync) on a GPU,
 so a step's time is its device time. tokens/s is measured after --warmup-steps steps (the first
 steps compile kernels).
@@ -81,6 +89,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument("--test-q-tile", type=positive_int, default=None,
                         help="test only: nsa()'s selection tile (tiny CPU runs)")
+    parser.add_argument("--combine", nargs=2, type=Path, metavar=("NSA_JSON", "DENSE_JSON"),
+                        help="train nothing: join an --attention nsa run's JSON and an "
+                             "--attention dense run's (same model, data and seed) into the "
+                             "comparison, written with --json / --png")
     args = parser.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
     args.device = resolve_device(args.device)
@@ -274,8 +286,62 @@ def draw(summary: dict, path: Path) -> None:
     print(f"wrote {path}")
 
 
+# What two single-attention runs must share to be compared (the batches follow from them).
+SHARED_SETTINGS = ("model", "seq_len", "seed", "lr", "corpus", "train_documents",
+                   "heldout_documents", "heldout_tokens")
+
+
+def combine(paths: list[Path]) -> dict:
+    """The summary of an nsa run and a dense run written by two processes (--combine)."""
+    parts = []
+    for path, attention in zip(paths, ("nsa", "dense")):
+        try:
+            part = json.loads(path.read_text())
+        except (OSError, ValueError) as error:
+            raise SystemExit(f"--combine: cannot read {path}: {error}")
+        if [run["attention"] for run in part.get("runs", [])] != [attention]:
+            raise SystemExit(f"--combine: {path} must hold one run with --attention {attention}, "
+                             f"got {[run.get('attention') for run in part.get('runs', [])]}")
+        parts.append(part)
+    for key in SHARED_SETTINGS:
+        if parts[0].get(key) != parts[1].get(key):
+            raise SystemExit(f"--combine: the runs differ in {key} ({parts[0].get(key)!r} vs "
+                             f"{parts[1].get(key)!r}): not the same data and model")
+    summary = dict(parts[0], runs=[parts[0]["runs"][0], parts[1]["runs"][0]],
+                   command=[parts[0]["command"], parts[1]["command"]],
+                   device=parts[0]["device"] if parts[0]["device"] == parts[1]["device"]
+                   else [parts[0]["device"], parts[1]["device"]])
+    summary["comparison"] = compare(*summary["runs"])
+    return summary
+
+
+def report(summary: dict, args) -> None:
+    """Print the runs and the comparison; write --json and --png."""
+    for run in summary["runs"]:
+        steady = run["steady_tokens_per_second"]
+        print(f"[{run['attention']}] {run['steps_run']} steps, {run['tokens_seen']:,} tokens in "
+              f"{run['train_seconds']:.1f} s: held-out {run['final_heldout_loss']:.4f}, "
+              f"{run['tokens_per_second']:,.0f} tokens/s"
+              + (f" ({steady:,.0f} after warm-up)" if steady else ""))
+    if "comparison" in summary:
+        c = summary["comparison"]
+        for key in ("equal_tokens", "equal_seconds"):
+            ratio = c[key]["nsa_over_dense"]
+            print(f"NSA / dense held-out loss at {key.replace('_', ' ')}: "
+                  + ("n/a" if ratio is None else f"{ratio:.4f}"))
+        print(f"NSA / dense throughput: {c['throughput_nsa_over_dense']:.2f}x")
+    if args.json:
+        args.json.write_text(json.dumps(summary, indent=2))
+        print(f"wrote {args.json}")
+    if args.png:
+        draw(summary, args.png)
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.combine:
+        report(combine(args.combine), args)
+        return 0
     roots = source_roots(include_torch=args.corpus == "stdlib+torch")
     train_documents, heldout_documents = split_documents(find_documents(roots))
     if args.max_documents is not None:
@@ -300,24 +366,7 @@ def main(argv=None) -> int:
         heldout_tokens=sum(b.num_tokens for b in eval_set), runs=runs)
     if len(runs) == 2:
         summary["comparison"] = compare(*runs)
-    for run in runs:
-        steady = run["steady_tokens_per_second"]
-        print(f"[{run['attention']}] {run['steps_run']} steps, {run['tokens_seen']:,} tokens in "
-              f"{run['train_seconds']:.1f} s: held-out {run['final_heldout_loss']:.4f}, "
-              f"{run['tokens_per_second']:,.0f} tokens/s"
-              + (f" ({steady:,.0f} after warm-up)" if steady else ""))
-    if "comparison" in summary:
-        c = summary["comparison"]
-        for key in ("equal_tokens", "equal_seconds"):
-            ratio = c[key]["nsa_over_dense"]
-            print(f"NSA / dense held-out loss at {key.replace('_', ' ')}: "
-                  + ("n/a" if ratio is None else f"{ratio:.4f}"))
-        print(f"NSA / dense throughput: {c['throughput_nsa_over_dense']:.2f}x")
-    if args.json:
-        args.json.write_text(json.dumps(summary, indent=2))
-        print(f"wrote {args.json}")
-    if args.png:
-        draw(summary, args.png)
+    report(summary, args)
     return 0
 
 

@@ -53,6 +53,22 @@ def test_tiny_run_writes_both_curves(tmp_path, capsys):
     else:
         assert out_png.stat().st_size > 0
 
+    # --combine: the same two runs written by two processes (one --attention each) join into
+    # the same comparison; runs of different settings are refused by name.
+    parts = []
+    for run in (nsa_run, dense_run):
+        part = tmp_path / f"{run['attention']}.json"
+        part.write_text(json.dumps(dict(summary, runs=[run], comparison=None)))
+        parts.append(str(part))
+    joined = tmp_path / "joined.json"
+    tool.main(["--combine", *parts, "--json", str(joined)])
+    assert json.loads(joined.read_text())["comparison"] == comparison
+    with pytest.raises(SystemExit, match="must hold one run with --attention nsa"):
+        tool.main(["--combine", parts[1], parts[0]])
+    Path(parts[1]).write_text(json.dumps(dict(summary, runs=[dense_run], seed=1)))
+    with pytest.raises(SystemExit, match="differ in seed"):
+        tool.main(["--combine", *parts])
+
 
 def test_help_and_bad_arguments(capsys):
     tool = load_tool()
