@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import torch
 
-from .interface import attention_backward, attention_forward
+from .interface import (attention_backward, attention_backward_trusted, attention_forward,
+                        attention_forward_trusted)
 from .validate import check_deterministic
 
 
@@ -67,9 +68,17 @@ def refuse_double_backward(what: str, grads: tuple, depends_on) -> tuple:
 
 
 class _AttentionFunction(torch.autograd.Function):
+    """options: attention_forward's keyword arguments, plus host_cu_seqlens (the bounds'
+    values on the host: then neither pass reads them from the device)."""
+
     @staticmethod
     def forward(ctx, q, k, v, options: dict, deterministic: bool):
-        out, lse = attention_forward(q, k, v, **options)
+        if options.get("host_cu_seqlens") is not None:
+            out, lse = attention_forward_trusted(q, k, v, **options)
+        else:
+            options = {name: value for name, value in options.items()
+                       if name != "host_cu_seqlens"}
+            out, lse = attention_forward(q, k, v, **options)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.options, ctx.deterministic = options, deterministic
         ctx.mark_non_differentiable(lse)
@@ -79,9 +88,11 @@ class _AttentionFunction(torch.autograd.Function):
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse = ctx.saved_tensors
         contiguous_dout = dout.contiguous() if dout.stride(-1) != 1 else dout
+        backward = attention_backward_trusted if "host_cu_seqlens" in ctx.options else \
+            attention_backward
         with torch.no_grad():
-            dq, dk, dv = attention_backward(contiguous_dout, q, k, v, out, lse, **ctx.options,
-                                            deterministic=ctx.deterministic)
+            dq, dk, dv = backward(contiguous_dout, q, k, v, out, lse, **ctx.options,
+                                  deterministic=ctx.deterministic)
         what = "flash_attn_varlen_func" if "cu_seqlens_q" in ctx.options else "flash_attn_func"
         dq, dk, dv = refuse_double_backward(what, (dq, dk, dv), (dout, q, k, v))
         return dq, dk, dv, None, None
@@ -103,6 +114,20 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=(-1, 
     return (out, lse) if return_lse else out
 
 
+def _host_bounds_pair(host_cu_seqlens, block_sparse) -> tuple:
+    """flash_attn_varlen_func's host_cu_seqlens as the (cu_q, cu_k) pair the trusted entry
+    points take (their checks then check its form)."""
+    if block_sparse is not None:
+        raise ValueError("host_cu_seqlens: not taken with block_sparse (the lists' checks read "
+                         "the device anyway); pass None")
+    if not isinstance(host_cu_seqlens, (tuple, list)) or not host_cu_seqlens:
+        raise TypeError(f"host_cu_seqlens: expected a sequence of ints or a pair of them, got "
+                        f"{type(host_cu_seqlens).__name__}")
+    if isinstance(host_cu_seqlens[0], (tuple, list)):
+        return tuple(host_cu_seqlens)
+    return (tuple(host_cu_seqlens), tuple(host_cu_seqlens))
+
+
 def _compiled_attention(q, k, v, options: dict, deterministic: bool):
     """flash_attn_func under torch.compile: the custom ops of kernels/ops.py (opaque to the
     compiler; eager calls keep _AttentionFunction)."""
@@ -121,16 +146,25 @@ def _compiled_attention(q, k, v, options: dict, deterministic: bool):
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                            softmax_scale=None, causal=False, window_size=(-1, -1),
                            compress_factor=1, block_sparse=None, return_lse=False,
-                           deterministic=False):
+                           deterministic=False, host_cu_seqlens=None):
     """Attention over packed ``q (Tq, H, D)``, ``k, v (Tk, Hkv, D)`` -> ``out (Tq, H, D)``.
 
     With ``return_lse=True`` returns ``(out, lse)``, lse ``(H, Tq)`` float32.
     ``deterministic`` applies to the backward (checked now, before the forward runs).
+    ``host_cu_seqlens``: the values of ``cu_seqlens_q`` and ``cu_seqlens_k`` on the host, a
+    pair of int sequences (one sequence where both are the same bounds), for callers that have
+    them (a data loader packing documents): the checks then read no tensor value (no wait on
+    the GPU, twice a layer in a training step) and use these, which must equal the tensors'
+    values; only their form is checked (start 0, non-decreasing, end at the rows, one per
+    entry), as nsa()'s argument of the same name. Not taken with ``block_sparse``, whose
+    checks read the lists on the device anyway (a ValueError).
     """
     options = dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                    max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
                    softmax_scale=softmax_scale, causal=causal, window_size=window_size,
                    compress_factor=compress_factor, block_sparse=block_sparse)
+    if host_cu_seqlens is not None:
+        options["host_cu_seqlens"] = _host_bounds_pair(host_cu_seqlens, block_sparse)
     if torch.compiler.is_compiling():
         raise ValueError("flash_attn_varlen_func: not supported under torch.compile yet (its "
                          "checks read cu_seqlens); use flash_attn_func on padded inputs, or nsa() "

@@ -204,7 +204,8 @@ class NSAAttention(nn.Module):
         elif packed:
             out = kernels.flash_attn_varlen_func(
                 q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
-                softmax_scale=self.softmax_scale, causal=True, deterministic=self.deterministic)
+                softmax_scale=self.softmax_scale, causal=True, deterministic=self.deterministic,
+                host_cu_seqlens=host_cu_seqlens)
         else:
             out = kernels.flash_attn_func(q, k, v, softmax_scale=self.softmax_scale, causal=True,
                                           deterministic=self.deterministic)

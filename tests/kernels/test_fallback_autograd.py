@@ -184,3 +184,33 @@ def test_deterministic_sparse_fallback_is_bitwise_repeatable_on_cuda(monkeypatch
             assert torch.equal(a, b)
     for a, b in zip(runs[0], default):
         torch.testing.assert_close(a, b)
+
+
+def test_varlen_host_bounds_give_the_same_result_without_reading_the_bounds(monkeypatch):
+    """flash_attn_varlen_func(host_cu_seqlens=...) computes what the plain call computes,
+    forward and backward, and its checks read no tensor value (cu_seqlens' tolist would be the
+    device read); bad host bounds and block_sparse with them are refused by name."""
+    generator = torch.Generator().manual_seed(0)
+    cu = torch.tensor([0, 5, 12, 20], dtype=torch.int32)
+    q, k, v = (torch.randn(20, heads, 16, generator=generator, requires_grad=True)
+               for heads in (4, 2, 2))
+    plain = flash_attn_varlen_func(q, k, v, cu, cu, 8, 8, causal=True)
+    plain_grads = torch.autograd.grad(plain.sum(), (q, k, v))
+
+    def no_read(*_):
+        raise AssertionError("cu_seqlens was read")
+    monkeypatch.setattr(torch.Tensor, "tolist", no_read)
+    hosted = flash_attn_varlen_func(q, k, v, cu, cu, 8, 8, causal=True,
+                                    host_cu_seqlens=[0, 5, 12, 20])
+    hosted_grads = torch.autograd.grad(hosted.sum(), (q, k, v))
+    monkeypatch.undo()
+    assert torch.equal(plain, hosted)
+    for a, b in zip(plain_grads, hosted_grads):
+        assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="must end at the number of rows"):
+        flash_attn_varlen_func(q, k, v, cu, cu, 8, 8, host_cu_seqlens=[0, 5, 12, 21])
+    with pytest.raises(TypeError, match="host_cu_seqlens"):
+        flash_attn_varlen_func(q, k, v, cu, cu, 8, 8, host_cu_seqlens="0, 5, 12, 20")
+    with pytest.raises(ValueError, match="host_cu_seqlens: not taken with block_sparse"):
+        flash_attn_varlen_func(q, k, v, cu, cu, 8, 8, host_cu_seqlens=(0, 5, 12, 20),
+                               block_sparse=object())
