@@ -61,8 +61,11 @@ def gate_backward(q: Tensor, W_gate: Tensor, weights: Tensor, d_weights: Tensor,
     W = W_gate.to(dtype)
     dW_gate = torch.zeros(W.shape, dtype=dtype, device=q.device)
     step = max(1, GATE_BACKWARD_CHUNK_ELEMENTS // max(1, q.shape[1] * q.shape[2]))
+    # Per head: dq[:, h] += d_logits[:, h] @ W[h] and dW[h] += d_logits[:, h]^T @ q[:, h], as
+    # batched products over the heads, added in place (no copy back of a slice).
     for r0 in range(0, q.shape[0], step):
         rows = slice(r0, r0 + step)
-        dq[rows] += torch.einsum("thb,hbd->thd", d_logits[rows], W)
-        dW_gate += torch.einsum("thb,thd->hbd", d_logits[rows], q[rows].to(dtype))
+        d_rows = d_logits[rows].transpose(0, 1)  # (H, t, 3)
+        dq[rows].add_(torch.bmm(d_rows, W).transpose(0, 1))
+        dW_gate.baddbmm_(d_rows.transpose(1, 2), q[rows].to(dtype).transpose(0, 1))
     return dW_gate
