@@ -115,36 +115,61 @@ def main(argv=None) -> int:
     failed = False
     total: dict[str, int] = {}
     cut = ""
-    for marker, shards, log_name in phases:
-        running = []
-        for index, shard in enumerate(shards):
-            env = dict(os.environ, CUDA_VISIBLE_DEVICES=devices[index % gpus],
-                       CUTE_DSL_CACHE_DIR=os.path.join(
-                           os.environ.get("CUTE_DSL_CACHE_DIR", "/tmp/cute-dsl-cache"),
-                           f"shard{index}"))
-            log = open(log_dir / f"{log_name}_{index}.log", "w")
-            # -v: each test's outcome in the log as it finishes, so an interrupted shard tells
-            command = [sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider",
-                       "-p", "no:warnings", "-m", marker, *shard]
-            running.append((index, subprocess.Popen(command, cwd=REPO, env=env, stdout=log,
-                                                  stderr=subprocess.STDOUT), log))
-        interrupted = _wait_all([process for _, process, _ in running], started,
-                                args.time_limit)
-        failed |= bool(interrupted)
-        for index, process, log in running:
-            code = process.wait()
-            log.close()
-            tail = (log_dir / f"{log_name}_{index}.log").read_text()[-2000:]
-            found = counts(tail.splitlines()[-1] if tail.strip() else "")
-            for kind, number in found.items():
-                total[kind] = total.get(kind, 0) + number
-            failed |= code != 0 or found.get("failed", 0) > 0 or found.get("error", 0) > 0
-            print(f"{log_name} {index} (GPU {index % gpus}): exit {code}, {found}", flush=True)
-        if interrupted:
-            cut = f"; {len(interrupted)} processes interrupted at the time limit"
-            break
+    # A shard outlives this process unless stopped: a caller's `timeout` (SIGTERM) or Ctrl-C
+    # must not leave pytest processes compiling and running on the GPUs afterwards.
+    children: list[subprocess.Popen] = []
+    signal.signal(signal.SIGTERM, _raise_system_exit)
+    try:
+        for marker, shards, log_name in phases:
+            running = []
+            for index, shard in enumerate(shards):
+                env = dict(os.environ, CUDA_VISIBLE_DEVICES=devices[index % gpus],
+                           CUTE_DSL_CACHE_DIR=os.path.join(
+                               os.environ.get("CUTE_DSL_CACHE_DIR", "/tmp/cute-dsl-cache"),
+                               f"shard{index}"))
+                log = open(log_dir / f"{log_name}_{index}.log", "w")
+                # -v: each test's outcome in the log as it finishes, so an interrupted shard tells
+                command = [sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider",
+                           "-p", "no:warnings", "-m", marker, *shard]
+                # Its own process group: stopping a shard stops what it started too.
+                process = subprocess.Popen(command, cwd=REPO, env=env, stdout=log,
+                                           stderr=subprocess.STDOUT, start_new_session=True)
+                children.append(process)
+                running.append((index, process, log))
+            interrupted = _wait_all([process for _, process, _ in running], started,
+                                    args.time_limit)
+            failed |= bool(interrupted)
+            for index, process, log in running:
+                code = process.wait()
+                log.close()
+                tail = (log_dir / f"{log_name}_{index}.log").read_text()[-2000:]
+                found = counts(tail.splitlines()[-1] if tail.strip() else "")
+                for kind, number in found.items():
+                    total[kind] = total.get(kind, 0) + number
+                failed |= code != 0 or found.get("failed", 0) > 0 or found.get("error", 0) > 0
+                print(f"{log_name} {index} (GPU {index % gpus}): exit {code}, {found}", flush=True)
+            if interrupted:
+                cut = f"; {len(interrupted)} processes interrupted at the time limit"
+                break
+    finally:
+        _stop(children)
     print(f"all: {total} in {time.perf_counter() - started:.0f} s{cut}", flush=True)
     return 1 if failed else 0
+
+
+def _raise_system_exit(signum, _frame):
+    raise SystemExit(f"run_gpu_tests: stopped by signal {signum}")
+
+
+def _stop(processes) -> None:
+    """Kill every process of `processes` still running, with its process group (and wait)."""
+    for process in processes:
+        if process.poll() is None:
+            try:
+                os.killpg(process.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            process.wait()
 
 
 def _wait_all(processes, started: float, time_limit: float | None) -> list:

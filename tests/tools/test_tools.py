@@ -749,3 +749,20 @@ def test_run_gpu_tests_keeps_whole_gpu_tests_out_of_the_shared_shards():
     alone = tool.collect(path, f"(gpu) and {tool.WHOLE_GPU}", allow_empty=True)
     assert len(alone) == 1 and "two_million" in alone[0]
     assert tool.collect(path, f"(gpu) and not {tool.WHOLE_GPU}", allow_empty=True) == []
+
+
+def test_run_gpu_tests_stops_its_shards_and_what_they_started():
+    """A caller's timeout must not leave shards running on the GPUs: _stop kills each shard's
+    process group (here a shell and the sleep it started)."""
+    import subprocess
+    import time
+
+    tool = load_tool("run_gpu_tests")
+    shard = subprocess.Popen(["sh", "-c", "sleep 60 & sleep 60"], start_new_session=True)
+    time.sleep(0.2)
+    tool._stop([shard])
+    assert shard.poll() is not None
+    # Left in the group: only zombies (killed, not yet reaped by init), no running process.
+    states = subprocess.run(["ps", "-o", "stat=", "-g", str(shard.pid)], capture_output=True,
+                            text=True).stdout.split()
+    assert all(state.startswith("Z") for state in states), states
