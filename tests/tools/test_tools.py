@@ -35,6 +35,7 @@ TOOL_DESCRIPTIONS = {
     "bench_context_parallel": "nsa() across GPUs",
     "train_lm": "NSA and dense attention on real long documents",
     "run_gpu_tests": "split over the visible GPUs",
+    "profile_host": "Where an eager nsa() call spends host time",
 }
 
 
@@ -719,6 +720,12 @@ def test_sanitize_case_needs_an_sm90_gpu(capsys):
         pytest.skip("the CPU answer only")
     assert load_tool("sanitize_sm90_backward").main([]) == 1
     assert "needs an sm_90 GPU" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only refusal")
+def test_profile_host_needs_a_gpu(capsys):
+    assert load_tool("profile_host").main([]) == 1
+    assert "needs a CUDA GPU" in capsys.readouterr().err
 
 
 def test_run_gpu_tests_deals_every_test_once_round_robin():

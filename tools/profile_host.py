@@ -1,0 +1,174 @@
+"""Where an eager nsa() call spends host time: the time until the call returns, with the GPU
+kept busy so that the host never waits on it, and what the host did in that time.
+
+An eager step is as fast as the slower of the host (Python, checks, torch op dispatch, kernel
+launches) and the device. `tools/bench_nsa_vs_dense.py` reports the host time beside the step;
+this tool takes it apart, on one workload:
+
+- host ms of the forward and of forward+backward: median and minimum over --repeats calls,
+  each queued behind a spin kernel of about 100 ms (torch.cuda._sleep), so no call waits for the
+  device, and the GPU synchronised between calls;
+- Python function calls per forward+backward (cProfile), and with --cprofile the functions
+  with the most own time and the most cumulative time;
+- torch ops and kernel-launch calls of one forward+backward (torch.profiler), and the table of
+  host time per op.
+
+bf16, learned gates (W_gate), dO random; the other options are nsa()'s defaults.
+
+    python tools/profile_host.py                              # 8K tokens, H=32, Hkv=8, D=128
+    python tools/profile_host.py --packed lognormal-2k        # a packed workload
+    python tools/profile_host.py --seqlen 16384 --cprofile
+"""
+from __future__ import annotations
+
+import argparse
+import cProfile
+import collections
+import io
+import pstats
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _common import cu_seqlens_of, positive_int  # noqa: E402
+from packed_workloads import build_workload  # noqa: E402
+
+SPIN_CYCLES = 200_000_000  # about 100 ms of GPU clock: longer than any call's host time
+
+
+def make_inputs(args, device: torch.device) -> tuple[dict, torch.Tensor]:
+    """nsa()'s keyword arguments (q, k, v requiring grad, W_gate; cu_seqlens and host bounds
+    for a packed workload) and a dO like the output."""
+    generator = torch.Generator(device=device).manual_seed(0)
+    call: dict = {}
+    if args.packed:
+        lengths = list(build_workload(args.packed).lengths)
+        cu = cu_seqlens_of(lengths, device)
+        bounds = [0]
+        for n in lengths:
+            bounds.append(bounds[-1] + n)
+        call.update(cu_seqlens=cu, max_seqlen=max(lengths), host_cu_seqlens=tuple(bounds))
+        rows = (bounds[-1],)
+    else:
+        rows = (1, args.seqlen)
+
+    def randn(*shape, scale=1.0):
+        return (torch.randn(*shape, device=device, generator=generator) * scale).bfloat16()
+
+    head_dim = args.head_dim
+    for name, heads in (("q", args.heads), ("k", args.kv_heads), ("v", args.kv_heads)):
+        call[name] = randn(*rows, heads, head_dim).requires_grad_()
+    call["W_gate"] = randn(args.heads, 3, head_dim, scale=head_dim ** -0.5).requires_grad_()
+    return call, randn(*rows, args.heads, head_dim)
+
+
+def host_times(step, repeats: int) -> list[float]:
+    """Milliseconds until `step()` returns, each call queued behind a spin kernel."""
+    times = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        torch.cuda._sleep(SPIN_CYCLES)
+        start = time.perf_counter()
+        step()
+        times.append((time.perf_counter() - start) * 1e3)
+    torch.cuda.synchronize()
+    return times
+
+
+def python_calls(step, steps: int, show: int) -> tuple[float, str]:
+    """Python function calls per `step()` (cProfile over `steps` calls behind one long spin),
+    and the top `show` functions by own and by cumulative time (empty when show is 0)."""
+    torch.cuda.synchronize()
+    torch.cuda._sleep(SPIN_CYCLES * steps)
+    profile = cProfile.Profile()
+    profile.enable()
+    for _ in range(steps):
+        step()
+    profile.disable()
+    torch.cuda.synchronize()
+    stats = pstats.Stats(profile)
+    calls = sum(entry[1] for entry in stats.stats.values()) / steps
+    text = ""
+    if show:
+        for key in ("tottime", "cumulative"):
+            stream = io.StringIO()
+            pstats.Stats(profile, stream=stream).sort_stats(key).print_stats(show)
+            text += f"--- cProfile, {steps} calls, by {key}\n{stream.getvalue()}\n"
+    return calls, text
+
+
+def op_counts(step) -> tuple[int, int, str]:
+    """(aten ops, kernel-launch calls, the profiler's table) of one `step()`."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    events = prof.key_averages()
+    counts = collections.Counter()
+    for event in events:
+        counts[event.key] += event.count
+    aten = sum(n for key, n in counts.items() if key.startswith("aten::"))
+    launches = sum(n for key, n in counts.items() if "LaunchKernel" in key)
+    return aten, launches, events.table(sort_by="self_cpu_time_total", row_limit=30)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     epilog=__doc__.split("\n\n", 3)[-1],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seqlen", type=positive_int, default=8192,
+                        help="tokens of one padded sequence (default 8192)")
+    parser.add_argument("--packed", default=None,
+                        help="a workload of tools/packed_workloads.py instead (lognormal-2k, "
+                             "docs-8k, docs-1k, docs-256)")
+    parser.add_argument("--heads", type=positive_int, default=32)
+    parser.add_argument("--kv-heads", type=positive_int, default=8)
+    parser.add_argument("--head-dim", type=positive_int, default=128)
+    parser.add_argument("--warmup", type=positive_int, default=5)
+    parser.add_argument("--repeats", type=positive_int, default=21)
+    parser.add_argument("--cprofile", type=int, default=0, metavar="N",
+                        help="print the N functions with the most own and cumulative time")
+    parser.add_argument("--ops", action="store_true",
+                        help="print torch.profiler's table of host time per op")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("profile_host: needs a CUDA GPU (it measures the host time of GPU calls)",
+              file=sys.stderr)
+        return 1
+    from nsa import nsa
+
+    call, dout = make_inputs(args, torch.device("cuda"))
+
+    def forward():
+        return nsa(**call)
+
+    def forward_backward():
+        torch.autograd.backward(nsa(**call), dout)
+
+    workload = args.packed or f"{args.seqlen} tokens"
+    print(f"{torch.cuda.get_device_name()}: {workload}, H={args.heads} Hkv={args.kv_heads} "
+          f"D={args.head_dim} bf16, learned gates")
+    for name, step in (("fwd", forward), ("fwd+bwd", forward_backward)):
+        for _ in range(args.warmup):
+            step()
+        times = host_times(step, args.repeats)
+        print(f"host ms {name:8s} median {statistics.median(times):7.3f}  min {min(times):7.3f}")
+    calls, text = python_calls(forward_backward, 5, args.cprofile)
+    aten, launches, table = op_counts(forward_backward)
+    print(f"per fwd+bwd: {calls:,.0f} Python calls, {aten} aten ops, {launches} kernel launches")
+    if text:
+        print(text)
+    if args.ops:
+        print(table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
