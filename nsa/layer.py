@@ -58,6 +58,16 @@ def positions_in_sequences(cu_seqlens: Tensor, total: int) -> Tensor:
     return rows - bounds[sequence]
 
 
+def _shard_positions(cu_seqlens: Tensor, local_rows: int, group) -> Tensor:
+    """The positions in their documents of this rank's rows: the whole batch's positions
+    (local_rows x the group's size rows), this rank's contiguous shard of them."""
+    from nsa.distributed import resolve_group, shard_sequence
+
+    world = resolve_group(group, "context_parallel_group").world_size
+    everything = positions_in_sequences(cu_seqlens, local_rows * world)
+    return shard_sequence(everything, group, name="the packed tokens")
+
+
 def apply_rotary(x: Tensor, positions: Tensor, base: float) -> Tensor:
     """Rotary position embedding of x (..., heads, D) at positions (...) (rotate-half layout:
     channel i pairs with channel i + D/2, frequency base ** (-i / (D/2))). At least float32
@@ -167,15 +177,26 @@ class NSAAttention(nn.Module):
     def forward(self, hidden_states: Tensor, *, cu_seqlens: Tensor | None = None,
                 max_seqlen: int | None = None,
                 host_cu_seqlens: tuple[int, ...] | list[int] | None = None,
-                position_ids: Tensor | None = None) -> Tensor:
+                position_ids: Tensor | None = None, context_parallel_group=None) -> Tensor:
         """hidden_states (B, N, hidden) padded, or (T, hidden) packed with cu_seqlens (S+1,)
         int32 (+ max_seqlen, host_cu_seqlens when known). position_ids (B, N) or (T,) override
-        the positions used by the rotary embedding (default: 0.. within each sequence)."""
+        the positions used by the rotary embedding (default: 0.. within each sequence).
+
+        context_parallel_group (attention="nsa", packed input): hidden_states is this rank's
+        contiguous shard of the packed tokens (nsa.distributed.shard_sequence) and cu_seqlens
+        (with host_cu_seqlens) the whole batch's, the same on every rank; the result is the
+        rank's shard of the output (nsa()'s context parallelism; the default positions are
+        the shard's rows' positions in their documents)."""
         packed = cu_seqlens is not None
         if packed != (hidden_states.dim() == 2):
             raise ValueError("hidden_states: expected (T, hidden) with cu_seqlens, or "
                              f"(B, N, hidden) without; got {tuple(hidden_states.shape)} and "
                              f"cu_seqlens={'given' if packed else None}")
+        if context_parallel_group is not None and (self.attention != "nsa" or not packed):
+            raise ValueError("context_parallel_group: only attention='nsa' on packed input "
+                             "(hidden_states (T, hidden) with cu_seqlens) runs across ranks; "
+                             f"this layer has attention={self.attention!r} and "
+                             f"{'packed' if packed else 'padded'} input")
         rows = hidden_states.shape[:-1]
         dtype = hidden_states.dtype
         q = F.linear(hidden_states, *_cast(self.q_proj, dtype)).unflatten(-1, (self.num_heads, -1))
@@ -185,7 +206,9 @@ class NSAAttention(nn.Module):
             -1, (self.num_kv_heads, -1))
 
         if position_ids is None:
-            if packed:
+            if context_parallel_group is not None:
+                position_ids = _shard_positions(cu_seqlens, rows[0], context_parallel_group)
+            elif packed:
                 position_ids = positions_in_sequences(cu_seqlens, rows[0])
             else:
                 position_ids = torch.arange(rows[1], device=q.device).expand(rows)
@@ -200,7 +223,8 @@ class NSAAttention(nn.Module):
                       host_cu_seqlens=host_cu_seqlens, W_k=_as(self.W_k, dtype),
                       W_v=_as(self.W_v, dtype), W_gate=_as(self.W_gate, dtype),
                       softmax_scale=self.softmax_scale, deterministic=self.deterministic,
-                      recompute=self.recompute, **self.nsa_options)
+                      recompute=self.recompute, context_parallel_group=context_parallel_group,
+                      **self.nsa_options)
         elif packed:
             out = kernels.flash_attn_varlen_func(
                 q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,

@@ -25,6 +25,13 @@ the comparison:
     CUDA_VISIBLE_DEVICES=1 python tools/train_lm.py --attention dense --json dense.json ... &
     wait; python tools/train_lm.py --combine nsa.json dense.json --json lm.json --png lm.png
 
+Across GPUs (context parallelism, NSA only): `torchrun --nproc-per-node N tools/train_lm.py
+--context-parallel N --attention nsa ...` shards every batch's tokens over the N ranks (each
+rank a contiguous 1/N, the batch's cu_seqlens on all), runs each layer's nsa() across them
+(nsa.distributed, heads mode: N must divide the KV heads), averages the gradients over the
+ranks and steps the same optimizer on each; rank 0 prints and writes. tokens/s counts the whole
+batch. Dense attention has no context-parallel path here.
+
 Timing: training seconds exclude evaluation; each step ends with loss.item() (a sync) on a GPU,
 so a step's time is its device time. tokens/s is measured after --warmup-steps steps (the first
 steps compile kernels).
@@ -35,6 +42,7 @@ import argparse
 import datetime
 import json
 import math
+import os
 import sys
 import time
 from dataclasses import replace
@@ -89,6 +97,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument("--test-q-tile", type=positive_int, default=None,
                         help="test only: nsa()'s selection tile (tiny CPU runs)")
+    parser.add_argument("--context-parallel", type=positive_int, default=1, metavar="N",
+                        help="shard each batch's tokens over N ranks (run under torchrun "
+                             "--nproc-per-node N; NSA only; N divides the KV heads and "
+                             "--seq-len)")
     parser.add_argument("--combine", nargs=2, type=Path, metavar=("NSA_JSON", "DENSE_JSON"),
                         help="train nothing: join an --attention nsa run's JSON and an "
                              "--attention dense run's (same model, data and seed) into the "
@@ -96,6 +108,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
     args.device = resolve_device(args.device)
+    if args.device.type == "cuda" and "LOCAL_RANK" in os.environ and args.device.index is None:
+        args.device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))  # a rank, its GPU
     on_gpu = args.device.type == "cuda"
     args.model = args.model or ("base" if on_gpu else "tiny")
     args.seq_len = args.seq_len or (32768 if on_gpu else 2048)
@@ -107,6 +121,17 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.eval_every = max(1, args.steps // 10)
     if args.minutes is not None and args.minutes <= 0:
         parser.error(f"--minutes must be positive, got {args.minutes}")
+    if args.context_parallel > 1:
+        if args.attention != "nsa":
+            parser.error(f"--context-parallel {args.context_parallel}: only --attention nsa "
+                         f"runs across ranks, got --attention {args.attention}")
+        if args.seq_len % args.context_parallel:
+            parser.error(f"--context-parallel {args.context_parallel}: --seq-len "
+                         f"{args.seq_len} must be a multiple of it (equal shards)")
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        if world != args.context_parallel:
+            parser.error(f"--context-parallel {args.context_parallel}: run under torchrun "
+                         f"--nproc-per-node {args.context_parallel} (WORLD_SIZE is {world})")
     return args
 
 
@@ -131,21 +156,81 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+class Ranks:
+    """The context-parallel ranks of a torchrun launch (--context-parallel N), or this process
+    alone (N = 1: every method is then the identity)."""
+
+    def __init__(self, size: int, device: torch.device):
+        self.size, self.rank, self.group = size, 0, None
+        if size > 1:
+            import torch.distributed as dist
+
+            if device.type == "cuda":
+                torch.cuda.set_device(device)
+            dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+            self.rank, self.group = dist.get_rank(), dist.group.WORLD
+
+    @property
+    def first(self) -> bool:
+        """Rank 0: the one that prints and writes."""
+        return self.rank == 0
+
+    def model_inputs(self, batch) -> dict:
+        """CausalLM's arguments for `batch` (on the device): this rank's shard of the tokens
+        and labels, the whole batch's bounds, and the group."""
+        inputs = dict(batch.model_inputs(), input_ids=batch.input_ids, labels=batch.labels)
+        if self.group is not None:
+            from nsa.distributed import shard_sequence
+
+            inputs.update(input_ids=shard_sequence(batch.input_ids, self.group),
+                          labels=shard_sequence(batch.labels, self.group),
+                          context_parallel_group=self.group)
+        return inputs
+
+    def mean(self, value: torch.Tensor) -> torch.Tensor:
+        """The ranks' mean of a (detached) tensor: CausalLM's loss shares give the batch's."""
+        value = value.detach().clone()
+        if self.group is not None:
+            import torch.distributed as dist
+
+            dist.all_reduce(value, group=self.group)
+            value /= self.size
+        return value
+
+    def average_gradients(self, model: torch.nn.Module) -> None:
+        """Each gradient averaged over the ranks (summed, then divided: gloo has no average)."""
+        if self.group is None:
+            return
+        import torch.distributed as dist
+
+        for parameter in model.parameters():
+            if parameter.grad is not None:
+                dist.all_reduce(parameter.grad, group=self.group)
+                parameter.grad /= self.size
+
+    def close(self) -> None:
+        if self.group is not None:
+            import torch.distributed as dist
+
+            dist.destroy_process_group()
+
+
 @torch.no_grad()
-def heldout_loss(model: CausalLM, batches, device: torch.device) -> float:
-    """Mean loss per held-out target token over the fixed held-out batches."""
+def heldout_loss(model: CausalLM, batches, device: torch.device, ranks: Ranks) -> float:
+    """Mean loss per held-out target token over the fixed held-out batches (a batch whose
+    tokens the ranks do not divide gets a filler document without targets)."""
     model.eval()
     total, count = 0.0, 0
     for batch in batches:
-        batch = batch.to(device)
-        loss = model(batch.input_ids, labels=batch.labels, **batch.model_inputs())
+        batch = batch.padded_to_multiple(ranks.size).to(device)
+        loss = ranks.mean(model(**ranks.model_inputs(batch)))
         total += float(loss) * batch.num_targets
         count += batch.num_targets
     model.train()
     return total / count
 
 
-def train_one(attention: str, args, train_documents, eval_set) -> dict:
+def train_one(attention: str, args, train_documents, eval_set, ranks: Ranks) -> dict:
     config = model_config(args, attention)
     torch.manual_seed(args.seed)
     model = CausalLM(config, seed=args.seed).to(args.device)
@@ -154,22 +239,24 @@ def train_one(attention: str, args, train_documents, eval_set) -> dict:
                                   weight_decay=args.weight_decay, fused=fused)
     packer = DocumentPacker(train_documents, args.seq_len, seed=args.seed)
     budget = None if args.minutes is None else args.minutes * 60
-    print(f"[{attention}] {model.num_parameters() / 1e6:.1f}M parameters, {config}")
+    if ranks.first:
+        print(f"[{attention}] {model.num_parameters() / 1e6:.1f}M parameters, {config}"
+              + (f", context parallel over {ranks.size} ranks" if ranks.size > 1 else ""))
 
     record = dict(attention=attention, parameters=model.num_parameters(),
                   config=config.to_dict(), steps=[], train_loss=[], tokens=[], seconds=[],
                   lr=[], eval=[])
 
     def evaluate(step: int, tokens: int, seconds: float) -> None:
-        loss = heldout_loss(model, eval_set, args.device)
+        loss = heldout_loss(model, eval_set, args.device, ranks)
         record["eval"].append(dict(step=step, tokens=tokens, seconds=seconds,
                                    heldout_loss=loss))
 
     evaluate(0, 0, 0.0)
     tokens_seen, train_seconds = 0, 0.0
     steady_tokens, steady_seconds = 0, 0.0
-    bar = tqdm(total=args.steps, desc=attention, disable=args.no_progress, dynamic_ncols=True,
-               file=sys.stdout)
+    bar = tqdm(total=args.steps, desc=attention, disable=args.no_progress or not ranks.first,
+               dynamic_ncols=True, file=sys.stdout)
     batches = iter(packer)
     step = 0
     for step in range(1, args.steps + 1):
@@ -183,12 +270,13 @@ def train_one(attention: str, args, train_documents, eval_set) -> dict:
 
         synchronize(args.device)
         start = time.perf_counter()
-        loss = model(batch.input_ids, labels=batch.labels, **batch.model_inputs())
+        loss = model(**ranks.model_inputs(batch))
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
+        ranks.average_gradients(model)
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
-        loss_value = loss.item()  # a sync: the step's work is done when the clock stops
+        loss_value = ranks.mean(loss).item()  # a sync: the step's work is done at the clock
         elapsed = time.perf_counter() - start
 
         train_seconds += elapsed
@@ -205,8 +293,9 @@ def train_one(attention: str, args, train_documents, eval_set) -> dict:
         if (args.eval_every and step % args.eval_every == 0) or step == args.steps \
                 or out_of_time:
             evaluate(step, tokens_seen, train_seconds)
-            bar.write(f"[{attention}] step {step} tokens {tokens_seen:,} "
-                      f"train {loss_value:.4f} held-out {record['eval'][-1]['heldout_loss']:.4f}")
+            if ranks.first:
+                bar.write(f"[{attention}] step {step} tokens {tokens_seen:,} train "
+                          f"{loss_value:.4f} held-out {record['eval'][-1]['heldout_loss']:.4f}")
         if out_of_time:
             break
     bar.close()
@@ -348,12 +437,20 @@ def main(argv=None) -> int:
         train_documents = train_documents[:args.max_documents]
         heldout_documents = heldout_documents[:max(1, args.max_documents // 20)]
     eval_set = heldout_batches(heldout_documents, args.seq_len, args.eval_batches)
-    print(f"corpus: {len(train_documents)} training and {len(heldout_documents)} held-out "
-          f"documents ({args.corpus}); held-out set {sum(b.num_tokens for b in eval_set):,} "
-          f"tokens in {len(eval_set)} batches of up to {args.seq_len:,}")
+    ranks = Ranks(args.context_parallel, args.device)
+    if ranks.first:
+        print(f"corpus: {len(train_documents)} training and {len(heldout_documents)} held-out "
+              f"documents ({args.corpus}); held-out set {sum(b.num_tokens for b in eval_set):,} "
+              f"tokens in {len(eval_set)} batches of up to {args.seq_len:,}")
 
     attentions = ["nsa", "dense"] if args.attention == "both" else [args.attention]
-    runs = [train_one(attention, args, train_documents, eval_set) for attention in attentions]
+    try:
+        runs = [train_one(attention, args, train_documents, eval_set, ranks)
+                for attention in attentions]
+    finally:
+        ranks.close()
+    if not ranks.first:
+        return 0
     summary = dict(
         tool="train_lm",
         date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -363,7 +460,8 @@ def main(argv=None) -> int:
         torch=torch.__version__, model=args.model, seq_len=args.seq_len, seed=args.seed,
         lr=args.lr, corpus=args.corpus, train_documents=len(train_documents),
         heldout_documents=len(heldout_documents),
-        heldout_tokens=sum(b.num_tokens for b in eval_set), runs=runs)
+        heldout_tokens=sum(b.num_tokens for b in eval_set), context_parallel=args.context_parallel,
+        runs=runs)
     if len(runs) == 2:
         summary["comparison"] = compare(*runs)
     report(summary, args)

@@ -111,6 +111,20 @@ class PackedBatch:
         return dict(cu_seqlens=self.cu_seqlens, host_cu_seqlens=self.host_cu_seqlens,
                     max_seqlen=self.max_seqlen)
 
+    def padded_to_multiple(self, multiple: int) -> "PackedBatch":
+        """This batch with a filler document appended (token 0, no targets: it adds nothing to
+        the loss and, a document of its own, is seen by no other) so that its tokens are a
+        multiple of `multiple` (context-parallel shards must be equal); itself when they are.
+        Call it before `to`: the bounds are built on the host."""
+        extra = -self.num_tokens % multiple
+        if extra == 0:
+            return self
+        bounds = (*self.host_cu_seqlens, self.host_cu_seqlens[-1] + extra)
+        return PackedBatch(torch.cat([self.input_ids, self.input_ids.new_zeros(extra)]),
+                           torch.cat([self.labels, self.labels.new_full((extra,), -100)]),
+                           torch.tensor(bounds, dtype=torch.int32), bounds,
+                           max(self.max_seqlen, extra))
+
 
 def pack_pieces(pieces: list[Tensor]) -> PackedBatch:
     lengths = [len(p) for p in pieces]

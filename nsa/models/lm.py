@@ -180,13 +180,24 @@ class CausalLM(nn.Module):
     def forward(self, input_ids: Tensor, *, cu_seqlens: Tensor | None = None,
                 max_seqlen: int | None = None,
                 host_cu_seqlens: tuple[int, ...] | list[int] | None = None,
-                position_ids: Tensor | None = None, labels: Tensor | None = None) -> Tensor:
+                position_ids: Tensor | None = None, labels: Tensor | None = None,
+                context_parallel_group=None) -> Tensor:
         """input_ids (T,) packed with cu_seqlens, or (B, N) padded. Returns logits (..., vocab)
         in float32, or with labels (same shape as input_ids; -100 = ignored) the mean
-        cross-entropy over the labelled positions."""
+        cross-entropy over the labelled positions.
+
+        context_parallel_group (attention="nsa", packed): input_ids and labels are this rank's
+        contiguous shard of the batch's tokens, cu_seqlens the whole batch's (the same on
+        every rank); every attention layer runs across the group (NSAAttention). The loss
+        returned is then this rank's share scaled so that the mean over the ranks is the
+        batch's mean loss (its labelled tokens' sum over all ranks, divided by their count):
+        averaging the ranks' gradients, as DDP and FSDP2 do over data x context ranks, gives
+        the gradient of the batch's mean loss."""
         compute_dtype = getattr(torch, self.config.compute_dtype)
         sequences = dict(cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
                          host_cu_seqlens=host_cu_seqlens, position_ids=position_ids)
+        if context_parallel_group is not None:
+            sequences["context_parallel_group"] = context_parallel_group
         x = self.embedding(input_ids).to(compute_dtype)
         for block in self.blocks:
             x = block(x, **sequences)
@@ -194,10 +205,27 @@ class CausalLM(nn.Module):
         logits = F.linear(x, self.lm_head.weight.to(compute_dtype)).float()
         if labels is None:
             return logits
-        return F.cross_entropy(logits.flatten(0, -2), labels.flatten(), ignore_index=-100)
+        if context_parallel_group is None:
+            return F.cross_entropy(logits.flatten(0, -2), labels.flatten(), ignore_index=-100)
+        return _context_parallel_loss(logits, labels, context_parallel_group)
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())
+
+
+def _context_parallel_loss(logits: Tensor, labels: Tensor, group) -> Tensor:
+    """This rank's cross-entropy sum times world / the labelled tokens of all ranks (see
+    CausalLM.forward). The count is summed on the device (no host read)."""
+    import torch.distributed as dist
+
+    from nsa.distributed import resolve_group
+
+    context = resolve_group(group, "context_parallel_group")
+    total = F.cross_entropy(logits.flatten(0, -2), labels.flatten(), ignore_index=-100,
+                            reduction="sum")
+    count = (labels != -100).sum().to(logits.dtype)
+    dist.all_reduce(count, group=context.process_group)
+    return total * context.world_size / count
 
 
 def _name_seed(seed: int, name: str) -> int:

@@ -19,6 +19,10 @@ import traceback
 import pytest
 import torch
 
+# One pytest-xdist worker takes this module's tests (`--dist loadgroup` in the test command),
+# so the multi-process runs behind `reports` start once per world size, not once per worker.
+pytestmark = pytest.mark.xdist_group("context_parallel")
+
 JOIN_TIMEOUT_S = 150
 OPTIONS = dict(compress_block_size=8, selected_block_size=16, num_selected_blocks=4,
                window_size=24, _q_tile=32, _cmp_kv_block=8)
@@ -248,10 +252,54 @@ def _worker(rank: int, world: int, store_path: str, results) -> None:
             _sum_over_group_still_works(group, world)
         checks.append(("mesh_dimension", _outcome(_check_mesh_dimension, world)))
         checks.append(("nsa_keyword", _outcome(_check_nsa_keyword, group)))
+        if world == 2:
+            checks.append(("language_model", _outcome(_check_language_model, group)))
         dist.destroy_process_group()
     except Exception:  # reported, so the parent fails with this rank's traceback
         checks.append(("worker", traceback.format_exc()))
     results.put((rank, checks))
+
+
+def _check_language_model(group) -> None:
+    """CausalLM(context_parallel_group=): on token shards with the batch's cu_seqlens, the
+    ranks' losses average to the one-process loss, their gradients averaged to its gradients
+    (documents cross the shard bound; the rotary positions continue across it)."""
+    from dataclasses import replace
+
+    import torch.distributed as dist
+    from nsa.distributed import shard_sequence
+    from nsa.models.lm import MODEL_PRESETS, CausalLM
+
+    config = replace(MODEL_PRESETS["tiny"], compress_block_size=4, selected_block_size=8,
+                     num_selected_blocks=4, window_size=12, test_q_tile=16, test_cmp_kv_block=4)
+    lengths = (50, 100, 42)  # 192 tokens: the bound at 96 cuts the second document
+    ids = torch.randint(0, 256, (sum(lengths),), generator=torch.Generator().manual_seed(4))
+    labels = ids.roll(-1).masked_fill(torch.tensor(lengths).cumsum(0)[:, None].eq(
+        torch.arange(1, sum(lengths) + 1)).any(0), -100)  # no target across a document's end
+    cu = torch.tensor((0, *lengths)).cumsum(0).to(torch.int32)
+    bounds = tuple(cu.tolist())
+    runs = []
+    for sharded in (False, True):
+        model = CausalLM(config, seed=0)
+        if sharded:
+            loss = model(shard_sequence(ids, group), labels=shard_sequence(labels, group),
+                         cu_seqlens=cu, host_cu_seqlens=bounds, context_parallel_group=group)
+        else:
+            loss = model(ids, labels=labels, cu_seqlens=cu, host_cu_seqlens=bounds)
+        loss.backward()
+        grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+        value = loss.detach().clone()
+        if sharded:
+            world = dist.get_world_size(group)
+            for grad in (value, *grads.values()):
+                dist.all_reduce(grad, group=group)
+                grad /= world
+        runs.append((value, grads))
+    (one_loss, one_grads), (cp_loss, cp_grads) = runs
+    torch.testing.assert_close(cp_loss, one_loss, rtol=1e-5, atol=1e-6)
+    for name, grad in one_grads.items():
+        assert grad.abs().sum() > 0, name
+        torch.testing.assert_close(cp_grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
 
 
 def _check_nsa_keyword(group) -> None:
@@ -372,6 +420,10 @@ def test_one_dimension_of_a_device_mesh(reports, world):
 @pytest.mark.parametrize("world", [2, 4])
 def test_nsa_takes_the_context_parallel_group(reports, world):
     _assert_passed(reports(world), "nsa_keyword")
+
+
+def test_language_model_across_ranks_equals_one_process(reports):
+    _assert_passed(reports(2), "language_model")
 
 
 # ------------------------------------------------------------------------------------------------

@@ -79,3 +79,41 @@ def test_help_and_bad_arguments(capsys):
         capsys.readouterr().out.split())
     with pytest.raises(SystemExit):
         tool.parse_args(["--device", "cpu", "--minutes", "0"])
+
+
+def test_context_parallel_run_equals_one_process(tmp_path):
+    """torchrun --nproc-per-node 2 ... --context-parallel 2 (gloo, CPU): the same losses, step
+    by step and held out, as one process training on whole batches."""
+    import os
+    import subprocess
+
+    arguments = ["--attention", "nsa", "--device", "cpu", "--model", "tiny", "--seq-len", "512",
+                 "--steps", "2", "--eval-every", "0", "--eval-batches", "1", "--corpus",
+                 "stdlib", "--max-documents", "60", "--warmup-steps", "1", "--no-progress"]
+    tool = load_tool()
+    tool.main([*arguments, "--json", str(tmp_path / "one.json")])
+    torchrun = Path(sys.executable).with_name("torchrun")
+    launcher = [str(torchrun)] if torchrun.exists() else [sys.executable, "-m",
+                                                          "torch.distributed.run"]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    subprocess.run([*launcher, "--nproc-per-node", "2", str(TOOL), "--context-parallel", "2",
+                    *arguments, "--json", str(tmp_path / "cp.json")],
+                   check=True, env=env, cwd=tmp_path, timeout=240, capture_output=True)
+    one, cp = (json.loads((tmp_path / f"{name}.json").read_text())["runs"][0]
+               for name in ("one", "cp"))
+    assert json.loads((tmp_path / "cp.json").read_text())["context_parallel"] == 2
+    assert cp["tokens"] == one["tokens"] == [512, 1024]
+    assert cp["train_loss"] == pytest.approx(one["train_loss"], rel=1e-5)
+    assert [e["heldout_loss"] for e in cp["eval"]] == pytest.approx(
+        [e["heldout_loss"] for e in one["eval"]], rel=1e-5)
+
+
+def test_context_parallel_arguments_are_checked(capsys, monkeypatch):
+    tool = load_tool()
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    for bad, phrase in ((["--attention", "both"], "only --attention nsa"),
+                        (["--attention", "nsa", "--seq-len", "513"], "must be a multiple of it"),
+                        (["--attention", "nsa"], "run under torchrun --nproc-per-node 2")):
+        with pytest.raises(SystemExit):
+            tool.parse_args(["--device", "cpu", "--context-parallel", "2", *bad])
+        assert phrase in capsys.readouterr().err
