@@ -16,7 +16,8 @@ from __future__ import annotations
 import torch
 
 from .interface import (attention_backward, attention_backward_trusted, attention_forward,
-                        attention_forward_trusted)
+                        attention_forward_trusted, masked_attention_backward,
+                        masked_attention_forward)
 from .validate import check_deterministic
 
 
@@ -98,13 +99,56 @@ class _AttentionFunction(torch.autograd.Function):
         return dq, dk, dv, None, None
 
 
+class _MaskedAttentionFunction(torch.autograd.Function):
+    """flash_attn_func with attn_mask / attn_bias (kernels.masked): gradients for q, k, v and,
+    where it requires them, the bias."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, attn_bias, attn_mask, options: dict):
+        out, lse = masked_attention_forward(q, k, v, attn_mask=attn_mask, attn_bias=attn_bias,
+                                            **options)
+        ctx.save_for_backward(q, k, v, out, lse, attn_mask, attn_bias)
+        ctx.options = options
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        q, k, v, out, lse, attn_mask, attn_bias = ctx.saved_tensors
+        contiguous_dout = dout.contiguous() if dout.stride(-1) != 1 else dout
+        with torch.no_grad():
+            dq, dk, dv, dbias = masked_attention_backward(
+                contiguous_dout, q, k, v, out, lse, attn_mask=attn_mask, attn_bias=attn_bias,
+                bias_gradient=ctx.needs_input_grad[3], **ctx.options)
+        grads = refuse_double_backward("flash_attn_func", (dq, dk, dv, dbias),
+                                       (dout, q, k, v, attn_bias))
+        return (*grads, None, None)
+
+
 def flash_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1),
-                    compress_factor=1, block_sparse=None, return_lse=False, deterministic=False):
+                    compress_factor=1, block_sparse=None, return_lse=False, deterministic=False,
+                    attn_mask=None, attn_bias=None):
     """Attention over padded ``q (B, Nq, H, D)``, ``k, v (B, Nk, Hkv, D)`` -> ``out (B, Nq, H, D)``.
 
     With ``return_lse=True`` returns ``(out, lse)``, lse ``(B, H, Nq)`` float32.
     ``deterministic`` applies to the backward (checked now, before the forward runs).
+    ``attn_mask`` (bool, True = attend) and ``attn_bias`` (float16/bfloat16/float32, added to
+    the scaled scores) broadcast as (B or 1, H or Hkv or 1, Nq, Nk), alone or with causal,
+    window_size and compress_factor; the bias gets a gradient where it requires one
+    (``kernels.masked``; not with block_sparse, not under torch.compile yet).
     """
+    if attn_mask is not None or attn_bias is not None:
+        if block_sparse is not None:
+            raise ValueError("attn_mask/attn_bias: not taken with block_sparse (the lists "
+                             "would come from the mask); pass one or the other")
+        if torch.compiler.is_compiling():
+            raise ValueError("attn_mask/attn_bias: not supported under torch.compile yet")
+        check_deterministic(deterministic)  # the masked backward is deterministic either way
+        out, lse = _MaskedAttentionFunction.apply(
+            q, k, v, attn_bias, attn_mask,
+            dict(softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+                 compress_factor=compress_factor))
+        return (out, lse) if return_lse else out
     options = dict(softmax_scale=softmax_scale, causal=causal, window_size=window_size,
                    compress_factor=compress_factor, block_sparse=block_sparse)
     if torch.compiler.is_compiling():

@@ -25,7 +25,7 @@ import torch
 
 import sys
 
-from . import call_cache, dispatch, fallback
+from . import call_cache, dispatch, fallback, masked
 from .device import kernels_unavailable
 from .dispatch import normalised_kwargs
 from .dispatch import transpose_block_sparse_trusted  # noqa: F401  (nsa's branches take it here)
@@ -80,6 +80,48 @@ def attention_backward(
     )
     return _run_backward(problem, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
                          block_sparse, block_sparse_transposed, deterministic)
+
+
+def masked_attention_forward(q, k, v, *, attn_mask=None, attn_bias=None, softmax_scale=None,
+                             causal=False, window_size=(-1, -1), compress_factor=1
+                             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``attention_forward`` of padded inputs with a user mask and/or an additive bias
+    (``kernels.masked`` states the function and the broadcast rules): ``(out, lse)``."""
+    problem = _validate_masked(q, k, v, attn_mask, attn_bias, softmax_scale, causal,
+                               window_size, compress_factor)
+    kernel, _ = dispatch.masked_attention_kernel(q.device)
+    if kernel is not None:  # (none yet)
+        return kernel.run(q, k, v, attn_mask=attn_mask, attn_bias=attn_bias)
+    return masked.forward(problem, q, k, v, attn_mask, attn_bias)
+
+
+def masked_attention_backward(dout, q, k, v, out, lse, *, attn_mask=None, attn_bias=None,
+                              softmax_scale=None, causal=False, window_size=(-1, -1),
+                              compress_factor=1, bias_gradient=False):
+    """The backward of ``masked_attention_forward``: ``(dq, dk, dv, dbias)``, dbias (the bias's
+    shape and dtype, summed over its broadcast dims) with ``bias_gradient``, else None. The
+    sums run in a fixed order: bit-identical from run to run."""
+    problem = _validate_masked(q, k, v, attn_mask, attn_bias, softmax_scale, causal,
+                               window_size, compress_factor)
+    if bias_gradient and attn_bias is None:
+        raise ValueError("bias_gradient: there is no attn_bias to take a gradient of")
+    check_backward_tensors(problem, q, dout, out, lse)
+    kernel, _ = dispatch.masked_attention_kernel(q.device)
+    if kernel is not None:  # (none yet)
+        return kernel.run_backward(dout, q, k, v, out, lse, attn_mask=attn_mask,
+                                   attn_bias=attn_bias, bias_gradient=bias_gradient)
+    return masked.backward(problem, dout, q, k, v, out, lse, attn_mask, attn_bias,
+                           bias_gradient)
+
+
+def _validate_masked(q, k, v, attn_mask, attn_bias, softmax_scale, causal, window_size,
+                     compress_factor) -> AttentionProblem:
+    check_not_meta("q", q)
+    problem = validate_attention_forward(q, k, v, softmax_scale=softmax_scale, causal=causal,
+                                         window_size=window_size,
+                                         compress_factor=compress_factor)
+    masked.check_mask_and_bias(q, k, attn_mask, attn_bias)
+    return problem
 
 
 def attention_forward_trusted(q, k, v, *, host_cu_seqlens, **kwargs):

@@ -1,0 +1,222 @@
+"""Attention with a user mask and an additive bias, and the bias's gradient (padded inputs).
+
+    S = softmax_scale * q k^T + attn_bias,   S = -inf where attn_mask is False
+        or where causal / window_size / compress_factor hide the key,
+    out = softmax(S) v,   lse = logsumexp(S)
+
+attn_mask (bool, True = attend) and attn_bias (float16, bfloat16, float32; float64 on this torch
+path) broadcast over
+(B, H, Nq, Nk): each is (Bm, Hm, Nq, Nk) with Bm in {1, B} and Hm in {1, Hkv, H} (Hkv: one
+per KV head, shared by its query heads), or the same with leading dims left out. A bias cell of
+-inf hides its key like a False mask cell. A row that sees no key outputs 0, has lse -inf and
+gets zero gradients (never NaN). With a bias gradient, dbias = dL/dS summed over the broadcast
+dims, in the bias's dtype; cells no row sees get 0.
+
+This module is the torch path, and the reference the sm90 kernels will be held to: it works one
+chunk of query rows at a time (all keys, every head) so that its temporaries stay under
+`CHUNK_BUDGET_BYTES`; nothing of Nq x Nk is allocated beyond the user's mask and bias and the
+bias's gradient. The chunks walk the batch inside each row range, so a bias shared by the batch
+(Bm = 1) sums its gradient over the batch in float32 and is written once per cell.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .fallback import _accumulation_dtype, _has_rule, _rule
+from .validate import AttentionProblem
+
+CHUNK_BUDGET_BYTES = 256 << 20
+# float64 too: the torch path computes float64 inputs exactly (gradient checks).
+BIAS_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+@dataclass(frozen=True)
+class Broadcast:
+    """How a (Bm, Hm, Nq, Nk) mask or bias spreads over (B, H, Nq, Nk)."""
+
+    batch: int  # Bm: 1 or B
+    heads: int  # Hm: 1, Hkv or H
+
+
+def check_mask_and_bias(q, k, attn_mask, attn_bias) -> tuple[Broadcast | None, Broadcast | None]:
+    """The broadcast of each (None where not given), or a TypeError / ValueError naming the
+    argument. q (B, Nq, H, D), k (B, Nk, Hkv, D) are already checked."""
+    if q.dim() != 4:
+        raise ValueError("attn_mask, attn_bias: padded inputs only (q (B, Nq, H, D)); packed "
+                         "varlen calls do not take them")
+    forms = []
+    for name, x, dtypes in (("attn_mask", attn_mask, (torch.bool,)),
+                            ("attn_bias", attn_bias, BIAS_DTYPES)):
+        if x is None:
+            forms.append(None)
+            continue
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+        if x.dtype not in dtypes:
+            names = "/".join(str(d).removeprefix("torch.") for d in dtypes)
+            raise TypeError(f"{name} must be {names}, got {x.dtype}")
+        if x.device != q.device:
+            raise ValueError(f"{name} must be on q's device ({q.device}), got {x.device}")
+        forms.append(_broadcast(name, x, q, k))
+    return forms[0], forms[1]
+
+
+def _broadcast(name: str, x: torch.Tensor, q, k) -> Broadcast:
+    batch, seqlen_q, heads, _ = q.shape
+    seqlen_k, kv_heads = k.shape[1], k.shape[2]
+    form = f"(B or 1, H or Hkv or 1, Nq, Nk) = ({batch} or 1, {heads} or {kv_heads} or 1, " \
+           f"{seqlen_q}, {seqlen_k})"
+    if not 2 <= x.dim() <= 4:
+        raise ValueError(f"{name} must broadcast as {form}, got shape {tuple(x.shape)}")
+    shape = (1,) * (4 - x.dim()) + tuple(x.shape)
+    if (shape[0] not in (1, batch) or shape[1] not in (1, kv_heads, heads)
+            or shape[2:] != (seqlen_q, seqlen_k)):
+        raise ValueError(f"{name} must broadcast as {form}, got shape {tuple(x.shape)}")
+    return Broadcast(shape[0], shape[1])
+
+
+def _as_4d(x: torch.Tensor) -> torch.Tensor:
+    return x.reshape((1,) * (4 - x.dim()) + tuple(x.shape))
+
+
+def _per_head(x: torch.Tensor, heads: int, kv_heads: int, group: int) -> torch.Tensor:
+    """(Hm, rows, keys) as (Hkv or 1, G or 1, rows, keys), broadcasting like the scores."""
+    if heads == kv_heads * group and heads != kv_heads:  # one per query head
+        return x.view(kv_heads, group, *x.shape[1:])
+    if heads == kv_heads and heads > 1:  # one per KV head (H == Hkv: the same thing)
+        return x.unsqueeze(1)
+    return x.unsqueeze(0)  # one for all heads
+
+
+def _rows_per_chunk(problem: AttentionProblem, num_keys: int, acc: torch.dtype,
+                    budget: int) -> int:
+    """Query rows per chunk: scores, probabilities and their gradient for every head."""
+    per_row = problem.num_heads * max(num_keys, 1) * torch.finfo(acc).bits // 8 * 4
+    return max(1, budget // per_row)
+
+
+class _Chunk:
+    """One range of query rows of one batch entry: its scores under every rule, and what the
+    forward and the backward read of them. Heads are laid out (Hkv, G, rows, ...)."""
+
+    def __init__(self, problem, q, k, attn_mask, attn_bias, b: int, r0: int, r1: int, acc):
+        kv_heads, group = problem.num_kv_heads, problem.group_size
+        self.rows = r1 - r0
+        q_rows = q[b, r0:r1].to(acc)  # (rows, H, D)
+        self.q = q_rows.view(self.rows, kv_heads, group, -1).permute(1, 2, 0, 3)
+        self.k = k[b].to(acc).permute(1, 0, 2).unsqueeze(1)  # (Hkv, 1, Nk, D)
+        scores = torch.matmul(self.q, self.k.transpose(-1, -2)).mul_(problem.softmax_scale)
+        if attn_bias is not None:
+            bias = _as_4d(attn_bias)
+            scores += _per_head(bias[b if bias.shape[0] > 1 else 0, :, r0:r1].to(acc),
+                                bias.shape[1], kv_heads, group)
+        hidden = None
+        if _has_rule(problem):
+            rows = torch.arange(r0, r1, device=q.device).unsqueeze(1)
+            keys = torch.arange(k.shape[1], device=q.device)
+            hidden = ~_rule(problem, rows, keys)
+        if attn_mask is not None:
+            mask = _as_4d(attn_mask)
+            unmasked = _per_head(mask[b if mask.shape[0] > 1 else 0, :, r0:r1], mask.shape[1],
+                                 kv_heads, group)
+            hidden = ~unmasked if hidden is None else hidden | ~unmasked
+        if hidden is not None:
+            scores.masked_fill_(hidden, float("-inf"))
+        self.scores = scores  # (Hkv, G, rows, Nk)
+
+    def lse(self) -> torch.Tensor:
+        """(Hkv, G, rows): -inf for a row that sees nothing."""
+        return torch.logsumexp(self.scores, dim=-1)
+
+    def probabilities(self, lse: torch.Tensor) -> torch.Tensor:
+        """exp(S - lse), 0 in every cell of a row that sees nothing (its lse is -inf)."""
+        finite = torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)
+        return torch.exp(self.scores - finite.unsqueeze(-1))
+
+    @staticmethod
+    def to_rows(x: torch.Tensor) -> torch.Tensor:
+        """(Hkv, G, rows, D) -> (rows, H, D)."""
+        kv_heads, group, rows, dim = x.shape
+        return x.permute(2, 0, 1, 3).reshape(rows, kv_heads * group, dim)
+
+
+def _chunks(problem: AttentionProblem, q, k, budget: int):
+    """(b, r0, r1) in row-range-major order (the batch inside each range)."""
+    acc = _accumulation_dtype(q.dtype)
+    step = _rows_per_chunk(problem, k.shape[1], acc, budget)
+    for r0 in range(0, q.shape[1], step):
+        for b in range(q.shape[0]):
+            yield b, r0, min(r0 + step, q.shape[1])
+
+
+def forward(problem: AttentionProblem, q, k, v, attn_mask=None, attn_bias=None,
+            budget: int = CHUNK_BUDGET_BYTES) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out (B, Nq, H, D) in q's dtype, lse (B, H, Nq) float32 (float64 for float64))."""
+    acc = _accumulation_dtype(q.dtype)
+    batch, seqlen_q, heads, dim = q.shape
+    out = torch.empty_like(q)
+    lse = torch.empty(batch, heads, seqlen_q, dtype=acc, device=q.device)
+    for b, r0, r1 in _chunks(problem, q, k, budget):
+        chunk = _Chunk(problem, q, k, attn_mask, attn_bias, b, r0, r1, acc)
+        chunk_lse = chunk.lse()
+        values = v[b].to(acc).permute(1, 0, 2).unsqueeze(1)  # (Hkv, 1, Nk, D)
+        out[b, r0:r1] = _Chunk.to_rows(torch.matmul(chunk.probabilities(chunk_lse), values))
+        lse[b, :, r0:r1] = chunk_lse.reshape(heads, r1 - r0)
+    return out, lse
+
+
+def backward(problem: AttentionProblem, dout, q, k, v, out, lse, attn_mask=None, attn_bias=None,
+             bias_gradient: bool = False, budget: int = CHUNK_BUDGET_BYTES):
+    """(dq, dk, dv, dbias): dk, dv summed over each KV group; dbias (the bias's shape and dtype)
+    with bias_gradient, else None."""
+    acc = _accumulation_dtype(q.dtype)
+    batch, seqlen_q, heads, dim = q.shape
+    kv_heads, group = problem.num_kv_heads, problem.group_size
+    dq = torch.empty_like(q)
+    dk = torch.zeros(k.shape, dtype=acc, device=k.device)
+    dv = torch.zeros(v.shape, dtype=acc, device=v.device)
+    dbias = None
+    if bias_gradient:
+        dbias = torch.zeros_like(attn_bias)
+        bias_4d = _as_4d(attn_bias)
+        dbias_4d = _as_4d(dbias)
+        shared_batch = bias_4d.shape[0] == 1
+    pending = None  # (r0, r1, float32 dbias rows summed over the batch) for a shared bias
+    for b, r0, r1 in _chunks(problem, q, k, budget):
+        chunk = _Chunk(problem, q, k, attn_mask, attn_bias, b, r0, r1, acc)
+        rows_lse = lse[b, :, r0:r1].to(acc).view(kv_heads, group, r1 - r0)
+        p = chunk.probabilities(rows_lse)  # (Hkv, G, rows, Nk)
+        values = v[b].to(acc).permute(1, 0, 2).unsqueeze(1)  # (Hkv, 1, Nk, D)
+        d_rows = dout[b, r0:r1].to(acc).view(r1 - r0, kv_heads, group, dim).permute(1, 2, 0, 3)
+        o_rows = out[b, r0:r1].to(acc).view(r1 - r0, kv_heads, group, dim).permute(1, 2, 0, 3)
+        delta = (d_rows * o_rows).sum(-1, keepdim=True)
+        ds = p * (torch.matmul(d_rows, values.transpose(-1, -2)) - delta)
+        dq[b, r0:r1] = _Chunk.to_rows(torch.matmul(ds, chunk.k) * problem.softmax_scale)
+        dk[b] += (torch.matmul(ds.transpose(-1, -2), chunk.q).sum(1)
+                  * problem.softmax_scale).permute(1, 0, 2)
+        dv[b] += torch.matmul(p.transpose(-1, -2), d_rows).sum(1).permute(1, 0, 2)
+        if dbias is None:
+            continue
+        rows_grad = _reduce_heads(ds, bias_4d.shape[1])  # (Hm, rows, Nk)
+        if not shared_batch:
+            dbias_4d[b, :, r0:r1] = rows_grad.to(dbias.dtype)
+            continue
+        if pending is not None and pending[0] != r0:
+            dbias_4d[0, :, pending[0]:pending[1]] = pending[2].to(dbias.dtype)
+            pending = None
+        pending = (r0, r1, rows_grad if pending is None else pending[2] + rows_grad)
+    if pending is not None:
+        dbias_4d[0, :, pending[0]:pending[1]] = pending[2].to(dbias.dtype)
+    return dq, dk.to(k.dtype), dv.to(v.dtype), dbias
+
+
+def _reduce_heads(ds: torch.Tensor, heads: int) -> torch.Tensor:
+    """dS (Hkv, G, rows, Nk) summed to a bias's Hm heads: (Hm, rows, Nk)."""
+    kv_heads, group = ds.shape[:2]
+    if heads == kv_heads * group and heads != kv_heads:
+        return ds.reshape(heads, *ds.shape[2:])
+    if heads == kv_heads and heads > 1:
+        return ds.sum(1)
+    return ds.sum((0, 1)).unsqueeze(0)

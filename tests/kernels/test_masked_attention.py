@@ -1,0 +1,174 @@
+"""flash_attn_func(attn_mask=, attn_bias=): the masked attention of kernels/masked.py against a
+float64 reference that materialises the whole score matrix (CPU; the torch path)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import flash_attn_func
+from kernels import masked as masked_module
+from kernels.interface import masked_attention_backward, masked_attention_forward
+
+
+def _reference(q, k, v, mask, bias, *, causal=False, window=(-1, -1), compress_factor=1):
+    """out (B, Nq, H, D) in float64 from the whole (B, H, Nq, Nk) score matrix."""
+    batch, seqlen_q, heads, dim = q.shape
+    seqlen_k, kv_heads = k.shape[1], k.shape[2]
+    group = heads // kv_heads
+    kk, vv = (x.double().repeat_interleave(group, 2) for x in (k, v))
+    scores = torch.einsum("bqhd,bkhd->bhqk", q.double(), kk) * dim ** -0.5
+    visible = torch.ones(batch, heads, seqlen_q, seqlen_k, dtype=torch.bool)
+    if bias is not None:
+        scores = scores + _spread(bias, heads, kv_heads).double()
+    if mask is not None:
+        visible &= _spread(mask, heads, kv_heads)
+    rows = torch.arange(seqlen_q)[:, None]
+    last_token = (torch.arange(seqlen_k)[None, :] + 1) * compress_factor - 1
+    if causal:
+        visible &= last_token <= rows
+    if window[0] >= 0:
+        visible &= last_token >= rows - window[0]
+    if window[1] >= 0:
+        visible &= last_token <= rows + window[1]
+    scores = scores.masked_fill(~visible, float("-inf"))
+    probabilities = torch.softmax(scores, -1).nan_to_num(0.0)  # rows that see nothing: 0
+    return torch.einsum("bhqk,bkhd->bqhd", probabilities, vv)
+
+
+def _spread(x, heads, kv_heads):
+    """A (Bm, Hm, Nq, Nk) mask or bias (or fewer leading dims) over (B, H, Nq, Nk)."""
+    x = x.reshape((1,) * (4 - x.dim()) + tuple(x.shape))
+    if x.shape[1] == kv_heads and kv_heads != heads:
+        x = x.repeat_interleave(heads // kv_heads, 1)
+    return x
+
+
+def _inputs(batch, seqlen_q, seqlen_k, heads, kv_heads, dim, dtype, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randn(batch, n, h, dim, generator=generator).to(dtype).requires_grad_()
+            for n, h in ((seqlen_q, heads), (seqlen_k, kv_heads), (seqlen_k, kv_heads))]
+
+
+def _random_mask(shape, keep: float, seed: int) -> torch.Tensor:
+    return torch.rand(shape, generator=torch.Generator().manual_seed(seed)) < keep
+
+
+# (case name): (B, Nq, Nk, H, Hkv, mask shape or None, keep, bias shape or None, options)
+CASES = {
+    "mask10-gqa4-causal": (2, 40, 40, 8, 2, (2, 8, 40, 40), 0.1, None, dict(causal=True)),
+    "mask50-bias-gqa1": (2, 33, 45, 4, 4, (1, 1, 33, 45), 0.5, (2, 4, 33, 45), {}),
+    "mask90-kvheads-bias-shared": (3, 29, 29, 8, 1, (1, 1, 29, 29), 0.9, (1, 8, 29, 29),
+                                   dict(causal=True)),
+    "bias-only-2d-gqa8": (1, 50, 37, 8, 1, None, None, (50, 37), {}),
+    "mask-per-kv-head-window": (2, 48, 48, 8, 2, (1, 2, 48, 48), 0.7, (1, 1, 48, 48),
+                                dict(causal=True, window_size=(9, 0))),
+    "mask-compressed": (1, 64, 16, 4, 2, (16,), 0.6, (1, 2, 64, 16),
+                        dict(causal=True, compress_factor=4)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_masked_attention_matches_the_reference_with_every_gradient(name):
+    batch, nq, nk, heads, kv_heads, mask_shape, keep, bias_shape, options = CASES[name]
+    q, k, v = _inputs(batch, nq, nk, heads, kv_heads, 16, torch.float64)
+    mask = None
+    if mask_shape is not None:
+        shape = mask_shape if len(mask_shape) > 1 else (nq, nk)
+        mask = _random_mask(shape, keep, seed=1)
+        if mask.dim() == 4:
+            mask[0, 0, 5] = False  # a row (and, for a shared mask, every head's) sees nothing
+    bias = None
+    if bias_shape is not None:
+        bias = torch.randn(bias_shape, generator=torch.Generator().manual_seed(2),
+                           dtype=torch.float64).requires_grad_()
+    window = options.get("window_size", (-1, -1))
+    out = flash_attn_func(q, k, v, attn_mask=mask, attn_bias=bias, **options)
+    expected = _reference(q, k, v, mask, bias, causal=options.get("causal", False),
+                          window=window, compress_factor=options.get("compress_factor", 1))
+    torch.testing.assert_close(out, expected, rtol=1e-10, atol=1e-10)
+    assert torch.isfinite(out).all()
+    dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(3), dtype=out.dtype)
+    leaves = [x for x in (q, k, v, bias) if x is not None]
+    got = torch.autograd.grad(out, leaves, dout)
+    wanted = torch.autograd.grad(expected, leaves, dout)
+    for index, (a, b) in enumerate(zip(got, wanted)):
+        assert torch.isfinite(a).all()
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-10, msg=f"gradient {index}")
+    if bias is not None:
+        assert got[-1].shape == bias.shape and got[-1].dtype == bias.dtype
+
+
+def test_rows_that_see_nothing_output_zero_and_get_zero_gradients():
+    q, k, v = _inputs(1, 12, 12, 2, 1, 8, torch.float32)
+    mask = torch.ones(12, 12, dtype=torch.bool)
+    mask[4] = False
+    bias = torch.zeros(1, 1, 12, 12, requires_grad=True)
+    with torch.no_grad():
+        bias[0, 0, 7] = float("-inf")  # a bias of -inf hides its cell like the mask
+    out, lse = flash_attn_func(q, k, v, attn_mask=mask, attn_bias=bias, return_lse=True)
+    assert (out[0, 4] == 0).all() and (out[0, 7] == 0).all()
+    assert torch.isneginf(lse[0, :, 4]).all() and torch.isneginf(lse[0, :, 7]).all()
+    dq, dbias = torch.autograd.grad(out.sum(), (q, bias))
+    assert (dq[0, 4] == 0).all() and (dq[0, 7] == 0).all()
+    assert torch.isfinite(dbias).all() and (dbias[0, 0, 4] == 0).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_inputs_with_a_half_bias_and_chunked_rows(dtype, monkeypatch):
+    """Half-precision q, k, v and bias; rows in chunks of a few (a small budget) with a bias
+    shared by the batch, so dbias sums chunk by chunk over the batch before its one write."""
+    q, k, v = _inputs(3, 30, 30, 4, 2, 16, dtype, seed=5)
+    bias = (torch.randn(1, 4, 30, 30, generator=torch.Generator().manual_seed(6)) * 0.5).to(
+        dtype).requires_grad_()
+    mask = _random_mask((3, 1, 30, 30), 0.6, seed=7)
+    monkeypatch.setattr(masked_module, "CHUNK_BUDGET_BYTES", 4 * 4 * 30 * 4 * 7)
+    out = flash_attn_func(q, k, v, attn_mask=mask, attn_bias=bias, causal=True)
+    expected = _reference(q, k, v, mask, bias, causal=True)
+    torch.testing.assert_close(out.double(), expected, rtol=2e-2, atol=2e-2)
+    dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(8)).to(dtype)
+    got = torch.autograd.grad(out, (q, k, v, bias), dout)
+    wanted = torch.autograd.grad(expected, (q, k, v, bias), dout.double())
+    for a, b in zip(got, wanted):
+        assert a.dtype == dtype
+        torch.testing.assert_close(a.double(), b.double(), rtol=5e-2, atol=5e-2)
+
+
+def test_the_backward_is_bit_identical_from_run_to_run():
+    q, k, v = _inputs(2, 24, 24, 4, 2, 8, torch.float32, seed=9)
+    bias = torch.randn(1, 2, 24, 24, requires_grad=True)
+    mask = _random_mask((2, 4, 24, 24), 0.5, seed=10)
+    runs = []
+    for _ in range(2):
+        out = flash_attn_func(q, k, v, attn_mask=mask, attn_bias=bias, causal=True)
+        runs.append(torch.autograd.grad(out.square().sum(), (q, k, v, bias)))
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
+
+
+def test_bad_masks_and_biases_are_refused_by_name():
+    q, k, v = _inputs(2, 8, 6, 4, 2, 8, torch.float32)
+    good = torch.ones(8, 6, dtype=torch.bool)
+    cases = [
+        (dict(attn_mask=torch.ones(8, 7, dtype=torch.bool)), ValueError,
+         r"attn_mask must broadcast as \(B or 1, H or Hkv or 1, Nq, Nk\)"),
+        (dict(attn_mask=torch.ones(2, 3, 8, 6, dtype=torch.bool)), ValueError,
+         "attn_mask must broadcast"),
+        (dict(attn_mask=torch.ones(8, 6)), TypeError, "attn_mask must be bool"),
+        (dict(attn_bias=torch.ones(8, 6, dtype=torch.int32)), TypeError,
+         "attn_bias must be float16/bfloat16/float32/float64"),
+        (dict(attn_bias=torch.ones(3, 1, 8, 6)), ValueError, "attn_bias must broadcast"),
+        (dict(attn_bias=torch.ones(8, 6, device="meta")), ValueError,
+         "attn_bias must be on q's device"),
+        (dict(attn_mask=good.tolist()), TypeError, "attn_mask must be a torch.Tensor"),
+    ]
+    for kwargs, error, phrase in cases:
+        with pytest.raises(error, match=phrase):
+            flash_attn_func(q, k, v, **kwargs)
+    with pytest.raises(ValueError, match="not taken with block_sparse"):
+        flash_attn_func(q, k, v, attn_mask=good, block_sparse=object())
+    with pytest.raises(ValueError, match="padded"):
+        masked_attention_forward(q[0], k[0], v[0], attn_mask=good)
+    out, lse = masked_attention_forward(q, k, v, attn_mask=good)
+    with pytest.raises(ValueError, match="bias_gradient: there is no attn_bias"):
+        masked_attention_backward(torch.ones_like(out), q, k, v, out, lse, attn_mask=good,
+                                  bias_gradient=True)
