@@ -96,7 +96,7 @@ def attention_backward_fallback(
 def forward(problem: AttentionProblem, q, k, v, block_sparse=None,
             chunk_budget_bytes: int = CHUNK_BUDGET_BYTES):
     """``(out, lse)`` for an already validated call."""
-    acc = _accumulation_dtype(q.dtype)
+    acc = accumulation_dtype(q.dtype)
     q_rows, k_rows, v_rows = _packed(q), _packed(k), _packed(v)
     out = torch.zeros_like(q_rows)  # rows that see nothing keep 0 and lse -inf
     lse = torch.full((problem.num_heads, q_rows.shape[0]), float("-inf"),
@@ -117,7 +117,7 @@ def forward(problem: AttentionProblem, q, k, v, block_sparse=None,
 def backward(problem: AttentionProblem, dout, q, k, v, out, lse, block_sparse=None,
              chunk_budget_bytes: int = CHUNK_BUDGET_BYTES, *, deterministic: bool = False):
     """``(dq, dk, dv)`` for an already validated call; dk, dv summed over each KV group."""
-    acc = _accumulation_dtype(q.dtype)
+    acc = accumulation_dtype(q.dtype)
     rows = _BackwardRows(
         q=_packed(q), k=_packed(k), v=_packed(v), dout=_packed(dout), out=_packed(out),
         lse=lse if problem.varlen else lse.permute(1, 0, 2).reshape(lse.shape[1], -1))
@@ -385,11 +385,11 @@ def _visibility(problem: AttentionProblem, r0: int, r1: int, c0: int, c1: int,
                 device) -> torch.Tensor | None:
     """Which keys ``[c0, c1)`` rows ``[r0, r1)`` see: bool ``(rows, keys)``; None when every
     key is visible (no rule applies)."""
-    if not _has_rule(problem):
+    if not has_rule(problem):
         return None
     rows = torch.arange(r0, r1, device=device).unsqueeze(1)
     keys = torch.arange(c0, c1, device=device)
-    return _rule(problem, rows, keys)
+    return visible_under_rule(problem, rows, keys)
 
 
 def _masked_scores(problem: AttentionProblem, q_chunk, k_chunk, visible) -> torch.Tensor:
@@ -597,11 +597,11 @@ def _listed_keys(problem: AttentionProblem, bs, batch: _TileBatch, device) -> _L
     kv_rows += kv_head.unsqueeze(-1)
 
     by_rule = None
-    if _has_rule(problem) and mask_keys.shape[-1]:
+    if has_rule(problem) and mask_keys.shape[-1]:
         first_row = (batch.first_local_tile
                      + torch.arange(batch.num_tiles, device=device)) * bs.row_block_size
         rows = first_row.unsqueeze(-1) + torch.arange(bs.row_block_size, device=device)
-        by_rule = _rule(problem, rows[:, None, :, None], mask_keys.unsqueeze(-2))
+        by_rule = visible_under_rule(problem, rows[:, None, :, None], mask_keys.unsqueeze(-2))
     return _ListedKeys(kv_rows=kv_rows, listed=listed, mask_start=full_keys.shape[-1],
                        by_rule=by_rule)
 
@@ -656,13 +656,15 @@ def _from_tiles(x: torch.Tensor, tile_rows: int, num_rows: int) -> torch.Tensor:
 
 # --- the causal/window rule ----------------------------------------------------------------------
 
-def _has_rule(problem: AttentionProblem) -> bool:
+def has_rule(problem: AttentionProblem) -> bool:
     left, right = problem.window_size
     return problem.causal or left >= 0 or right >= 0
 
 
-def _rule(problem: AttentionProblem, rows: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-    """Whether row ``rows`` sees key ``keys`` under causal and window (broadcast shapes)."""
+def visible_under_rule(problem: AttentionProblem, rows: torch.Tensor,
+                       keys: torch.Tensor) -> torch.Tensor:
+    """Whether row ``rows`` sees key ``keys`` under causal and window (broadcast shapes); the
+    one statement of the rule on the torch paths (this module and ``kernels.masked``)."""
     positions = (keys + 1) * problem.compress_factor - 1  # the key's last token
     left, right = problem.window_size
     visible = torch.ones(torch.broadcast_shapes(rows.shape, positions.shape), dtype=torch.bool,
@@ -678,7 +680,7 @@ def _rule(problem: AttentionProblem, rows: torch.Tensor, keys: torch.Tensor) -> 
 
 # --- layout helpers ------------------------------------------------------------------------------
 
-def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .fallback import _accumulation_dtype, _has_rule, _rule
+from .fallback import accumulation_dtype, has_rule, visible_under_rule
 from .validate import AttentionProblem
 
 CHUNK_BUDGET_BYTES = 256 << 20
@@ -113,10 +113,10 @@ class _Chunk:
             scores += _per_head(bias[b if bias.shape[0] > 1 else 0, :, r0:r1].to(acc),
                                 bias.shape[1], kv_heads, group)
         hidden = None
-        if _has_rule(problem):
+        if has_rule(problem):
             rows = torch.arange(r0, r1, device=q.device).unsqueeze(1)
             keys = torch.arange(k.shape[1], device=q.device)
-            hidden = ~_rule(problem, rows, keys)
+            hidden = ~visible_under_rule(problem, rows, keys)
         if attn_mask is not None:
             mask = _as_4d(attn_mask)
             unmasked = _per_head(mask[b if mask.shape[0] > 1 else 0, :, r0:r1], mask.shape[1],
@@ -144,7 +144,7 @@ class _Chunk:
 
 def _chunks(problem: AttentionProblem, q, k, budget: int):
     """(b, r0, r1) in row-range-major order (the batch inside each range)."""
-    acc = _accumulation_dtype(q.dtype)
+    acc = accumulation_dtype(q.dtype)
     step = _rows_per_chunk(problem, k.shape[1], acc, budget)
     for r0 in range(0, q.shape[1], step):
         for b in range(q.shape[0]):
@@ -154,7 +154,7 @@ def _chunks(problem: AttentionProblem, q, k, budget: int):
 def forward(problem: AttentionProblem, q, k, v, attn_mask=None, attn_bias=None,
             budget: int = CHUNK_BUDGET_BYTES) -> tuple[torch.Tensor, torch.Tensor]:
     """(out (B, Nq, H, D) in q's dtype, lse (B, H, Nq) float32 (float64 for float64))."""
-    acc = _accumulation_dtype(q.dtype)
+    acc = accumulation_dtype(q.dtype)
     batch, seqlen_q, heads, dim = q.shape
     out = torch.empty_like(q)
     lse = torch.empty(batch, heads, seqlen_q, dtype=acc, device=q.device)
@@ -171,7 +171,7 @@ def backward(problem: AttentionProblem, dout, q, k, v, out, lse, attn_mask=None,
              bias_gradient: bool = False, budget: int = CHUNK_BUDGET_BYTES):
     """(dq, dk, dv, dbias): dk, dv summed over each KV group; dbias (the bias's shape and dtype)
     with bias_gradient, else None."""
-    acc = _accumulation_dtype(q.dtype)
+    acc = accumulation_dtype(q.dtype)
     batch, seqlen_q, heads, dim = q.shape
     kv_heads, group = problem.num_kv_heads, problem.group_size
     dq = torch.empty_like(q)
