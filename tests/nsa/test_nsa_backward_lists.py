@@ -237,6 +237,45 @@ def test_the_backward_checks_and_dispatches_each_branch_once(fake_sm90, monkeypa
     assert len(fake_sm90.calls) == 3 and fake_sm90.folded_calls == 3
 
 
+def test_a_repeated_step_reuses_the_checks_and_choices_a_new_packing_makes_afresh(
+        fake_sm90, monkeypatch):
+    """kernels/call_cache.py: a second step with the same shapes, options and packing validates
+    and dispatches nothing (nsa()'s six trusted calls reuse their decisions), with the same
+    gradients; other document lengths, or the kernels switched off, are new signatures."""
+    monkeypatch.setitem(sys.modules, "kernels.sm90.forward", RowDotForward())
+    counts = {"validations": 0, "choices": 0}
+
+    def counting(name, function):
+        def call(*args, **kwargs):
+            counts[name] += 1
+            return function(*args, **kwargs)
+        return call
+    monkeypatch.setattr(interface, "validate_trusted_attention_forward",
+                        counting("validations", interface.validate_trusted_attention_forward))
+    monkeypatch.setattr(dispatch, "attention_kernel",
+                        counting("choices", dispatch.attention_kernel))
+    options = _options("sparse", deterministic=True)
+    first = _backward(_inputs(seed=2), options)
+    after_first = dict(counts)
+    assert after_first["validations"] > 0 and after_first["choices"] > 0
+    second = _backward(_inputs(seed=2), options)
+    assert counts == after_first
+    for a, b in zip(first, second):
+        assert torch.equal(a, b)
+    other = random_inputs([33, 24, 29], heads=4, kv_heads=2, head_dim=8, seed=3,
+                          dtype=torch.float32)
+    for name in GRAD_INPUTS:
+        other[name].requires_grad_()
+    _backward(other, options)
+    assert counts["validations"] > after_first["validations"]
+    before_off = dict(counts)
+    monkeypatch.setenv(kernels_device.DISABLE_ENV, "1")
+    calls_before = len(fake_sm90.calls)
+    _backward(_inputs(seed=2), options)
+    assert counts["validations"] > before_off["validations"]
+    assert len(fake_sm90.calls) == calls_before  # switched off: nothing reached the kernel
+
+
 def test_a_planned_backward_checks_its_per_call_arguments(fake_sm90):
     """`KernelBackward.backward` skips the validation done when planning, not the checks of
     what each call brings: dout and lse against the planned q, dout_dot_out required, the
