@@ -74,12 +74,9 @@ class _AttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, options: dict, deterministic: bool):
-        if options.get("host_cu_seqlens") is not None:
-            out, lse = attention_forward_trusted(q, k, v, **options)
-        else:
-            options = {name: value for name, value in options.items()
-                       if name != "host_cu_seqlens"}
-            out, lse = attention_forward(q, k, v, **options)
+        forward = attention_forward_trusted if "host_cu_seqlens" in options else \
+            attention_forward
+        out, lse = forward(q, k, v, **options)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.options, ctx.deterministic = options, deterministic
         ctx.mark_non_differentiable(lse)

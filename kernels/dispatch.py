@@ -66,13 +66,6 @@ def attention_kernel(direction: str, q, k, v, kwargs: dict,
     return kernel, ""
 
 
-def masked_attention_kernel(device: torch.device) -> Choice:
-    """The kernel for a call with ``attn_mask`` / ``attn_bias``: none yet on any device (the
-    sm90 kernels apply only their own causal/window rule inside a tile); the torch path of
-    ``kernels.masked`` runs it."""
-    return None, "attn_mask/attn_bias: no sm90 kernel takes them yet"
-
-
 def normalised_kwargs(problem: AttentionProblem, cu_seqlens_q, cu_seqlens_k,
                       block_sparse) -> dict:
     """The keyword arguments the kernel modules take for a validated call: the scale resolved,

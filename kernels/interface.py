@@ -21,9 +21,9 @@ not exported; user input always goes through the public, fully checking function
 """
 from __future__ import annotations
 
-import torch
-
 import sys
+
+import torch
 
 from . import call_cache, dispatch, fallback, masked
 from .device import kernels_unavailable
@@ -89,9 +89,7 @@ def masked_attention_forward(q, k, v, *, attn_mask=None, attn_bias=None, softmax
     (``kernels.masked`` states the function and the broadcast rules): ``(out, lse)``."""
     problem = _validate_masked(q, k, v, attn_mask, attn_bias, softmax_scale, causal,
                                window_size, compress_factor)
-    kernel, _ = dispatch.masked_attention_kernel(q.device)
-    if kernel is not None:  # (none yet)
-        return kernel.run(q, k, v, attn_mask=attn_mask, attn_bias=attn_bias)
+    # No sm90 kernel takes a user mask or bias yet: the torch path runs on every device.
     return masked.forward(problem, q, k, v, attn_mask, attn_bias)
 
 
@@ -106,10 +104,6 @@ def masked_attention_backward(dout, q, k, v, out, lse, *, attn_mask=None, attn_b
     if bias_gradient and attn_bias is None:
         raise ValueError("bias_gradient: there is no attn_bias to take a gradient of")
     check_backward_tensors(problem, q, dout, out, lse)
-    kernel, _ = dispatch.masked_attention_kernel(q.device)
-    if kernel is not None:  # (none yet)
-        return kernel.run_backward(dout, q, k, v, out, lse, attn_mask=attn_mask,
-                                   attn_bias=attn_bias, bias_gradient=bias_gradient)
     return masked.backward(problem, dout, q, k, v, out, lse, attn_mask, attn_bias,
                            bias_gradient)
 
@@ -134,6 +128,7 @@ def attention_forward_trusted(q, k, v, *, host_cu_seqlens, **kwargs):
     (``kernels.call_cache``).
     """
     signature = _trusted_signature("forward", (q, k, v), host_cu_seqlens, kwargs)
+    call = None
     decision = call_cache.lookup(signature)
     if decision is None:
         problem = validate_trusted_attention_forward(q, k, v, host_cu_seqlens=host_cu_seqlens,
@@ -143,12 +138,10 @@ def attention_forward_trusted(q, k, v, *, host_cu_seqlens, **kwargs):
         decision = (problem, dispatch.attention_kernel("forward", q, k, v, call)[0])
         call_cache.store(signature, decision)
     problem, kernel = decision
-    block_sparse = kwargs.get("block_sparse")
-    if kernel is not None:
-        return kernel.run(q, k, v, **normalised_kwargs(problem, kwargs.get("cu_seqlens_q"),
-                                                       kwargs.get("cu_seqlens_k"),
-                                                       block_sparse))
-    return fallback.forward(problem, q, k, v, block_sparse)
+    if call is None:
+        call = normalised_kwargs(problem, kwargs.get("cu_seqlens_q"),
+                                 kwargs.get("cu_seqlens_k"), kwargs.get("block_sparse"))
+    return _forward_on(kernel, problem, q, k, v, call)
 
 
 def _trusted_signature(kind: str, tensors: tuple, host_cu_seqlens, kwargs: dict) -> tuple:
@@ -342,9 +335,15 @@ def _run_forward(problem: AttentionProblem, q, k, v, cu_seqlens_q, cu_seqlens_k,
     """The kernel when it applies, else the fallback, for a validated call."""
     kwargs = normalised_kwargs(problem, cu_seqlens_q, cu_seqlens_k, block_sparse)
     kernel, _ = dispatch.attention_kernel("forward", q, k, v, kwargs)
+    return _forward_on(kernel, problem, q, k, v, kwargs)
+
+
+def _forward_on(kernel, problem: AttentionProblem, q, k, v, kwargs: dict):
+    """The forward on the kernel chosen for the call (its normalised keyword arguments),
+    or on the fallback where none was."""
     if kernel is not None:
         return kernel.run(q, k, v, **kwargs)
-    return fallback.forward(problem, q, k, v, block_sparse)
+    return fallback.forward(problem, q, k, v, kwargs["block_sparse"])
 
 
 def _run_backward(problem: AttentionProblem, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
