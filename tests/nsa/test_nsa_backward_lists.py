@@ -209,10 +209,10 @@ def test_the_backward_takes_gate_gradients_from_the_row_dot_forward(compressed, 
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
 
 
-def test_the_backward_checks_and_dispatches_each_branch_once(fake_sm90, monkeypatch):
-    """Per branch, the backward validates the call once and chooses its two kernels once
-    (`kernels.interface.plan_backward_trusted`), then asks the row dots and the gradients of
-    the kernels it chose (before: three validations and four kernel choices per branch)."""
+@pytest.fixture
+def decisions(fake_sm90, monkeypatch) -> dict:
+    """Counts of the trusted calls' validations and kernel choices, the forward faked with row
+    dots (`RowDotForward`)."""
     monkeypatch.setitem(sys.modules, "kernels.sm90.forward", RowDotForward())
     counts = {"validations": 0, "choices": 0}
 
@@ -221,12 +221,18 @@ def test_the_backward_checks_and_dispatches_each_branch_once(fake_sm90, monkeypa
             counts[name] += 1
             return function(*args, **kwargs)
         return call
-    monkeypatch.setattr(interface, "validate_trusted_attention_forward",
-                        counting("validations", interface.validate_trusted_attention_forward))
-    monkeypatch.setattr(interface, "validate_trusted_attention_backward",
-                        counting("validations", interface.validate_trusted_attention_backward))
+    for name in ("validate_trusted_attention_forward", "validate_trusted_attention_backward"):
+        monkeypatch.setattr(interface, name, counting("validations", getattr(interface, name)))
     monkeypatch.setattr(dispatch, "attention_kernel",
                         counting("choices", dispatch.attention_kernel))
+    return counts
+
+
+def test_the_backward_checks_and_dispatches_each_branch_once(fake_sm90, decisions):
+    """Per branch, the backward validates the call once and chooses its two kernels once
+    (`kernels.interface.plan_backward_trusted`), then asks the row dots and the gradients of
+    the kernels it chose (before: three validations and four kernel choices per branch)."""
+    counts = decisions
     inputs = _inputs(seed=2)
     out = nsa(**inputs, **_options("sparse", deterministic=True))
     forward_counts = dict(counts)
@@ -238,22 +244,11 @@ def test_the_backward_checks_and_dispatches_each_branch_once(fake_sm90, monkeypa
 
 
 def test_a_repeated_step_reuses_the_checks_and_choices_a_new_packing_makes_afresh(
-        fake_sm90, monkeypatch):
+        fake_sm90, decisions, monkeypatch):
     """kernels/call_cache.py: a second step with the same shapes, options and packing validates
     and dispatches nothing (nsa()'s six trusted calls reuse their decisions), with the same
     gradients; other document lengths, or the kernels switched off, are new signatures."""
-    monkeypatch.setitem(sys.modules, "kernels.sm90.forward", RowDotForward())
-    counts = {"validations": 0, "choices": 0}
-
-    def counting(name, function):
-        def call(*args, **kwargs):
-            counts[name] += 1
-            return function(*args, **kwargs)
-        return call
-    monkeypatch.setattr(interface, "validate_trusted_attention_forward",
-                        counting("validations", interface.validate_trusted_attention_forward))
-    monkeypatch.setattr(dispatch, "attention_kernel",
-                        counting("choices", dispatch.attention_kernel))
+    counts = decisions
     options = _options("sparse", deterministic=True)
     first = _backward(_inputs(seed=2), options)
     after_first = dict(counts)
