@@ -58,9 +58,12 @@ def positions_in_sequences(cu_seqlens: Tensor, total: int) -> Tensor:
     return rows - bounds[sequence]
 
 
-def _shard_positions(cu_seqlens: Tensor, local_rows: int, group) -> Tensor:
-    """The positions in their documents of this rank's rows: the whole batch's positions
-    (local_rows x the group's size rows), this rank's contiguous shard of them."""
+def shard_positions(cu_seqlens: Tensor, local_rows: int, group=None) -> Tensor:
+    """(local_rows,) positions in their documents of this process's packed rows: all of them
+    without a context-parallel group; with one, this rank's contiguous shard of the whole
+    batch's positions (local_rows x the group's size rows)."""
+    if group is None:
+        return positions_in_sequences(cu_seqlens, local_rows)
     from nsa.distributed import resolve_group, shard_sequence
 
     world = resolve_group(group, "context_parallel_group").world_size
@@ -206,10 +209,8 @@ class NSAAttention(nn.Module):
             -1, (self.num_kv_heads, -1))
 
         if position_ids is None:
-            if context_parallel_group is not None:
-                position_ids = _shard_positions(cu_seqlens, rows[0], context_parallel_group)
-            elif packed:
-                position_ids = positions_in_sequences(cu_seqlens, rows[0])
+            if packed:
+                position_ids = shard_positions(cu_seqlens, rows[0], context_parallel_group)
             else:
                 position_ids = torch.arange(rows[1], device=q.device).expand(rows)
         q = apply_rotary(q, position_ids, self.rope_base)

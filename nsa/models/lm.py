@@ -24,7 +24,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-from nsa.layer import NSAAttention
+from nsa.layer import NSAAttention, shard_positions
 
 # Byte-level vocabulary: 256 byte values, then the document markers.
 BYTE_VOCAB = 256
@@ -194,6 +194,10 @@ class CausalLM(nn.Module):
         averaging the ranks' gradients, as DDP and FSDP2 do over data x context ranks, gives
         the gradient of the batch's mean loss."""
         compute_dtype = getattr(torch, self.config.compute_dtype)
+        if position_ids is None and cu_seqlens is not None:
+            # Once for every layer (each would otherwise derive the same positions again).
+            position_ids = shard_positions(cu_seqlens, input_ids.shape[0],
+                                           context_parallel_group)
         sequences = dict(cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
                          host_cu_seqlens=host_cu_seqlens, position_ids=position_ids)
         if context_parallel_group is not None:
