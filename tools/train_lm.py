@@ -224,8 +224,9 @@ def heldout_loss(model: CausalLM, batches, device: torch.device, ranks: Ranks) -
     for batch in batches:
         batch = batch.padded_to_multiple(ranks.size).to(device)
         loss = ranks.mean(model(**ranks.model_inputs(batch)))
-        total += float(loss) * batch.num_targets
-        count += batch.num_targets
+        targets = batch.num_targets  # a device read: once per batch
+        total += float(loss) * targets
+        count += targets
     model.train()
     return total / count
 
