@@ -1,4 +1,5 @@
 """Compression, gating and the three branches, each against its nsa.reference counterpart."""
+import contextlib
 import pytest
 import torch
 
@@ -91,6 +92,69 @@ def test_gate_weights_and_backward_match_reference(branches, gated, chunk_rows, 
     torch.testing.assert_close(dW, dW_ref)
     if not branches[2]:
         assert torch.all(weights[..., 2] == 0) and torch.all(dW[:, 2] == 0)
+
+
+def _bfloat16_gate_inputs(device, tokens=300, heads=4, dim=64, seed=5):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(tokens, heads, dim, generator=g).bfloat16().to(device)
+    W = (torch.randn(heads, 3, dim, generator=g) * dim ** -0.5).bfloat16().to(device)
+    d_weights = torch.randn(tokens, heads, 3, generator=g).to(device)
+    dq = torch.randn(tokens, heads, dim, generator=g).bfloat16().to(device)
+    return q, W, d_weights, dq
+
+
+def _check_gate_in_input_dtype_matches_generic(q, W, d_weights, dq, branches, force):
+    """The bfloat16 products (`products_in_input_dtype`) against the float32 generic path on
+    the same inputs: float32 summation order apart, the same numbers."""
+    with force(False):
+        weights_ref = gate_weights(q, W, branches)
+        dq_ref = dq.clone()
+        dW_ref = gate_backward(q, W, weights_ref, d_weights, dq_ref)
+    with force(True):
+        weights = gate_weights(q, W, branches)
+        assert weights.is_contiguous() and weights.dtype == torch.float32
+        dq_new = dq.clone()
+        dW = gate_backward(q, W, weights, d_weights, dq_new)
+    torch.testing.assert_close(weights, weights_ref, rtol=1e-6, atol=1e-6)
+    # d_logits as bfloat16 hi + lo carries 16 of float32's 24 mantissa bits (dW_gate is
+    # returned to W_gate's bfloat16 after: 8 bits).
+    torch.testing.assert_close(dW, dW_ref, rtol=0, atol=2e-5 * dW_ref.abs().max().item())
+    # One rounding of the same float32 sum into bfloat16: at most one ulp apart.
+    torch.testing.assert_close(dq_new.float(), dq_ref.float(), rtol=2 ** -7, atol=1e-6)
+    assert (dq_new != dq).any()
+    if not branches[2]:
+        assert torch.all(weights[..., 2] == 0) and torch.all(dW[:, 2] == 0)
+
+
+@contextlib.contextmanager
+def _force_input_dtype_products(monkeypatch, on: bool):
+    with monkeypatch.context() as patch:
+        patch.setattr(gating, "products_in_input_dtype", lambda q, W: on)
+        yield
+
+
+@pytest.mark.parametrize("branches", [(True, True, True), (True, True, False)],
+                         ids=["three", "window-off"])
+def test_gate_in_input_dtype_matches_generic_cpu(branches, monkeypatch):
+    """The bfloat16 path's arithmetic (hi/lo split, in-place product into dq) on the CPU, with
+    float32 products standing in for cuBLAS's out_dtype ones."""
+    _check_gate_in_input_dtype_matches_generic(
+        *_bfloat16_gate_inputs("cpu"), branches,
+        lambda on: _force_input_dtype_products(monkeypatch, on))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("branches", [(True, True, True), (True, True, False)],
+                         ids=["three", "window-off"])
+def test_gate_in_input_dtype_matches_generic_gpu(branches, monkeypatch):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    q, W, d_weights, dq = _bfloat16_gate_inputs("cuda", tokens=4096, heads=8, dim=128)
+    assert gating.products_in_input_dtype(q, W)
+    assert not gating.products_in_input_dtype(q.float(), W.float())
+    _check_gate_in_input_dtype_matches_generic(
+        q, W, d_weights, dq, branches,
+        lambda on: _force_input_dtype_products(monkeypatch, on))
 
 
 def test_gate_folded_lse_scales_probabilities_by_the_gate():
