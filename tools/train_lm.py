@@ -39,6 +39,7 @@ steps compile kernels).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import math
@@ -101,6 +102,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="shard each batch's tokens over N ranks (run under torchrun "
                              "--nproc-per-node N; NSA only; N divides the KV heads and "
                              "--seq-len)")
+    parser.add_argument("--profile-step", type=positive_int, default=None, metavar="N",
+                        help="profile optimizer step N (torch.profiler, CPU and CUDA): print "
+                             "its wall time, the GPU's busy time and the ops with the most "
+                             "GPU time, and keep the summary in the JSON")
     parser.add_argument("--combine", nargs=2, type=Path, metavar=("NSA_JSON", "DENSE_JSON"),
                         help="train nothing: join an --attention nsa run's JSON and an "
                              "--attention dense run's (same model, data and seed) into the "
@@ -270,15 +275,20 @@ def train_one(attention: str, args, train_documents, eval_set, ranks: Ranks) -> 
             group["lr"] = lr
 
         synchronize(args.device)
+        profiler = step_profiler(args.device) if step == args.profile_step else None
         start = time.perf_counter()
-        loss = model(**ranks.model_inputs(batch))
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        ranks.average_gradients(model)
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        loss_value = ranks.mean(loss).item()  # a sync: the step's work is done at the clock
+        with profiler or contextlib.nullcontext():
+            loss = model(**ranks.model_inputs(batch))
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            ranks.average_gradients(model)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            loss_value = ranks.mean(loss).item()  # a sync: the step's work is done at the clock
         elapsed = time.perf_counter() - start
+        if profiler is not None:
+            record["profile"] = profile_summary(profiler, step, elapsed, attention,
+                                                show=ranks.first)
 
         train_seconds += elapsed
         tokens_seen += batch.num_tokens
@@ -311,6 +321,39 @@ def train_one(attention: str, args, train_documents, eval_set, ranks: Ranks) -> 
         torch.cuda.reset_peak_memory_stats(args.device)
     del model, optimizer
     return record
+
+
+def step_profiler(device: torch.device):
+    """torch.profiler over one training step: host ops, and the kernels where on a GPU."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    return profile(activities=activities)
+
+
+def profile_summary(profiler, step: int, elapsed: float, attention: str, show: bool,
+                    rows: int = 25) -> dict:
+    """What one profiled step spent: its wall time, the GPU's busy time (the kernels' time
+    summed over the step: a step much longer than it waits on the host or on a sync), and the
+    ops with the most GPU time (the most host time without a GPU). Printed when `show`."""
+    events = profiler.key_averages()
+    on_gpu = any(event.self_device_time_total for event in events)
+    key = "self_device_time_total" if on_gpu else "self_cpu_time_total"
+    busy_ms = sum(getattr(event, key) for event in events) / 1e3
+    top = sorted(events, key=lambda event: -getattr(event, key))[:rows]
+    summary = dict(step=step, wall_ms=elapsed * 1e3,
+                   gpu_busy_ms=busy_ms if on_gpu else None,
+                   top=[dict(name=event.key, calls=event.count,
+                             ms=getattr(event, key) / 1e3) for event in top])
+    if show:
+        what = "GPU busy" if on_gpu else "host ops"
+        print(f"[{attention}] profiled step {step}: wall {elapsed * 1e3:.1f} ms, {what} "
+              f"{busy_ms:.1f} ms; by {'GPU' if on_gpu else 'host'} time:")
+        for row in summary["top"]:
+            print(f"  {row['ms']:9.3f} ms {row['calls']:6d}x  {row['name'][:90]}")
+    return summary
 
 
 def heldout_at(record: dict, *, tokens: int | None = None, seconds: float | None = None):

@@ -70,6 +70,23 @@ def test_tiny_run_writes_both_curves(tmp_path, capsys):
         tool.main(["--combine", *parts])
 
 
+def test_profile_step_reports_the_step(tmp_path, capsys):
+    """--profile-step N: step N's wall time and its ops by time, printed and in the JSON."""
+    tool = load_tool()
+    out_json = tmp_path / "lm.json"
+    tool.main(["--device", "cpu", "--model", "tiny", "--attention", "nsa", "--seq-len", "512",
+               "--steps", "2", "--profile-step", "2", "--eval-every", "0", "--eval-batches",
+               "1", "--corpus", "stdlib", "--max-documents", "60", "--warmup-steps", "1",
+               "--no-progress", "--json", str(out_json)])
+    run = json.loads(out_json.read_text())["runs"][0]
+    profile = run["profile"]
+    assert profile["step"] == 2 and profile["wall_ms"] > 0
+    assert profile["gpu_busy_ms"] is None  # no GPU: the table is host time
+    assert 0 < len(profile["top"]) <= 25 and all(row["ms"] >= 0 for row in profile["top"])
+    assert any(row["name"].startswith("aten::") for row in profile["top"])
+    assert "profiled step 2: wall" in capsys.readouterr().out
+
+
 def test_help_and_bad_arguments(capsys):
     tool = load_tool()
     with pytest.raises(SystemExit) as exit_info:
