@@ -335,22 +335,26 @@ def step_profiler(device: torch.device):
 
 def profile_summary(profiler, step: int, elapsed: float, attention: str, show: bool,
                     rows: int = 25) -> dict:
-    """What one profiled step spent: its wall time, the GPU's busy time (the kernels' time
-    summed over the step: a step much longer than it waits on the host or on a sync), and the
-    ops with the most GPU time (the most host time without a GPU). Printed when `show`."""
+    """What one profiled step spent: its wall time, the GPU's busy time (the kernels' own time
+    summed: a wall time well above it is time the GPU waited on the host or on a sync), and the
+    ops with the most GPU time (each op's kernels; an autograd Function's own launches count
+    as its own), or with the most host time without a GPU. Printed when `show`."""
+    from torch.autograd import DeviceType
+
     events = profiler.key_averages()
-    on_gpu = any(event.self_device_time_total for event in events)
+    kernels = [event for event in events if event.device_type != DeviceType.CPU]
+    ops = [event for event in events if event.device_type == DeviceType.CPU]
+    on_gpu = bool(kernels)
     key = "self_device_time_total" if on_gpu else "self_cpu_time_total"
-    busy_ms = sum(getattr(event, key) for event in events) / 1e3
-    top = sorted(events, key=lambda event: -getattr(event, key))[:rows]
-    summary = dict(step=step, wall_ms=elapsed * 1e3,
-                   gpu_busy_ms=busy_ms if on_gpu else None,
+    busy_ms = sum(event.self_device_time_total for event in kernels) / 1e3 if on_gpu else None
+    top = sorted(ops, key=lambda event: -getattr(event, key))[:rows]
+    summary = dict(step=step, wall_ms=elapsed * 1e3, gpu_busy_ms=busy_ms,
                    top=[dict(name=event.key, calls=event.count,
                              ms=getattr(event, key) / 1e3) for event in top])
     if show:
-        what = "GPU busy" if on_gpu else "host ops"
-        print(f"[{attention}] profiled step {step}: wall {elapsed * 1e3:.1f} ms, {what} "
-              f"{busy_ms:.1f} ms; by {'GPU' if on_gpu else 'host'} time:")
+        busy = f", GPU busy {busy_ms:.1f} ms" if on_gpu else ""
+        print(f"[{attention}] profiled step {step}: wall {elapsed * 1e3:.1f} ms{busy}; ops by "
+              f"{'GPU' if on_gpu else 'host'} time:")
         for row in summary["top"]:
             print(f"  {row['ms']:9.3f} ms {row['calls']:6d}x  {row['name'][:90]}")
     return summary
