@@ -292,7 +292,7 @@ def train_one(attention: str, args, train_documents, eval_set, ranks: Ranks) -> 
 
         train_seconds += elapsed
         tokens_seen += batch.num_tokens
-        if step > args.warmup_steps:
+        if step > args.warmup_steps and step != args.profile_step:  # the profiler slows it
             steady_tokens += batch.num_tokens
             steady_seconds += elapsed
         for key, value in (("steps", step), ("train_loss", loss_value), ("tokens", tokens_seen),
