@@ -59,6 +59,10 @@ def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
                         help="default: bfloat16 on CUDA, float32 on the CPU (whose bfloat16 "
                              "matmuls are slow)")
     parser.add_argument("--mode", choices=("auto", "heads", "sequence"), default="auto")
+    parser.add_argument("--overlap-chunks", type=positive_int, default=1, metavar="N",
+                        help="heads mode pipelined in N chunks of a rank's KV heads, each "
+                             "chunk's all-to-alls overlapping its neighbour's compute "
+                             "(nsa_context_parallel's overlap_chunks; default 1: none)")
     parser.add_argument("--compress-block-size", type=positive_int, default=64)
     parser.add_argument("--selected-block-size", type=positive_int, default=64)
     parser.add_argument("--num-selected-blocks", type=positive_int, default=16)
@@ -142,7 +146,8 @@ def _run(args, argv) -> dict:
     def forward(leaves=None):
         q, k, v = leaves or (local["q"], local["k"], local["v"])
         return nsa_context_parallel(q, k, v, group=group.process_group, cu_seqlens=cu_seqlens,
-                                    host_cu_seqlens=host_cu, mode=args.mode, **weights, **options)
+                                    host_cu_seqlens=host_cu, mode=args.mode,
+                                    overlap_chunks=args.overlap_chunks, **weights, **options)
 
     leaves = [local[n].detach().requires_grad_() for n in ("q", "k", "v")]
 
@@ -164,7 +169,8 @@ def _run(args, argv) -> dict:
                                   repeats=args.repeats), device)
     comm = _time_exchanges(args, local, group, device, dtype)
 
-    result = {"world_size": world, "mode": mode, "seqlen": seqlen, "num_seqs": args.num_seqs,
+    result = {"world_size": world, "mode": mode, "overlap_chunks": args.overlap_chunks,
+              "seqlen": seqlen, "num_seqs": args.num_seqs,
               "heads": args.heads, "kv_heads": args.kv_heads, "head_dim": args.head_dim,
               "dtype": args.dtype, "weights": not args.no_weights, "options": options,
               "device": describe_device(device), "fwd_ms": fwd_ms, "fwd_bwd_ms": fwd_bwd_ms,
@@ -264,7 +270,9 @@ def _slowest(ms: float, device) -> float:
 
 
 def _print_table(result: dict) -> None:
-    print(f"nsa context parallel: {result['world_size']} ranks, mode {result['mode']}, "
+    chunks = result["overlap_chunks"]
+    print(f"nsa context parallel: {result['world_size']} ranks, mode {result['mode']}"
+          f"{f' in {chunks} overlapped chunks' if chunks > 1 else ''}, "
           f"T={result['seqlen']} in {result['num_seqs']} documents, H={result['heads']} "
           f"Hkv={result['kv_heads']} D={result['head_dim']} {result['dtype']}, "
           f"{result['device']}")

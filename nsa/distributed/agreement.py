@@ -24,6 +24,8 @@ from nsa.distributed.groups import ContextParallelGroup
 NSA_OPTIONS = ("max_seqlen", "compress_block_size", "selected_block_size", "num_selected_blocks",
                "window_size", "causal", "softmax_scale", "num_cmp_selected_blocks",
                "deterministic", "recompute", "_q_tile", "_cmp_kv_block")
+# nsa_context_parallel's own options, compared across ranks like nsa()'s.
+CONTEXT_PARALLEL_OPTIONS = ("overlap_chunks",)
 MODES = ("auto", "heads", "sequence")
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _DEVICE_TYPES = ("cpu", "cuda", "meta")
@@ -61,7 +63,8 @@ _FIELDS = (
     ("cu_seqlens_checksum", "cu_seqlens", "must be the same global cu_seqlens (of the whole "
                                           "packed sequence) on every rank; its values differ"),
     ("mode", "mode", "must be the same on every rank"),
-) + tuple((f"option:{name}", name, "must be the same on every rank") for name in NSA_OPTIONS)
+) + tuple((f"option:{name}", name, "must be the same on every rank")
+          for name in NSA_OPTIONS + CONTEXT_PARALLEL_OPTIONS)
 
 
 def agree_on_call(group: ContextParallelGroup, q, k, v, W_k, W_v, W_gate, cu_seqlens,
@@ -103,7 +106,7 @@ def _check_locally(group, q, k, v, W_k, W_v, W_gate, cu_seqlens, host_cu_seqlens
                    options) -> tuple[int, ...] | None:
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-    unknown = sorted(set(options) - set(NSA_OPTIONS))
+    unknown = sorted(set(options) - set(NSA_OPTIONS) - set(CONTEXT_PARALLEL_OPTIONS))
     if unknown:
         raise TypeError(f"nsa_context_parallel got unexpected keyword arguments {unknown}; the "
                         f"nsa() options it passes on are {NSA_OPTIONS}")
@@ -145,12 +148,22 @@ def _check_locally(group, q, k, v, W_k, W_v, W_gate, cu_seqlens, host_cu_seqlens
             raise TypeError(f"{name} must be a torch.Tensor or None, got {type(W).__name__}")
         if tuple(W.shape) != shape:
             raise ValueError(f"{name} must be {form} = {shape}, got {tuple(W.shape)}")
+    _check_overlap_chunks(options.get("overlap_chunks", 1), kv_heads, group.world_size)
     if not packed:
         if host_cu_seqlens is not None:
             raise ValueError("host_cu_seqlens must be None without cu_seqlens (a padded batch's "
                              "bounds come from its shape)")
         return None
     return _host_cu_seqlens(cu_seqlens, host_cu_seqlens)
+
+
+def _check_overlap_chunks(chunks, kv_heads: int, world: int) -> None:
+    if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
+        raise ValueError(f"overlap_chunks must be a positive int, got {chunks!r}")
+    if chunks > 1 and kv_heads % world == 0 and (kv_heads // world) % chunks:
+        raise ValueError(f"overlap_chunks must divide the KV heads of a rank in heads mode "
+                         f"(Hkv / world size = {kv_heads} / {world} = {kv_heads // world}), "
+                         f"got {chunks}")
 
 
 def _check_device(group: ContextParallelGroup, name: str, x: Tensor, expected) -> None:
@@ -202,7 +215,8 @@ def _describe(q, k, v, weights, cu_seqlens, host_values, mode, options) -> dict:
         "cu_seqlens_checksum": _checksum(host_values) if packed else 0,
         "mode": MODES.index(mode),
     }
-    fields.update({f"option:{name}": _hash(options.get(name, _ABSENT)) for name in NSA_OPTIONS})
+    fields.update({f"option:{name}": _hash(options.get(name, _ABSENT))
+                   for name in NSA_OPTIONS + CONTEXT_PARALLEL_OPTIONS})
     return fields
 
 

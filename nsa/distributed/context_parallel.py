@@ -13,11 +13,13 @@ takes `mode` now so that it slots in without a change to the callers.
 """
 from __future__ import annotations
 
+import torch
 from torch import Tensor
 
 from nsa.api import nsa
 from nsa.distributed.agreement import MODES, agree_on_call
-from nsa.distributed.exchange import HeadsToSequence, SequenceToHeads
+from nsa.distributed.exchange import (HeadsToSequence, SequenceToHeads,
+                                      start_heads_to_sequence, start_sequence_to_heads)
 from nsa.distributed.groups import ContextParallelGroup, resolve_group
 
 
@@ -25,7 +27,8 @@ def nsa_context_parallel(q: Tensor, k: Tensor, v: Tensor, *, group,
                          cu_seqlens: Tensor | None = None,
                          host_cu_seqlens: tuple[int, ...] | list[int] | None = None,
                          mode: str = "auto", W_k: Tensor | None = None, W_v: Tensor | None = None,
-                         W_gate: Tensor | None = None, **nsa_options) -> Tensor:
+                         W_gate: Tensor | None = None, overlap_chunks: int = 1,
+                         **nsa_options) -> Tensor:
     """This rank's shard of nsa(q, k, v, ...) computed over the whole sharded sequence.
 
     q, k, v: this rank's contiguous token shard (nsa.distributed.shard_sequence makes it):
@@ -41,6 +44,11 @@ def nsa_context_parallel(q: Tensor, k: Tensor, v: Tensor, *, group,
         rank's gradient is its partial: nonzero only in the heads it computed, so the sum over
         the group (what DDP/FSDP's gradient reduction over the data x context ranks adds) is the
         one-process gradient.
+    overlap_chunks: heads mode in this many chunks of a rank's KV heads (a divisor of
+        Hkv / W), pipelined: the all-to-all of chunk c+1 (and of chunk c's output) runs while
+        nsa() computes chunk c, forward and backward. 1 (default): one all-to-all each way,
+        nothing overlapped. The same numbers either way on the GPU (nsa() is per KV head).
+        Not yet timed on GPUs: the default stays 1 until it is.
     nsa_options: nsa()'s other options (block sizes, window_size, max_seqlen of the whole
         sequence, softmax_scale, deterministic, ...), the same on every rank.
 
@@ -51,12 +59,15 @@ def nsa_context_parallel(q: Tensor, k: Tensor, v: Tensor, *, group,
     """
     context = resolve_group(group)
     agreed = agree_on_call(context, q, k, v, W_k, W_v, W_gate, cu_seqlens, host_cu_seqlens, mode,
-                           nsa_options)
+                           {**nsa_options, "overlap_chunks": overlap_chunks})
     chosen = choose_mode(mode, context.world_size, k.shape[-2])
     assert chosen == "heads"
     if context.world_size == 1:
         return nsa(q, k, v, cu_seqlens=cu_seqlens, host_cu_seqlens=agreed.host_cu_seqlens,
                    W_k=W_k, W_v=W_v, W_gate=W_gate, **nsa_options)
+    if overlap_chunks > 1:
+        return _pipelined_heads_mode(context, overlap_chunks, q, k, v, W_k, W_v, W_gate,
+                                     cu_seqlens, agreed.host_cu_seqlens, nsa_options)
     return _heads_mode(context, q, k, v, W_k, W_v, W_gate, cu_seqlens, agreed.host_cu_seqlens,
                        nsa_options)
 
@@ -100,3 +111,118 @@ def _heads_mode(context: ContextParallelGroup, q, k, v, W_k, W_v, W_gate, cu_seq
                     W_gate=None if W_gate is None else W_gate[q_slice], **nsa_options)
     (out,) = HeadsToSequence.apply(context, as_4d(out_heads))
     return out.squeeze(0) if packed else out
+
+
+def _pipelined_heads_mode(context: ContextParallelGroup, chunks: int, q, k, v, W_k, W_v, W_gate,
+                          cu_seqlens, host_cu_seqlens, nsa_options) -> Tensor:
+    packed = cu_seqlens is not None
+    as_4d = (lambda x: x.unsqueeze(0)) if packed else (lambda x: x)
+
+    def run(q_c, k_c, v_c, W_k_c, W_v_c, W_gate_c):
+        squeeze = (lambda x: x.squeeze(0)) if packed else (lambda x: x)
+        out_c = nsa(squeeze(q_c), squeeze(k_c), squeeze(v_c), cu_seqlens=cu_seqlens,
+                    host_cu_seqlens=host_cu_seqlens, W_k=W_k_c, W_v=W_v_c, W_gate=W_gate_c,
+                    **nsa_options)
+        return as_4d(out_c)
+
+    out = PipelinedHeads.apply(context, chunks, run, as_4d(q), as_4d(k), as_4d(v), W_k, W_v,
+                               W_gate)
+    return out.squeeze(0) if packed else out
+
+
+class PipelinedHeads(torch.autograd.Function):
+    """Heads mode in `chunks` chunks of each rank's KV heads, the exchanges of one chunk
+    overlapping the computation of its neighbour: the forward sends chunk c+1's q, k, v (and
+    chunk c's output) while nsa() runs on chunk c; the backward does the same with dO and with
+    dq, dk, dv. Chunk c of rank r: its KV heads [c*g, (c+1)*g) within the rank's Hkv/W (g =
+    Hkv/W/chunks) and their query heads; nsa() runs on each chunk as on any head subset.
+
+    Each chunk's nsa() is differentiated on its own (its graph kept from the forward, as a
+    checkpoint keeps its inputs): a backward that runs chunk by chunk is what lets its
+    exchanges overlap too. Tensors are (L, n, h, D) as in nsa.distributed.exchange."""
+
+    @staticmethod
+    def forward(ctx, context, chunks, run, q, k, v, W_k, W_v, W_gate):
+        world = context.world_size
+        ctx.context, ctx.chunks = context, chunks
+        ctx.weights_given = tuple(W is not None for W in (W_k, W_v, W_gate))
+        differentiable = any(ctx.needs_input_grad[3:])
+        out = torch.empty_like(q)
+        pending = start_sequence_to_heads((q, k, v), context, (0, chunks))
+        graphs, outgoing = [], []
+        for c in range(chunks):
+            following = (start_sequence_to_heads((q, k, v), context, (c + 1, chunks))
+                         if c + 1 < chunks else None)
+            q_c, k_c, v_c = (x.detach().requires_grad_(differentiable)
+                             for x in pending.finish())
+            weights_c = tuple(
+                None if W is None else W.detach()[rows].requires_grad_(differentiable)
+                for W, rows in zip((W_k, W_v, W_gate),
+                                   _weight_rows(context, c, chunks, k.shape[2], q.shape[2])))
+            with torch.set_grad_enabled(differentiable):
+                out_c = run(q_c, k_c, v_c, *weights_c)
+            if differentiable:
+                graphs.append((out_c, (q_c, k_c, v_c), weights_c))
+            outgoing.append(start_heads_to_sequence((out_c.detach(),), context))
+            pending = following
+        for c, exchange in enumerate(outgoing):
+            (out_c,) = exchange.finish()  # (L, n, W*h_c, D): rank j's chunk-c heads at j
+            _chunk_heads(out, world, c, chunks).copy_(out_c.unflatten(2, (world, -1)))
+        ctx.graphs = graphs
+        ctx.shapes = (q.shape, k.shape)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        context, chunks, world = ctx.context, ctx.chunks, ctx.context.world_size
+        q_shape, k_shape = ctx.shapes
+        dq = dout.new_empty(q_shape)
+        dk, dv = dout.new_empty(k_shape), dout.new_empty(k_shape)
+        graphs, ctx.graphs = ctx.graphs, None
+        weight_grads = [None, None, None]
+        pending = start_sequence_to_heads((dout,), context, (0, chunks))
+        outgoing = []
+        for c in range(chunks):
+            following = (start_sequence_to_heads((dout,), context, (c + 1, chunks))
+                         if c + 1 < chunks else None)
+            (dout_c,) = pending.finish()
+            out_c, inputs_c, weights_c = graphs[c]
+            graphs[c] = None  # this chunk's graph goes as soon as it is differentiated
+            present = [W for W in weights_c if W is not None]
+            grads = torch.autograd.grad(out_c, [*inputs_c, *present], dout_c)
+            outgoing.append(start_heads_to_sequence(grads[:3], context))
+            present_grads = iter(grads[3:])
+            for i, (W, rows) in enumerate(zip(weights_c, _weight_rows(
+                    context, c, chunks, k_shape[2], q_shape[2]))):
+                if W is None:
+                    continue
+                if weight_grads[i] is None:  # the full weight's shape: zero outside our rows
+                    weight_grads[i] = W.new_zeros((W.shape[0] * chunks * world, *W.shape[1:]))
+                weight_grads[i][rows] = next(present_grads)
+            pending = following
+        for c, exchange in enumerate(outgoing):
+            for full, part in zip((dq, dk, dv), exchange.finish()):
+                _chunk_heads(full, world, c, chunks).copy_(part.unflatten(2, (world, -1)))
+        needs = ctx.needs_input_grad
+        return (None, None, None, dq if needs[3] else None, dk if needs[4] else None,
+                dv if needs[5] else None,
+                *(grad if need else None for grad, need in zip(weight_grads, needs[6:])))
+
+
+def _chunk_heads(x: Tensor, world: int, chunk: int, chunks: int) -> Tensor:
+    """The (L, n, W, h/W/chunks, D) view of x (L, n, h, D) at chunk `chunk` of every rank's
+    h/W heads."""
+    per_rank = x.shape[2] // world
+    width = per_rank // chunks
+    return x.unflatten(2, (world, per_rank))[:, :, :, chunk * width:(chunk + 1) * width]
+
+
+def _weight_rows(context: ContextParallelGroup, chunk: int, chunks: int, kv_heads: int,
+                 heads: int) -> tuple[slice, slice, slice]:
+    """Rows of W_k, W_v (KV heads) and W_gate (q heads) that this rank's chunk computes."""
+    def rows(total: int) -> slice:
+        width = total // context.world_size // chunks
+        start = context.rank * total // context.world_size + chunk * width
+        return slice(start, start + width)
+
+    return rows(kv_heads), rows(kv_heads), rows(heads)

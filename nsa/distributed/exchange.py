@@ -24,40 +24,79 @@ from nsa.distributed.groups import ContextParallelGroup
 
 def sequence_to_heads(tensors: tuple[Tensor, ...], group: ContextParallelGroup
                       ) -> tuple[Tensor, ...]:
-    world = group.world_size
-    heads = [x.shape[2] // world for x in tensors]
-    # (L, n, h, D) -> (L, n, W, h/W, D): the W axis picks the destination rank.
-    by_destination = torch.cat([x.unflatten(2, (world, h)) for x, h in zip(tensors, heads)],
-                               dim=3)
-    send = by_destination.permute(2, 0, 1, 3, 4).contiguous()  # (W, L, n, sum h/W, D)
-    received = _all_to_all(send, group)  # [i] = rank i's tokens of this rank's heads
-    batch, tokens = send.shape[1], send.shape[2]
-    # Rank order is token order (rank i holds shard i), so stacking along n restores the sequence.
-    return tuple(part.permute(1, 0, 2, 3, 4).reshape(batch, world * tokens, h, part.shape[-1])
-                 for part, h in zip(received.split(heads, dim=3), heads))
+    return start_sequence_to_heads(tensors, group).finish()
 
 
 def heads_to_sequence(tensors: tuple[Tensor, ...], group: ContextParallelGroup
                       ) -> tuple[Tensor, ...]:
+    return start_heads_to_sequence(tensors, group).finish()
+
+
+class Exchange:
+    """An all-to-all under way (`start_sequence_to_heads`, `start_heads_to_sequence`):
+    `finish()` waits for it (on NCCL: the current stream waits, the host does not) and returns
+    the received tensors. Until then, work queued on the current stream overlaps the transfer."""
+
+    def __init__(self, send: Tensor, received: Tensor, work, unpack):
+        self._send, self._received, self._work, self._unpack = send, received, work, unpack
+
+    def finish(self) -> tuple[Tensor, ...]:
+        if self._work is not None:
+            self._work.wait()
+        self._send = None  # kept alive until the transfer has read it
+        return self._unpack(self._received)
+
+
+def start_sequence_to_heads(tensors: tuple[Tensor, ...], group: ContextParallelGroup,
+                            chunk: tuple[int, int] = (0, 1)) -> Exchange:
+    """chunk = (c, count): send only chunk c of `count` equal chunks of each destination's h/W
+    heads (the pipelined heads mode); the result then holds h/W/count heads."""
+    world = group.world_size
+    index, count = chunk
+    heads = [x.shape[2] // world // count for x in tensors]
+    # (L, n, h, D) -> (L, n, W, h/W, D): the W axis picks the destination rank.
+    by_destination = torch.cat([x.unflatten(2, (world, count * h))[:, :, :, index * h:
+                                                                   (index + 1) * h]
+                                for x, h in zip(tensors, heads)], dim=3)
+    send = by_destination.permute(2, 0, 1, 3, 4).contiguous()  # (W, L, n, sum h/W, D)
+    batch, tokens = send.shape[1], send.shape[2]
+
+    def unpack(received: Tensor) -> tuple[Tensor, ...]:
+        # [i] = rank i's tokens of this rank's heads. Rank order is token order (rank i holds
+        # shard i), so stacking along n restores the sequence.
+        return tuple(part.permute(1, 0, 2, 3, 4).reshape(batch, world * tokens, h,
+                                                         part.shape[-1])
+                     for part, h in zip(received.split(heads, dim=3), heads))
+
+    return _start_all_to_all(send, group, unpack)
+
+
+def start_heads_to_sequence(tensors: tuple[Tensor, ...], group: ContextParallelGroup
+                            ) -> Exchange:
     world = group.world_size
     heads = [x.shape[2] for x in tensors]
     # (L, W*n, h, D) -> (L, W, n, h, D): the W axis picks the rank that holds those tokens.
     by_destination = torch.cat([x.unflatten(1, (world, x.shape[1] // world)) for x in tensors],
                                dim=3)
     send = by_destination.transpose(0, 1).contiguous()  # (W, L, n, sum h, D)
-    received = _all_to_all(send, group)  # [j] = this rank's tokens of rank j's heads
     batch, tokens = send.shape[1], send.shape[2]
-    # Rank j computed heads [j*h, (j+1)*h): putting W before h restores the global head order.
-    return tuple(part.permute(1, 2, 0, 3, 4).reshape(batch, tokens, world * h, part.shape[-1])
-                 for part, h in zip(received.split(heads, dim=3), heads))
+
+    def unpack(received: Tensor) -> tuple[Tensor, ...]:
+        # [j] = this rank's tokens of rank j's heads. Rank j computed heads [j*h, (j+1)*h):
+        # putting W before h restores the global head order.
+        return tuple(part.permute(1, 2, 0, 3, 4).reshape(batch, tokens, world * h,
+                                                         part.shape[-1])
+                     for part, h in zip(received.split(heads, dim=3), heads))
+
+    return _start_all_to_all(send, group, unpack)
 
 
-def _all_to_all(send: Tensor, group: ContextParallelGroup) -> Tensor:
+def _start_all_to_all(send: Tensor, group: ContextParallelGroup, unpack) -> Exchange:
     if group.world_size == 1:
-        return send
+        return Exchange(send, send, None, unpack)
     received = torch.empty_like(send)
-    dist.all_to_all_single(received, send, group=group.process_group)
-    return received
+    work = dist.all_to_all_single(received, send, group=group.process_group, async_op=True)
+    return Exchange(send, received, work, unpack)
 
 
 class SequenceToHeads(torch.autograd.Function):

@@ -49,3 +49,17 @@ def test_tiny_run_on_one_cpu_process_matches_one_device(bench, tmp_path, capsys)
     written = json.loads(path.read_text())
     assert written["meta"]["tool"] == "bench_context_parallel"
     assert written["results"][0]["seqlen"] == 128
+
+
+def test_overlap_chunks_reaches_the_call_and_the_results(bench, capsys):
+    result = bench.main(["--device", "cpu", "--seqlen", "128", "--num-seqs", "2", "--heads", "4",
+                         "--kv-heads", "2", "--head-dim", "16", "--compress-block-size", "16",
+                         "--selected-block-size", "32", "--num-selected-blocks", "5",
+                         "--window-size", "32", "--warmup", "0", "--repeats", "1",
+                         "--overlap-chunks", "2"])
+    assert result["overlap_chunks"] == 2 and result["bitwise_equal_one_device"]
+    assert "in 2 overlapped chunks" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="overlap_chunks must divide the KV heads of a rank"):
+        bench.main(["--device", "cpu", "--seqlen", "128", "--heads", "4", "--kv-heads", "2",
+                    "--head-dim", "16", "--warmup", "0", "--repeats", "1", "--no-check",
+                    "--overlap-chunks", "3"])
