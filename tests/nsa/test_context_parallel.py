@@ -285,6 +285,9 @@ def _worker(rank: int, world: int, store_path: str, results) -> None:
         checks.append(("nsa_keyword", _outcome(_check_nsa_keyword, group)))
         if world == 2:
             checks.append(("language_model", _outcome(_check_language_model, group)))
+        if world == 4:
+            checks.append(("fsdp2_data_by_context",
+                           _outcome(_check_fsdp2_data_by_context, world)))
         dist.destroy_process_group()
     except Exception:  # reported, so the parent fails with this rank's traceback
         checks.append(("worker", traceback.format_exc()))
@@ -331,6 +334,51 @@ def _check_language_model(group) -> None:
     for name, grad in one_grads.items():
         assert grad.abs().sum() > 0, name
         torch.testing.assert_close(cp_grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def _check_fsdp2_data_by_context(world) -> None:
+    """FSDP2 over a (dp=2, cp=W/2) mesh: each data row trains its own batch, its context ranks
+    shard that batch's tokens (CausalLM(context_parallel_group=(mesh, "cp"))), and fully_shard
+    over the flattened mesh reduces the gradients; they equal one process's gradient of the
+    mean of the data rows' mean losses (W_k, W_v, W_gate included: the context ranks' partials
+    are completed by that same reduction)."""
+    from dataclasses import replace
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from nsa.distributed import shard_sequence
+    from nsa.models.lm import MODEL_PRESETS, CausalLM
+
+    config = replace(MODEL_PRESETS["tiny"], compress_block_size=4, selected_block_size=8,
+                     num_selected_blocks=4, window_size=12, test_q_tile=16, test_cmp_kv_block=4)
+    mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp", "cp"))
+    batches = []
+    for row, lengths in enumerate(((50, 100, 42), (70, 30, 92))):  # 192 tokens each
+        ids = torch.randint(0, 256, (sum(lengths),),
+                            generator=torch.Generator().manual_seed(10 + row))
+        ends = torch.tensor(lengths).cumsum(0)[:, None].eq(torch.arange(1, sum(lengths) + 1))
+        labels = ids.roll(-1).masked_fill(ends.any(0), -100)
+        cu = torch.tensor((0, *lengths)).cumsum(0).to(torch.int32)
+        batches.append((ids, labels, cu, tuple(cu.tolist())))
+
+    reference = CausalLM(config, seed=0)
+    loss = sum(reference(ids, labels=labels, cu_seqlens=cu, host_cu_seqlens=bounds)
+               for ids, labels, cu, bounds in batches) / len(batches)
+    loss.backward()
+    expected = {name: p.grad for name, p in reference.named_parameters()}
+
+    model = CausalLM(config, seed=0)
+    fully_shard(model, mesh=mesh["dp", "cp"]._flatten("dp_cp"))
+    ids, labels, cu, bounds = batches[mesh.get_local_rank("dp")]
+    cp = (mesh, "cp")
+    model(shard_sequence(ids, cp), labels=shard_sequence(labels, cp), cu_seqlens=cu,
+          host_cu_seqlens=bounds, context_parallel_group=cp).backward()
+    got = {name: p.grad.full_tensor() for name, p in model.named_parameters()}
+    dist.barrier()
+    for name, grad in expected.items():
+        assert grad.abs().sum() > 0, name
+        torch.testing.assert_close(got[name], grad, rtol=1e-4, atol=1e-6, msg=name)
 
 
 def _check_nsa_keyword(group) -> None:
@@ -461,6 +509,10 @@ def test_nsa_takes_the_context_parallel_group(reports, world):
 
 def test_language_model_across_ranks_equals_one_process(reports):
     _assert_passed(reports(2), "language_model")
+
+
+def test_fsdp2_over_data_and_context_equals_one_process(reports):
+    _assert_passed(reports(4), "fsdp2_data_by_context")
 
 
 # ------------------------------------------------------------------------------------------------
