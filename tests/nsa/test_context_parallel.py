@@ -144,12 +144,22 @@ def _check_equal_to_one_process(group, case, chunks: int = 1) -> None:
     grads = dict(zip(names, torch.autograd.grad(out, [local[n] for n in names],
                                                 shard(inputs["dout"], "dout"))))
 
+    inference = None
+    if chunks > 1:  # the pipelined forward without autograd keeps no graph, same numbers
+        with torch.no_grad():
+            inference = nsa_context_parallel(local["q"], local["k"], local["v"], group=group,
+                                             cu_seqlens=cu_seqlens, overlap_chunks=chunks,
+                                             **{n: local[n] for n in WEIGHTS if n in local},
+                                             **OPTIONS)
+
     # Every collective first, the asserts after: a rank failing an assert must not leave the
     # others waiting in a collective it skipped.
     gathered = unshard_sequence(out, group, seq_dim=seq_dim)
     weight_sums = {name: _sum_over_ranks(grads[name], group) for name in WEIGHTS if name in grads}
 
     assert torch.equal(out, shard(expected, "out")), "output shard differs from one process"
+    if inference is not None:
+        assert not inference.requires_grad and torch.equal(inference, out)
     assert torch.equal(gathered, expected), "unshard_sequence(out) differs from one process"
     for name in ("q", "k", "v"):
         assert torch.equal(grads[name], shard(expected_grads[name], name)), f"d{name} differs"
