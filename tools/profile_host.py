@@ -147,7 +147,11 @@ def main(argv=None) -> int:
     def forward():
         return nsa(**call)
 
+    leaves = [x for x in call.values() if isinstance(x, torch.Tensor) and x.requires_grad]
+
     def forward_backward():
+        for leaf in leaves:  # as a training step: no .grad accumulation (an add_ per leaf)
+            leaf.grad = None
         torch.autograd.backward(nsa(**call), dout)
 
     workload = args.packed or f"{args.seqlen} tokens"
