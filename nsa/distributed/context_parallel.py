@@ -18,7 +18,7 @@ from torch import Tensor
 
 from nsa.api import nsa
 from nsa.distributed.agreement import MODES, agree_on_call
-from nsa.distributed.exchange import (HeadsToSequence, SequenceToHeads,
+from nsa.distributed.exchange import (HeadsToSequence, SequenceToHeads, chunk_heads,
                                       start_heads_to_sequence, start_sequence_to_heads)
 from nsa.distributed.groups import ContextParallelGroup, resolve_group
 
@@ -117,25 +117,26 @@ def _pipelined_heads_mode(context: ContextParallelGroup, chunks: int, q, k, v, W
                           cu_seqlens, host_cu_seqlens, nsa_options) -> Tensor:
     packed = cu_seqlens is not None
     as_4d = (lambda x: x.unsqueeze(0)) if packed else (lambda x: x)
+    as_given = (lambda x: x.squeeze(0)) if packed else (lambda x: x)
 
     def run(q_c, k_c, v_c, W_k_c, W_v_c, W_gate_c):
-        squeeze = (lambda x: x.squeeze(0)) if packed else (lambda x: x)
-        out_c = nsa(squeeze(q_c), squeeze(k_c), squeeze(v_c), cu_seqlens=cu_seqlens,
+        out_c = nsa(as_given(q_c), as_given(k_c), as_given(v_c), cu_seqlens=cu_seqlens,
                     host_cu_seqlens=host_cu_seqlens, W_k=W_k_c, W_v=W_v_c, W_gate=W_gate_c,
                     **nsa_options)
         return as_4d(out_c)
 
     out = PipelinedHeads.apply(context, chunks, run, as_4d(q), as_4d(k), as_4d(v), W_k, W_v,
                                W_gate)
-    return out.squeeze(0) if packed else out
+    return as_given(out)
 
 
 class PipelinedHeads(torch.autograd.Function):
     """Heads mode in `chunks` chunks of each rank's KV heads, the exchanges of one chunk
-    overlapping the computation of its neighbour: the forward sends chunk c+1's q, k, v (and
-    chunk c's output) while nsa() runs on chunk c; the backward does the same with dO and with
-    dq, dk, dv. Chunk c of rank r: its KV heads [c*g, (c+1)*g) within the rank's Hkv/W (g =
-    Hkv/W/chunks) and their query heads; nsa() runs on each chunk as on any head subset.
+    overlapping the computation of its neighbour (`_pipeline`): the forward sends chunk c+1's
+    q, k, v (and chunk c's output) while nsa() runs on chunk c; the backward does the same with
+    dO and with dq, dk, dv. Chunk c of rank r: its KV heads [c*g, (c+1)*g) within the rank's
+    Hkv/W (g = Hkv/W/chunks) and their query heads; nsa() runs on each chunk as on any head
+    subset.
 
     Each chunk's nsa() is differentiated on its own (its graph kept from the forward, as a
     checkpoint keeps its inputs): a backward that runs chunk by chunk is what lets its
@@ -143,18 +144,11 @@ class PipelinedHeads(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, context, chunks, run, q, k, v, W_k, W_v, W_gate):
-        world = context.world_size
-        ctx.context, ctx.chunks = context, chunks
-        ctx.weights_given = tuple(W is not None for W in (W_k, W_v, W_gate))
         differentiable = any(ctx.needs_input_grad[3:])
-        out = torch.empty_like(q)
-        pending = start_sequence_to_heads((q, k, v), context, (0, chunks))
-        graphs, outgoing = [], []
-        for c in range(chunks):
-            following = (start_sequence_to_heads((q, k, v), context, (c + 1, chunks))
-                         if c + 1 < chunks else None)
-            q_c, k_c, v_c = (x.detach().requires_grad_(differentiable)
-                             for x in pending.finish())
+        graphs = []
+
+        def compute(c, received):
+            q_c, k_c, v_c = (x.detach().requires_grad_(differentiable) for x in received)
             weights_c = tuple(
                 None if W is None else W.detach()[rows].requires_grad_(differentiable)
                 for W, rows in zip((W_k, W_v, W_gate),
@@ -163,58 +157,66 @@ class PipelinedHeads(torch.autograd.Function):
                 out_c = run(q_c, k_c, v_c, *weights_c)
             if differentiable:
                 graphs.append((out_c, (q_c, k_c, v_c), weights_c))
-            outgoing.append(start_heads_to_sequence((out_c.detach(),), context))
-            pending = following
-        for c, exchange in enumerate(outgoing):
-            (out_c,) = exchange.finish()  # (L, n, W*h_c, D): rank j's chunk-c heads at j
-            _chunk_heads(out, world, c, chunks).copy_(out_c.unflatten(2, (world, -1)))
-        ctx.graphs = graphs
+            return (out_c.detach(),)
+
+        out = torch.empty_like(q)
+        _pipeline(context, chunks, (q, k, v), compute, (out,))
+        ctx.context, ctx.chunks, ctx.graphs = context, chunks, graphs
         ctx.shapes = (q.shape, k.shape)
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        context, chunks, world = ctx.context, ctx.chunks, ctx.context.world_size
+        context, chunks = ctx.context, ctx.chunks
         q_shape, k_shape = ctx.shapes
-        dq = dout.new_empty(q_shape)
-        dk, dv = dout.new_empty(k_shape), dout.new_empty(k_shape)
         graphs, ctx.graphs = ctx.graphs, None
         weight_grads = [None, None, None]
-        pending = start_sequence_to_heads((dout,), context, (0, chunks))
-        outgoing = []
-        for c in range(chunks):
-            following = (start_sequence_to_heads((dout,), context, (c + 1, chunks))
-                         if c + 1 < chunks else None)
-            (dout_c,) = pending.finish()
+
+        def compute(c, received):
+            (dout_c,) = received
             out_c, inputs_c, weights_c = graphs[c]
             graphs[c] = None  # this chunk's graph goes as soon as it is differentiated
             present = [W for W in weights_c if W is not None]
             grads = torch.autograd.grad(out_c, [*inputs_c, *present], dout_c)
-            outgoing.append(start_heads_to_sequence(grads[:3], context))
             present_grads = iter(grads[3:])
             for i, (W, rows) in enumerate(zip(weights_c, _weight_rows(
                     context, c, chunks, k_shape[2], q_shape[2]))):
                 if W is None:
                     continue
                 if weight_grads[i] is None:  # the full weight's shape: zero outside our rows
-                    weight_grads[i] = W.new_zeros((W.shape[0] * chunks * world, *W.shape[1:]))
+                    weight_grads[i] = W.new_zeros((W.shape[0] * chunks * context.world_size,
+                                                   *W.shape[1:]))
                 weight_grads[i][rows] = next(present_grads)
-            pending = following
-        for c, exchange in enumerate(outgoing):
-            for full, part in zip((dq, dk, dv), exchange.finish()):
-                _chunk_heads(full, world, c, chunks).copy_(part.unflatten(2, (world, -1)))
+            return grads[:3]
+
+        dq = dout.new_empty(q_shape)
+        dk, dv = dout.new_empty(k_shape), dout.new_empty(k_shape)
+        _pipeline(context, chunks, (dout,), compute, (dq, dk, dv))
         needs = ctx.needs_input_grad
         return (None, None, None, dq if needs[3] else None, dk if needs[4] else None,
                 dv if needs[5] else None,
                 *(grad if need else None for grad, need in zip(weight_grads, needs[6:])))
 
 
-def _chunk_heads(x: Tensor, world: int, chunk: int, chunks: int) -> Tensor:
-    """The (L, n, W, h/W/chunks, D) view of x (L, n, h, D) at chunk `chunk` of every rank's
-    h/W heads."""
-    per_rank = x.shape[2] // world
-    width = per_rank // chunks
-    return x.unflatten(2, (world, per_rank))[:, :, :, chunk * width:(chunk + 1) * width]
+def _pipeline(context: ContextParallelGroup, chunks: int, inputs: tuple[Tensor, ...], compute,
+              results: tuple[Tensor, ...]) -> None:
+    """Chunk by chunk: chunk c of `inputs` (sequence shards, all heads) arrives as head shards,
+    `compute(c, received)` turns them into head-shard tensors, and those go back as sequence
+    shards into chunk c of `results`. Chunk c+1's exchange starts before chunk c's compute is
+    queued and chunk c's results leave right after it, so each transfer runs beside a
+    neighbouring chunk's compute; only the first arrival and the last departure are exposed."""
+    world = context.world_size
+    pending = start_sequence_to_heads(inputs, context, (0, chunks))
+    outgoing = []
+    for c in range(chunks):
+        following = (start_sequence_to_heads(inputs, context, (c + 1, chunks))
+                     if c + 1 < chunks else None)
+        outgoing.append(start_heads_to_sequence(compute(c, pending.finish()), context))
+        pending = following
+    for c, exchange in enumerate(outgoing):
+        # (L, n, W*h_c, D): rank j's chunk-c heads at j
+        for full, part in zip(results, exchange.finish()):
+            chunk_heads(full, world, (c, chunks)).copy_(part.unflatten(2, (world, -1)))
 
 
 def _weight_rows(context: ContextParallelGroup, chunk: int, chunks: int, kv_heads: int,

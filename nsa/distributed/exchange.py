@@ -52,12 +52,9 @@ def start_sequence_to_heads(tensors: tuple[Tensor, ...], group: ContextParallelG
     """chunk = (c, count): send only chunk c of `count` equal chunks of each destination's h/W
     heads (the pipelined heads mode); the result then holds h/W/count heads."""
     world = group.world_size
-    index, count = chunk
-    heads = [x.shape[2] // world // count for x in tensors]
+    heads = [x.shape[2] // world // chunk[1] for x in tensors]
     # (L, n, h, D) -> (L, n, W, h/W, D): the W axis picks the destination rank.
-    by_destination = torch.cat([x.unflatten(2, (world, count * h))[:, :, :, index * h:
-                                                                   (index + 1) * h]
-                                for x, h in zip(tensors, heads)], dim=3)
+    by_destination = torch.cat([chunk_heads(x, world, chunk) for x in tensors], dim=3)
     send = by_destination.permute(2, 0, 1, 3, 4).contiguous()  # (W, L, n, sum h/W, D)
     batch, tokens = send.shape[1], send.shape[2]
 
@@ -89,6 +86,15 @@ def start_heads_to_sequence(tensors: tuple[Tensor, ...], group: ContextParallelG
                      for part, h in zip(received.split(heads, dim=3), heads))
 
     return _start_all_to_all(send, group, unpack)
+
+
+def chunk_heads(x: Tensor, world: int, chunk: tuple[int, int] = (0, 1)) -> Tensor:
+    """The (L, n, W, h/W/count, D) view of x (L, n, h, D) at chunk c of `count` equal chunks of
+    every rank's h/W heads, chunk = (c, count)."""
+    index, count = chunk
+    per_rank = x.shape[2] // world
+    width = per_rank // count
+    return x.unflatten(2, (world, per_rank))[:, :, :, index * width:(index + 1) * width]
 
 
 def _start_all_to_all(send: Tensor, group: ContextParallelGroup, unpack) -> Exchange:
