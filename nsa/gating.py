@@ -24,10 +24,9 @@ def gate_weights(q: Tensor, W_gate: Tensor | None, branches: tuple[bool, bool, b
     running = cached(key, q, lambda: _running_weights(branches, dtype, q.device, W_gate is None))
     if W_gate is None:
         return running.expand(*q.shape[:2], NUM_BRANCHES)
-    if not products_in_input_dtype(q, W_gate):
-        return torch.sigmoid(gate_logits(q, W_gate)) * running
-    # Written contiguous (T, H, 3): the gated sum and the backward read it so, without a copy.
-    weights = torch.sigmoid(_head_products(q, W_gate).transpose(0, 1),
+    # Written contiguous (T, H, 3) whatever the logits' layout: the gated sum and the backward
+    # read it so, without a copy. With every branch running, `running` is all ones.
+    weights = torch.sigmoid(gate_logits(q, W_gate),
                             out=torch.empty(*q.shape[:2], NUM_BRANCHES, dtype=dtype,
                                             device=q.device))
     return weights if all(branches) else weights.mul_(running)
