@@ -81,13 +81,22 @@ def _as_4d(x: torch.Tensor) -> torch.Tensor:
     return x.reshape((1,) * (4 - x.dim()) + tuple(x.shape))
 
 
+def _head_sharing(heads: int, kv_heads: int, group: int) -> str:
+    """Whom each of a mask's or bias's Hm heads serves: "query" (one per query head), "kv"
+    (one per KV head; H == Hkv counts as "query"), or "all" (one for every head)."""
+    if heads == kv_heads * group and heads != kv_heads:
+        return "query"
+    if heads == kv_heads and heads > 1:
+        return "kv"
+    return "all"
+
+
 def _per_head(x: torch.Tensor, heads: int, kv_heads: int, group: int) -> torch.Tensor:
     """(Hm, rows, keys) as (Hkv or 1, G or 1, rows, keys), broadcasting like the scores."""
-    if heads == kv_heads * group and heads != kv_heads:  # one per query head
+    sharing = _head_sharing(heads, kv_heads, group)
+    if sharing == "query":
         return x.view(kv_heads, group, *x.shape[1:])
-    if heads == kv_heads and heads > 1:  # one per KV head (H == Hkv: the same thing)
-        return x.unsqueeze(1)
-    return x.unsqueeze(0)  # one for all heads
+    return x.unsqueeze(1) if sharing == "kv" else x.unsqueeze(0)
 
 
 def _rows_per_chunk(problem: AttentionProblem, num_keys: int, acc: torch.dtype,
@@ -214,9 +223,7 @@ def backward(problem: AttentionProblem, dout, q, k, v, out, lse, attn_mask=None,
 
 def _reduce_heads(ds: torch.Tensor, heads: int) -> torch.Tensor:
     """dS (Hkv, G, rows, Nk) summed to a bias's Hm heads: (Hm, rows, Nk)."""
-    kv_heads, group = ds.shape[:2]
-    if heads == kv_heads * group and heads != kv_heads:
+    sharing = _head_sharing(heads, *ds.shape[:2])
+    if sharing == "query":
         return ds.reshape(heads, *ds.shape[2:])
-    if heads == kv_heads and heads > 1:
-        return ds.sum(1)
-    return ds.sum((0, 1)).unsqueeze(0)
+    return ds.sum(1) if sharing == "kv" else ds.sum((0, 1)).unsqueeze(0)
