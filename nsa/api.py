@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from nsa import captured
 from nsa import ops as nsa_ops
 from nsa.config import NSAConfig
 from nsa.function import NSAFunction
@@ -19,7 +20,8 @@ def nsa(q: Tensor, k: Tensor, v: Tensor, *, cu_seqlens: Tensor | None = None,
         causal: bool = True, softmax_scale: float | None = None,
         num_cmp_selected_blocks: int | None = None, deterministic: bool = False,
         host_cu_seqlens: tuple[int, ...] | list[int] | None = None,
-        recompute: bool | None = None, context_parallel_group=None,
+        recompute: bool | None = None, capture: bool | None = None,
+        context_parallel_group=None,
         context_parallel_mode: str = "auto",
         _q_tile: int = SELECTION_Q_TILE, _cmp_kv_block: int = CMP_KV_BLOCK) -> Tensor:
     """Native Sparse Attention: compressed + selected + sliding-window branches, gated.
@@ -67,6 +69,15 @@ def nsa(q: Tensor, k: Tensor, v: Tensor, *, cu_seqlens: Tensor | None = None,
         False keeps the outputs the forward wrote (three q-sized tensors until the backward),
         None (the default) keeps them when they take at most 1/8 of the device's memory (a
         fixed 4 GiB off CUDA), see nsa/memory_policy.py. The result is the same either way.
+    capture: whether an eager call may run from a captured plan, CUDA graphs of its forward and
+        backward replayed for every later call with the same shapes, dtypes, config and packing
+        (the host's work becomes a few copies and one graph launch per direction; results are
+        the eager call's). None (the default) captures on an sm_90 GPU up to 16K tokens at
+        H=32 (query rows x heads <= 2**19), where the host time exceeds the device work; True
+        captures any CUDA call; False never. The first calls of a signature run eagerly (the
+        warm-up); plans hold at most 1/8 of the device's memory; a backward through a retained
+        graph after its plan was reused raises (pass False there). nsa/captured.py states the
+        rules; `nsa.release_captured_plans()` frees them.
     context_parallel_group: run across the ranks of this torch.distributed group (a
         ProcessGroup, a 1-D DeviceMesh, or (mesh, dim name)): q, k, v are then this rank's
         contiguous token shard (packed inputs with the whole sequence's cu_seqlens, the same on
@@ -91,7 +102,7 @@ def nsa(q: Tensor, k: Tensor, v: Tensor, *, cu_seqlens: Tensor | None = None,
             selected_block_size=selected_block_size, num_selected_blocks=num_selected_blocks,
             window_size=window_size, causal=causal, softmax_scale=softmax_scale,
             num_cmp_selected_blocks=num_cmp_selected_blocks, deterministic=deterministic,
-            recompute=recompute, _q_tile=_q_tile, _cmp_kv_block=_cmp_kv_block)
+            recompute=recompute, capture=capture, _q_tile=_q_tile, _cmp_kv_block=_cmp_kv_block)
     config, sequences = validate_nsa_call(
         q, k, v, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
         compress_block_size=compress_block_size, selected_block_size=selected_block_size,
@@ -99,27 +110,29 @@ def nsa(q: Tensor, k: Tensor, v: Tensor, *, cu_seqlens: Tensor | None = None,
         W_gate=W_gate, causal=causal, softmax_scale=softmax_scale,
         num_cmp_selected_blocks=num_cmp_selected_blocks, q_tile=_q_tile,
         cmp_kv_block=_cmp_kv_block, deterministic=deterministic,
-        host_cu_seqlens=host_cu_seqlens, recompute=recompute)
+        host_cu_seqlens=host_cu_seqlens, recompute=recompute, capture=capture)
     weights = tuple(None if W is None else W.contiguous() for W in (W_k, W_v, W_gate))
     # The checks read cu_seqlens once (or took host_cu_seqlens); its values travel with the call
     # from here on.
     if cu_seqlens is not None:
         return _packed_nsa(q.contiguous(), k.contiguous(), v.contiguous(), *weights, cu_seqlens,
-                           config, sequences, recompute)
+                           config, sequences, recompute, capture)
     # A padded batch is B sequences of N rows, packed (an empty batch as one empty sequence);
     # built on the device, so nothing waits on it (sequences.cu_seqlens holds the same values).
     batch, seqlen = q.shape[:2]
     cu_seqlens = torch.arange(max(batch, 1) + 1, dtype=torch.int32, device=q.device) * \
         (seqlen if batch else 0)
     packed = (x.reshape(batch * seqlen, *x.shape[2:]) for x in (q, k, v))
-    out = _packed_nsa(*packed, *weights, cu_seqlens, config, sequences, recompute)
+    out = _packed_nsa(*packed, *weights, cu_seqlens, config, sequences, recompute, capture)
     return out.view(q.shape)
 
 
 def _packed_nsa(q, k, v, W_k, W_v, W_gate, cu_seqlens: Tensor, config: NSAConfig,
-                sequences: PackedSequences, recompute: bool | None) -> Tensor:
-    """nsa() on packed, checked tensors: NSAFunction eagerly, the custom ops under
-    torch.compile (which cannot trace NSAFunction's device reads and value-sized lists)."""
+                sequences: PackedSequences, recompute: bool | None,
+                capture: bool | None = None) -> Tensor:
+    """nsa() on packed, checked tensors: NSAFunction eagerly (or its captured plan,
+    nsa/captured.py), the custom ops under torch.compile (which cannot trace NSAFunction's
+    device reads and value-sized lists)."""
     if torch.compiler.is_compiling():
         return nsa_ops.nsa_forward(q, k, v, W_k, W_v, W_gate, cu_seqlens,
                                    list(sequences.cu_seqlens), sequences.max_seqlen,
@@ -128,5 +141,10 @@ def _packed_nsa(q, k, v, W_k, W_v, W_gate, cu_seqlens: Tensor, config: NSAConfig
     differentiable = torch.is_grad_enabled() and any(
         x is not None and x.requires_grad for x in (q, k, v, W_k, W_v, W_gate))
     keep_outputs = differentiable and keeps_branch_outputs(q, sum(config.branches), recompute)
-    return NSAFunction.apply(q, k, v, W_k, W_v, W_gate, cu_seqlens, sequences.max_seqlen,
-                             config, sequences.cu_seqlens, keep_outputs)
+    def eager():
+        return NSAFunction.apply(q, k, v, W_k, W_v, W_gate, cu_seqlens, sequences.max_seqlen,
+                                 config, sequences.cu_seqlens, keep_outputs)
+    if not captured.capture_applies(q, capture):
+        return eager()
+    return captured.run((q, k, v, W_k, W_v, W_gate), cu_seqlens, config, sequences, keep_outputs,
+                        differentiable, eager)

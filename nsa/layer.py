@@ -102,6 +102,8 @@ class NSAAttention(nn.Module):
     recompute: nsa()'s backward memory policy (None: nsa/memory_policy.py's size rule, which
         sees one call; in a deep model at long lengths pass True so that the layers do not
         each keep three q-sized branch outputs until their backward). The output is the same.
+    capture: nsa()'s captured plans (None: automatic, see nsa/captured.py; False where a graph
+        through the layer is differentiated twice). The output is the same.
     _q_tile, _cmp_kv_block: nsa()'s test-only tile overrides (tests at tiny sizes).
     """
 
@@ -113,7 +115,7 @@ class NSAAttention(nn.Module):
                  gate: bool = True, rope_base: float = 10000.0,
                  softmax_scale: float | None = None, bias: bool = False,
                  deterministic: bool = False, recompute: bool | None = None,
-                 _q_tile: int = SELECTION_Q_TILE,
+                 capture: bool | None = None, _q_tile: int = SELECTION_Q_TILE,
                  _cmp_kv_block: int = CMP_KV_BLOCK, device=None, dtype=None):
         super().__init__()
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
@@ -138,6 +140,7 @@ class NSAAttention(nn.Module):
             num_cmp_selected_blocks=num_cmp_selected_blocks, _q_tile=_q_tile,
             _cmp_kv_block=_cmp_kv_block)
         self.recompute = recompute  # nsa()'s only: the reference has no backward to steer
+        self.capture = capture  # nsa()'s only, likewise
 
         factory = dict(device=device, dtype=dtype)
         self.q_proj = nn.Linear(hidden_size, num_heads * head_dim, bias=bias, **factory)
@@ -224,7 +227,8 @@ class NSAAttention(nn.Module):
                       host_cu_seqlens=host_cu_seqlens, W_k=_as(self.W_k, dtype),
                       W_v=_as(self.W_v, dtype), W_gate=_as(self.W_gate, dtype),
                       softmax_scale=self.softmax_scale, deterministic=self.deterministic,
-                      recompute=self.recompute, context_parallel_group=context_parallel_group,
+                      recompute=self.recompute, capture=self.capture,
+                      context_parallel_group=context_parallel_group,
                       **self.nsa_options)
         elif packed:
             out = kernels.flash_attn_varlen_func(

@@ -53,9 +53,10 @@ def validate_nsa_call(q, k, v, *, cu_seqlens, max_seqlen, compress_block_size,
                       selected_block_size, num_selected_blocks, window_size, W_k, W_v, W_gate,
                       causal, softmax_scale, num_cmp_selected_blocks, q_tile,
                       cmp_kv_block, deterministic=False, host_cu_seqlens=None,
-                      recompute=None) -> tuple[NSAConfig, PackedSequences]:
+                      recompute=None, capture=None) -> tuple[NSAConfig, PackedSequences]:
     """The resolved options and the sequences, or an error naming the first bad argument.
-    recompute (the backward's memory policy, not part of the config) is only checked here."""
+    recompute (the backward's memory policy) and capture (nsa/captured.py), not part of the
+    config, are only checked here."""
     q_tile = _positive_int("_q_tile", q_tile)
     cmp_kv_block = _positive_int("_cmp_kv_block", cmp_kv_block)
     config = NSAConfig(
@@ -91,6 +92,10 @@ def validate_nsa_call(q, k, v, *, cu_seqlens, max_seqlen, compress_block_size,
     scale = check_softmax_scale(softmax_scale, head_dim)
     num_selected = _useful_selected_blocks(config, sequences.max_seqlen)
     _optional_bool("recompute", recompute)
+    _optional_bool("capture", capture)
+    if capture and q.device.type != "cuda":
+        raise ValueError(f"capture=True needs CUDA tensors (it captures CUDA graphs), got q on "
+                         f"{q.device}")
     return config.resolved(softmax_scale=scale, num_selected_blocks=num_selected), sequences
 
 

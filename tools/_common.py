@@ -143,6 +143,17 @@ def add_recompute_argument(parser, help_more: str = "") -> None:
                              "(recompute), or nsa()'s size rule (auto, the default)" + help_more)
 
 
+CAPTURE_OPTIONS = {"auto": {}, "on": {"capture": True}, "off": {"capture": False}}
+
+
+def add_capture_argument(parser) -> None:
+    """--capture auto|on|off, read back with CAPTURE_OPTIONS[args.capture]."""
+    parser.add_argument("--capture", choices=sorted(CAPTURE_OPTIONS), default="auto",
+                        help="nsa()'s captured plans (nsa/captured.py): eager calls replayed "
+                             "from CUDA graphs after the first (on), never (off), or nsa()'s "
+                             "size rule (auto, the default)")
+
+
 def check_num_seqs(args, parser) -> None:
     """Refuse --num-seqs beyond the tokens of the shortest N (after the problem's defaults)."""
     for seqlen in args.seqlens:

@@ -1,7 +1,9 @@
 """Benchmark NSA forward and forward+backward against dense causal attention.
 
 Methods, each timed where it can run (a method that cannot is listed with the reason):
-  nsa          nsa.nsa (ours: CuTe DSL kernels on sm_90, the PyTorch fallback elsewhere)
+  nsa          nsa.nsa (ours: CuTe DSL kernels on sm_90, the PyTorch fallback elsewhere),
+               eager: where nsa()'s captured plans apply (`--capture`, nsa/captured.py; by
+               default up to 16K tokens at H=32) the timed calls replay them
   nsa-graph    the same nsa() call captured in a CUDA graph (torch.cuda.graph) and replayed:
                the forward alone and forward+backward are each one capture (CUDA only; padded
                inputs need no host bounds and packed ones pass host_cu_seqlens, so nsa() reads
@@ -92,7 +94,8 @@ from nsa.compression import compress_pair, compressed_cu_seqlens  # noqa: E402
 from nsa.function import (compressed_starts, describe_branches,  # noqa: E402
                           select_for_branches)
 from nsa.validation import validate_nsa_call  # noqa: E402
-from _common import (RECOMPUTE_OPTIONS, add_num_seqs_argument,  # noqa: E402
+from _common import (CAPTURE_OPTIONS, RECOMPUTE_OPTIONS,  # noqa: E402
+                     add_capture_argument, add_num_seqs_argument,
                      add_problem_arguments, add_recompute_argument,
                      attention_tflops, capped_causal_pairs, causal_pairs, check_num_seqs,
                      int_list,
@@ -151,7 +154,8 @@ def padded_only(name: str, packing) -> None:
 def nsa_method(args) -> Callable:
     W_gate = random_gate(args.heads, args.head_dim, args.torch_dtype, args.device,
                          requires_grad=True) if args.gate else None
-    options = nsa_options(args) | deterministic_option(args) | RECOMPUTE_OPTIONS[args.recompute]
+    options = (nsa_options(args) | deterministic_option(args) | RECOMPUTE_OPTIONS[args.recompute]
+               | CAPTURE_OPTIONS[args.capture])
 
     def run(q, k, v, packing=None):
         if packing is None:
@@ -678,6 +682,7 @@ def parse_args(argv):
                         help="deterministic=True for nsa() and our dense attention: "
                              "bit-identical gradients from run to run (slower backward)")
     add_recompute_argument(parser)
+    add_capture_argument(parser)
     parser.add_argument("--branch-profile", action="store_true",
                         help="also time each NSA branch alone, forward and backward, on "
                              "nsa()'s own lists (see the description)")

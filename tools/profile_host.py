@@ -13,7 +13,9 @@ this tool takes it apart, on one workload:
 - torch ops and kernel-launch calls of one forward+backward (torch.profiler), and the table of
   host time per op.
 
-bf16, learned gates (W_gate), dO random; the other options are nsa()'s defaults.
+bf16, learned gates (W_gate), dO random; the other options are nsa()'s defaults (`--capture`:
+with the default, calls up to 16K tokens at H=32 replay nsa()'s captured plans after the
+warm-up; `--capture off` times the eager path itself).
 
     python tools/profile_host.py                              # 8K tokens, H=32, Hkv=8, D=128
     python tools/profile_host.py --packed lognormal-2k        # a packed workload
@@ -35,7 +37,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import cu_seqlens_of, positive_int  # noqa: E402
+from _common import (CAPTURE_OPTIONS, add_capture_argument, cu_seqlens_of,  # noqa: E402
+                     positive_int)
 from packed_workloads import build_workload  # noqa: E402
 
 SPIN_CYCLES = 200_000_000  # about 100 ms of GPU clock: longer than any call's host time
@@ -135,6 +138,7 @@ def main(argv=None) -> int:
                         help="print the N functions with the most own and cumulative time")
     parser.add_argument("--ops", action="store_true",
                         help="print torch.profiler's table of host time per op")
+    add_capture_argument(parser)
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("profile_host: needs a CUDA GPU (it measures the host time of GPU calls)",
@@ -143,6 +147,7 @@ def main(argv=None) -> int:
     from nsa import nsa
 
     call, dout = make_inputs(args, torch.device("cuda"))
+    call.update(CAPTURE_OPTIONS[args.capture])
 
     def forward():
         return nsa(**call)

@@ -23,7 +23,7 @@ from nsa.distributed.groups import ContextParallelGroup
 # nsa() options passed through unchanged; each is compared across ranks by name.
 NSA_OPTIONS = ("max_seqlen", "compress_block_size", "selected_block_size", "num_selected_blocks",
                "window_size", "causal", "softmax_scale", "num_cmp_selected_blocks",
-               "deterministic", "recompute", "_q_tile", "_cmp_kv_block")
+               "deterministic", "recompute", "capture", "_q_tile", "_cmp_kv_block")
 # nsa_context_parallel's own options, compared across ranks like nsa()'s.
 CONTEXT_PARALLEL_OPTIONS = ("overlap_chunks",)
 MODES = ("auto", "heads", "sequence")

@@ -208,8 +208,9 @@ def test_defaults_of_num_kv_heads_and_head_dim():
 
 
 def test_deterministic_and_factory_arguments_reach_their_targets(monkeypatch):
-    """deterministic and recompute do not change values (the backward's summation order on a
-    GPU; whether it recomputes the branch outputs): they must reach nsa(). device/dtype place
+    """deterministic, recompute and capture do not change values (the backward's summation
+    order on a GPU; whether it recomputes the branch outputs; whether CUDA graphs replay the
+    call): they must reach nsa(). device/dtype place
     the parameters."""
     seen = {}
     real_nsa = layer_module.nsa
@@ -219,11 +220,12 @@ def test_deterministic_and_factory_arguments_reach_their_targets(monkeypatch):
         return real_nsa(*args, **kwargs)
 
     monkeypatch.setattr(layer_module, "nsa", recording_nsa)
-    layer = NSAAttention(HIDDEN, 4, 2, 8, deterministic=True, recompute=True,
+    layer = NSAAttention(HIDDEN, 4, 2, 8, deterministic=True, recompute=True, capture=False,
                          dtype=torch.float64, device="cpu", **SMALL_NSA)
     assert all(p.dtype == torch.float64 for p in layer.parameters())
     layer(random_hidden((20, HIDDEN)), cu_seqlens=cu_seqlens_of([20]))
     assert seen["deterministic"] is True and seen["recompute"] is True
+    assert seen["capture"] is False
 
 
 def test_compute_follows_the_activations_dtype():

@@ -1,0 +1,345 @@
+"""Captured plans: an eager nsa() call replayed from CUDA graphs.
+
+At 8K-16K tokens an eager nsa() step spends longer on the host than the GPU spends on its work
+(about 400 torch ops and 100 launches a forward+backward: 4.7-5.4 ms of host time against
+2.9-5.2 ms of device work, H200, FINDINGS.md), so the GPU waits. Everything such a call launches
+is a function of its signature: the device, shapes and dtypes, which weights are given, which
+inputs need gradients, the config and the packing's host bounds (selection reads the data, but
+on the device). So once a signature has run eagerly, later calls with it replay CUDA graphs of
+`packed_forward` and `packed_gradients`: the host work of a call becomes a few copies and one
+graph launch per direction.
+
+The rules, decided here only:
+- **When** (`capture`): None (the default) on an sm_90 GPU for calls of at most
+  AUTO_MAX_ROW_HEADS query rows x heads (where the host time exceeds the device work); True on
+  any CUDA device and size; False never. Never while a graph is being captured (the caller's
+  own graph holds the whole call) or compiled (nsa/ops.py runs then).
+- **Warm-up**: a signature's first calls run eagerly: its forward is captured once a forward
+  has run, and a differentiable one only once a backward of that signature has run too, so the
+  kernels are compiled and the libraries' handles made before any capture.
+- **Slots**: a slot is one set of static buffers: the inputs (copied in on each call), the
+  forward graph and what it keeps for the backward, the backward graph. A slot is busy from its
+  forward until its backward has run (or until the call's autograd graph is freed without one),
+  so the layers of a model that share a signature get one slot each, and two calls in flight
+  never share buffers. A second backward through a retained graph works while the slot has not
+  been reused, and raises a RuntimeError that says so once it has.
+- **Copies**: the output and the gradients are copied out of the static buffers (a later replay
+  overwrites them); the inputs are copied in. At 8K, H=32, that is about 0.5 GB of memory
+  traffic a step (~0.2 ms of an H200's), against ~2 ms of host time saved.
+- **Memory**: each slot keeps its inputs, the forward's peak and what the backward reads; the
+  backward graphs of a device share one pool (their memory lives only during a replay, as the
+  gradients are copied out at once). All slots together take at most CAPTURE_FRACTION of the
+  device's memory, measured at capture; past it calls run eagerly. `release_captured_plans()`
+  drops every plan (memory of busy slots goes when their backward has run).
+- A capture that raises is reported once (a warning) and its signature runs eagerly from then
+  on: a plan is a speed-up, never a new failure.
+
+Results are those of the eager call: the same kernels on the same data (bit-identical forward;
+gradients bit-identical with deterministic=True, like two eager calls).
+"""
+from __future__ import annotations
+
+import warnings
+import weakref
+from collections import OrderedDict
+
+import torch
+from torch import Tensor
+
+from kernels.autograd import refuse_double_backward
+from kernels.device import kernels_unavailable, total_memory
+from nsa.config import NSAConfig
+from nsa.function import packed_forward, packed_gradients, transposed_lists
+from nsa.validation import PackedSequences
+
+# Query rows x heads up to which a call is captured by default: 16K tokens at H=32 (host time
+# 4.9-5.4 ms against 5.2 ms of device work there, H200; above it the GPU's work hides the host).
+AUTO_MAX_ROW_HEADS = 16384 * 32
+CAPTURE_FRACTION = 1 / 8
+# Signatures remembered (most recent first); a packing seen once never captures, so a stream of
+# distinct packings only cycles this table.
+MAX_SIGNATURES = 64
+
+
+def capture_applies(q: Tensor, capture: bool | None) -> bool:
+    """Whether this call may run from a captured plan (the module's "When"; nsa()'s checks
+    refused capture=True off CUDA)."""
+    if capture is False or q.device.type != "cuda":
+        return False
+    if torch.cuda.is_current_stream_capturing():
+        return False
+    if capture:
+        return True
+    return not kernels_unavailable(q.device) and q.shape[0] * q.shape[1] <= AUTO_MAX_ROW_HEADS
+
+
+class _Signature:
+    """What one signature has seen: eager forwards and backwards (the warm-up), its slots."""
+
+    def __init__(self):
+        self.eager_forwards = 0
+        self.eager_backwards = 0
+        self.slots: list[_Slot] = []
+        self.failed = False
+
+    def ready(self, differentiable: bool) -> bool:
+        return not self.failed and self.eager_forwards > 0 and (
+            not differentiable or self.eager_backwards > 0)
+
+    def count_backward(self, *_):
+        self.eager_backwards += 1
+
+
+class _Slot:
+    """Static buffers and graphs of one call in flight (see the module's "Slots")."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.pool = torch.cuda.graph_pool_handle()
+        self.inputs: tuple | None = None
+        self.forward_graph = None
+        self.state = None  # packed_forward's result on the static inputs
+        self.backward_graph = None
+        self.dout: Tensor | None = None
+        self.grads: tuple | None = None
+        self.busy = False
+        self.generation = 0
+        self.bytes = 0
+
+    def acquire(self) -> int:
+        self.busy = True
+        self.generation += 1
+        return self.generation
+
+    def release(self, generation: int) -> None:
+        if self.generation == generation:
+            self.busy = False
+
+    def load(self, inputs) -> None:
+        """Copy this call's tensors into the static inputs (cu_seqlens is part of the signature:
+        its values never change for a slot)."""
+        for static, x in zip(self.inputs[:6], inputs[:6]):
+            if static is not None:
+                static.copy_(x)
+
+
+class _Plans:
+    """Signature -> _Signature, most recent first, and the bytes all slots hold."""
+
+    def __init__(self):
+        self.signatures: OrderedDict = OrderedDict()
+        self.bytes: dict[torch.device, int] = {}
+        self.backward_pools: dict[torch.device, tuple] = {}
+
+    def signature(self, key) -> _Signature:
+        entry = self.signatures.get(key)
+        if entry is None:
+            entry = self.signatures[key] = _Signature()
+            while len(self.signatures) > MAX_SIGNATURES:
+                _, dropped = self.signatures.popitem(last=False)
+                self._forget(dropped)
+        else:
+            self.signatures.move_to_end(key)
+        return entry
+
+    def backward_pool(self, device: torch.device):
+        if device not in self.backward_pools:
+            self.backward_pools[device] = torch.cuda.graph_pool_handle()
+        return self.backward_pools[device]
+
+    def room_for_slot(self, signature: _Signature, device: torch.device) -> bool:
+        """Whether one more slot fits the budget, counting it as large as this signature's
+        first (unknown before the first capture: allowed)."""
+        estimate = signature.slots[0].bytes if signature.slots else 0
+        return self.bytes.get(device, 0) + estimate <= total_memory(device) * CAPTURE_FRACTION
+
+    def add_bytes(self, device: torch.device, nbytes: int) -> None:
+        self.bytes[device] = self.bytes.get(device, 0) + nbytes
+
+    def _forget(self, signature: _Signature) -> None:
+        for slot in signature.slots:
+            self.add_bytes(slot.device, -slot.bytes)
+        signature.slots = []
+
+    def clear(self) -> None:
+        for signature in self.signatures.values():
+            self._forget(signature)
+        self.signatures.clear()
+        self.backward_pools.clear()
+
+
+_plans = _Plans()
+
+
+def release_captured_plans() -> None:
+    """Drop every captured plan (their graphs and static buffers; a slot whose backward is
+    still pending keeps its memory until that backward has run)."""
+    _plans.clear()
+
+
+def captured_bytes(device: torch.device | None = None) -> int:
+    """Bytes the captured plans hold on `device` (all devices: None), as measured at capture."""
+    if device is not None:
+        return _plans.bytes.get(torch.device(device), 0)
+    return sum(_plans.bytes.values())
+
+
+def run(inputs: tuple, cu_seqlens: Tensor, config: NSAConfig, sequences: PackedSequences,
+        keep_outputs: bool, differentiable: bool, eager) -> Tensor:
+    """nsa() on packed, checked tensors from a captured plan where one is ready, else `eager()`
+    (NSAFunction.apply), counted as this signature's warm-up."""
+    q = inputs[0]
+    key = _signature_key(inputs, cu_seqlens, config, sequences, keep_outputs, differentiable)
+    signature = _plans.signature(key)
+    slot = _free_slot(signature, q.device) if signature.ready(differentiable) else None
+    if slot is None:
+        out = eager()
+        signature.eager_forwards += 1
+        if differentiable and out.grad_fn is not None and not signature.eager_backwards:
+            out.grad_fn.register_hook(signature.count_backward)
+        return out
+    run_forward = _forward_runner(sequences, config, keep_outputs)
+    if slot.forward_graph is None:
+        if not _capture(signature, slot, lambda: _capture_forward(slot, inputs, cu_seqlens,
+                                                                   run_forward)):
+            return eager()
+    else:
+        slot.load(inputs)
+        slot.forward_graph.replay()
+    if not differentiable:
+        return slot.state[0].clone()
+    return _CapturedNSA.apply(slot, signature, sequences, config, *inputs)
+
+
+def _signature_key(inputs, cu_seqlens, config, sequences, keep_outputs, differentiable) -> tuple:
+    tensors = tuple(None if x is None else (tuple(x.shape), x.dtype, x.requires_grad)
+                    for x in inputs)
+    return (inputs[0].device, tensors, cu_seqlens.dtype, config, sequences, keep_outputs,
+            differentiable)
+
+
+def _free_slot(signature: _Signature, device: torch.device) -> _Slot | None:
+    for slot in signature.slots:
+        if not slot.busy:
+            return slot
+    if not _plans.room_for_slot(signature, device):
+        return None
+    slot = _Slot(device)
+    signature.slots.append(slot)
+    return slot
+
+
+def _forward_runner(sequences: PackedSequences, config: NSAConfig, keep_outputs: bool):
+    def run_forward(q, k, v, W_k, W_v, W_gate, cu_seqlens):
+        return packed_forward(q, k, v, W_k, W_v, W_gate, cu_seqlens, sequences, config,
+                              keep_outputs)
+    return run_forward
+
+
+def _capture(signature: _Signature, slot: _Slot, capture_step) -> bool:
+    """Run `capture_step` (which captures a graph into `slot` and replays it once), counting
+    the memory it took; on failure warn once, drop the signature's plans and say False."""
+    # Capture empties the allocator's cache anyway; emptied first, what it reserves after is
+    # the plan's (its static inputs and its pool).
+    torch.cuda.synchronize(slot.device)
+    torch.cuda.empty_cache()
+    before = torch.cuda.memory_reserved(slot.device)
+    try:
+        capture_step()
+    except Exception as error:  # noqa: BLE001 - any failure to capture falls back to eager
+        signature.failed = True
+        _plans._forget(signature)
+        warnings.warn(f"nsa(): capturing a CUDA graph of this call failed ({error!r}); calls "
+                      "with its signature run eagerly (pass capture=False to skip the attempt)",
+                      RuntimeWarning, stacklevel=4)
+        return False
+    grown = max(torch.cuda.memory_reserved(slot.device) - before, 0)
+    slot.bytes += grown
+    _plans.add_bytes(slot.device, grown)
+    return True
+
+
+def _capture_forward(slot: _Slot, inputs: tuple, cu_seqlens: Tensor, run_forward) -> None:
+    slot.inputs = tuple(None if x is None else x.detach().clone()
+                        for x in (*inputs, cu_seqlens))
+    graph = torch.cuda.CUDAGraph()
+    with torch.no_grad(), torch.cuda.graph(graph, pool=slot.pool,
+                                           capture_error_mode="thread_local"):
+        slot.state = run_forward(*slot.inputs)
+    slot.forward_graph = graph
+    graph.replay()
+
+
+def _capture_backward(slot: _Slot, dout: Tensor, sequences: PackedSequences,
+                      config: NSAConfig) -> None:
+    slot.dout = dout.detach().clone(memory_format=torch.contiguous_format)
+    graph = torch.cuda.CUDAGraph()
+    with torch.no_grad(), torch.cuda.graph(graph, pool=_plans.backward_pool(slot.device),
+                                           capture_error_mode="thread_local"):
+        slot.grads = _slot_gradients(slot, slot.dout, sequences, config)
+    slot.backward_graph = graph
+    graph.replay()
+
+
+def _slot_gradients(slot: _Slot, dout: Tensor, sequences: PackedSequences,
+                    config: NSAConfig) -> tuple:
+    """packed_gradients on the slot's inputs and the state its forward left."""
+    out, branches, cu_seqlens_cmp, lses, kept = slot.state
+    q, k, v, W_k, W_v, W_gate, cu_seqlens = slot.inputs
+    return packed_gradients(dout, q, k, v, W_k, W_v, W_gate, cu_seqlens, cu_seqlens_cmp, lses,
+                            branches, sequences, config, transposed_lists(branches), kept)
+
+
+def _backward(ctx, slot: _Slot, dout: Tensor) -> tuple:
+    """The slot's gradients for dout: its backward graph replayed (captured on its first
+    backward); without a graph (the capture failed) the same work eagerly."""
+    if slot.backward_graph is not None:
+        slot.dout.copy_(dout)
+        slot.backward_graph.replay()
+        return slot.grads
+    capture_step = lambda: _capture_backward(slot, dout, ctx.sequences, ctx.config)  # noqa: E731
+    if _capture(ctx.signature, slot, capture_step):
+        return slot.grads
+    return _slot_gradients(slot, dout, ctx.sequences, ctx.config)
+
+
+class _Lease:
+    """Frees its slot when the autograd graph that holds it goes without a backward."""
+
+    def __init__(self, slot: _Slot, generation: int):
+        self.slot, self.generation = weakref.ref(slot), generation
+
+    def __del__(self):
+        slot = self.slot()
+        if slot is not None:
+            slot.release(self.generation)
+
+
+class _CapturedNSA(torch.autograd.Function):
+    """NSAFunction's twin over a slot whose forward graph has just run on this call's inputs."""
+
+    @staticmethod
+    def forward(ctx, slot: _Slot, signature: _Signature, sequences: PackedSequences,
+                config: NSAConfig, q, k, v, W_k, W_v, W_gate) -> Tensor:
+        generation = slot.acquire()
+        ctx.slot, ctx.signature, ctx.generation = slot, signature, generation
+        ctx.sequences, ctx.config = sequences, config
+        ctx.lease = _Lease(slot, generation)
+        ctx.save_for_backward(q, k, v, W_k, W_v, W_gate)
+        return slot.state[0].clone()
+
+    @staticmethod
+    def backward(ctx, dout: Tensor):
+        slot = ctx.slot
+        if slot.generation != ctx.generation:
+            raise RuntimeError(
+                "nsa(): this backward's captured plan was reused by a later call after an "
+                "earlier backward through the same graph (retain_graph=True); pass "
+                "capture=False to nsa() for graphs that are differentiated more than once")
+        with torch.no_grad():
+            grads = tuple(g.clone() if g is not None and needed else None
+                          for g, needed in zip(_backward(ctx, slot, dout),
+                                               ctx.needs_input_grad[4:]))
+        slot.release(ctx.generation)
+        grads = refuse_double_backward("nsa()", grads, (dout, *ctx.saved_tensors))
+        return (None, None, None, None, *grads)

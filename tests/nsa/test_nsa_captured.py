@@ -1,0 +1,203 @@
+"""nsa()'s captured plans (nsa/captured.py): eager calls replayed from CUDA graphs.
+
+On the CPU: the argument's checks and the rule that says when a call may be captured. On an
+sm_90 GPU: calls with one signature run eagerly, then capture, then replay, each on new values,
+and every call's output and gradients equal capture=False's on the same values, bit for bit
+(deterministic=True orders the dQ sums); two calls in flight with one signature (two layers)
+use two slots; a plan's output survives later calls; a second backward through a retained graph
+works until the plan is reused and then raises; forward-only calls replay; the plans' memory is
+counted and freed.
+
+    python -m pytest -q tests/nsa/test_nsa_captured.py     # the GPU half on an sm_90 GPU
+"""
+import pytest
+import torch
+
+import nsa.captured as captured
+from nsa import nsa, release_captured_plans
+from nsa_testing import random_inputs
+from gpu_marks import requires_sm90
+
+LENGTHS = [1500, 77, 700]
+NAMES = ("q", "k", "v", "W_k", "W_v", "W_gate")
+
+
+# --- CPU: the argument and the rule -------------------------------------------------------------
+
+def test_capture_must_be_none_or_a_bool():
+    x = random_inputs([64], heads=2, kv_heads=1, head_dim=16, seed=0, weights=False)
+    with pytest.raises(TypeError, match="capture must be None or a bool"):
+        nsa(x["q"], x["k"], x["v"], cu_seqlens=x["cu_seqlens"], capture="yes")
+
+
+def test_capture_true_needs_cuda_tensors():
+    x = random_inputs([64], heads=2, kv_heads=1, head_dim=16, seed=0, weights=False)
+    with pytest.raises(ValueError, match="capture=True needs CUDA tensors"):
+        nsa(x["q"], x["k"], x["v"], cu_seqlens=x["cu_seqlens"], capture=True)
+
+
+def test_cpu_calls_are_never_captured():
+    q = torch.zeros(8, 2, 16)
+    assert not captured.capture_applies(q, None)
+    assert not captured.capture_applies(q, False)
+
+
+def test_the_automatic_rule_is_a_size_limit(monkeypatch):
+    """capture=None: an sm_90 device and at most AUTO_MAX_ROW_HEADS rows x heads; True: any
+    CUDA size; False: never. (A CPU tensor posing as CUDA: only the rule is exercised.)"""
+    monkeypatch.setattr(captured, "kernels_unavailable", lambda device: "")
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    rows = captured.AUTO_MAX_ROW_HEADS // 32
+
+    class FakeCuda:
+        def __init__(self, rows):
+            self.shape, self.device = (rows, 32, 128), torch.device("cuda", 0)
+
+    assert captured.capture_applies(FakeCuda(rows), None)
+    assert not captured.capture_applies(FakeCuda(rows + 1), None)
+    assert captured.capture_applies(FakeCuda(rows + 1), True)
+    assert not captured.capture_applies(FakeCuda(rows), False)
+    monkeypatch.setattr(captured, "kernels_unavailable", lambda device: "GPU is sm_80")
+    assert not captured.capture_applies(FakeCuda(rows), None)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    assert not captured.capture_applies(FakeCuda(rows), True)
+
+
+# --- GPU -----------------------------------------------------------------------------------------
+
+def _inputs(seed: int, layout: str = "varlen", requires_grad: bool = True) -> tuple[dict, dict]:
+    x = random_inputs(LENGTHS, heads=8, kv_heads=2, head_dim=128, seed=seed)
+    tensors = {n: x[n].cuda().bfloat16() for n in NAMES}
+    if layout == "padded":
+        rows = 1100
+        tensors.update({n: tensors[n][:2 * rows].reshape(2, rows, *tensors[n].shape[1:])
+                        for n in ("q", "k", "v")})
+        extra = {}
+    else:
+        cu = x["cu_seqlens"].cuda()
+        extra = dict(cu_seqlens=cu, host_cu_seqlens=tuple(cu.tolist()), max_seqlen=max(LENGTHS))
+    for t in tensors.values():
+        t.requires_grad_(requires_grad)
+    return tensors, extra
+
+
+def _step(tensors: dict, extra: dict, dout: torch.Tensor, capture) -> tuple:
+    """out and the gradients of one forward+backward (fresh leaves, so nothing accumulates)."""
+    leaves = {n: t.detach().clone().requires_grad_() for n, t in tensors.items()}
+    out = nsa(**leaves, **extra, deterministic=True, capture=capture)
+    out.backward(dout)
+    return out.detach(), {n: t.grad for n, t in leaves.items()}
+
+
+def _slots() -> list:
+    return [slot for signature in captured._plans.signatures.values()
+            for slot in signature.slots]
+
+
+@pytest.fixture
+def fresh_plans():
+    release_captured_plans()
+    yield
+    release_captured_plans()
+
+
+@requires_sm90
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["varlen", "padded"])
+def test_eager_then_captured_then_replayed_calls_equal_eager_ones(fresh_plans, layout):
+    for seed in range(4):  # call 0 eager (warm-up), 1 captures, 2 and 3 replay
+        tensors, extra = _inputs(seed, layout)
+        dout = torch.randn_like(tensors["q"])
+        out, grads = _step(tensors, extra, dout, capture=True)
+        ref_out, ref_grads = _step(tensors, extra, dout, capture=False)
+        assert torch.equal(out, ref_out), seed
+        for name in NAMES:
+            assert torch.equal(grads[name], ref_grads[name]), (seed, name)
+    slots = _slots()
+    assert len(slots) == 1 and slots[0].forward_graph is not None
+    assert slots[0].backward_graph is not None and not slots[0].busy
+    assert captured.captured_bytes() > 0
+
+
+@requires_sm90
+@pytest.mark.gpu
+def test_two_calls_in_flight_use_two_slots(fresh_plans):
+    """Two layers with one signature: both forwards before either backward."""
+    dout = [torch.randn(sum(LENGTHS), 8, 128, device="cuda", dtype=torch.bfloat16)
+            for _ in range(2)]
+
+    def two_layer_step(seed: int, capture):
+        first, extra = _inputs(seed)
+        second, _ = _inputs(seed + 100)
+        leaves = [{n: t.detach().clone().requires_grad_() for n, t in x.items()}
+                  for x in (first, second)]
+        outs = [nsa(**x, **extra, deterministic=True, capture=capture) for x in leaves]
+        torch.autograd.backward(outs, dout)
+        return [o.detach() for o in outs], [{n: t.grad for n, t in x.items()} for x in leaves]
+
+    for seed in range(3):
+        outs, grads = two_layer_step(seed, True)
+        ref_outs, ref_grads = two_layer_step(seed, False)
+        for layer in range(2):
+            assert torch.equal(outs[layer], ref_outs[layer]), (seed, layer)
+            for name in NAMES:
+                assert torch.equal(grads[layer][name], ref_grads[layer][name]), (seed, name)
+    assert len(_slots()) == 2
+
+
+@requires_sm90
+@pytest.mark.gpu
+def test_an_output_survives_later_replays(fresh_plans):
+    tensors, extra = _inputs(0)
+    with torch.no_grad():
+        outs = [nsa(**_inputs(seed)[0], **extra, capture=True) for seed in range(4)]
+        refs = [nsa(**_inputs(seed)[0], **extra, capture=False) for seed in range(4)]
+    for out, ref in zip(outs, refs):
+        assert torch.equal(out, ref)
+    assert len(_slots()) == 1 and not _slots()[0].busy  # forward-only calls free it at once
+
+
+@requires_sm90
+@pytest.mark.gpu
+def test_a_retained_graph_backward_works_until_its_plan_is_reused(fresh_plans):
+    tensors, extra = _inputs(0)
+    dout = torch.randn_like(tensors["q"])
+    for _ in range(2):  # warm-up: the signature's eager forward and backward
+        _step(tensors, extra, dout, capture=True)
+    leaves = {n: t.detach().clone().requires_grad_() for n, t in tensors.items()}
+    out = nsa(**leaves, **extra, deterministic=True, capture=True)
+    out.backward(dout, retain_graph=True)
+    first = {n: t.grad.clone() for n, t in leaves.items()}
+    for t in leaves.values():
+        t.grad = None
+    out.backward(dout, retain_graph=True)  # the plan is still this call's
+    for name in NAMES:
+        assert torch.equal(leaves[name].grad, first[name]), name
+    _step(_inputs(5)[0], extra, dout, capture=True)  # reuses the free slot
+    with pytest.raises(RuntimeError, match="retain_graph"):
+        out.backward(dout)
+
+
+@requires_sm90
+@pytest.mark.gpu
+def test_an_output_dropped_without_backward_frees_its_slot(fresh_plans):
+    tensors, extra = _inputs(0)
+    dout = torch.randn_like(tensors["q"])
+    for _ in range(2):
+        _step(tensors, extra, dout, capture=True)
+    nsa(**tensors, **extra, capture=True)  # graph freed at once: no backward will come
+    assert len(_slots()) == 1 and not _slots()[0].busy
+    _step(tensors, extra, dout, capture=True)
+    assert len(_slots()) == 1
+
+
+@requires_sm90
+@pytest.mark.gpu
+def test_release_frees_the_plans(fresh_plans):
+    tensors, extra = _inputs(0)
+    dout = torch.randn_like(tensors["q"])
+    for _ in range(3):
+        _step(tensors, extra, dout, capture=None)  # small: the automatic rule captures
+    assert _slots() and captured.captured_bytes() > 0
+    release_captured_plans()
+    assert not _slots() and captured.captured_bytes() == 0
