@@ -73,8 +73,8 @@ def nsa(q: Tensor, k: Tensor, v: Tensor, *, cu_seqlens: Tensor | None = None,
         backward replayed for every later call with the same shapes, dtypes, config and packing
         (the host's work becomes a few copies and one graph launch per direction; results are
         the eager call's). None (the default) captures on an sm_90 GPU up to 16K tokens at
-        H=32 (query rows x heads <= 2**19), where the host time exceeds the device work; True
-        captures any CUDA call; False never. The first calls of a signature run eagerly (the
+        H=32 (query rows x heads <= 2**19; a forward without backward up to 8K), where the host
+        time exceeds the device work; True captures any CUDA call; False never. The first calls of a signature run eagerly (the
         warm-up); plans hold at most 1/8 of the device's memory; a backward through a retained
         graph after its plan was reused raises (pass False there). nsa/captured.py states the
         rules; `nsa.release_captured_plans()` frees them.
@@ -144,7 +144,7 @@ def _packed_nsa(q, k, v, W_k, W_v, W_gate, cu_seqlens: Tensor, config: NSAConfig
     def eager():
         return NSAFunction.apply(q, k, v, W_k, W_v, W_gate, cu_seqlens, sequences.max_seqlen,
                                  config, sequences.cu_seqlens, keep_outputs)
-    if not captured.capture_applies(q, capture):
+    if not captured.capture_applies(q, capture, differentiable):
         return eager()
     return captured.run((q, k, v, W_k, W_v, W_gate), cu_seqlens, config, sequences, keep_outputs,
                         differentiable, eager)

@@ -11,7 +11,8 @@ graph launch per direction.
 
 The rules, decided here only:
 - **When** (`capture`): None (the default) on an sm_90 GPU for calls of at most
-  AUTO_MAX_ROW_HEADS query rows x heads (where the host time exceeds the device work); True on
+  AUTO_MAX_ROW_HEADS query rows x heads, AUTO_MAX_ROW_HEADS_FORWARD for a forward that no
+  backward will follow (where the host time exceeds the device work: measured below); True on
   any CUDA device and size; False never. Never while a graph is being captured (the caller's
   own graph holds the whole call) or compiled (nsa/ops.py runs then).
 - **Warm-up**: a signature's first calls run eagerly: its forward is captured once a forward
@@ -52,25 +53,29 @@ from nsa.config import NSAConfig
 from nsa.function import packed_forward, packed_gradients, transposed_lists
 from nsa.validation import PackedSequences
 
-# Query rows x heads up to which a call is captured by default: 16K tokens at H=32 (host time
-# 4.9-5.4 ms against 5.2 ms of device work there, H200; above it the GPU's work hides the host).
+# Query rows x heads up to which a call is captured by default (2 x H200, 2026-11-28,
+# FINDINGS.md, learned gates): forward+backward 8K 5.50 -> 3.71 ms and 16K 6.85 -> 6.48 ms with a
+# plan; a forward alone 8K 1.18 -> 1.04 ms but 16K 1.68 -> 1.77 ms (its 0.9 ms of host time is
+# hidden there already, and the copies cost more than they save).
 AUTO_MAX_ROW_HEADS = 16384 * 32
+AUTO_MAX_ROW_HEADS_FORWARD = 8192 * 32
 CAPTURE_FRACTION = 1 / 8
 # Signatures remembered (most recent first); a packing seen once never captures, so a stream of
 # distinct packings only cycles this table.
 MAX_SIGNATURES = 64
 
 
-def capture_applies(q: Tensor, capture: bool | None) -> bool:
+def capture_applies(q: Tensor, capture: bool | None, differentiable: bool) -> bool:
     """Whether this call may run from a captured plan (the module's "When"; nsa()'s checks
-    refused capture=True off CUDA)."""
+    refused capture=True off CUDA). differentiable: a backward can follow."""
     if capture is False or q.device.type != "cuda":
         return False
     if torch.cuda.is_current_stream_capturing():
         return False
     if capture:
         return True
-    return not kernels_unavailable(q.device) and q.shape[0] * q.shape[1] <= AUTO_MAX_ROW_HEADS
+    limit = AUTO_MAX_ROW_HEADS if differentiable else AUTO_MAX_ROW_HEADS_FORWARD
+    return not kernels_unavailable(q.device) and q.shape[0] * q.shape[1] <= limit
 
 
 class _Signature:

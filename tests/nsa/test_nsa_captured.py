@@ -38,13 +38,15 @@ def test_capture_true_needs_cuda_tensors():
 
 def test_cpu_calls_are_never_captured():
     q = torch.zeros(8, 2, 16)
-    assert not captured.capture_applies(q, None)
-    assert not captured.capture_applies(q, False)
+    for differentiable in (True, False):
+        assert not captured.capture_applies(q, None, differentiable)
+        assert not captured.capture_applies(q, False, differentiable)
 
 
 def test_the_automatic_rule_is_a_size_limit(monkeypatch):
-    """capture=None: an sm_90 device and at most AUTO_MAX_ROW_HEADS rows x heads; True: any
-    CUDA size; False: never. (A CPU tensor posing as CUDA: only the rule is exercised.)"""
+    """capture=None: an sm_90 device and at most AUTO_MAX_ROW_HEADS rows x heads
+    (AUTO_MAX_ROW_HEADS_FORWARD without a backward); True: any CUDA size; False: never. (An
+    object posing as a CUDA tensor: only the rule is exercised.)"""
     monkeypatch.setattr(captured, "kernels_unavailable", lambda device: "")
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     rows = captured.AUTO_MAX_ROW_HEADS // 32
@@ -53,14 +55,19 @@ def test_the_automatic_rule_is_a_size_limit(monkeypatch):
         def __init__(self, rows):
             self.shape, self.device = (rows, 32, 128), torch.device("cuda", 0)
 
-    assert captured.capture_applies(FakeCuda(rows), None)
-    assert not captured.capture_applies(FakeCuda(rows + 1), None)
-    assert captured.capture_applies(FakeCuda(rows + 1), True)
-    assert not captured.capture_applies(FakeCuda(rows), False)
+    forward_rows = captured.AUTO_MAX_ROW_HEADS_FORWARD // 32
+    assert forward_rows < rows
+    assert captured.capture_applies(FakeCuda(rows), None, True)
+    assert not captured.capture_applies(FakeCuda(rows + 1), None, True)
+    assert captured.capture_applies(FakeCuda(forward_rows), None, False)
+    assert not captured.capture_applies(FakeCuda(forward_rows + 1), None, False)
+    assert captured.capture_applies(FakeCuda(rows + 1), True, True)
+    assert captured.capture_applies(FakeCuda(rows + 1), True, False)
+    assert not captured.capture_applies(FakeCuda(rows), False, True)
     monkeypatch.setattr(captured, "kernels_unavailable", lambda device: "GPU is sm_80")
-    assert not captured.capture_applies(FakeCuda(rows), None)
+    assert not captured.capture_applies(FakeCuda(rows), None, True)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
-    assert not captured.capture_applies(FakeCuda(rows), True)
+    assert not captured.capture_applies(FakeCuda(rows), True, True)
 
 
 # --- GPU -----------------------------------------------------------------------------------------
