@@ -142,7 +142,7 @@ class _Plans:
             entry = self.signatures[key] = _Signature()
             while len(self.signatures) > MAX_SIGNATURES:
                 _, dropped = self.signatures.popitem(last=False)
-                self._forget(dropped)
+                self.forget(dropped)
         else:
             self.signatures.move_to_end(key)
         return entry
@@ -161,14 +161,14 @@ class _Plans:
     def add_bytes(self, device: torch.device, nbytes: int) -> None:
         self.bytes[device] = self.bytes.get(device, 0) + nbytes
 
-    def _forget(self, signature: _Signature) -> None:
+    def forget(self, signature: _Signature) -> None:
         for slot in signature.slots:
             self.add_bytes(slot.device, -slot.bytes)
         signature.slots = []
 
     def clear(self) -> None:
         for signature in self.signatures.values():
-            self._forget(signature)
+            self.forget(signature)
         self.signatures.clear()
         self.backward_pools.clear()
 
@@ -253,7 +253,7 @@ def _capture(signature: _Signature, slot: _Slot, capture_step) -> bool:
         capture_step()
     except Exception as error:  # noqa: BLE001 - any failure to capture falls back to eager
         signature.failed = True
-        _plans._forget(signature)
+        _plans.forget(signature)
         warnings.warn(f"nsa(): capturing a CUDA graph of this call failed ({error!r}); calls "
                       "with its signature run eagerly (pass capture=False to skip the attempt)",
                       RuntimeWarning, stacklevel=4)
