@@ -42,6 +42,7 @@ from torch import Tensor
 
 import kernels
 from nsa.api import nsa
+from nsa.fused import fused_on_gpu
 from nsa.reference import nsa_reference
 from nsa.selection_rule import CMP_KV_BLOCK, SELECTION_Q_TILE
 
@@ -71,10 +72,12 @@ def shard_positions(cu_seqlens: Tensor, local_rows: int, group=None) -> Tensor:
     return shard_sequence(everything, group, name="the packed tokens")
 
 
+@fused_on_gpu
 def apply_rotary(x: Tensor, positions: Tensor, base: float) -> Tensor:
     """Rotary position embedding of x (..., heads, D) at positions (...) (rotate-half layout:
     channel i pairs with channel i + D/2, frequency base ** (-i / (D/2))). At least float32
-    inside: bf16 angles would be off by whole radians at long positions."""
+    inside: bf16 angles would be off by whole radians at long positions. One kernel on a GPU
+    (nsa/fused.py)."""
     half = x.shape[-1] // 2
     precision = torch.promote_types(x.dtype, torch.float32)
     frequencies = base ** (-torch.arange(half, device=x.device, dtype=precision) / half)

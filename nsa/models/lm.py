@@ -24,6 +24,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
+from nsa.fused import fused_on_gpu
 from nsa.layer import NSAAttention, shard_positions
 
 # Byte-level vocabulary: 256 byte values, then the document markers.
@@ -90,10 +91,22 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(size))
 
     def forward(self, x: Tensor) -> Tensor:
-        # float32 statistics: a bf16 mean of squares loses the small channels.
-        x32 = x.float()
-        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (normed * self.weight.float()).to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)
+
+
+@fused_on_gpu
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """x / rms(x) * weight in x's dtype; one kernel on a GPU (nsa/fused.py)."""
+    # float32 statistics: a bf16 mean of squares loses the small channels.
+    x32 = x.float()
+    normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return (normed * weight.float()).to(x.dtype)
+
+
+@fused_on_gpu
+def silu_product(gate: Tensor, up: Tensor) -> Tensor:
+    """SwiGLU's silu(gate) * up; one kernel on a GPU (nsa/fused.py)."""
+    return F.silu(gate) * up
 
 
 class SwiGLU(nn.Module):
@@ -106,7 +119,7 @@ class SwiGLU(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         gate = F.linear(x, self.gate_proj.weight.to(x.dtype))
         up = F.linear(x, self.up_proj.weight.to(x.dtype))
-        return F.linear(F.silu(gate) * up, self.down_proj.weight.to(x.dtype))
+        return F.linear(silu_product(gate, up), self.down_proj.weight.to(x.dtype))
 
 
 class DecoderBlock(nn.Module):
