@@ -135,6 +135,7 @@ class _Plans:
         self.signatures: OrderedDict = OrderedDict()
         self.bytes: dict[torch.device, int] = {}
         self.backward_pools: dict[torch.device, tuple] = {}
+        self.capture_streams: dict[torch.device, torch.cuda.Stream] = {}
 
     def signature(self, key) -> _Signature:
         entry = self.signatures.get(key)
@@ -151,6 +152,12 @@ class _Plans:
         if device not in self.backward_pools:
             self.backward_pools[device] = torch.cuda.graph_pool_handle()
         return self.backward_pools[device]
+
+    def capture_stream(self, device: torch.device) -> torch.cuda.Stream:
+        """The side stream captures run on (capture never runs on the default stream)."""
+        if device not in self.capture_streams:
+            self.capture_streams[device] = torch.cuda.Stream(device)
+        return self.capture_streams[device]
 
     def room_for_slot(self, signature: _Signature, device: torch.device) -> bool:
         """Whether one more slot fits the budget, counting it as large as this signature's
@@ -244,10 +251,8 @@ def _forward_runner(sequences: PackedSequences, config: NSAConfig, keep_outputs:
 def _capture(signature: _Signature, slot: _Slot, capture_step) -> bool:
     """Run `capture_step` (which captures a graph into `slot` and replays it once), counting
     the memory it took; on failure warn once, drop the signature's plans and say False."""
-    # Capture empties the allocator's cache anyway; emptied first, what it reserves after is
-    # the plan's (its static inputs and its pool).
-    torch.cuda.synchronize(slot.device)
-    torch.cuda.empty_cache()
+    # A private pool takes new segments (it never reuses the allocator's cached blocks), so
+    # what is reserved after, less before, is the plan's: its static inputs and its pool.
     before = torch.cuda.memory_reserved(slot.device)
     try:
         capture_step()
@@ -264,26 +269,38 @@ def _capture(signature: _Signature, slot: _Slot, capture_step) -> bool:
     return True
 
 
+def _captured(device: torch.device, pool, work):
+    """(a CUDA graph of work(), work()'s result), captured into `pool` on the device's capture
+    stream, then replayed once on the current stream (capture runs nothing). Not
+    torch.cuda.graph: its synchronize and empty_cache on entry would stall a training step and
+    make the step after it allocate afresh, at every capture."""
+    stream = _plans.capture_stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    graph = torch.cuda.CUDAGraph()
+    with torch.no_grad(), torch.cuda.stream(stream):
+        graph.capture_begin(pool=pool, capture_error_mode="thread_local")
+        try:
+            result = work()
+        finally:
+            graph.capture_end()
+    torch.cuda.current_stream(device).wait_stream(stream)
+    graph.replay()
+    return graph, result
+
+
 def _capture_forward(slot: _Slot, inputs: tuple, cu_seqlens: Tensor, run_forward) -> None:
     slot.inputs = tuple(None if x is None else x.detach().clone()
                         for x in (*inputs, cu_seqlens))
-    graph = torch.cuda.CUDAGraph()
-    with torch.no_grad(), torch.cuda.graph(graph, pool=slot.pool,
-                                           capture_error_mode="thread_local"):
-        slot.state = run_forward(*slot.inputs)
-    slot.forward_graph = graph
-    graph.replay()
+    slot.forward_graph, slot.state = _captured(slot.device, slot.pool,
+                                               lambda: run_forward(*slot.inputs))
 
 
 def _capture_backward(slot: _Slot, dout: Tensor, sequences: PackedSequences,
                       config: NSAConfig) -> None:
     slot.dout = dout.detach().clone(memory_format=torch.contiguous_format)
-    graph = torch.cuda.CUDAGraph()
-    with torch.no_grad(), torch.cuda.graph(graph, pool=_plans.backward_pool(slot.device),
-                                           capture_error_mode="thread_local"):
-        slot.grads = _slot_gradients(slot, slot.dout, sequences, config)
-    slot.backward_graph = graph
-    graph.replay()
+    slot.backward_graph, slot.grads = _captured(
+        slot.device, _plans.backward_pool(slot.device),
+        lambda: _slot_gradients(slot, slot.dout, sequences, config))
 
 
 def _slot_gradients(slot: _Slot, dout: Tensor, sequences: PackedSequences,
