@@ -70,6 +70,46 @@ def test_the_automatic_rule_is_a_size_limit(monkeypatch):
     assert not captured.capture_applies(FakeCuda(rows), True, True)
 
 
+class _FakeSlot:
+    """What _Plans reads of a slot: its device, bytes and whether it is busy."""
+
+    def __init__(self, nbytes: int, busy: bool = False):
+        self.device, self.bytes, self.busy = torch.device("cuda", 0), nbytes, busy
+
+
+def test_a_signature_is_ready_after_its_warm_up():
+    signature = captured._Signature()
+    assert not signature.ready(False) and not signature.ready(True)
+    signature.eager_forwards = 1
+    assert signature.ready(False) and not signature.ready(True)  # a backward must run first
+    signature.count_backward(None, None)  # the hook on the eager call's autograd node
+    assert signature.ready(True)
+    signature.failed = True
+    assert not signature.ready(False) and not signature.ready(True)
+
+
+def test_the_budget_counts_every_slot_and_eviction_frees_it(monkeypatch):
+    """One more slot fits while the plans' bytes plus one of this signature's slots stay within
+    CAPTURE_FRACTION of the device; the least recent signature beyond MAX_SIGNATURES is dropped
+    with its bytes."""
+    monkeypatch.setattr(captured, "total_memory", lambda device: 8000)  # budget: 1000 bytes
+    monkeypatch.setattr(captured, "MAX_SIGNATURES", 2)
+    plans, device = captured._Plans(), torch.device("cuda", 0)
+    first = plans.signature("first")
+    assert plans.room_for_slot(first, device)  # no slot yet: size unknown, allowed
+    for _ in range(2):
+        first.slots.append(_FakeSlot(400))
+        plans.add_bytes(device, 400)
+    assert not plans.room_for_slot(first, device)  # 800 + 400 > 1000
+    assert plans.room_for_slot(plans.signature("second"), device)  # unknown size
+    plans.signature("first")  # most recent again
+    plans.signature("third")  # evicts "second", the least recent
+    assert list(plans.signatures) == ["first", "third"]
+    plans.signature("fourth")  # evicts "first" and its 800 bytes
+    assert list(plans.signatures) == ["third", "fourth"] and plans.bytes[device] == 0
+    assert first.slots == []
+
+
 # --- GPU -----------------------------------------------------------------------------------------
 
 def _inputs(seed: int, layout: str = "varlen", requires_grad: bool = True) -> tuple[dict, dict]:
