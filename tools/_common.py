@@ -350,3 +350,39 @@ def write_results_json(path: Path, tool: str, argv: list[str], device: str, resu
             "command": " ".join(["python", f"tools/{tool}.py", *argv])}
     path.write_text(json.dumps({"meta": meta, "results": results}, indent=2))
     print(f"wrote {path}")
+
+
+# --- the longest length that fits (diagnose_memory, bench_context_parallel) -------------------
+
+def search_longest(fits_at, start: int, step: int) -> tuple[int, int | None]:
+    """(good, bad): doubling from `start` until fits_at fails, then bisecting to `step`.
+    good: the longest N found to fit (0 if none), bad: the shortest found not to (None if none).
+    fits_at returns None to stop the search where it is (the time limit)."""
+    good, bad, n = 0, None, start
+    while (ok := fits_at(n)):  # double until a trial fails
+        good, n = n, 2 * n
+    if ok is None:
+        return good, bad
+    bad = n
+    while bad - good > step:  # bisect between the last fit and the first failure
+        n = (good + bad) // 2 // step * step
+        ok = fits_at(n)
+        if ok is None:
+            break
+        good, bad = (n, bad) if ok else (good, n)
+    return good, bad
+
+
+def describe_answer(pass_name: str, good: int, bad: int | None, step: int,
+                    complete: bool) -> str:
+    if complete:
+        return (f"{pass_name}: the longest N that fits is {good} tokens (a multiple of {step}; "
+                f"{bad} does not fit)")
+    if good == 0 and bad is None:
+        return f"{pass_name}: not searched (the time limit was reached first)"
+    if bad is None:
+        return (f"{pass_name}: stopped by the time limit: {good} tokens fit, no longer N was "
+                f"tried")
+    fitted = f"{good} fits" if good else "no N tried fits"
+    return (f"{pass_name}: stopped by the time limit: the longest N that fits lies in "
+            f"[{good}, {bad}) ({fitted}, {bad} does not)")

@@ -16,12 +16,29 @@ Timing: --warmup untimed calls, then the median of --repeats (CUDA events on a G
 perf_counter on the CPU); the reported time is the slowest rank's median. The all-to-alls alone
 (q, k, v to head shards and the output back; the backward moves the same volumes the other way)
 are timed the same way, to give communication's share of the step.
+
+`--max-length` (CUDA) instead searches the longest T whose context-parallel forward+backward
+fits these ranks, each rank making only its own shard (random values from --seed and its rank;
+replicated W_k, W_v, W_gate; --num-seqs documents): doubling from --seqlen until a rank runs
+out of memory, then bisecting to a multiple of --resolution. Every trial's verdict is the
+group's (a trial fits when it fits on every rank), and the group agrees to start each trial, so
+every rank runs the same trials. A rank that runs out of memory where the others do not (they
+then wait for it inside an all-to-all) ends the search with the process group's timeout
+(--timeout) instead of an answer: ranks hold the same shapes, so this needs an uneven
+allocator state.
+
+    torchrun --nproc-per-node 4 tools/bench_context_parallel.py --max-length \
+        --seqlen 1048576 --resolution 524288 --time-limit 500
 """
 from __future__ import annotations
 
 import argparse
+import datetime
+import gc
+import math
 import os
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -31,8 +48,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from _common import (DTYPES, RECOMPUTE_OPTIONS, add_recompute_argument,  # noqa: E402
-                     cu_seqlens_of, describe_device, positive_int, resolve_device, time_ms,
-                     varlen_lengths, write_results_json)
+                     cu_seqlens_of, describe_answer, describe_device, positive_float,
+                     positive_int, resolve_device, search_longest, time_ms, varlen_lengths,
+                     write_results_json)
 from nsa import nsa  # noqa: E402
 from nsa.distributed import (choose_mode, nsa_context_parallel, resolve_group,  # noqa: E402
                              shard_sequence, unshard_sequence)
@@ -82,6 +100,16 @@ def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--repeats", type=positive_int, default=10)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-length", action="store_true",
+                        help="search the longest T whose forward+backward fits these ranks "
+                             "instead of timing (CUDA; from --seqlen up; see the description)")
+    parser.add_argument("--resolution", type=positive_int, default=262144,
+                        help="with --max-length: the answer's granularity in tokens")
+    parser.add_argument("--time-limit", type=positive_float, default=None,
+                        help="with --max-length: start no trial after this many seconds")
+    parser.add_argument("--timeout", type=positive_float, default=None,
+                        help="the process group's timeout in seconds (torch's default: 10 "
+                             "minutes); ends a search that one rank's failure left waiting")
     parser.add_argument("--device", default=None, help="cuda (one GPU per rank) or cpu (gloo)")
     parser.add_argument("--json", type=Path, default=None, help="write the results here")
     args = parser.parse_args(argv)
@@ -96,6 +124,8 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_arguments(argv)
     created_group = _init_process_group(args)
     try:
+        if args.max_length:
+            return _max_length(args, argv)
         return _run(args, argv)
     finally:
         if created_group:
@@ -110,10 +140,13 @@ def _init_process_group(args) -> bool:
     if dist.is_initialized():
         return False
     backend = "nccl" if wants_cuda else "gloo"
+    timeout = {} if args.timeout is None else {
+        "timeout": datetime.timedelta(seconds=args.timeout)}
     if "RANK" in os.environ:
-        dist.init_process_group(backend)
+        dist.init_process_group(backend, **timeout)
     else:
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
+                                **timeout)
     return True
 
 
@@ -186,6 +219,113 @@ def _run(args, argv) -> dict:
             write_results_json(args.json, TOOL, list(argv or sys.argv[1:]), result["device"],
                                [result])
     return result
+
+
+def _max_length(args, argv) -> dict:
+    """--max-length: the longest T (a multiple of --resolution) whose context-parallel
+    forward+backward fits every rank; one row per trial and the answer (rank 0 prints)."""
+    group = resolve_group(dist.group.WORLD)
+    device = resolve_device(args.device)
+    if device.type != "cuda":
+        raise SystemExit("bench_context_parallel: --max-length needs CUDA devices (it detects "
+                         "running out of GPU memory)")
+    device = torch.device("cuda", torch.cuda.current_device())
+    mode = choose_mode(args.mode, group.world_size, args.kv_heads)
+    dtype = DTYPES[args.dtype or "bfloat16"]
+    step = math.lcm(args.resolution, group.world_size)
+    deadline = None if args.time_limit is None else time.monotonic() + args.time_limit
+
+    def fits_here(n: int) -> tuple[bool, int]:
+        fits, peak = _fits_on_this_rank(args, n, dtype, device, group)
+        gc.collect()  # the trial's frame (a failed one's traceback) is gone: free its blocks
+        torch.cuda.empty_cache()
+        return fits, peak
+
+    rows, (good, bad) = search_on_ranks(fits_here, max(step, args.seqlen or step), step,
+                                        deadline, device, group.rank)
+    complete = bad is not None and bad - good <= step
+    answer = dict(world_size=group.world_size, mode=mode, max_seqlen=good, first_failure=bad,
+                  complete=complete, heads=args.heads, kv_heads=args.kv_heads,
+                  head_dim=args.head_dim, dtype=str(dtype).removeprefix("torch."),
+                  device=describe_device(device))
+    if group.rank == 0:
+        print(f"{group.world_size} ranks, mode {mode}: "
+              + describe_answer("fwd+bwd", good, bad, step, complete))
+        if args.json is not None:
+            write_results_json(args.json, TOOL, list(argv or sys.argv[1:]), answer["device"],
+                               [*rows, answer])
+    return answer
+
+
+def search_on_ranks(fits_here, start: int, step: int, deadline: float | None, device,
+                    rank: int, clock=time.monotonic) -> tuple[list[dict], tuple[int, int | None]]:
+    """`search_longest` with the group's verdicts: (one row per trial, (good, bad)).
+    fits_here(n) -> (fits on this rank, its peak bytes). The ranks agree before each trial
+    (none starts one another has stopped for: the time limit) and after it (a trial fits when
+    it fits on every rank; the peak is the fullest rank's), so all run the same trials."""
+    rows = []
+
+    def trial(n: int) -> bool | None:
+        if _any_rank(deadline is not None and clock() >= deadline, device):
+            return None
+        fits, peak = fits_here(n)
+        verdict = not _any_rank(not fits, device)
+        peak = _max_over_ranks(peak, device)  # every rank calls it, whatever the verdict
+        rows.append(dict(seqlen=n, fits=verdict, peak_bytes=peak if verdict else None))
+        if rank == 0:
+            state = (f"fits, peak {rows[-1]['peak_bytes'] / 2**30:.2f} GiB on the fullest rank"
+                     if verdict else "out of memory")
+            print(f"  T={n:>10d}  {state}", flush=True)
+        return verdict
+
+    return rows, search_longest(trial, start // step * step, step)
+
+
+def _fits_on_this_rank(args, seqlen: int, dtype, device, group) -> tuple[bool, int]:
+    """Whether this rank's forward+backward of a T = seqlen call fits, and its peak bytes
+    (0 when it does not)."""
+    H, Hkv, D = args.heads, args.kv_heads, args.head_dim
+    generator = torch.Generator(device=device).manual_seed(args.seed + group.rank)
+    replicated = torch.Generator(device=device).manual_seed(args.seed)
+    lengths = varlen_lengths(seqlen, min(args.num_seqs, seqlen),
+                             torch.Generator().manual_seed(args.seed))
+    try:
+        torch.cuda.reset_peak_memory_stats(device)
+        rows = seqlen // group.world_size
+        q, k, v, dout = (torch.randn(rows, h, D, generator=generator, device=device).to(dtype)
+                         for h in (H, Hkv, Hkv, H))
+        leaves = [x.requires_grad_() for x in (q, k, v)]
+        weights = {} if args.no_weights else {
+            n: (torch.randn(*shape, generator=replicated, device=device) * D ** -0.5).to(
+                dtype).requires_grad_()
+            for n, shape in (("W_k", (Hkv, D, D)), ("W_v", (Hkv, D, D)),
+                             ("W_gate", (H, 3, D)))}
+        out = nsa_context_parallel(
+            *leaves, group=group.process_group, cu_seqlens=cu_seqlens_of(lengths, device),
+            host_cu_seqlens=tuple(cu_seqlens_of(lengths, torch.device("cpu")).tolist()),
+            mode=args.mode, overlap_chunks=args.overlap_chunks,
+            compress_block_size=args.compress_block_size,
+            selected_block_size=args.selected_block_size,
+            num_selected_blocks=args.num_selected_blocks, window_size=args.window_size,
+            **RECOMPUTE_OPTIONS[args.recompute], **weights)
+        torch.autograd.grad(out, [*leaves, *weights.values()], dout)
+        torch.cuda.synchronize(device)
+        return True, torch.cuda.max_memory_allocated(device)
+    except torch.cuda.OutOfMemoryError:
+        return False, 0
+
+
+def _any_rank(flag: bool, device) -> bool:
+    """Whether the flag is set on any rank (a collective: every rank must call it)."""
+    value = torch.tensor([int(flag)], device=device)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return bool(value.item())
+
+
+def _max_over_ranks(value: int, device) -> int:
+    tensor = torch.tensor([value], dtype=torch.int64, device=device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return int(tensor.item())
 
 
 def _full_inputs(args, seqlen, dtype, device) -> dict:

@@ -31,6 +31,9 @@ nothing.
     python tools/diagnose_memory.py --seqlens 1048576 --max-length --passes fwd+bwd \
         --resolution 262144 --time-limit 400
 
+Across GPUs (context parallelism), `torchrun --nproc-per-node N tools/bench_context_parallel.py
+--max-length` searches the longest sequence that N ranks fit, each holding its shard.
+
 The tool sets PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True unless the caller set it: at a
 million tokens the caching allocator's fragmentation (7.7 GiB reserved but unallocated in an
 H100 run of 2026-11-24, commit 6f48f9f) decides whether a step fits, and training at such
@@ -57,9 +60,9 @@ from nsa.selection import select_blocks  # noqa: E402
 from nsa.validation import validate_nsa_arguments  # noqa: E402
 from sparsity import row_block_offsets_from_cu_seqlens, transpose_block_sparse_csr  # noqa: E402
 from _common import (  # noqa: E402
-    add_problem_arguments, describe_device, measure_seqlens, nsa_options, positive_float,
-    positive_int, problem_defaults_epilog, problem_summary, random_gate, random_qkv,
-    resolve_problem_arguments, write_results_json)
+    add_problem_arguments, describe_answer, describe_device, measure_seqlens, nsa_options,
+    positive_float, positive_int, problem_defaults_epilog, problem_summary, random_gate,
+    random_qkv, resolve_problem_arguments, search_longest, write_results_json)
 
 MiB = 2 ** 20
 
@@ -246,40 +249,6 @@ def max_length(args, clock=time.monotonic) -> list[dict]:
                          complete=complete))
         print(describe_answer(pass_name, good, bad, step, complete))
     return rows
-
-
-def search_longest(fits_at, start: int, step: int) -> tuple[int, int | None]:
-    """(good, bad): doubling from `start` until fits_at fails, then bisecting to `step`.
-    good: the longest N found to fit (0 if none), bad: the shortest found not to (None if none).
-    fits_at returns None to stop the search where it is (the time limit)."""
-    good, bad, n = 0, None, start
-    while (ok := fits_at(n)):  # double until a trial fails
-        good, n = n, 2 * n
-    if ok is None:
-        return good, bad
-    bad = n
-    while bad - good > step:  # bisect between the last fit and the first failure
-        n = (good + bad) // 2 // step * step
-        ok = fits_at(n)
-        if ok is None:
-            break
-        good, bad = (n, bad) if ok else (good, n)
-    return good, bad
-
-
-def describe_answer(pass_name: str, good: int, bad: int | None, step: int,
-                    complete: bool) -> str:
-    if complete:
-        return (f"{pass_name}: the longest N that fits is {good} tokens (a multiple of {step}; "
-                f"{bad} does not fit)")
-    if good == 0 and bad is None:
-        return f"{pass_name}: not searched (the time limit was reached first)"
-    if bad is None:
-        return (f"{pass_name}: stopped by the time limit: {good} tokens fit, no longer N was "
-                f"tried")
-    fitted = f"{good} fits" if good else "no N tried fits"
-    return (f"{pass_name}: stopped by the time limit: the longest N that fits lies in "
-            f"[{good}, {bad}) ({fitted}, {bad} does not)")
 
 
 def describe_trial(row: dict) -> str:

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import multiprocessing
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 TOOL = Path(__file__).resolve().parents[2] / "tools" / "bench_context_parallel.py"
 
@@ -63,3 +65,71 @@ def test_overlap_chunks_reaches_the_call_and_the_results(bench, capsys):
         bench.main(["--device", "cpu", "--seqlen", "128", "--heads", "4", "--kv-heads", "2",
                     "--head-dim", "16", "--warmup", "0", "--repeats", "1", "--no-check",
                     "--overlap-chunks", "3"])
+
+
+def test_max_length_needs_cuda(bench):
+    with pytest.raises(SystemExit) as exit_info:
+        bench.main(["--device", "cpu", "--max-length"])
+    assert "--max-length needs CUDA" in str(exit_info.value.code)
+
+
+def _search_with_limits(rank: int, world: int, store_path: str, limits: list[int],
+                        results) -> None:
+    """One rank of a gloo group: search_on_ranks where this rank fits up to limits[rank]."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank,
+                            world_size=world)
+    try:
+        module = _load()
+        rows, answer = module.search_on_ranks(
+            lambda n: (n <= limits[rank], 1000 * n if n <= limits[rank] else 0),
+            start=2, step=2, deadline=None, device=torch.device("cpu"), rank=rank)
+        results.put((rank, [(r["seqlen"], r["fits"], r["peak_bytes"]) for r in rows], answer))
+    finally:
+        dist.destroy_process_group()
+
+
+def _load():
+    spec = importlib.util.spec_from_file_location("tools_bench_context_parallel_child", TOOL)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_every_rank_gets_the_groups_answer(tmp_path):
+    """Two gloo ranks, one fitting up to 12 tokens and the other up to 7: both run the same
+    trials and get the group's answer (6 fits, 8 does not), with the fullest rank's peaks."""
+    context = multiprocessing.get_context("spawn")
+    results = context.Queue()
+    limits = [12, 7]
+    processes = [context.Process(target=_search_with_limits,
+                                 args=(rank, 2, str(tmp_path / "store"), limits, results))
+                 for rank in range(2)]
+    for process in processes:
+        process.start()
+    outcomes = dict((rank, (rows, answer)) for rank, rows, answer in
+                    (results.get(timeout=120) for _ in processes))
+    for process in processes:
+        process.join(timeout=60)
+        assert process.exitcode == 0
+    assert outcomes[0] == outcomes[1]
+    rows, answer = outcomes[0]
+    assert answer == (6, 8)
+    assert rows[:3] == [(2, True, 2000), (4, True, 4000), (8, False, None)]
+
+
+def test_a_time_limit_stops_every_rank_before_a_trial(bench):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        ticks = iter([0.0, 5.0, 50.0])
+        tried = []
+        rows, answer = bench.search_on_ranks(
+            lambda n: (tried.append(n), (True, 1))[1], start=4, step=4, deadline=10.0,
+            device=torch.device("cpu"), rank=0, clock=lambda: next(ticks))
+    finally:
+        dist.destroy_process_group()
+    assert tried == [4, 8] and answer == (8, None) and len(rows) == 2
