@@ -110,6 +110,27 @@ def test_the_budget_counts_every_slot_and_eviction_frees_it(monkeypatch):
     assert first.slots == []
 
 
+def test_a_failed_capture_warns_and_leaves_the_signature_eager(monkeypatch):
+    """A capture that raises is a warning, never an error: the signature runs eagerly from then
+    on and its plans' bytes are returned."""
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 0)
+    plans = captured._Plans()
+    monkeypatch.setattr(captured, "_plans", plans)
+    signature = plans.signature("s")
+    signature.eager_forwards = signature.eager_backwards = 1
+    slot = _FakeSlot(300)
+    signature.slots.append(slot)
+    plans.add_bytes(slot.device, 300)
+
+    def failing_capture():
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    with pytest.warns(RuntimeWarning, match="capturing a CUDA graph of this call failed"):
+        assert not captured._capture(signature, slot, failing_capture)
+    assert signature.failed and not signature.ready(True) and signature.slots == []
+    assert plans.bytes[slot.device] == 0
+
+
 # --- GPU -----------------------------------------------------------------------------------------
 
 def _inputs(seed: int, layout: str = "varlen", requires_grad: bool = True) -> tuple[dict, dict]:
