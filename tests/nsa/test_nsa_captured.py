@@ -1,6 +1,10 @@
 """nsa()'s captured plans (nsa/captured.py): eager calls replayed from CUDA graphs.
 
-On the CPU: the argument's checks and the rule that says when a call may be captured. On an
+On the CPU: the argument's checks and the rule that says when a call may be captured; and the
+plans' bookkeeping (slots, leases, copies in and out) on the fallback with graphs emulated: a
+"replay" runs the captured work again and writes its results into the tensors the capture
+returned, as a CUDA graph writes the same addresses (a tensor the plans failed to copy would
+hold another call's values, as on the GPU). On an
 sm_90 GPU: calls with one signature run eagerly, then capture, then replay, each on new values,
 and every call's output and gradients equal capture=False's on the same values, bit for bit
 (deterministic=True orders the dQ sums); two calls in flight with one signature (two layers)
@@ -129,6 +133,128 @@ def test_a_failed_capture_warns_and_leaves_the_signature_eager(monkeypatch):
         assert not captured._capture(signature, slot, failing_capture)
     assert signature.failed and not signature.ready(True) and signature.slots == []
     assert plans.bytes[slot.device] == 0
+
+
+# --- CPU: the bookkeeping, with graphs emulated -------------------------------------------------
+
+def _tensors_in(value):
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (tuple, list)):
+        for item in value:
+            yield from _tensors_in(item)
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _tensors_in(item)
+    elif hasattr(value, "__dataclass_fields__") and not isinstance(value, type):
+        for name in value.__dataclass_fields__:
+            yield from _tensors_in(getattr(value, name))
+
+
+class _ReplayedByRunningAgain:
+    """A CUDA graph's replay on the CPU: the captured work runs again (reading the static
+    inputs it closes over) and its results are written into the tensors the capture
+    returned."""
+
+    def __init__(self, work, result):
+        self.work, self.result = work, result
+
+    def replay(self):
+        with torch.no_grad():
+            fresh = self.work()
+        statics, news = list(_tensors_in(self.result)), list(_tensors_in(fresh))
+        assert len(statics) == len(news)
+        for static, new in zip(statics, news):
+            static.copy_(new)
+
+
+@pytest.fixture
+def emulated_graphs(monkeypatch):
+    """Plans on CPU tensors: capture applies whenever capture is not False (nsa()'s checks
+    refuse capture=True off CUDA, so the tests pass None), and captures are
+    `_ReplayedByRunningAgain`."""
+    monkeypatch.setattr(captured, "capture_applies",
+                        lambda q, capture, differentiable: capture is not False)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 0)
+    monkeypatch.setattr(captured, "total_memory", lambda device: 2 ** 40)
+
+    def capture(device, pool, work):
+        with torch.no_grad():
+            result = work()
+        return _ReplayedByRunningAgain(work, result), result
+
+    monkeypatch.setattr(captured, "_captured", capture)
+    release_captured_plans()
+    yield
+    release_captured_plans()
+
+
+CPU_LENGTHS = [150, 37, 90]
+
+
+def _cpu_call(seed: int, lengths=CPU_LENGTHS) -> tuple[dict, dict]:
+    x = random_inputs(lengths, heads=4, kv_heads=2, head_dim=16, seed=seed)
+    tensors = {n: x[n].requires_grad_() for n in NAMES}
+    extra = dict(cu_seqlens=x["cu_seqlens"], host_cu_seqlens=tuple(x["cu_seqlens"].tolist()),
+                 max_seqlen=max(lengths), compress_block_size=16, selected_block_size=16,
+                 num_selected_blocks=4, window_size=32, _q_tile=32, _cmp_kv_block=32)
+    return tensors, extra
+
+
+def _cpu_step(layers: list, extra: dict, capture) -> tuple[list, list]:
+    """Forward of every layer, then one backward through all: (outputs, gradients)."""
+    leaves = [{n: t.detach().clone().requires_grad_() for n, t in x.items()} for x in layers]
+    outs = [nsa(**x, **extra, capture=capture) for x in leaves]
+    douts = [torch.randn(o.shape, dtype=o.dtype, generator=torch.Generator().manual_seed(i))
+             for i, o in enumerate(outs)]
+    torch.autograd.backward(outs, douts)
+    return [o.detach() for o in outs], [{n: t.grad for n, t in x.items()} for x in leaves]
+
+
+def _assert_same(got, want):
+    for (outs, grads), (ref_outs, ref_grads) in [(got, want)]:
+        for layer, (out, ref) in enumerate(zip(outs, ref_outs)):
+            assert torch.equal(out, ref), layer
+            for name in NAMES:
+                assert torch.equal(grads[layer][name], ref_grads[layer][name]), (layer, name)
+
+
+def test_emulated_plans_equal_eager_call_by_call(emulated_graphs):
+    """One call a step: eager, then captured, then replayed, each on new values."""
+    for seed in range(4):
+        tensors, extra = _cpu_call(seed)
+        _assert_same(_cpu_step([tensors], extra, None), _cpu_step([tensors], extra, False))
+    slots = _slots()
+    assert len(slots) == 1 and slots[0].forward_graph is not None
+    assert slots[0].backward_graph is not None and not slots[0].busy
+
+
+def test_emulated_plans_equal_eager_with_three_calls_in_flight(emulated_graphs):
+    """Three layers of one signature, all forwards before the backward: a slot each."""
+    for seed in range(3):
+        layers = [_cpu_call(10 * seed + layer)[0] for layer in range(3)]
+        extra = _cpu_call(0)[1]
+        _assert_same(_cpu_step(layers, extra, None), _cpu_step(layers, extra, False))
+    assert len(_slots()) == 3 and not any(slot.busy for slot in _slots())
+
+
+def test_emulated_retained_graph_raises_once_its_plan_is_reused(emulated_graphs):
+    tensors, extra = _cpu_call(0)
+    for _ in range(2):
+        _cpu_step([tensors], extra, None)
+    leaves = {n: t.detach().clone().requires_grad_() for n, t in tensors.items()}
+    out = nsa(**leaves, **extra)
+    dout = torch.randn(out.shape, dtype=out.dtype)
+    out.backward(dout, retain_graph=True)
+    first = {n: t.grad.clone() for n, t in leaves.items()}
+    for t in leaves.values():
+        t.grad = None
+    out.backward(dout, retain_graph=True)
+    assert all(torch.equal(leaves[n].grad, first[n]) for n in NAMES)
+    _cpu_step([_cpu_call(5)[0]], extra, None)
+    with pytest.raises(RuntimeError, match="retain_graph"):
+        out.backward(dout)
 
 
 # --- GPU -----------------------------------------------------------------------------------------
