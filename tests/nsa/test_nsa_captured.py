@@ -160,12 +160,25 @@ class _ReplayedByRunningAgain:
         self.work, self.result = work, result
 
     def replay(self):
-        with torch.no_grad():
-            fresh = self.work()
+        fresh = _as_captured(self.work)
         statics, news = list(_tensors_in(self.result)), list(_tensors_in(fresh))
         assert len(statics) == len(news)
         for static, new in zip(statics, news):
             static.copy_(new)
+
+
+def _as_captured(work):
+    """work() as a capture runs it: without autograd, and past sparsity's host cache (a GPU
+    capture runs on a side stream, which the cache never serves)."""
+    import sparsity.host_cache as host_cache
+
+    on_default_stream = host_cache._on_default_stream
+    host_cache._on_default_stream = lambda like: False
+    try:
+        with torch.no_grad():
+            return work()
+    finally:
+        host_cache._on_default_stream = on_default_stream
 
 
 @pytest.fixture
@@ -180,8 +193,7 @@ def emulated_graphs(monkeypatch):
     monkeypatch.setattr(captured, "total_memory", lambda device: 2 ** 40)
 
     def capture(device, pool, work):
-        with torch.no_grad():
-            result = work()
+        result = _as_captured(work)
         return _ReplayedByRunningAgain(work, result), result
 
     monkeypatch.setattr(captured, "_captured", capture)
