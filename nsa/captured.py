@@ -4,10 +4,10 @@ At 8K-16K tokens an eager nsa() step spends longer on the host than the GPU spen
 (about 400 torch ops and 100 launches a forward+backward: 4.7-5.4 ms of host time against
 2.9-5.2 ms of device work, H200, FINDINGS.md), so the GPU waits. Everything such a call launches
 is a function of its signature: the device, shapes and dtypes, which weights are given, which
-inputs need gradients, the config and the packing's host bounds (selection reads the data, but
-on the device). So once a signature has run eagerly, later calls with it replay CUDA graphs of
-`packed_forward` and `packed_gradients`: the host work of a call becomes a few copies and one
-graph launch per direction.
+inputs need gradients, the config, the packing's host bounds and inference mode (selection
+reads the data, but on the device). So once a signature has run eagerly, later calls with it
+replay CUDA graphs of `packed_forward` and `packed_gradients`: the host work of a call becomes
+a few copies and one graph launch per direction.
 
 The rules, decided here only:
 - **When** (`capture`): None (the default) on an sm_90 GPU for calls of at most
@@ -224,10 +224,12 @@ def run(inputs: tuple, cu_seqlens: Tensor, config: NSAConfig, sequences: PackedS
 
 
 def _signature_key(inputs, cu_seqlens, config, sequences, keep_outputs, differentiable) -> tuple:
+    """What a plan depends on. Inference mode among it: a plan captured under
+    torch.inference_mode holds inference tensors, which a call outside it cannot write."""
     tensors = tuple(None if x is None else (tuple(x.shape), x.dtype, x.requires_grad)
                     for x in inputs)
     return (inputs[0].device, tensors, cu_seqlens.dtype, config, sequences, keep_outputs,
-            differentiable)
+            differentiable, torch.is_inference_mode_enabled())
 
 
 def _free_slot(signature: _Signature, device: torch.device) -> _Slot | None:

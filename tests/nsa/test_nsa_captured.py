@@ -251,6 +251,18 @@ def test_emulated_plans_equal_eager_with_three_calls_in_flight(emulated_graphs):
     assert len(_slots()) == 3 and not any(slot.busy for slot in _slots())
 
 
+def test_emulated_inference_mode_and_no_grad_plans_stay_apart(emulated_graphs):
+    """A plan captured under torch.inference_mode holds inference tensors, which a call under
+    plain no_grad could not write into: the two modes are two signatures."""
+    tensors, extra = _cpu_call(0)
+    for mode in (torch.inference_mode, torch.inference_mode, torch.no_grad, torch.no_grad,
+                 torch.inference_mode, torch.no_grad):
+        with mode():
+            out = nsa(**tensors, **extra)
+        assert torch.equal(out, nsa(**tensors, **extra, capture=False))
+    assert len(_slots()) == 2
+
+
 def test_emulated_retained_graph_raises_once_its_plan_is_reused(emulated_graphs):
     tensors, extra = _cpu_call(0)
     for _ in range(2):
