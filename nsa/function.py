@@ -70,10 +70,11 @@ class NSAFunction(torch.autograd.Function):
     def backward(ctx, dout: Tensor):
         # No graph is built (each branch's attention backward has none), so a gradient of these
         # gradients would be wrong: refuse it, never return a partial second order.
+        # Read once: under torch.utils.checkpoint (non-reentrant) each saved tensor unpacks once.
+        saved = ctx.saved_tensors
         with torch.no_grad():
-            grads = _gradients(ctx, dout)
-        q, k, v, W_k, W_v, W_gate = ctx.saved_tensors[:6]
-        grads = refuse_double_backward("nsa()", grads, (dout, q, k, v, W_k, W_v, W_gate))
+            grads = _gradients(ctx, saved, dout)
+        grads = refuse_double_backward("nsa()", grads, (dout, *saved[:6]))
         return (*grads, None, None, None, None, None)
 
 
@@ -135,10 +136,10 @@ def compress_and_plan(q: Tensor, k: Tensor, v: Tensor | None, W_k: Tensor | None
     return branches, cu_seqlens_cmp, k_cmp, v_cmp[0] if v_cmp else None
 
 
-def _gradients(ctx, dout: Tensor) -> tuple:
-    """(dq, dk, dv, dW_k, dW_v, dW_gate) of NSAFunction, None for absent weights."""
-    q, k, v, W_k, W_v, W_gate, cu_seqlens, cu_seqlens_cmp, k_cmp, v_cmp, gates, *rest = \
-        ctx.saved_tensors
+def _gradients(ctx, saved: tuple, dout: Tensor) -> tuple:
+    """(dq, dk, dv, dW_k, dW_v, dW_gate) of NSAFunction, None for absent weights, from its
+    saved tensors."""
+    q, k, v, W_k, W_v, W_gate, cu_seqlens, cu_seqlens_cmp, k_cmp, v_cmp, gates, *rest = saved
     lses, outputs = rest[:ctx.num_branches], tuple(rest[ctx.num_branches:])
     return packed_gradients(dout, q, k, v, W_k, W_v, W_gate, cu_seqlens, cu_seqlens_cmp, lses,
                             ctx.branches, ctx.sequences, ctx.config, _transposed_lists(ctx),

@@ -200,3 +200,30 @@ def test_defaults_run_at_full_tile_size():
     ref = nsa_reference(**{n: t.double() if t.is_floating_point() else t for n, t in x.items()},
                         window_size=100)
     assert rel_err(out, ref) < 1e-5
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_activation_checkpointing_gives_the_plain_gradients(reentrant):
+    """nsa() inside torch.utils.checkpoint (recomputed in the backward): the same output and
+    gradients as a plain call. The non-reentrant form lets the backward unpack each saved
+    tensor once, so NSAFunction reads them once."""
+    from torch.utils.checkpoint import checkpoint
+
+    x = random_inputs([150, 37, 90], heads=4, kv_heads=2, head_dim=16, seed=3)
+    names = ("q", "k", "v", "W_k", "W_v", "W_gate")
+    options = dict(cu_seqlens=x["cu_seqlens"], **SMALL)
+
+    def run(checkpointed: bool):
+        leaves = {n: x[n].detach().clone().requires_grad_() for n in names}
+
+        def call(*tensors):
+            return nsa(**dict(zip(names, tensors)), **options)
+        tensors = [leaves[n] for n in names]
+        out = checkpoint(call, *tensors, use_reentrant=reentrant) if checkpointed \
+            else call(*tensors)
+        out.backward(torch.ones_like(out))
+        return out.detach(), [leaves[n].grad for n in names]
+
+    (out, grads), (plain_out, plain_grads) = run(True), run(False)
+    assert torch.equal(out, plain_out)
+    assert all(torch.equal(g, p) for g, p in zip(grads, plain_grads))

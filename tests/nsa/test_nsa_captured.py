@@ -263,6 +263,27 @@ def test_emulated_inference_mode_and_no_grad_plans_stay_apart(emulated_graphs):
     assert len(_slots()) == 2
 
 
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_emulated_plans_under_activation_checkpointing(emulated_graphs, reentrant):
+    """torch.utils.checkpoint recomputes the forward during the backward (with its own calls
+    to nsa()): gradients equal capture=False's, step after step."""
+    from torch.utils.checkpoint import checkpoint
+
+    def step(tensors, extra, capture):
+        leaves = {n: t.detach().clone().requires_grad_() for n, t in tensors.items()}
+        out = checkpoint(lambda *xs: nsa(**dict(zip(NAMES, xs)), **extra, capture=capture),
+                         *(leaves[n] for n in NAMES), use_reentrant=reentrant)
+        out.backward(torch.ones_like(out))
+        return out.detach(), {n: t.grad for n, t in leaves.items()}
+
+    for seed in range(3):
+        tensors, extra = _cpu_call(seed)
+        out, grads = step(tensors, extra, None)
+        ref_out, ref_grads = step(tensors, extra, False)
+        assert torch.equal(out, ref_out)
+        assert all(torch.equal(grads[n], ref_grads[n]) for n in NAMES)
+
+
 def test_emulated_retained_graph_raises_once_its_plan_is_reused(emulated_graphs):
     tensors, extra = _cpu_call(0)
     for _ in range(2):
