@@ -14,7 +14,9 @@ The rules, decided here only:
   AUTO_MAX_ROW_HEADS query rows x heads, AUTO_MAX_ROW_HEADS_FORWARD for a forward that no
   backward will follow (where the host time exceeds the device work: measured below); True on
   any CUDA device and size; False never. Never while a graph is being captured (the caller's
-  own graph holds the whole call) or compiled (nsa/ops.py runs then).
+  own graph holds the whole call) or compiled (nsa/ops.py runs then), nor under saved-tensor
+  hooks (activation checkpointing, save_on_cpu: they drop or move what a call saves, which a
+  plan would keep in its slot).
 - **Warm-up**: a signature's first calls run eagerly: its forward is captured once a forward
   has run, and a differentiable one only once a backward of that signature has run too, so the
   kernels are compiled and the libraries' handles made before any capture.
@@ -68,14 +70,28 @@ MAX_SIGNATURES = 64
 def capture_applies(q: Tensor, capture: bool | None, differentiable: bool) -> bool:
     """Whether this call may run from a captured plan (the module's "When"; nsa()'s checks
     refused capture=True off CUDA). differentiable: a backward can follow."""
-    if capture is False or q.device.type != "cuda":
+    if capture is False or _saved_tensor_hooks_active():
         return False
-    if torch.cuda.is_current_stream_capturing():
+    return _device_allows(q, capture, differentiable)
+
+
+def _device_allows(q: Tensor, capture: bool | None, differentiable: bool) -> bool:
+    """A CUDA call outside any capture; unless capture=True, on sm_90 and within the size
+    rule."""
+    if q.device.type != "cuda" or torch.cuda.is_current_stream_capturing():
         return False
     if capture:
         return True
     limit = AUTO_MAX_ROW_HEADS if differentiable else AUTO_MAX_ROW_HEADS_FORWARD
     return not kernels_unavailable(q.device) and q.shape[0] * q.shape[1] <= limit
+
+
+def _saved_tensor_hooks_active() -> bool:
+    """Whether saved-tensor hooks are on (torch.utils.checkpoint's non-reentrant form,
+    torch.autograd.graph.save_on_cpu): they exist to drop or move what a call saves for its
+    backward, which a plan keeps in its slot instead; and checkpoint's recomputation must save
+    what the original forward saved, which a plan that became ready in between would not."""
+    return torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
 
 
 class _Signature:

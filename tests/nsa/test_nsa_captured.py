@@ -68,6 +68,8 @@ def test_the_automatic_rule_is_a_size_limit(monkeypatch):
     assert captured.capture_applies(FakeCuda(rows + 1), True, True)
     assert captured.capture_applies(FakeCuda(rows + 1), True, False)
     assert not captured.capture_applies(FakeCuda(rows), False, True)
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+        assert not captured.capture_applies(FakeCuda(rows), True, True)  # checkpointing
     monkeypatch.setattr(captured, "kernels_unavailable", lambda device: "GPU is sm_80")
     assert not captured.capture_applies(FakeCuda(rows), None, True)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
@@ -183,11 +185,9 @@ def _as_captured(work):
 
 @pytest.fixture
 def emulated_graphs(monkeypatch):
-    """Plans on CPU tensors: capture applies whenever capture is not False (nsa()'s checks
-    refuse capture=True off CUDA, so the tests pass None), and captures are
-    `_ReplayedByRunningAgain`."""
-    monkeypatch.setattr(captured, "capture_applies",
-                        lambda q, capture, differentiable: capture is not False)
+    """Plans on CPU tensors: the device allows every call (nsa()'s checks refuse capture=True
+    off CUDA, so the tests pass None), and captures are `_ReplayedByRunningAgain`."""
+    monkeypatch.setattr(captured, "_device_allows", lambda q, capture, differentiable: True)
     monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 0)
     monkeypatch.setattr(captured, "total_memory", lambda device: 2 ** 40)
@@ -282,6 +282,34 @@ def test_emulated_plans_under_activation_checkpointing(emulated_graphs, reentran
         ref_out, ref_grads = step(tensors, extra, False)
         assert torch.equal(out, ref_out)
         assert all(torch.equal(grads[n], ref_grads[n]) for n in NAMES)
+
+
+def test_emulated_checkpointed_layers_run_eagerly(emulated_graphs):
+    """Three checkpointed layers of one signature a step (non-reentrant): the recomputation in
+    the backward must save what the forward saved, so no call under saved-tensor hooks takes a
+    plan (one that became ready between a layer's forward and its recomputation would save
+    other tensors), and gradients equal the plain calls'."""
+    from torch.utils.checkpoint import checkpoint
+
+    def step(layers, extra, checkpointed):
+        leaves = [{n: t.detach().clone().requires_grad_() for n, t in x.items()}
+                  for x in layers]
+
+        def call(*xs):
+            return nsa(**dict(zip(NAMES, xs)), **extra)
+        outs = [checkpoint(call, *(x[n] for n in NAMES), use_reentrant=False) if checkpointed
+                else call(*(x[n] for n in NAMES)) for x in leaves]
+        torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
+        return [o.detach() for o in outs], [{n: t.grad for n, t in x.items()} for x in leaves]
+
+    extra = _cpu_call(0)[1]
+    for seed in range(3):
+        layers = [_cpu_call(10 * seed + layer)[0] for layer in range(3)]
+        extra = {**extra, "capture": False}
+        plain = step(layers, extra, False)
+        extra.pop("capture")
+        _assert_same(step(layers, extra, True), plain)
+    assert _slots() == []
 
 
 def test_emulated_retained_graph_raises_once_its_plan_is_reused(emulated_graphs):
