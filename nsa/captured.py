@@ -78,8 +78,8 @@ def capture_applies(q: Tensor, capture: bool | None, differentiable: bool) -> bo
 def _device_allows(q: Tensor, capture: bool | None, differentiable: bool) -> bool:
     """A CUDA call outside any capture; unless capture=True, on sm_90 and within the size
     rule."""
-    if q.device.type != "cuda" or torch.cuda.is_current_stream_capturing():
-        return False
+    if q.device.type != "cuda" or q.numel() == 0 or torch.cuda.is_current_stream_capturing():
+        return False  # (an empty call launches nothing worth a graph)
     if capture:
         return True
     limit = AUTO_MAX_ROW_HEADS if differentiable else AUTO_MAX_ROW_HEADS_FORWARD

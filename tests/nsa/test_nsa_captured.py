@@ -59,6 +59,9 @@ def test_the_automatic_rule_is_a_size_limit(monkeypatch):
         def __init__(self, rows):
             self.shape, self.device = (rows, 32, 128), torch.device("cuda", 0)
 
+        def numel(self):
+            return self.shape[0] * self.shape[1] * self.shape[2]
+
     forward_rows = captured.AUTO_MAX_ROW_HEADS_FORWARD // 32
     assert forward_rows < rows
     assert captured.capture_applies(FakeCuda(rows), None, True)
@@ -68,6 +71,7 @@ def test_the_automatic_rule_is_a_size_limit(monkeypatch):
     assert captured.capture_applies(FakeCuda(rows + 1), True, True)
     assert captured.capture_applies(FakeCuda(rows + 1), True, False)
     assert not captured.capture_applies(FakeCuda(rows), False, True)
+    assert not captured.capture_applies(FakeCuda(0), True, True)  # nothing to launch
     with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
         assert not captured.capture_applies(FakeCuda(rows), True, True)  # checkpointing
     monkeypatch.setattr(captured, "kernels_unavailable", lambda device: "GPU is sm_80")
