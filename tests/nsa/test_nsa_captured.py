@@ -316,6 +316,43 @@ def test_emulated_checkpointed_layers_run_eagerly(emulated_graphs):
     assert _slots() == []
 
 
+def test_emulated_plans_train_the_lm_like_eager(emulated_graphs, monkeypatch):
+    """The tiny LM, two layers sharing a signature, for six steps whose packings repeat and
+    change: every step's loss and every parameter's gradient equal those of the same model with
+    plans switched off."""
+    from dataclasses import replace
+
+    from nsa.models.lm import MODEL_PRESETS, CausalLM
+
+    config = replace(MODEL_PRESETS["tiny"], compress_block_size=4, selected_block_size=8,
+                     num_selected_blocks=4, window_size=12, test_q_tile=16,
+                     test_cmp_kv_block=4, compute_dtype="float64")
+    packings = [[50, 7, 39], [50, 7, 39], [50, 7, 39], [30, 66], [50, 7, 39], [96]]
+
+    def train(plans: bool) -> list:
+        if not plans:
+            monkeypatch.setattr(captured, "_device_allows", lambda *args: False)
+        model = CausalLM(config, seed=0).double()
+        record = []
+        for step, lengths in enumerate(packings):
+            ids = torch.randint(0, 256, (sum(lengths),),
+                                generator=torch.Generator().manual_seed(step))
+            cu = torch.tensor([0] + lengths).cumsum(0).to(torch.int32)
+            model.zero_grad(set_to_none=True)
+            loss = model(ids, cu_seqlens=cu, host_cu_seqlens=tuple(cu.tolist()), labels=ids)
+            loss.backward()
+            record.append((loss.detach(), {n: p.grad.clone()
+                                           for n, p in model.named_parameters()}))
+        return record
+
+    with_plans = train(True)
+    assert _slots(), "the repeated packing was captured"
+    without = train(False)
+    for (loss, grads), (ref_loss, ref_grads) in zip(with_plans, without):
+        assert torch.equal(loss, ref_loss)
+        assert all(torch.equal(grads[n], ref_grads[n]) for n in ref_grads)
+
+
 def test_emulated_retained_graph_raises_once_its_plan_is_reused(emulated_graphs):
     tensors, extra = _cpu_call(0)
     for _ in range(2):
