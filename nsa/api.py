@@ -74,10 +74,11 @@ def nsa(q: Tensor, k: Tensor, v: Tensor, *, cu_seqlens: Tensor | None = None,
         (the host's work becomes a few copies and one graph launch per direction; results are
         the eager call's). None (the default) captures on an sm_90 GPU up to 16K tokens at
         H=32 (query rows x heads <= 2**19; a forward without backward up to 8K), where the host
-        time exceeds the device work; True captures any CUDA call; False never. The first calls of a signature run eagerly (the
-        warm-up); plans hold at most 1/8 of the device's memory; a backward through a retained
-        graph after its plan was reused raises (pass False there). nsa/captured.py states the
-        rules; `nsa.release_captured_plans()` frees them.
+        time exceeds the device work; True captures any CUDA call; False never. The first calls
+        of a signature run eagerly (the warm-up); plans hold at most 1/8 of the device's
+        memory; a backward through a retained graph after its plan was reused raises (pass
+        False there). nsa/captured.py states the rules; `nsa.release_captured_plans()` frees
+        them.
     context_parallel_group: run across the ranks of this torch.distributed group (a
         ProcessGroup, a 1-D DeviceMesh, or (mesh, dim name)): q, k, v are then this rank's
         contiguous token shard (packed inputs with the whole sequence's cu_seqlens, the same on
@@ -141,6 +142,7 @@ def _packed_nsa(q, k, v, W_k, W_v, W_gate, cu_seqlens: Tensor, config: NSAConfig
     differentiable = torch.is_grad_enabled() and any(
         x is not None and x.requires_grad for x in (q, k, v, W_k, W_v, W_gate))
     keep_outputs = differentiable and keeps_branch_outputs(q, sum(config.branches), recompute)
+
     def eager():
         return NSAFunction.apply(q, k, v, W_k, W_v, W_gate, cu_seqlens, sequences.max_seqlen,
                                  config, sequences.cu_seqlens, keep_outputs)

@@ -56,8 +56,9 @@ def products_in_input_dtype(q: Tensor, W_gate: Tensor) -> bool:
     cuBLAS multiplies them with float32 accumulation and a float32 result. The same numbers as
     the float32 products of the generic path (bfloat16 values are exact in float32; only the
     summation order differs), without the float32 copies of q that path writes and reads (at
-    8K tokens, H=32, D=128 about 1 GB of reads and writes a training step). Elsewhere (CPU, float16 whose range cannot hold the backward's hi/lo split of a
-    float32 gradient, float32/float64, mixed dtypes): the generic path."""
+    8K tokens, H=32, D=128 about 1 GB of reads and writes a training step). Elsewhere (CPU,
+    float16 whose range cannot hold the backward's hi/lo split of a float32 gradient,
+    float32/float64, mixed dtypes): the generic path."""
     return (q.is_cuda and q.dtype == torch.bfloat16 and W_gate.dtype == q.dtype
             and _HAS_FLOAT32_PRODUCTS)
 

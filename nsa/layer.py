@@ -95,12 +95,6 @@ def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).to(x.dtype)
 
 
-def apply_rotary(x: Tensor, positions: Tensor, base: float) -> Tensor:
-    """Rotary position embedding of x (..., heads, D) at positions (...): `rotate` by
-    `rotary_tables`."""
-    return rotate(x, *rotary_tables(positions, x.shape[-1], base, x.dtype))
-
-
 class NSAAttention(nn.Module):
     """Attention layer with Native Sparse Attention (or dense causal attention) inside.
 
