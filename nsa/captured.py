@@ -226,10 +226,9 @@ def run(inputs: tuple, cu_seqlens: Tensor, config: NSAConfig, sequences: PackedS
         if differentiable and out.grad_fn is not None and not signature.eager_backwards:
             out.grad_fn.register_hook(signature.count_backward)
         return out
-    run_forward = _forward_runner(sequences, config, keep_outputs)
     if slot.forward_graph is None:
-        if not _capture(signature, slot, lambda: _capture_forward(slot, inputs, cu_seqlens,
-                                                                   run_forward)):
+        if not _capture(signature, slot, lambda: _capture_forward(
+                slot, inputs, cu_seqlens, sequences, config, keep_outputs)):
             return eager()
     else:
         slot.load(inputs)
@@ -257,13 +256,6 @@ def _free_slot(signature: _Signature, device: torch.device) -> _Slot | None:
     slot = _Slot(device)
     signature.slots.append(slot)
     return slot
-
-
-def _forward_runner(sequences: PackedSequences, config: NSAConfig, keep_outputs: bool):
-    def run_forward(q, k, v, W_k, W_v, W_gate, cu_seqlens):
-        return packed_forward(q, k, v, W_k, W_v, W_gate, cu_seqlens, sequences, config,
-                              keep_outputs)
-    return run_forward
 
 
 def _capture(signature: _Signature, slot: _Slot, capture_step) -> bool:
@@ -306,11 +298,13 @@ def _captured(device: torch.device, pool, work):
     return graph, result
 
 
-def _capture_forward(slot: _Slot, inputs: tuple, cu_seqlens: Tensor, run_forward) -> None:
+def _capture_forward(slot: _Slot, inputs: tuple, cu_seqlens: Tensor,
+                     sequences: PackedSequences, config: NSAConfig, keep_outputs: bool) -> None:
     slot.inputs = tuple(None if x is None else x.detach().clone()
                         for x in (*inputs, cu_seqlens))
-    slot.forward_graph, slot.state = _captured(slot.device, slot.pool,
-                                               lambda: run_forward(*slot.inputs))
+    slot.forward_graph, slot.state = _captured(
+        slot.device, slot.pool,
+        lambda: packed_forward(*slot.inputs, sequences, config, keep_outputs))
 
 
 def _capture_backward(slot: _Slot, dout: Tensor, sequences: PackedSequences,
