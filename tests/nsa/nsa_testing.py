@@ -35,6 +35,30 @@ def random_inputs(lengths: list[int], heads: int, kv_heads: int, head_dim: int, 
 
 TENSOR_INPUTS = ("q", "k", "v", "W_k", "W_v", "W_gate")
 
+# The GPU tests' packing: three documents, one short (2277 rows).
+GPU_LENGTHS = [1500, 77, 700]
+
+
+def gpu_inputs(names, layout: str, seed: int) -> tuple[dict, dict]:
+    """The `names` tensors of random_inputs(GPU_LENGTHS, H=8, Hkv=2, D=128) as bf16 CUDA
+    tensors requiring grad, and nsa()'s sequence arguments: packed with cu_seqlens, its host
+    values and max_seqlen ("varlen"), or the first 2 x 1100 rows as a padded batch ("padded",
+    none needed)."""
+    x = random_inputs(GPU_LENGTHS, heads=8, kv_heads=2, head_dim=128, seed=seed)
+    tensors = {n: x[n].cuda().bfloat16() for n in names}
+    if layout == "padded":
+        rows = 1100  # two sequences of 1100 rows out of the 2277 packed ones
+        tensors.update({n: tensors[n][:2 * rows].reshape(2, rows, *tensors[n].shape[1:])
+                        for n in ("q", "k", "v")})
+        extra = {}
+    else:
+        cu = x["cu_seqlens"].cuda()
+        extra = dict(cu_seqlens=cu, host_cu_seqlens=tuple(cu.tolist()),
+                     max_seqlen=max(GPU_LENGTHS))
+    for t in tensors.values():
+        t.requires_grad_()
+    return tensors, extra
+
 
 def differentiable(inputs: dict, dtype) -> dict:
     """A copy with every float tensor cast to dtype and requiring grad."""

@@ -19,10 +19,9 @@ import torch
 
 import nsa.captured as captured
 from nsa import nsa, release_captured_plans
-from nsa_testing import random_inputs
+from nsa_testing import GPU_LENGTHS, gpu_inputs, random_inputs
 from gpu_marks import requires_sm90
 
-LENGTHS = [1500, 77, 700]
 NAMES = ("q", "k", "v", "W_k", "W_v", "W_gate")
 
 
@@ -373,20 +372,8 @@ def test_emulated_retained_graph_raises_once_its_plan_is_reused(emulated_graphs)
 
 # --- GPU -----------------------------------------------------------------------------------------
 
-def _inputs(seed: int, layout: str = "varlen", requires_grad: bool = True) -> tuple[dict, dict]:
-    x = random_inputs(LENGTHS, heads=8, kv_heads=2, head_dim=128, seed=seed)
-    tensors = {n: x[n].cuda().bfloat16() for n in NAMES}
-    if layout == "padded":
-        rows = 1100
-        tensors.update({n: tensors[n][:2 * rows].reshape(2, rows, *tensors[n].shape[1:])
-                        for n in ("q", "k", "v")})
-        extra = {}
-    else:
-        cu = x["cu_seqlens"].cuda()
-        extra = dict(cu_seqlens=cu, host_cu_seqlens=tuple(cu.tolist()), max_seqlen=max(LENGTHS))
-    for t in tensors.values():
-        t.requires_grad_(requires_grad)
-    return tensors, extra
+def _inputs(seed: int, layout: str = "varlen") -> tuple[dict, dict]:
+    return gpu_inputs(NAMES, layout, seed)
 
 
 def _step(tensors: dict, extra: dict, dout: torch.Tensor, capture) -> tuple:
@@ -431,7 +418,7 @@ def test_eager_then_captured_then_replayed_calls_equal_eager_ones(fresh_plans, l
 @pytest.mark.gpu
 def test_two_calls_in_flight_use_two_slots(fresh_plans):
     """Two layers with one signature: both forwards before either backward."""
-    dout = [torch.randn(sum(LENGTHS), 8, 128, device="cuda", dtype=torch.bfloat16)
+    dout = [torch.randn(sum(GPU_LENGTHS), 8, 128, device="cuda", dtype=torch.bfloat16)
             for _ in range(2)]
 
     def two_layer_step(seed: int, capture):

@@ -13,29 +13,10 @@ import pytest
 import torch
 
 from nsa import nsa
-from nsa_testing import random_inputs
+from nsa_testing import gpu_inputs
 from gpu_marks import requires_sm90
 
 pytestmark = pytest.mark.gpu
-
-
-LENGTHS = [1500, 77, 700]
-
-
-def _static_inputs(layout: str):
-    x = random_inputs(LENGTHS, heads=8, kv_heads=2, head_dim=128, seed=11)
-    tensors = {n: x[n].cuda().bfloat16() for n in ("q", "k", "v", "W_gate")}
-    if layout == "padded":
-        rows = 1100  # two sequences of 1100 rows out of the 2277 packed ones
-        tensors.update({n: tensors[n][:2 * rows].reshape(2, rows, *tensors[n].shape[1:])
-                        for n in ("q", "k", "v")})
-        extra = {}
-    else:
-        cu = x["cu_seqlens"].cuda()
-        extra = dict(cu_seqlens=cu, host_cu_seqlens=tuple(cu.tolist()), max_seqlen=max(LENGTHS))
-    for t in tensors.values():
-        t.requires_grad_()
-    return tensors, extra
 
 
 def _step(tensors, extra, dout):
@@ -50,7 +31,7 @@ def _step(tensors, extra, dout):
 @requires_sm90
 @pytest.mark.parametrize("layout", ["varlen", "padded"])
 def test_captured_forward_backward_replays_new_inputs_like_eager(layout):
-    tensors, extra = _static_inputs(layout)
+    tensors, extra = gpu_inputs(("q", "k", "v", "W_gate"), layout, seed=11)
     dout = torch.randn_like(tensors["q"])
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())

@@ -14,13 +14,18 @@ import torch
 TOOL = Path(__file__).resolve().parents[2] / "tools" / "bench_context_parallel.py"
 
 
-@pytest.fixture(scope="module")
-def bench():
-    spec = importlib.util.spec_from_file_location("tools_bench_context_parallel", TOOL)
+def _load(name: str = "tools_bench_context_parallel"):
+    """The tool as a module (a spawned rank loads its own copy)."""
+    spec = importlib.util.spec_from_file_location(name, TOOL)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
     return module
+
+
+@pytest.fixture(scope="module")
+def bench():
+    return _load()
 
 
 def test_help_describes_the_tool(bench, capsys):
@@ -81,21 +86,13 @@ def _search_with_limits(rank: int, world: int, store_path: str, limits: list[int
     dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank,
                             world_size=world)
     try:
-        module = _load()
+        module = _load("tools_bench_context_parallel_child")
         rows, answer = module.search_on_ranks(
             lambda n: (n <= limits[rank], 1000 * n if n <= limits[rank] else 0),
             start=2, step=2, deadline=None, device=torch.device("cpu"), rank=rank)
         results.put((rank, [(r["seqlen"], r["fits"], r["peak_bytes"]) for r in rows], answer))
     finally:
         dist.destroy_process_group()
-
-
-def _load():
-    spec = importlib.util.spec_from_file_location("tools_bench_context_parallel_child", TOOL)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_every_rank_gets_the_groups_answer(tmp_path):
