@@ -163,12 +163,7 @@ def _run(args, argv) -> dict:
     args.dtype = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
     dtype = DTYPES[args.dtype]
     full = _full_inputs(args, seqlen, dtype, device)
-    options = dict(compress_block_size=args.compress_block_size,
-                   selected_block_size=args.selected_block_size,
-                   num_selected_blocks=args.num_selected_blocks, window_size=args.window_size)
-    if args.deterministic:
-        options["deterministic"] = True
-    options.update(RECOMPUTE_OPTIONS[args.recompute])
+    options = _nsa_options(args)
     # Replicated trainable weights: the backward computes each rank's partial dW too.
     weights = {n: full[n].detach().requires_grad_() for n in ("W_k", "W_v", "W_gate")
                if n in full}
@@ -219,6 +214,17 @@ def _run(args, argv) -> dict:
             write_results_json(args.json, TOOL, list(argv or sys.argv[1:]), result["device"],
                                [result])
     return result
+
+
+def _nsa_options(args) -> dict:
+    """nsa()'s options from the command line (the block sizes, window, deterministic,
+    recompute), the same for the timed run, the one-GPU check and the length search."""
+    options = dict(compress_block_size=args.compress_block_size,
+                   selected_block_size=args.selected_block_size,
+                   num_selected_blocks=args.num_selected_blocks, window_size=args.window_size)
+    if args.deterministic:
+        options["deterministic"] = True
+    return options | RECOMPUTE_OPTIONS[args.recompute]
 
 
 def _max_length(args, argv) -> dict:
@@ -303,11 +309,8 @@ def _fits_on_this_rank(args, seqlen: int, dtype, device, group) -> tuple[bool, i
         out = nsa_context_parallel(
             *leaves, group=group.process_group, cu_seqlens=cu_seqlens_of(lengths, device),
             host_cu_seqlens=tuple(cu_seqlens_of(lengths, torch.device("cpu")).tolist()),
-            mode=args.mode, overlap_chunks=args.overlap_chunks,
-            compress_block_size=args.compress_block_size,
-            selected_block_size=args.selected_block_size,
-            num_selected_blocks=args.num_selected_blocks, window_size=args.window_size,
-            **RECOMPUTE_OPTIONS[args.recompute], **weights)
+            mode=args.mode, overlap_chunks=args.overlap_chunks, **_nsa_options(args),
+            **weights)
         torch.autograd.grad(out, [*leaves, *weights.values()], dout)
         torch.cuda.synchronize(device)
         return True, torch.cuda.max_memory_allocated(device)
@@ -322,10 +325,11 @@ def _any_rank(flag: bool, device) -> bool:
     return bool(value.item())
 
 
-def _max_over_ranks(value: int, device) -> int:
-    tensor = torch.tensor([value], dtype=torch.int64, device=device)
+def _max_over_ranks(value, device, dtype=torch.int64):
+    """The largest rank's value (a collective: every rank must call it)."""
+    tensor = torch.tensor([value], dtype=dtype, device=device)
     dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
-    return int(tensor.item())
+    return tensor.item()
 
 
 def _full_inputs(args, seqlen, dtype, device) -> dict:
@@ -404,9 +408,7 @@ def _compare_with_one_device(args, full, weights, options, gathered, device, ran
 
 def _slowest(ms: float, device) -> float:
     """The slowest rank's time: a step waits for every rank."""
-    value = torch.tensor([ms], dtype=torch.float64, device=device)
-    dist.all_reduce(value, op=dist.ReduceOp.MAX)
-    return float(value.item())
+    return _max_over_ranks(ms, device, torch.float64)
 
 
 def _print_table(result: dict) -> None:
