@@ -154,6 +154,13 @@ def add_capture_argument(parser) -> None:
                              "size rule (auto, the default)")
 
 
+def add_cmp_selected_argument(parser) -> None:
+    """--num-cmp-selected-blocks: nsa()'s sparse compressed branch (read by nsa_options)."""
+    parser.add_argument("--num-cmp-selected-blocks", type=positive_int, default=None,
+                        help="make the compressed branch block-sparse: this many KV blocks of "
+                             "compressed tokens per query tile (default: dense)")
+
+
 def check_num_seqs(args, parser) -> None:
     """Refuse --num-seqs beyond the tokens of the shortest N (after the problem's defaults)."""
     for seqlen in args.seqlens:
@@ -272,16 +279,21 @@ def resolve_problem_arguments(args: argparse.Namespace, parser: argparse.Argumen
 
 def problem_summary(args: argparse.Namespace) -> str:
     """The heads, dtype and NSA options of a resolved problem, for a tool's header line."""
+    sparse_compressed = getattr(args, "num_cmp_selected_blocks", None)
     return (f"H={args.heads} Hkv={args.kv_heads} D={args.head_dim} {args.dtype}; "
             f"l={args.compress_block_size} l'={args.selected_block_size} "
-            f"n={args.num_selected_blocks} w={args.window_size}")
+            f"n={args.num_selected_blocks} w={args.window_size}"
+            + ("" if sparse_compressed is None
+               else f" sparse compressed branch: {sparse_compressed} KV blocks"))
 
 
 def nsa_options(args: argparse.Namespace) -> dict:
-    """The keyword arguments of nsa.nsa that the command line sets."""
+    """The keyword arguments of nsa.nsa that the command line sets (the sparse compressed
+    branch where the tool has add_cmp_selected_argument's option, else dense)."""
     return dict(compress_block_size=args.compress_block_size,
                 selected_block_size=args.selected_block_size,
-                num_selected_blocks=args.num_selected_blocks, window_size=args.window_size)
+                num_selected_blocks=args.num_selected_blocks, window_size=args.window_size,
+                num_cmp_selected_blocks=getattr(args, "num_cmp_selected_blocks", None))
 
 
 def random_gate(heads: int, head_dim: int, dtype: torch.dtype, device: torch.device, *,
@@ -303,22 +315,38 @@ def capped_causal_pairs(seqlen: int, cap: int) -> int:
     return cap * (cap + 1) // 2 + (seqlen - cap) * cap
 
 
-def compressed_pairs(seqlen: int, compress_factor: int) -> int:
+def compressed_pairs(seqlen: int, compress_factor: int, cap: int | None = None) -> int:
     """Pairs of causal attention over keys compressed by `compress_factor`: row i sees
-    floor((i + 1) / compress_factor) keys."""
+    floor((i + 1) / compress_factor) keys, at most `cap` of them where given (the sparse
+    compressed branch's bound)."""
+    if cap is not None and seqlen > (cap + 1) * compress_factor - 1:
+        uncapped_rows = (cap + 1) * compress_factor - 1  # rows that see <= cap keys
+        return (compressed_pairs(uncapped_rows, compress_factor)
+                + (seqlen - uncapped_rows) * cap)
     full, rest = divmod(seqlen, compress_factor)
     return compress_factor * full * (full - 1) // 2 + full * (rest + 1)
 
 
+def compressed_key_cap(num_cmp_selected_blocks: int | None) -> int | None:
+    """The most compressed tokens a row of the sparse compressed branch attends to (None:
+    the dense branch, no cap)."""
+    from nsa.selection_rule import CMP_KV_BLOCK
+
+    return None if num_cmp_selected_blocks is None else num_cmp_selected_blocks * CMP_KV_BLOCK
+
+
 def nsa_pairs(seqlen: int, compress_block_size: int, selected_block_size: int,
-              num_selected_blocks: int, window_size: int) -> int:
+              num_selected_blocks: int, window_size: int,
+              num_cmp_selected_blocks: int | None = None) -> int:
     """(row, key) pairs NSA's three branches attend to in one sequence, an upper bound.
 
-    Compressed: row i sees floor((i + 1) / l) compressed tokens. Selected: at most n blocks of
-    l' keys, and never more than the i + 1 keys in the past. Window: min(i + 1, w). Selection
-    scoring is not counted.
+    Compressed: row i sees floor((i + 1) / l) compressed tokens (at most
+    num_cmp_selected_blocks whole KV blocks of them with the sparse compressed branch).
+    Selected: at most n blocks of l' keys, and never more than the i + 1 keys in the past.
+    Window: min(i + 1, w). Selection scoring is not counted.
     """
-    return (compressed_pairs(seqlen, compress_block_size)
+    return (compressed_pairs(seqlen, compress_block_size,
+                             compressed_key_cap(num_cmp_selected_blocks))
             + capped_causal_pairs(seqlen, num_selected_blocks * selected_block_size)
             + capped_causal_pairs(seqlen, window_size))
 

@@ -95,12 +95,12 @@ from nsa.function import (compressed_starts, describe_branches,  # noqa: E402
                           select_for_branches)
 from nsa.validation import validate_nsa_call  # noqa: E402
 from _common import (CAPTURE_OPTIONS, RECOMPUTE_OPTIONS,  # noqa: E402
-                     add_capture_argument, add_num_seqs_argument,
+                     add_capture_argument, add_cmp_selected_argument, add_num_seqs_argument,
                      add_problem_arguments, add_recompute_argument,
                      attention_tflops, capped_causal_pairs, causal_pairs, check_num_seqs,
                      int_list,
-                     compressed_pairs, cu_seqlens_of, nsa_options, nsa_pairs,
-                     problem_defaults_epilog, random_gate, random_qkv,
+                     compressed_key_cap, compressed_pairs, cu_seqlens_of, nsa_options, nsa_pairs,
+                     problem_defaults_epilog, problem_summary, random_gate, random_qkv,
                      resolve_problem_arguments, time_ms, varlen_lengths)
 from packed_workloads import (STANDARD_WORKLOADS, TARGET_SHARE_OF_LIMIT,  # noqa: E402
                               NSAPairRule, PackedWorkload, attended_pair_ratio, build_workload,
@@ -289,7 +289,8 @@ def attended_pairs(method: str, lengths: list[int], args) -> int:
     """(row, key) pairs of all sequences (a padded batch: B sequences of N)."""
     if method in ("nsa", "nsa-graph", "fla-nsa", "fa4-nsa"):
         return sum(nsa_pairs(n, args.compress_block_size, args.selected_block_size,
-                             args.num_selected_blocks, args.window_size) for n in lengths)
+                             args.num_selected_blocks, args.window_size,
+                             args.num_cmp_selected_blocks) for n in lengths)
     return sum(causal_pairs(n) for n in lengths)
 
 
@@ -507,7 +508,7 @@ def nsa_branches(q, k, v, cu_seqlens, max_seqlen, args):
     from nsa()'s own selection, as NSAFunction.forward builds them (no projections)."""
     config, sequences = validate_nsa_call(
         q, k, v, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, W_k=None, W_v=None, W_gate=None,
-        causal=True, softmax_scale=None, num_cmp_selected_blocks=None, q_tile=SELECTION_Q_TILE,
+        causal=True, softmax_scale=None, q_tile=SELECTION_Q_TILE,
         cmp_kv_block=CMP_KV_BLOCK, **nsa_options(args), **deterministic_option(args))
     cu_seqlens_cmp = compressed_cu_seqlens(cu_seqlens, config.compress_block_size)
     starts = compressed_starts(cu_seqlens, cu_seqlens_cmp, sequences, config)
@@ -522,7 +523,8 @@ def branch_pairs(name: str, seqlen: int, args) -> int:
     """Attended (row, key) pairs of one branch in one sequence (the selected branch: an upper
     bound, num_selected_blocks whole blocks per row, as _common.nsa_pairs counts it)."""
     if name == "compressed":
-        return compressed_pairs(seqlen, args.compress_block_size)
+        return compressed_pairs(seqlen, args.compress_block_size,
+                                compressed_key_cap(args.num_cmp_selected_blocks))
     if name == "selected":
         return capped_causal_pairs(seqlen, args.num_selected_blocks * args.selected_block_size)
     return capped_causal_pairs(seqlen, args.window_size)
@@ -687,6 +689,7 @@ def parse_args(argv):
                         help="also time each NSA branch alone, forward and backward, on "
                              "nsa()'s own lists (see the description)")
     add_num_seqs_argument(parser)
+    add_cmp_selected_argument(parser)
     packed = parser.add_argument_group("packed documents (see the description)")
     packed.add_argument("--packed", default=None,
                         help="comma-separated workloads to run instead of --seqlens: "
@@ -764,9 +767,7 @@ def main(argv=None) -> int:
     metadata = run_metadata(args, argv)
     print(f"{metadata['device']}, torch {metadata['torch']}; our attention: forward "
           f"{metadata['backend']['forward']}, backward {metadata['backend']['backward']}")
-    print(f"B={args.batch} H={args.heads} Hkv={args.kv_heads} D={args.head_dim} {args.dtype}; "
-          f"NSA l={args.compress_block_size} l'={args.selected_block_size} "
-          f"n={args.num_selected_blocks} w={args.window_size} "
+    print(f"B={args.batch} {problem_summary(args)}; "
           f"{'learned' if args.gate else 'mean'} gates"
           f"{'; deterministic backward' if args.deterministic else ''}")
     rule = NSAPairRule.from_args(args)

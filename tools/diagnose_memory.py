@@ -60,7 +60,7 @@ from nsa.selection import select_blocks  # noqa: E402
 from nsa.validation import validate_nsa_arguments  # noqa: E402
 from sparsity import row_block_offsets_from_cu_seqlens, transpose_block_sparse_csr  # noqa: E402
 from _common import (  # noqa: E402
-    add_problem_arguments, describe_answer, describe_device, measure_seqlens, nsa_options,
+    add_cmp_selected_argument, add_problem_arguments, describe_answer, describe_device, measure_seqlens, nsa_options,
     positive_float, positive_int, problem_defaults_epilog, problem_summary, random_gate,
     random_qkv, resolve_problem_arguments, search_longest, write_results_json)
 
@@ -71,8 +71,7 @@ def metadata_bytes(q, k, cu_seqlens, max_seqlen, args) -> dict[str, int]:
     """Bytes of the block-sparse metadata one nsa() call builds for these inputs."""
     config, max_seqlen = validate_nsa_arguments(
         q, k, k, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, W_k=None, W_v=None, W_gate=None,
-        causal=True, softmax_scale=None, num_cmp_selected_blocks=args.num_cmp_selected_blocks,
-        q_tile=SELECTION_Q_TILE, cmp_kv_block=CMP_KV_BLOCK, **nsa_options(args))
+        causal=True, softmax_scale=None, q_tile=SELECTION_Q_TILE, cmp_kv_block=CMP_KV_BLOCK, **nsa_options(args))
     l = config.compress_block_size
     cu_cmp = compressed_cu_seqlens(cu_seqlens, l)
     k_cmp = compress(k, compressed_block_starts(cu_seqlens, cu_cmp, l, int(cu_cmp[-1])), l)
@@ -157,8 +156,7 @@ def problem_tensors(seqlen: int, args):
 
 
 def nsa_call(q, k, v, W_gate, args):
-    return lambda: nsa(q, k, v, W_gate=W_gate,
-                       num_cmp_selected_blocks=args.num_cmp_selected_blocks, **nsa_options(args))
+    return lambda: nsa(q, k, v, W_gate=W_gate, **nsa_options(args))
 
 
 def diagnose(seqlen: int, args) -> dict:
@@ -299,8 +297,7 @@ def parse_args(argv):
                     "metadata, per sequence length.",
         epilog=problem_defaults_epilog(), formatter_class=argparse.RawDescriptionHelpFormatter)
     add_problem_arguments(parser)
-    parser.add_argument("--num-cmp-selected-blocks", type=positive_int,
-                        help="make the compressed branch block-sparse (default: dense)")
+    add_cmp_selected_argument(parser)
     parser.add_argument("--max-length", action="store_true",
                         help="search the longest N whose nsa() forward and forward+backward "
                              "fit the GPU (CUDA only; B=1, from the first --seqlens up)")

@@ -83,11 +83,13 @@ class NSAPairRule:
     selected_block_size: int
     num_selected_blocks: int
     window_size: int
+    num_cmp_selected_blocks: int | None = None  # the sparse compressed branch; None: dense
 
     @classmethod
     def from_args(cls, args) -> "NSAPairRule":
         return cls(args.compress_block_size, args.selected_block_size,
-                   args.num_selected_blocks, args.window_size)
+                   args.num_selected_blocks, args.window_size,
+                   getattr(args, "num_cmp_selected_blocks", None))
 
 
 def parse_workload_name(name: str) -> tuple[str, int]:
@@ -166,7 +168,8 @@ def dense_pairs(lengths) -> int:
 def nsa_document_pairs(lengths, rule: NSAPairRule) -> int:
     """(row, key) pairs NSA's three branches attend over packed documents (an upper bound)."""
     return sum(nsa_pairs(n, rule.compress_block_size, rule.selected_block_size,
-                         rule.num_selected_blocks, rule.window_size) for n in lengths)
+                         rule.num_selected_blocks, rule.window_size,
+                         rule.num_cmp_selected_blocks) for n in lengths)
 
 
 def attended_pair_ratio(lengths, rule: NSAPairRule) -> float:

@@ -56,7 +56,7 @@ from nsa.function import (compressed_starts, describe_branches, fused_gate_pass,
 from nsa.gating import NUM_BRANCHES, gate_backward, gate_weights  # noqa: E402
 from nsa.validation import validate_nsa_call  # noqa: E402
 from _common import (  # noqa: E402
-    add_num_seqs_argument, add_problem_arguments, check_num_seqs, cu_seqlens_of, describe_device, measure_seqlens, nsa_options,
+    add_cmp_selected_argument, add_num_seqs_argument, add_problem_arguments, check_num_seqs, cu_seqlens_of, describe_device, measure_seqlens, nsa_options,
     positive_int, problem_defaults_epilog, problem_summary, random_gate, random_qkv,
     resolve_problem_arguments, time_ms, varlen_lengths)
 
@@ -115,7 +115,7 @@ def profile(seqlen: int, args) -> dict:
     config, sequences = validate_nsa_call(
         q, k, v, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, W_k=None, W_v=None,
         W_gate=W_gate, causal=True, softmax_scale=None,
-        num_cmp_selected_blocks=args.num_cmp_selected_blocks, q_tile=SELECTION_Q_TILE,
+        q_tile=SELECTION_Q_TILE,
         cmp_kv_block=CMP_KV_BLOCK, **nsa_options(args))
     l = config.compress_block_size
     forward_timed = "fwd" in args.passes
@@ -134,7 +134,7 @@ def profile(seqlen: int, args) -> dict:
     def nsa_call(q_, k_, v_, W_gate_):
         return nsa(q_, k_, v_, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, W_gate=W_gate_,
                    host_cu_seqlens=host_cu_seqlens,
-                   num_cmp_selected_blocks=args.num_cmp_selected_blocks, **nsa_options(args))
+                   **nsa_options(args))
 
     # Each stage as NSAFunction.forward runs it, with the host copies of the sequence bounds it
     # holds (so the branches take the trusted kernel entry, without device reads); the next
@@ -401,8 +401,7 @@ def parse_args(argv):
                         help="comma-separated: fwd (the forward's stages), bwd (the "
                              "backward's); default fwd,bwd")
     add_num_seqs_argument(parser)
-    parser.add_argument("--num-cmp-selected-blocks", type=positive_int,
-                        help="make the compressed branch block-sparse (default: dense)")
+    add_cmp_selected_argument(parser)
     parser.add_argument("--json", type=Path, help="write the results to this JSON file")
     args = parser.parse_args(argv)
     resolve_problem_arguments(args, parser)

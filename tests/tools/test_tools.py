@@ -553,6 +553,18 @@ def test_closed_form_pair_counts_match_row_by_row_counts(common, n):
         assert common.capped_causal_pairs(n, cap) == sum(min(i + 1, cap) for i in range(n))
     for factor in (1, 2, 16, 64):
         assert common.compressed_pairs(n, factor) == sum((i + 1) // factor for i in range(n))
+        for cap in (0, 1, 3, 20):
+            assert common.compressed_pairs(n, factor, cap) == sum(
+                min((i + 1) // factor, cap) for i in range(n))
+
+
+def test_nsa_pairs_caps_the_sparse_compressed_branch(common):
+    n, l, l_sel, blocks, w = 70000, 16, 32, 3, 40
+    cap = 2 * common.compressed_key_cap(1)  # two KV blocks of compressed tokens
+    expected = sum(min((i + 1) // l, cap) + min(i + 1, blocks * l_sel) + min(i + 1, w)
+                   for i in range(n))
+    assert common.nsa_pairs(n, l, l_sel, blocks, w, num_cmp_selected_blocks=2) == expected
+    assert common.compressed_key_cap(None) is None
 
 
 def test_varlen_lengths_split_exactly(common):
