@@ -145,7 +145,7 @@ def select_blocks(q: Tensor, k_cmp: Tensor, cu_seqlens: Tensor, cu_seqlens_cmp: 
         classes = selected_list_classes(cu_seqlens, cu_host, q_tile=q_tile, kv_block=l_sel,
                                         causal=causal)
         return (offsets, tiles, ranges, cmp_ranges, scoring,
-                _kernel_tile_fields(tiles, ranges, classes[:2]), classes[2])
+                _kernel_tile_fields(tiles, ranges, classes[:2], cmp_ranges), classes[2])
 
     # Functions of the host bounds and the rule's sizes only: kept across calls
     # (sparsity/host_cache.py).
@@ -157,20 +157,20 @@ def select_blocks(q: Tensor, k_cmp: Tensor, cu_seqlens: Tensor, cu_seqlens_cmp: 
 
     q_bar = _scoring_queries(q, *scoring, q_tile)
     k_score = k_cmp.to(q_bar.dtype)  # both paths score in the scoring queries' dtype
-    if cmp_ranges is None and l_sel == l and _selects_on_sm90(
-            q_bar, k_score, num_selected_blocks, selection_kernel=selection_kernel):
-        if not write_selected_lists:
-            selected = selection_kernels.select_blocks(q_bar, k_score, tile_fields,
-                                                       num_selected_blocks, softmax_scale,
-                                                       tensor_cores=tensor_cores)
-            return BlockSelection(selected=selected, cmp_selected=None, row_block_offsets=offsets)
-        selected, lists = selection_kernels.select_blocks(q_bar, k_score, tile_fields,
-                                                          num_selected_blocks, softmax_scale,
-                                                          mask_width, tensor_cores=tensor_cores)
-        selected_lists = selected_block_sparse_from_lists(
-            lists, cu_seqlens, cu_host, q_tile=q_tile, kv_block=l_sel, causal=causal)
-        return BlockSelection(selected=selected, cmp_selected=None, row_block_offsets=offsets,
-                              selected_lists=selected_lists)
+    cmp_width = width or 0
+    if l_sel == l and _selects_on_sm90(q_bar, k_score, num_selected_blocks, cmp_width,
+                                       cmp_kv_block, selection_kernel=selection_kernel):
+        found = selection_kernels.select_blocks(
+            q_bar, k_score, tile_fields, num_selected_blocks, softmax_scale,
+            mask_width if write_selected_lists else None, tensor_cores=tensor_cores,
+            cmp_width=cmp_width, cmp_kv_block=cmp_kv_block,
+            num_cmp_candidates=num_cmp_selected_blocks or 0)
+        selected_lists = None
+        if write_selected_lists:
+            selected_lists = selected_block_sparse_from_lists(
+                found.lists, cu_seqlens, cu_host, q_tile=q_tile, kv_block=l_sel, causal=causal)
+        return BlockSelection(selected=found.selected, cmp_selected=found.cmp_selected,
+                              row_block_offsets=offsets, selected_lists=selected_lists)
     keys = k_score.permute(1, 2, 0)  # (Hkv, D, Tc)
     selected, cmp_selected = [], []
     for chunk in _plan_chunks(lengths, cu_cmp_host, q_tile, l, causal, heads, dim):
@@ -192,21 +192,32 @@ def select_blocks(q: Tensor, k_cmp: Tensor, cu_seqlens: Tensor, cu_seqlens_cmp: 
                           row_block_offsets=offsets)
 
 
-def _selects_on_sm90(q_bar: Tensor, k_cmp: Tensor, width: int, *,
-                     selection_kernel: bool = True) -> bool:
+def _selects_on_sm90(q_bar: Tensor, k_cmp: Tensor, width: int, cmp_width: int,
+                     cmp_kv_block: int, *, selection_kernel: bool = True) -> bool:
     """Whether the selection kernel (kernels/sm90/select_blocks.py) serves this call: float32
-    scoring on an sm90 GPU, selection_kernel set (the default, the dispatched path); the caller
-    checks the rule's sizes (blocks of one compressed token, no sparse compressed branch)."""
-    return selection_kernel and selection_kernels.selection_kernel_serves(q_bar, k_cmp, width)
+    scoring on an sm90 GPU, selection_kernel set (the default, the dispatched path), and the
+    sparse compressed branch's ranks (cmp_width, 0 without it) in the kernel's bounds; the caller
+    checks the rule's sizes (blocks of one compressed token)."""
+    return selection_kernel and selection_kernels.selection_kernel_serves(
+        q_bar, k_cmp, width, cmp_width, cmp_kv_block)
 
 
 def _kernel_tile_fields(tiles: _Tiles, ranges: _BlockRanges,
-                        list_classes: tuple[Tensor, Tensor]) -> Tensor:
-    """(tiles, 6) int32, the selection kernel's per-tile input: the sequence's first compressed
-    token, the tokens the anchor sees, the candidates' end, the forced blocks' end, and the
-    selected lists' class bounds (n_full, n_visible: `sparsity.selected_list_classes`)."""
+                        list_classes: tuple[Tensor, Tensor],
+                        cmp_ranges: _BlockRanges | None) -> Tensor:
+    """(tiles, 8) int32, the selection kernel's per-tile input: the sequence's first compressed
+    token, the tokens the anchor sees, the candidates' end, the forced blocks' end, the
+    selected lists' class bounds (n_full, n_visible: `sparsity.selected_list_classes`), and the
+    sparse compressed branch's candidates' end and forced end (zeros without it; its block 0 is
+    forced exactly where that forced end is positive: where the sequence has a compressed
+    token, as `_cmp_selection_ranges`'s block0 says)."""
+    if cmp_ranges is None:
+        cmp_fields = [torch.zeros_like(ranges.forced_end)] * 2
+    else:
+        cmp_fields = [cmp_ranges.candidate_end, cmp_ranges.forced_end]
     return torch.stack([tiles.cmp_start, tiles.cmp_seen, ranges.candidate_end,
-                        ranges.forced_end, *list_classes], 1).to(torch.int32).contiguous()
+                        ranges.forced_end, *list_classes, *cmp_fields],
+                       1).to(torch.int32).contiguous()
 
 
 def _cat(parts: list[Tensor]) -> Tensor:

@@ -25,20 +25,30 @@ default), where a block's importance is its token's weight; other sizes take the
   warp merge, so ties and NaNs rank as the sort ranks them).
 - Forced blocks (block 0 and the tile's diagonal blocks) enter the ranking as +inf without a
   score.
+- The sparse compressed branch's lists too, where a build has `cmp_width` (nsa()'s
+  num_cmp_selected_blocks): pass 2 then weighs every token the anchor sees, and the warp sums
+  each KV block of `cmp_kv_block` compressed tokens (a chunk of at most that many tokens
+  touches two blocks: the one open since the last chunk and the next); a block's sum is ranked
+  by lane `block % 32` once the block is complete, and the second ranking is merged as the
+  first (forced: block 0 where the sequence has one, and the diagonal blocks; at most the
+  forced ones + `num_cmp_candidates` kept).
 - The tensor-core build (`SelectBlocksSpec.tensor_cores`, `run(..., tensor_cores=True)`; not
   dispatched: the argument defaults to False) stages the queries and each 64-key chunk as bf16
   pieces and has all four warps compute the CTA's (tiles x group) x 64 scores with `mma.sync`
   (kernels/sm90/split_products.py: float32 precision from six bf16 products); the scores go
   through shared memory to the warps, and passes 1 and 2 go on as above.
 
-Inputs: q_bar (R, H, D) float32, keys (Tc, Hkv, D) float32, tiles (R, 4) int32 per tile: its
-sequence's first packed compressed token, the tokens its anchor sees, the candidates' end and the
-forced blocks' end (`nsa.selection`'s `_BlockRanges`); out (R, Hkv, width) int32.
+Inputs: q_bar (R, H, D) float32, keys (Tc, Hkv, D) float32, tiles (R, TILE_FIELDS) int32 per
+tile: its sequence's first packed compressed token, the tokens its anchor sees, the candidates'
+end and the forced blocks' end (`nsa.selection`'s `_BlockRanges`), the selected lists' class
+bounds, and the sparse compressed branch's candidates' end and forced end; out (R, Hkv, width)
+int32, cmp_out (R, Hkv, cmp_width) int32.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import cutlass
 import cutlass.cute as cute
@@ -62,8 +72,9 @@ MAX_GROUP = 16  # per lane: a score, a running max and a running sum per head in
 HEAD_DIMS = (64, 128, 192, 256)
 # Per tile: token start, tokens seen, candidate end, forced end; the selected branch's list
 # classes: blocks below n_full are full, those below n_visible need the mask, later ones are
-# dropped (sparsity._geometry.visible_block_range).
-TILE_FIELDS = 6
+# dropped (sparsity._geometry.visible_block_range); the sparse compressed branch's candidate
+# end and forced end (0 and 0 without that branch).
+TILE_FIELDS = 8
 _LOG2_E = math.log2(math.e)
 
 
@@ -82,7 +93,9 @@ class SelectBlocksSpec:
     whether the selected branch's forward lists are written too (full lists of `width`, mask
     lists of `mask_width` entries: sparsity's trusted builder's layout and widths); the tokens
     each lane scores per chunk (None: `default_tokens_per_lane`); whether the scores come from
-    tensor cores (`split_products`: six bf16 products per float32 one) instead of FMAs."""
+    tensor cores (`split_products`: six bf16 products per float32 one) instead of FMAs; the
+    sparse compressed branch's ranks kept (`cmp_width`, 0: no such branch) and its KV block of
+    compressed tokens."""
     head_dim: int
     group: int
     width: int
@@ -90,6 +103,8 @@ class SelectBlocksSpec:
     mask_width: int = 0
     tokens_per_lane: int | None = None
     tensor_cores: bool = False
+    cmp_width: int = 0
+    cmp_kv_block: int = 128
 
     def __post_init__(self):
         if self.tokens_per_lane is None:
@@ -107,6 +122,12 @@ class SelectBlocksSpec:
         if not 0 <= self.mask_width <= (WARP if self.writes_lists else 0):
             raise ValueError(f"mask_width {self.mask_width} (expected 0..{WARP} with lists, "
                              f"else 0)")
+        if not 0 <= self.cmp_width <= MAX_WIDTH:
+            raise ValueError(f"cmp_width {self.cmp_width} (expected 0..{MAX_WIDTH})")
+        if self.cmp_width and self.cmp_kv_block < self.tokens_per_chunk:
+            # A chunk must touch at most two KV blocks (the module docstring).
+            raise ValueError(f"cmp_kv_block {self.cmp_kv_block} (expected at least the "
+                             f"{self.tokens_per_chunk} tokens of a chunk)")
         if self.smem_bytes > SMEM_PER_CTA:
             raise ValueError(f"tokens_per_lane {self.tokens_per_lane} at head_dim "
                              f"{self.head_dim}, group {self.group}: {self.smem_bytes} bytes of "
@@ -139,8 +160,9 @@ class SelectBlocksSpec:
 
 class SelectBlocksSm90:
     """The kernel for one `SelectBlocksSpec`; called with (q_bar, keys, tiles, out, full_count,
-    full_index, mask_count, mask_index, scale), the four lists None without `writes_lists`
-    (mask_index None also for a mask width of 0)."""
+    full_index, mask_count, mask_index, cmp_out, num_cmp_candidates, scale), the four lists
+    None without `writes_lists` (mask_index None also for a mask width of 0), cmp_out None
+    without `cmp_width`."""
 
     def __init__(self, spec: SelectBlocksSpec):
         self.spec = spec
@@ -148,14 +170,16 @@ class SelectBlocksSm90:
     @cute.jit
     def __call__(self, q_bar: cute.Tensor, keys: cute.Tensor, tiles: cute.Tensor,
                  out: cute.Tensor, full_count: cute.Tensor | None, full_index: cute.Tensor | None,
-                 mask_count: cute.Tensor | None, mask_index: cute.Tensor | None, scale: Float32,
+                 mask_count: cute.Tensor | None, mask_index: cute.Tensor | None,
+                 cmp_out: cute.Tensor | None, num_cmp_candidates: Int32, scale: Float32,
                  stream):
         # Rows of D float32 start 16 bytes apart (D is a multiple of 4): vector loads.
         q_bar, keys = with_row_strides_divisible(q_bar, VECTOR), with_row_strides_divisible(keys, VECTOR)
         grid = [cute.ceil_div(cute.size(q_bar.shape[0]), TILES_PER_CTA),
                 cute.size(keys.shape[1]), 1]
         lists = (full_count, full_index, mask_count, mask_index)
-        self.kernel(q_bar, keys, tiles, out, *lists, scale * Float32(_LOG2_E)).launch(
+        self.kernel(q_bar, keys, tiles, out, *lists, cmp_out, num_cmp_candidates,
+                    scale * Float32(_LOG2_E)).launch(
             grid=grid, block=[WARP * TILES_PER_CTA, 1, 1], smem=self.spec.smem_bytes,
             stream=stream)
 
@@ -163,7 +187,7 @@ class SelectBlocksSm90:
     def kernel(self, q_bar: cute.Tensor, keys: cute.Tensor, tiles: cute.Tensor,
                out: cute.Tensor, full_count: cute.Tensor | None, full_index: cute.Tensor | None,
                mask_count: cute.Tensor | None, mask_index: cute.Tensor | None,
-               scale_log2: Float32):
+               cmp_out: cute.Tensor | None, num_cmp_candidates: Int32, scale_log2: Float32):
         spec = self.spec
         tidx, _, _ = cute.arch.thread_idx()
         cta, kv_head, _ = cute.arch.block_idx()
@@ -262,21 +286,59 @@ class SelectBlocksSm90:
             running_max[g] = head_max
             inverse_sum[g] = Float32(1.0) / lane_group_sum(part, WARP)
 
-        # Pass 2: rank the candidates 1 <= b < candidate_end by the group's probabilities.
+        # Pass 2: rank the candidates 1 <= b < candidate_end by the group's probabilities (and,
+        # with the sparse compressed branch, sum every seen token's into its KV block).
+        sums_blocks = const_expr(spec.cmp_width > 0)
+        cmp_candidate_end, cmp_forced_end = Int32(0), Int32(0)
+        if const_expr(sums_blocks):
+            if tile < num_tiles:
+                cmp_candidate_end, cmp_forced_end = tiles[tile, 6], tiles[tile, 7]
+        cmp_bound = cutlass.max(cmp_forced_end, Int32(1))  # above every ranked block
+        # Tokens whose weight pass 2 needs: the candidates, or with block sums all seen ones.
+        weighed_start, weighed_end = Int32(1), candidate_end
+        if const_expr(sums_blocks):
+            weighed_start, weighed_end = Int32(0), seen
         top = new_ranks(spec.width)
+        cmp_top = new_ranks(spec.cmp_width) if const_expr(sums_blocks) else None
+        open_block, open_sum = Int32(0), Float32(0.0)  # the KV block being summed
         for chunk in cutlass.range(first_token, end_token, spec.tokens_per_chunk, unroll=1):
             self.stage_keys(keys, key_stage, kv_head, chunk, end_token, tidx)
             self.chunk_scores(
                 query_stage, key_stage, scores_stage, tiled_mma, tidx, warp, lane,
-                (chunk + spec.tokens_per_chunk > start + 1) & (chunk < start + candidate_end),
-                scores)
+                (chunk + spec.tokens_per_chunk > start + weighed_start)
+                & (chunk < start + weighed_end), scores)
+            # The chunk's first KV block (of its tokens in the sequence) and the next one.
+            first_block = Int32(0)
+            if const_expr(sums_blocks):
+                first_block = cutlass.max(chunk - start, Int32(0)) // spec.cmp_kv_block
+            part_first, part_next = Float32(0.0), Float32(0.0)
             for j in cutlass.range_constexpr(lanes_tokens):
                 block = chunk + lane + WARP * j - start
-                if (block >= 1) & (block < candidate_end):
+                if (block >= weighed_start) & (block < weighed_end):
                     weight = Float32(0.0)
                     for g in cutlass.range_constexpr(spec.group):
                         weight += cute.math.exp2(scores[j, g] - running_max[g]) * inverse_sum[g]
-                    keep_best(top, ordered_key(weight, block, forced_end))
+                    if (block >= 1) & (block < candidate_end):
+                        keep_best(top, ordered_key(weight, block, forced_end))
+                    if const_expr(sums_blocks):
+                        if block // spec.cmp_kv_block == first_block:
+                            part_first += weight
+                        else:
+                            part_next += weight
+            if const_expr(sums_blocks):
+                sum_first = lane_group_sum(part_first, WARP)
+                sum_next = lane_group_sum(part_next, WARP)
+                if first_block != open_block:  # the open block got all its tokens
+                    self.rank_cmp_block(cmp_top, open_block, open_sum, cmp_candidate_end,
+                                        cmp_bound, lane)
+                    open_block = first_block
+                    open_sum = Float32(0.0)
+                open_sum += sum_first
+                if chunk + spec.tokens_per_chunk > start + (first_block + 1) * spec.cmp_kv_block:
+                    self.rank_cmp_block(cmp_top, open_block, open_sum, cmp_candidate_end,
+                                        cmp_bound, lane)
+                    open_block = first_block + 1
+                    open_sum = sum_next
         # Block 0 and the diagonal blocks: forced, without a score.
         for block in cutlass.range(lane, forced_end, WARP, unroll=1):
             if (block == 0) | (block >= candidate_end):
@@ -291,6 +353,42 @@ class SelectBlocksSm90:
             if const_expr(spec.writes_lists):
                 self.write_lists(full_count, full_index, mask_count, mask_index, tiles, tile,
                                  kv_head, lane, block, kept, place)
+        if const_expr(sums_blocks):
+            self.rank_cmp_block(cmp_top, open_block, open_sum, cmp_candidate_end, cmp_bound,
+                                lane)
+            self.write_cmp_ranks(cmp_top, cmp_out, tile, num_tiles, kv_head, lane,
+                                 cmp_candidate_end, cmp_forced_end, cmp_bound,
+                                 num_cmp_candidates)
+
+    @cute.jit
+    def rank_cmp_block(self, cmp_top: cute.Tensor, block: Int32, total: Float32,
+                       candidate_end: Int32, bound: Int32, lane: Int32):
+        """KV block `block` of the sparse compressed branch, summed (`total`, the same in every
+        lane), into the ranking of lane block % 32 if it is a candidate."""
+        if (block >= 1) & (block < candidate_end) & (lane == block % WARP):
+            keep_best(cmp_top, ordered_key(total, block, bound))
+
+    @cute.jit
+    def write_cmp_ranks(self, cmp_top: cute.Tensor, cmp_out: cute.Tensor, tile: Int32,
+                        num_tiles: Int32, kv_head: Int32, lane: Int32, candidate_end: Int32,
+                        forced_end: Int32, bound: Int32, num_candidates: Int32):
+        """The sparse compressed branch's list of the tile: its forced blocks (block 0 where the
+        sequence has one, i.e. forced_end > 0, and candidate_end <= b < forced_end) and the best
+        `num_candidates` candidates, ascending, -1 padded, as `nsa.selection._top_blocks`."""
+        forced = Int32(0)
+        for block in cutlass.range(lane, forced_end, WARP, unroll=1):
+            if (block == 0) | (block >= candidate_end):
+                keep_best(cmp_top, forced_key(block, bound))
+                forced += 1
+        limit = cutlass.min(Int32(self.spec.cmp_width),
+                            lane_group_sum(forced, WARP) + num_candidates)
+        if tile < num_tiles:
+            block, kept, place, num_kept = merge_ranks(cmp_top, lane, limit, bound)
+            if lane < self.spec.cmp_width:
+                if kept:
+                    cmp_out[tile, kv_head, place] = block
+                else:
+                    cmp_out[tile, kv_head, num_kept + place] = Int32(-1)
 
     @cute.jit
     def write_lists(self, full_count: cute.Tensor, full_index: cute.Tensor,
@@ -393,8 +491,8 @@ class SelectBlocksSm90:
 
 
 def fake_arguments(spec: SelectBlocksSpec):
-    """Fake (q_bar, keys, tiles, out, four lists, scale) for a CPU build (CUTE_DSL_ARCH=sm_90a),
-    contiguous as the launcher passes them."""
+    """Fake (q_bar, keys, tiles, out, four lists, cmp_out, num_cmp_candidates, scale) for a CPU
+    build (CUTE_DSL_ARCH=sm_90a), contiguous as the launcher passes them."""
     from cutlass.cute.runtime import make_fake_compact_tensor
 
     rows, tokens, kv_heads = cute.sym_int(), cute.sym_int(), cute.sym_int()
@@ -414,7 +512,8 @@ def fake_arguments(spec: SelectBlocksSpec):
     if spec.writes_lists:
         lists = (per_head(), per_head(spec.width), per_head(),
                  per_head(spec.mask_width) if spec.mask_width else None)
-    return q_bar, keys, tiles, per_head(spec.width), *lists, Float32(1.0)
+    cmp_out = per_head(spec.cmp_width) if spec.cmp_width else None
+    return q_bar, keys, tiles, per_head(spec.width), *lists, cmp_out, Int32(0), Float32(1.0)
 
 
 def compile_on_fake_tensors(spec: SelectBlocksSpec):
@@ -429,26 +528,42 @@ def compile_on_fake_tensors(spec: SelectBlocksSpec):
 # ------------------------------------------------------------------------------------------------
 
 
-def can_run(q_bar, keys, width: int) -> bool:
+class KernelSelection(NamedTuple):
+    """What one launch wrote: the selected blocks, the sparse compressed branch's blocks (None
+    without cmp_width), the selected branch's forward lists (None without mask_width)."""
+    selected: object
+    cmp_selected: object
+    lists: tuple | None
+
+
+def can_run(q_bar, keys, width: int, cmp_width: int = 0, cmp_kv_block: int = 128) -> bool:
     """Whether the kernel selects for scoring queries q_bar (R, H, D) and compressed keys
-    (Tc, Hkv, D), both float32, keeping `width` blocks (the device is `kernels.dispatch`'s
-    question)."""
+    (Tc, Hkv, D), both float32, keeping `width` blocks (and `cmp_width` of the sparse compressed
+    branch's KV blocks of `cmp_kv_block` tokens where cmp_width > 0); the device is
+    `kernels.dispatch`'s question."""
     import torch
 
     heads, dim = q_bar.shape[1:]
     kv_heads = keys.shape[1]
-    return (q_bar.dtype == torch.float32 and keys.dtype == torch.float32
+    if not (q_bar.dtype == torch.float32 and keys.dtype == torch.float32
             and dim in HEAD_DIMS and heads % kv_heads == 0
             and 1 <= heads // kv_heads <= MAX_GROUP and 1 <= width <= MAX_WIDTH
-            and q_bar.shape[0] > 0)
+            and 0 <= cmp_width <= MAX_WIDTH and q_bar.shape[0] > 0):
+        return False
+    tokens_per_chunk = WARP * default_tokens_per_lane(heads // kv_heads)
+    return cmp_width == 0 or cmp_kv_block >= tokens_per_chunk
 
 
 def run(q_bar, keys, tiles, width: int, softmax_scale: float, mask_width: int | None = None, *,
-        tensor_cores: bool = False):
+        tensor_cores: bool = False, cmp_width: int = 0, cmp_kv_block: int = 128,
+        num_cmp_candidates: int = 0):
     """The selected blocks of each tile, (R, Hkv, width) int32 ascending and -1 padded, as
     `nsa.selection` ranks them; tiles (R, TILE_FIELDS) int32 (module docstring). With a
     mask_width also the selected branch's forward lists (full_count, full_index, mask_count,
     mask_index), as sparsity.build_selected_block_sparse_trusted builds them from the blocks.
+    With cmp_width > 0 also the sparse compressed branch's lists, (R, Hkv, cmp_width) int32 (KV
+    blocks of cmp_kv_block compressed tokens, at most the forced ones + num_cmp_candidates
+    kept). Returns a `KernelSelection` (None where a list was not asked for).
 
     tensor_cores: score on tensor cores (`SelectBlocksSpec.tensor_cores`, module docstring).
     False (the default) is the dispatched float32 FMA build: the tensor-core one selects the
@@ -465,14 +580,17 @@ def run(q_bar, keys, tiles, width: int, softmax_scale: float, mask_width: int | 
         return torch.empty(rows, kv_heads, *extra, dtype=torch.int32, device=q_bar.device)
 
     selected = per_head(width)
+    cmp_selected = per_head(cmp_width) if cmp_width else None
     lists = (None,) * 4
     if mask_width is not None:
         lists = (per_head(), per_head(width), per_head(), per_head(mask_width))
     spec = SelectBlocksSpec(q_bar.shape[2], q_bar.shape[1] // kv_heads, width,
                             writes_lists=mask_width is not None, mask_width=mask_width or 0,
-                            tensor_cores=tensor_cores)
+                            tensor_cores=tensor_cores, cmp_width=cmp_width,
+                            cmp_kv_block=cmp_kv_block)
     launch_on_current_stream(SelectBlocksSm90, spec, fake_arguments,
                              (q_bar.contiguous(), keys.contiguous(), tiles.contiguous(), selected,
-                              *lists[:3], lists[3] if mask_width else None, softmax_scale),
+                              *lists[:3], lists[3] if mask_width else None, cmp_selected,
+                              num_cmp_candidates, softmax_scale),
                              q_bar.device)
-    return selected if mask_width is None else (selected, lists)
+    return KernelSelection(selected, cmp_selected, None if mask_width is None else lists)

@@ -306,6 +306,32 @@ def tensor_cores(request):
 @pytest.mark.gpu
 @requires_sm90
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "noncausal"])
+@pytest.mark.parametrize("heads,kv_heads,dim,lengths,num_cmp", [
+    (8, 2, 128, [9000, 300, 5000], 2),
+    (16, 1, 64, [7000, 2100, 15], 1),
+    (4, 4, 128, [12000], 3),
+], ids=["gqa4-varlen", "gqa16-d64", "gqa1-long"])
+def test_sm90_selection_kernel_ranks_the_sparse_compressed_blocks(
+        causal, heads, kv_heads, dim, lengths, num_cmp, tensor_cores, monkeypatch):
+    """With num_cmp_selected_blocks the kernel also sums each KV block of 128 compressed tokens
+    (16-token compression: blocks of 2048 tokens, so these sequences have up to 6, partial last
+    ones included) and ranks them: the same lists as the torch path and the float64 reference,
+    for the selected and the sparse compressed branch."""
+    gen = torch.Generator().manual_seed(heads * 5 + len(lengths) + dim)
+    total = sum(lengths)
+    q = torch.randn(total, heads, dim, generator=gen).to(torch.bfloat16).cuda()
+    k = (torch.randn(total, kv_heads, dim, generator=gen) + 0.5).to(torch.bfloat16).cuda()
+    rule = dict(FUSED_RULE, cmp_kv_block=128, num_cmp_selected_blocks=num_cmp)
+    fused, torch_path, ref = _gpu_selections(q, k, cu_seqlens_of(lengths).cuda(), monkeypatch,
+                                             causal=causal, tensor_cores=tensor_cores, **rule)
+    assert fused.cmp_selected is not None and (fused.cmp_selected >= 3).any()
+    _assert_same_selection(fused, ref)
+    _assert_same_selection(torch_path, ref)
+
+
+@pytest.mark.gpu
+@requires_sm90
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "noncausal"])
 @pytest.mark.parametrize("heads,kv_heads,dim,lengths,width", [
     (4, 4, 128, [3000], 16),
     (16, 4, 128, [1000, 77, 5, 0, 2900, 129, 16, 15], 16),
@@ -422,6 +448,11 @@ def test_selection_kernel_builds_for_sm90():
                  SelectBlocksSpec(256, 16, 32, tensor_cores=True)):
         assert compile_on_fake_tensors(spec)
         assert spec.score_rows % 16 == 0 and spec.smem_bytes <= 227 * 1024
+    # With the sparse compressed branch's ranking (its KV blocks summed in pass 2).
+    for spec in (SelectBlocksSpec(128, 4, 16, True, 2, cmp_width=19),
+                 SelectBlocksSpec(64, 1, 6, cmp_width=4, tokens_per_lane=1, cmp_kv_block=32),
+                 SelectBlocksSpec(128, 4, 16, True, 2, tensor_cores=True, cmp_width=19)):
+        assert compile_on_fake_tensors(spec)
     # Up to 4 tokens per lane, fewer where the group's scores would crowd the registers.
     assert [SelectBlocksSpec(128, g, 16).tokens_per_lane for g in (1, 4, 6, 8, 16)] == \
         [4, 4, 2, 2, 1]
@@ -440,3 +471,7 @@ def test_selection_kernel_spec_rejects_what_it_cannot_hold():
         SelectBlocksSpec(128, 4, 16, tokens_per_lane=5)
     with pytest.raises(ValueError, match="bytes of shared memory"):
         SelectBlocksSpec(256, 16, 16, tokens_per_lane=4, tensor_cores=True)
+    with pytest.raises(ValueError, match="cmp_width 33"):
+        SelectBlocksSpec(128, 4, 16, cmp_width=33)
+    with pytest.raises(ValueError, match="cmp_kv_block 64"):  # 128 tokens a chunk
+        SelectBlocksSpec(128, 4, 16, cmp_width=16, cmp_kv_block=64)
