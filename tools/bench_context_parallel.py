@@ -7,11 +7,13 @@ Run under torchrun, one process per GPU (NCCL), or with --device cpu on gloo:
     python tools/bench_context_parallel.py --device cpu --seqlen 512 --heads 4 --kv-heads 2
 
 Without torchrun's environment (RANK, WORLD_SIZE) it runs as a group of one process.
-Every rank builds the same full inputs from --seed (packed: --num-seqs random-length documents,
-which cross the shard bounds), takes its contiguous shard, and runs nsa_context_parallel forward
-and forward+backward. With --check (the default) rank 0 also runs one-GPU nsa() on the full
-inputs and compares the gathered output and dq, dk, dv with it (heads mode: bitwise expected)
-and times it, for the ratio "context-parallel time / (one-GPU time / W)" (1.0 = perfect scaling).
+The inputs are packed: --num-seqs random-length documents (from --seed), which cross the shard
+bounds. With --check (the default) every rank builds the same full inputs from --seed, takes its
+contiguous shard and runs nsa_context_parallel forward and forward+backward; rank 0 also runs
+one-GPU nsa() on the full inputs and compares the gathered output and dq, dk, dv with it (heads
+mode: bitwise expected) and times it, for the ratio "context-parallel time / (one-GPU time / W)"
+(1.0 = perfect scaling). With --no-check each rank makes only its own shard (random values from
+--seed and its rank), so lengths that no single GPU holds run too.
 Timing: --warmup untimed calls, then the median of --repeats (CUDA events on a GPU,
 perf_counter on the CPU); the reported time is the slowest rank's median. The all-to-alls alone
 (q, k, v to head shards and the output back; the backward moves the same volumes the other way)
@@ -162,14 +164,16 @@ def _run(args, argv) -> dict:
     mode = choose_mode(args.mode, world, args.kv_heads)  # the same error on every rank
     args.dtype = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
     dtype = DTYPES[args.dtype]
-    full = _full_inputs(args, seqlen, dtype, device)
     options = _nsa_options(args)
     # Replicated trainable weights: the backward computes each rank's partial dW too.
-    weights = {n: full[n].detach().requires_grad_() for n in ("W_k", "W_v", "W_gate")
-               if n in full}
-    local = {n: shard_sequence(full[n], group.process_group, name=n).contiguous()
-             for n in ("q", "k", "v", "dout")}
-    cu_seqlens, host_cu = full["cu_seqlens"], full["host_cu_seqlens"]
+    weights = _replicated_weights(args, dtype, device)
+    cu_seqlens, host_cu = _bounds(args, seqlen, device)
+    if args.check:  # every rank makes the whole sequence (rank 0 runs it on one GPU) and shards it
+        full = _full_inputs(args, seqlen, dtype, device)
+        local = {n: shard_sequence(full[n], group.process_group, name=n).contiguous()
+                 for n in ("q", "k", "v", "dout")}
+    else:  # only its own shard: no rank ever holds the whole sequence
+        local = _shard_inputs(args, seqlen, dtype, device, group.rank, world)
 
     def forward(leaves=None):
         q, k, v = leaves or (local["q"], local["k"], local["v"])
@@ -206,8 +210,9 @@ def _run(args, argv) -> dict:
               "comm_share_fwd": comm["all_to_all_fwd_ms"] / fwd_ms,
               "comm_share_fwd_bwd": comm["all_to_all_fwd_bwd_ms"] / fwd_bwd_ms}
     if args.check:
-        result.update(_compare_with_one_device(args, full, weights, options, gathered, device,
-                                               rank, world, fwd_ms, fwd_bwd_ms))
+        result.update(_compare_with_one_device(args, full, (cu_seqlens, host_cu), weights,
+                                               options, gathered, device, rank, world, fwd_ms,
+                                               fwd_bwd_ms))
     if rank == 0:
         _print_table(result)
         if args.json is not None:
@@ -290,28 +295,17 @@ def search_on_ranks(fits_here, start: int, step: int, deadline: float | None, de
 def _fits_on_this_rank(args, seqlen: int, dtype, device, group) -> tuple[bool, int]:
     """Whether this rank's forward+backward of a T = seqlen call fits, and its peak bytes
     (0 when it does not)."""
-    H, Hkv, D = args.heads, args.kv_heads, args.head_dim
-    generator = torch.Generator(device=device).manual_seed(args.seed + group.rank)
-    replicated = torch.Generator(device=device).manual_seed(args.seed)
-    lengths = varlen_lengths(seqlen, min(args.num_seqs, seqlen),
-                             torch.Generator().manual_seed(args.seed))
     try:
         torch.cuda.reset_peak_memory_stats(device)
-        rows = seqlen // group.world_size
-        q, k, v, dout = (torch.randn(rows, h, D, generator=generator, device=device).to(dtype)
-                         for h in (H, Hkv, Hkv, H))
-        leaves = [x.requires_grad_() for x in (q, k, v)]
-        weights = {} if args.no_weights else {
-            n: (torch.randn(*shape, generator=replicated, device=device) * D ** -0.5).to(
-                dtype).requires_grad_()
-            for n, shape in (("W_k", (Hkv, D, D)), ("W_v", (Hkv, D, D)),
-                             ("W_gate", (H, 3, D)))}
+        local = _shard_inputs(args, seqlen, dtype, device, group.rank, group.world_size)
+        leaves = [local[n].requires_grad_() for n in ("q", "k", "v")]
+        weights = _replicated_weights(args, dtype, device)
+        cu_seqlens, host_cu = _bounds(args, seqlen, device)
         out = nsa_context_parallel(
-            *leaves, group=group.process_group, cu_seqlens=cu_seqlens_of(lengths, device),
-            host_cu_seqlens=tuple(cu_seqlens_of(lengths, torch.device("cpu")).tolist()),
+            *leaves, group=group.process_group, cu_seqlens=cu_seqlens, host_cu_seqlens=host_cu,
             mode=args.mode, overlap_chunks=args.overlap_chunks, **_nsa_options(args),
             **weights)
-        torch.autograd.grad(out, [*leaves, *weights.values()], dout)
+        torch.autograd.grad(out, [*leaves, *weights.values()], local["dout"])
         torch.cuda.synchronize(device)
         return True, torch.cuda.max_memory_allocated(device)
     except torch.cuda.OutOfMemoryError:
@@ -332,24 +326,45 @@ def _max_over_ranks(value, device, dtype=torch.int64):
     return tensor.item()
 
 
-def _full_inputs(args, seqlen, dtype, device) -> dict:
-    """The same full inputs on every rank: one seed, one generator on the device."""
-    generator = torch.Generator(device=device).manual_seed(args.seed)
-
-    def randn(*shape, scale=1.0):
-        return (torch.randn(*shape, generator=generator, device=device) * scale).to(dtype)
-
+def _bounds(args, seqlen: int, device) -> tuple[torch.Tensor, tuple[int, ...]]:
+    """cu_seqlens of --num-seqs random-length documents (from --seed) and its host copy."""
     lengths = varlen_lengths(seqlen, min(args.num_seqs, seqlen),
                              torch.Generator().manual_seed(args.seed))
+    return (cu_seqlens_of(lengths, device),
+            tuple(cu_seqlens_of(lengths, torch.device("cpu")).tolist()))
+
+
+def _replicated_weights(args, dtype, device) -> dict:
+    """W_k, W_v, W_gate (none with --no-weights): the same on every rank (one seed), leaves
+    that require grad."""
+    if args.no_weights:
+        return {}
+    Hkv, D = args.kv_heads, args.head_dim
+    generator = torch.Generator(device=device).manual_seed(args.seed)
+    return {n: (torch.randn(*shape, generator=generator, device=device) * D ** -0.5).to(
+                dtype).requires_grad_()
+            for n, shape in (("W_k", (Hkv, D, D)), ("W_v", (Hkv, D, D)),
+                             ("W_gate", (args.heads, 3, D)))}
+
+
+def _token_inputs(args, rows: int, dtype, device, seed: int) -> dict:
+    """q, k, v, dout of `rows` tokens, random from `seed` (drawn on the device)."""
+    generator = torch.Generator(device=device).manual_seed(seed)
     H, Hkv, D = args.heads, args.kv_heads, args.head_dim
-    full = dict(q=randn(seqlen, H, D), k=randn(seqlen, Hkv, D), v=randn(seqlen, Hkv, D),
-                dout=randn(seqlen, H, D), cu_seqlens=cu_seqlens_of(lengths, device),
-                host_cu_seqlens=tuple(cu_seqlens_of(lengths, torch.device("cpu")).tolist()))
-    if not args.no_weights:
-        scale = D ** -0.5
-        full.update(W_k=randn(Hkv, D, D, scale=scale), W_v=randn(Hkv, D, D, scale=scale),
-                    W_gate=randn(H, 3, D, scale=scale))
-    return full
+    return {n: torch.randn(rows, h, D, generator=generator, device=device).to(dtype)
+            for n, h in (("q", H), ("k", Hkv), ("v", Hkv), ("dout", H))}
+
+
+def _full_inputs(args, seqlen, dtype, device) -> dict:
+    """The whole sequence's q, k, v, dout, the same on every rank (one seed)."""
+    return _token_inputs(args, seqlen, dtype, device, args.seed)
+
+
+def _shard_inputs(args, seqlen, dtype, device, rank: int, world: int) -> dict:
+    """Only this rank's shard of q, k, v, dout (random from --seed and the rank): for the runs
+    that compare nothing with one GPU (--no-check, --max-length), so that the longest
+    sequences are not limited by one rank holding all of it."""
+    return _token_inputs(args, seqlen // world, dtype, device, args.seed + 1 + rank)
 
 
 def _time_exchanges(args, local, group, device, dtype) -> dict:
@@ -367,8 +382,8 @@ def _time_exchanges(args, local, group, device, dtype) -> dict:
             "all_to_all_fwd_bwd_ms": 2 * (to_heads + to_sequence)}
 
 
-def _compare_with_one_device(args, full, weights, options, gathered, device, rank, world,
-                             fwd_ms, fwd_bwd_ms) -> dict:
+def _compare_with_one_device(args, full, bounds, weights, options, gathered, device, rank,
+                             world, fwd_ms, fwd_bwd_ms) -> dict:
     """Rank 0: one-device nsa() on the full inputs, its times, and the equality verdicts;
     broadcast so every rank returns the same record."""
     names = ("out", "dq", "dk", "dv")
@@ -377,8 +392,8 @@ def _compare_with_one_device(args, full, weights, options, gathered, device, ran
         leaves = [full[n].detach().clone().requires_grad_() for n in ("q", "k", "v")]
 
         def one_device(grad: bool):
-            out = nsa(*leaves, cu_seqlens=full["cu_seqlens"],
-                      host_cu_seqlens=full["host_cu_seqlens"], **weights, **options)
+            out = nsa(*leaves, cu_seqlens=bounds[0], host_cu_seqlens=bounds[1], **weights,
+                      **options)
             return torch.autograd.grad(out, [*leaves, *weights.values()], full["dout"]) \
                 if grad else out
 

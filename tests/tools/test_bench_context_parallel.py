@@ -72,6 +72,22 @@ def test_overlap_chunks_reaches_the_call_and_the_results(bench, capsys):
                     "--overlap-chunks", "3"])
 
 
+def test_no_check_makes_only_the_ranks_shard(bench, monkeypatch, capsys):
+    """--no-check compares nothing with one GPU, so no rank builds the whole sequence (at 4M
+    tokens on 4 GPUs the full float32 draws alone filled an H200): each makes its own shard."""
+    def whole_sequence(*args, **kwargs):
+        raise AssertionError("--no-check built the whole sequence")
+    monkeypatch.setattr(bench, "_full_inputs", whole_sequence)
+    result = bench.main(["--device", "cpu", "--seqlen", "128", "--num-seqs", "3", "--heads", "2",
+                         "--kv-heads", "1", "--head-dim", "16", "--compress-block-size", "16",
+                         "--selected-block-size", "32", "--num-selected-blocks", "5",
+                         "--window-size", "32", "--warmup", "0", "--repeats", "1",
+                         "--no-check"])
+    assert result["fwd_ms"] > 0 and result["fwd_bwd_ms"] > 0
+    assert "bitwise_equal_one_device" not in result
+    assert "equal to one device" not in capsys.readouterr().out
+
+
 def test_max_length_needs_cuda(bench):
     with pytest.raises(SystemExit) as exit_info:
         bench.main(["--device", "cpu", "--max-length"])
