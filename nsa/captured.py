@@ -26,6 +26,14 @@ The rules, decided here only:
   so the layers of a model that share a signature get one slot each, and two calls in flight
   never share buffers. A second backward through a retained graph works while the slot has not
   been reused, and raises a RuntimeError that says so once it has.
+- **A signature's first step** (a loop whose packing changes every step: each step's layers
+  share a signature that no earlier step had): after the signature's first eager forward, its
+  other calls share one slot whose forward graph replays, and each call copies what its
+  backward reads out of the slot (the lists, lses, compressed keys and kept outputs: its
+  "state") and back in before its backward replays. The first backward through the shared
+  slot runs eagerly (the backward's warm-up), the second captures. Once the signature has
+  run a backward eagerly its calls take slots of their own (no state copies), and the shared
+  slot goes.
 - **Copies**: the output and the gradients are copied out of the static buffers (a later replay
   overwrites them); the inputs are copied in. At 8K, H=32, that is about 0.5 GB of memory
   traffic a step (~0.2 ms of an H200's), against ~2 ms of host time saved.
@@ -42,6 +50,7 @@ gradients bit-identical with deterministic=True, like two eager calls).
 """
 from __future__ import annotations
 
+import dataclasses
 import warnings
 import weakref
 from collections import OrderedDict
@@ -62,6 +71,8 @@ from nsa.validation import PackedSequences
 AUTO_MAX_ROW_HEADS = 16384 * 32
 AUTO_MAX_ROW_HEADS_FORWARD = 8192 * 32
 CAPTURE_FRACTION = 1 / 8
+# Shared slots (a signature's first step) alive at once: the current step's and the last one's.
+MAX_SHARED_SLOTS = 2
 # Signatures remembered (most recent first); a packing seen once never captures, so a stream of
 # distinct packings only cycles this table.
 MAX_SIGNATURES = 64
@@ -101,6 +112,7 @@ class _Signature:
         self.eager_forwards = 0
         self.eager_backwards = 0
         self.slots: list[_Slot] = []
+        self.shared: _Slot | None = None  # the first step's slot (the module's rules)
         self.failed = False
 
     def ready(self, differentiable: bool) -> bool:
@@ -109,6 +121,12 @@ class _Signature:
 
     def count_backward(self, *_):
         self.eager_backwards += 1
+
+    def shares(self, differentiable: bool) -> bool:
+        """Whether a call runs on the shared slot: a differentiable call after the signature's
+        first eager forward and before its calls have slots of their own."""
+        return (differentiable and not self.failed and self.eager_forwards > 0
+                and not self.ready(differentiable))
 
 
 class _Slot:
@@ -126,6 +144,7 @@ class _Slot:
         self.busy = False
         self.generation = 0
         self.bytes = 0
+        self._state_tensors: list[Tensor] | None = None
 
     def acquire(self) -> int:
         self.busy = True
@@ -135,6 +154,27 @@ class _Slot:
     def release(self, generation: int) -> None:
         if self.generation == generation:
             self.busy = False
+
+    def state_tensors(self) -> list[Tensor]:
+        """Every tensor of the forward's state that the backward reads (branches' lists,
+        lses, compressed keys, kept outputs and gates; not the output, not the static
+        inputs), once each: what a call on a shared slot copies out and back in."""
+        if self._state_tensors is None:
+            inputs = {x.data_ptr() for x in self.inputs if x is not None}
+            seen, found = set(), []
+            for t in tensors_in(self.state[1:]):
+                key = (t.data_ptr(), t.shape, t.stride(), t.dtype)
+                if t.numel() and key not in seen and t.data_ptr() not in inputs:
+                    seen.add(key)
+                    found.append(t)
+            self._state_tensors = found
+        return self._state_tensors
+
+    def restore(self, inputs, state) -> None:
+        """Put one call's inputs and state (`state_tensors` copies) back into the slot."""
+        self.load(inputs)
+        for static, saved in zip(self.state_tensors(), state):
+            static.copy_(saved)
 
     def load(self, inputs) -> None:
         """Copy this call's tensors into the static inputs (cu_seqlens is part of the signature:
@@ -184,10 +224,24 @@ class _Plans:
     def add_bytes(self, device: torch.device, nbytes: int) -> None:
         self.bytes[device] = self.bytes.get(device, 0) + nbytes
 
+    def drop_shared_slots(self, keep: int) -> None:
+        """Drop the shared slots of all but the `keep` most recent signatures that have one
+        (a loop whose packing changes every step leaves one behind a step; a call still
+        waiting for its backward keeps its slot alive until then)."""
+        kept = 0
+        for signature in reversed(self.signatures.values()):
+            if signature.shared is None:
+                continue
+            if kept < keep:
+                kept += 1
+                continue
+            self.add_bytes(signature.shared.device, -signature.shared.bytes)
+            signature.shared = None
+
     def forget(self, signature: _Signature) -> None:
-        for slot in signature.slots:
+        for slot in signature.slots + ([signature.shared] if signature.shared else []):
             self.add_bytes(slot.device, -slot.bytes)
-        signature.slots = []
+        signature.slots, signature.shared = [], None
 
     def clear(self) -> None:
         for signature in self.signatures.values():
@@ -219,6 +273,10 @@ def run(inputs: tuple, cu_seqlens: Tensor, config: NSAConfig, sequences: PackedS
     q = inputs[0]
     key = _signature_key(inputs, cu_seqlens, config, sequences, keep_outputs, differentiable)
     signature = _plans.signature(key)
+    if signature.shares(differentiable):
+        out = _shared_call(signature, inputs, cu_seqlens, sequences, config, keep_outputs)
+        if out is not None:
+            return out
     slot = _free_slot(signature, q.device) if signature.ready(differentiable) else None
     if slot is None:
         out = eager()
@@ -247,7 +305,33 @@ def _signature_key(inputs, cu_seqlens, config, sequences, keep_outputs, differen
             differentiable, torch.is_inference_mode_enabled())
 
 
+def _shared_call(signature: _Signature, inputs: tuple, cu_seqlens: Tensor,
+                 sequences: PackedSequences, config: NSAConfig,
+                 keep_outputs: bool) -> Tensor | None:
+    """The call on the signature's shared slot (the module's "first step"); None where it
+    cannot run there (no room, or the capture failed: the caller runs it eagerly)."""
+    slot = signature.shared
+    if slot is None:
+        _plans.drop_shared_slots(keep=MAX_SHARED_SLOTS - 1)
+        if not _plans.room_for_slot(signature, inputs[0].device):
+            return None
+        slot = signature.shared = _Slot(inputs[0].device)
+    run_forward = _forward_runner(sequences, config, keep_outputs)
+    if slot.forward_graph is None:
+        if not _capture(signature, slot, lambda: _capture_forward(slot, inputs, cu_seqlens,
+                                                                   run_forward)):
+            return None
+    else:
+        slot.load(inputs)
+        slot.forward_graph.replay()
+    state = tuple(t.clone() for t in slot.state_tensors())
+    return _SharedNSA.apply(slot, signature, state, sequences, config, *inputs)
+
+
 def _free_slot(signature: _Signature, device: torch.device) -> _Slot | None:
+    if signature.shared is not None:  # calls have slots of their own from now on
+        _plans.add_bytes(signature.shared.device, -signature.shared.bytes)
+        signature.shared = None
     for slot in signature.slots:
         if not slot.busy:
             return slot
@@ -335,6 +419,59 @@ def _backward(ctx, slot: _Slot, dout: Tensor) -> tuple:
     if _capture(ctx.signature, slot, capture_step):
         return slot.grads
     return _slot_gradients(slot, dout, ctx.sequences, ctx.config)
+
+
+def tensors_in(value):
+    """Every tensor inside value: tensors, tuples, lists, dict values and dataclass fields,
+    depth first (a shared slot's state: nsa.function.packed_forward's result)."""
+    if isinstance(value, Tensor):
+        yield value
+    elif isinstance(value, (tuple, list)):
+        for item in value:
+            yield from tensors_in(item)
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from tensors_in(item)
+    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+        for field in dataclasses.fields(value):
+            yield from tensors_in(getattr(value, field.name))
+
+
+class _SharedNSA(torch.autograd.Function):
+    """A call on a shared slot: the slot's forward graph has just run on this call's inputs;
+    `state` is this call's copy of what the backward reads, put back before the backward."""
+
+    @staticmethod
+    def forward(ctx, slot: _Slot, signature: _Signature, state: tuple,
+                sequences: PackedSequences, config: NSAConfig, q, k, v, W_k, W_v,
+                W_gate) -> Tensor:
+        ctx.slot, ctx.signature, ctx.state = slot, signature, state
+        ctx.sequences, ctx.config = sequences, config
+        ctx.save_for_backward(q, k, v, W_k, W_v, W_gate)
+        return slot.state[0].clone()
+
+    @staticmethod
+    def backward(ctx, dout: Tensor):
+        slot, signature = ctx.slot, ctx.signature
+        inputs = ctx.saved_tensors
+        if ctx.state is None:
+            raise RuntimeError(
+                "nsa(): a second backward through a call that ran on a shared captured plan "
+                "(retain_graph=True) is not supported: its saved state went with the first; "
+                "pass capture=False to nsa() for graphs that are differentiated more than once")
+        with torch.no_grad():
+            slot.restore(inputs, ctx.state)
+            if slot.backward_graph is None and not signature.eager_backwards:
+                # The signature's first backward: eagerly, as its warm-up.
+                grads = _slot_gradients(slot, dout, ctx.sequences, ctx.config)
+                signature.eager_backwards += 1
+            else:
+                grads = _backward(ctx, slot, dout)
+            grads = tuple(g.clone() if g is not None and needed else None
+                          for g, needed in zip(grads, ctx.needs_input_grad[5:]))
+        ctx.state = None
+        grads = refuse_double_backward("nsa()", grads, (dout, *inputs))
+        return (None, None, None, None, None, *grads)
 
 
 class _Lease:

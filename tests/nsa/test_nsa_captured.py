@@ -140,21 +140,42 @@ def test_a_failed_capture_warns_and_leaves_the_signature_eager(monkeypatch):
     assert plans.bytes[slot.device] == 0
 
 
+def test_a_shared_slot_copies_every_tensor_of_the_forward_state():
+    """tensors_in finds the tensors a backward reads inside packed_forward's result (lses,
+    the branches' lists, compressed keys, kept outputs and gates): what a call on a shared
+    slot copies out and back in."""
+    from nsa.function import packed_forward
+    from nsa.validation import validate_nsa_call
+
+    x = random_inputs([300, 77], heads=4, kv_heads=2, head_dim=16, seed=1)
+    config, sequences = validate_nsa_call(
+        x["q"], x["k"], x["v"], cu_seqlens=x["cu_seqlens"], max_seqlen=None,
+        compress_block_size=16, selected_block_size=16, num_selected_blocks=4, window_size=32,
+        W_k=x["W_k"], W_v=x["W_v"], W_gate=x["W_gate"], causal=True, softmax_scale=None,
+        num_cmp_selected_blocks=None, q_tile=32, cmp_kv_block=32)
+    out, branches, cu_cmp, lses, kept = packed_forward(
+        x["q"], x["k"], x["v"], x["W_k"], x["W_v"], x["W_gate"], x["cu_seqlens"], sequences,
+        config, keep_outputs=True)
+    found = {id(t) for t in captured.tensors_in((branches, cu_cmp, lses, kept))}
+    expected = [*lses, *kept.compressed, *kept.outputs, kept.gates, cu_cmp]
+    expected += [t for b in branches for t in b.kernel_kwargs.values()
+                 if isinstance(t, torch.Tensor)]
+    lists = branches[1].kernel_kwargs["block_sparse"]
+    expected += [lists.full_count, lists.full_index, lists.mask_count, lists.mask_index]
+    assert all(id(t) in found for t in expected)
+
+
+def test_only_the_two_newest_shared_slots_stay():
+    plans, device = captured._Plans(), torch.device("cuda", 0)
+    for name in ("a", "b", "c"):
+        plans.signature(name).shared = _FakeSlot(100)
+        plans.add_bytes(device, 100)
+    plans.drop_shared_slots(keep=captured.MAX_SHARED_SLOTS)
+    assert [n for n, sig in plans.signatures.items() if sig.shared] == ["b", "c"]
+    assert plans.bytes[device] == 200
+
+
 # --- CPU: the bookkeeping, with graphs emulated -------------------------------------------------
-
-def _tensors_in(value):
-    if isinstance(value, torch.Tensor):
-        yield value
-    elif isinstance(value, (tuple, list)):
-        for item in value:
-            yield from _tensors_in(item)
-    elif isinstance(value, dict):
-        for item in value.values():
-            yield from _tensors_in(item)
-    elif hasattr(value, "__dataclass_fields__") and not isinstance(value, type):
-        for name in value.__dataclass_fields__:
-            yield from _tensors_in(getattr(value, name))
-
 
 class _ReplayedByRunningAgain:
     """A CUDA graph's replay on the CPU: the captured work runs again (reading the static
@@ -166,7 +187,7 @@ class _ReplayedByRunningAgain:
 
     def replay(self):
         fresh = _as_captured(self.work)
-        statics, news = list(_tensors_in(self.result)), list(_tensors_in(fresh))
+        statics, news = list(captured.tensors_in(self.result)), list(captured.tensors_in(fresh))
         assert len(statics) == len(news)
         for static, new in zip(statics, news):
             static.copy_(new)
@@ -326,7 +347,8 @@ def test_emulated_plans_train_the_lm_like_eager(emulated_graphs, monkeypatch):
     config = replace(MODEL_PRESETS["tiny"], compress_block_size=4, selected_block_size=8,
                      num_selected_blocks=4, window_size=12, test_q_tile=16,
                      test_cmp_kv_block=4, compute_dtype="float64")
-    packings = [[50, 7, 39], [50, 7, 39], [50, 7, 39], [30, 66], [50, 7, 39], [96]]
+    packings = [[50, 7, 39], [50, 7, 39], [50, 7, 39], [30, 66], [50, 7, 39], [96],
+                [20, 40, 36], [60, 36], [11, 85]]  # the last three: a new packing a step
 
     def train(plans: bool) -> list:
         if not plans:
@@ -346,10 +368,27 @@ def test_emulated_plans_train_the_lm_like_eager(emulated_graphs, monkeypatch):
 
     with_plans = train(True)
     assert _slots(), "the repeated packing was captured"
+    newest = next(reversed(captured._plans.signatures.values()))
+    assert newest.shared is not None and newest.shared.forward_graph is not None
     without = train(False)
     for (loss, grads), (ref_loss, ref_grads) in zip(with_plans, without):
         assert torch.equal(loss, ref_loss)
         assert all(torch.equal(grads[n], ref_grads[n]) for n in ref_grads)
+
+
+def test_emulated_new_packing_every_step_runs_on_a_shared_slot(emulated_graphs):
+    """A loop whose packing changes every step, three layers a step: the first call eager, the
+    other two on the step's shared slot (their state copied out and back in); the first
+    shared backward eager, the second replayed; equal to capture=False."""
+    for step in range(3):
+        lengths = [150 - 20 * step, 37 + 10 * step, 90 + 10 * step]
+        layers = [_cpu_call(10 * step + layer, lengths)[0] for layer in range(3)]
+        extra = _cpu_call(0, lengths)[1]
+        _assert_same(_cpu_step(layers, extra, None), _cpu_step(layers, extra, False))
+        signature = next(reversed(captured._plans.signatures.values()))
+        assert signature.shared is not None and signature.shared.backward_graph is not None
+        assert signature.slots == []
+    assert sum(sig.shared is not None for sig in captured._plans.signatures.values()) <= 2
 
 
 def test_emulated_retained_graph_raises_once_its_plan_is_reused(emulated_graphs):
@@ -496,3 +535,39 @@ def test_release_frees_the_plans(fresh_plans):
     assert _slots() and captured.captured_bytes() > 0
     release_captured_plans()
     assert not _slots() and captured.captured_bytes() == 0
+
+
+@requires_sm90
+@pytest.mark.gpu
+def test_a_new_packing_every_step_runs_on_a_shared_slot(fresh_plans):
+    """A loop whose packing changes every step (three layers a step): each step's first call is
+    eager, the others share one slot; outputs and gradients equal capture=False's, bit for
+    bit; the first backward on the shared slot is eager, the next ones replay its graph."""
+    def packing(step: int) -> list[int]:
+        return [1500 - 100 * step, 77 + 50 * step, 700 + 50 * step]
+
+    def step_run(step: int, capture):
+        lengths = packing(step)
+        x = random_inputs(lengths, heads=8, kv_heads=2, head_dim=128, seed=step)
+        cu = x["cu_seqlens"].cuda()
+        extra = dict(cu_seqlens=cu, host_cu_seqlens=tuple(cu.tolist()),
+                     max_seqlen=max(lengths))
+        layers = [{n: (x[n].cuda().bfloat16() * (1 + 0.1 * layer)).requires_grad_()
+                   for n in NAMES} for layer in range(3)]
+        outs = [nsa(**t, **extra, deterministic=True, capture=capture) for t in layers]
+        douts = [torch.randn_like(o) for o in outs]
+        torch.autograd.backward(outs, douts)
+        return [o.detach() for o in outs], [{n: t.grad for n, t in x.items()} for x in layers]
+
+    for step in range(3):
+        torch.manual_seed(step)
+        outs, grads = step_run(step, True)
+        torch.manual_seed(step)
+        ref_outs, ref_grads = step_run(step, False)
+        for layer in range(3):
+            assert torch.equal(outs[layer], ref_outs[layer]), (step, layer)
+            for name in NAMES:
+                assert torch.equal(grads[layer][name], ref_grads[layer][name]), (step, name)
+        signature = next(reversed(captured._plans.signatures.values()))
+        assert signature.shared is not None and signature.shared.backward_graph is not None
+    assert sum(sig.shared is not None for sig in captured._plans.signatures.values()) <= 2
