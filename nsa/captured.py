@@ -284,16 +284,23 @@ def run(inputs: tuple, cu_seqlens: Tensor, config: NSAConfig, sequences: PackedS
         if differentiable and out.grad_fn is not None and not signature.eager_backwards:
             out.grad_fn.register_hook(signature.count_backward)
         return out
-    if slot.forward_graph is None:
-        if not _capture(signature, slot, lambda: _capture_forward(
-                slot, inputs, cu_seqlens, sequences, config, keep_outputs)):
-            return eager()
-    else:
-        slot.load(inputs)
-        slot.forward_graph.replay()
+    if not _forward_on(signature, slot, inputs, cu_seqlens, sequences, config, keep_outputs):
+        return eager()
     if not differentiable:
         return slot.state[0].clone()
     return _CapturedNSA.apply(slot, signature, sequences, config, *inputs)
+
+
+def _forward_on(signature: _Signature, slot: _Slot, inputs: tuple, cu_seqlens: Tensor,
+                sequences: PackedSequences, config: NSAConfig, keep_outputs: bool) -> bool:
+    """Run this call's forward on the slot: its graph replayed on the inputs copied in, or
+    captured on its first call; False where that capture failed (the caller runs eagerly)."""
+    if slot.forward_graph is None:
+        return _capture(signature, slot, lambda: _capture_forward(
+            slot, inputs, cu_seqlens, sequences, config, keep_outputs))
+    slot.load(inputs)
+    slot.forward_graph.replay()
+    return True
 
 
 def _signature_key(inputs, cu_seqlens, config, sequences, keep_outputs, differentiable) -> tuple:
@@ -316,14 +323,8 @@ def _shared_call(signature: _Signature, inputs: tuple, cu_seqlens: Tensor,
         if not _plans.room_for_slot(signature, inputs[0].device):
             return None
         slot = signature.shared = _Slot(inputs[0].device)
-    run_forward = _forward_runner(sequences, config, keep_outputs)
-    if slot.forward_graph is None:
-        if not _capture(signature, slot, lambda: _capture_forward(slot, inputs, cu_seqlens,
-                                                                   run_forward)):
-            return None
-    else:
-        slot.load(inputs)
-        slot.forward_graph.replay()
+    if not _forward_on(signature, slot, inputs, cu_seqlens, sequences, config, keep_outputs):
+        return None
     state = tuple(t.clone() for t in slot.state_tensors())
     return _SharedNSA.apply(slot, signature, state, sequences, config, *inputs)
 
