@@ -33,7 +33,10 @@ The rules, decided here only:
   "state") and back in before its backward replays. The first backward through the shared
   slot runs eagerly (the backward's warm-up), the second captures. Once the signature has
   run a backward eagerly its calls take slots of their own (no state copies), and the shared
-  slot goes.
+  slot goes. Only up to AUTO_MAX_ROW_HEADS_SHARED query rows x heads (with capture=True
+  too): the state copies cost device time that only a host-bound step earns back (the LM of
+  tools/train_lm.py, a new packing every step, 2 x H200, 2026-11-28: +12% tokens/s at 8K
+  tokens x 16 heads, -4% at 32K x 16).
 - **Copies**: the output and the gradients are copied out of the static buffers (a later replay
   overwrites them); the inputs are copied in. At 8K, H=32, that is about 0.5 GB of memory
   traffic a step (~0.2 ms of an H200's), against ~2 ms of host time saved.
@@ -70,6 +73,7 @@ from nsa.validation import PackedSequences
 # hidden there already, and the copies cost more than they save).
 AUTO_MAX_ROW_HEADS = 16384 * 32
 AUTO_MAX_ROW_HEADS_FORWARD = 8192 * 32
+AUTO_MAX_ROW_HEADS_SHARED = 8192 * 32
 CAPTURE_FRACTION = 1 / 8
 # Shared slots (a signature's first step) alive at once: the current step's and the last one's.
 MAX_SHARED_SLOTS = 2
@@ -273,7 +277,7 @@ def run(inputs: tuple, cu_seqlens: Tensor, config: NSAConfig, sequences: PackedS
     q = inputs[0]
     key = _signature_key(inputs, cu_seqlens, config, sequences, keep_outputs, differentiable)
     signature = _plans.signature(key)
-    if signature.shares(differentiable):
+    if signature.shares(differentiable) and q.shape[0] * q.shape[1] <= AUTO_MAX_ROW_HEADS_SHARED:
         out = _shared_call(signature, inputs, cu_seqlens, sequences, config, keep_outputs)
         if out is not None:
             return out

@@ -391,6 +391,17 @@ def test_emulated_new_packing_every_step_runs_on_a_shared_slot(emulated_graphs):
     assert sum(sig.shared is not None for sig in captured._plans.signatures.values()) <= 2
 
 
+def test_emulated_shared_slots_stop_at_their_size_limit(emulated_graphs, monkeypatch):
+    """Above AUTO_MAX_ROW_HEADS_SHARED query rows x heads a step's calls run eagerly instead of
+    sharing a slot (the state copies cost more than the host time they save there)."""
+    monkeypatch.setattr(captured, "AUTO_MAX_ROW_HEADS_SHARED", 1)
+    lengths = [150, 37, 90]
+    layers = [_cpu_call(layer, lengths)[0] for layer in range(3)]
+    extra = _cpu_call(0, lengths)[1]
+    _assert_same(_cpu_step(layers, extra, None), _cpu_step(layers, extra, False))
+    assert all(sig.shared is None for sig in captured._plans.signatures.values())
+
+
 def test_emulated_retained_graph_raises_once_its_plan_is_reused(emulated_graphs):
     tensors, extra = _cpu_call(0)
     for _ in range(2):
