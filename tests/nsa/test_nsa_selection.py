@@ -324,7 +324,8 @@ def test_sm90_selection_kernel_ranks_the_sparse_compressed_blocks(
     rule = dict(FUSED_RULE, cmp_kv_block=128, num_cmp_selected_blocks=num_cmp)
     fused, torch_path, ref = _gpu_selections(q, k, cu_seqlens_of(lengths).cuda(), monkeypatch,
                                              causal=causal, tensor_cores=tensor_cores, **rule)
-    assert fused.cmp_selected is not None and (fused.cmp_selected >= 3).any()
+    # Candidates were ranked: lists hold blocks past block 0 and the first candidate.
+    assert fused.cmp_selected is not None and (fused.cmp_selected >= 2).any()
     _assert_same_selection(fused, ref)
     _assert_same_selection(torch_path, ref)
 

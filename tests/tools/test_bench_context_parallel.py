@@ -73,11 +73,13 @@ def test_overlap_chunks_reaches_the_call_and_the_results(bench, capsys):
 
 
 def test_no_check_makes_only_the_ranks_shard(bench, monkeypatch, capsys):
-    """--no-check compares nothing with one GPU, so no rank builds the whole sequence (at 4M
-    tokens on 4 GPUs the full float32 draws alone filled an H200): each makes its own shard."""
+    """--no-check compares nothing with one GPU, so no rank builds or gathers the whole sequence
+    (at 4M tokens on 4 GPUs the full float32 draws alone filled an H200, then the gathered
+    output and gradients did): each makes its own shard."""
     def whole_sequence(*args, **kwargs):
-        raise AssertionError("--no-check built the whole sequence")
+        raise AssertionError("--no-check built or gathered the whole sequence")
     monkeypatch.setattr(bench, "_full_inputs", whole_sequence)
+    monkeypatch.setattr(bench, "unshard_sequence", whole_sequence)
     result = bench.main(["--device", "cpu", "--seqlen", "128", "--num-seqs", "3", "--heads", "2",
                          "--kv-heads", "1", "--head-dim", "16", "--compress-block-size", "16",
                          "--selected-block-size", "32", "--num-selected-blocks", "5",
