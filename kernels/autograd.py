@@ -187,7 +187,7 @@ def _compiled_attention(q, k, v, options: dict, deterministic: bool):
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                            softmax_scale=None, causal=False, window_size=(-1, -1),
                            compress_factor=1, block_sparse=None, return_lse=False,
-                           deterministic=False, host_cu_seqlens=None):
+                           deterministic=False, host_cu_seqlens=None, q_start_positions=None):
     """Attention over packed ``q (Tq, H, D)``, ``k, v (Tk, Hkv, D)`` -> ``out (Tq, H, D)``.
 
     With ``return_lse=True`` returns ``(out, lse)``, lse ``(H, Tq)`` float32.
@@ -199,11 +199,18 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     values; only their form is checked (start 0, non-decreasing, end at the rows, one per
     entry), as nsa()'s argument of the same name. Not taken with ``block_sparse``, whose
     checks read the lists on the device anyway (a ValueError).
+    ``q_start_positions``: host ints, one per sequence: the position of the sequence's first
+    query row among its keys' tokens (the causal, window and compressed rules read query row i
+    as position q_start + i; default 0). For a shard of a longer sequence's queries against all
+    its keys (context parallelism, chunked prefill). The sm90 kernels do not take them yet:
+    such calls run on the fallback.
     """
     options = dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                    max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
                    softmax_scale=softmax_scale, causal=causal, window_size=window_size,
                    compress_factor=compress_factor, block_sparse=block_sparse)
+    if q_start_positions is not None:
+        options["q_start_positions"] = q_start_positions
     if host_cu_seqlens is not None:
         options["host_cu_seqlens"] = _host_bounds_pair(host_cu_seqlens, block_sparse)
     if torch.compiler.is_compiling():

@@ -53,6 +53,9 @@ def attention_kernel(direction: str, q, k, v, kwargs: dict,
 
     # Shapes the kernels' 32-bit index arithmetic or launch grid cannot hold go to the fallback
     # (which has no such limit), before any list is transposed for them.
+    if kwargs.get("q_start_positions") is not None:
+        return None, (f"kernels.sm90.{direction}: q_start_positions (queries past position 0) "
+                      "are not in the sm90 kernels yet")
     too_large = int32_limits_reason(q, k, backward=direction == "backward", **kwargs)
     if too_large:
         return None, f"kernels.sm90.{direction}: {too_large}"
@@ -69,14 +72,18 @@ def attention_kernel(direction: str, q, k, v, kwargs: dict,
 def normalised_kwargs(problem: AttentionProblem, cu_seqlens_q, cu_seqlens_k,
                       block_sparse) -> dict:
     """The keyword arguments the kernel modules take for a validated call: the scale resolved,
-    ``max_seqlen_*`` filled in, ``window_size`` a tuple of ints."""
-    return dict(
+    ``max_seqlen_*`` filled in, ``window_size`` a tuple of ints; ``q_start_positions`` only
+    where a sequence's queries start past position 0."""
+    kwargs = dict(
         cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
         max_seqlen_q=problem.max_seqlen_q, max_seqlen_k=problem.max_seqlen_k,
         softmax_scale=problem.softmax_scale, causal=problem.causal,
         compress_factor=problem.compress_factor, window_size=problem.window_size,
         block_sparse=block_sparse,
     )
+    if problem.q_start_positions is not None:
+        kwargs["q_start_positions"] = problem.q_start_positions
+    return kwargs
 
 
 def transpose_block_sparse_trusted(block_sparse, *, cu_seqlens_k, host_cu_seqlens_k,

@@ -59,13 +59,14 @@ CHUNK_BUDGET_BYTES = 256 << 20
 def attention_forward_fallback(
     q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
     softmax_scale=None, causal=False, compress_factor=1, window_size=(-1, -1), block_sparse=None,
-    chunk_budget_bytes=CHUNK_BUDGET_BYTES,
+    q_start_positions=None, chunk_budget_bytes=CHUNK_BUDGET_BYTES,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Validate, then compute ``(out, lse)`` in torch; arguments as ``attention_forward``."""
     problem = validate_attention_forward(
         q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
         max_seqlen_k=max_seqlen_k, softmax_scale=softmax_scale, causal=causal,
         compress_factor=compress_factor, window_size=window_size, block_sparse=block_sparse,
+        q_start_positions=q_start_positions,
     )
     return forward(problem, q, k, v, block_sparse, chunk_budget_bytes)
 
@@ -73,7 +74,7 @@ def attention_forward_fallback(
 def attention_backward_fallback(
     dout, q, k, v, out, lse, *, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
     max_seqlen_k=None, softmax_scale=None, causal=False, compress_factor=1, window_size=(-1, -1),
-    block_sparse=None, block_sparse_transposed=None, deterministic=False,
+    block_sparse=None, block_sparse_transposed=None, deterministic=False, q_start_positions=None,
     chunk_budget_bytes=CHUNK_BUDGET_BYTES,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Validate, then compute ``(dq, dk, dv)`` in torch; arguments as ``attention_backward``.
@@ -86,7 +87,7 @@ def attention_backward_fallback(
         max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, softmax_scale=softmax_scale,
         causal=causal, compress_factor=compress_factor, window_size=window_size,
         block_sparse=block_sparse, block_sparse_transposed=block_sparse_transposed,
-        deterministic=deterministic,
+        deterministic=deterministic, q_start_positions=q_start_positions,
     )
     return backward(problem, dout, q, k, v, out, lse, block_sparse, chunk_budget_bytes,
                     deterministic=deterministic)
@@ -261,12 +262,13 @@ class _DenseSight:
 
 def _dense_forward(problem, q_rows, k_rows, v_rows, out, lse, acc, budget) -> None:
     kv_heads, group = problem.num_kv_heads, problem.group_size
-    for _, q0, q1, k0, k1 in problem.sequences():
+    for s, q0, q1, k0, k1 in problem.sequences():
         k_seq = k_rows[k0:k1].to(acc).transpose(0, 1)  # (Hkv, Nk, D)
         v_seq, v_magnitudes = _zeroed_nonfinite(v_rows[k0:k1], acc)
         v_seq, bad_v = v_seq.transpose(0, 1), ~torch.isfinite(v_magnitudes.T)  # (Hkv, Nk, ...)
-        for r0, r1, c0, c1 in _chunks(problem, q1 - q0, k1 - k0, acc, budget):
-            rows = slice(q0 + r0, q0 + r1)
+        start = problem.q_start(s)  # chunks are in positions: row r is q row q0 + r - start
+        for r0, r1, c0, c1 in _chunks(problem, q1 - q0, k1 - k0, acc, budget, start):
+            rows = slice(q0 + r0 - start, q0 + r1 - start)
             q_chunk = _group_by_kv_head(q_rows[rows].to(acc), kv_heads)
             sight = _DenseSight(_visibility(problem, r0, r1, c0, c1, q_rows.device), group,
                                 r1 - r0, c1 - c0)
@@ -279,15 +281,16 @@ def _dense_forward(problem, q_rows, k_rows, v_rows, out, lse, acc, budget) -> No
 
 def _dense_backward(problem, rows: _BackwardRows, dq, dk, dv, acc, budget) -> None:
     kv_heads, group = problem.num_kv_heads, problem.group_size
-    for _, q0, q1, k0, k1 in problem.sequences():
+    for s, q0, q1, k0, k1 in problem.sequences():
+        start = problem.q_start(s)  # as in _dense_forward
         (k_seq, k_magnitudes), (v_seq, v_magnitudes) = (
             _zeroed_nonfinite(x[k0:k1], acc) for x in (rows.k, rows.v))
         k_seq, v_seq = k_seq.transpose(0, 1), v_seq.transpose(0, 1)  # (Hkv, Nk, D)
         bad_kv = ~torch.isfinite(k_magnitudes + v_magnitudes).T  # (Hkv, Nk)
         dk_seq = torch.zeros_like(k_seq)
         dv_seq = torch.zeros_like(v_seq)
-        for r0, r1, c0, c1 in _chunks(problem, q1 - q0, k1 - k0, acc, budget):
-            chunk, keys = slice(q0 + r0, q0 + r1), slice(c0, c1)
+        for r0, r1, c0, c1 in _chunks(problem, q1 - q0, k1 - k0, acc, budget, start):
+            chunk, keys = slice(q0 + r0 - start, q0 + r1 - start), slice(c0, c1)
             (q_chunk, dout_chunk, out_chunk), magnitudes = zip(*(
                 _zeroed_nonfinite(x[chunk], acc) for x in (rows.q, rows.dout, rows.out)))
             q_chunk, dout_chunk, out_chunk = (_group_by_kv_head(x, kv_heads)
@@ -323,8 +326,9 @@ SPAN_GROWTH = 8
 
 
 def _chunks(problem: AttentionProblem, num_rows: int, num_keys: int, acc: torch.dtype,
-            budget: int) -> Iterator[tuple[int, int, int, int]]:
-    """Yield ``(row_start, row_end, key_start, key_end)``, local to a sequence.
+            budget: int, first_row: int = 0) -> Iterator[tuple[int, int, int, int]]:
+    """Yield ``(row_start, row_end, key_start, key_end)``, local to a sequence, rows as
+    positions: ``num_rows`` rows from position ``first_row`` (the sequence's q_start).
 
     Rows ``[r0, r1)`` see keys ``[lo(r0), hi(r1))`` (:func:`_visible_key_range`), so a chunk's
     work and temporaries are rows x that span, which the causal and window rules tie to the rows,
@@ -337,8 +341,8 @@ def _chunks(problem: AttentionProblem, num_rows: int, num_keys: int, acc: torch.
     if num_rows == 0 or num_keys == 0:
         return
     bytes_per_pair = _bytes_per_pair(problem, acc)
-    r0 = 0
-    while r0 < num_rows:
+    r0, row_end = first_row, first_row + num_rows
+    while r0 < row_end:
         c0, first_end = _visible_key_range(problem, r0, r0 + 1, num_keys)
         widest = max(0, first_end - c0) * (SPAN_GROWTH + 1) // SPAN_GROWTH
 
@@ -348,7 +352,7 @@ def _chunks(problem: AttentionProblem, num_rows: int, num_keys: int, acc: torch.
                     and (rows <= MIN_CHUNK_ROWS or span <= widest))
 
         # fits() is true for 1 row by decree and, as rows grow, false from some point on.
-        lo, hi = 1, num_rows - r0
+        lo, hi = 1, row_end - r0
         while lo < hi:
             mid = (lo + hi + 1) // 2
             lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
@@ -415,6 +419,7 @@ class _TileBatch:
     row_end: int
     key_start: int  # packed row of the sequence's first key in k and v
     num_keys: int
+    q_start: int = 0  # the position of the sequence's first query row (the rule reads it)
 
     @property
     def rows(self) -> slice:
@@ -547,13 +552,13 @@ def _tile_batches(problem: AttentionProblem, bs, acc: torch.dtype,
     tiles_per_batch = max(1, budget // _bytes_per_tile(problem, bs, acc))
     tile_rows = bs.row_block_size
     first_tile = 0  # the validation checked bs.row_block_offsets equals these
-    for _, q0, q1, k0, k1 in problem.sequences():
+    for s, q0, q1, k0, k1 in problem.sequences():
         num_tiles = -(-(q1 - q0) // tile_rows)
         for t0 in range(0, num_tiles if k1 > k0 else 0, tiles_per_batch):
             t1 = min(num_tiles, t0 + tiles_per_batch)
             yield _TileBatch(first_tile=first_tile + t0, first_local_tile=t0, num_tiles=t1 - t0,
                              row_start=q0 + t0 * tile_rows, row_end=min(q1, q0 + t1 * tile_rows),
-                             key_start=k0, num_keys=k1 - k0)
+                             key_start=k0, num_keys=k1 - k0, q_start=problem.q_start(s))
         first_tile += num_tiles
 
 
@@ -598,8 +603,9 @@ def _listed_keys(problem: AttentionProblem, bs, batch: _TileBatch, device) -> _L
 
     by_rule = None
     if has_rule(problem) and mask_keys.shape[-1]:
-        first_row = (batch.first_local_tile
-                     + torch.arange(batch.num_tiles, device=device)) * bs.row_block_size
+        first_row = batch.q_start + (batch.first_local_tile
+                                     + torch.arange(batch.num_tiles, device=device)
+                                     ) * bs.row_block_size
         rows = first_row.unsqueeze(-1) + torch.arange(bs.row_block_size, device=device)
         by_rule = visible_under_rule(problem, rows[:, None, :, None], mask_keys.unsqueeze(-2))
     return _ListedKeys(kv_rows=kv_rows, listed=listed, mask_start=full_keys.shape[-1],

@@ -41,18 +41,24 @@ SM90 = "sm90"
 def attention_forward(
     q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
     softmax_scale=None, causal=False, compress_factor=1, window_size=(-1, -1), block_sparse=None,
+    q_start_positions=None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention forward: ``(out, lse)``; not differentiable (see ``flash_attn_func``).
 
     Padded ``q (B, Nq, H, D)``, ``k, v (B, Nk, Hkv, D)`` give ``out (B, Nq, H, D)``,
     ``lse (B, H, Nq)``; packed varlen ``q (Tq, H, D)`` with ``cu_seqlens_*`` gives
     ``out (Tq, H, D)``, ``lse (H, Tq)``. lse is float32 (float64 for float64 inputs).
+    ``q_start_positions`` (packed varlen; host ints, one per sequence): the position of each
+    sequence's first query row among its keys' tokens, for the causal, window and compressed
+    rules (the queries are the rows from that position on; default 0). The sm90 kernels do not
+    take them yet: such calls run on the fallback.
     """
     check_not_meta("q", q)  # k, v and the rest must be on q's device (validation says so)
     problem = validate_attention_forward(
         q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
         max_seqlen_k=max_seqlen_k, softmax_scale=softmax_scale, causal=causal,
         compress_factor=compress_factor, window_size=window_size, block_sparse=block_sparse,
+        q_start_positions=q_start_positions,
     )
     return _run_forward(problem, q, k, v, cu_seqlens_q, cu_seqlens_k, block_sparse)
 
@@ -60,7 +66,7 @@ def attention_forward(
 def attention_backward(
     dout, q, k, v, out, lse, *, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
     max_seqlen_k=None, softmax_scale=None, causal=False, compress_factor=1, window_size=(-1, -1),
-    block_sparse=None, block_sparse_transposed=None, deterministic=False,
+    block_sparse=None, block_sparse_transposed=None, deterministic=False, q_start_positions=None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Attention backward: ``(dq, dk, dv)``, dk and dv summed over each KV group.
 
@@ -76,7 +82,7 @@ def attention_backward(
         max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, softmax_scale=softmax_scale,
         causal=causal, compress_factor=compress_factor, window_size=window_size,
         block_sparse=block_sparse, block_sparse_transposed=block_sparse_transposed,
-        deterministic=deterministic,
+        deterministic=deterministic, q_start_positions=q_start_positions,
     )
     return _run_backward(problem, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
                          block_sparse, block_sparse_transposed, deterministic)

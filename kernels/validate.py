@@ -56,6 +56,9 @@ class AttentionProblem:
     compress_factor: int
     window_size: tuple[int, int]
     block_sparse_heads: int | None  # Hs of the compact lists; None without block sparsity
+    # Per sequence, the token position of its first query row (the causal, window and
+    # compressed rules read row i as position q_start + i); None: every sequence starts at 0.
+    q_start_positions: tuple[int, ...] | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -65,6 +68,10 @@ class AttentionProblem:
     def group_size(self) -> int:
         """Query heads per KV head."""
         return self.num_heads // self.num_kv_heads
+
+    def q_start(self, s: int) -> int:
+        """The position of sequence s's first query row (0 unless q_start_positions)."""
+        return 0 if self.q_start_positions is None else self.q_start_positions[s]
 
     def sequences(self) -> Iterator[tuple[int, int, int, int, int]]:
         """Yield ``(s, q_start, q_end, k_start, k_end)`` for every sequence, in packed rows."""
@@ -80,13 +87,14 @@ class AttentionProblem:
 def validate_attention_forward(
     q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
     softmax_scale=None, causal=False, compress_factor=1, window_size=(-1, -1), block_sparse=None,
+    q_start_positions=None,
 ) -> AttentionProblem:
     """Check the arguments of ``attention_forward`` and describe the call."""
     return _validate_forward(
         q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
         max_seqlen_k=max_seqlen_k, softmax_scale=softmax_scale, causal=causal,
         compress_factor=compress_factor, window_size=window_size, block_sparse=block_sparse,
-        host_cu_seqlens=None)
+        q_start_positions=q_start_positions, host_cu_seqlens=None)
 
 
 def validate_trusted_attention_forward(q, k, v, *, host_cu_seqlens, **kwargs) -> AttentionProblem:
@@ -105,7 +113,7 @@ def validate_trusted_attention_forward(q, k, v, *, host_cu_seqlens, **kwargs) ->
 def _validate_forward(
     q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
     softmax_scale=None, causal=False, compress_factor=1, window_size=(-1, -1), block_sparse=None,
-    host_cu_seqlens, trusted: bool = False,
+    q_start_positions=None, host_cu_seqlens, trusted: bool = False,
 ) -> AttentionProblem:
     varlen = _check_layout_and_tensors(q, k, v, cu_seqlens_q, cu_seqlens_k)
     num_heads, head_dim = q.shape[-2], q.shape[-1]
@@ -135,6 +143,8 @@ def _validate_forward(
         compress_factor=_check_compress_factor(compress_factor),
         window_size=_check_window_size(window_size),
         block_sparse_heads=None,
+        q_start_positions=_check_q_start_positions(q_start_positions, varlen, len(cu_q) - 1,
+                                                   max_q),
     )
     if block_sparse is not None:
         heads = _check_block_sparse("block_sparse", block_sparse, num_heads=num_heads,
@@ -147,7 +157,7 @@ def _validate_forward(
 def validate_attention_backward(
     dout, q, k, v, out, lse, *, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
     max_seqlen_k=None, softmax_scale=None, causal=False, compress_factor=1, window_size=(-1, -1),
-    block_sparse=None, block_sparse_transposed=None, deterministic=False,
+    block_sparse=None, block_sparse_transposed=None, deterministic=False, q_start_positions=None,
 ) -> AttentionProblem:
     """Check the arguments of ``attention_backward`` and describe the call."""
     return _validate_backward(
@@ -155,7 +165,8 @@ def validate_attention_backward(
         max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, softmax_scale=softmax_scale,
         causal=causal, compress_factor=compress_factor, window_size=window_size,
         block_sparse=block_sparse, block_sparse_transposed=block_sparse_transposed,
-        deterministic=deterministic, host_cu_seqlens=None)
+        deterministic=deterministic, q_start_positions=q_start_positions,
+        host_cu_seqlens=None)
 
 
 def validate_trusted_attention_backward(dout, q, k, v, out, lse, *, host_cu_seqlens,
@@ -169,14 +180,14 @@ def validate_trusted_attention_backward(dout, q, k, v, out, lse, *, host_cu_seql
 def _validate_backward(
     dout, q, k, v, out, lse, *, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
     max_seqlen_k=None, softmax_scale=None, causal=False, compress_factor=1, window_size=(-1, -1),
-    block_sparse=None, block_sparse_transposed=None, deterministic=False, host_cu_seqlens,
-    trusted: bool = False,
+    block_sparse=None, block_sparse_transposed=None, deterministic=False, q_start_positions=None,
+    host_cu_seqlens, trusted: bool = False,
 ) -> AttentionProblem:
     problem = _validate_forward(
         q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
         max_seqlen_k=max_seqlen_k, softmax_scale=softmax_scale, causal=causal,
         compress_factor=compress_factor, window_size=window_size, block_sparse=block_sparse,
-        host_cu_seqlens=host_cu_seqlens, trusted=trusted,
+        q_start_positions=q_start_positions, host_cu_seqlens=host_cu_seqlens, trusted=trusted,
     )
     check_backward_tensors(problem, q, dout, out, lse)
     check_deterministic(deterministic)
@@ -438,6 +449,31 @@ def _check_window_size(value) -> tuple[int, int]:
     if left < -1 or right < -1:
         raise ValueError(f"window_size sides must be >= -1 (-1 = unbounded), got {value!r}")
     return (left, right)
+
+
+def _check_q_start_positions(value, varlen: bool, num_seqs: int,
+                             max_seqlen_q: int) -> tuple[int, ...] | None:
+    """q_start_positions: host ints, one per sequence, >= 0, packed varlen calls only; None
+    where every one is 0 (the same call as without them)."""
+    if value is None:
+        return None
+    if not varlen:
+        raise ValueError("q_start_positions: packed varlen calls only (pass cu_seqlens_q/k); "
+                         "a padded batch's rows start at position 0")
+    if isinstance(value, torch.Tensor) or not isinstance(value, (tuple, list)):
+        raise TypeError(f"q_start_positions must be a tuple or list of {num_seqs} ints on the "
+                        f"host (one per sequence), got {type(value).__name__}")
+    if len(value) != num_seqs:
+        raise ValueError(f"q_start_positions must hold one int per sequence ({num_seqs}), got "
+                         f"{len(value)}")
+    for s, position in enumerate(value):
+        if (isinstance(position, bool) or not isinstance(position, numbers.Integral)
+                or position < 0 or position > INT32_MAX - max_seqlen_q):
+            raise ValueError(f"q_start_positions[{s}] must be an int in [0, "
+                             f"{INT32_MAX - max_seqlen_q}] (a row's position stays an int32), "
+                             f"got {position!r}")
+    positions = tuple(int(p) for p in value)
+    return positions if any(positions) else None
 
 
 def _replace_block_sparse_heads(problem: AttentionProblem, heads: int) -> AttentionProblem:
