@@ -49,7 +49,8 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from _common import (DTYPES, RECOMPUTE_OPTIONS, add_recompute_argument,  # noqa: E402
+from _common import (DTYPES, RECOMPUTE_OPTIONS, add_cmp_selected_argument,  # noqa: E402
+                     add_recompute_argument,
                      cu_seqlens_of, describe_answer, describe_device, positive_float,
                      positive_int, resolve_device, search_longest, time_ms, varlen_lengths,
                      write_results_json)
@@ -87,6 +88,7 @@ def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--selected-block-size", type=positive_int, default=64)
     parser.add_argument("--num-selected-blocks", type=positive_int, default=16)
     parser.add_argument("--window-size", type=int, default=512)
+    add_cmp_selected_argument(parser)
     add_recompute_argument(parser, help_more=(
         "; the same for the context-parallel and the one-GPU run (auto can decide differently "
         "for a rank's heads than for all of them; on the kernels kept and recomputed gate "
@@ -132,6 +134,61 @@ def main(argv: list[str] | None = None) -> dict:
     finally:
         if created_group:
             dist.destroy_process_group()
+
+
+def add_context_parallel_argument(parser) -> None:
+    """--context-parallel N of tools/diagnose_memory.py and tools/bench_nsa_vs_dense.py (read
+    back by `run_for_tool`)."""
+    parser.add_argument("--context-parallel", type=positive_int, default=None, metavar="N",
+                        help="run nsa() across N ranks (context parallelism, heads mode; launch "
+                             "with torchrun --nproc-per-node N): this tool's problem on "
+                             "tools/bench_context_parallel.py, one packed sequence of "
+                             "--num-seqs documents per length; learned W_k, W_v, W_gate with "
+                             "--gate, none without")
+
+
+def delegated_argv(args, seqlen: int) -> list[str]:
+    """This tool's command line for another tool's resolved problem (`_common`'s problem
+    arguments) at one length: the shapes, dtype, NSA options and timing it shares."""
+    argv = ["--seqlen", str(seqlen), "--num-seqs", str(getattr(args, "num_seqs", None) or 1),
+            "--heads", str(args.heads), "--kv-heads", str(args.kv_heads),
+            "--head-dim", str(args.head_dim), "--dtype", args.dtype,
+            "--compress-block-size", str(args.compress_block_size),
+            "--selected-block-size", str(args.selected_block_size),
+            "--num-selected-blocks", str(args.num_selected_blocks),
+            "--window-size", str(args.window_size), "--warmup", str(args.warmup),
+            "--repeats", str(args.repeats), "--device", args.device.type]
+    if getattr(args, "num_cmp_selected_blocks", None) is not None:
+        argv += ["--num-cmp-selected-blocks", str(args.num_cmp_selected_blocks)]
+    if not args.gate:
+        argv.append("--no-weights")
+    if getattr(args, "deterministic", False):
+        argv.append("--deterministic")
+    if getattr(args, "recompute", "auto") != "auto":
+        argv += ["--recompute", args.recompute]
+    return argv
+
+
+def run_for_tool(tool: str, args, *, max_length: bool = False,
+                 extra: tuple[str, ...] = ()) -> list[dict]:
+    """`--context-parallel N` of another tool: its problem run here across the ranks, one
+    result per length of args.seqlens (the step against one GPU, `extra` added to the command
+    line), or with max_length the longest T that fits, from the first length up
+    (args.resolution, args.time_limit). The same on every rank; SystemExit where the launch
+    does not have N ranks or the batch is not one sequence."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world != args.context_parallel:
+        raise SystemExit(f"{tool}: --context-parallel {args.context_parallel} runs under "
+                         f"torchrun --nproc-per-node {args.context_parallel} (WORLD_SIZE is "
+                         f"{world})")
+    if args.batch != 1:
+        raise SystemExit(f"{tool}: --context-parallel shards one packed sequence: --batch 1 "
+                         f"(got {args.batch}; --num-seqs packs documents)")
+    if max_length:
+        limit = [] if args.time_limit is None else ["--time-limit", str(args.time_limit)]
+        return [main(delegated_argv(args, args.seqlens[0])
+                     + ["--max-length", "--resolution", str(args.resolution), *limit])]
+    return [main(delegated_argv(args, seqlen) + list(extra)) for seqlen in args.seqlens]
 
 
 def _init_process_group(args) -> bool:
@@ -199,8 +256,13 @@ def _run(args, argv) -> dict:
     with torch.no_grad():  # an inference-style forward: no graph kept
         fwd_ms = _slowest(time_ms(lambda: forward(), device, warmup=args.warmup,
                                   repeats=args.repeats), device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
     fwd_bwd_ms = _slowest(time_ms(forward_backward, device, warmup=args.warmup,
                                   repeats=args.repeats), device)
+    # The fullest rank's peak over forward+backward (None off CUDA): every rank calls it.
+    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else -1
+    peak = _max_over_ranks(peak, device)
     comm = _time_exchanges(args, local, group, device, dtype)
 
     result = {"world_size": world, "mode": mode, "overlap_chunks": args.overlap_chunks,
@@ -208,6 +270,7 @@ def _run(args, argv) -> dict:
               "heads": args.heads, "kv_heads": args.kv_heads, "head_dim": args.head_dim,
               "dtype": args.dtype, "weights": not args.no_weights, "options": options,
               "device": describe_device(device), "fwd_ms": fwd_ms, "fwd_bwd_ms": fwd_bwd_ms,
+              "peak_bytes": None if peak < 0 else peak,
               **comm,
               "comm_share_fwd": comm["all_to_all_fwd_ms"] / fwd_ms,
               "comm_share_fwd_bwd": comm["all_to_all_fwd_bwd_ms"] / fwd_bwd_ms}
@@ -228,7 +291,8 @@ def _nsa_options(args) -> dict:
     recompute), the same for the timed run, the one-GPU check and the length search."""
     options = dict(compress_block_size=args.compress_block_size,
                    selected_block_size=args.selected_block_size,
-                   num_selected_blocks=args.num_selected_blocks, window_size=args.window_size)
+                   num_selected_blocks=args.num_selected_blocks, window_size=args.window_size,
+                   num_cmp_selected_blocks=args.num_cmp_selected_blocks)
     if args.deterministic:
         options["deterministic"] = True
     return options | RECOMPUTE_OPTIONS[args.recompute]

@@ -67,6 +67,12 @@ branch profile alone.
     python tools/bench_nsa_vs_dense.py --seqlens 65536 --num-seqs 16     # varlen: 16 lengths
     python tools/bench_nsa_vs_dense.py --packed standard --methods nsa,nsa-graph,fa4
     python tools/plot_bench.py bench.json                            # charts
+
+`--context-parallel N` (under `torchrun --nproc-per-node N`) times nsa() across the N ranks
+instead, against one GPU's nsa() per length (tools/bench_context_parallel.py runs it; no dense
+anchors there):
+
+    torchrun --nproc-per-node 4 tools/bench_nsa_vs_dense.py --context-parallel 4 --seqlens 1048576
 """
 from __future__ import annotations
 
@@ -74,6 +80,7 @@ import argparse
 import datetime
 import importlib
 import json
+import os
 import platform
 import statistics
 import subprocess
@@ -94,6 +101,7 @@ from nsa.compression import compress_pair, compressed_cu_seqlens  # noqa: E402
 from nsa.function import (compressed_starts, describe_branches,  # noqa: E402
                           select_for_branches)
 from nsa.validation import validate_nsa_call  # noqa: E402
+from bench_context_parallel import add_context_parallel_argument, run_for_tool  # noqa: E402
 from _common import (CAPTURE_OPTIONS, RECOMPUTE_OPTIONS,  # noqa: E402
                      add_capture_argument, add_cmp_selected_argument, add_num_seqs_argument,
                      add_problem_arguments, add_recompute_argument,
@@ -101,7 +109,8 @@ from _common import (CAPTURE_OPTIONS, RECOMPUTE_OPTIONS,  # noqa: E402
                      int_list,
                      compressed_key_cap, compressed_pairs, cu_seqlens_of, nsa_options, nsa_pairs,
                      problem_defaults_epilog, problem_summary, random_gate, random_qkv,
-                     resolve_problem_arguments, time_ms, varlen_lengths)
+                     resolve_problem_arguments, time_ms, varlen_lengths,
+                     write_results_json)
 from packed_workloads import (STANDARD_WORKLOADS, TARGET_SHARE_OF_LIMIT,  # noqa: E402
                               NSAPairRule, PackedWorkload, attended_pair_ratio, build_workload,
                               dense_pairs, nsa_document_pairs, parse_workload_name,
@@ -701,8 +710,12 @@ def parse_args(argv):
                              "documents, whichever is more)")
     packed.add_argument("--packed-seed", type=int, default=0,
                         help="seed of the lognormal lengths (default 0)")
+    add_context_parallel_argument(parser)
     parser.add_argument("--json", type=Path, help="write the results to this JSON file")
     args = parser.parse_args(argv)
+    if args.context_parallel is not None and (args.packed is not None or args.branch_profile):
+        parser.error("--context-parallel times nsa() on --seqlens (each one packed sequence "
+                     "of --num-seqs documents): not with --packed or --branch-profile")
     check_packed_arguments(args, parser)
     resolve_problem_arguments(args, parser)
     check_num_seqs(args, parser)
@@ -764,6 +777,13 @@ def check_packed_arguments(args, parser) -> None:
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
+    if args.context_parallel is not None:
+        # nsa() across the ranks against one GPU's nsa() per length (the table and the JSON
+        # are bench_context_parallel's; dense anchors are not run there).
+        rows = run_for_tool("bench_nsa_vs_dense", args)
+        if args.json and int(os.environ.get("RANK", "0")) == 0:
+            write_results_json(args.json, "bench_nsa_vs_dense", argv, rows[0]["device"], rows)
+        return 0
     metadata = run_metadata(args, argv)
     print(f"{metadata['device']}, torch {metadata['torch']}; our attention: forward "
           f"{metadata['backend']['forward']}, backward {metadata['backend']['backward']}")

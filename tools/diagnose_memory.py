@@ -31,8 +31,13 @@ nothing.
     python tools/diagnose_memory.py --seqlens 1048576 --max-length --passes fwd+bwd \
         --resolution 262144 --time-limit 400
 
-Across GPUs (context parallelism), `torchrun --nproc-per-node N tools/bench_context_parallel.py
---max-length` searches the longest sequence that N ranks fit, each holding its shard.
+Across GPUs (context parallelism): `torchrun --nproc-per-node N tools/diagnose_memory.py
+--context-parallel N ...` runs the same problem (one packed sequence) on N ranks through
+tools/bench_context_parallel.py: per length the fullest rank's forward+backward peak, or with
+`--max-length` the longest sequence the N ranks fit, each holding its shard.
+
+    torchrun --nproc-per-node 4 tools/diagnose_memory.py --context-parallel 4 \
+        --seqlens 4194304 --max-length --resolution 2097152 --time-limit 300
 
 The tool sets PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True unless the caller set it: at a
 million tokens the caching allocator's fragmentation (7.7 GiB reserved but unallocated in an
@@ -58,6 +63,7 @@ from nsa.branches import compressed_branch, selected_branch  # noqa: E402
 from nsa.compression import compress, compressed_block_starts, compressed_cu_seqlens  # noqa: E402
 from nsa.selection import select_blocks  # noqa: E402
 from nsa.validation import validate_nsa_arguments  # noqa: E402
+from bench_context_parallel import add_context_parallel_argument, run_for_tool  # noqa: E402
 from sparsity import row_block_offsets_from_cu_seqlens, transpose_block_sparse_csr  # noqa: E402
 from _common import (  # noqa: E402
     add_cmp_selected_argument, add_problem_arguments, describe_answer, describe_device, measure_seqlens, nsa_options,
@@ -291,6 +297,21 @@ def _passes(text: str) -> list[str]:
     return passes
 
 
+def _context_parallel(args, argv, device: str) -> int:
+    """--context-parallel N: the problem on N ranks (tools/bench_context_parallel.py): each
+    length's forward+backward peak on the fullest rank, or the longest length that fits."""
+    rows = run_for_tool("diagnose_memory", args, max_length=args.max_length,
+                        extra=("--no-check", "--warmup", "0", "--repeats", "1"))
+    if not args.max_length and int(os.environ.get("RANK", "0")) == 0:
+        for row in rows:
+            peak = row["peak_bytes"]
+            print(f"N={row['seqlen']} on {row['world_size']} ranks: forward+backward peak "
+                  + ("- (CPU)" if peak is None else f"{peak / 2**30:.2f} GiB on the fullest rank"))
+    if args.json and int(os.environ.get("RANK", "0")) == 0:
+        write_results_json(args.json, "diagnose_memory", argv, device, rows)
+    return 0
+
+
 def parse_args(argv):
     parser = argparse.ArgumentParser(
         description="Peak memory of NSA vs dense attention and the size of the sparsity "
@@ -314,6 +335,7 @@ def parse_args(argv):
                         help="with --max-length: start no trial after this many seconds and "
                              "report the range found so far (a trial at a million tokens takes "
                              "a minute or more; default: no limit)")
+    add_context_parallel_argument(parser)
     parser.add_argument("--json", type=Path, help="write the results to this JSON file")
     args = parser.parse_args(argv)
     resolve_problem_arguments(args, parser)
@@ -327,6 +349,8 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     device = describe_device(args.device)
+    if args.context_parallel is not None:
+        return _context_parallel(args, argv, device)
     print(f"{device}, torch {torch.__version__}; B={args.batch} {problem_summary(args)}")
     if args.max_length:
         if args.device.type != "cuda" or args.batch != 1:

@@ -785,3 +785,59 @@ def test_run_gpu_tests_stops_its_shards_and_what_they_started():
     states = subprocess.run(["ps", "-o", "stat=", "-g", str(shard.pid)], capture_output=True,
                             text=True).stdout.split()
     assert all(state.startswith("Z") for state in states), states
+
+
+# ----------------------------------------------------------------------------------------------
+# --context-parallel N of bench_nsa_vs_dense and diagnose_memory (run by bench_context_parallel)
+# ----------------------------------------------------------------------------------------------
+
+TINY_NSA = ["--device", "cpu", "--heads", "2", "--kv-heads", "1", "--head-dim", "16",
+            "--compress-block-size", "16", "--selected-block-size", "32",
+            "--num-selected-blocks", "5", "--window-size", "32"]
+
+
+def test_bench_nsa_vs_dense_times_nsa_across_the_ranks(tmp_path, capsys):
+    """A group of one process (gloo): the problem reaches bench_context_parallel, which checks
+    it against one-process nsa() per length (bitwise) and writes one row per length."""
+    path = tmp_path / "cp.json"
+    code = load_tool("bench_nsa_vs_dense").main(
+        [*TINY_NSA, "--context-parallel", "1", "--seqlens", "128,256", "--num-seqs", "2",
+         "--gate", "--warmup", "1", "--repeats", "1", "--json", str(path)])
+    assert code == 0
+    rows = json.loads(path.read_text())["results"]
+    assert [row["seqlen"] for row in rows] == [128, 256]
+    assert all(row["bitwise_equal_one_device"] and row["weights"] for row in rows)
+    assert all(row["num_seqs"] == 2 and row["heads"] == 2 for row in rows)
+    assert "nsa context parallel: 1 ranks" in capsys.readouterr().out
+
+
+def test_diagnose_memory_across_the_ranks_reports_each_length(capsys):
+    code = load_tool("diagnose_memory").main(
+        [*TINY_NSA, "--context-parallel", "1", "--seqlens", "128"])
+    assert code == 0
+    assert "N=128 on 1 ranks: forward+backward peak - (CPU)" in capsys.readouterr().out
+
+
+def test_context_parallel_needs_its_ranks_and_one_sequence(monkeypatch, capsys):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(SystemExit, match="runs under torchrun --nproc-per-node 4"):
+        load_tool("diagnose_memory").main([*TINY_NSA, "--context-parallel", "4"])
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    with pytest.raises(SystemExit, match="--batch 1"):
+        load_tool("diagnose_memory").main([*TINY_NSA, "--context-parallel", "1", "--batch", "2"])
+    with pytest.raises(SystemExit) as exit_info:
+        load_tool("bench_nsa_vs_dense").main(["--device", "cpu", "--context-parallel", "2",
+                                              "--packed", "docs-256"])
+    assert exit_info.value.code == 2
+    assert "not with --packed" in capsys.readouterr().err
+
+
+def test_the_delegated_command_line_carries_the_problem():
+    tool = load_tool("bench_nsa_vs_dense")
+    args = tool.parse_args([*TINY_NSA, "--seqlens", "256", "--num-cmp-selected-blocks", "2",
+                            "--deterministic", "--recompute", "keep"])
+    argv = sys.modules["bench_context_parallel"].delegated_argv(args, 256)
+    assert argv[argv.index("--num-cmp-selected-blocks") + 1] == "2"
+    assert "--no-weights" in argv and "--deterministic" in argv  # mean gates: no weights
+    assert argv[argv.index("--recompute") + 1] == "keep"
+    assert argv[argv.index("--window-size") + 1] == "32"
