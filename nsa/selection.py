@@ -38,7 +38,7 @@ from kernels import selection as selection_kernels
 from kernels.row_means import row_means
 from nsa.selection_rule import (CMP_KV_BLOCK, SELECTION_Q_TILE, BlockSelection,
                                 cmp_selection_width)
-from sparsity import selected_block_sparse_from_lists, selected_list_classes
+from sparsity import QueryRows, selected_block_sparse_from_lists, selected_list_classes
 from sparsity.host_cache import cached
 
 # Upper bound on one chunk's heads x tiles x (compressed tokens + D): the score tensor plus the
@@ -53,14 +53,16 @@ _INF = float("inf")
 class _Tiles:
     """Per q tile (R,) int64 on the device: where it sits and what its anchor may see."""
 
-    seq_start: Tensor  # first packed row of the tile's sequence
-    seq_len: Tensor  # rows of the sequence
-    anchor: Tensor  # local row a of the tile's first row (a multiple of q_tile)
+    seq_start: Tensor  # first packed row of the tile's sequence in q
+    seq_len: Tensor  # tokens of the sequence (its keys)
+    anchor: Tensor  # position a of the tile's first row (a multiple of q_tile)
     cmp_start: Tensor  # first packed compressed token of the sequence
     cmp_seen: Tensor  # compressed tokens the scoring query is scored against
+    q_start: Tensor | None = None  # position of the sequence's first row in q (`QueryRows`)
 
     def __getitem__(self, rows: slice) -> "_Tiles":
-        return _Tiles(*(getattr(self, f)[rows] for f in self.__dataclass_fields__))
+        return _Tiles(*(None if getattr(self, f) is None else getattr(self, f)[rows]
+                        for f in self.__dataclass_fields__))
 
 
 @dataclass(frozen=True)
@@ -95,7 +97,8 @@ def select_blocks(q: Tensor, k_cmp: Tensor, cu_seqlens: Tensor, cu_seqlens_cmp: 
                   cmp_kv_block: int = CMP_KV_BLOCK,
                   host_bounds: tuple[Sequence[int], Sequence[int]] | None = None,
                   write_selected_lists: bool = False, selection_kernel: bool = True,
-                  ranking_kernel: bool = True, tensor_cores: bool = False) -> BlockSelection:
+                  ranking_kernel: bool = True, tensor_cores: bool = False,
+                  queries: QueryRows | None = None) -> BlockSelection:
     """Selected blocks per (q tile, KV head) for the selected and the sparse compressed branch.
 
     q (T, H, D) and k_cmp (Tc, Hkv, D) packed; the result's lists are local block indices,
@@ -121,6 +124,12 @@ def select_blocks(q: Tensor, k_cmp: Tensor, cu_seqlens: Tensor, cu_seqlens_cmp: 
     tensor_cores: where the selection kernel runs, its tensor-core scoring build
     (`kernels.sm90.select_blocks.run`'s tensor_cores); False, the float32 FMA build, is the
     dispatched one.
+    queries (causal only): q holds each sequence's rows from a position on (`QueryRows`, a
+    multiple of q_tile), against all of the keys cu_seqlens bounds: tiles start at that
+    position and select by the rule at their positions. A tile's scoring rows before the first
+    row of q are not there: the first tile of such a sequence scores the rows it has (its
+    selection is not the whole sequence's; sequence-parallel callers hold one tile before the
+    rows they keep, for that).
     """
     l, l_sel = compress_block_size, selected_block_size
     heads, dim = q.shape[1:]
@@ -131,19 +140,27 @@ def select_blocks(q: Tensor, k_cmp: Tensor, cu_seqlens: Tensor, cu_seqlens_cmp: 
         host_bounds = bounds[:cu_seqlens.numel()], bounds[cu_seqlens.numel():]
     cu_host, cu_cmp_host = (list(b) for b in host_bounds)
     lengths = [end - start for start, end in zip(cu_host, cu_host[1:])]
-    num_tiles = sum(-(-n // q_tile) for n in lengths)
+    q_lengths, starts = lengths, [0] * len(lengths)
+    if queries is not None:
+        if not causal:
+            raise ValueError("queries: causal selection only (non-causal rows see every key)")
+        q_host = queries.host_cu_seqlens
+        q_lengths = [end - start for start, end in zip(q_host, q_host[1:])]
+        starts = list(queries.start_positions)
+    num_tiles = sum(-(-n // q_tile) for n in q_lengths)
     width = None
     if num_cmp_selected_blocks is not None:
         width = cmp_selection_width(q_tile, l, cmp_kv_block, num_cmp_selected_blocks)
 
     def layout():
-        offsets, tiles = _tile_layout(cu_seqlens, cu_seqlens_cmp, num_tiles, q_tile, l, causal)
+        offsets, tiles = _tile_layout(cu_seqlens, cu_seqlens_cmp, num_tiles, q_tile, l, causal,
+                                      queries)
         ranges = _selection_ranges(tiles, l_sel, q_tile, causal)
         cmp_ranges = None if width is None else _cmp_selection_ranges(tiles, l, cmp_kv_block,
                                                                       q_tile, causal)
         scoring = _scoring_rows(tiles, q_tile, causal)
         classes = selected_list_classes(cu_seqlens, cu_host, q_tile=q_tile, kv_block=l_sel,
-                                        causal=causal)
+                                        causal=causal, queries=queries)
         return (offsets, tiles, ranges, cmp_ranges, scoring,
                 _kernel_tile_fields(tiles, ranges, classes[:2], cmp_ranges), classes[2])
 
@@ -151,7 +168,8 @@ def select_blocks(q: Tensor, k_cmp: Tensor, cu_seqlens: Tensor, cu_seqlens_cmp: 
     # (sparsity/host_cache.py).
     offsets, tiles, ranges, cmp_ranges, scoring, tile_fields, mask_width = cached(
         ("selection layout", tuple(cu_host), tuple(cu_cmp_host), q_tile, l, l_sel, causal,
-         None if width is None else cmp_kv_block), cu_seqlens, layout)
+         None if width is None else cmp_kv_block, None if queries is None else queries.key()),
+        cu_seqlens, layout)
     if num_tiles == 0:
         return _empty_selection(q.device, kv_heads, num_selected_blocks, width, offsets)
 
@@ -168,12 +186,14 @@ def select_blocks(q: Tensor, k_cmp: Tensor, cu_seqlens: Tensor, cu_seqlens_cmp: 
         selected_lists = None
         if write_selected_lists:
             selected_lists = selected_block_sparse_from_lists(
-                found.lists, cu_seqlens, cu_host, q_tile=q_tile, kv_block=l_sel, causal=causal)
+                found.lists, cu_seqlens, cu_host, q_tile=q_tile, kv_block=l_sel, causal=causal,
+                queries=queries)
         return BlockSelection(selected=found.selected, cmp_selected=found.cmp_selected,
                               row_block_offsets=offsets, selected_lists=selected_lists)
     keys = k_score.permute(1, 2, 0)  # (Hkv, D, Tc)
     selected, cmp_selected = [], []
-    for chunk in _plan_chunks(lengths, cu_cmp_host, q_tile, l, causal, heads, dim):
+    for chunk in _plan_chunks(lengths, cu_cmp_host, q_tile, l, causal, heads, dim, q_lengths,
+                              starts):
         part = tiles[chunk.tiles]
         token_weight = _anchor_token_weights(q_bar[chunk.tiles], keys[..., chunk.tokens], part,
                                              chunk.tokens.start, softmax_scale)
@@ -236,34 +256,50 @@ def _empty_selection(device: torch.device, kv_heads: int, num_selected_blocks: i
 # --- layout and chunking -------------------------------------------------------------------------
 
 def _tile_layout(cu_seqlens: Tensor, cu_seqlens_cmp: Tensor, num_tiles: int, q_tile: int,
-                 l: int, causal: bool) -> tuple[Tensor, _Tiles]:
+                 l: int, causal: bool, queries: QueryRows | None = None
+                 ) -> tuple[Tensor, _Tiles]:
     """(S+1,) int32 first tile of each sequence, and the tiles, computed on the device
-    (num_tiles, known on the host, sizes the result without a sync)."""
+    (num_tiles, known on the host, sizes the result without a sync). queries: see
+    `select_blocks`."""
     cu, cu_cmp = cu_seqlens.to(torch.int64), cu_seqlens_cmp.to(torch.int64)
     seq_len = cu.diff()
-    offsets = torch.cat([cu.new_zeros(1), ((seq_len + q_tile - 1) // q_tile).cumsum(0)])
+    cu_q, fields = cu, []
+    if queries is not None:
+        cu_q = queries.cu_seqlens.to(torch.int64)
+        fields = [torch.tensor(queries.start_positions, dtype=torch.int64).to(cu.device)]
+    offsets = torch.cat([cu.new_zeros(1), ((cu_q.diff() + q_tile - 1) // q_tile).cumsum(0)])
     tile = torch.arange(num_tiles, device=cu.device)
     sequence = torch.searchsorted(offsets[1:], tile, right=True)
-    # Per sequence: row start, rows, compressed start, compressed tokens; one gather to tiles.
-    per_sequence = torch.stack([cu[:-1], seq_len, cu_cmp[:-1], cu_cmp.diff(), offsets[:-1]], 1)
-    seq_start, seq_len, cmp_start, cmp_len, first_tile = per_sequence[sequence].unbind(1)
+    # Per sequence: q row start, tokens, compressed start, compressed tokens, first tile (and
+    # the first row's position with queries); one gather to tiles.
+    per_sequence = torch.stack([cu_q[:-1], seq_len, cu_cmp[:-1], cu_cmp.diff(), offsets[:-1],
+                                *fields], 1)
+    seq_start, seq_len, cmp_start, cmp_len, first_tile, *q_start = \
+        per_sequence[sequence].unbind(1)
+    q_start = q_start[0] if q_start else None
     anchor = (tile - first_tile) * q_tile
+    if q_start is not None:
+        anchor = anchor + q_start
     tiles = _Tiles(seq_start=seq_start, seq_len=seq_len, anchor=anchor, cmp_start=cmp_start,
-                   cmp_seen=(anchor + 1) // l if causal else cmp_len)
+                   cmp_seen=(anchor + 1) // l if causal else cmp_len, q_start=q_start)
     return offsets.to(torch.int32), tiles
 
 
 def _plan_chunks(lengths: list[int], cu_cmp: list[int], q_tile: int, l: int, causal: bool,
-                 heads: int, rows_per_tile: int) -> list[_Chunk]:
+                 heads: int, rows_per_tile: int, q_lengths: list[int] | None = None,
+                 starts: list[int] | None = None) -> list[_Chunk]:
     """Consecutive tiles grouped so that heads x tiles x (tokens + rows_per_tile) stays under
     SCORE_CHUNK_ELEMENTS. Short sequences share a chunk; a long one is split over several.
 
     Tiles come in packed order, so the last token a tile may score never decreases and a chunk's
     cost grows with its last tile: each chunk is the longest run that fits, found by bisection
     (host arithmetic, O(chunks x log tiles)). A chunk's tokens run from its first tile's sequence
-    start to its last tile's last visible token.
+    start to its last tile's last visible token. q_lengths, starts: the q rows of each sequence
+    and the position of its first (`select_blocks`' queries; default: lengths and 0).
     """
-    tile_offsets = list(accumulate((-(-n // q_tile) for n in lengths), initial=0))
+    q_lengths = lengths if q_lengths is None else q_lengths
+    starts = [0] * len(lengths) if starts is None else starts
+    tile_offsets = list(accumulate((-(-n // q_tile) for n in q_lengths), initial=0))
     num_tiles = tile_offsets[-1]
 
     def sequence_of(tile: int) -> int:
@@ -273,7 +309,7 @@ def _plan_chunks(lengths: list[int], cu_cmp: list[int], q_tile: int, l: int, cau
         s = sequence_of(tile)
         if not causal:
             return cu_cmp[s + 1]
-        return cu_cmp[s] + ((tile - tile_offsets[s]) * q_tile + 1) // l
+        return cu_cmp[s] + (starts[s] + (tile - tile_offsets[s]) * q_tile + 1) // l
 
     chunks: list[_Chunk] = []
     first = 0
@@ -297,6 +333,9 @@ def _scoring_rows(tiles: _Tiles, q_tile: int, causal: bool) -> tuple[Tensor, Ten
     """(starts, counts), (tiles,) int64: per tile the run of packed rows its scoring query
     averages. Causal: the q_tile rows ending at the anchor, cut at the sequence start;
     otherwise the tile's own rows, cut at the sequence end."""
+    if causal and tiles.q_start is not None:  # only the rows q holds
+        first = torch.maximum(tiles.anchor - (q_tile - 1), tiles.q_start)
+        return tiles.seq_start + first - tiles.q_start, tiles.anchor - first + 1
     if causal:
         first = (tiles.anchor - (q_tile - 1)).clamp_min(0)
         return tiles.seq_start + first, tiles.anchor - first + 1

@@ -6,6 +6,7 @@ transposes the backward consumes (padded, and BlockSparseCSR: O(listed entries))
 throughout; a padded batch is S equal-length sequences (`uniform_cu_seqlens`). The layout
 contract is docs/interfaces.md.
 """
+from sparsity._geometry import QueryRows
 from sparsity.block_sparse import (BlockSparseTensors, row_block_offsets_from_cu_seqlens,
                                    uniform_cu_seqlens, validate_block_sparse)
 from sparsity.builders import (build_block_sparse_from_mask, build_compressed_block_sparse,
@@ -19,6 +20,7 @@ from sparsity.transpose import transpose_block_sparse, transposed_list_lengths
 __all__ = [
     "BlockSparseCSR",
     "BlockSparseTensors",
+    "QueryRows",
     "build_block_sparse_from_mask",
     "build_compressed_block_sparse",
     "build_compressed_block_sparse_trusted",

@@ -22,6 +22,22 @@ def offsets_from_counts(counts: Tensor) -> Tensor:
     return torch.cat([counts.new_zeros(1), counts.cumsum(0)])
 
 
+@dataclass(frozen=True, eq=False)
+class QueryRows:
+    """Queries that are each sequence's last rows, from a start position on, against all of its
+    keys (a later shard of a document's queries; `kernels`' q_start_positions): their packed
+    bounds, on the device and the host, and each sequence's first position. Tiles of q rows
+    start at that position, so it must be a multiple of the tile size where tiles are used."""
+
+    cu_seqlens: Tensor  # (S+1,) int32, the queries' packed bounds
+    host_cu_seqlens: tuple[int, ...]
+    start_positions: tuple[int, ...]  # (S,) the position of each sequence's first query row
+
+    def key(self) -> tuple:
+        """The host values, for caches keyed by bounds."""
+        return (self.host_cu_seqlens, self.start_positions)
+
+
 @dataclass(frozen=True)
 class TileGeometry:
     """Where each global q tile sits. All tensors are (R,) int64 except row_block_offsets (S+1,)."""
@@ -29,8 +45,8 @@ class TileGeometry:
     row_block_offsets: Tensor  # first global tile of each sequence
     sequence: Tensor  # sequence of the tile
     local_tile: Tensor  # tile index inside its sequence
-    first_row: Tensor  # local position of the tile's first row
-    last_row: Tensor  # local position of its last existing row (partial last tile included)
+    first_row: Tensor  # position of the tile's first row in its sequence
+    last_row: Tensor  # position of its last existing row (partial last tile included)
     seqlen_k: Tensor  # keys (or compressed keys) of the tile's sequence
 
     @property
@@ -39,12 +55,14 @@ class TileGeometry:
 
 
 def tile_geometry(cu_q: Tensor, cu_k: Tensor, q_tile: int,
-                  host_cu_q: Sequence[int] | None = None) -> TileGeometry:
+                  host_cu_q: Sequence[int] | None = None,
+                  start_positions: Sequence[int] | None = None) -> TileGeometry:
     """cu_q, cu_k: checked (S+1,) int64 cumulative lengths on one device.
 
     Reads the device once (the number of tiles sizes every per-tile tensor), unless the caller
     has cu_q's values on the host (`host_cu_q`); the per-sequence quantities reach the tiles in
-    one gather.
+    one gather. start_positions (host ints, one per sequence; default 0): the position of each
+    sequence's first query row (`QueryRows`); rows' positions are offset by it.
     """
     seqlen_q, seqlen_k = cu_q.diff(), cu_k.diff()
     offsets = offsets_from_counts(ceil_div(seqlen_q, q_tile))
@@ -54,12 +72,15 @@ def tile_geometry(cu_q: Tensor, cu_k: Tensor, q_tile: int,
         num_tiles = sum(ceil_div(b - a, q_tile) for a, b in zip(host_cu_q, host_cu_q[1:]))
     tile = torch.arange(num_tiles, device=cu_q.device)
     sequence = torch.searchsorted(offsets[1:], tile, right=True)
-    per_sequence = torch.stack([offsets[:-1], seqlen_q, seqlen_k], dim=1)[sequence]
-    first_tile, tile_seqlen_q, tile_seqlen_k = per_sequence.unbind(1)
+    starts = (torch.zeros_like(seqlen_q) if start_positions is None
+              else torch.tensor(start_positions, dtype=torch.int64).to(cu_q.device))
+    per_sequence = torch.stack([offsets[:-1], seqlen_q, seqlen_k, starts], dim=1)[sequence]
+    first_tile, tile_seqlen_q, tile_seqlen_k, tile_start = per_sequence.unbind(1)
     local_tile = tile - first_tile
     first_row = local_tile * q_tile
     last_row = torch.minimum(first_row + q_tile, tile_seqlen_q) - 1
-    return TileGeometry(offsets, sequence, local_tile, first_row, last_row, tile_seqlen_k)
+    return TileGeometry(offsets, sequence, local_tile, tile_start + first_row,
+                        tile_start + last_row, tile_seqlen_k)
 
 
 def max_diagonal_blocks(q_tile: int, compress_factor: int, block_size: int) -> int:

@@ -20,7 +20,7 @@ from torch import Tensor
 
 from sparsity._checks import (check_block_indices, check_cu_seqlens, check_matching_sequences,
                               check_positive_int, check_same_device, check_tensor)
-from sparsity._geometry import (TileGeometry, ceil_div, diagonal_block_range,
+from sparsity._geometry import (QueryRows, TileGeometry, ceil_div, diagonal_block_range,
                                max_diagonal_blocks, tile_geometry, visible_block_range)
 from sparsity._lists import (compact_block_lists, compact_block_lists_below, padded_range,
                              range_lists)
@@ -68,7 +68,8 @@ def build_selected_block_sparse(selected: Tensor, *, cu_seqlens_q: Tensor, cu_se
 def build_selected_block_sparse_trusted(selected: Tensor, *, cu_seqlens: Tensor,
                                         host_cu_seqlens: Sequence[int], q_tile: int,
                                         selected_block_size: int, kv_block: int,
-                                        causal: bool = True) -> BlockSparseTensors:
+                                        causal: bool = True,
+                                        queries: QueryRows | None = None) -> BlockSparseTensors:
     """`build_selected_block_sparse` for self-attention (one cu_seqlens for q and keys) without
     device reads, for callers that produced `selected` themselves and hold the sequence bounds
     on the host (nsa(): its selection, its checked bounds), so a CUDA graph can capture it.
@@ -79,11 +80,14 @@ def build_selected_block_sparse_trusted(selected: Tensor, *, cu_seqlens: Tensor,
     kv_block full entries (every pick) and, causal, the diagonal blocks of a tile
     (`max_diagonal_blocks`) as mask entries (a block is a mask block only where the tile's
     rows see it partly, which is on the diagonal); non-causal lists have no mask entries.
+    queries: the queries are each sequence's rows from a position on (`QueryRows`, positions
+    multiples of q_tile), against all of the keys cu_seqlens bounds; None: the same rows.
     """
     if selected_block_size % kv_block:
         raise ValueError(f"kv_block ({kv_block}) must divide selected_block_size "
                          f"({selected_block_size}) for the trusted builder")
-    geometry, visible = _selected_geometry(cu_seqlens, host_cu_seqlens, q_tile, kv_block, causal)
+    geometry, visible = _selected_geometry(cu_seqlens, host_cu_seqlens, q_tile, kv_block, causal,
+                                           queries)
     ratio = selected_block_size // kv_block
     widths = (selected.shape[-1] * ratio, _mask_width(q_tile, kv_block, causal))
     return _selected_lists(selected.to(torch.int64), geometry, q_tile, selected_block_size,
@@ -91,39 +95,49 @@ def build_selected_block_sparse_trusted(selected: Tensor, *, cu_seqlens: Tensor,
 
 
 def selected_list_classes(cu_seqlens: Tensor, host_cu_seqlens: Sequence[int], *, q_tile: int,
-                          kv_block: int, causal: bool = True) -> tuple[Tensor, Tensor, int]:
+                          kv_block: int, causal: bool = True,
+                          queries: QueryRows | None = None) -> tuple[Tensor, Tensor, int]:
     """For a kernel that writes `build_selected_block_sparse_trusted`'s lists itself (nsa()'s
     selection kernel, from blocks of kv_block keys): per tile (n_full, n_visible), (R,) int64,
     the builder's classes (listed blocks below n_full are full, those below n_visible need the
     mask, later ones are dropped), and the mask lists' width (full lists are as wide as the
     selection). Trusted like the builder; no device read."""
     _, (n_full, n_visible) = _selected_geometry(cu_seqlens, host_cu_seqlens, q_tile, kv_block,
-                                                causal)
+                                                causal, queries)
     return n_full, n_visible, _mask_width(q_tile, kv_block, causal)
 
 
 def selected_block_sparse_from_lists(lists: tuple[Tensor, Tensor, Tensor, Tensor],
                                      cu_seqlens: Tensor, host_cu_seqlens: Sequence[int], *,
-                                     q_tile: int, kv_block: int,
-                                     causal: bool = True) -> BlockSparseTensors:
+                                     q_tile: int, kv_block: int, causal: bool = True,
+                                     queries: QueryRows | None = None) -> BlockSparseTensors:
     """BlockSparseTensors of (full_count, full_index, mask_count, mask_index) int32 lists that a
     kernel wrote by `selected_list_classes`' rule: equal to what
     `build_selected_block_sparse_trusted` builds from the same selection."""
-    geometry, _ = _selected_geometry(cu_seqlens, host_cu_seqlens, q_tile, kv_block, causal)
+    geometry, _ = _selected_geometry(cu_seqlens, host_cu_seqlens, q_tile, kv_block, causal,
+                                     queries)
     return _assemble(lists, geometry, q_tile, kv_block)
 
 
 def _selected_geometry(cu_seqlens: Tensor, host_cu_seqlens: Sequence[int], q_tile: int,
-                       kv_block: int, causal: bool) -> tuple[TileGeometry, tuple[Tensor, Tensor]]:
-    """The tiles of self-attention over cu_seqlens and their visible block range."""
+                       kv_block: int, causal: bool, queries: QueryRows | None = None
+                       ) -> tuple[TileGeometry, tuple[Tensor, Tensor]]:
+    """The tiles of attention over the keys cu_seqlens bounds, for the same rows as queries or
+    for `queries`, and their visible block range."""
     def geometry_and_range():
         cu = cu_seqlens.to(torch.int64)
-        geometry = tile_geometry(cu, cu, q_tile, host_cu_q=host_cu_seqlens)
+        if queries is None:
+            geometry = tile_geometry(cu, cu, q_tile, host_cu_q=host_cu_seqlens)
+        else:
+            geometry = tile_geometry(queries.cu_seqlens.to(torch.int64), cu, q_tile,
+                                     host_cu_q=queries.host_cu_seqlens,
+                                     start_positions=queries.start_positions)
         return geometry, visible_block_range(geometry, block_size=kv_block, causal=causal)
 
     # Functions of the host bounds and the sizes only: kept across calls
     # (sparsity/host_cache.py)
-    return cached(("selected tile geometry", tuple(host_cu_seqlens), q_tile, kv_block, causal),
+    return cached(("selected tile geometry", tuple(host_cu_seqlens), q_tile, kv_block, causal,
+                   None if queries is None else queries.key()),
                   cu_seqlens, geometry_and_range)
 
 
@@ -188,15 +202,19 @@ def build_compressed_block_sparse_trusted(selected: Tensor, *, cu_seqlens_q: Ten
                                           cu_seqlens_k_cmp: Tensor,
                                           host_cu_seqlens_q: Sequence[int],
                                           compress_factor: int, q_tile: int,
-                                          kv_block: int) -> BlockSparseTensors:
+                                          kv_block: int,
+                                          start_positions: Sequence[int] | None = None
+                                          ) -> BlockSparseTensors:
     """`build_compressed_block_sparse` with `selected` (the sparse compressed branch) without
     device reads, for callers that produced `selected` themselves and hold the sequence bounds
     on the host (nsa()), so a CUDA graph can capture it. Trusted, not checked: the bounds match
     the tensors and `selected` has one row per q tile. The lists are padded to host bounds
     (every candidate: the picks, block 0 and the tile's diagonal blocks) instead of their
-    longest list."""
+    longest list. start_positions: the queries are each sequence's rows from these positions on
+    (`QueryRows`); default 0."""
     cu_q, cu_k = cu_seqlens_q.to(torch.int64), cu_seqlens_k_cmp.to(torch.int64)
-    geometry = tile_geometry(cu_q, cu_k, q_tile, host_cu_q=host_cu_seqlens_q)
+    geometry = tile_geometry(cu_q, cu_k, q_tile, host_cu_q=host_cu_seqlens_q,
+                             start_positions=start_positions)
     candidates = selected.shape[-1] + 1 + max_diagonal_blocks(q_tile, compress_factor, kv_block)
     return _compressed_selected_lists(selected.to(torch.int64), geometry, compress_factor,
                                       q_tile, kv_block, widths=(candidates, candidates))

@@ -96,6 +96,43 @@ def test_selection_matches_reference(causal, heads, kv_heads, lengths, ranking_k
     assert fast.selected.shape == (sum(-(-n // 16) for n in lengths), kv_heads, 5)
 
 
+@pytest.mark.parametrize("chunked", [False, True], ids=["one-chunk", "chunked"])
+def test_queries_from_a_position_select_as_the_whole_sequence(chunked, monkeypatch):
+    """q holding each sequence's rows from a tile-aligned position on (`QueryRows`, sequence
+    parallelism) selects, for every tile after its first, what the whole sequence's tile at
+    that position selects (selected and sparse compressed blocks); the first tile scores only
+    the rows it has."""
+    from sparsity import QueryRows
+
+    if chunked:  # a few tiles per scoring chunk
+        monkeypatch.setattr(selection_module, "SCORE_CHUNK_ELEMENTS", 2000)
+    lengths, starts, q_tile = [300, 200, 70], [64, 32, 0], RULE["q_tile"]
+    gen = torch.Generator().manual_seed(11)
+    q = torch.randn(sum(lengths), 4, 8, generator=gen)
+    k = torch.randn(sum(lengths), 2, 8, generator=gen)
+    cu = cu_seqlens_of(lengths)
+    k_cmp, _, cu_cmp = compress_kv(k, k, cu, RULE["compress_block_size"])
+    whole = select_blocks(q, k_cmp, cu, cu_cmp, softmax_scale=0.3, **RULE)
+    rows = torch.cat([torch.arange(a + p, b) for a, b, p in zip(cu[:-1], cu[1:], starts)])
+    window_lengths = [n - p for n, p in zip(lengths, starts)]
+    queries = QueryRows(cu_seqlens_of(window_lengths), tuple(cu_seqlens_of(window_lengths)
+                                                             .tolist()), tuple(starts))
+    part = select_blocks(q[rows], k_cmp, cu, cu_cmp, softmax_scale=0.3, queries=queries, **RULE)
+    whole_first = whole.row_block_offsets.tolist()
+    part_first = part.row_block_offsets.tolist()
+    for s, p in enumerate(starts):
+        skip = 0 if p == 0 else 1  # the first tile after a start scores truncated rows
+        count = part_first[s + 1] - part_first[s] - skip
+        mine = slice(part_first[s] + skip, part_first[s + 1])
+        theirs = slice(whole_first[s] + p // q_tile + skip,
+                       whole_first[s] + p // q_tile + skip + count)
+        assert torch.equal(part.selected[mine], whole.selected[theirs]), s
+        assert torch.equal(part.cmp_selected[mine], whole.cmp_selected[theirs]), s
+    with pytest.raises(ValueError, match="causal selection only"):
+        select_blocks(q[rows], k_cmp, cu, cu_cmp, softmax_scale=0.3, queries=queries,
+                      causal=False, **RULE)
+
+
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "noncausal"])
 def test_chunked_scoring_gives_the_same_selection(causal, monkeypatch):
     lengths = [150, 7, 260, 40]
