@@ -26,7 +26,7 @@ from kernels.interface import (KernelBackward, add_into_accumulators,
                                attention_backward_trusted, attention_forward_trusted,
                                plan_backward_trusted,
                                transpose_block_sparse_trusted)
-from sparsity import (BlockSparseTensors, build_compressed_block_sparse,
+from sparsity import (BlockSparseTensors, QueryRows, build_compressed_block_sparse,
                       build_compressed_block_sparse_trusted, build_selected_block_sparse,
                       build_selected_block_sparse_trusted)
 from nsa.selection_rule import CMP_KV_BLOCK, SELECTION_Q_TILE
@@ -139,33 +139,39 @@ def compressed_branch(cu_seqlens: Tensor, cu_seqlens_cmp: Tensor, *, compress_bl
                       softmax_scale: float, causal: bool, cmp_selected: Tensor | None = None,
                       q_tile: int = SELECTION_Q_TILE, cmp_kv_block: int = CMP_KV_BLOCK,
                       max_seqlen: int | None = None,
-                      host_cu_seqlens: tuple[HostBounds, HostBounds] | None = None) -> Branch:
+                      host_cu_seqlens: tuple[HostBounds, HostBounds] | None = None,
+                      queries: QueryRows | None = None) -> Branch:
     """Attention to the compressed tokens: causal with compress_factor = l; block-sparse over
     blocks of cmp_kv_block compressed tokens when cmp_selected (R, Hkv, n) is given.
-    host_cu_seqlens: the checked values of (cu_seqlens, cu_seqlens_cmp), if the caller has them."""
+    host_cu_seqlens: the checked values of (cu_seqlens, cu_seqlens_cmp), if the caller has them.
+    queries: q holds each sequence's rows from a position on (`QueryRows`; with host bounds)."""
     block_sparse = None
     if cmp_selected is not None:
         block_sparse = _compressed_block_sparse(cu_seqlens, cu_seqlens_cmp, cmp_selected,
                                                 compress_block_size, q_tile, cmp_kv_block, causal,
-                                                host_cu_seqlens)
+                                                host_cu_seqlens, queries)
     max_seqlen_cmp = None if max_seqlen is None else max_seqlen // compress_block_size
-    return Branch(COMPRESSED, dict(
-        cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens_cmp, max_seqlen_q=max_seqlen,
-        max_seqlen_k=max_seqlen_cmp, softmax_scale=softmax_scale, causal=causal,
-        compress_factor=compress_block_size, block_sparse=block_sparse), host_cu_seqlens)
+    kwargs = dict(cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens_cmp, max_seqlen_q=max_seqlen,
+                  max_seqlen_k=max_seqlen_cmp, softmax_scale=softmax_scale, causal=causal,
+                  compress_factor=compress_block_size, block_sparse=block_sparse)
+    return Branch(COMPRESSED, *_on_query_rows(kwargs, host_cu_seqlens, queries))
 
 
 def selected_branch(cu_seqlens: Tensor, selected: Tensor, *, selected_block_size: int,
                     softmax_scale: float, causal: bool, q_tile: int = SELECTION_Q_TILE,
                     max_seqlen: int | None = None,
                     host_cu_seqlens: HostBounds | None = None,
-                    block_sparse: BlockSparseTensors | None = None) -> Branch:
+                    block_sparse: BlockSparseTensors | None = None,
+                    queries: QueryRows | None = None) -> Branch:
     """Attention to the selected blocks (R, Hkv, k): kernel tiles of q_tile rows and
     selected_block_size keys, causal inside the diagonal blocks.
     host_cu_seqlens: the checked values of cu_seqlens, if the caller has them: then the lists
     are built without reading the device (padded to host bounds, not to the longest list).
     block_sparse: those lists, when the caller has them already (nsa()'s selection kernel
-    writes them with `selected`); trusted like host_cu_seqlens, which it requires."""
+    writes them with `selected`); trusted like host_cu_seqlens, which it requires.
+    queries: q holds each sequence's rows from a position on (`QueryRows`; with host bounds)."""
+    if queries is not None and host_cu_seqlens is None:
+        raise ValueError("queries: trusted calls only (pass host_cu_seqlens)")
     if block_sparse is not None:
         if host_cu_seqlens is None:
             raise ValueError("block_sparse: given lists need host_cu_seqlens (trusted calls)")
@@ -176,26 +182,43 @@ def selected_branch(cu_seqlens: Tensor, selected: Tensor, *, selected_block_size
     else:
         block_sparse = build_selected_block_sparse_trusted(
             selected, cu_seqlens=cu_seqlens, host_cu_seqlens=host_cu_seqlens, q_tile=q_tile,
-            selected_block_size=selected_block_size, kv_block=selected_block_size, causal=causal)
-    return Branch(SELECTED, dict(
-        cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens, max_seqlen_q=max_seqlen,
-        max_seqlen_k=max_seqlen, softmax_scale=softmax_scale, causal=causal,
-        block_sparse=block_sparse), _self_attention(host_cu_seqlens))
+            selected_block_size=selected_block_size, kv_block=selected_block_size, causal=causal,
+            queries=queries)
+    kwargs = dict(cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens, max_seqlen_q=max_seqlen,
+                  max_seqlen_k=max_seqlen, softmax_scale=softmax_scale, causal=causal,
+                  block_sparse=block_sparse)
+    return Branch(SELECTED, *_on_query_rows(kwargs, _self_attention(host_cu_seqlens), queries))
 
 
 def window_branch(cu_seqlens: Tensor, *, window_size: int, softmax_scale: float,
                   max_seqlen: int | None = None,
-                  host_cu_seqlens: HostBounds | None = None) -> Branch:
+                  host_cu_seqlens: HostBounds | None = None,
+                  queries: QueryRows | None = None) -> Branch:
     """Sliding window: row i sees keys i - window_size < j <= i.
-    host_cu_seqlens: the checked values of cu_seqlens, if the caller has them."""
-    return Branch(WINDOW, dict(
-        cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens, max_seqlen_q=max_seqlen,
-        max_seqlen_k=max_seqlen, softmax_scale=softmax_scale, causal=True,
-        window_size=(window_size - 1, 0)), _self_attention(host_cu_seqlens))
+    host_cu_seqlens: the checked values of cu_seqlens, if the caller has them.
+    queries: q holds each sequence's rows from a position on (`QueryRows`; with host bounds)."""
+    kwargs = dict(cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens, max_seqlen_q=max_seqlen,
+                  max_seqlen_k=max_seqlen, softmax_scale=softmax_scale, causal=True,
+                  window_size=(window_size - 1, 0))
+    return Branch(WINDOW, *_on_query_rows(kwargs, _self_attention(host_cu_seqlens), queries))
 
 
 def _self_attention(host_cu_seqlens: HostBounds | None) -> tuple[HostBounds, HostBounds] | None:
     return None if host_cu_seqlens is None else (host_cu_seqlens, host_cu_seqlens)
+
+
+def _on_query_rows(kwargs: dict, host_cu_seqlens, queries: QueryRows | None) -> tuple:
+    """A branch's (kernel kwargs, host bounds), with q holding `queries`' rows instead of the
+    keys' own: their bounds, their longest sequence and their first positions."""
+    if queries is None:
+        return kwargs, host_cu_seqlens
+    if host_cu_seqlens is None:
+        raise ValueError("queries: trusted calls only (pass host_cu_seqlens)")
+    bounds = queries.host_cu_seqlens
+    kwargs = dict(kwargs, cu_seqlens_q=queries.cu_seqlens,
+                  max_seqlen_q=max((b - a for a, b in zip(bounds, bounds[1:])), default=0),
+                  q_start_positions=queries.start_positions)
+    return kwargs, (bounds, host_cu_seqlens[1])
 
 
 def compressed_attention(q: Tensor, k_cmp: Tensor, v_cmp: Tensor, cu_seqlens: Tensor,
@@ -228,12 +251,20 @@ def window_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, *, win
 
 def _compressed_block_sparse(cu_seqlens: Tensor, cu_seqlens_cmp: Tensor, cmp_selected: Tensor,
                              compress_block_size: int, q_tile: int, cmp_kv_block: int,
-                             causal: bool, host_cu_seqlens=None) -> BlockSparseTensors:
+                             causal: bool, host_cu_seqlens=None,
+                             queries: QueryRows | None = None) -> BlockSparseTensors:
     if causal and host_cu_seqlens is not None:  # no device read (CUDA graphs)
+        if queries is not None:
+            return build_compressed_block_sparse_trusted(
+                cmp_selected, cu_seqlens_q=queries.cu_seqlens, cu_seqlens_k_cmp=cu_seqlens_cmp,
+                host_cu_seqlens_q=queries.host_cu_seqlens, compress_factor=compress_block_size,
+                q_tile=q_tile, kv_block=cmp_kv_block, start_positions=queries.start_positions)
         return build_compressed_block_sparse_trusted(
             cmp_selected, cu_seqlens_q=cu_seqlens, cu_seqlens_k_cmp=cu_seqlens_cmp,
             host_cu_seqlens_q=host_cu_seqlens[0], compress_factor=compress_block_size,
             q_tile=q_tile, kv_block=cmp_kv_block)
+    if queries is not None:
+        raise ValueError("queries: causal trusted calls only (pass host_cu_seqlens)")
     if causal:
         # Adds block 0 and the diagonal blocks (already in cmp_selected) and classifies them
         # under the compressed causal mask.

@@ -37,6 +37,7 @@ from nsa.config import NSAConfig
 from nsa.gating import NUM_BRANCHES, gate_backward, gate_weights
 from nsa.selection import select_blocks
 from nsa.validation import PackedSequences
+from sparsity import QueryRows
 from sparsity.host_cache import cached
 
 
@@ -53,12 +54,12 @@ class NSAFunction(torch.autograd.Function):
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, W_k: Tensor | None, W_v: Tensor | None,
                 W_gate: Tensor | None, cu_seqlens: Tensor, max_seqlen: int,
                 config: NSAConfig, host_cu_seqlens: tuple[int, ...] | None = None,
-                keep_outputs: bool = False) -> Tensor:
+                keep_outputs: bool = False, queries: QueryRows | None = None) -> Tensor:
         if host_cu_seqlens is None:
             host_cu_seqlens = tuple(cu_seqlens.tolist())
         sequences = PackedSequences(tuple(host_cu_seqlens), max_seqlen)
         out, branches, cu_seqlens_cmp, lses, kept = packed_forward(
-            q, k, v, W_k, W_v, W_gate, cu_seqlens, sequences, config, keep_outputs)
+            q, k, v, W_k, W_v, W_gate, cu_seqlens, sequences, config, keep_outputs, queries)
         ctx.num_branches = len(branches)
         ctx.save_for_backward(q, k, v, W_k, W_v, W_gate, cu_seqlens, cu_seqlens_cmp,
                               *kept.compressed, kept.gates, *lses, *kept.outputs)
@@ -75,7 +76,7 @@ class NSAFunction(torch.autograd.Function):
         with torch.no_grad():
             grads = _gradients(ctx, saved, dout)
         grads = refuse_double_backward("nsa()", grads, (dout, *saved[:6]))
-        return (*grads, None, None, None, None, None)
+        return (*grads, None, None, None, None, None, None)
 
 
 @dataclass
@@ -92,13 +93,17 @@ class KeptForBackward:
 
 def packed_forward(q: Tensor, k: Tensor, v: Tensor, W_k: Tensor | None, W_v: Tensor | None,
                    W_gate: Tensor | None, cu_seqlens: Tensor, sequences: PackedSequences,
-                   config: NSAConfig, keep_outputs: bool = False
+                   config: NSAConfig, keep_outputs: bool = False,
+                   queries: QueryRows | None = None
                    ) -> tuple[Tensor, list[Branch], Tensor, list[Tensor], KeptForBackward]:
     """NSAFunction's forward without autograd: (out, the branches that ran, the compressed
     cu_seqlens, each branch's lse, what it keeps), the last four what `packed_gradients` needs.
-    keep_outputs: keep the branch outputs (else the backward recomputes them)."""
+    keep_outputs: keep the branch outputs (else the backward recomputes them).
+    queries: q holds each sequence's rows from a tile-aligned position on, against all of the
+    keys that cu_seqlens bounds (`sparsity.QueryRows`: context parallelism's sequence mode);
+    None: q holds the keys' own rows."""
     branches, cu_seqlens_cmp, k_cmp, v_cmp = compress_and_plan(q, k, v, W_k, W_v, cu_seqlens,
-                                                               sequences, config)
+                                                               sequences, config, queries)
     k_cmp, v_cmp = k_cmp.to(k.dtype), v_cmp.to(v.dtype)
 
     # One pass over the branch outputs on sm90; elsewhere a float32 sum that frees each
@@ -120,7 +125,8 @@ def packed_forward(q: Tensor, k: Tensor, v: Tensor, W_k: Tensor | None, W_v: Ten
 
 def compress_and_plan(q: Tensor, k: Tensor, v: Tensor | None, W_k: Tensor | None,
                       W_v: Tensor | None, cu_seqlens: Tensor, sequences: PackedSequences,
-                      config: NSAConfig) -> tuple[list[Branch], Tensor, Tensor, Tensor | None]:
+                      config: NSAConfig, queries: QueryRows | None = None
+                      ) -> tuple[list[Branch], Tensor, Tensor, Tensor | None]:
     """Compressed keys and values, selection and the branches: (branches, the compressed
     cu_seqlens, k_cmp and v_cmp in the compute dtype, k_cmp the one the selection scores read;
     v None gives v_cmp None). Deterministic, so a later call plans the same branches
@@ -132,7 +138,7 @@ def compress_and_plan(q: Tensor, k: Tensor, v: Tensor | None, W_k: Tensor | None
     starts = compressed_starts(cu_seqlens, cu_seqlens_cmp, sequences, config)
     xs, weights = ((k,), (W_k,)) if v is None else ((k, v), (W_k, W_v))
     k_cmp, *v_cmp = compress_pair(xs, starts, config.compress_block_size, weights)
-    branches = _plan_branches(q, k_cmp, cu_seqlens, cu_seqlens_cmp, sequences, config)
+    branches = _plan_branches(q, k_cmp, cu_seqlens, cu_seqlens_cmp, sequences, config, queries)
     return branches, cu_seqlens_cmp, k_cmp, v_cmp[0] if v_cmp else None
 
 
@@ -315,25 +321,29 @@ def compressed_starts(cu_seqlens: Tensor, cu_seqlens_cmp: Tensor, sequences: Pac
 
 
 def _plan_branches(q: Tensor, k_cmp: Tensor, cu_seqlens: Tensor, cu_seqlens_cmp: Tensor,
-                   sequences: PackedSequences, config: NSAConfig) -> list[Branch]:
+                   sequences: PackedSequences, config: NSAConfig,
+                   queries: QueryRows | None = None) -> list[Branch]:
     """Select blocks (scored against k_cmp in the compute dtype); describe the branches that run."""
-    selection = select_for_branches(q, k_cmp, cu_seqlens, cu_seqlens_cmp, sequences, config)
-    return describe_branches(selection, cu_seqlens, cu_seqlens_cmp, sequences, config)
+    selection = select_for_branches(q, k_cmp, cu_seqlens, cu_seqlens_cmp, sequences, config,
+                                    queries)
+    return describe_branches(selection, cu_seqlens, cu_seqlens_cmp, sequences, config, queries)
 
 
 def select_for_branches(q: Tensor, k_cmp: Tensor, cu_seqlens: Tensor, cu_seqlens_cmp: Tensor,
-                        sequences: PackedSequences, config: NSAConfig):
+                        sequences: PackedSequences, config: NSAConfig,
+                        queries: QueryRows | None = None):
     """`select_blocks` as nsa() calls it: the host bounds handed over (no device read), and the
     selected branch's lists written by the selection kernel where it runs.
     tools/profile_nsa.py times this stage."""
     host_bounds = (sequences.cu_seqlens,
                    sequences.compressed_cu_seqlens(config.compress_block_size))
     return select_blocks(q, k_cmp, cu_seqlens, cu_seqlens_cmp, host_bounds=host_bounds,
-                         write_selected_lists=True, **config.selection_kwargs())
+                         write_selected_lists=True, queries=queries, **config.selection_kwargs())
 
 
 def describe_branches(selection, cu_seqlens: Tensor, cu_seqlens_cmp: Tensor,
-                      sequences: PackedSequences, config: NSAConfig) -> list[Branch]:
+                      sequences: PackedSequences, config: NSAConfig,
+                      queries: QueryRows | None = None) -> list[Branch]:
     """The branches that run, their block-sparse lists built from `selection`
     (`select_blocks`' result). tools/profile_nsa_forward.py times the stages as they run here."""
     scale, max_seqlen, host = config.softmax_scale, sequences.max_seqlen, sequences.cu_seqlens
@@ -343,14 +353,16 @@ def describe_branches(selection, cu_seqlens: Tensor, cu_seqlens_cmp: Tensor,
                           compress_block_size=config.compress_block_size, softmax_scale=scale,
                           causal=config.causal, cmp_selected=selection.cmp_selected,
                           q_tile=config.q_tile, cmp_kv_block=config.cmp_kv_block,
-                          max_seqlen=max_seqlen, host_cu_seqlens=(host, host_cmp)),
+                          max_seqlen=max_seqlen, host_cu_seqlens=(host, host_cmp),
+                          queries=queries),
         selected_branch(cu_seqlens, selection.selected,
                         selected_block_size=config.selected_block_size, softmax_scale=scale,
                         causal=config.causal, q_tile=config.q_tile, max_seqlen=max_seqlen,
-                        host_cu_seqlens=host, block_sparse=selection.selected_lists),
+                        host_cu_seqlens=host, block_sparse=selection.selected_lists,
+                        queries=queries),
     ]
     if config.window_size > 0:
         branches.append(window_branch(cu_seqlens, window_size=config.window_size,
                                       softmax_scale=scale, max_seqlen=max_seqlen,
-                                      host_cu_seqlens=host))
+                                      host_cu_seqlens=host, queries=queries))
     return branches
