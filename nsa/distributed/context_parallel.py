@@ -7,9 +7,11 @@ on the whole sequence, and a second all-to-all brings the output back to the tok
 Every number is computed by exactly the code one process runs on those heads, so outputs and
 gradients equal one process's bitwise. It needs the world size W to divide Hkv.
 
-Sequence mode (for W > Hkv; not built yet): query shards stay put, compressed K/V all-gathered,
-a window halo from the previous shard, remote selected blocks read from their owners. The API
-takes `mode` now so that it slots in without a change to the callers.
+Sequence mode (nsa/distributed/sequence_mode.py; for W not dividing Hkv, or on request): query
+shards stay put, K and V are all-gathered, the rows the rule reads before a rank's first row
+come from the previous rank, each rank runs nsa()'s internals on its query rows at their
+positions, and dK/dV go home summed over the ranks (equal to one process up to the order of
+float sums).
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ from nsa.distributed.agreement import MODES, agree_on_call
 from nsa.distributed.exchange import (HeadsToSequence, SequenceToHeads, chunk_heads,
                                       start_heads_to_sequence, start_sequence_to_heads)
 from nsa.distributed.groups import ContextParallelGroup, resolve_group
+from nsa.distributed.sequence_mode import sequence_mode
 
 
 def nsa_context_parallel(q: Tensor, k: Tensor, v: Tensor, *, group,
@@ -38,8 +41,9 @@ def nsa_context_parallel(q: Tensor, k: Tensor, v: Tensor, *, group,
     group: the context-parallel group: a ProcessGroup, a 1-D DeviceMesh, or (mesh, dim name)
         for one dimension of a 2-D (data x context) mesh.
     host_cu_seqlens: cu_seqlens's values on the host, as for nsa() (spares a device read).
-    mode: "heads" (all-to-all to KV-head shards; needs W to divide Hkv), "sequence" (not
-        available yet: raises), or "auto" (heads when W divides Hkv).
+    mode: "heads" (all-to-all to KV-head shards; needs W to divide Hkv), "sequence" (each rank
+        keeps its queries; causal only, at least 256 tokens a rank), or "auto" (heads when W
+        divides Hkv, else sequence).
     W_k, W_v (Hkv, D, D), W_gate (H, 3, D): replicated weights, the same on every rank. Each
         rank's gradient is its partial: nonzero only in the heads it computed, so the sum over
         the group (what DDP/FSDP's gradient reduction over the data x context ranks adds) is the
@@ -61,7 +65,11 @@ def nsa_context_parallel(q: Tensor, k: Tensor, v: Tensor, *, group,
     agreed = agree_on_call(context, q, k, v, W_k, W_v, W_gate, cu_seqlens, host_cu_seqlens, mode,
                            {**nsa_options, "overlap_chunks": overlap_chunks})
     chosen = choose_mode(mode, context.world_size, k.shape[-2])
-    assert chosen == "heads"
+    if chosen == "sequence":
+        if overlap_chunks != 1:
+            raise ValueError("overlap_chunks: heads mode only (mode='sequence' was chosen)")
+        return sequence_mode(context, q, k, v, W_k, W_v, W_gate, cu_seqlens,
+                             agreed.host_cu_seqlens, nsa_options)
     if context.world_size == 1:
         return nsa(q, k, v, cu_seqlens=cu_seqlens, host_cu_seqlens=agreed.host_cu_seqlens,
                    W_k=W_k, W_v=W_v, W_gate=W_gate, **nsa_options)
@@ -78,15 +86,13 @@ def choose_mode(mode: str, world_size: int, kv_heads: int) -> str:
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     heads_fit = kv_heads % world_size == 0
-    if mode in ("heads", "auto") and heads_fit:
+    if mode == "sequence" or (mode == "auto" and not heads_fit):
+        return "sequence"
+    if heads_fit:
         return "heads"
-    need = (f"heads mode needs the context-parallel world size to divide Hkv (got world size "
-            f"{world_size}, Hkv {kv_heads})")
-    if mode == "heads":
-        raise ValueError(f"mode='heads': {need}; use a group of a size that divides Hkv")
-    raise ValueError(f"mode={mode!r}: {need}, and sequence mode (for more ranks than KV heads) "
-                     "is not available yet; use a context-parallel group of a size that "
-                     "divides Hkv")
+    raise ValueError(f"mode='heads': heads mode needs the context-parallel world size to "
+                     f"divide Hkv (got world size {world_size}, Hkv {kv_heads}); use a group "
+                     f"of a size that divides Hkv, or mode='sequence'")
 
 
 def _heads_mode(context: ContextParallelGroup, q, k, v, W_k, W_v, W_gate, cu_seqlens,

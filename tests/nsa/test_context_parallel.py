@@ -66,10 +66,29 @@ PIPELINED_CASES = {
                                           torch.float32), 2),
     },
 }
+# Sequence mode (each rank keeps its query rows; nsa/distributed/sequence_mode.py): name: (case as
+# above, mode). Equal to one process within float summation order (the ranks' dK/dV are summed
+# in another order), at least 2 x _q_tile = 64 tokens a rank.
+SEQUENCE_CASES = {
+    2: {
+        "packed_gqa4_weights": ((16, 4, 16, "packed", (50, 150, 56), True, torch.float32),
+                                "sequence"),
+        "padded_gqa1_weights": ((8, 8, 16, "padded", (2, 128), True, torch.float32),
+                                "sequence"),
+        "packed_gqa8_no_weights": ((16, 2, 16, "packed", (21, 200, 35), False, torch.float32),
+                                   "sequence"),
+    },
+    4: {
+        "packed_hkv2_auto_weights": ((16, 2, 16, "packed", (40, 100, 75, 41), True,
+                                      torch.float32), "auto"),
+        "padded_gqa4_no_weights": ((16, 4, 16, "padded", (2, 256), False, torch.float32),
+                                   "sequence"),
+    },
+}
 # name: the phrase the ValueError must contain on every rank.
 BAD_INPUT_CASES = {
     2: {
-        "mode_sequence_not_available": "mode='sequence'",
+        "sequence_mode_noncausal": "mode='sequence': causal attention only",
         "unequal_shards": "q must hold the same number of tokens on every rank",
         "cu_seqlens_disagree": "cu_seqlens must be the same global cu_seqlens",
         "local_cu_seqlens_instead_of_global": "cu_seqlens must be the global cu_seqlens",
@@ -81,8 +100,8 @@ BAD_INPUT_CASES = {
         "overlap_chunks_disagree": "overlap_chunks must be the same on every rank",
     },
     4: {
-        "auto_with_world_not_dividing_kv_heads": "heads mode needs the context-parallel world "
-                                                 "size to divide Hkv (got world size 4, Hkv 2)",
+        "auto_sequence_mode_too_few_tokens_world_not_dividing_kv_heads":
+            "every rank must hold at least 64 tokens",
         "heads_with_world_not_dividing_kv_heads": "mode='heads'",
         "unequal_shards": "q must hold the same number of tokens on every rank",
     },
@@ -174,6 +193,35 @@ def _check_equal_to_one_process(group, case, chunks: int = 1) -> None:
             assert _rel_err(total, nearly_grads[name]) < tolerance, name
 
 
+def _check_sequence_mode(group, case, mode: str) -> None:
+    """Sequence mode against one process: output, dq, dk, dv shards and the weight gradients
+    summed over the ranks, within float32 rounding."""
+    from nsa.distributed import nsa_context_parallel, shard_sequence, unshard_sequence
+
+    inputs = _full_inputs(*case)
+    seq_dim = 0 if "cu_seqlens" in inputs else 1
+    names = [n for n in ("q", "k", "v", *WEIGHTS) if n in inputs]
+    expected, expected_grads = _one_process_result(group, inputs, names)
+
+    def shard(x, name):
+        return shard_sequence(x, group, seq_dim=seq_dim, name=name)
+
+    local = {n: (shard(inputs[n], n) if n in ("q", "k", "v") else inputs[n]).clone()
+             .requires_grad_() for n in names}
+    out = nsa_context_parallel(local["q"], local["k"], local["v"], group=group,
+                               cu_seqlens=inputs.get("cu_seqlens"), mode=mode,
+                               **{n: local[n] for n in WEIGHTS if n in local}, **OPTIONS)
+    grads = dict(zip(names, torch.autograd.grad(out, [local[n] for n in names],
+                                                shard(inputs["dout"], "dout"))))
+    gathered = unshard_sequence(out, group, seq_dim=seq_dim)
+    weight_sums = {name: _sum_over_ranks(grads[name], group) for name in WEIGHTS if name in grads}
+    assert _rel_err(gathered, expected) < 1e-6, "output differs from one process"
+    for name in ("q", "k", "v"):
+        assert _rel_err(grads[name], shard(expected_grads[name], name)) < 1e-6, f"d{name}"
+    for name, total in weight_sums.items():
+        assert _rel_err(total, expected_grads[name]) < 1e-6, f"sum over ranks of d{name}"
+
+
 def _rel_err(actual, expected) -> float:
     expected = expected.double()
     return float((actual.double() - expected).norm() / expected.norm())
@@ -243,8 +291,8 @@ def _bad_call(group, name, rank, world) -> None:
     kwargs = dict(group=group, cu_seqlens=inputs["cu_seqlens"], **OPTIONS,
                   **{n: inputs[n] for n in WEIGHTS})
     last = rank == world - 1
-    if name == "mode_sequence_not_available":
-        kwargs["mode"] = "sequence"
+    if name == "sequence_mode_noncausal":
+        kwargs.update(mode="sequence", causal=False)
     elif name == "heads_with_world_not_dividing_kv_heads":
         kwargs["mode"] = "heads"
     elif name == "mode_unknown" and last:
@@ -287,6 +335,9 @@ def _worker(rank: int, world: int, store_path: str, results) -> None:
         for name, (case, chunks) in PIPELINED_CASES[world].items():
             checks.append((f"pipelined:{name}",
                            _outcome(_check_equal_to_one_process, group, case, chunks)))
+        for name, (case, mode) in SEQUENCE_CASES[world].items():
+            checks.append((f"sequence:{name}",
+                           _outcome(_check_sequence_mode, group, case, mode)))
         for name, phrase in BAD_INPUT_CASES[world].items():
             checks.append((f"bad:{name}", _raised(lambda: _bad_call(group, name, rank, world),
                                                   phrase)))
@@ -501,6 +552,12 @@ def test_pipelined_heads_mode_equals_one_process(reports, world, name):
     _assert_passed(reports(world), f"pipelined:{name}")
 
 
+@pytest.mark.parametrize("world, name", [(w, n) for w, cases in SEQUENCE_CASES.items()
+                                         for n in cases])
+def test_sequence_mode_equals_one_process(reports, world, name):
+    _assert_passed(reports(world), f"sequence:{name}")
+
+
 @pytest.mark.parametrize("world, name", [(w, n) for w, cases in BAD_INPUT_CASES.items()
                                          for n in cases])
 def test_bad_input_raises_on_every_rank(reports, world, name):
@@ -544,17 +601,16 @@ def test_shard_sequence_splits_contiguously_along_seq_dim():
 
 
 @pytest.mark.parametrize("mode, world, kv_heads, expected", [
-    ("auto", 4, 8, "heads"), ("heads", 2, 2, "heads"), ("auto", 1, 1, "heads")])
+    ("auto", 4, 8, "heads"), ("heads", 2, 2, "heads"), ("auto", 1, 1, "heads"),
+    ("auto", 4, 2, "sequence"), ("sequence", 2, 8, "sequence")])
 def test_choose_mode_picks_heads_when_the_world_divides_kv_heads(mode, world, kv_heads, expected):
     from nsa.distributed import choose_mode
     assert choose_mode(mode, world, kv_heads) == expected
 
 
-@pytest.mark.parametrize("mode", ["auto", "sequence", "heads"])
-def test_choose_mode_names_the_argument_and_the_values(mode):
+def test_choose_mode_names_the_argument_and_the_values():
     from nsa.distributed import choose_mode
-    with pytest.raises(ValueError, match=rf"mode='{mode}'.*world size 4, Hkv 2"):
-        choose_mode(mode, 4, 2)
-    if mode != "heads":
-        with pytest.raises(ValueError, match="not available yet"):
-            choose_mode(mode, 4, 2)
+    with pytest.raises(ValueError, match=r"mode='heads'.*world size 4, Hkv 2.*mode='sequence'"):
+        choose_mode("heads", 4, 2)
+    with pytest.raises(ValueError, match="mode must be one of"):
+        choose_mode("ring", 4, 2)
