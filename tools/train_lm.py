@@ -100,8 +100,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="test only: nsa()'s selection tile (tiny CPU runs)")
     parser.add_argument("--context-parallel", type=positive_int, default=1, metavar="N",
                         help="shard each batch's tokens over N ranks (run under torchrun "
-                             "--nproc-per-node N; NSA only; N divides the KV heads and "
-                             "--seq-len)")
+                             "--nproc-per-node N; NSA only; N divides --seq-len; heads mode "
+                             "where N divides the KV heads, else sequence mode)")
     parser.add_argument("--profile-step", type=positive_int, default=None, metavar="N",
                         help="profile optimizer step N (torch.profiler, CPU and CUDA): print "
                              "its wall time, the GPU's busy time and the ops with the most "

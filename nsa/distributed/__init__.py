@@ -8,7 +8,8 @@ gradient convention for W_k, W_v and W_gate, and the cross-rank checks.
 Modules, one job each: `groups` (a ProcessGroup or a DeviceMesh dimension), `sharding` (split and
 gather tokens), `agreement` (the one collective that checks every rank called alike),
 `exchange` (the differentiable all-to-all between sequence shards and head shards),
-`context_parallel` (the entry point and its modes).
+`sequence_mode` (each rank keeping its query rows), `context_parallel` (the entry point and the
+choice of mode).
 """
 from nsa.distributed.agreement import MODES
 from nsa.distributed.context_parallel import choose_mode, nsa_context_parallel
