@@ -15,9 +15,11 @@ mode: bitwise expected) and times it, for the ratio "context-parallel time / (on
 (1.0 = perfect scaling). With --no-check each rank makes only its own shard (random values from
 --seed and its rank), so lengths that no single GPU holds run too.
 Timing: --warmup untimed calls, then the median of --repeats (CUDA events on a GPU,
-perf_counter on the CPU); the reported time is the slowest rank's median. The all-to-alls alone
-(q, k, v to head shards and the output back; the backward moves the same volumes the other way)
-are timed the same way, to give communication's share of the step.
+perf_counter on the CPU); the reported time is the slowest rank's median. The mode's exchanges
+alone are timed the same way, to give communication's share of the step: in heads mode the
+all-to-alls (q, k, v to head shards and the output back; the backward moves the same volumes
+the other way), in sequence mode the all-gathers of k and v and the backward's all-reduce of
+the whole sequence's dk and dv.
 
 `--max-length` (CUDA) instead searches the longest T whose context-parallel forward+backward
 fits these ranks, each rank making only its own shard (random values from --seed and its rank;
@@ -65,8 +67,8 @@ TOOL = "bench_context_parallel"
 def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog=f"{TOOL}.py",
-        description="Time nsa() across GPUs (context parallelism, heads mode) against one GPU: "
-                    "forward, forward+backward, the all-to-all alone; check equality.",
+        description="Time nsa() across GPUs (context parallelism) against one GPU: "
+                    "forward, forward+backward, the exchanges alone; check equality.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--seqlen", type=positive_int, default=None,
                         help="global tokens T, split over the ranks (default: 262144 on CUDA, "
@@ -263,7 +265,8 @@ def _run(args, argv) -> dict:
     # The fullest rank's peak over forward+backward (None off CUDA): every rank calls it.
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else -1
     peak = _max_over_ranks(peak, device)
-    comm = _time_exchanges(args, local, group, device, dtype)
+    comm = (_time_sequence_exchanges(args, local, group, device) if mode == "sequence"
+            else _time_exchanges(args, local, group, device, dtype))
 
     result = {"world_size": world, "mode": mode, "overlap_chunks": args.overlap_chunks,
               "seqlen": seqlen, "num_seqs": args.num_seqs,
@@ -272,8 +275,8 @@ def _run(args, argv) -> dict:
               "device": describe_device(device), "fwd_ms": fwd_ms, "fwd_bwd_ms": fwd_bwd_ms,
               "peak_bytes": None if peak < 0 else peak,
               **comm,
-              "comm_share_fwd": comm["all_to_all_fwd_ms"] / fwd_ms,
-              "comm_share_fwd_bwd": comm["all_to_all_fwd_bwd_ms"] / fwd_bwd_ms}
+              "comm_share_fwd": comm["exchange_fwd_ms"] / fwd_ms,
+              "comm_share_fwd_bwd": comm["exchange_fwd_bwd_ms"] / fwd_bwd_ms}
     if args.check:
         result.update(_compare_with_one_device(args, full, (cu_seqlens, host_cu), weights,
                                                options, gathered, device, rank, world, fwd_ms,
@@ -445,7 +448,36 @@ def _time_exchanges(args, local, group, device, dtype) -> dict:
                                    warmup=args.warmup, repeats=args.repeats), device)
     return {"all_to_all_qkv_ms": to_heads, "all_to_all_out_ms": to_sequence,
             "all_to_all_fwd_ms": to_heads + to_sequence,
-            "all_to_all_fwd_bwd_ms": 2 * (to_heads + to_sequence)}
+            "all_to_all_fwd_bwd_ms": 2 * (to_heads + to_sequence),
+            "exchange_fwd_ms": to_heads + to_sequence,
+            "exchange_fwd_bwd_ms": 2 * (to_heads + to_sequence)}
+
+
+def _time_sequence_exchanges(args, local, group, device) -> dict:
+    """Sequence mode's exchanges alone (nsa/distributed/sequence_mode.py): the forward's
+    all-gathers of k and v (the q halo is 256 rows: not counted), the backward's all-reduce of
+    the whole sequence's dk and dv."""
+    process_group = group.process_group
+    k, v = local["k"], local["v"]
+
+    def gather():
+        for x in (k, v):
+            dist.all_gather([torch.empty_like(x) for _ in range(group.world_size)], x,
+                            group=process_group)
+
+    whole = [torch.zeros(x.shape[0] * group.world_size, *x.shape[1:], dtype=x.dtype,
+                         device=x.device) for x in (k, v)]
+
+    def reduce():
+        for x in whole:
+            dist.all_reduce(x, group=process_group)
+
+    gather_ms = _slowest(time_ms(gather, device, warmup=args.warmup, repeats=args.repeats),
+                         device)
+    reduce_ms = _slowest(time_ms(reduce, device, warmup=args.warmup, repeats=args.repeats),
+                         device)
+    return {"all_gather_kv_ms": gather_ms, "all_reduce_dkv_ms": reduce_ms,
+            "exchange_fwd_ms": gather_ms, "exchange_fwd_bwd_ms": gather_ms + reduce_ms}
 
 
 def _compare_with_one_device(args, full, bounds, weights, options, gathered, device, rank,
@@ -499,10 +531,10 @@ def _print_table(result: dict) -> None:
           f"T={result['seqlen']} in {result['num_seqs']} documents, H={result['heads']} "
           f"Hkv={result['kv_heads']} D={result['head_dim']} {result['dtype']}, "
           f"{result['device']}")
-    rows = [("forward", result["fwd_ms"], result["all_to_all_fwd_ms"], "fwd"),
-            ("forward+backward", result["fwd_bwd_ms"], result["all_to_all_fwd_bwd_ms"],
+    rows = [("forward", result["fwd_ms"], result["exchange_fwd_ms"], "fwd"),
+            ("forward+backward", result["fwd_bwd_ms"], result["exchange_fwd_bwd_ms"],
              "fwd_bwd")]
-    print(f"{'pass':<18}{'ms':>10}{'all-to-all ms':>15}{'comm share':>12}"
+    print(f"{'pass':<18}{'ms':>10}{'exchanges ms':>15}{'comm share':>12}"
           f"{'1 device ms':>13}{'ms / (1 dev / W)':>18}")
     for name, ms, comm_ms, key in rows:
         one = result.get(f"one_device_{key}_ms")

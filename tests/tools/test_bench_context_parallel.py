@@ -90,6 +90,18 @@ def test_no_check_makes_only_the_ranks_shard(bench, monkeypatch, capsys):
     assert "equal to one device" not in capsys.readouterr().out
 
 
+def test_sequence_mode_times_its_own_exchanges(bench, capsys):
+    result = bench.main(["--device", "cpu", "--seqlen", "256", "--num-seqs", "3", "--heads", "4",
+                         "--kv-heads", "2", "--head-dim", "16", "--compress-block-size", "16",
+                         "--selected-block-size", "32", "--num-selected-blocks", "5",
+                         "--window-size", "32", "--warmup", "0", "--repeats", "1",
+                         "--mode", "sequence"])
+    assert result["mode"] == "sequence" and result["bitwise_equal_one_device"]
+    assert result["exchange_fwd_ms"] == result["all_gather_kv_ms"]
+    assert result["exchange_fwd_bwd_ms"] == result["all_gather_kv_ms"] + result["all_reduce_dkv_ms"]
+    assert "mode sequence" in capsys.readouterr().out
+
+
 def test_max_length_needs_cuda(bench):
     with pytest.raises(SystemExit) as exit_info:
         bench.main(["--device", "cpu", "--max-length"])
