@@ -99,9 +99,9 @@ def sequence_mode(context: ContextParallelGroup, q, k, v, W_k, W_v, W_gate, cu_s
     k_all, v_all = (_GatherSequence.apply(context, x, layout) for x in (k, v))
     halo = _halo_rows(context, q_rows, layout, q_tile)
 
-    key_index, query_parts, key_bounds, query_bounds, starts, own = [], [], [0], [0], [], []
+    key_ranges, query_parts, key_bounds, query_bounds, starts, own = [], [], [0], [0], [], []
     for segment in layout.segments:
-        key_index.append(torch.arange(segment.start, segment.start + segment.keys_end))
+        key_ranges.append((segment.start, segment.start + segment.keys_end))
         key_bounds.append(key_bounds[-1] + segment.keys_end)
         halo_rows = halo.get(segment, q_rows[:0])
         query_parts += [halo_rows.detach(), q_rows[segment.local_row:
@@ -111,8 +111,7 @@ def sequence_mode(context: ContextParallelGroup, q, k, v, W_k, W_v, W_gate, cu_s
         query_bounds.append(query_bounds[-1] + segment.b - segment.halo_from)
         starts.append(segment.halo_from)
     device = q.device
-    key_index = torch.cat(key_index).to(device)
-    k_local, v_local = k_all[key_index], v_all[key_index]
+    k_local, v_local = (_rows(x, key_ranges) for x in (k_all, v_all))
     q_local = torch.cat(query_parts)
     cu_keys = torch.tensor(key_bounds, dtype=torch.int32, device=device)
     queries = QueryRows(torch.tensor(query_bounds, dtype=torch.int32, device=device),
@@ -145,6 +144,15 @@ def sequence_mode(context: ContextParallelGroup, q, k, v, W_k, W_v, W_gate, cu_s
                                   queries)
     out = out_local[torch.cat(own).to(device)]
     return out.reshape(q.shape)
+
+
+def _rows(x: Tensor, ranges: list[tuple[int, int]]) -> Tensor:
+    """Rows [a, b) of x for each range, in order: a view where they follow each other (packed
+    shards: a rank's documents are consecutive), else a gather."""
+    if all(prev[1] == nxt[0] for prev, nxt in zip(ranges, ranges[1:])):
+        return x[ranges[0][0]:ranges[-1][1]]
+    index = torch.cat([torch.arange(a, b) for a, b in ranges]).to(x.device)
+    return x[index]
 
 
 def _nsa_defaults() -> dict:
