@@ -99,15 +99,15 @@ def sequence_mode(context: ContextParallelGroup, q, k, v, W_k, W_v, W_gate, cu_s
     k_all, v_all = (_GatherSequence.apply(context, x, layout) for x in (k, v))
     halo = _halo_rows(context, q_rows, layout, q_tile)
 
-    key_ranges, query_parts, key_bounds, query_bounds, starts, own = [], [], [0], [0], [], []
+    key_ranges, query_parts, key_bounds, query_bounds, starts, owned = [], [], [0], [0], [], []
     for segment in layout.segments:
         key_ranges.append((segment.start, segment.start + segment.keys_end))
         key_bounds.append(key_bounds[-1] + segment.keys_end)
         halo_rows = halo.get(segment, q_rows[:0])
         query_parts += [halo_rows.detach(), q_rows[segment.local_row:
                                                    segment.local_row + segment.b - segment.a]]
-        own.append(torch.arange(query_bounds[-1] + segment.a - segment.halo_from,
-                                query_bounds[-1] + segment.b - segment.halo_from))
+        owned.append((query_bounds[-1] + segment.a - segment.halo_from,
+                      query_bounds[-1] + segment.b - segment.halo_from))
         query_bounds.append(query_bounds[-1] + segment.b - segment.halo_from)
         starts.append(segment.halo_from)
     device = q.device
@@ -132,8 +132,8 @@ def sequence_mode(context: ContextParallelGroup, q, k, v, W_k, W_v, W_gate, cu_s
         compress_block_size=options["compress_block_size"],
         selected_block_size=options["selected_block_size"],
         num_selected_blocks=options["num_selected_blocks"], window_size=options["window_size"],
-        deterministic=options["deterministic"], recompute=recompute)
-    # (options["capture"]: captured plans do not cover query rows; it is checked, not used.)
+        deterministic=options["deterministic"], recompute=recompute, capture=options["capture"])
+    # (capture is checked, not used: captured plans do not cover query rows.)
     sequences = PackedSequences(tuple(key_bounds), max(
         (b - a for a, b in zip(key_bounds, key_bounds[1:])), default=0))
     differentiable = torch.is_grad_enabled() and any(
@@ -142,8 +142,7 @@ def sequence_mode(context: ContextParallelGroup, q, k, v, W_k, W_v, W_gate, cu_s
     out_local = NSAFunction.apply(q_local, k_local, v_local, W_k, W_v, W_gate, cu_keys,
                                   sequences.max_seqlen, config, sequences.cu_seqlens, keep,
                                   queries)
-    out = out_local[torch.cat(own).to(device)]
-    return out.reshape(q.shape)
+    return _rows(out_local, owned).reshape(q.shape)
 
 
 def _rows(x: Tensor, ranges: list[tuple[int, int]]) -> Tensor:
