@@ -72,15 +72,18 @@ def tile_geometry(cu_q: Tensor, cu_k: Tensor, q_tile: int,
         num_tiles = sum(ceil_div(b - a, q_tile) for a, b in zip(host_cu_q, host_cu_q[1:]))
     tile = torch.arange(num_tiles, device=cu_q.device)
     sequence = torch.searchsorted(offsets[1:], tile, right=True)
-    starts = (torch.zeros_like(seqlen_q) if start_positions is None
-              else torch.tensor(start_positions, dtype=torch.int64).to(cu_q.device))
-    per_sequence = torch.stack([offsets[:-1], seqlen_q, seqlen_k, starts], dim=1)[sequence]
-    first_tile, tile_seqlen_q, tile_seqlen_k, tile_start = per_sequence.unbind(1)
+    # The start positions join the one gather only where given: nsa()'s own calls (every row
+    # from position 0) pay no op for them.
+    starts = [] if start_positions is None else [
+        torch.tensor(start_positions, dtype=torch.int64).to(cu_q.device)]
+    per_sequence = torch.stack([offsets[:-1], seqlen_q, seqlen_k, *starts], dim=1)[sequence]
+    first_tile, tile_seqlen_q, tile_seqlen_k, *tile_start = per_sequence.unbind(1)
     local_tile = tile - first_tile
     first_row = local_tile * q_tile
     last_row = torch.minimum(first_row + q_tile, tile_seqlen_q) - 1
-    return TileGeometry(offsets, sequence, local_tile, tile_start + first_row,
-                        tile_start + last_row, tile_seqlen_k)
+    if tile_start:
+        first_row, last_row = tile_start[0] + first_row, tile_start[0] + last_row
+    return TileGeometry(offsets, sequence, local_tile, first_row, last_row, tile_seqlen_k)
 
 
 def max_diagonal_blocks(q_tile: int, compress_factor: int, block_size: int) -> int:

@@ -57,7 +57,7 @@ from nsa.gating import NUM_BRANCHES, gate_backward, gate_weights  # noqa: E402
 from nsa.validation import validate_nsa_call  # noqa: E402
 from _common import (  # noqa: E402
     add_cmp_selected_argument, add_num_seqs_argument, add_problem_arguments, check_num_seqs, cu_seqlens_of, describe_device, measure_seqlens, nsa_options,
-    positive_int, problem_defaults_epilog, problem_summary, random_gate, random_qkv,
+    problem_defaults_epilog, problem_summary, random_gate, random_qkv,
     resolve_problem_arguments, time_ms, varlen_lengths)
 
 STAGES = ("compress k, v", "select blocks", "build block lists", "compressed branch",

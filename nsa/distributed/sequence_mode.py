@@ -32,6 +32,7 @@ sequence mode runs the branches' attention in torch until the sm90 kernels take 
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -77,7 +78,8 @@ class _Layout:
 
 
 def tail_rows(q_tile: int) -> int:
-    """Rows of each rank's end that the next rank may need as its halo (2 q_tile - 1 at most)."""
+    """Rows of each rank's end that it sends for the next rank's halo (which is at most
+    2 q_tile - 1 rows)."""
     return 2 * q_tile
 
 
@@ -154,8 +156,10 @@ def _rows(x: Tensor, ranges: list[tuple[int, int]]) -> Tensor:
     return x[index]
 
 
+@functools.cache
 def _nsa_defaults() -> dict:
-    """nsa()'s keyword options and their defaults (the one place that states them)."""
+    """nsa()'s keyword options and their defaults (the one place that states them); read from
+    its signature once, not per layer call."""
     import inspect
 
     from nsa.api import nsa

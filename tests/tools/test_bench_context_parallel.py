@@ -28,6 +28,14 @@ def bench():
     return _load()
 
 
+def _tiny(seqlen: int, heads: int, kv_heads: int, *extra: str) -> list[str]:
+    """A tiny CPU run's command line: head dim 16, small NSA blocks, one timed call."""
+    return ["--device", "cpu", "--seqlen", str(seqlen), "--heads", str(heads),
+            "--kv-heads", str(kv_heads), "--head-dim", "16", "--compress-block-size", "16",
+            "--selected-block-size", "32", "--num-selected-blocks", "5", "--window-size", "32",
+            "--warmup", "0", "--repeats", "1", *extra]
+
+
 def test_help_describes_the_tool(bench, capsys):
     with pytest.raises(SystemExit) as exit_info:
         bench.main(["--help"])
@@ -44,11 +52,7 @@ def test_heads_not_a_multiple_of_kv_heads_is_rejected(bench, capsys):
 
 def test_tiny_run_on_one_cpu_process_matches_one_device(bench, tmp_path, capsys):
     path = tmp_path / "cp.json"
-    result = bench.main(["--device", "cpu", "--seqlen", "128", "--num-seqs", "3", "--heads", "2",
-                         "--kv-heads", "1", "--head-dim", "16", "--compress-block-size", "16",
-                         "--selected-block-size", "32", "--num-selected-blocks", "5",
-                         "--window-size", "32", "--warmup", "0", "--repeats", "1",
-                         "--json", str(path)])
+    result = bench.main(_tiny(128, 2, 1, "--num-seqs", "3", "--json", str(path)))
     assert result["mode"] == "heads" and result["world_size"] == 1
     assert result["bitwise_equal_one_device"] and result["max_abs_diff"] == 0
     assert result["fwd_ms"] > 0 and result["fwd_bwd_ms"] > 0
@@ -59,11 +63,7 @@ def test_tiny_run_on_one_cpu_process_matches_one_device(bench, tmp_path, capsys)
 
 
 def test_overlap_chunks_reaches_the_call_and_the_results(bench, capsys):
-    result = bench.main(["--device", "cpu", "--seqlen", "128", "--num-seqs", "2", "--heads", "4",
-                         "--kv-heads", "2", "--head-dim", "16", "--compress-block-size", "16",
-                         "--selected-block-size", "32", "--num-selected-blocks", "5",
-                         "--window-size", "32", "--warmup", "0", "--repeats", "1",
-                         "--overlap-chunks", "2"])
+    result = bench.main(_tiny(128, 4, 2, "--num-seqs", "2", "--overlap-chunks", "2"))
     assert result["overlap_chunks"] == 2 and result["bitwise_equal_one_device"]
     assert "in 2 overlapped chunks" in capsys.readouterr().out
     with pytest.raises(ValueError, match="overlap_chunks must divide the KV heads of a rank"):
@@ -80,22 +80,14 @@ def test_no_check_makes_only_the_ranks_shard(bench, monkeypatch, capsys):
         raise AssertionError("--no-check built or gathered the whole sequence")
     monkeypatch.setattr(bench, "_full_inputs", whole_sequence)
     monkeypatch.setattr(bench, "unshard_sequence", whole_sequence)
-    result = bench.main(["--device", "cpu", "--seqlen", "128", "--num-seqs", "3", "--heads", "2",
-                         "--kv-heads", "1", "--head-dim", "16", "--compress-block-size", "16",
-                         "--selected-block-size", "32", "--num-selected-blocks", "5",
-                         "--window-size", "32", "--warmup", "0", "--repeats", "1",
-                         "--no-check"])
+    result = bench.main(_tiny(128, 2, 1, "--num-seqs", "3", "--no-check"))
     assert result["fwd_ms"] > 0 and result["fwd_bwd_ms"] > 0
     assert "bitwise_equal_one_device" not in result
     assert "equal to one device" not in capsys.readouterr().out
 
 
 def test_sequence_mode_times_its_own_exchanges(bench, capsys):
-    result = bench.main(["--device", "cpu", "--seqlen", "256", "--num-seqs", "3", "--heads", "4",
-                         "--kv-heads", "2", "--head-dim", "16", "--compress-block-size", "16",
-                         "--selected-block-size", "32", "--num-selected-blocks", "5",
-                         "--window-size", "32", "--warmup", "0", "--repeats", "1",
-                         "--mode", "sequence"])
+    result = bench.main(_tiny(256, 4, 2, "--num-seqs", "3", "--mode", "sequence"))
     assert result["mode"] == "sequence" and result["bitwise_equal_one_device"]
     assert result["exchange_fwd_ms"] == result["all_gather_kv_ms"]
     assert result["exchange_fwd_bwd_ms"] == result["all_gather_kv_ms"] + result["all_reduce_dkv_ms"]
