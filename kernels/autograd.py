@@ -202,8 +202,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     ``q_start_positions``: host ints, one per sequence: the position of the sequence's first
     query row among its keys' tokens (the causal, window and compressed rules read query row i
     as position q_start + i; default 0). For a shard of a longer sequence's queries against all
-    its keys (context parallelism, chunked prefill). The sm90 kernels do not take them yet:
-    such calls run on the fallback.
+    its keys (context parallelism, chunked prefill). Any position: the sm90 kernels read each
+    tile's rows at their positions (kernels/sm90/block_range.py).
     """
     options = dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                    max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,

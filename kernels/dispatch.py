@@ -53,9 +53,6 @@ def attention_kernel(direction: str, q, k, v, kwargs: dict,
 
     # Shapes the kernels' 32-bit index arithmetic or launch grid cannot hold go to the fallback
     # (which has no such limit), before any list is transposed for them.
-    if kwargs.get("q_start_positions") is not None:
-        return None, (f"kernels.sm90.{direction}: q_start_positions (queries past position 0) "
-                      "are not in the sm90 kernels yet")
     too_large = int32_limits_reason(q, k, backward=direction == "backward", **kwargs)
     if too_large:
         return None, f"kernels.sm90.{direction}: {too_large}"

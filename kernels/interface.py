@@ -50,8 +50,8 @@ def attention_forward(
     ``out (Tq, H, D)``, ``lse (H, Tq)``. lse is float32 (float64 for float64 inputs).
     ``q_start_positions`` (packed varlen; host ints, one per sequence): the position of each
     sequence's first query row among its keys' tokens, for the causal, window and compressed
-    rules (the queries are the rows from that position on; default 0). The sm90 kernels do not
-    take them yet: such calls run on the fallback.
+    rules (the queries are the rows from that position on; default 0), on the sm90 kernels
+    as on the fallback.
     """
     check_not_meta("q", q)  # k, v and the rest must be on q's device (validation says so)
     problem = validate_attention_forward(

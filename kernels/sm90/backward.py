@@ -29,7 +29,7 @@ import torch
 from kernels.device import sm_count
 from kernels.sm90.forward import SUPPORTED_DTYPES, unsupported_inputs
 from kernels.sm90.launch import (aligned_rows, as_cute, launch_compiled, launch_on_current_stream,
-                                 uniform_cu_seqlens)
+                                 query_positions, uniform_cu_seqlens)
 from kernels.sm90.limits import require_int32_limits
 from kernels.sm90.spec import (BACKWARD_DENSE_TILE_N, H100_NUM_SMS, choose_backward_spec,
                                dq_spec_for, list_shape)
@@ -95,7 +95,7 @@ def run(
     max_seqlen_k=None, softmax_scale=None, causal=False, compress_factor=1, window_size=(-1, -1),
     block_sparse=None, block_sparse_transposed=None, deterministic=False, spec_overrides=None,
     dout_dot_out=None, dq_accumulator=None, dkv_accumulators=None, lse_gate=None,
-    host_cu_seqlens_q=None, head_major_units=UNITS_HEAD_MAJOR,
+    host_cu_seqlens_q=None, head_major_units=UNITS_HEAD_MAJOR, q_start_positions=None,
 ):
     """(dq, dk, dv) of the sm90 backward kernel; dk and dv summed over each KV group.
 
@@ -115,7 +115,9 @@ def run(
     the query tile layout is then kept across calls (sparsity/host_cache.py) instead of being
     rebuilt on the device (about 20 small launches) by every call.
     head_major_units: split-list work units taken list head by list head (the default,
-    UNITS_HEAD_MAJOR) or, False, KV block by KV block (tools/tune_sm90_backward.py compares)."""
+    UNITS_HEAD_MAJOR) or, False, KV block by KV block (tools/tune_sm90_backward.py compares).
+    q_start_positions (packed; host ints, one per sequence): the position of each sequence's
+    first query row (`BwdSpec.q_positions`, and the dQ kernel's)."""
     if lse_gate is not None and dout_dot_out is None:
         raise ValueError("lse_gate: only taken with dout_dot_out (the gate's row dots)")
     if q.dtype not in SUPPORTED_DTYPES:
@@ -155,6 +157,10 @@ def run(
                      kv_tile_ctas, max_seqlen_k, dq_accumulator_bytes=4 * q.numel())
     if spec_overrides:
         spec = dataclasses.replace(spec, **spec_overrides)
+    positions = None
+    if q_start_positions is not None:
+        spec = dataclasses.replace(spec, q_positions=True)
+        positions = query_positions(tuple(q_start_positions), q.device)
 
     adds_into_accumulators = dkv_accumulators is not None
     if adds_into_accumulators:  # the caller's float32 sums take the CTAs' dK, dV
@@ -208,7 +214,7 @@ def run(
             tensors = (q, k, v, dout, lse_log2, dpsum, dq_acc, dk, dv, cu_seqlens_q,
                        cu_seqlens_k, tiles.tile_offsets)
             scalars = (num_ctas, row_splits, softmax_scale, compress_factor, *window)
-            _launch(spec, tensors, scalars, (*lists, units))
+            _launch(spec, tensors, scalars, (*lists, units, positions))
         elif not adds_into_accumulators:
             dk.zero_()
             dv.zero_()
@@ -219,7 +225,7 @@ def run(
                         tiles.tile_offsets),
                        (-(-max_seqlen_q // DQ_TILE_ROWS), softmax_scale, compress_factor,
                         *window),
-                       forward_lists)
+                       (*forward_lists, positions))
         else:
             dq = tiles.gather_dq(dq_acc, spec.dq_cols_per_warpgroup, softmax_scale, q.dtype,
                                  into=dq_into)

@@ -89,6 +89,7 @@ class DqBackwardSm90:
         mMaskCount: Optional[cute.Tensor],
         mMaskIndex: Optional[cute.Tensor],
         mRowBlockOffsets: Optional[cute.Tensor],
+        mQPositions: Optional[cute.Tensor],  # (S,) int32: first query positions (`q_positions`)
         stream: cuda.CUstream,
     ):
         dtype = self.dtype
@@ -129,7 +130,7 @@ class DqBackwardSm90:
             mLSE, mDPsum, mdQ, mCuSeqlensQ, mCuSeqlensK, mQTileOffsets, num_m_blocks,
             softmax_scale, softmax_scale * Float32(_LOG2_E), compress_factor, window_left,
             window_right, mFullCount, mFullIndex, mMaskCount, mMaskIndex, mRowBlockOffsets,
-            sQ_layout, sK_layout, tiled_mma_sdp, tiled_mma_dq,
+            mQPositions, sQ_layout, sK_layout, tiled_mma_sdp, tiled_mma_dq,
         ).launch(grid=(cute.size(mQ.shape[1]), num_m_blocks, cute.size(mCuSeqlensQ.shape[0]) - 1),
                  block=[self.num_threads, 1, 1], stream=stream)
 
@@ -159,6 +160,7 @@ class DqBackwardSm90:
         window_right: Int32, mFullCount: Optional[cute.Tensor],
         mFullIndex: Optional[cute.Tensor], mMaskCount: Optional[cute.Tensor],
         mMaskIndex: Optional[cute.Tensor], mRowBlockOffsets: Optional[cute.Tensor],
+        mQPositions: Optional[cute.Tensor],
         sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
         tiled_mma_sdp: cute.TiledMma, tiled_mma_dq: cute.TiledMma,
     ):
@@ -196,6 +198,8 @@ class DqBackwardSm90:
         block_range = BlockRange(
             self.tile_m, self.tile_n, spec.causal, spec.has_window_left, spec.has_window_right,
             spec.compressed, compress_factor, window_left, window_right)
+        if const_expr(spec.q_positions):
+            block_range = block_range.at_row_offset(mQPositions[batch])
 
         # Which KV tiles this query tile visits: the forward's range or its lists.
         n_max = Int32(0)

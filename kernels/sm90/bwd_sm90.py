@@ -128,6 +128,8 @@ class FlashAttentionBackwardSm90:
         mKvBlockOffsets: Optional[cute.Tensor],  # (S+1,) int32: first KV block of a sequence
         mUnits: Optional[cute.Tensor],          # (U, 5) int32 (`split_lists`): sequence, KV
                                                 # block, list head, first and end list entry
+        mQPositions: Optional[cute.Tensor],     # (S,) int32: first query positions
+                                                # (`q_positions`)
         stream: cuda.CUstream,
     ):
         dtype = self.dtype
@@ -189,8 +191,8 @@ class FlashAttentionBackwardSm90:
             tma_atom_lse, tma_lse, tma_atom_dpsum, tma_dpsum, mdQacc, mdK, mdV,
             mCuSeqlensQ, mCuSeqlensK, mQTileOffsets, num_kv_tiles, row_splits, softmax_scale,
             softmax_scale * Float32(_LOG2_E), compress_factor, window_left, window_right,
-            mListOffsets, mListIndex, mListMaskCount, mKvBlockOffsets, mUnits, sQ_layout,
-            sK_layout, sdS_layout, sdQ_layout, tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq,
+            mListOffsets, mListIndex, mListMaskCount, mKvBlockOffsets, mUnits, mQPositions,
+            sQ_layout, sK_layout, sdS_layout, sdQ_layout, tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq,
         ).launch(grid=self.grid(num_kv_tiles, row_splits, mK, mCuSeqlensQ),
                  block=[self.num_threads, 1, 1], stream=stream,
                  min_blocks_per_mp=self.spec.ctas_per_sm,
@@ -245,7 +247,8 @@ class FlashAttentionBackwardSm90:
         window_left: Int32, window_right: Int32,
         mListOffsets: Optional[cute.Tensor], mListIndex: Optional[cute.Tensor],
         mListMaskCount: Optional[cute.Tensor], mKvBlockOffsets: Optional[cute.Tensor],
-        mUnits: Optional[cute.Tensor], sQ_layout: cute.ComposedLayout,
+        mUnits: Optional[cute.Tensor], mQPositions: Optional[cute.Tensor],
+        sQ_layout: cute.ComposedLayout,
         sK_layout: cute.ComposedLayout, sdS_layout: cute.ComposedLayout,
         sdQ_layout: cute.Layout, tiled_mma_sdp: cute.TiledMma,
         tiled_mma_dkv: cute.TiledMma, tiled_mma_dq: cute.TiledMma,
@@ -321,6 +324,8 @@ class FlashAttentionBackwardSm90:
         block_range = BlockRange(
             self.tile_m, self.tile_n, spec.causal, spec.has_window_left, spec.has_window_right,
             spec.compressed, compress_factor, window_left, window_right)
+        if const_expr(spec.q_positions):
+            block_range = block_range.at_row_offset(mQPositions[batch])
         walk = partial(
             self.walk_steps, block_range=block_range, n_block=n_block, head_kv=head_kv,
             batch=batch, group=group, num_heads=num_heads, seqlen_q=seqlen_q, seqlen_k=seqlen_k,

@@ -63,7 +63,7 @@ def fake_row_statistics():
 
 def fake_arguments(spec: FwdSpec):
     """Fake tensors standing for (q, k, v, out, lse, cu_q, cu_k), (block-sparse five, trace,
-    screen flag)."""
+    screen flag, first query positions)."""
     q, k, v, o = (fake_seq_head_dim(CUTLASS_DTYPES[spec.dtype]) for _ in range(4))
     lse = make_fake_compact_tensor(cutlass.Float32, (cute.sym_int(), cute.sym_int()),
                                    stride_order=(1, 0), assumed_align=4)
@@ -75,7 +75,8 @@ def fake_arguments(spec: FwdSpec):
         trace = make_fake_compact_tensor(
             cutlass.Int64, tuple(cute.sym_int() for _ in range(4)), stride_order=(3, 2, 1, 0))
     screen = fake_int32_vector(1) if spec.screen_masked_v else None
-    return (q, k, v, o, lse, cu_q, cu_k), (*sparse, trace, screen)
+    positions = fake_int32_vector(num_seqs) if spec.q_positions else None
+    return (q, k, v, o, lse, cu_q, cu_k), (*sparse, trace, screen, positions)
 
 
 def compiled_forward(spec: FwdSpec, example_args, tvm_ffi: bool = False):
@@ -104,8 +105,8 @@ def compile_kernel_on_fake_tensors(kernel: FlashAttentionForwardSm90):
 def fake_backward_arguments(spec):
     """Fake tensors standing for the backward kernel's arguments, in order (the scalars and the
     stream excluded): (q, k, v, dO, lse, dO.O, dQacc, dK, dV, cu_q, cu_k, q tile offsets),
-    (list offsets, list index, list mask counts, KV block offsets, work units), None where
-    kernels/sm90/backward.py `run` passes None."""
+    (list offsets, list index, list mask counts, KV block offsets, work units, first query
+    positions), None where kernels/sm90/backward.py `run` passes None."""
     dtype = CUTLASS_DTYPES[spec.dtype]
     q, k, v, dout = (fake_seq_head_dim(dtype) for _ in range(4))
     # `partial_dkv`, `add_dkv`: dK and dV are float32 sums (several CTAs per KV tile, or the
@@ -125,8 +126,9 @@ def fake_backward_arguments(spec):
     units = None
     if spec.split_lists:
         units = make_fake_compact_tensor(cutlass.Int32, (cute.sym_int(), 5), stride_order=(1, 0))
+    positions = fake_int32_vector() if spec.q_positions else None
     return ((q, k, v, dout, lse, dpsum, dq_acc, dk, dv, cu_q, cu_k, q_tiles),
-            (*lists, units))
+            (*lists, units, positions))
 
 
 def compiled_backward(spec, example_args, tvm_ffi: bool = False):
@@ -158,12 +160,13 @@ def compile_backward_kernel_on_fake_tensors(kernel):
 def fake_dq_arguments(spec):
     """Fake tensors standing for the dQ kernel's arguments, in order (the scalars and the
     stream excluded): (q, k, v, dO, lse, dO.O, dQ, cu_q, cu_k, q tile offsets), (the forward's
-    full count, full index, mask count, mask index, row offsets)."""
+    full count, full index, mask count, mask index, row offsets, first query positions)."""
     q, k, v, dout, dq = (fake_seq_head_dim(CUTLASS_DTYPES[spec.dtype]) for _ in range(5))
     lse, dpsum = fake_row_statistics(), fake_row_statistics()
     cu_q, cu_k, q_tiles = (fake_int32_vector() for _ in range(3))
     forward_lists = fake_forward_lists() if spec.block_sparse else (None,) * 5
-    return (q, k, v, dout, lse, dpsum, dq, cu_q, cu_k, q_tiles), forward_lists
+    positions = fake_int32_vector() if spec.q_positions else None
+    return (q, k, v, dout, lse, dpsum, dq, cu_q, cu_k, q_tiles), (*forward_lists, positions)
 
 
 def compiled_dq(spec, example_args, tvm_ffi: bool = False):
@@ -178,10 +181,10 @@ def compile_dq_on_fake_tensors(spec):
     """Compile dQ `spec` for sm_90a without a GPU (CUTE_DSL_ARCH=sm_90a)."""
     from kernels.sm90.bwd_dq_sm90 import DqBackwardSm90
 
-    tensors, forward_lists = fake_dq_arguments(spec)
+    tensors, optional = fake_dq_arguments(spec)
     return cute.compile(
         DqBackwardSm90(spec), *tensors, cutlass.Int32(1), cutlass.Float32(1.0),
-        cutlass.Int32(1), cutlass.Int32(0), cutlass.Int32(0), *forward_lists,
+        cutlass.Int32(1), cutlass.Int32(0), cutlass.Int32(0), *optional,
         make_fake_stream())
 
 

@@ -13,7 +13,7 @@ import torch
 
 from kernels.device import is_sm90, sm_count
 from kernels.sm90.launch import (aligned_rows, has_aligned_rows, launch_compiled,
-                                 uniform_cu_seqlens)
+                                 query_positions, uniform_cu_seqlens)
 from kernels.sm90.limits import require_int32_limits
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
@@ -116,6 +116,7 @@ def run(
     q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
     softmax_scale=None, causal=False, compress_factor=1, window_size=(-1, -1),
     block_sparse=None, spec_overrides=None, trace=False, row_dot_with=None, row_dot_into=None,
+    q_start_positions=None,
 ):
     """(out, lse) of the sm90 kernel. `spec_overrides` (a dict of `FwdSpec` fields) replaces the
     dispatcher's compile-time choices; tools/tune_sm90_forward.py uses it to time variants.
@@ -126,7 +127,10 @@ def run(
     `row_dot_with` (like q, packed) and `row_dot_into` (a contiguous (H, T) float32 tensor): the
     kernel writes rowsum(row_dot_with * out) per row and head into row_dot_into, computed from
     its float32 accumulator, instead of out and lse (`FwdSpec.row_dot_output`), and returns
-    None. nsa()'s backward takes a recomputed branch's gate gradient so."""
+    None. nsa()'s backward takes a recomputed branch's gate gradient so.
+
+    `q_start_positions` (packed; host ints, one per sequence): the position of each sequence's
+    first query row (`FwdSpec.q_positions`)."""
     # The public entry points send these to the fallback (can_run); a direct call must not
     # compile an untested variant.
     if q.dtype not in SUPPORTED_DTYPES:
@@ -173,6 +177,10 @@ def run(
                              f"{block_sparse.col_block_size}")
     if row_dot:
         spec = spec.writing_row_dots()
+    positions = None
+    if q_start_positions is not None:
+        spec = dataclasses.replace(spec, q_positions=True)
+        positions = query_positions(tuple(q_start_positions), q.device)
     trace_buffer = None
     screen_flag = (torch.zeros(1, dtype=torch.int32, device=q.device)
                    if spec.screen_masked_v else None)
@@ -196,7 +204,7 @@ def run(
             bs = block_sparse
             optional = (bs.full_count, bs.full_index, bs.mask_count, bs.mask_index,
                         bs.row_block_offsets)
-        _launch(spec, tensors, scalars, (*optional, trace_buffer, screen_flag))
+        _launch(spec, tensors, scalars, (*optional, trace_buffer, screen_flag, positions))
     if row_dot:
         return None
     if padded:

@@ -114,6 +114,7 @@ class FlashAttentionForwardSm90(OverlapTiles):
         mRowBlockOffsets: Optional[cute.Tensor],  # (S+1,) int32
         mTrace: Optional[cute.Tensor],  # int64, kernels/sm90/trace.py (FwdSpec.trace only)
         mScreen: Optional[cute.Tensor],  # int32 (1,), kernels/sm90/screen.py (screen_masked_v)
+        mQPositions: Optional[cute.Tensor],  # (S,) int32: first query positions (q_positions)
         stream: cuda.CUstream,
     ):
         dtype = self.dtype
@@ -186,7 +187,7 @@ class FlashAttentionForwardSm90(OverlapTiles):
             tma_atom_o, tma_o, mO, mLSE, mCuSeqlensQ, mCuSeqlensK, softmax_scale, scale_log2,
             compress_factor, window_left, window_right, tile_order,
             mFullCount, mFullIndex, mMaskCount, mMaskIndex, mRowBlockOffsets, mTrace, mScreen,
-            sQ_layout, sK_layout, sV_layout, sO_layout, tiled_mma_qk, tiled_mma_pv,
+            mQPositions, sQ_layout, sK_layout, sV_layout, sO_layout, tiled_mma_qk, tiled_mma_pv,
             tiled_mma_epilogue,
         ).launch(grid=(num_ctas, 1, 1), block=[self.num_threads, 1, 1], stream=stream,
                         min_blocks_per_mp=self.ctas_per_sm,
@@ -229,7 +230,7 @@ class FlashAttentionForwardSm90(OverlapTiles):
         mFullCount: Optional[cute.Tensor], mFullIndex: Optional[cute.Tensor],
         mMaskCount: Optional[cute.Tensor], mMaskIndex: Optional[cute.Tensor],
         mRowBlockOffsets: Optional[cute.Tensor], mTrace: Optional[cute.Tensor],
-        mScreen: Optional[cute.Tensor],
+        mScreen: Optional[cute.Tensor], mQPositions: Optional[cute.Tensor],
         sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
         sV_layout: cute.ComposedLayout, sO_layout: cute.ComposedLayout,
         tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma,
@@ -278,7 +279,7 @@ class FlashAttentionForwardSm90(OverlapTiles):
         tile_work = partial(
             self.tile_work, tile_order=tile_order, block_range=block_range, mQ=mQ, mK=mK,
             mCuSeqlensQ=mCuSeqlensQ, mCuSeqlensK=mCuSeqlensK, mFullCount=mFullCount,
-            mMaskCount=mMaskCount, mRowBlockOffsets=mRowBlockOffsets)
+            mMaskCount=mMaskCount, mRowBlockOffsets=mRowBlockOffsets, mQPositions=mQPositions)
 
         produce_tile = partial(
             self.produce_tile, tile_work=tile_work, tma_atom_q=tma_atom_q, mQ=mQ,
@@ -299,7 +300,7 @@ class FlashAttentionForwardSm90(OverlapTiles):
             self.consume_tile, tile_work=tile_work, tidx=tidx - _WARPGROUP, sQ=sQ, sK=sK, sV=sV,
             tiled_mma_qk=tiled_mma_qk, tiled_mma_pv=tiled_mma_pv,
             out_store=out_store, softmax_scale=softmax_scale,
-            scale_log2=scale_log2, block_range=block_range, mFullIndex=mFullIndex,
+            scale_log2=scale_log2, mFullIndex=mFullIndex,
             mMaskIndex=mMaskIndex, m_trace=mTrace, carried=carried, screen=screen)
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(self.producer_regs)
@@ -362,7 +363,7 @@ class FlashAttentionForwardSm90(OverlapTiles):
                             trace.PRODUCER_EVENTS)
         mark("start")
         (m_block, head, _, offset_q, _, offset_k, _, head_kv, in_sequence, n_max,
-         num_iters, num_mask_blocks, sparse_row, sparse_head) = tile_work(coords)
+         num_iters, num_mask_blocks, sparse_row, sparse_head, _) = tile_work(coords)
         mark("work")
         overlap = const_expr(self.spec.overlap_tiles)
         if const_expr(overlap):
@@ -395,14 +396,14 @@ class FlashAttentionForwardSm90(OverlapTiles):
     @cute.jit
     def consume_tile(
         self, coords, iteration, q_consumer, k_consumer, v_consumer, tile_work, tidx: Int32, sQ,
-        sK, sV, tiled_mma_qk, tiled_mma_pv, out_store, softmax_scale, scale_log2, block_range,
+        sK, sV, tiled_mma_qk, tiled_mma_pv, out_store, softmax_scale, scale_log2,
         mFullIndex, mMaskIndex, m_trace, carried=None, screen=None,
     ):
         mark = trace.marker(m_trace, 1 + tidx // _WARPGROUP, iteration,
                             tidx % _WARPGROUP == 0, trace.CONSUMER_EVENTS)
         mark("start")
         (m_block, head, _, offset_q, seqlen_q, _, seqlen_k, _, in_sequence, n_max,
-         num_iters, num_mask_blocks, sparse_row, sparse_head) = tile_work(coords)
+         num_iters, num_mask_blocks, sparse_row, sparse_head, block_range) = tile_work(coords)
         mark("work")
         mark("kv_tiles", num_iters)
         consume = partial(
@@ -429,11 +430,14 @@ class FlashAttentionForwardSm90(OverlapTiles):
         self, coords, tile_order: TileOrder, block_range: BlockRange, mQ: cute.Tensor,
         mK: cute.Tensor, mCuSeqlensQ: cute.Tensor, mCuSeqlensK: cute.Tensor,
         mFullCount: Optional[cute.Tensor], mMaskCount: Optional[cute.Tensor],
-        mRowBlockOffsets: Optional[cute.Tensor],
+        mRowBlockOffsets: Optional[cute.Tensor], mQPositions: Optional[cute.Tensor],
     ):
-        """Where the work tile at `coords` lies and which KV tiles it visits (a range or
-        compact lists)."""
+        """Where the work tile at `coords` lies, which KV tiles it visits (a range or
+        compact lists), and its rows' `BlockRange` (at their sequence's first position with
+        `q_positions`)."""
         m_block, head, batch = tile_order.unpack(coords)
+        if const_expr(self.spec.q_positions):
+            block_range = block_range.at_row_offset(mQPositions[batch])
         offset_q = mCuSeqlensQ[batch]
         seqlen_q = mCuSeqlensQ[batch + 1] - offset_q
         offset_k = mCuSeqlensK[batch]
@@ -458,7 +462,8 @@ class FlashAttentionForwardSm90(OverlapTiles):
             n_max = n_max_range
             num_iters = cutlass.max(n_max - n_min, 0)
         return (m_block, head, batch, offset_q, seqlen_q, offset_k, seqlen_k, head_kv,
-                in_sequence, n_max, num_iters, num_mask_blocks, sparse_row, sparse_head)
+                in_sequence, n_max, num_iters, num_mask_blocks, sparse_row, sparse_head,
+                block_range)
 
     @cute.jit
     def kv_tile_at(
@@ -781,7 +786,7 @@ class FlashAttentionForwardSm90(OverlapTiles):
     @cute.jit
     def drain_tile(self, coords, iteration, tile_work, out_store: OutputStore):
         """The storer warp's part of a tile (`FwdSpec.store_warp`)."""
-        (m_block, head, _, offset_q, seqlen_q, _, _, _, in_sequence, _, _, _, _,
+        (m_block, head, _, offset_q, seqlen_q, _, _, _, in_sequence, _, _, _, _, _,
          _) = tile_work(coords)
         out_store.drain(offset_q, seqlen_q, head, m_block, in_sequence, cute.arch.lane_idx())
         return ()
@@ -845,7 +850,8 @@ class FlashAttentionForwardSm90(OverlapTiles):
         rows may see, 1 .. tile_n / 32 (its last row sees the most)."""
         first_row = m_block * self.tile_m + tidx // _WARPGROUP * 64
         last_row = cutlass.min(first_row + 64, seqlen_q) - 1
-        key_end = cutlass.min(block_range.key_limit_right(last_row), seqlen_k)
+        key_end = cutlass.min(block_range.key_limit_right(block_range.position(last_row)),
+                              seqlen_k)
         chunks = (key_end - n_block * self.tile_n + 31) // 32
         chunks = cutlass.min(cutlass.max(chunks, 1), self.tile_n // 32)
         return cute.arch.make_warp_uniform(chunks)

@@ -65,6 +65,13 @@ def uniform_cu_seqlens(batch: int, seqlen: int, device: torch.device) -> torch.T
     return bounds(batch, seqlen, device=device)
 
 
+@functools.lru_cache(maxsize=64)
+def query_positions(positions: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """q_start_positions (host ints, one per sequence) as the (S,) int32 tensor the kernels
+    read, cached per value: a layer's calls repeat them, and each new one is one small copy."""
+    return torch.tensor(positions, dtype=torch.int32).to(device)
+
+
 def compiled_once(kernel_class: type, spec, example_args, tvm_ffi: bool = False):
     """`kernel_class(spec)` compiled on first use with `example_args()` (dynamic-layout cute
     tensors, scalars, stream), then cached in memory by (class, spec, tvm_ffi).

@@ -34,7 +34,7 @@ def require_int32_limits(caller: str, q, k, **kwargs) -> None:
 def int32_limits_reason(q, k, *, backward: bool = False, cu_seqlens_q=None, max_seqlen_q=None,
                         max_seqlen_k=None, compress_factor: int = 1, window_size=(-1, -1),
                         block_sparse=None, deterministic: bool = False, causal: bool = False,
-                        **_) -> str:
+                        q_start_positions=None, **_) -> str:
     """Why the sm90 kernels' 32-bit index arithmetic (or their launch grid) cannot hold this
     call; "" when it can. The fallback has none of these limits.
 
@@ -46,7 +46,8 @@ def int32_limits_reason(q, k, *, backward: bool = False, cu_seqlens_q=None, max_
       kernels' row offsets); extents of the kernels' tensors are Int32 (strides are 64-bit);
     - ``max_seqlen_q/k`` < 2**30: ``block_range.py``'s stand-in for an unbounded key or row range;
     - positions: ``(key + 1) * compress_factor`` and ``row + window`` of a tile's last key or row
-      are Int32 (``block_range.py``, ``mask.py``);
+      (past its sequence's first position, ``q_start_positions``) are Int32 (``block_range.py``,
+      ``mask.py``);
     - forward: ``ceil(max_seqlen_q / 128) * H * S`` work tiles are counted in Int32
       (``tile_scheduler.py``) and are the grid's x extent when not persistent;
     - backward: the row statistics and the dQ accumulator have ``P = 64 * (Tq // 64 + S)`` slots
@@ -70,11 +71,13 @@ def int32_limits_reason(q, k, *, backward: bool = False, cu_seqlens_q=None, max_
             return (f"{name} = {value} reaches 2**30, the kernels' stand-in for an unbounded "
                     "range (kernels/sm90/block_range.py)")
     window = max(window_size[0], window_size[1], 0)
-    reach = max(max_q + _FORWARD_TILE_M, (max_k + _WIDEST_TILE) * compress_factor) + window + 1
+    first_position = max(q_start_positions or (0,))
+    reach = max(first_position + max_q + _FORWARD_TILE_M,
+                (max_k + _WIDEST_TILE) * compress_factor) + window + 1
     if reach > INT32_MAX:
         return (f"token positions up to {reach} (max_seqlen_k {max_k} x compress_factor "
-                f"{compress_factor}, max_seqlen_q {max_q}, window {window}) exceed the kernels' "
-                "Int32 mask arithmetic")
+                f"{compress_factor}, max_seqlen_q {max_q} from position {first_position}, "
+                f"window {window}) exceed the kernels' Int32 mask arithmetic")
     if not backward:
         tiles = -(-max_q // _FORWARD_TILE_M) * num_heads * num_seqs
         if tiles > INT32_MAX:

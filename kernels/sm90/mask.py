@@ -30,7 +30,7 @@ def apply_mask(
     # column itself, ptxas materialised all 32 columns with an add each).
     col_base = c_mn[0, 0][1]
     for r in cutlass.range_constexpr(cute.size(s_mn, mode=[0])):
-        row = m_block * block_range.tile_m + c_mn[r, 0][0]
+        row = block_range.position(m_block * block_range.tile_m + c_mn[r, 0][0])
         hi = seqlen_k - key_base
         lo = Int32(0)
         if const_expr(with_causal_window):
@@ -74,8 +74,9 @@ def apply_mask_keys_as_rows(
         lo = Int32(0)
         hi = seqlen_q
         if const_expr(with_causal_window):
-            lo = block_range.row_limit_low(key)
-            hi = cutlass.min(hi, block_range.row_limit_high(key))
+            # Positions to local rows (no clamp needed: only compared with local columns).
+            lo = block_range.row_limit_low(key) - block_range.row_offset
+            hi = cutlass.min(hi, block_range.row_limit_high(key) - block_range.row_offset)
         if key >= seqlen_k:
             hi = Int32(0)
         lo = lo - row_base - col_base

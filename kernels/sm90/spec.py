@@ -48,6 +48,9 @@ class FwdSpec:
                                    # non-finite values before its P V (kernels/sm90/screen.py),
                                    # the least an exact fix of masked NaN leaks pays; measured,
                                    # never dispatched
+    q_positions: bool = False  # each sequence's queries start at a position of their own (an
+                               # (S,) int32 argument: q_start_positions), which every causal and
+                               # window limit reads (kernels/sm90/block_range.py)
 
     def writing_row_dots(self) -> "FwdSpec":
         """This spec with `row_dot_output`: the row dots come from the consumers' registers,
@@ -278,6 +281,7 @@ class BwdSpec:
                                # add the fused dQ into one band of rows, which L2 can hold.
                                # Dispatched for long compressed causal keys (2026-11-27,
                                # ROW_BANDS_FUSED_MIN_KEYS)
+    q_positions: bool = False  # as `FwdSpec.q_positions`
 
     @property
     def key_warpgroups(self) -> int:
@@ -413,6 +417,7 @@ class DqSpec:
     tile_n: int = 64           # keys per visited KV tile
     kv_stages: int = 2         # K and V pipeline depth
     accumulate: bool = False   # add dQ into the values dQ holds (nsa()'s running dq)
+    q_positions: bool = False  # as `FwdSpec.q_positions`
 
     @property
     def tiles_per_list_block(self) -> int:
@@ -653,4 +658,5 @@ def dq_spec_for(spec: BwdSpec, accumulate: bool = False) -> DqSpec:
     return DqSpec(dtype=spec.dtype, head_dim=spec.head_dim, causal=spec.causal,
                   has_window_left=spec.has_window_left, has_window_right=spec.has_window_right,
                   block_sparse=spec.block_sparse, compressed=spec.compressed,
-                  list_block=spec.tile_n if spec.block_sparse else 64, accumulate=accumulate)
+                  list_block=spec.tile_n if spec.block_sparse else 64, accumulate=accumulate,
+                  q_positions=spec.q_positions)

@@ -10,7 +10,6 @@ import torch
 
 from kernels import flash_attn_varlen_func
 from kernels.fallback import attention_backward_fallback, attention_forward_fallback
-from kernels.interface import which_backend
 from reference_attention import one_thread, random_block_sparse  # noqa: F401 (fixture)
 from sparsity import BlockSparseTensors
 
@@ -124,13 +123,6 @@ def test_autograd_entry_takes_them():
         q_start_positions=starts)
     torch.testing.assert_close(out.detach(), expected_out, rtol=0, atol=0)
     assert all(leaf.grad is not None and leaf.grad.abs().sum() > 0 for leaf in leaves)
-
-
-def test_the_sm90_kernels_say_they_do_not_take_them_yet():
-    q, k, v, _ = _inputs(10, 10, seed=2)
-    backend = which_backend(q, k, v, cu_seqlens_q=_cu([10]), cu_seqlens_k=_cu([10]),
-                            causal=True, q_start_positions=(3,))
-    assert backend.startswith("fallback")
 
 
 @pytest.mark.parametrize("value,error,match", [

@@ -246,3 +246,12 @@ def test_direct_kernel_call_rejects_unsupported_input_before_compiling(dtype, di
     q = torch.randn(4, 2, dim).to(getattr(torch, dtype))
     with pytest.raises(ValueError, match=match):
         run(q, q, q, causal=True)
+
+
+@pytest.mark.parametrize("call", ["compressed-causal", "window-causal"])
+def test_query_positions_variant_compiles_for_sm90a(call):
+    """`FwdSpec.q_positions` (q_start_positions: context parallelism's sequence mode) on the
+    dense rules of NSA's branches: the persistent, narrowed-first-tile and windowed variants;
+    the block-sparse walk reads the same per-tile range (GPU tests cover it)."""
+    spec = dataclasses.replace(_spec("bfloat16", 128, call), q_positions=True)
+    assert callable(compile_forward_on_fake_tensors(spec))
