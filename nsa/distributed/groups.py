@@ -26,6 +26,11 @@ class ContextParallelGroup:
         not one we know (a third-party backend: its own errors then speak for it)."""
         return backend_device_types(self.backend)
 
+    def reduces_scatter(self) -> bool:
+        """Whether the backend has reduce_scatter_tensor (each rank receives only its part of a
+        sum); else the caller all-reduces and keeps its part."""
+        return backend_reduces_scatter(self.backend)
+
     def collective_device(self, data: object) -> torch.device:
         """Where the small tensors of the agreement collective live: NCCL moves CUDA tensors
         only, so there it must be a CUDA device even when the data is (wrongly) elsewhere."""
@@ -49,6 +54,14 @@ def backend_device_types(backend: str) -> frozenset[str] | None:
         return frozenset(part.split(":", 1)[0].strip() for part in backend.split(","))
     return {"gloo": frozenset({"cpu"}), "nccl": frozenset({"cuda"}),
             "mpi": frozenset({"cpu", "cuda"})}.get(backend)
+
+
+def backend_reduces_scatter(backend: str) -> bool:
+    """NCCL and gloo have reduce_scatter_tensor in every torch we support (>= 2.4; gloo's is an
+    all-reduce keeping the rank's part, what the fallback does); MPI and backends we do not
+    know are not assumed to."""
+    parts = [part.split(":")[-1].strip() for part in str(backend).lower().split(",")]
+    return all(part in ("nccl", "gloo") for part in parts)
 
 
 def resolve_group(group, argument: str = "group") -> ContextParallelGroup:
