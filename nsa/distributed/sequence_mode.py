@@ -165,7 +165,7 @@ def _nsa_defaults() -> dict:
     from nsa.api import nsa
 
     skipped = {"q", "k", "v", "cu_seqlens", "host_cu_seqlens", "W_k", "W_v", "W_gate",
-               "context_parallel_group", "context_parallel_mode"}
+               "context_parallel_group", "context_parallel_mode", "context_parallel_layout"}
     return {name: parameter.default
             for name, parameter in inspect.signature(nsa).parameters.items()
             if name not in skipped}
@@ -252,19 +252,9 @@ class _GatherSequence(torch.autograd.Function):
         context, rows = ctx.context, ctx.rows
         world = context.world_size
         # (entries, T or N, ...) in rank order: rank r's shard at [r*T/W, (r+1)*T/W)
-        by_rank = to_rank_order(grad.view(rows.entries, rows.length, *grad.shape[1:]), 1, world,
-                                rows.layout)
-        if context.reduces_scatter():
-            # (W, entries, T/W, ...): [r] is rank r's shard of this rank's partial gradient
-            send = by_rank.unflatten(1, (world, -1)).transpose(0, 1).contiguous()
-            mine = send.new_empty(send.shape[1:])
-            _reduce_scatter(mine, send.flatten(0, 1), group=context.process_group)
-        else:
-            total = by_rank.contiguous()
-            dist.all_reduce(total, group=context.process_group)
-            mine = total.unflatten(1, (world, -1))[:, context.rank]
-        return None, mine.reshape(ctx.shape), None
-
-
-# torch 2.13 renamed reduce_scatter_tensor (the old name still works, with a FutureWarning).
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+        by_rank = to_rank_order(grad.reshape(rows.entries, rows.length, *grad.shape[1:]), 1,
+                                world, rows.layout)
+        # (W, entries, T/W, ...): [r] is rank r's shard of this rank's partial gradient (no
+        # copy for packed contiguous shards: entries = 1)
+        stacked = by_rank.unflatten(1, (world, -1)).transpose(0, 1).contiguous()
+        return None, context.sum_scattered(stacked).reshape(ctx.shape), None

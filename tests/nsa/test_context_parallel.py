@@ -265,7 +265,6 @@ def _check_reduce_scatter_fallback(group) -> None:
         leaf = shard.clone().requires_grad_()
         whole = _GatherSequence.apply(replace(context, backend=backend), leaf, rows)
         results.append(torch.autograd.grad(whole, leaf, grad)[0])
-    assert not replace(context, backend="mpi").reduces_scatter()
     assert torch.equal(*results)
 
 
@@ -508,20 +507,22 @@ def _check_fsdp2_data_by_context(world) -> None:
 
 def _check_nsa_keyword(group) -> None:
     """nsa(..., context_parallel_group=group) is nsa_context_parallel: the same bits, forward
-    and backward, with recompute passed through."""
+    and backward, with recompute and the layout passed through."""
     from nsa import nsa
     from nsa.distributed import nsa_context_parallel, shard_sequence
 
     inputs = _full_inputs(16, 4, 16, "packed", (50, 150, 56), True, torch.float32, seed=3)
     results = []
-    for call in (lambda q, k, v, **kw: nsa(q, k, v, context_parallel_group=group, **kw),
-                 lambda q, k, v, **kw: nsa_context_parallel(q, k, v, group=group, **kw)):
-        local = {n: shard_sequence(inputs[n], group, name=n).clone().requires_grad_()
-                 for n in ("q", "k", "v")}
+    for call in (lambda q, k, v, **kw: nsa(q, k, v, context_parallel_group=group,
+                                           context_parallel_layout="zigzag", **kw),
+                 lambda q, k, v, **kw: nsa_context_parallel(q, k, v, group=group,
+                                                            layout="zigzag", **kw)):
+        local = {n: shard_sequence(inputs[n], group, layout="zigzag", name=n).clone()
+                 .requires_grad_() for n in ("q", "k", "v")}
         out = call(local["q"], local["k"], local["v"], cu_seqlens=inputs["cu_seqlens"],
                    W_gate=inputs["W_gate"], recompute=True, **OPTIONS)
-        grads = torch.autograd.grad(out, list(local.values()),
-                                    shard_sequence(inputs["dout"], group, name="dout"))
+        grads = torch.autograd.grad(out, list(local.values()), shard_sequence(
+            inputs["dout"], group, layout="zigzag", name="dout"))
         results.append((out, *grads))
     for a, b in zip(*results):
         assert torch.equal(a, b), "nsa(context_parallel_group=) differs from nsa_context_parallel"
@@ -704,6 +705,14 @@ def test_zigzag_sharding_names_the_tensor_the_multiple_and_the_layout():
         shard_sequence(torch.randn(12, 2), rank=0, world_size=4, layout="zigzag", name="q")
     with pytest.raises(ValueError, match=r"layout must be one of \('contiguous', 'zigzag'\)"):
         shard_sequence(torch.randn(12, 2), rank=0, world_size=4, layout="ring")
+
+
+@pytest.mark.parametrize("backend, expected", [
+    ("nccl", True), ("gloo", True), ("cpu:gloo,cuda:nccl", True), ("mpi", False),
+    ("cpu:gloo,cuda:custom", False)])
+def test_reduce_scatter_where_the_backend_has_it(backend, expected):
+    from nsa.distributed.groups import backend_reduces_scatter
+    assert backend_reduces_scatter(backend) is expected
 
 
 @pytest.mark.parametrize("mode, world, kv_heads, expected", [
