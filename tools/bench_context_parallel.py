@@ -10,11 +10,12 @@ Without torchrun's environment (RANK, WORLD_SIZE) it runs as a group of one proc
 The inputs are packed: --num-seqs random-length documents (from --seed), which cross the shard
 bounds. --layout picks how the tokens are sharded (nsa.distributed.sharding; by default zigzag in
 sequence mode, whose causal work it balances, and contiguous in heads mode). With --check (the
-default) every rank builds the same full inputs from --seed, takes its shard and runs nsa_context_parallel forward and forward+backward; rank 0 also runs
-one-GPU nsa() on the full inputs and compares the gathered output and dq, dk, dv with it (heads
-mode: bitwise expected) and times it, for the ratio "context-parallel time / (one-GPU time / W)"
-(1.0 = perfect scaling). With --no-check each rank makes only its own shard (random values from
---seed and its rank), so lengths that no single GPU holds run too.
+default) every rank builds the same full inputs from --seed, takes its shard and runs
+nsa_context_parallel forward and forward+backward; rank 0 also runs one-GPU nsa() on the full inputs
+and compares the gathered output and dq, dk, dv with it (heads mode: bitwise expected) and times it,
+for the ratio "context-parallel time / (one-GPU time / W)" (1.0 = perfect scaling). With --no-check
+each rank makes only its own shard (random values from --seed and its rank), so lengths that no
+single GPU holds run too.
 Timing: --warmup untimed calls, then the median of --repeats (CUDA events on a GPU,
 perf_counter on the CPU); the reported time is the slowest rank's median. The mode's exchanges
 alone are timed the same way, to give communication's share of the step: in heads mode the
@@ -345,8 +346,8 @@ def _max_length(args, argv) -> dict:
     rows, (good, bad) = search_on_ranks(fits_here, max(step, args.seqlen or step), step,
                                         deadline, device, group.rank)
     complete = bad is not None and bad - good <= step
-    answer = dict(world_size=group.world_size, mode=mode, layout=layout, max_seqlen=good, first_failure=bad,
-                  complete=complete, heads=args.heads, kv_heads=args.kv_heads,
+    answer = dict(world_size=group.world_size, mode=mode, layout=layout, max_seqlen=good,
+                  first_failure=bad, complete=complete, heads=args.heads, kv_heads=args.kv_heads,
                   head_dim=args.head_dim, dtype=str(dtype).removeprefix("torch."),
                   device=describe_device(device))
     if group.rank == 0:

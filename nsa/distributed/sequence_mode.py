@@ -24,8 +24,9 @@ holds positions [a, b):
 
 Backward: dO is zero on the halo rows, so they add exactly nothing to any gradient and get none
 (their q is taken detached). dK and dV of the gathered keys are summed over the ranks into
-their owners (a reduce-scatter: each rank receives only its rows); W_k, W_v and W_gate get each rank's partial (its queries'
-share), which the data x context gradient reduction completes, as in heads mode. Outputs equal
+their owners (a reduce-scatter: each rank receives only its rows); W_k, W_v and W_gate get each
+rank's partial (its queries' share), which the data x context gradient reduction completes, as
+in heads mode. Outputs equal
 one process's up to the order of float sums (the dK/dV reduction over ranks adds in another
 order than one process's kernels), with the same selected blocks.
 
@@ -186,7 +187,7 @@ def _rank_rows(context: ContextParallelGroup, layout: str, q: Tensor, cu_seqlens
     length = shard * world
     ranges_of = [shard_ranges(length, rank=r, world_size=world, layout=layout)
                  for r in range(world)]
-    chunk = shard // len(ranges_of[rank])
+    chunk = shard // chunks_per_rank(layout)
     if chunk < tail_rows(q_tile):
         raise ValueError(f"mode='sequence': every rank must hold at least {tail_rows(q_tile)} "
                          f"tokens per chunk of the layout (two selection tiles: a chunk's halo "
