@@ -22,7 +22,7 @@ def nsa(q: Tensor, k: Tensor, v: Tensor, *, cu_seqlens: Tensor | None = None,
         host_cu_seqlens: tuple[int, ...] | list[int] | None = None,
         recompute: bool | None = None, capture: bool | None = None,
         context_parallel_group=None,
-        context_parallel_mode: str = "auto",
+        context_parallel_mode: str = "auto", context_parallel_layout: str = "contiguous",
         _q_tile: int = SELECTION_Q_TILE, _cmp_kv_block: int = CMP_KV_BLOCK) -> Tensor:
     """Native Sparse Attention: compressed + selected + sliding-window branches, gated.
 
@@ -81,11 +81,13 @@ def nsa(q: Tensor, k: Tensor, v: Tensor, *, cu_seqlens: Tensor | None = None,
         them.
     context_parallel_group: run across the ranks of this torch.distributed group (a
         ProcessGroup, a 1-D DeviceMesh, or (mesh, dim name)): q, k, v are then this rank's
-        contiguous token shard (packed inputs with the whole sequence's cu_seqlens, the same on
+        token shard (packed inputs with the whole sequence's cu_seqlens, the same on
         every rank) and the result is this rank's shard of the output; a collective call
         (`nsa.distributed.nsa_context_parallel`, docs/context_parallel.md). None (the default)
         runs on this process alone.
     context_parallel_mode: "auto", "heads" or "sequence" with context_parallel_group.
+    context_parallel_layout: "contiguous" or "zigzag", how the tokens are sharded
+        (nsa.distributed.sharding) with context_parallel_group.
     torch.compile: nsa() compiles with fullgraph=True, forward and backward. While compiling it
         calls the custom ops `torch.ops.nsa_cute.nsa_forward` / `nsa_backward` (nsa/ops.py),
         opaque to the compiler, which compute what eager nsa() computes (the backward also
@@ -98,7 +100,8 @@ def nsa(q: Tensor, k: Tensor, v: Tensor, *, cu_seqlens: Tensor | None = None,
 
         return nsa_context_parallel(
             q, k, v, group=context_parallel_group, cu_seqlens=cu_seqlens,
-            host_cu_seqlens=host_cu_seqlens, mode=context_parallel_mode, W_k=W_k, W_v=W_v,
+            host_cu_seqlens=host_cu_seqlens, mode=context_parallel_mode,
+            layout=context_parallel_layout, W_k=W_k, W_v=W_v,
             W_gate=W_gate, max_seqlen=max_seqlen, compress_block_size=compress_block_size,
             selected_block_size=selected_block_size, num_selected_blocks=num_selected_blocks,
             window_size=window_size, causal=causal, softmax_scale=softmax_scale,

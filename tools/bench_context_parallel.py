@@ -8,18 +8,20 @@ Run under torchrun, one process per GPU (NCCL), or with --device cpu on gloo:
 
 Without torchrun's environment (RANK, WORLD_SIZE) it runs as a group of one process.
 The inputs are packed: --num-seqs random-length documents (from --seed), which cross the shard
-bounds. With --check (the default) every rank builds the same full inputs from --seed, takes its
-contiguous shard and runs nsa_context_parallel forward and forward+backward; rank 0 also runs
-one-GPU nsa() on the full inputs and compares the gathered output and dq, dk, dv with it (heads
-mode: bitwise expected) and times it, for the ratio "context-parallel time / (one-GPU time / W)"
-(1.0 = perfect scaling). With --no-check each rank makes only its own shard (random values from
---seed and its rank), so lengths that no single GPU holds run too.
+bounds. --layout picks how the tokens are sharded (nsa.distributed.sharding; by default zigzag in
+sequence mode, whose causal work it balances, and contiguous in heads mode). With --check (the
+default) every rank builds the same full inputs from --seed, takes its shard and runs
+nsa_context_parallel forward and forward+backward; rank 0 also runs one-GPU nsa() on the full inputs
+and compares the gathered output and dq, dk, dv with it (heads mode: bitwise expected) and times it,
+for the ratio "context-parallel time / (one-GPU time / W)" (1.0 = perfect scaling). With --no-check
+each rank makes only its own shard (random values from --seed and its rank), so lengths that no
+single GPU holds run too.
 Timing: --warmup untimed calls, then the median of --repeats (CUDA events on a GPU,
 perf_counter on the CPU); the reported time is the slowest rank's median. The mode's exchanges
 alone are timed the same way, to give communication's share of the step: in heads mode the
 all-to-alls (q, k, v to head shards and the output back; the backward moves the same volumes
-the other way), in sequence mode the all-gathers of k and v and the backward's all-reduce of
-the whole sequence's dk and dv.
+the other way), in sequence mode the all-gathers of k and v and the backward's reduce-scatter of
+the whole sequence's dk and dv (an all-reduce on a backend without reduce-scatter).
 
 `--max-length` (CUDA) instead searches the longest T whose context-parallel forward+backward
 fits these ranks, each rank making only its own shard (random values from --seed and its rank;
@@ -57,8 +59,9 @@ from _common import (DTYPES, RECOMPUTE_OPTIONS, add_cmp_selected_argument,  # no
                      positive_int, resolve_device, search_longest, time_ms, varlen_lengths,
                      write_results_json)
 from nsa import nsa  # noqa: E402
-from nsa.distributed import (choose_mode, nsa_context_parallel, resolve_group,  # noqa: E402
-                             shard_sequence, unshard_sequence)
+from nsa.distributed import (LAYOUTS, choose_mode, nsa_context_parallel,  # noqa: E402
+                             resolve_group, shard_ranges, shard_sequence, unshard_sequence)
+from nsa.distributed.sharding import chunks_per_rank  # noqa: E402
 from nsa.distributed.exchange import heads_to_sequence, sequence_to_heads  # noqa: E402
 
 TOOL = "bench_context_parallel"
@@ -82,6 +85,11 @@ def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
                         help="default: bfloat16 on CUDA, float32 on the CPU (whose bfloat16 "
                              "matmuls are slow)")
     parser.add_argument("--mode", choices=("auto", "heads", "sequence"), default="auto")
+    parser.add_argument("--layout", choices=("auto", *LAYOUTS), default="auto",
+                        help="how the tokens are sharded over the ranks; auto: zigzag in "
+                             "sequence mode (rank r holds chunks r and 2W-1-r of 2W: every rank "
+                             "the same causal work), contiguous in heads mode (balanced "
+                             "already: zigzag would only add a reorder of the gathered tokens)")
     parser.add_argument("--overlap-chunks", type=positive_int, default=1, metavar="N",
                         help="heads mode pipelined in N chunks of a rank's KV heads, each "
                              "chunk's all-to-alls overlapping its neighbour's compute "
@@ -218,9 +226,12 @@ def _run(args, argv) -> dict:
     if device.type == "cuda":
         device = torch.device("cuda", torch.cuda.current_device())
     seqlen = args.seqlen or (262144 if device.type == "cuda" else 512)
-    if seqlen % world:
-        raise SystemExit(f"--seqlen {seqlen} must be a multiple of the {world} ranks")
     mode = choose_mode(args.mode, world, args.kv_heads)  # the same error on every rank
+    layout = resolve_layout(args.layout, mode)
+    try:
+        shard_ranges(seqlen, rank=0, world_size=world, layout=layout, name="--seqlen")
+    except ValueError as error:
+        raise SystemExit(str(error)) from None
     args.dtype = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
     dtype = DTYPES[args.dtype]
     options = _nsa_options(args)
@@ -229,7 +240,8 @@ def _run(args, argv) -> dict:
     cu_seqlens, host_cu = _bounds(args, seqlen, device)
     if args.check:  # every rank makes the whole sequence (rank 0 runs it on one GPU) and shards it
         full = _full_inputs(args, seqlen, dtype, device)
-        local = {n: shard_sequence(full[n], group.process_group, name=n).contiguous()
+        local = {n: shard_sequence(full[n], group.process_group, layout=layout,
+                                   name=n).contiguous()
                  for n in ("q", "k", "v", "dout")}
     else:  # only its own shard: no rank ever holds the whole sequence
         local = _shard_inputs(args, seqlen, dtype, device, group.rank, world)
@@ -237,7 +249,7 @@ def _run(args, argv) -> dict:
     def forward(leaves=None):
         q, k, v = leaves or (local["q"], local["k"], local["v"])
         return nsa_context_parallel(q, k, v, group=group.process_group, cu_seqlens=cu_seqlens,
-                                    host_cu_seqlens=host_cu, mode=args.mode,
+                                    host_cu_seqlens=host_cu, mode=args.mode, layout=layout,
                                     overlap_chunks=args.overlap_chunks, **weights, **options)
 
     leaves = [local[n].detach().requires_grad_() for n in ("q", "k", "v")]
@@ -249,8 +261,8 @@ def _run(args, argv) -> dict:
     if args.check:  # the whole output and gradients, gathered on every rank
         out = forward(leaves)
         grads = torch.autograd.grad(out, leaves, local["dout"], retain_graph=True)
-        gathered = {"out": unshard_sequence(out, group.process_group)} | {
-            n: unshard_sequence(g, group.process_group)
+        gathered = {"out": unshard_sequence(out, group.process_group, layout=layout)} | {
+            n: unshard_sequence(g, group.process_group, layout=layout)
             for n, g in zip(("dq", "dk", "dv"), grads)}
         del out, grads
 
@@ -268,7 +280,8 @@ def _run(args, argv) -> dict:
     comm = (_time_sequence_exchanges(args, local, group, device) if mode == "sequence"
             else _time_exchanges(args, local, group, device, dtype))
 
-    result = {"world_size": world, "mode": mode, "overlap_chunks": args.overlap_chunks,
+    result = {"world_size": world, "mode": mode, "layout": layout,
+              "overlap_chunks": args.overlap_chunks,
               "seqlen": seqlen, "num_seqs": args.num_seqs,
               "heads": args.heads, "kv_heads": args.kv_heads, "head_dim": args.head_dim,
               "dtype": args.dtype, "weights": not args.no_weights, "options": options,
@@ -287,6 +300,14 @@ def _run(args, argv) -> dict:
             write_results_json(args.json, TOOL, list(argv or sys.argv[1:]), result["device"],
                                [result])
     return result
+
+
+def resolve_layout(layout: str, mode: str) -> str:
+    """--layout as run: auto is zigzag in sequence mode (each rank computes its own rows, whose
+    causal work zigzag balances), contiguous in heads mode (each rank computes every row)."""
+    if layout != "auto":
+        return layout
+    return "zigzag" if mode == "sequence" else "contiguous"
 
 
 def _nsa_options(args) -> dict:
@@ -311,12 +332,13 @@ def _max_length(args, argv) -> dict:
                          "running out of GPU memory)")
     device = torch.device("cuda", torch.cuda.current_device())
     mode = choose_mode(args.mode, group.world_size, args.kv_heads)
+    layout = resolve_layout(args.layout, mode)
     dtype = DTYPES[args.dtype or "bfloat16"]
-    step = math.lcm(args.resolution, group.world_size)
+    step = math.lcm(args.resolution, group.world_size * chunks_per_rank(layout))
     deadline = None if args.time_limit is None else time.monotonic() + args.time_limit
 
     def fits_here(n: int) -> tuple[bool, int]:
-        fits, peak = _fits_on_this_rank(args, n, dtype, device, group)
+        fits, peak = _fits_on_this_rank(args, n, layout, dtype, device, group)
         gc.collect()  # the trial's frame (a failed one's traceback) is gone: free its blocks
         torch.cuda.empty_cache()
         return fits, peak
@@ -324,12 +346,12 @@ def _max_length(args, argv) -> dict:
     rows, (good, bad) = search_on_ranks(fits_here, max(step, args.seqlen or step), step,
                                         deadline, device, group.rank)
     complete = bad is not None and bad - good <= step
-    answer = dict(world_size=group.world_size, mode=mode, max_seqlen=good, first_failure=bad,
-                  complete=complete, heads=args.heads, kv_heads=args.kv_heads,
+    answer = dict(world_size=group.world_size, mode=mode, layout=layout, max_seqlen=good,
+                  first_failure=bad, complete=complete, heads=args.heads, kv_heads=args.kv_heads,
                   head_dim=args.head_dim, dtype=str(dtype).removeprefix("torch."),
                   device=describe_device(device))
     if group.rank == 0:
-        print(f"{group.world_size} ranks, mode {mode}: "
+        print(f"{group.world_size} ranks, mode {mode}, layout {layout}: "
               + describe_answer("fwd+bwd", good, bad, step, complete))
         if args.json is not None:
             write_results_json(args.json, TOOL, list(argv or sys.argv[1:]), answer["device"],
@@ -361,7 +383,8 @@ def search_on_ranks(fits_here, start: int, step: int, deadline: float | None, de
     return rows, search_longest(trial, start // step * step, step)
 
 
-def _fits_on_this_rank(args, seqlen: int, dtype, device, group) -> tuple[bool, int]:
+def _fits_on_this_rank(args, seqlen: int, layout: str, dtype, device,
+                       group) -> tuple[bool, int]:
     """Whether this rank's forward+backward of a T = seqlen call fits, and its peak bytes
     (0 when it does not)."""
     try:
@@ -372,7 +395,8 @@ def _fits_on_this_rank(args, seqlen: int, dtype, device, group) -> tuple[bool, i
         cu_seqlens, host_cu = _bounds(args, seqlen, device)
         out = nsa_context_parallel(
             *leaves, group=group.process_group, cu_seqlens=cu_seqlens, host_cu_seqlens=host_cu,
-            mode=args.mode, overlap_chunks=args.overlap_chunks, **_nsa_options(args),
+            mode=args.mode, layout=layout, overlap_chunks=args.overlap_chunks,
+            **_nsa_options(args),
             **weights)
         torch.autograd.grad(out, [*leaves, *weights.values()], local["dout"])
         torch.cuda.synchronize(device)
@@ -455,8 +479,10 @@ def _time_exchanges(args, local, group, device, dtype) -> dict:
 
 def _time_sequence_exchanges(args, local, group, device) -> dict:
     """Sequence mode's exchanges alone (nsa/distributed/sequence_mode.py): the forward's
-    all-gathers of k and v (the q halo is 256 rows: not counted), the backward's all-reduce of
-    the whole sequence's dk and dv."""
+    all-gathers of k and v (the q halo is 256 rows a chunk: not counted), the backward's
+    reduce-scatter of the whole sequence's dk and dv (each rank receiving its rows; an
+    all-reduce where the backend has no reduce-scatter, as sequence mode does). The layout only
+    reorders rows around these: the same collectives, the same bytes."""
     process_group = group.process_group
     k, v = local["k"], local["v"]
 
@@ -465,18 +491,19 @@ def _time_sequence_exchanges(args, local, group, device) -> dict:
             dist.all_gather([torch.empty_like(x) for _ in range(group.world_size)], x,
                             group=process_group)
 
-    whole = [torch.zeros(x.shape[0] * group.world_size, *x.shape[1:], dtype=x.dtype,
-                         device=x.device) for x in (k, v)]
+    # (W, T/W, Hkv, D): every rank's shard of a rank's partial dk (dv)
+    partials = [torch.zeros(group.world_size, *x.shape, dtype=x.dtype, device=x.device)
+                for x in (k, v)]
 
     def reduce():
-        for x in whole:
-            dist.all_reduce(x, group=process_group)
+        for x in partials:
+            group.sum_scattered(x)
 
     gather_ms = _slowest(time_ms(gather, device, warmup=args.warmup, repeats=args.repeats),
                          device)
     reduce_ms = _slowest(time_ms(reduce, device, warmup=args.warmup, repeats=args.repeats),
                          device)
-    return {"all_gather_kv_ms": gather_ms, "all_reduce_dkv_ms": reduce_ms,
+    return {"all_gather_kv_ms": gather_ms, "reduce_dkv_ms": reduce_ms,
             "exchange_fwd_ms": gather_ms, "exchange_fwd_bwd_ms": gather_ms + reduce_ms}
 
 
@@ -528,6 +555,7 @@ def _print_table(result: dict) -> None:
     chunks = result["overlap_chunks"]
     print(f"nsa context parallel: {result['world_size']} ranks, mode {result['mode']}"
           f"{f' in {chunks} overlapped chunks' if chunks > 1 else ''}, "
+          f"layout {result['layout']}, "
           f"T={result['seqlen']} in {result['num_seqs']} documents, H={result['heads']} "
           f"Hkv={result['kv_heads']} D={result['head_dim']} {result['dtype']}, "
           f"{result['device']}")

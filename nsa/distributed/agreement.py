@@ -19,13 +19,14 @@ import torch.distributed as dist
 from torch import Tensor
 
 from nsa.distributed.groups import ContextParallelGroup
+from nsa.distributed.sharding import chunks_per_rank
 
 # nsa() options passed through unchanged; each is compared across ranks by name.
 NSA_OPTIONS = ("max_seqlen", "compress_block_size", "selected_block_size", "num_selected_blocks",
                "window_size", "causal", "softmax_scale", "num_cmp_selected_blocks",
                "deterministic", "recompute", "capture", "_q_tile", "_cmp_kv_block")
 # nsa_context_parallel's own options, compared across ranks like nsa()'s.
-CONTEXT_PARALLEL_OPTIONS = ("overlap_chunks",)
+CONTEXT_PARALLEL_OPTIONS = ("overlap_chunks", "layout")
 MODES = ("auto", "heads", "sequence")
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _DEVICE_TYPES = ("cpu", "cuda", "meta")
@@ -149,6 +150,7 @@ def _check_locally(group, q, k, v, W_k, W_v, W_gate, cu_seqlens, host_cu_seqlens
         if tuple(W.shape) != shape:
             raise ValueError(f"{name} must be {form} = {shape}, got {tuple(W.shape)}")
     _check_overlap_chunks(options.get("overlap_chunks", 1), kv_heads, group.world_size)
+    _check_layout_splits(options.get("layout", "contiguous"), q.shape[0 if packed else 1])
     if not packed:
         if host_cu_seqlens is not None:
             raise ValueError("host_cu_seqlens must be None without cu_seqlens (a padded batch's "
@@ -164,6 +166,14 @@ def _check_overlap_chunks(chunks, kv_heads: int, world: int) -> None:
         raise ValueError(f"overlap_chunks must divide the KV heads of a rank in heads mode "
                          f"(Hkv / world size = {kv_heads} / {world} = {kv_heads // world}), "
                          f"got {chunks}")
+
+
+def _check_layout_splits(layout, local_tokens: int) -> None:
+    chunks = chunks_per_rank(layout)  # a ValueError naming `layout` unless it is a known one
+    if local_tokens % chunks:
+        raise ValueError(f"q must hold a multiple of {chunks} tokens on every rank with "
+                         f"layout={layout!r} (each rank's shard is {chunks} equal chunks of the "
+                         f"sequence; see nsa.distributed.shard_sequence), got {local_tokens}")
 
 
 def _check_device(group: ContextParallelGroup, name: str, x: Tensor, expected) -> None:

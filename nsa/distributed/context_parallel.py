@@ -24,6 +24,7 @@ from nsa.distributed.exchange import (HeadsToSequence, SequenceToHeads, chunk_he
                                       start_heads_to_sequence, start_sequence_to_heads)
 from nsa.distributed.groups import ContextParallelGroup, resolve_group
 from nsa.distributed.sequence_mode import sequence_mode
+from nsa.distributed.sharding import to_natural_order, to_rank_order
 
 
 def nsa_context_parallel(q: Tensor, k: Tensor, v: Tensor, *, group,
@@ -31,10 +32,10 @@ def nsa_context_parallel(q: Tensor, k: Tensor, v: Tensor, *, group,
                          host_cu_seqlens: tuple[int, ...] | list[int] | None = None,
                          mode: str = "auto", W_k: Tensor | None = None, W_v: Tensor | None = None,
                          W_gate: Tensor | None = None, overlap_chunks: int = 1,
-                         **nsa_options) -> Tensor:
+                         layout: str = "contiguous", **nsa_options) -> Tensor:
     """This rank's shard of nsa(q, k, v, ...) computed over the whole sharded sequence.
 
-    q, k, v: this rank's contiguous token shard (nsa.distributed.shard_sequence makes it):
+    q, k, v: this rank's token shard in `layout` (nsa.distributed.shard_sequence makes it):
         packed (T/W, H, D), (T/W, Hkv, D) with the GLOBAL cu_seqlens (the whole packed
         sequence's bounds, the same on every rank; documents may cross shard boundaries), or
         padded (B, N/W, H, D), (B, N/W, Hkv, D). Every rank holds the same number of tokens.
@@ -53,6 +54,10 @@ def nsa_context_parallel(q: Tensor, k: Tensor, v: Tensor, *, group,
         nsa() computes chunk c, forward and backward. 1 (default): one all-to-all each way,
         nothing overlapped. The same numbers either way on the GPU (nsa() is per KV head).
         Not yet timed on GPUs: the default stays 1 until it is.
+    layout: how the tokens are sharded (nsa.distributed.sharding): "contiguous" (default:
+        rank r holds tokens [r*T/W, (r+1)*T/W)) or "zigzag" (rank r holds chunks r and 2W-1-r
+        of 2W equal chunks: the same causal work on every rank, which sequence mode needs to
+        be balanced). The output and gradients come back in the same layout.
     nsa_options: nsa()'s other options (block sizes, window_size, max_seqlen of the whole
         sequence, softmax_scale, deterministic, ...), the same on every rank.
 
@@ -63,21 +68,21 @@ def nsa_context_parallel(q: Tensor, k: Tensor, v: Tensor, *, group,
     """
     context = resolve_group(group)
     agreed = agree_on_call(context, q, k, v, W_k, W_v, W_gate, cu_seqlens, host_cu_seqlens, mode,
-                           {**nsa_options, "overlap_chunks": overlap_chunks})
+                           {**nsa_options, "overlap_chunks": overlap_chunks, "layout": layout})
     chosen = choose_mode(mode, context.world_size, k.shape[-2])
     if chosen == "sequence":
         if overlap_chunks != 1:
             raise ValueError("overlap_chunks: heads mode only (mode='sequence' was chosen)")
-        return sequence_mode(context, q, k, v, W_k, W_v, W_gate, cu_seqlens,
+        return sequence_mode(context, layout, q, k, v, W_k, W_v, W_gate, cu_seqlens,
                              agreed.host_cu_seqlens, nsa_options)
     if context.world_size == 1:
         return nsa(q, k, v, cu_seqlens=cu_seqlens, host_cu_seqlens=agreed.host_cu_seqlens,
                    W_k=W_k, W_v=W_v, W_gate=W_gate, **nsa_options)
     if overlap_chunks > 1:
-        return _pipelined_heads_mode(context, overlap_chunks, q, k, v, W_k, W_v, W_gate,
-                                     cu_seqlens, agreed.host_cu_seqlens, nsa_options)
-    return _heads_mode(context, q, k, v, W_k, W_v, W_gate, cu_seqlens, agreed.host_cu_seqlens,
-                       nsa_options)
+        return _pipelined_heads_mode(context, layout, overlap_chunks, q, k, v, W_k, W_v,
+                                     W_gate, cu_seqlens, agreed.host_cu_seqlens, nsa_options)
+    return _heads_mode(context, layout, q, k, v, W_k, W_v, W_gate, cu_seqlens,
+                       agreed.host_cu_seqlens, nsa_options)
 
 
 def choose_mode(mode: str, world_size: int, kv_heads: int) -> str:
@@ -95,12 +100,14 @@ def choose_mode(mode: str, world_size: int, kv_heads: int) -> str:
                      f"of a size that divides Hkv, or mode='sequence'")
 
 
-def _heads_mode(context: ContextParallelGroup, q, k, v, W_k, W_v, W_gate, cu_seqlens,
-                host_cu_seqlens, nsa_options) -> Tensor:
+def _heads_mode(context: ContextParallelGroup, layout: str, q, k, v, W_k, W_v, W_gate,
+                cu_seqlens, host_cu_seqlens, nsa_options) -> Tensor:
     packed = cu_seqlens is not None
     # The exchange works on (L, n, h, D); packed tokens are one row of L.
     as_4d = (lambda x: x.unsqueeze(0)) if packed else (lambda x: x)
-    q_heads, k_heads, v_heads = SequenceToHeads.apply(context, as_4d(q), as_4d(k), as_4d(v))
+    natural, by_rank = _orders(context, layout)
+    q_heads, k_heads, v_heads = (
+        natural(x) for x in SequenceToHeads.apply(context, as_4d(q), as_4d(k), as_4d(v)))
     if packed:
         q_heads, k_heads, v_heads = (x.squeeze(0) for x in (q_heads, k_heads, v_heads))
     # Rank r computes KV heads [r*Hkv/W, (r+1)*Hkv/W) and their query heads: q head h belongs
@@ -115,21 +122,31 @@ def _heads_mode(context: ContextParallelGroup, q, k, v, W_k, W_v, W_gate, cu_seq
                     W_k=None if W_k is None else W_k[kv_slice],
                     W_v=None if W_v is None else W_v[kv_slice],
                     W_gate=None if W_gate is None else W_gate[q_slice], **nsa_options)
-    (out,) = HeadsToSequence.apply(context, as_4d(out_heads))
+    (out,) = HeadsToSequence.apply(context, by_rank(as_4d(out_heads)))
     return out.squeeze(0) if packed else out
 
 
-def _pipelined_heads_mode(context: ContextParallelGroup, chunks: int, q, k, v, W_k, W_v, W_gate,
-                          cu_seqlens, host_cu_seqlens, nsa_options) -> Tensor:
+def _orders(context: ContextParallelGroup, layout: str):
+    """(natural, by_rank): (L, n, h, D) tensors of the whole sequence from the rank order the
+    all-to-all delivers to the natural order nsa() reads, and back. Identities (no copy) for
+    the contiguous layout, whose rank order is the natural order."""
+    world = context.world_size
+    return (lambda x: to_natural_order(x, 1, world, layout),
+            lambda x: to_rank_order(x, 1, world, layout))
+
+
+def _pipelined_heads_mode(context: ContextParallelGroup, layout: str, chunks: int, q, k, v, W_k,
+                          W_v, W_gate, cu_seqlens, host_cu_seqlens, nsa_options) -> Tensor:
     packed = cu_seqlens is not None
     as_4d = (lambda x: x.unsqueeze(0)) if packed else (lambda x: x)
     as_given = (lambda x: x.squeeze(0)) if packed else (lambda x: x)
+    natural, by_rank = _orders(context, layout)
 
     def run(q_c, k_c, v_c, W_k_c, W_v_c, W_gate_c):
-        out_c = nsa(as_given(q_c), as_given(k_c), as_given(v_c), cu_seqlens=cu_seqlens,
+        out_c = nsa(*(as_given(natural(x)) for x in (q_c, k_c, v_c)), cu_seqlens=cu_seqlens,
                     host_cu_seqlens=host_cu_seqlens, W_k=W_k_c, W_v=W_v_c, W_gate=W_gate_c,
                     **nsa_options)
-        return as_4d(out_c)
+        return by_rank(as_4d(out_c))
 
     out = PipelinedHeads.apply(context, chunks, run, as_4d(q), as_4d(k), as_4d(v), W_k, W_v,
                                W_gate)

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch import Tensor
 
 
 @dataclass(frozen=True)
@@ -25,6 +26,18 @@ class ContextParallelGroup:
         """Device types whose tensors this group's collectives move; None when the backend is
         not one we know (a third-party backend: its own errors then speak for it)."""
         return backend_device_types(self.backend)
+
+    def sum_scattered(self, stacked: Tensor) -> Tensor:
+        """The sum over the ranks of stacked[rank], for this rank (stacked: (W, ...) on every
+        rank): a reduce-scatter where the backend has one (each rank receives only its part),
+        else an all-reduce of the whole, keeping this rank's part."""
+        if backend_reduces_scatter(self.backend):
+            mine = stacked.new_empty(stacked.shape[1:])
+            _reduce_scatter(mine, stacked.flatten(0, 1), group=self.process_group)
+            return mine
+        total = stacked.contiguous()
+        dist.all_reduce(total, group=self.process_group)
+        return total[self.rank]
 
     def collective_device(self, data: object) -> torch.device:
         """Where the small tensors of the agreement collective live: NCCL moves CUDA tensors
@@ -49,6 +62,18 @@ def backend_device_types(backend: str) -> frozenset[str] | None:
         return frozenset(part.split(":", 1)[0].strip() for part in backend.split(","))
     return {"gloo": frozenset({"cpu"}), "nccl": frozenset({"cuda"}),
             "mpi": frozenset({"cpu", "cuda"})}.get(backend)
+
+
+def backend_reduces_scatter(backend: str) -> bool:
+    """NCCL and gloo have reduce_scatter_tensor in every torch we support (>= 2.4; gloo's is an
+    all-reduce keeping the rank's part, what the fallback does); MPI and backends we do not
+    know are not assumed to."""
+    parts = [part.split(":")[-1].strip() for part in str(backend).lower().split(",")]
+    return all(part in ("nccl", "gloo") for part in parts)
+
+
+# torch 2.13 renamed reduce_scatter_tensor (the old name still works, with a FutureWarning).
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def resolve_group(group, argument: str = "group") -> ContextParallelGroup:

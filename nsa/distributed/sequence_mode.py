@@ -1,8 +1,9 @@
 """Sequence mode: each rank keeps its query rows and reads the keys they need from the others.
 
 For groups whose size does not divide Hkv (heads mode's condition), or on request. Rank r holds
-tokens of the sequence (packed: the contiguous rows [r T/W, (r+1) T/W); padded: positions
-[r N/W, (r+1) N/W) of every batch entry). Per document (segment) it holds positions [a, b):
+one or two chunks of the sequence (nsa.distributed.sharding's layout: packed, rows of the whole
+packed sequence; padded, positions of every batch entry). Per document and chunk (a segment) it
+holds positions [a, b):
 
 - keys: K and V of the whole sequence, all-gathered (each rank holds (T, Hkv, D) of each: the
   simple form; reading only the blocks a rank's queries need is the frugal one, not built), of
@@ -12,9 +13,10 @@ tokens of the sequence (packed: the contiguous rows [r T/W, (r+1) T/W); padded: 
   rows never attend);
 - queries: its own rows [a, b), and before them a halo of the rows [p, a) that the rule of one
   GPU reads: p is a's selection tile start, one tile further back (a selection tile's scoring
-  query averages the q_tile rows ending at its first row), or 0. The halo comes from the
-  previous rank's last rows (one all-gather of each rank's last 2 q_tile rows: sequence mode
-  needs at least that many tokens per rank);
+  query averages the q_tile rows ending at its first row), or 0. The halo is the end of the
+  chunk before a's (owned by the previous rank, or by any rank with the zigzag layout): one
+  all-gather of the last 2 q_tile rows of every rank's chunks, so sequence mode needs at least
+  that many tokens per chunk;
 - nsa()'s internals on those query rows (`sparsity.QueryRows`: every rule at the rows' positions
   in their document, the kernels' q_start_positions), then the rows it owns are kept. The first
   tile of a halo scores only the rows it has, so its selection differs from one GPU's: its rows
@@ -22,8 +24,9 @@ tokens of the sequence (packed: the contiguous rows [r T/W, (r+1) T/W); padded: 
 
 Backward: dO is zero on the halo rows, so they add exactly nothing to any gradient and get none
 (their q is taken detached). dK and dV of the gathered keys are summed over the ranks into
-their owners (a reduce-scatter); W_k, W_v and W_gate get each rank's partial (its queries'
-share), which the data x context gradient reduction completes, as in heads mode. Outputs equal
+their owners (a reduce-scatter: each rank receives only its rows); W_k, W_v and W_gate get each
+rank's partial (its queries' share), which the data x context gradient reduction completes, as
+in heads mode. Outputs equal
 one process's up to the order of float sums (the dK/dV reduction over ranks adds in another
 order than one process's kernels), with the same selected blocks.
 
@@ -43,13 +46,14 @@ from nsa.function import NSAFunction
 from nsa.memory_policy import keeps_branch_outputs
 from nsa.validation import PackedSequences, validate_nsa_call
 from nsa.distributed.groups import ContextParallelGroup
+from nsa.distributed.sharding import chunks_per_rank, shard_ranges, to_natural_order, to_rank_order
 from sparsity import QueryRows
 
 
 @dataclass(frozen=True)
 class _Segment:
-    """The positions [a, b) of one sequence that this rank holds, at `local_row` of its shard;
-    the sequence starts at packed row `start` of the whole sequence."""
+    """The positions [a, b) of one sequence that this rank holds in one chunk, at `local_row`
+    of its shard; the sequence starts at packed row `start` of the whole sequence."""
 
     start: int
     a: int
@@ -57,36 +61,33 @@ class _Segment:
     local_row: int
     halo_from: int  # p: the first position of the query rows (the halo is [p, a))
     keys_end: int  # the keys the rule reads: to the end of the last row's selection tile
+    # Where the halo's rows are: the end of chunk `slot` of rank `rank`, in batch entry `entry`
+    # (0 when packed); None without a halo.
+    halo_source: tuple[int, int, int] | None
 
 
 @dataclass(frozen=True)
-class _Layout:
-    """Where this rank's rows sit in the whole packed sequence, and its local problem."""
+class _RankRows:
+    """Where this rank's rows sit in the whole sequence, and its local problem. The sequence
+    axis is seen as (entries, length): a padded batch (B, N), or packed rows (1, T)."""
 
     segments: tuple[_Segment, ...]
     bounds: tuple[int, ...]  # the whole packed sequence's cu_seqlens (host)
-    shard_rows: int  # this rank's rows (packed), or N / W (padded, per batch entry)
-    padded: tuple[int, int] | None  # (B, N) of a padded batch, else None
-
-    def owner(self, row: int) -> tuple[int, int]:
-        """(rank, row in that rank's shard, flattened) of global packed row `row`."""
-        if self.padded is None:
-            return row // self.shard_rows, row % self.shard_rows
-        n = self.padded[1]
-        entry, position = divmod(row, n)
-        return position // self.shard_rows, entry * self.shard_rows + position % self.shard_rows
+    entries: int
+    length: int
+    layout: str  # nsa.distributed.sharding's: which chunks of `length` each rank holds
 
 
 def tail_rows(q_tile: int) -> int:
-    """Rows of each rank's end that it sends for the next rank's halo (which is at most
+    """Rows of each chunk's end that its rank sends for the next chunk's halo (which is at most
     2 q_tile - 1 rows)."""
     return 2 * q_tile
 
 
-def sequence_mode(context: ContextParallelGroup, q, k, v, W_k, W_v, W_gate, cu_seqlens,
-                  host_cu_seqlens, nsa_options: dict) -> Tensor:
-    """This rank's shard of nsa() (module docstring). q, k, v: the rank's shard, packed
-    (T/W, ., D) with the whole sequence's cu_seqlens, or padded (B, N/W, ., D)."""
+def sequence_mode(context: ContextParallelGroup, layout: str, q, k, v, W_k, W_v, W_gate,
+                  cu_seqlens, host_cu_seqlens, nsa_options: dict) -> Tensor:
+    """This rank's shard of nsa() (module docstring). q, k, v: the rank's shard in `layout`,
+    packed (T/W, ., D) with the whole sequence's cu_seqlens, or padded (B, N/W, ., D)."""
     options = {name: nsa_options.get(name, default) for name, default in _nsa_defaults().items()}
     unknown = sorted(set(nsa_options) - set(options))
     if unknown:
@@ -95,14 +96,14 @@ def sequence_mode(context: ContextParallelGroup, q, k, v, W_k, W_v, W_gate, cu_s
     if options["causal"] is not True:
         raise ValueError("mode='sequence': causal attention only (causal=False rows see the "
                          "whole sequence; use heads mode)")
-    layout = _layout(context, q, cu_seqlens, host_cu_seqlens, q_tile)
+    rows = _rank_rows(context, layout, q, cu_seqlens, host_cu_seqlens, q_tile)
     heads, dim = q.shape[-2:]
     q_rows = q.reshape(-1, heads, dim)
-    k_all, v_all = (_GatherSequence.apply(context, x, layout) for x in (k, v))
-    halo = _halo_rows(context, q_rows, layout, q_tile)
+    k_all, v_all = (_GatherSequence.apply(context, x, rows) for x in (k, v))
+    halo = _halo_rows(context, q_rows, rows, q_tile)
 
     key_ranges, query_parts, key_bounds, query_bounds, starts, owned = [], [], [0], [0], [], []
-    for segment in layout.segments:
+    for segment in rows.segments:
         key_ranges.append((segment.start, segment.start + segment.keys_end))
         key_bounds.append(key_bounds[-1] + segment.keys_end)
         halo_rows = halo.get(segment, q_rows[:0])
@@ -119,7 +120,7 @@ def sequence_mode(context: ContextParallelGroup, q, k, v, W_k, W_v, W_gate, cu_s
     queries = QueryRows(torch.tensor(query_bounds, dtype=torch.int32, device=device),
                         tuple(query_bounds), tuple(starts))
     # One GPU clips num_selected_blocks by the longest sequence: the same bound here.
-    whole = layout.bounds
+    whole = rows.bounds
     longest = max(b - a for a, b in zip(whole, whole[1:]))
     recompute = options["recompute"]
     # validate_nsa_call reads q's shape, dtype and device only: a stand-in with the keys' rows.
@@ -165,99 +166,96 @@ def _nsa_defaults() -> dict:
     from nsa.api import nsa
 
     skipped = {"q", "k", "v", "cu_seqlens", "host_cu_seqlens", "W_k", "W_v", "W_gate",
-               "context_parallel_group", "context_parallel_mode"}
+               "context_parallel_group", "context_parallel_mode", "context_parallel_layout"}
     return {name: parameter.default
             for name, parameter in inspect.signature(nsa).parameters.items()
             if name not in skipped}
 
 
-def _layout(context: ContextParallelGroup, q: Tensor, cu_seqlens, host_cu_seqlens,
-            q_tile: int) -> _Layout:
+def _rank_rows(context: ContextParallelGroup, layout: str, q: Tensor, cu_seqlens,
+               host_cu_seqlens, q_tile: int) -> _RankRows:
     """This rank's segments (module docstring), from host values only."""
     rank, world = context.rank, context.world_size
     if cu_seqlens is not None:
-        shard = q.shape[0]
-        bounds, padded = list(host_cu_seqlens), None
+        entries, shard = 1, q.shape[0]
+        bounds = tuple(host_cu_seqlens)
+        documents = tuple(zip(bounds, bounds[1:]))  # (start, end) in the one entry
     else:
-        batch, shard = q.shape[0], q.shape[1]
-        n = shard * world
-        bounds, padded = [i * n for i in range(batch + 1)], (batch, n)
-    if shard < tail_rows(q_tile):
+        entries, shard = q.shape[0], q.shape[1]
+        bounds = tuple(i * shard * world for i in range(entries + 1))
+        documents = ((0, shard * world),)  # each entry is one sequence
+    length = shard * world
+    ranges_of = [shard_ranges(length, rank=r, world_size=world, layout=layout)
+                 for r in range(world)]
+    chunk = shard // chunks_per_rank(layout)
+    if chunk < tail_rows(q_tile):
         raise ValueError(f"mode='sequence': every rank must hold at least {tail_rows(q_tile)} "
-                         f"tokens (two selection tiles: a rank's halo comes from its "
-                         f"neighbour's last rows), got {shard}")
+                         f"tokens per chunk of the layout (two selection tiles: a chunk's halo "
+                         f"comes from the end of the chunk before it), got {chunk} "
+                         f"(layout={layout!r}, {shard} tokens a rank)")
+    # The chunk that ends where another starts: the source of a halo at that chunk's start.
+    chunk_ending_at = {stop: (r, slot) for r, ranges in enumerate(ranges_of)
+                       for slot, (_, stop) in enumerate(ranges)}
     segments = []
-    for s, (start, end) in enumerate(zip(bounds, bounds[1:])):
-        if padded is None:
-            first, last = rank * shard, (rank + 1) * shard  # this rank's packed rows
-            lo, hi = max(first, start), min(last, end)
-            if lo >= hi:
-                continue
-            a, b, local_row = lo - start, hi - start, lo - first
-        else:
-            a, b, local_row = rank * shard, (rank + 1) * shard, s * shard
-        halo_from = 0 if a == 0 else max(0, (a // q_tile) * q_tile - q_tile)
-        keys_end = min(end - start, -(-b // q_tile) * q_tile)
-        segments.append(_Segment(start, a, b, local_row, halo_from, keys_end))
-    return _Layout(tuple(segments), tuple(bounds), shard, padded)
+    for entry in range(entries):
+        for slot, (first, last) in enumerate(ranges_of[rank]):
+            for doc_start, doc_end in documents:
+                lo, hi = max(first, doc_start), min(last, doc_end)
+                if lo >= hi:
+                    continue
+                a, b = lo - doc_start, hi - doc_start
+                halo_from = 0 if a == 0 else max(0, (a // q_tile) * q_tile - q_tile)
+                halo_source = None if halo_from == a else (*chunk_ending_at[lo], entry)
+                segments.append(_Segment(
+                    start=entry * length + doc_start, a=a, b=b,
+                    local_row=entry * shard + slot * chunk + lo - first, halo_from=halo_from,
+                    keys_end=min(doc_end - doc_start, -(-b // q_tile) * q_tile),
+                    halo_source=halo_source))
+    return _RankRows(tuple(segments), bounds, entries, length, layout)
 
 
-def _halo_rows(context: ContextParallelGroup, q_rows: Tensor, layout: _Layout,
+def _halo_rows(context: ContextParallelGroup, q_rows: Tensor, rows: _RankRows,
                q_tile: int) -> dict:
-    """Segment -> its halo's q rows [p, a) (rows of earlier ranks), from one all-gather of every
-    rank's last tail_rows (per batch entry for a padded batch)."""
+    """Segment -> its halo's q rows [p, a): the end of the chunk before the segment's (rows of
+    another chunk, of this or another rank), from one all-gather of the last tail_rows rows of
+    every rank's chunks (per batch entry for a padded batch)."""
     tail = tail_rows(q_tile)
-    if layout.padded is None:
-        tails = q_rows[-tail:]
-    else:
-        batch = layout.padded[0]
-        tails = q_rows.view(batch, layout.shard_rows, *q_rows.shape[1:])[:, -tail:]
-    gathered = [torch.empty_like(tails) for _ in range(context.world_size)]
+    chunks = chunks_per_rank(rows.layout)
+    # (entries, chunks, tail, H, D): each chunk's last rows
+    tails = q_rows.view(rows.entries, chunks, -1, *q_rows.shape[1:])[:, :, -tail:]
+    gathered = [torch.empty_like(tails, memory_format=torch.contiguous_format)
+                for _ in range(context.world_size)]
     dist.all_gather(gathered, tails.detach().contiguous(), group=context.process_group)
     halos = {}
-    for segment in layout.segments:
-        if segment.halo_from == segment.a:
-            continue
-        rows = []
-        for position in range(segment.halo_from, segment.a):
-            owner, local = layout.owner(segment.start + position)
-            if layout.padded is None:
-                rows.append(gathered[owner][local - (layout.shard_rows - tail)])
-            else:
-                entry, offset = divmod(local, layout.shard_rows)
-                rows.append(gathered[owner][entry, offset - (layout.shard_rows - tail)])
-        halos[segment] = torch.stack(rows)
+    for segment in rows.segments:
+        if segment.halo_source is not None:
+            rank, slot, entry = segment.halo_source
+            halos[segment] = gathered[rank][entry, slot, tail - (segment.a - segment.halo_from):]
     return halos
 
 
 class _GatherSequence(torch.autograd.Function):
-    """The whole packed sequence from every rank's shard (all-gather); backward: each rank's
-    rows of the summed gradient (a reduce-scatter: every rank adds its keys' gradients)."""
+    """The whole sequence's packed rows in natural order from every rank's shard (an all-gather);
+    backward: each rank's rows of the gradient summed over the ranks (every rank adds its keys'
+    gradients), as a reduce-scatter where the backend has one."""
 
     @staticmethod
-    def forward(ctx, context: ContextParallelGroup, x: Tensor, layout: _Layout) -> Tensor:
-        ctx.context, ctx.layout, ctx.shape = context, layout, x.shape
+    def forward(ctx, context: ContextParallelGroup, x: Tensor, rows: _RankRows) -> Tensor:
+        ctx.context, ctx.rows, ctx.shape = context, rows, x.shape
         parts = [torch.empty_like(x) for _ in range(context.world_size)]
         dist.all_gather(parts, x.contiguous(), group=context.process_group)
-        return _packed_whole(parts, layout)
+        by_rank = torch.cat([part.view(rows.entries, -1, *x.shape[-2:]) for part in parts], 1)
+        whole = to_natural_order(by_rank, 1, context.world_size, rows.layout)
+        return whole.reshape(rows.entries * rows.length, *x.shape[-2:])
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        context, layout = ctx.context, ctx.layout
-        total = grad.contiguous()
-        dist.all_reduce(total, group=context.process_group)
-        if layout.padded is None:
-            rows = slice(context.rank * layout.shard_rows, (context.rank + 1) * layout.shard_rows)
-            return None, total[rows], None
-        batch, n = layout.padded
-        whole = total.view(batch, n, *total.shape[1:])
-        mine = whole[:, context.rank * layout.shard_rows:(context.rank + 1) * layout.shard_rows]
-        return None, mine.reshape(ctx.shape), None
-
-
-def _packed_whole(parts: list[Tensor], layout: _Layout) -> Tensor:
-    """Rank-ordered shards -> the whole sequence's packed rows."""
-    if layout.padded is None:
-        return torch.cat(parts)
-    batch, n = layout.padded
-    return torch.cat(parts, dim=1).reshape(batch * n, *parts[0].shape[2:])
+        context, rows = ctx.context, ctx.rows
+        world = context.world_size
+        # (entries, T or N, ...) in rank order: rank r's shard at [r*T/W, (r+1)*T/W)
+        by_rank = to_rank_order(grad.reshape(rows.entries, rows.length, *grad.shape[1:]), 1,
+                                world, rows.layout)
+        # (W, entries, T/W, ...): [r] is rank r's shard of this rank's partial gradient (no
+        # copy for packed contiguous shards: entries = 1)
+        stacked = by_rank.unflatten(1, (world, -1)).transpose(0, 1).contiguous()
+        return None, context.sum_scattered(stacked).reshape(ctx.shape), None

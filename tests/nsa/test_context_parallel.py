@@ -85,6 +85,25 @@ SEQUENCE_CASES = {
                                    "sequence"),
     },
 }
+# The zigzag layout (rank r holds chunks r and 2W-1-r of 2W): name: (case as above, mode,
+# overlap_chunks), checked as the contiguous cases of that mode are (heads mode bitwise, sequence
+# mode within float32 rounding). The chunk bounds (64, 128, 192 for 2 ranks; multiples of 32 or
+# 64 for 4) cut documents, and in sequence mode a chunk's halo comes from another rank's chunk
+# (or, for rank 1 of 2, from its own other chunk).
+ZIGZAG_CASES = {
+    2: {
+        "heads_packed_gqa4_weights": ((16, 4, 16, "packed", (50, 150, 56), True,
+                                       torch.float32), "heads", 1),
+        "sequence_packed_gqa8_weights": ((16, 2, 16, "packed", (21, 200, 35), True,
+                                          torch.float32), "sequence", 1),
+    },
+    4: {
+        "pipelined_packed_gqa2_2_chunks": ((16, 8, 16, "packed", (40, 100, 75, 41), True,
+                                            torch.float32), "heads", 2),
+        "sequence_padded_gqa4_weights": ((16, 4, 16, "padded", (2, 512), True, torch.float32),
+                                         "sequence", 1),
+    },
+}
 # name: the phrase the ValueError must contain on every rank.
 BAD_INPUT_CASES = {
     2: {
@@ -98,12 +117,17 @@ BAD_INPUT_CASES = {
         "mode_unknown": "mode must be one of",
         "overlap_chunks_not_dividing": "overlap_chunks must divide the KV heads of a rank",
         "overlap_chunks_disagree": "overlap_chunks must be the same on every rank",
+        "layout_unknown": "layout must be one of ('contiguous', 'zigzag')",
+        "layout_disagrees": "layout must be the same on every rank",
+        "zigzag_odd_shard": "q must hold a multiple of 2 tokens on every rank with "
+                            "layout='zigzag'",
     },
     4: {
         "auto_sequence_mode_too_few_tokens_world_not_dividing_kv_heads":
             "every rank must hold at least 64 tokens",
         "heads_with_world_not_dividing_kv_heads": "mode='heads'",
         "unequal_shards": "q must hold the same number of tokens on every rank",
+        "sequence_zigzag_chunk_too_short": "every rank must hold at least 64 tokens per chunk",
     },
 }
 
@@ -131,7 +155,7 @@ def _full_inputs(heads, kv_heads, head_dim, layout, shape, weights, dtype, seed=
     return inputs
 
 
-def _check_equal_to_one_process(group, case, chunks: int = 1) -> None:
+def _check_equal_to_one_process(group, case, chunks: int = 1, layout: str = "contiguous") -> None:
     from nsa.distributed import nsa_context_parallel, shard_sequence, unshard_sequence
 
     inputs = _full_inputs(*case)
@@ -153,12 +177,12 @@ def _check_equal_to_one_process(group, case, chunks: int = 1) -> None:
                                                        head_groups=world * chunks)
 
     def shard(x, name):
-        return shard_sequence(x, group, seq_dim=seq_dim, name=name)
+        return shard_sequence(x, group, seq_dim=seq_dim, layout=layout, name=name)
 
     local = {n: (shard(inputs[n], n) if n in ("q", "k", "v") else inputs[n]).clone()
              .requires_grad_() for n in names}
     out = nsa_context_parallel(local["q"], local["k"], local["v"], group=group,
-                               cu_seqlens=cu_seqlens, overlap_chunks=chunks,
+                               cu_seqlens=cu_seqlens, overlap_chunks=chunks, layout=layout,
                                **{n: local[n] for n in WEIGHTS if n in local}, **OPTIONS)
     grads = dict(zip(names, torch.autograd.grad(out, [local[n] for n in names],
                                                 shard(inputs["dout"], "dout"))))
@@ -168,12 +192,13 @@ def _check_equal_to_one_process(group, case, chunks: int = 1) -> None:
         with torch.no_grad():
             inference = nsa_context_parallel(local["q"], local["k"], local["v"], group=group,
                                              cu_seqlens=cu_seqlens, overlap_chunks=chunks,
+                                             layout=layout,
                                              **{n: local[n] for n in WEIGHTS if n in local},
                                              **OPTIONS)
 
     # Every collective first, the asserts after: a rank failing an assert must not leave the
     # others waiting in a collective it skipped.
-    gathered = unshard_sequence(out, group, seq_dim=seq_dim)
+    gathered = unshard_sequence(out, group, seq_dim=seq_dim, layout=layout)
     weight_sums = {name: _sum_over_ranks(grads[name], group) for name in WEIGHTS if name in grads}
 
     assert torch.equal(out, shard(expected, "out")), "output shard differs from one process"
@@ -193,7 +218,7 @@ def _check_equal_to_one_process(group, case, chunks: int = 1) -> None:
             assert _rel_err(total, nearly_grads[name]) < tolerance, name
 
 
-def _check_sequence_mode(group, case, mode: str) -> None:
+def _check_sequence_mode(group, case, mode: str, layout: str = "contiguous") -> None:
     """Sequence mode against one process: output, dq, dk, dv shards and the weight gradients
     summed over the ranks, within float32 rounding."""
     from nsa.distributed import nsa_context_parallel, shard_sequence, unshard_sequence
@@ -204,22 +229,43 @@ def _check_sequence_mode(group, case, mode: str) -> None:
     expected, expected_grads = _one_process_result(group, inputs, names)
 
     def shard(x, name):
-        return shard_sequence(x, group, seq_dim=seq_dim, name=name)
+        return shard_sequence(x, group, seq_dim=seq_dim, layout=layout, name=name)
 
     local = {n: (shard(inputs[n], n) if n in ("q", "k", "v") else inputs[n]).clone()
              .requires_grad_() for n in names}
     out = nsa_context_parallel(local["q"], local["k"], local["v"], group=group,
-                               cu_seqlens=inputs.get("cu_seqlens"), mode=mode,
+                               cu_seqlens=inputs.get("cu_seqlens"), mode=mode, layout=layout,
                                **{n: local[n] for n in WEIGHTS if n in local}, **OPTIONS)
     grads = dict(zip(names, torch.autograd.grad(out, [local[n] for n in names],
                                                 shard(inputs["dout"], "dout"))))
-    gathered = unshard_sequence(out, group, seq_dim=seq_dim)
+    gathered = unshard_sequence(out, group, seq_dim=seq_dim, layout=layout)
     weight_sums = {name: _sum_over_ranks(grads[name], group) for name in WEIGHTS if name in grads}
     assert _rel_err(gathered, expected) < 1e-6, "output differs from one process"
     for name in ("q", "k", "v"):
         assert _rel_err(grads[name], shard(expected_grads[name], name)) < 1e-6, f"d{name}"
     for name, total in weight_sums.items():
         assert _rel_err(total, expected_grads[name]) < 1e-6, f"sum over ranks of d{name}"
+
+
+def _check_reduce_scatter_fallback(group) -> None:
+    """Sequence mode's gather of K/V: its backward on a backend without reduce-scatter
+    (all-reduce, keep this rank's rows) gives the reduce-scatter's bits, zigzag padded."""
+    from dataclasses import replace
+
+    from nsa.distributed import resolve_group
+    from nsa.distributed.sequence_mode import _GatherSequence, _RankRows
+
+    context = resolve_group(group)
+    gen = torch.Generator().manual_seed(context.rank)
+    shard = torch.randn(2, 64, 2, 4, generator=gen)  # (B, N/W, Hkv, D), N = 128
+    grad = torch.randn(2 * 128, 2, 4, generator=gen)  # this rank's partial of the whole's
+    rows = _RankRows(segments=(), bounds=(0, 128, 256), entries=2, length=128, layout="zigzag")
+    results = []
+    for backend in ("gloo", "a backend without reduce-scatter"):
+        leaf = shard.clone().requires_grad_()
+        whole = _GatherSequence.apply(replace(context, backend=backend), leaf, rows)
+        results.append(torch.autograd.grad(whole, leaf, grad)[0])
+    assert torch.equal(*results)
 
 
 def _rel_err(actual, expected) -> float:
@@ -313,6 +359,16 @@ def _bad_call(group, name, rank, world) -> None:
         kwargs["overlap_chunks"] = 3
     elif name == "overlap_chunks_disagree" and last:
         kwargs["overlap_chunks"] = 2
+    elif name == "layout_unknown" and last:
+        kwargs["layout"] = "ring"
+    elif name == "layout_disagrees":
+        kwargs["layout"] = "zigzag" if last else "contiguous"
+    elif name == "zigzag_odd_shard":  # 2 ranks x 65 tokens: 4 chunks do not split 130
+        q, k, v = (inputs[n][:65] for n in ("q", "k", "v"))
+        kwargs.update(layout="zigzag",
+                      cu_seqlens=torch.tensor((0, 20, 130), dtype=torch.int32))
+    elif name == "sequence_zigzag_chunk_too_short":  # 32 tokens a chunk, 64 needed
+        kwargs.update(mode="sequence", layout="zigzag")
     nsa_context_parallel(q, k, v, **kwargs)
 
 
@@ -338,6 +394,13 @@ def _worker(rank: int, world: int, store_path: str, results) -> None:
         for name, (case, mode) in SEQUENCE_CASES[world].items():
             checks.append((f"sequence:{name}",
                            _outcome(_check_sequence_mode, group, case, mode)))
+        for name, (case, mode, chunks) in ZIGZAG_CASES[world].items():
+            check = (_check_equal_to_one_process, group, case, chunks, "zigzag") \
+                if mode == "heads" else (_check_sequence_mode, group, case, mode, "zigzag")
+            checks.append((f"zigzag:{name}", _outcome(*check)))
+        if world == 2:
+            checks.append(("reduce_scatter_fallback",
+                           _outcome(_check_reduce_scatter_fallback, group)))
         for name, phrase in BAD_INPUT_CASES[world].items():
             checks.append((f"bad:{name}", _raised(lambda: _bad_call(group, name, rank, world),
                                                   phrase)))
@@ -444,20 +507,22 @@ def _check_fsdp2_data_by_context(world) -> None:
 
 def _check_nsa_keyword(group) -> None:
     """nsa(..., context_parallel_group=group) is nsa_context_parallel: the same bits, forward
-    and backward, with recompute passed through."""
+    and backward, with recompute and the layout passed through."""
     from nsa import nsa
     from nsa.distributed import nsa_context_parallel, shard_sequence
 
     inputs = _full_inputs(16, 4, 16, "packed", (50, 150, 56), True, torch.float32, seed=3)
     results = []
-    for call in (lambda q, k, v, **kw: nsa(q, k, v, context_parallel_group=group, **kw),
-                 lambda q, k, v, **kw: nsa_context_parallel(q, k, v, group=group, **kw)):
-        local = {n: shard_sequence(inputs[n], group, name=n).clone().requires_grad_()
-                 for n in ("q", "k", "v")}
+    for call in (lambda q, k, v, **kw: nsa(q, k, v, context_parallel_group=group,
+                                           context_parallel_layout="zigzag", **kw),
+                 lambda q, k, v, **kw: nsa_context_parallel(q, k, v, group=group,
+                                                            layout="zigzag", **kw)):
+        local = {n: shard_sequence(inputs[n], group, layout="zigzag", name=n).clone()
+                 .requires_grad_() for n in ("q", "k", "v")}
         out = call(local["q"], local["k"], local["v"], cu_seqlens=inputs["cu_seqlens"],
                    W_gate=inputs["W_gate"], recompute=True, **OPTIONS)
-        grads = torch.autograd.grad(out, list(local.values()),
-                                    shard_sequence(inputs["dout"], group, name="dout"))
+        grads = torch.autograd.grad(out, list(local.values()), shard_sequence(
+            inputs["dout"], group, layout="zigzag", name="dout"))
         results.append((out, *grads))
     for a, b in zip(*results):
         assert torch.equal(a, b), "nsa(context_parallel_group=) differs from nsa_context_parallel"
@@ -558,6 +623,12 @@ def test_sequence_mode_equals_one_process(reports, world, name):
     _assert_passed(reports(world), f"sequence:{name}")
 
 
+@pytest.mark.parametrize("world, name", [(w, n) for w, cases in ZIGZAG_CASES.items()
+                                         for n in cases])
+def test_zigzag_layout_equals_one_process(reports, world, name):
+    _assert_passed(reports(world), f"zigzag:{name}")
+
+
 @pytest.mark.parametrize("world, name", [(w, n) for w, cases in BAD_INPUT_CASES.items()
                                          for n in cases])
 def test_bad_input_raises_on_every_rank(reports, world, name):
@@ -572,6 +643,10 @@ def test_one_dimension_of_a_device_mesh(reports, world):
 @pytest.mark.parametrize("world", [2, 4])
 def test_nsa_takes_the_context_parallel_group(reports, world):
     _assert_passed(reports(world), "nsa_keyword")
+
+
+def test_sequence_mode_gradient_without_reduce_scatter(reports):
+    _assert_passed(reports(2), "reduce_scatter_fallback")
 
 
 def test_language_model_across_ranks_equals_one_process(reports):
@@ -598,6 +673,46 @@ def test_shard_sequence_splits_contiguously_along_seq_dim():
     parts = [shard_sequence(x, rank=r, world_size=3, seq_dim=1) for r in range(3)]
     assert torch.equal(torch.cat(parts, dim=1), x)
     assert shard_bounds(12, rank=2, world_size=3) == (8, 12)
+
+
+def test_zigzag_shards_round_trip_with_their_indices():
+    """Rank r of W holds chunks r and 2W-1-r of 2W; the shards in rank order come back to the
+    natural order, and shard_indices names each shard row's place in the whole."""
+    from nsa.distributed import shard_indices, shard_ranges, shard_sequence
+    from nsa.distributed.sharding import to_natural_order, to_rank_order
+
+    world, total = 3, 24  # chunks of 4
+    x = torch.randn(2, total, 3)
+    shards = [shard_sequence(x, rank=r, world_size=world, seq_dim=1, layout="zigzag")
+              for r in range(world)]
+    assert shard_ranges(total, rank=1, world_size=world, layout="zigzag") == ((4, 8), (16, 20))
+    for rank, part in enumerate(shards):
+        indices = shard_indices(total, rank=rank, world_size=world, layout="zigzag")
+        assert torch.equal(part, x[:, indices])
+    by_rank = torch.cat(shards, dim=1)
+    assert torch.equal(to_natural_order(by_rank, 1, world, "zigzag"), x)
+    assert torch.equal(to_rank_order(x, 1, world, "zigzag"), by_rank)
+    all_indices = torch.cat([shard_indices(total, rank=r, world_size=world, layout="zigzag")
+                             for r in range(world)])
+    assert sorted(all_indices.tolist()) == list(range(total))
+    # contiguous: the rank order is the natural order, returned as it is
+    assert to_natural_order(x, 1, world, "contiguous") is x
+
+
+def test_zigzag_sharding_names_the_tensor_the_multiple_and_the_layout():
+    from nsa.distributed import shard_sequence
+    with pytest.raises(ValueError, match=r"q has 12 tokens.*multiple of 8.*layout='zigzag'"):
+        shard_sequence(torch.randn(12, 2), rank=0, world_size=4, layout="zigzag", name="q")
+    with pytest.raises(ValueError, match=r"layout must be one of \('contiguous', 'zigzag'\)"):
+        shard_sequence(torch.randn(12, 2), rank=0, world_size=4, layout="ring")
+
+
+@pytest.mark.parametrize("backend, expected", [
+    ("nccl", True), ("gloo", True), ("cpu:gloo,cuda:nccl", True), ("mpi", False),
+    ("cpu:gloo,cuda:custom", False)])
+def test_reduce_scatter_where_the_backend_has_it(backend, expected):
+    from nsa.distributed.groups import backend_reduces_scatter
+    assert backend_reduces_scatter(backend) is expected
 
 
 @pytest.mark.parametrize("mode, world, kv_heads, expected", [

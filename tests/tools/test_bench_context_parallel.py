@@ -63,8 +63,10 @@ def test_tiny_run_on_one_cpu_process_matches_one_device(bench, tmp_path, capsys)
 
 
 def test_overlap_chunks_reaches_the_call_and_the_results(bench, capsys):
-    result = bench.main(_tiny(128, 4, 2, "--num-seqs", "2", "--overlap-chunks", "2"))
+    result = bench.main(_tiny(128, 4, 2, "--num-seqs", "2", "--overlap-chunks", "2",
+                              "--layout", "zigzag"))
     assert result["overlap_chunks"] == 2 and result["bitwise_equal_one_device"]
+    assert result["layout"] == "zigzag"
     assert "in 2 overlapped chunks" in capsys.readouterr().out
     with pytest.raises(ValueError, match="overlap_chunks must divide the KV heads of a rank"):
         bench.main(["--device", "cpu", "--seqlen", "128", "--heads", "4", "--kv-heads", "2",
@@ -87,10 +89,13 @@ def test_no_check_makes_only_the_ranks_shard(bench, monkeypatch, capsys):
 
 
 def test_sequence_mode_times_its_own_exchanges(bench, capsys):
-    result = bench.main(_tiny(256, 4, 2, "--num-seqs", "3", "--mode", "sequence"))
-    assert result["mode"] == "sequence" and result["bitwise_equal_one_device"]
+    """Sequence mode runs zigzag unless told otherwise (2 chunks of 256 here: sequence mode needs
+    2 x 128 rows a chunk)."""
+    result = bench.main(_tiny(512, 4, 2, "--num-seqs", "3", "--mode", "sequence"))
+    assert result["mode"] == "sequence" and result["layout"] == "zigzag"
+    assert result["max_abs_diff"] < 1e-5
     assert result["exchange_fwd_ms"] == result["all_gather_kv_ms"]
-    assert result["exchange_fwd_bwd_ms"] == result["all_gather_kv_ms"] + result["all_reduce_dkv_ms"]
+    assert result["exchange_fwd_bwd_ms"] == result["all_gather_kv_ms"] + result["reduce_dkv_ms"]
     assert "mode sequence" in capsys.readouterr().out
 
 
