@@ -512,7 +512,7 @@ def _compare_with_one_device(args, full, bounds, weights, options, gathered, dev
     """Rank 0: one-device nsa() on the full inputs, its times, and the equality verdicts;
     broadcast so every rank returns the same record."""
     names = ("out", "dq", "dk", "dv")
-    verdict = torch.zeros(2 * len(names) + 2, dtype=torch.float64, device=device)
+    verdict = torch.zeros(4 * len(names) + 2, dtype=torch.float64, device=device)
     if rank == 0:
         leaves = [full[n].detach().clone().requires_grad_() for n in ("q", "k", "v")]
 
@@ -522,28 +522,47 @@ def _compare_with_one_device(args, full, bounds, weights, options, gathered, dev
             return torch.autograd.grad(out, [*leaves, *weights.values()], full["dout"]) \
                 if grad else out
 
-        with torch.enable_grad():
-            out = one_device(False)
-        expected = {"out": out.detach(), **dict(zip(("dq", "dk", "dv"), torch.autograd.grad(
-            out, leaves, full["dout"])))}
+        def outputs() -> dict:
+            with torch.enable_grad():
+                out = one_device(False)
+            return {"out": out.detach(), **dict(zip(("dq", "dk", "dv"), torch.autograd.grad(
+                out, leaves, full["dout"])))}
+
+        # Run twice: the second run's distance from the first is one device's own run-to-run
+        # spread (the default backward's float32 sums land in a varying order), the yardstick
+        # of "equal up to the order of float sums".
+        expected, again = outputs(), outputs()
         equal = [float(torch.equal(gathered[n], expected[n])) for n in names]
         diffs = [float((gathered[n].float() - expected[n].float()).abs().max()) for n in names]
+        relative = [_relative_diff(gathered[n], expected[n]) for n in names]
+        spread = [_relative_diff(again[n], expected[n]) for n in names]
         with torch.no_grad():
             one_fwd = time_ms(lambda: one_device(False), device, warmup=args.warmup,
                               repeats=args.repeats)
         one_fwd_bwd = time_ms(lambda: one_device(True), device, warmup=args.warmup,
                               repeats=args.repeats)
-        verdict[:] = torch.tensor([*equal, *diffs, one_fwd, one_fwd_bwd], dtype=torch.float64)
+        verdict[:] = torch.tensor([*equal, *diffs, *relative, *spread, one_fwd, one_fwd_bwd],
+                                  dtype=torch.float64)
     dist.broadcast(verdict, src=dist.get_global_rank(dist.group.WORLD, 0))
     values = verdict.tolist()
-    equal, diffs = values[:len(names)], values[len(names):2 * len(names)]
+    n = len(names)
+    equal, diffs, relative, spread = (values[i * n:(i + 1) * n] for i in range(4))
     one_fwd, one_fwd_bwd = values[-2:]
     return {"bitwise_equal_one_device": all(equal), "max_abs_diff": max(diffs),
             "bitwise_equal": dict(zip(names, map(bool, equal))),
             "max_abs_diffs": dict(zip(names, diffs)),
+            "relative_diffs": dict(zip(names, relative)),
+            "one_device_relative_spread": dict(zip(names, spread)),
             "one_device_fwd_ms": one_fwd, "one_device_fwd_bwd_ms": one_fwd_bwd,
             "fwd_ratio_to_ideal": fwd_ms / (one_fwd / world),
             "fwd_bwd_ratio_to_ideal": fwd_bwd_ms / (one_fwd_bwd / world)}
+
+
+def _relative_diff(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """||actual - expected|| / ||expected|| in float32 (0 where both are 0)."""
+    scale = expected.float().norm()
+    return float((actual.float() - expected.float()).norm() / scale) if scale > 0 else float(
+        actual.float().norm())
 
 
 def _slowest(ms: float, device) -> float:
@@ -575,6 +594,11 @@ def _print_table(result: dict) -> None:
               f"max |diff| {result['max_abs_diff']:.3g}; per tensor: " + ", ".join(
                   f"{n} {'equal' if result['bitwise_equal'][n] else 'differs'} "
                   f"({result['max_abs_diffs'][n]:.3g})" for n in result["bitwise_equal"]))
+        print("relative difference ||x - one device|| / ||one device|| (one device against "
+              "itself): " + ", ".join(
+                  f"{n} {result['relative_diffs'][n]:.2e} "
+                  f"({result['one_device_relative_spread'][n]:.2e})"
+                  for n in result["relative_diffs"]))
 
 
 if __name__ == "__main__":

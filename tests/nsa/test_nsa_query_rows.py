@@ -94,7 +94,10 @@ def test_query_rows_on_the_sm90_kernels():
     lengths, starts = [5000, 700, 3000], [2048, 0, 1152]
     x = random_inputs(lengths, heads=8, kv_heads=2, head_dim=128, seed=6)
     x = {n: t.cuda().bfloat16() if t.is_floating_point() else t.cuda() for n, t in x.items()}
-    pairs = _query_rows_against_whole(x, lengths, starts, {}, SELECTION_Q_TILE, CMP_KV_BLOCK)
+    defaults = dict(compress_block_size=64, selected_block_size=64, num_selected_blocks=16,
+                    window_size=512)
+    pairs = _query_rows_against_whole(x, lengths, starts, defaults, SELECTION_Q_TILE,
+                                      CMP_KV_BLOCK)
     assert torch.equal(*pairs.pop("q (halo)"))
     for name, (part, whole) in pairs.items():
         error = ((part.float() - whole.float()).norm() / whole.float().norm()).item()
