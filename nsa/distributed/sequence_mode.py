@@ -26,12 +26,10 @@ Backward: dO is zero on the halo rows, so they add exactly nothing to any gradie
 (their q is taken detached). dK and dV of the gathered keys are summed over the ranks into
 their owners (a reduce-scatter: each rank receives only its rows); W_k, W_v and W_gate get each
 rank's partial (its queries' share), which the data x context gradient reduction completes, as
-in heads mode. Outputs equal
-one process's up to the order of float sums (the dK/dV reduction over ranks adds in another
-order than one process's kernels), with the same selected blocks.
-
-The kernels take q_start_positions on the fallback only (`kernels.dispatch` says so): on a GPU
-sequence mode runs the branches' attention in torch until the sm90 kernels take them.
+in heads mode. Outputs equal one process's up to the order of float sums (the dK/dV reduction
+over ranks adds in another order than one process's kernels), with the same selected blocks.
+On a GPU every branch runs on the sm90 kernels, which read each row at its position
+(q_start_positions).
 """
 from __future__ import annotations
 
