@@ -59,17 +59,26 @@ def positions_in_sequences(cu_seqlens: Tensor, total: int) -> Tensor:
     return rows - bounds[sequence]
 
 
-def shard_positions(cu_seqlens: Tensor, local_rows: int, group=None) -> Tensor:
+def shard_positions(cu_seqlens: Tensor, local_rows: int, group=None, *,
+                    layout: str = "contiguous", rank: int | None = None,
+                    world_size: int | None = None) -> Tensor:
     """(local_rows,) positions in their documents of this process's packed rows: all of them
-    without a context-parallel group; with one, this rank's contiguous shard of the whole
-    batch's positions (local_rows x the group's size rows)."""
-    if group is None:
+    without a context-parallel group; with one (`group`, or `rank` and `world_size` where a
+    data loader knows them without a process group), this rank's shard under `layout`
+    (nsa.distributed.sharding: "contiguous" or "zigzag") of the whole batch's positions
+    (local_rows x the group's size rows), so that a document cut by a shard or chunk bound
+    keeps counting its positions across it."""
+    if group is None and rank is None and world_size is None:
         return positions_in_sequences(cu_seqlens, local_rows)
     from nsa.distributed import resolve_group, shard_sequence
 
-    world = resolve_group(group, "context_parallel_group").world_size
-    everything = positions_in_sequences(cu_seqlens, local_rows * world)
-    return shard_sequence(everything, group, name="the packed tokens")
+    world = (resolve_group(group, "context_parallel_group").world_size if group is not None
+             else world_size)
+    # A missing or bad world_size is named by shard_sequence (it checks rank and world_size).
+    everything = positions_in_sequences(
+        cu_seqlens, local_rows * world if isinstance(world, int) else local_rows)
+    return shard_sequence(everything, group, rank=rank, world_size=world_size, layout=layout,
+                          name="the packed tokens")
 
 
 def rotary_tables(positions: Tensor, head_dim: int, base: float,
@@ -194,16 +203,19 @@ class NSAAttention(nn.Module):
     def forward(self, hidden_states: Tensor, *, cu_seqlens: Tensor | None = None,
                 max_seqlen: int | None = None,
                 host_cu_seqlens: tuple[int, ...] | list[int] | None = None,
-                position_ids: Tensor | None = None, context_parallel_group=None) -> Tensor:
+                position_ids: Tensor | None = None, context_parallel_group=None,
+                context_parallel_layout: str = "contiguous") -> Tensor:
         """hidden_states (B, N, hidden) padded, or (T, hidden) packed with cu_seqlens (S+1,)
         int32 (+ max_seqlen, host_cu_seqlens when known). position_ids (B, N) or (T,) override
         the positions used by the rotary embedding (default: 0.. within each sequence).
 
         context_parallel_group (attention="nsa", packed input): hidden_states is this rank's
-        contiguous shard of the packed tokens (nsa.distributed.shard_sequence) and cu_seqlens
-        (with host_cu_seqlens) the whole batch's, the same on every rank; the result is the
-        rank's shard of the output (nsa()'s context parallelism; the default positions are
-        the shard's rows' positions in their documents)."""
+        shard of the packed tokens (nsa.distributed.shard_sequence) and cu_seqlens (with
+        host_cu_seqlens) the whole batch's, the same on every rank; the result is the rank's
+        shard of the output (nsa()'s context parallelism; the default positions are the
+        shard's rows' positions in their documents). context_parallel_layout: how the tokens
+        were sharded, "contiguous" (the default) or "zigzag" (docs/context_parallel.md),
+        the same on every rank; unused without a group, as in nsa()."""
         packed = cu_seqlens is not None
         if packed != (hidden_states.dim() == 2):
             raise ValueError("hidden_states: expected (T, hidden) with cu_seqlens, or "
@@ -214,6 +226,12 @@ class NSAAttention(nn.Module):
                              "(hidden_states (T, hidden) with cu_seqlens) runs across ranks; "
                              f"this layer has attention={self.attention!r} and "
                              f"{'packed' if packed else 'padded'} input")
+        if context_parallel_group is not None:
+            # Before the positions and nsa() read it (and before nsa()'s first collective),
+            # so that the error names this layer's argument.
+            from nsa.distributed.sharding import check_layout
+
+            check_layout(context_parallel_layout, "context_parallel_layout")
         rows = hidden_states.shape[:-1]
         dtype = hidden_states.dtype
         q = F.linear(hidden_states, *_cast(self.q_proj, dtype)).unflatten(-1, (self.num_heads, -1))
@@ -224,7 +242,8 @@ class NSAAttention(nn.Module):
 
         if position_ids is None:
             if packed:
-                position_ids = shard_positions(cu_seqlens, rows[0], context_parallel_group)
+                position_ids = shard_positions(cu_seqlens, rows[0], context_parallel_group,
+                                               layout=context_parallel_layout)
             else:
                 position_ids = torch.arange(rows[1], device=q.device).expand(rows)
         cos, sin = rotary_tables(position_ids, self.head_dim, self.rope_base, dtype)
@@ -240,7 +259,7 @@ class NSAAttention(nn.Module):
                       softmax_scale=self.softmax_scale, deterministic=self.deterministic,
                       recompute=self.recompute, capture=self.capture,
                       context_parallel_group=context_parallel_group,
-                      **self.nsa_options)
+                      context_parallel_layout=context_parallel_layout, **self.nsa_options)
         elif packed:
             out = kernels.flash_attn_varlen_func(
                 q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,

@@ -29,10 +29,11 @@ from nsa.distributed.groups import resolve_group
 LAYOUTS = ("contiguous", "zigzag")
 
 
-def check_layout(layout) -> None:
-    """A ValueError naming `layout` and the allowed values, unless it is one of LAYOUTS."""
+def check_layout(layout, name: str = "layout") -> None:
+    """A ValueError naming the argument (`name`: the caller's, e.g. a model's
+    context_parallel_layout) and the allowed values, unless layout is one of LAYOUTS."""
     if layout not in LAYOUTS:
-        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+        raise ValueError(f"{name} must be one of {LAYOUTS}, got {layout!r}")
 
 
 def chunks_per_rank(layout: str) -> int:

@@ -194,27 +194,40 @@ class CausalLM(nn.Module):
                 max_seqlen: int | None = None,
                 host_cu_seqlens: tuple[int, ...] | list[int] | None = None,
                 position_ids: Tensor | None = None, labels: Tensor | None = None,
-                context_parallel_group=None) -> Tensor:
+                context_parallel_group=None,
+                context_parallel_layout: str = "contiguous") -> Tensor:
         """input_ids (T,) packed with cu_seqlens, or (B, N) padded. Returns logits (..., vocab)
         in float32, or with labels (same shape as input_ids; -100 = ignored) the mean
-        cross-entropy over the labelled positions.
+        cross-entropy over the labelled positions. labels[i] is the target of row i (the next
+        token, shifted by the caller): the model never shifts them.
 
         context_parallel_group (attention="nsa", packed): input_ids and labels are this rank's
-        contiguous shard of the batch's tokens, cu_seqlens the whole batch's (the same on
-        every rank); every attention layer runs across the group (NSAAttention). The loss
-        returned is then this rank's share scaled so that the mean over the ranks is the
-        batch's mean loss (its labelled tokens' sum over all ranks, divided by their count):
-        averaging the ranks' gradients, as DDP and FSDP2 do over data x context ranks, gives
-        the gradient of the batch's mean loss."""
+        shard of the batch's tokens and labels under context_parallel_layout ("contiguous",
+        the default, or "zigzag": nsa.distributed.shard_sequence with layout=), cu_seqlens
+        the whole batch's (the same on every rank); every attention layer runs across the
+        group (NSAAttention). Shift the labels before sharding: a chunk's last row's target
+        is the first token of the chunk after it, which another rank holds (zigzag: or this
+        rank, in its other chunk, not next to it in the shard). The loss returned is then this rank's share
+        scaled so that the mean over the ranks is the batch's mean loss (its labelled tokens'
+        sum over all ranks, divided by their count; a sum of per-token terms, so the same
+        under either layout): averaging the ranks' gradients, as DDP and FSDP2 do over data x
+        context ranks, gives the gradient of the batch's mean loss."""
         compute_dtype = getattr(torch, self.config.compute_dtype)
+        sequences = dict(cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
+                         host_cu_seqlens=host_cu_seqlens)
+        if context_parallel_group is not None:
+            from nsa.distributed.sharding import check_layout
+
+            # Before the positions read it: the error names this forward's argument.
+            check_layout(context_parallel_layout, "context_parallel_layout")
+            sequences.update(context_parallel_group=context_parallel_group,
+                             context_parallel_layout=context_parallel_layout)
         if position_ids is None and cu_seqlens is not None:
             # Once for every layer (each would otherwise derive the same positions again).
             position_ids = shard_positions(cu_seqlens, input_ids.shape[0],
-                                           context_parallel_group)
-        sequences = dict(cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
-                         host_cu_seqlens=host_cu_seqlens, position_ids=position_ids)
-        if context_parallel_group is not None:
-            sequences["context_parallel_group"] = context_parallel_group
+                                           context_parallel_group,
+                                           layout=context_parallel_layout)
+        sequences["position_ids"] = position_ids
         x = self.embedding(input_ids).to(compute_dtype)
         for block in self.blocks:
             x = block(x, **sequences)

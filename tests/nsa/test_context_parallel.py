@@ -104,6 +104,14 @@ ZIGZAG_CASES = {
                                          "sequence", 1),
     },
 }
+# CausalLM across 2 ranks: name: (context_parallel_layout, num_kv_heads). Hkv=2 runs heads mode,
+# Hkv=1 sequence mode (the mode zigzag balances). 192 tokens in documents of (50, 100, 42): the
+# contiguous bound at 96 and the zigzag chunk bounds at 48, 96 and 144 all cut documents.
+LANGUAGE_MODEL_CASES = {
+    "contiguous": ("contiguous", 2),
+    "zigzag": ("zigzag", 2),
+    "zigzag_sequence_mode": ("zigzag", 1),
+}
 # name: the phrase the ValueError must contain on every rank.
 BAD_INPUT_CASES = {
     2: {
@@ -408,7 +416,13 @@ def _worker(rank: int, world: int, store_path: str, results) -> None:
         checks.append(("mesh_dimension", _outcome(_check_mesh_dimension, world)))
         checks.append(("nsa_keyword", _outcome(_check_nsa_keyword, group)))
         if world == 2:
-            checks.append(("language_model", _outcome(_check_language_model, group)))
+            for name, (layout, kv_heads) in LANGUAGE_MODEL_CASES.items():
+                checks.append((f"language_model:{name}",
+                               _outcome(_check_language_model, group, layout, kv_heads)))
+            checks.append(("language_model_bad_layout", _raised(
+                lambda: _language_model_loss(group, "contiguous", 2, model_layout="ring"),
+                "context_parallel_layout")))
+            _sum_over_group_still_works(group, world)
         if world == 4:
             checks.append(("fsdp2_data_by_context",
                            _outcome(_check_fsdp2_data_by_context, world)))
@@ -418,46 +432,53 @@ def _worker(rank: int, world: int, store_path: str, results) -> None:
     results.put((rank, checks))
 
 
-def _check_language_model(group) -> None:
-    """CausalLM(context_parallel_group=): on token shards with the batch's cu_seqlens, the
-    ranks' losses average to the one-process loss, their gradients averaged to its gradients
-    (documents cross the shard bound; the rotary positions continue across it)."""
-    from dataclasses import replace
-
+def _check_language_model(group, layout: str, kv_heads: int) -> None:
+    """CausalLM(context_parallel_group=, context_parallel_layout=): on token shards with the
+    batch's cu_seqlens, the ranks' losses average to the one-process loss, their gradients
+    averaged to its gradients (documents cross the shard and chunk bounds; the rotary positions
+    continue across them; the labels, shifted on the whole batch, shard like the tokens)."""
     import torch.distributed as dist
-    from nsa.distributed import shard_sequence
-    from nsa.models.lm import MODEL_PRESETS, CausalLM
 
-    config = replace(MODEL_PRESETS["tiny"], compress_block_size=4, selected_block_size=8,
-                     num_selected_blocks=4, window_size=12, test_q_tile=16, test_cmp_kv_block=4)
-    lengths = (50, 100, 42)  # 192 tokens: the bound at 96 cuts the second document
-    ids = torch.randint(0, 256, (sum(lengths),), generator=torch.Generator().manual_seed(4))
-    labels = ids.roll(-1).masked_fill(torch.tensor(lengths).cumsum(0)[:, None].eq(
-        torch.arange(1, sum(lengths) + 1)).any(0), -100)  # no target across a document's end
-    cu = torch.tensor((0, *lengths)).cumsum(0).to(torch.int32)
-    bounds = tuple(cu.tolist())
-    runs = []
-    for sharded in (False, True):
-        model = CausalLM(config, seed=0)
-        if sharded:
-            loss = model(shard_sequence(ids, group), labels=shard_sequence(labels, group),
-                         cu_seqlens=cu, host_cu_seqlens=bounds, context_parallel_group=group)
-        else:
-            loss = model(ids, labels=labels, cu_seqlens=cu, host_cu_seqlens=bounds)
-        loss.backward()
-        grads = {name: p.grad.clone() for name, p in model.named_parameters()}
-        value = loss.detach().clone()
-        if sharded:
-            world = dist.get_world_size(group)
-            for grad in (value, *grads.values()):
-                dist.all_reduce(grad, group=group)
-                grad /= world
-        runs.append((value, grads))
+    runs = [_language_model_loss(None, layout, kv_heads),
+            _language_model_loss(group, layout, kv_heads)]
+    world = dist.get_world_size(group)
+    for grad in (runs[1][0], *runs[1][1].values()):
+        dist.all_reduce(grad, group=group)
+        grad /= world
     (one_loss, one_grads), (cp_loss, cp_grads) = runs
     torch.testing.assert_close(cp_loss, one_loss, rtol=1e-5, atol=1e-6)
     for name, grad in one_grads.items():
         assert grad.abs().sum() > 0, name
         torch.testing.assert_close(cp_grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def _language_model_loss(group, layout: str, kv_heads: int, model_layout: str | None = None):
+    """The tiny LM's loss and gradients on one packed batch of 192 tokens: the whole batch
+    (group None), or this rank's shard of it in `layout` (told to the model as model_layout,
+    if given: a bad one must raise)."""
+    from dataclasses import replace
+
+    from nsa.distributed import shard_sequence
+    from nsa.models.lm import MODEL_PRESETS, CausalLM
+
+    config = replace(MODEL_PRESETS["tiny"], num_kv_heads=kv_heads, compress_block_size=4,
+                     selected_block_size=8, num_selected_blocks=4, window_size=12,
+                     test_q_tile=16, test_cmp_kv_block=4)
+    lengths = (50, 100, 42)
+    ids = torch.randint(0, 256, (sum(lengths),), generator=torch.Generator().manual_seed(4))
+    labels = ids.roll(-1).masked_fill(torch.tensor(lengths).cumsum(0)[:, None].eq(
+        torch.arange(1, sum(lengths) + 1)).any(0), -100)  # no target across a document's end
+    cu = torch.tensor((0, *lengths)).cumsum(0).to(torch.int32)
+    model = CausalLM(config, seed=0)
+    if group is None:
+        loss = model(ids, labels=labels, cu_seqlens=cu, host_cu_seqlens=tuple(cu.tolist()))
+    else:
+        loss = model(shard_sequence(ids, group, layout=layout),
+                     labels=shard_sequence(labels, group, layout=layout), cu_seqlens=cu,
+                     host_cu_seqlens=tuple(cu.tolist()), context_parallel_group=group,
+                     context_parallel_layout=model_layout or layout)
+    loss.backward()
+    return loss.detach().clone(), {name: p.grad.clone() for name, p in model.named_parameters()}
 
 
 def _check_fsdp2_data_by_context(world) -> None:
@@ -649,8 +670,13 @@ def test_sequence_mode_gradient_without_reduce_scatter(reports):
     _assert_passed(reports(2), "reduce_scatter_fallback")
 
 
-def test_language_model_across_ranks_equals_one_process(reports):
-    _assert_passed(reports(2), "language_model")
+@pytest.mark.parametrize("name", LANGUAGE_MODEL_CASES)
+def test_language_model_across_ranks_equals_one_process(reports, name):
+    _assert_passed(reports(2), f"language_model:{name}")
+
+
+def test_language_model_refuses_an_unknown_layout_on_every_rank(reports):
+    _assert_passed(reports(2), "language_model_bad_layout")
 
 
 def test_fsdp2_over_data_and_context_equals_one_process(reports):

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 import nsa.layer as layer_module
-from nsa.layer import NSAAttention, NSAAttentionReference, positions_in_sequences
+from nsa.layer import (NSAAttention, NSAAttentionReference, positions_in_sequences,
+                       shard_positions)
 
 HIDDEN = 32
 SMALL_NSA = dict(compress_block_size=4, selected_block_size=8, num_selected_blocks=4,
@@ -126,6 +127,40 @@ def test_packed_documents_are_independent_and_positions_restart():
 def test_positions_in_sequences_with_empty_sequences():
     cu = torch.tensor([0, 3, 3, 5, 5], dtype=torch.int32)
     assert positions_in_sequences(cu, 5).tolist() == [0, 1, 2, 0, 1]
+
+
+def test_shard_positions_follow_the_layout():
+    """A rank's rows' positions in their documents under each layout: a document cut by a
+    shard or zigzag chunk bound keeps counting across it."""
+    cu = cu_seqlens_of([5, 7])  # 12 tokens at positions 0..4, 0..6
+    expected = {
+        ("contiguous", 0): [0, 1, 2, 3, 4, 0], ("contiguous", 1): [1, 2, 3, 4, 5, 6],
+        # 4 chunks of 3: rank 0 holds rows 0-2 and 9-11, rank 1 rows 3-5 and 6-8
+        ("zigzag", 0): [0, 1, 2, 4, 5, 6], ("zigzag", 1): [3, 4, 0, 1, 2, 3],
+    }
+    for (layout, rank), positions in expected.items():
+        assert shard_positions(cu, 6, layout=layout, rank=rank,
+                               world_size=2).tolist() == positions, (layout, rank)
+    # 4 ranks, 8 chunks of 2: rank 1 holds rows 2-3 (chunk 1) and 12-13 (chunk 6)
+    assert shard_positions(cu_seqlens_of([3, 13]), 4, layout="zigzag", rank=1,
+                           world_size=4).tolist() == [2, 0, 9, 10]
+    assert shard_positions(cu, 12).tolist() == positions_in_sequences(cu, 12).tolist()
+
+
+def test_context_parallel_layout_is_refused_by_name():
+    """An unknown layout raises before the group is used (a stand-in object here: nothing may
+    reach it), naming the layer's argument; shard_positions names its own."""
+    layer = make_layer(dtype=torch.float32)
+    x = random_hidden((12, HIDDEN), dtype=torch.float32)
+    with pytest.raises(ValueError, match=r"context_parallel_layout must be one of "
+                                         r"\('contiguous', 'zigzag'\), got 'ring'"):
+        layer(x, cu_seqlens=cu_seqlens_of([12]), context_parallel_group=object(),
+              context_parallel_layout="ring")
+    with pytest.raises(ValueError, match="^layout must be one of"):
+        shard_positions(cu_seqlens_of([12]), 6, layout="ring", rank=0, world_size=2)
+    with pytest.raises(ValueError, match=r"the packed tokens has 10 tokens, not a multiple of "
+                                         r"4 \(layout='zigzag'"):
+        shard_positions(cu_seqlens_of([10]), 5, layout="zigzag", rank=0, world_size=2)
 
 
 def test_explicit_position_ids_are_used():

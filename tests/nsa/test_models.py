@@ -103,6 +103,15 @@ def test_documents_do_not_see_each_other():
     torch.testing.assert_close(logits[a:b], alone, rtol=1e-5, atol=1e-5)
 
 
+def test_context_parallel_layout_is_refused_by_name():
+    """Before the positions or any layer read it, and before the group is used (a stand-in
+    object: nothing may reach it)."""
+    ids, cu = packed_ids(LENGTHS)
+    with pytest.raises(ValueError, match="context_parallel_layout must be one of"):
+        CausalLM(TINY, seed=0)(ids, cu_seqlens=cu, context_parallel_group=object(),
+                               context_parallel_layout="zig-zag")
+
+
 # --- corpus ----------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
