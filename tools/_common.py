@@ -161,6 +161,26 @@ def add_cmp_selected_argument(parser) -> None:
                              "compressed tokens per query tile (default: dense)")
 
 
+def add_layout_argument(parser, flag: str = "--layout") -> None:
+    """`flag` auto|contiguous|zigzag: how the tokens are sharded over the context-parallel
+    ranks (nsa.distributed.sharding), read back with resolve_layout once the mode is known."""
+    from nsa.distributed import LAYOUTS
+
+    parser.add_argument(flag, choices=("auto", *LAYOUTS), default="auto",
+                        help="how the tokens are sharded over the ranks; auto: zigzag in "
+                             "sequence mode (rank r holds chunks r and 2W-1-r of 2W: every rank "
+                             "the same causal work), contiguous in heads mode (balanced "
+                             "already: zigzag would only add a reorder of the gathered tokens)")
+
+
+def resolve_layout(layout: str, mode: str) -> str:
+    """The layout as run: auto is zigzag in sequence mode (each rank computes its own rows, whose
+    causal work zigzag balances), contiguous in heads mode (each rank computes every row)."""
+    if layout != "auto":
+        return layout
+    return "zigzag" if mode == "sequence" else "contiguous"
+
+
 def check_num_seqs(args, parser) -> None:
     """Refuse --num-seqs beyond the tokens of the shortest N (after the problem's defaults)."""
     for seqlen in args.seqlens:

@@ -54,12 +54,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from _common import (DTYPES, RECOMPUTE_OPTIONS, add_cmp_selected_argument,  # noqa: E402
-                     add_recompute_argument,
+                     add_layout_argument, add_recompute_argument,
                      cu_seqlens_of, describe_answer, describe_device, positive_float,
-                     positive_int, resolve_device, search_longest, time_ms, varlen_lengths,
-                     write_results_json)
+                     positive_int, resolve_device, resolve_layout, search_longest, time_ms,
+                     varlen_lengths, write_results_json)
 from nsa import nsa  # noqa: E402
-from nsa.distributed import (LAYOUTS, choose_mode, nsa_context_parallel,  # noqa: E402
+from nsa.distributed import (choose_mode, nsa_context_parallel,  # noqa: E402
                              resolve_group, shard_ranges, shard_sequence, unshard_sequence)
 from nsa.distributed.sharding import chunks_per_rank  # noqa: E402
 from nsa.distributed.exchange import heads_to_sequence, sequence_to_heads  # noqa: E402
@@ -85,11 +85,7 @@ def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
                         help="default: bfloat16 on CUDA, float32 on the CPU (whose bfloat16 "
                              "matmuls are slow)")
     parser.add_argument("--mode", choices=("auto", "heads", "sequence"), default="auto")
-    parser.add_argument("--layout", choices=("auto", *LAYOUTS), default="auto",
-                        help="how the tokens are sharded over the ranks; auto: zigzag in "
-                             "sequence mode (rank r holds chunks r and 2W-1-r of 2W: every rank "
-                             "the same causal work), contiguous in heads mode (balanced "
-                             "already: zigzag would only add a reorder of the gathered tokens)")
+    add_layout_argument(parser)
     parser.add_argument("--overlap-chunks", type=positive_int, default=1, metavar="N",
                         help="heads mode pipelined in N chunks of a rank's KV heads, each "
                              "chunk's all-to-alls overlapping its neighbour's compute "
@@ -300,14 +296,6 @@ def _run(args, argv) -> dict:
             write_results_json(args.json, TOOL, list(argv or sys.argv[1:]), result["device"],
                                [result])
     return result
-
-
-def resolve_layout(layout: str, mode: str) -> str:
-    """--layout as run: auto is zigzag in sequence mode (each rank computes its own rows, whose
-    causal work zigzag balances), contiguous in heads mode (each rank computes every row)."""
-    if layout != "auto":
-        return layout
-    return "zigzag" if mode == "sequence" else "contiguous"
 
 
 def _nsa_options(args) -> dict:

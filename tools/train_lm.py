@@ -26,11 +26,13 @@ the comparison:
     wait; python tools/train_lm.py --combine nsa.json dense.json --json lm.json --png lm.png
 
 Across GPUs (context parallelism, NSA only): `torchrun --nproc-per-node N tools/train_lm.py
---context-parallel N --attention nsa ...` shards every batch's tokens over the N ranks (each
-rank a contiguous 1/N, the batch's cu_seqlens on all), runs each layer's nsa() across them
-(nsa.distributed, heads mode: N must divide the KV heads), averages the gradients over the
-ranks and steps the same optimizer on each; rank 0 prints and writes. tokens/s counts the whole
-batch. Dense attention has no context-parallel path here.
+--context-parallel N --attention nsa ...` shards every batch's tokens over the N ranks (the
+batch's cu_seqlens on all), runs each layer's nsa() across them (nsa.distributed: heads mode
+where N divides the KV heads, else sequence mode), averages the gradients over the ranks and
+steps the same optimizer on each; rank 0 prints and writes. --cp-layout picks the shards
+(default auto: zigzag, rank r holding chunks r and 2N-1-r of 2N, in sequence mode, whose causal
+work it balances; contiguous 1/N in heads mode, balanced either way); the JSON records the one
+used. tokens/s counts the whole batch. Dense attention has no context-parallel path here.
 
 Timing: training seconds exclude evaluation; each step ends with loss.item() (a sync) on a GPU,
 so a step's time is its device time. tokens/s is measured after --warmup-steps steps (the first
@@ -54,9 +56,12 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import positive_int, resolve_device  # noqa: E402
+from _common import (add_layout_argument, positive_int, resolve_device,  # noqa: E402
+                     resolve_layout)
 from nsa.models.corpus import (DocumentPacker, find_documents, heldout_batches,  # noqa: E402
                                source_roots, split_documents)
+from nsa.distributed import choose_mode, shard_ranges, shard_sequence  # noqa: E402
+from nsa.distributed.sharding import chunks_per_rank  # noqa: E402
 from nsa.models.lm import MODEL_PRESETS, CausalLM, LMConfig  # noqa: E402
 
 LR_DEFAULTS = {"tiny": 3e-3, "small": 6e-4, "base": 6e-4}
@@ -102,6 +107,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="shard each batch's tokens over N ranks (run under torchrun "
                              "--nproc-per-node N; NSA only; N divides --seq-len; heads mode "
                              "where N divides the KV heads, else sequence mode)")
+    add_layout_argument(parser, "--cp-layout")
     parser.add_argument("--profile-step", type=positive_int, default=None, metavar="N",
                         help="profile optimizer step N (torch.profiler, CPU and CUDA): print "
                              "its wall time, the GPU's busy time and the ops with the most "
@@ -126,13 +132,18 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.eval_every = max(1, args.steps // 10)
     if args.minutes is not None and args.minutes <= 0:
         parser.error(f"--minutes must be positive, got {args.minutes}")
+    # The mode every layer's nsa() will choose (its default, "auto"), and the layout for it.
+    mode = choose_mode("auto", args.context_parallel, MODEL_PRESETS[args.model].num_kv_heads)
+    args.cp_layout = resolve_layout(args.cp_layout, mode)
     if args.context_parallel > 1:
         if args.attention != "nsa":
             parser.error(f"--context-parallel {args.context_parallel}: only --attention nsa "
                          f"runs across ranks, got --attention {args.attention}")
-        if args.seq_len % args.context_parallel:
-            parser.error(f"--context-parallel {args.context_parallel}: --seq-len "
-                         f"{args.seq_len} must be a multiple of it (equal shards)")
+        try:  # the training batches are exactly --seq-len tokens: the layout must split them
+            shard_ranges(args.seq_len, rank=0, world_size=args.context_parallel,
+                         layout=args.cp_layout, name="--seq-len")
+        except ValueError as error:
+            parser.error(f"--context-parallel {args.context_parallel}: {error}")
         world = int(os.environ.get("WORLD_SIZE", "1"))
         if world != args.context_parallel:
             parser.error(f"--context-parallel {args.context_parallel}: run under torchrun "
@@ -162,11 +173,14 @@ def synchronize(device: torch.device) -> None:
 
 
 class Ranks:
-    """The context-parallel ranks of a torchrun launch (--context-parallel N), or this process
-    alone (N = 1: every method is then the identity)."""
+    """The context-parallel ranks of a torchrun launch (--context-parallel N, the tokens
+    sharded by --cp-layout), or this process alone (N = 1: every method is then the
+    identity)."""
 
-    def __init__(self, size: int, device: torch.device):
-        self.size, self.rank, self.group = size, 0, None
+    def __init__(self, size: int, device: torch.device, layout: str = "contiguous"):
+        self.size, self.rank, self.group, self.layout = size, 0, None, layout
+        # A batch's tokens must be a multiple of this to shard (2N chunks for zigzag).
+        self.tokens_multiple = size * chunks_per_rank(layout)
         if size > 1:
             import torch.distributed as dist
 
@@ -182,14 +196,14 @@ class Ranks:
 
     def model_inputs(self, batch) -> dict:
         """CausalLM's arguments for `batch` (on the device): this rank's shard of the tokens
-        and labels, the whole batch's bounds, and the group."""
+        and labels (the batch's labels are already the next tokens, so they shard like the
+        tokens), the whole batch's bounds, the group and the layout."""
         inputs = dict(batch.model_inputs(), input_ids=batch.input_ids, labels=batch.labels)
         if self.group is not None:
-            from nsa.distributed import shard_sequence
-
-            inputs.update(input_ids=shard_sequence(batch.input_ids, self.group),
-                          labels=shard_sequence(batch.labels, self.group),
-                          context_parallel_group=self.group)
+            inputs.update(
+                input_ids=shard_sequence(batch.input_ids, self.group, layout=self.layout),
+                labels=shard_sequence(batch.labels, self.group, layout=self.layout),
+                context_parallel_group=self.group, context_parallel_layout=self.layout)
         return inputs
 
     def mean(self, value: torch.Tensor) -> torch.Tensor:
@@ -227,7 +241,7 @@ def heldout_loss(model: CausalLM, batches, device: torch.device, ranks: Ranks) -
     model.eval()
     total, count = 0.0, 0
     for batch in batches:
-        batch = batch.padded_to_multiple(ranks.size).to(device)
+        batch = batch.padded_to_multiple(ranks.tokens_multiple).to(device)
         loss = ranks.mean(model(**ranks.model_inputs(batch)))
         targets = batch.num_targets  # a device read: once per batch
         total += float(loss) * targets
@@ -247,7 +261,8 @@ def train_one(attention: str, args, train_documents, eval_set, ranks: Ranks) -> 
     budget = None if args.minutes is None else args.minutes * 60
     if ranks.first:
         print(f"[{attention}] {model.num_parameters() / 1e6:.1f}M parameters, {config}"
-              + (f", context parallel over {ranks.size} ranks" if ranks.size > 1 else ""))
+              + (f", context parallel over {ranks.size} ranks ({ranks.layout} layout)"
+                 if ranks.size > 1 else ""))
 
     record = dict(attention=attention, parameters=model.num_parameters(),
                   config=config.to_dict(), steps=[], train_loss=[], tokens=[], seconds=[],
@@ -485,7 +500,7 @@ def main(argv=None) -> int:
         train_documents = train_documents[:args.max_documents]
         heldout_documents = heldout_documents[:max(1, args.max_documents // 20)]
     eval_set = heldout_batches(heldout_documents, args.seq_len, args.eval_batches)
-    ranks = Ranks(args.context_parallel, args.device)
+    ranks = Ranks(args.context_parallel, args.device, args.cp_layout)
     if ranks.first:
         print(f"corpus: {len(train_documents)} training and {len(heldout_documents)} held-out "
               f"documents ({args.corpus}); held-out set {sum(b.num_tokens for b in eval_set):,} "
@@ -509,7 +524,7 @@ def main(argv=None) -> int:
         lr=args.lr, corpus=args.corpus, train_documents=len(train_documents),
         heldout_documents=len(heldout_documents),
         heldout_tokens=sum(b.num_tokens for b in eval_set), context_parallel=args.context_parallel,
-        runs=runs)
+        cp_layout=args.cp_layout, runs=runs)
     if len(runs) == 2:
         summary["comparison"] = compare(*runs)
     report(summary, args)

@@ -99,8 +99,10 @@ def test_help_and_bad_arguments(capsys):
 
 
 def test_context_parallel_run_equals_one_process(tmp_path):
-    """torchrun --nproc-per-node 2 ... --context-parallel 2 (gloo, CPU): the same losses, step
-    by step and held out, as one process training on whole batches."""
+    """torchrun --nproc-per-node 2 ... --context-parallel 2 --cp-layout zigzag (gloo, CPU): the
+    same losses, step by step and held out, as one process training on whole batches. Zigzag
+    (auto would pick contiguous: heads mode) so that the run covers the layout whose shards are
+    not one range; the model-level checks in tests/nsa/test_context_parallel.py cover both."""
     import os
     import subprocess
 
@@ -114,11 +116,12 @@ def test_context_parallel_run_equals_one_process(tmp_path):
                                                           "torch.distributed.run"]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     subprocess.run([*launcher, "--nproc-per-node", "2", str(TOOL), "--context-parallel", "2",
-                    *arguments, "--json", str(tmp_path / "cp.json")],
+                    "--cp-layout", "zigzag", *arguments, "--json", str(tmp_path / "cp.json")],
                    check=True, env=env, cwd=tmp_path, timeout=240, capture_output=True)
     one, cp = (json.loads((tmp_path / f"{name}.json").read_text())["runs"][0]
                for name in ("one", "cp"))
-    assert json.loads((tmp_path / "cp.json").read_text())["context_parallel"] == 2
+    written = json.loads((tmp_path / "cp.json").read_text())
+    assert (written["context_parallel"], written["cp_layout"]) == (2, "zigzag")
     assert cp["tokens"] == one["tokens"] == [512, 1024]
     assert cp["train_loss"] == pytest.approx(one["train_loss"], rel=1e-5)
     assert [e["heldout_loss"] for e in cp["eval"]] == pytest.approx(
@@ -129,8 +132,22 @@ def test_context_parallel_arguments_are_checked(capsys, monkeypatch):
     tool = load_tool()
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     for bad, phrase in ((["--attention", "both"], "only --attention nsa"),
-                        (["--attention", "nsa", "--seq-len", "513"], "must be a multiple of it"),
+                        (["--attention", "nsa", "--seq-len", "513"], "not a multiple of 2"),
+                        (["--attention", "nsa", "--seq-len", "514", "--cp-layout", "zigzag"],
+                         "--seq-len has 514 tokens, not a multiple of 4 (layout='zigzag'"),
+                        (["--attention", "nsa", "--cp-layout", "ring"], "invalid choice"),
                         (["--attention", "nsa"], "run under torchrun --nproc-per-node 2")):
         with pytest.raises(SystemExit):
             tool.parse_args(["--device", "cpu", "--context-parallel", "2", *bad])
         assert phrase in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("ranks, layout", [(1, "contiguous"), (2, "contiguous"), (4, "zigzag")])
+def test_cp_layout_auto_is_zigzag_where_the_layers_run_sequence_mode(monkeypatch, ranks, layout):
+    """The tiny model has 2 KV heads: heads mode on 1 or 2 ranks (contiguous, balanced either
+    way), sequence mode on 4 (zigzag, which balances its causal work)."""
+    tool = load_tool()
+    monkeypatch.setenv("WORLD_SIZE", str(ranks))
+    args = tool.parse_args(["--device", "cpu", "--model", "tiny", "--attention", "nsa",
+                            "--context-parallel", str(ranks)])
+    assert args.cp_layout == layout
