@@ -58,10 +58,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import (add_layout_argument, positive_int, resolve_device,  # noqa: E402
                      resolve_layout)
-from nsa.models.corpus import (DocumentPacker, find_documents, heldout_batches,  # noqa: E402
-                               source_roots, split_documents)
 from nsa.distributed import choose_mode, shard_ranges, shard_sequence  # noqa: E402
 from nsa.distributed.sharding import chunks_per_rank  # noqa: E402
+from nsa.models.corpus import (DocumentPacker, find_documents, heldout_batches,  # noqa: E402
+                               source_roots, split_documents)
 from nsa.models.lm import MODEL_PRESETS, CausalLM, LMConfig  # noqa: E402
 
 LR_DEFAULTS = {"tiny": 3e-3, "small": 6e-4, "base": 6e-4}
@@ -105,8 +105,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="test only: nsa()'s selection tile (tiny CPU runs)")
     parser.add_argument("--context-parallel", type=positive_int, default=1, metavar="N",
                         help="shard each batch's tokens over N ranks (run under torchrun "
-                             "--nproc-per-node N; NSA only; N divides --seq-len; heads mode "
-                             "where N divides the KV heads, else sequence mode)")
+                             "--nproc-per-node N; NSA only; --seq-len splits into N equal "
+                             "chunks, 2N with --cp-layout zigzag; heads mode where N divides "
+                             "the KV heads, else sequence mode)")
     add_layout_argument(parser, "--cp-layout")
     parser.add_argument("--profile-step", type=positive_int, default=None, metavar="N",
                         help="profile optimizer step N (torch.profiler, CPU and CUDA): print "
@@ -179,8 +180,9 @@ class Ranks:
 
     def __init__(self, size: int, device: torch.device, layout: str = "contiguous"):
         self.size, self.rank, self.group, self.layout = size, 0, None, layout
-        # A batch's tokens must be a multiple of this to shard (2N chunks for zigzag).
-        self.tokens_multiple = size * chunks_per_rank(layout)
+        # A batch's tokens must be a multiple of this to shard (2N chunks for zigzag); one
+        # process shards nothing.
+        self.tokens_multiple = size * chunks_per_rank(layout) if size > 1 else 1
         if size > 1:
             import torch.distributed as dist
 
