@@ -207,11 +207,11 @@ class CausalLM(nn.Module):
         the whole batch's (the same on every rank); every attention layer runs across the
         group (NSAAttention). Shift the labels before sharding: a chunk's last row's target
         is the first token of the chunk after it, which another rank holds (zigzag: or this
-        rank, in its other chunk, not next to it in the shard). The loss returned is then this rank's share
-        scaled so that the mean over the ranks is the batch's mean loss (its labelled tokens'
-        sum over all ranks, divided by their count; a sum of per-token terms, so the same
-        under either layout): averaging the ranks' gradients, as DDP and FSDP2 do over data x
-        context ranks, gives the gradient of the batch's mean loss."""
+        rank, in its other chunk, not next to it in the shard). The loss returned is then
+        this rank's share scaled so that the mean over the ranks is the batch's mean loss (its
+        labelled tokens' sum over all ranks, divided by their count; a sum of per-token terms,
+        so the same under either layout): averaging the ranks' gradients, as DDP and FSDP2 do
+        over data x context ranks, gives the gradient of the batch's mean loss."""
         compute_dtype = getattr(torch, self.config.compute_dtype)
         sequences = dict(cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
                          host_cu_seqlens=host_cu_seqlens)
