@@ -222,7 +222,11 @@ def test_launcher_built_arguments_compile_for_sm90a():
     from kernels.sm90.launch import as_cute
     from kernels.sm90.fwd_sm90 import FlashAttentionForwardSm90
 
+    from kernels.sm90.compile import fake_arguments
+
     spec = _spec("bfloat16", 128, "compressed-causal")
+    _, optional = fake_arguments(spec)  # this spec's optional tensors: all None
+    assert optional == (None,) * len(optional)
     q = torch.randn(300, 4, 128, dtype=torch.bfloat16)
     k = torch.randn(4, 2, 128, dtype=torch.bfloat16)
     out = torch.empty_like(q)
@@ -230,7 +234,8 @@ def test_launcher_built_arguments_compile_for_sm90a():
     cu_q = torch.tensor([0, 300], dtype=torch.int32)
     cu_k = torch.tensor([0, 4], dtype=torch.int32)
     args = (*(as_cute(t) for t in (q, k, k.clone(), out, lse, cu_q, cu_k)),
-            *_typed_scalars((300, 0.088, 64, 0, 0, 132)), *(None,) * 7, make_fake_stream())
+            *_typed_scalars((300, 0.088, 64, 0, 0, 132)), *(None,) * len(optional),
+            make_fake_stream())
     assert callable(cute.compile(FlashAttentionForwardSm90(spec), *args))
 
 
