@@ -254,15 +254,14 @@ def _compressed_block_sparse(cu_seqlens: Tensor, cu_seqlens_cmp: Tensor, cmp_sel
                              causal: bool, host_cu_seqlens=None,
                              queries: QueryRows | None = None) -> BlockSparseTensors:
     if causal and host_cu_seqlens is not None:  # no device read (CUDA graphs)
-        if queries is not None:
-            return build_compressed_block_sparse_trusted(
-                cmp_selected, cu_seqlens_q=queries.cu_seqlens, cu_seqlens_k_cmp=cu_seqlens_cmp,
-                host_cu_seqlens_q=queries.host_cu_seqlens, compress_factor=compress_block_size,
-                q_tile=q_tile, kv_block=cmp_kv_block, start_positions=queries.start_positions)
+        # The query rows: the keys' own (every row from position 0), or `queries`'.
+        cu_q, host_q, starts = ((cu_seqlens, host_cu_seqlens[0], None) if queries is None else
+                                (queries.cu_seqlens, queries.host_cu_seqlens,
+                                 queries.start_positions))
         return build_compressed_block_sparse_trusted(
-            cmp_selected, cu_seqlens_q=cu_seqlens, cu_seqlens_k_cmp=cu_seqlens_cmp,
-            host_cu_seqlens_q=host_cu_seqlens[0], compress_factor=compress_block_size,
-            q_tile=q_tile, kv_block=cmp_kv_block)
+            cmp_selected, cu_seqlens_q=cu_q, cu_seqlens_k_cmp=cu_seqlens_cmp,
+            host_cu_seqlens_q=host_q, compress_factor=compress_block_size, q_tile=q_tile,
+            kv_block=cmp_kv_block, start_positions=starts)
     if queries is not None:
         raise ValueError("queries: causal trusted calls only (pass host_cu_seqlens)")
     if causal:

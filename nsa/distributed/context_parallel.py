@@ -43,7 +43,7 @@ def nsa_context_parallel(q: Tensor, k: Tensor, v: Tensor, *, group,
         for one dimension of a 2-D (data x context) mesh.
     host_cu_seqlens: cu_seqlens's values on the host, as for nsa() (spares a device read).
     mode: "heads" (all-to-all to KV-head shards; needs W to divide Hkv), "sequence" (each rank
-        keeps its queries; causal only, at least 256 tokens a rank), or "auto" (heads when W
+        keeps its queries; causal only, at least 256 tokens a chunk of the layout), or "auto" (heads when W
         divides Hkv, else sequence).
     W_k, W_v (Hkv, D, D), W_gate (H, 3, D): replicated weights, the same on every rank. Each
         rank's gradient is its partial: nonzero only in the heads it computed, so the sum over

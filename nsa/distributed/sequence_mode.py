@@ -44,7 +44,8 @@ from nsa.function import NSAFunction
 from nsa.memory_policy import keeps_branch_outputs
 from nsa.validation import PackedSequences, validate_nsa_call
 from nsa.distributed.groups import ContextParallelGroup
-from nsa.distributed.sharding import chunks_per_rank, shard_ranges, to_natural_order, to_rank_order
+from nsa.distributed.sharding import (chunks_per_rank, shard_ranges, take_ranges,
+                                      to_natural_order, to_rank_order)
 from sparsity import QueryRows
 
 
@@ -112,7 +113,7 @@ def sequence_mode(context: ContextParallelGroup, layout: str, q, k, v, W_k, W_v,
         query_bounds.append(query_bounds[-1] + segment.b - segment.halo_from)
         starts.append(segment.halo_from)
     device = q.device
-    k_local, v_local = (_rows(x, key_ranges) for x in (k_all, v_all))
+    k_local, v_local = (take_ranges(x, 0, key_ranges) for x in (k_all, v_all))
     q_local = torch.cat(query_parts)
     cu_keys = torch.tensor(key_bounds, dtype=torch.int32, device=device)
     queries = QueryRows(torch.tensor(query_bounds, dtype=torch.int32, device=device),
@@ -143,16 +144,7 @@ def sequence_mode(context: ContextParallelGroup, layout: str, q, k, v, W_k, W_v,
     out_local = NSAFunction.apply(q_local, k_local, v_local, W_k, W_v, W_gate, cu_keys,
                                   sequences.max_seqlen, config, sequences.cu_seqlens, keep,
                                   queries)
-    return _rows(out_local, owned).reshape(q.shape)
-
-
-def _rows(x: Tensor, ranges: list[tuple[int, int]]) -> Tensor:
-    """Rows [a, b) of x for each range, in order: a view where they follow each other (packed
-    shards: a rank's documents are consecutive), else a gather."""
-    if all(prev[1] == nxt[0] for prev, nxt in zip(ranges, ranges[1:])):
-        return x[ranges[0][0]:ranges[-1][1]]
-    index = torch.cat([torch.arange(a, b) for a, b in ranges]).to(x.device)
-    return x[index]
+    return take_ranges(out_local, 0, owned).reshape(q.shape)
 
 
 @functools.cache

@@ -99,7 +99,7 @@ def shard_sequence(x: Tensor, group=None, *, rank: int | None = None,
                          f"{tuple(x.shape)}")
     ranges = shard_ranges(x.shape[seq_dim], group, rank=rank, world_size=world_size,
                           layout=layout, name=name)
-    return _take(x, seq_dim, ranges)
+    return take_ranges(x, seq_dim, ranges)
 
 
 def unshard_sequence(x: Tensor, group, *, seq_dim: int = 0,
@@ -132,7 +132,7 @@ def to_natural_order(x: Tensor, seq_dim: int, world_size: int, layout: str) -> T
 def to_rank_order(x: Tensor, seq_dim: int, world_size: int, layout: str) -> Tensor:
     """The inverse of to_natural_order: the whole sequence -> every rank's shard concatenated
     in rank order (rank r's at [r*T/W, (r+1)*T/W)). x itself for contiguous."""
-    return _take(x, seq_dim, _ranges_in_rank_order(x.shape[seq_dim], world_size, layout))
+    return take_ranges(x, seq_dim, _ranges_in_rank_order(x.shape[seq_dim], world_size, layout))
 
 
 def _ranges_in_rank_order(total: int, world_size: int, layout: str) -> list[tuple[int, int]]:
@@ -140,8 +140,9 @@ def _ranges_in_rank_order(total: int, world_size: int, layout: str) -> list[tupl
             for bounds in shard_ranges(total, rank=rank, world_size=world_size, layout=layout)]
 
 
-def _take(x: Tensor, dim: int, ranges) -> Tensor:
-    """x's ranges along dim, concatenated: a view when they follow each other."""
+def take_ranges(x: Tensor, dim: int, ranges) -> Tensor:
+    """x's [start, stop) ranges along dim, concatenated in order: a view when they follow each
+    other."""
     if _follow_each_other(ranges):
         return x.narrow(dim, ranges[0][0], ranges[-1][1] - ranges[0][0])
     return torch.cat([x.narrow(dim, start, stop - start) for start, stop in ranges], dim=dim)
