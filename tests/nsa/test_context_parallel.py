@@ -626,32 +626,32 @@ def _assert_passed(report: dict, name: str) -> None:
     assert not failures, "\n".join(f"rank {r}: {o}" for r, o in failures.items())
 
 
-@pytest.mark.parametrize("world, name", [(w, n) for w, cases in EQUALITY_CASES.items()
-                                         for n in cases])
+def _world_and_name(cases_by_world: dict) -> list[tuple[int, str]]:
+    """(world size, case name) of every case of a {world size: {name: ...}} table."""
+    return [(world, name) for world, cases in cases_by_world.items() for name in cases]
+
+
+@pytest.mark.parametrize("world, name", _world_and_name(EQUALITY_CASES))
 def test_heads_mode_equals_one_process(reports, world, name):
     _assert_passed(reports(world), f"equal:{name}")
 
 
-@pytest.mark.parametrize("world, name", [(w, n) for w, cases in PIPELINED_CASES.items()
-                                         for n in cases])
+@pytest.mark.parametrize("world, name", _world_and_name(PIPELINED_CASES))
 def test_pipelined_heads_mode_equals_one_process(reports, world, name):
     _assert_passed(reports(world), f"pipelined:{name}")
 
 
-@pytest.mark.parametrize("world, name", [(w, n) for w, cases in SEQUENCE_CASES.items()
-                                         for n in cases])
+@pytest.mark.parametrize("world, name", _world_and_name(SEQUENCE_CASES))
 def test_sequence_mode_equals_one_process(reports, world, name):
     _assert_passed(reports(world), f"sequence:{name}")
 
 
-@pytest.mark.parametrize("world, name", [(w, n) for w, cases in ZIGZAG_CASES.items()
-                                         for n in cases])
+@pytest.mark.parametrize("world, name", _world_and_name(ZIGZAG_CASES))
 def test_zigzag_layout_equals_one_process(reports, world, name):
     _assert_passed(reports(world), f"zigzag:{name}")
 
 
-@pytest.mark.parametrize("world, name", [(w, n) for w, cases in BAD_INPUT_CASES.items()
-                                         for n in cases])
+@pytest.mark.parametrize("world, name", _world_and_name(BAD_INPUT_CASES))
 def test_bad_input_raises_on_every_rank(reports, world, name):
     _assert_passed(reports(world), f"bad:{name}")
 
