@@ -95,8 +95,9 @@ def masked_attention_forward(q, k, v, *, attn_mask=None, attn_bias=None, softmax
     (``kernels.masked`` states the function and the broadcast rules): ``(out, lse)``."""
     problem = _validate_masked(q, k, v, attn_mask, attn_bias, softmax_scale, causal,
                                window_size, compress_factor)
-    # No sm90 kernel takes a user mask or bias yet: the torch path runs on every device.
-    return masked.forward(problem, q, k, v, attn_mask, attn_bias)
+    on_kernel = masked.sm90_forward(problem, q, k, v, attn_mask, attn_bias)
+    return on_kernel if on_kernel is not None else masked.forward(problem, q, k, v, attn_mask,
+                                                                  attn_bias)
 
 
 def masked_attention_backward(dout, q, k, v, out, lse, *, attn_mask=None, attn_bias=None,

@@ -12,7 +12,13 @@ per KV head, shared by its query heads), or the same with leading dims left out.
 gets zero gradients (never NaN). With a bias gradient, dbias = dL/dS summed over the broadcast
 dims, in the bias's dtype; cells no row sees get 0.
 
-This module is the torch path, and the reference the sm90 kernels will be held to: it works one
+The forward runs on the sm90 kernel where it takes the call (`sm90_forward`): the tiles to
+visit are listed from the mask, the bias's -inf cells and the causal/window rule, per
+128 x 128 tile (`tile_lists`: tiles where nothing is seen are never loaded, tiles where
+everything is seen skip the mask), and the kernel adds the bias and reads the mask in
+registers (kernels/sm90/score_mod.py).
+
+The torch path here is the reference those kernels are held to, and the backward: it works one
 chunk of query rows at a time (all keys, every head) so that its temporaries stay under
 `CHUNK_BUDGET_BYTES`; nothing of Nq x Nk is allocated beyond the user's mask and bias and the
 bias's gradient. The chunks walk the batch inside each row range, so a bias shared by the batch
@@ -20,6 +26,7 @@ bias's gradient. The chunks walk the batch inside each row range, so a bias shar
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -30,6 +37,11 @@ from .validate import AttentionProblem
 CHUNK_BUDGET_BYTES = 256 << 20
 # float64 too: the torch path computes float64 inputs exactly (gradient checks).
 BIAS_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+# The sm90 path: its tiles (query rows x keys), the bias types it reads, and the cells of mask
+# or bias one classification pass turns into a temporary at a time.
+KERNEL_TILE = 128
+KERNEL_BIAS_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+CLASSIFY_BUDGET_CELLS = 1 << 26
 
 
 @dataclass(frozen=True)
@@ -227,3 +239,147 @@ def _reduce_heads(ds: torch.Tensor, heads: int) -> torch.Tensor:
     if sharing == "query":
         return ds.reshape(heads, *ds.shape[2:])
     return ds.sum(1) if sharing == "kv" else ds.sum((0, 1)).unsqueeze(0)
+
+
+# --- the sm90 forward ----------------------------------------------------------------------------
+
+def sm90_forward(problem: AttentionProblem, q, k, v, attn_mask=None, attn_bias=None):
+    """(out, lse) of `forward` on the sm90 kernel, or None where it does not take the call
+    (then the torch path runs). The same function, dtype rules and outputs."""
+    from . import dispatch
+
+    if attn_bias is not None and attn_bias.dtype not in KERNEL_BIAS_DTYPES:
+        return None
+    module, _ = dispatch.sm90_module("forward", q.device)
+    if module is None or module.unsupported_inputs(q, k, v, module.SUPPORTED_HEAD_DIMS):
+        return None
+    lists = tile_lists(problem, attn_mask, attn_bias)
+    kwargs = dispatch.normalised_kwargs(problem, None, None, lists)
+    kernel, _ = dispatch.attention_kernel("forward", q, k, v, kwargs, problem)
+    if kernel is None:
+        return None
+    return kernel.run(q, k, v, **kwargs, score_mods=score_mod_tensors(problem, attn_mask,
+                                                                      attn_bias))
+
+
+def tile_lists(problem: AttentionProblem, attn_mask=None, attn_bias=None):
+    """The block-sparse lists (`sparsity.BlockSparseTensors`, KERNEL_TILE square tiles, one
+    list per (batch entry, tile, list head)) of the tiles a row may see something in: a tile is
+    "full" when the rule, the mask and the bias let every existing cell through, "mask" when
+    some, unlisted when none (combined tile by tile: a "mask" tile of two sources may turn out
+    empty, which costs a visit, never a wrong result). Built on the device, without reads."""
+    from sparsity import build_block_sparse_from_tile_classes
+
+    tile = KERNEL_TILE
+    given = [x for x in (attn_mask, attn_bias) if x is not None]
+    heads = max(_as_4d(x).shape[1] for x in given)
+    classes = _rule_classes(problem, tile, given[0].device)
+    if attn_mask is not None:
+        classes = torch.minimum(classes, _expand(_cell_classes(attn_mask, lambda m: m, tile),
+                                                 problem, heads))
+    if attn_bias is not None:
+        classes = torch.minimum(classes, _expand(
+            _cell_classes(attn_bias, lambda b: ~torch.isneginf(b), tile), problem, heads))
+    classes = classes.expand(problem.num_seqs, heads, *classes.shape[2:])
+    return build_block_sparse_from_tile_classes(
+        classes, seqlen_q=problem.max_seqlen_q, seqlen_k=problem.max_seqlen_k, q_tile=tile,
+        kv_block=tile)
+
+
+def _rule_classes(problem: AttentionProblem, tile: int, device: torch.device) -> torch.Tensor:
+    """(1, 1, Tq, Tk) int8 classes of the causal/window/compress rule over the existing cells
+    (all FULL_BLOCK without a rule). The rule is a band of key positions per row, so a tile is
+    seen whole when its last key is seen from its first row and its first key from its last
+    row, and touched when the bands of its rows reach its keys' positions."""
+    from sparsity.builders import FULL_BLOCK, MASK_BLOCK, NOT_LISTED
+
+    seqlen_q, seqlen_k = problem.max_seqlen_q, problem.max_seqlen_k
+    first_row = torch.arange(0, seqlen_q, tile, device=device)[:, None]
+    last_row = (first_row + tile).clamp(max=seqlen_q) - 1
+    first_key = torch.arange(0, seqlen_k, tile, device=device)[None, :]
+    last_key = (first_key + tile).clamp(max=seqlen_k) - 1
+    full = (visible_under_rule(problem, first_row, last_key)
+            & visible_under_rule(problem, last_row, first_key))
+    left, right = problem.window_size
+    # How far past its own position a row sees (None: no bound).
+    reach_right = ((0,) if problem.causal else ()) + ((right,) if right >= 0 else ())
+    cf = problem.compress_factor
+    touched = torch.ones_like(full)
+    if reach_right:
+        touched &= (first_key + 1) * cf - 1 <= last_row + min(reach_right)
+    if left >= 0:
+        touched &= (last_key + 1) * cf - 1 >= first_row - left
+    classes = torch.full(full.shape, MASK_BLOCK, dtype=torch.int8, device=device)
+    classes[full] = FULL_BLOCK
+    classes[~touched] = NOT_LISTED
+    return classes[None, None]
+
+
+def _cell_classes(x: torch.Tensor, attend, tile: int) -> torch.Tensor:
+    """(Bx, Hx, Tq, Tk) classes of a mask or bias, `attend(cells)` its bool view, a band of
+    rows at a time (at most CLASSIFY_BUDGET_CELLS cells: no Nq x Nk temporary)."""
+    from sparsity.builders import classify_tiles
+
+    x = _broadcast_view(x)
+    batch, heads, seqlen_q, seqlen_k = x.shape
+    rows = max(tile, CLASSIFY_BUDGET_CELLS // max(1, batch * heads * seqlen_k) // tile * tile)
+    return torch.cat([classify_tiles(attend(x[:, :, r0:r0 + rows]), tile, tile)
+                      for r0 in range(0, seqlen_q, rows)], dim=2)
+
+
+def _broadcast_view(x: torch.Tensor) -> torch.Tensor:
+    """x as 4-D, a batch or head dim that is an expanded broadcast (stride 0) narrowed to one:
+    the same function, no copy of the repeats."""
+    x = _as_4d(x)
+    for dim in (0, 1):
+        if x.shape[dim] > 1 and x.stride(dim) == 0:
+            x = x.narrow(dim, 0, 1)
+    return x
+
+
+def _expand(classes: torch.Tensor, problem: AttentionProblem, heads: int) -> torch.Tensor:
+    """A source's (Bx, Hx, Tq, Tk) classes over the lists' `heads` (1, Hkv or H; Hx divides
+    it): one per KV head repeated over its query heads where the lists are per query head."""
+    if classes.shape[1] not in (1, heads):
+        classes = classes.repeat_interleave(heads // classes.shape[1], dim=1)
+    return classes
+
+
+def score_mod_tensors(problem: AttentionProblem, attn_mask, attn_bias):
+    """The mask and bias as the sm90 kernel reads them (`kernels.sm90.forward.ScoreModTensors`):
+    (slabs, Nq, Nk) views (copies only where the cells are not row-major or the bias is not
+    16-byte aligned) and the (B, H, 2) slab table."""
+    from kernels.sm90.forward import ScoreModTensors
+
+    cells, forms = [], []
+    for x in (attn_mask, attn_bias):
+        if x is None:
+            cells.append(None)
+            forms.append((1, 1))
+            continue
+        x = _broadcast_view(x)
+        forms.append(tuple(x.shape[:2]))
+        if x.stride(-1) != 1 or x.data_ptr() % 16:
+            x = x.contiguous()
+        x = x.reshape(-1, *x.shape[2:])
+        cells.append(x.view(torch.uint8) if x.dtype == torch.bool else x)
+    device = (attn_mask if attn_mask is not None else attn_bias).device
+    slabs = _slab_table(problem.num_seqs, problem.num_heads, problem.num_kv_heads, *forms,
+                        device)
+    return ScoreModTensors(cells[0], cells[1], slabs)
+
+
+@functools.lru_cache(maxsize=64)
+def _slab_table(batch: int, heads: int, kv_heads: int, mask_form: tuple[int, int],
+                bias_form: tuple[int, int], device: torch.device) -> torch.Tensor:
+    """(B, H, 2) int32: (batch b, query head h)'s slab of the mask and of the bias, each
+    (Bx, Hx) broadcast as `kernels.masked` states (Hx = H: h; Hx = Hkv: h's KV head; 1: 0)."""
+    b = torch.arange(batch)[:, None]
+    h = torch.arange(heads)[None, :]
+    group = heads // kv_heads
+    columns = []
+    for form_batch, form_heads in (mask_form, bias_form):
+        sharing = _head_sharing(form_heads, kv_heads, group)
+        head = h if sharing == "query" else (h // group if sharing == "kv" else h * 0)
+        columns.append((b if form_batch > 1 else b * 0) * form_heads + head)
+    return torch.stack(columns, dim=-1).to(torch.int32).to(device)

@@ -9,7 +9,8 @@ contract is docs/interfaces.md.
 from sparsity._geometry import QueryRows
 from sparsity.block_sparse import (BlockSparseTensors, row_block_offsets_from_cu_seqlens,
                                    uniform_cu_seqlens, validate_block_sparse)
-from sparsity.builders import (build_block_sparse_from_mask, build_compressed_block_sparse,
+from sparsity.builders import (build_block_sparse_from_mask,
+                               build_block_sparse_from_tile_classes, build_compressed_block_sparse,
                                build_compressed_block_sparse_trusted,
                                build_selected_block_sparse, build_selected_block_sparse_trusted,
                                selected_block_sparse_from_lists, selected_list_classes)
@@ -22,6 +23,7 @@ __all__ = [
     "BlockSparseTensors",
     "QueryRows",
     "build_block_sparse_from_mask",
+    "build_block_sparse_from_tile_classes",
     "build_compressed_block_sparse",
     "build_compressed_block_sparse_trusted",
     "build_selected_block_sparse",

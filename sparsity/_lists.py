@@ -37,10 +37,12 @@ def compact_block_lists_below(blocks: Tensor, full_end: Tensor,
     return _lists(ordered, full_count, mask_count, widths)
 
 
-def compact_block_lists(blocks: Tensor, is_full: Tensor) -> Lists:
+def compact_block_lists(blocks: Tensor, is_full: Tensor,
+                        widths: tuple[int, int] | None = None) -> Lists:
     """blocks (R, Hs, n) int64, negative = absent; is_full broadcastable to it (a block's class
     must not depend on which duplicate carries it). Returns (full_count, full_index, mask_count,
-    mask_index) in the BlockSparseTensors layout, padded to the longest list.
+    mask_index) in the BlockSparseTensors layout, padded to the longest list (one device read),
+    or to `widths` (host bounds, e.g. (n, n): no read).
 
     Two sorts along the last axis: one to drop duplicates, one to put full blocks before mask
     blocks before holes. Memory stays O(R * Hs * n).
@@ -53,7 +55,7 @@ def compact_block_lists(blocks: Tensor, is_full: Tensor) -> Lists:
     rank = torch.where(present, (~full).to(torch.int64), 2)
     ordered = (rank * _SPAN + by_block.masked_fill(~present, 0)).sort(dim=-1).values % _SPAN
     full_count = (present & full).sum(-1)
-    return _lists(ordered, full_count, present.sum(-1) - full_count)
+    return _lists(ordered, full_count, present.sum(-1) - full_count, widths)
 
 
 def range_lists(start: Tensor, stop: Tensor, full_stop: Tensor) -> Lists:

@@ -268,14 +268,12 @@ def build_block_sparse_from_mask(mask: Tensor, *, q_tile: int, kv_block: int,
             if batch not in (1, batch_size):
                 raise ValueError(f"mask has batch dim {batch}; with batch_size={batch_size} it "
                                  "must be 1 (shared) or batch_size")
-        classes = _classify_tiles(attend, q_tile, kv_block)  # (B, H, Tq, Tk)
-        per_tile = classes.permute(0, 2, 1, 3)  # (B, Tq, H, Tk)
+        classes = classify_tiles(attend, q_tile, kv_block)  # (B, H, Tq, Tk)
         if batch_size is not None and batch == 1 and batch_size > 1:
-            per_tile = per_tile.expand(batch_size, -1, -1, -1)
-        sequences = per_tile.shape[0]
-        per_tile = per_tile.reshape(-1, heads, per_tile.shape[-1])
-        cu = uniform_cu_seqlens(sequences, attend.shape[2], device=attend.device).to(torch.int64)
-        cu_k = uniform_cu_seqlens(sequences, attend.shape[3], device=attend.device).to(torch.int64)
+            classes = classes.expand(batch_size, -1, -1, -1)
+        return build_block_sparse_from_tile_classes(
+            classes, seqlen_q=attend.shape[2], seqlen_k=attend.shape[3], q_tile=q_tile,
+            kv_block=kv_block, bounded_widths=False)
     else:
         if batch_size is not None:
             raise ValueError("pass either cu_seqlens or batch_size, not both")
@@ -290,6 +288,28 @@ def build_block_sparse_from_mask(mask: Tensor, *, q_tile: int, kv_block: int,
     blocks = blocks.masked_fill(per_tile == NOT_LISTED, -1)
     lists = compact_block_lists(blocks, per_tile == FULL_BLOCK)
     return _assemble(lists, tile_geometry(cu, cu_k, q_tile), q_tile, kv_block)
+
+
+def build_block_sparse_from_tile_classes(classes: Tensor, *, seqlen_q: int, seqlen_k: int,
+                                         q_tile: int, kv_block: int,
+                                         bounded_widths: bool = True) -> BlockSparseTensors:
+    """Lists from per-tile classes: classes (B, Hs, Tq, Tk) int8 of NOT_LISTED, MASK_BLOCK and
+    FULL_BLOCK for B sequences of seqlen_q queries and seqlen_k keys each (Tq, Tk their tiles
+    and blocks), e.g. a mask's classes combined with a rule's (`kernels.masked`).
+    bounded_widths: every list padded to Tk (no device read), else to the longest list (one
+    read)."""
+    sequences, heads, tiles, blocks_per_row = classes.shape
+    per_tile = classes.permute(0, 2, 1, 3).reshape(-1, heads, blocks_per_row)
+    device = classes.device
+    cu = uniform_cu_seqlens(sequences, seqlen_q, device=device).to(torch.int64)
+    cu_k = uniform_cu_seqlens(sequences, seqlen_k, device=device).to(torch.int64)
+    blocks = torch.arange(blocks_per_row, device=device).expand(per_tile.shape)
+    blocks = blocks.masked_fill(per_tile == NOT_LISTED, -1)
+    lists = compact_block_lists(blocks, per_tile == FULL_BLOCK,
+                                (blocks_per_row,) * 2 if bounded_widths else None)
+    host_cu_q = range(0, sequences * seqlen_q + 1, seqlen_q) if seqlen_q else [0] * (sequences + 1)
+    return _assemble(lists, tile_geometry(cu, cu_k, q_tile, host_cu_q=list(host_cu_q)), q_tile,
+                     kv_block)
 
 
 def _assemble(lists, geometry: TileGeometry, q_tile: int, kv_block: int) -> BlockSparseTensors:
@@ -358,8 +378,9 @@ def _attend_from_mask(mask) -> Tensor:
     return attend
 
 
-def _classify_tiles(attend: Tensor, q_tile: int, kv_block: int) -> Tensor:
-    """(B, H, Nq, Nk) bool -> (B, H, Tq, Tk) int8 classes over the cells that exist."""
+def classify_tiles(attend: Tensor, q_tile: int, kv_block: int) -> Tensor:
+    """(B, H, Nq, Nk) bool -> (B, H, Tq, Tk) int8 classes (NOT_LISTED, MASK_BLOCK, FULL_BLOCK)
+    over the cells that exist."""
     batch, heads, seqlen_q, seqlen_k = attend.shape
     tiles, blocks = -(-seqlen_q // q_tile), -(-seqlen_k // kv_block)
     padded = torch.nn.functional.pad(attend, (0, blocks * kv_block - seqlen_k,
@@ -377,7 +398,7 @@ def _classify_tiles(attend: Tensor, q_tile: int, kv_block: int) -> Tensor:
 def _classify_packed(attend: Tensor, cu: Tensor, q_tile: int, kv_block: int) -> Tensor:
     """Per sequence, classify its diagonal square; rows (tiles) concatenated, columns padded."""
     bounds = cu.tolist()
-    per_sequence = [_classify_tiles(attend[:, :, a:b, a:b], q_tile, kv_block)[0].transpose(0, 1)
+    per_sequence = [classify_tiles(attend[:, :, a:b, a:b], q_tile, kv_block)[0].transpose(0, 1)
                     for a, b in zip(bounds[:-1], bounds[1:])]
     width = max((c.shape[-1] for c in per_sequence), default=0)
     padded = [torch.nn.functional.pad(c, (0, width - c.shape[-1]), value=NOT_LISTED)

@@ -76,7 +76,27 @@ def fake_arguments(spec: FwdSpec):
             cutlass.Int64, tuple(cute.sym_int() for _ in range(4)), stride_order=(3, 2, 1, 0))
     screen = fake_int32_vector(1) if spec.screen_masked_v else None
     positions = fake_int32_vector(num_seqs) if spec.q_positions else None
-    return (q, k, v, o, lse, cu_q, cu_k), (*sparse, trace, screen, positions)
+    return (q, k, v, o, lse, cu_q, cu_k), (*sparse, trace, screen, positions,
+                                           *fake_score_mods(spec))
+
+
+SCORE_BIAS_DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16,
+                     "float32": cutlass.Float32}
+
+
+def fake_score_mods(spec):
+    """Fakes standing for the user mask (slabs, Nq, Nk) uint8, the bias (slabs, Nq, Nk) and the
+    (B, H, 2) int32 slab table (kernels/sm90/score_mod.py), None where the spec has none."""
+    def cells(element):
+        return make_fake_tensor(element, tuple(cute.sym_int() for _ in range(3)),
+                                stride=(cute.sym_int(), cute.sym_int(), 1), assumed_align=4)
+
+    mask = cells(cutlass.Uint8) if spec.score_mask else None
+    bias = cells(SCORE_BIAS_DTYPES[spec.score_bias]) if spec.score_bias else None
+    slabs = (make_fake_compact_tensor(cutlass.Int32, (cute.sym_int(), cute.sym_int(), 2),
+                                      stride_order=(2, 1, 0))
+             if spec.score_mods else None)
+    return mask, bias, slabs
 
 
 def compiled_forward(spec: FwdSpec, example_args, tvm_ffi: bool = False):

@@ -76,6 +76,25 @@ def _spec_for(q, causal, window_size, block_sparse, compress_factor=1, max_seqle
         tile_m=TILE_M, max_seqlen_k=max_seqlen_k)
 
 
+@dataclasses.dataclass(frozen=True)
+class ScoreModTensors:
+    """A user mask and additive bias as the kernel reads them (kernels/sm90/score_mod.py):
+    (slabs, Nq, Nk) cells, one slab per broadcast (batch, head) pair, and the (B, H, 2) int32
+    table of each (batch, query head)'s mask slab and bias slab."""
+
+    mask: torch.Tensor | None  # uint8, nonzero = attend
+    bias: torch.Tensor | None  # float16 / bfloat16 / float32
+    slabs: torch.Tensor
+
+    def spec(self, spec):
+        """`spec` with the score mods: on the non-persistent block-sparse schedule without the
+        narrowed first tile or overlapped tiles (the mods hook into the plain KV loops)."""
+        return dataclasses.replace(
+            spec, score_mask=self.mask is not None,
+            score_bias="" if self.bias is None else str(self.bias.dtype).removeprefix("torch."),
+            overlap_tiles=False, narrow_first_tile=False)
+
+
 def _typed_scalars(scalars):
     """(max_seqlen_q, softmax_scale, compress_factor, window left, window right, SM count) as
     DSL types."""
@@ -116,7 +135,7 @@ def run(
     q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
     softmax_scale=None, causal=False, compress_factor=1, window_size=(-1, -1),
     block_sparse=None, spec_overrides=None, trace=False, row_dot_with=None, row_dot_into=None,
-    q_start_positions=None,
+    q_start_positions=None, score_mods: "ScoreModTensors | None" = None,
 ):
     """(out, lse) of the sm90 kernel. `spec_overrides` (a dict of `FwdSpec` fields) replaces the
     dispatcher's compile-time choices; tools/tune_sm90_forward.py uses it to time variants.
@@ -130,7 +149,11 @@ def run(
     None. nsa()'s backward takes a recomputed branch's gate gradient so.
 
     `q_start_positions` (packed; host ints, one per sequence): the position of each sequence's
-    first query row (`FwdSpec.q_positions`)."""
+    first query row (`FwdSpec.q_positions`).
+
+    `score_mods` (padded inputs with `block_sparse` lists built from them,
+    `kernels.masked.sm90_forward`): a user mask and/or additive bias
+    (`kernels/sm90/score_mod.py`)."""
     # The public entry points send these to the fallback (can_run); a direct call must not
     # compile an untested variant.
     if q.dtype not in SUPPORTED_DTYPES:
@@ -177,6 +200,13 @@ def run(
                              f"{block_sparse.col_block_size}")
     if row_dot:
         spec = spec.writing_row_dots()
+    score_tensors = (None,) * 3
+    if score_mods is not None:
+        if not padded or block_sparse is None or row_dot:
+            raise ValueError("score_mods: padded inputs with the block-sparse lists of the mask "
+                             "(kernels.masked.sm90_forward), no row dots")
+        spec = score_mods.spec(spec)
+        score_tensors = (score_mods.mask, score_mods.bias, score_mods.slabs)
     positions = None
     if q_start_positions is not None:
         spec = dataclasses.replace(spec, q_positions=True)
@@ -204,7 +234,8 @@ def run(
             bs = block_sparse
             optional = (bs.full_count, bs.full_index, bs.mask_count, bs.mask_index,
                         bs.row_block_offsets)
-        _launch(spec, tensors, scalars, (*optional, trace_buffer, screen_flag, positions))
+        _launch(spec, tensors, scalars,
+                (*optional, trace_buffer, screen_flag, positions, *score_tensors))
     if row_dot:
         return None
     if padded:

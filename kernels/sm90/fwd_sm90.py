@@ -44,6 +44,7 @@ from kernels.sm90.mask import apply_mask
 from kernels.sm90.mma import gemm, warpgroup_slice
 from kernels.sm90.overlap_tiles import OverlapTiles
 from kernels.sm90.pipelines import smem_buffer, stage_index, tma_pipeline
+from kernels.sm90.score_mod import ScoreMods
 from kernels.sm90.screen import masked_value_screen
 from kernels.sm90.softmax import rescale_rows, softmax_finalize, softmax_init, softmax_step
 from kernels.sm90.spec import FwdSpec
@@ -87,6 +88,10 @@ class FlashAttentionForwardSm90(OverlapTiles):
         assert not (spec.narrow_first_tile and (spec.block_sparse or spec.overlap_tiles
                                                 or spec.defer_store or spec.tile_n % 32))
         assert not (spec.screen_masked_v and (spec.overlap_tiles or spec.defer_store))
+        # The score mods hook into the KV loops of `consume` at full tile width, and read the
+        # user mask in the block-sparse "mask" loop.
+        assert not spec.score_mods or (
+            spec.block_sparse and not spec.overlap_tiles and not spec.narrow_first_tile)
         assert not (spec.row_dot_output and (spec.store_warp or spec.defer_store
                                              or spec.overlap_tiles or spec.o_in_q))
 
@@ -115,6 +120,9 @@ class FlashAttentionForwardSm90(OverlapTiles):
         mTrace: Optional[cute.Tensor],  # int64, kernels/sm90/trace.py (FwdSpec.trace only)
         mScreen: Optional[cute.Tensor],  # int32 (1,), kernels/sm90/screen.py (screen_masked_v)
         mQPositions: Optional[cute.Tensor],  # (S,) int32: first query positions (q_positions)
+        mScoreMask: Optional[cute.Tensor],  # (slabs, Nq, Nk) uint8 (score_mask)
+        mScoreBias: Optional[cute.Tensor],  # (slabs, Nq, Nk) (score_bias)
+        mScoreSlabs: Optional[cute.Tensor],  # (B, H, 2) int32 (either), kernels/sm90/score_mod.py
         stream: cuda.CUstream,
     ):
         dtype = self.dtype
@@ -187,8 +195,8 @@ class FlashAttentionForwardSm90(OverlapTiles):
             tma_atom_o, tma_o, mO, mLSE, mCuSeqlensQ, mCuSeqlensK, softmax_scale, scale_log2,
             compress_factor, window_left, window_right, tile_order,
             mFullCount, mFullIndex, mMaskCount, mMaskIndex, mRowBlockOffsets, mTrace, mScreen,
-            mQPositions, sQ_layout, sK_layout, sV_layout, sO_layout, tiled_mma_qk, tiled_mma_pv,
-            tiled_mma_epilogue,
+            mQPositions, mScoreMask, mScoreBias, mScoreSlabs, sQ_layout, sK_layout, sV_layout,
+            sO_layout, tiled_mma_qk, tiled_mma_pv, tiled_mma_epilogue,
         ).launch(grid=(num_ctas, 1, 1), block=[self.num_threads, 1, 1], stream=stream,
                         min_blocks_per_mp=self.ctas_per_sm,
                         preferred_smem_carveout=100 if self.ctas_per_sm > 1 else None)
@@ -231,6 +239,8 @@ class FlashAttentionForwardSm90(OverlapTiles):
         mMaskCount: Optional[cute.Tensor], mMaskIndex: Optional[cute.Tensor],
         mRowBlockOffsets: Optional[cute.Tensor], mTrace: Optional[cute.Tensor],
         mScreen: Optional[cute.Tensor], mQPositions: Optional[cute.Tensor],
+        mScoreMask: Optional[cute.Tensor], mScoreBias: Optional[cute.Tensor],
+        mScoreSlabs: Optional[cute.Tensor],
         sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
         sV_layout: cute.ComposedLayout, sO_layout: cute.ComposedLayout,
         tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma,
@@ -276,10 +286,20 @@ class FlashAttentionForwardSm90(OverlapTiles):
             self.tile_m, self.tile_n, spec.causal, spec.has_window_left, spec.has_window_right,
             spec.compressed, compress_factor, window_left, window_right,
         )
+        score_mods = None
+        if const_expr(spec.score_mods):
+            # An absent tensor's field holds the slab table: the DSL carries tensors, and the
+            # Constexpr flags keep it unread.
+            score_mods = ScoreMods(
+                spec.score_mask, bool(spec.score_bias),
+                mScoreMask if const_expr(spec.score_mask) else mScoreSlabs,
+                mScoreBias if const_expr(spec.score_bias) else mScoreSlabs,
+                mScoreSlabs, Float32(1.0) / softmax_scale)
         tile_work = partial(
             self.tile_work, tile_order=tile_order, block_range=block_range, mQ=mQ, mK=mK,
             mCuSeqlensQ=mCuSeqlensQ, mCuSeqlensK=mCuSeqlensK, mFullCount=mFullCount,
-            mMaskCount=mMaskCount, mRowBlockOffsets=mRowBlockOffsets, mQPositions=mQPositions)
+            mMaskCount=mMaskCount, mRowBlockOffsets=mRowBlockOffsets, mQPositions=mQPositions,
+            score_mods=score_mods)
 
         produce_tile = partial(
             self.produce_tile, tile_work=tile_work, tma_atom_q=tma_atom_q, mQ=mQ,
@@ -363,7 +383,7 @@ class FlashAttentionForwardSm90(OverlapTiles):
                             trace.PRODUCER_EVENTS)
         mark("start")
         (m_block, head, _, offset_q, _, offset_k, _, head_kv, in_sequence, n_max,
-         num_iters, num_mask_blocks, sparse_row, sparse_head, _) = tile_work(coords)
+         num_iters, num_mask_blocks, sparse_row, sparse_head, _, _) = tile_work(coords)
         mark("work")
         overlap = const_expr(self.spec.overlap_tiles)
         if const_expr(overlap):
@@ -403,7 +423,8 @@ class FlashAttentionForwardSm90(OverlapTiles):
                             tidx % _WARPGROUP == 0, trace.CONSUMER_EVENTS)
         mark("start")
         (m_block, head, _, offset_q, seqlen_q, _, seqlen_k, _, in_sequence, n_max,
-         num_iters, num_mask_blocks, sparse_row, sparse_head, block_range) = tile_work(coords)
+         num_iters, num_mask_blocks, sparse_row, sparse_head, block_range,
+         score_mods) = tile_work(coords)
         mark("work")
         mark("kv_tiles", num_iters)
         consume = partial(
@@ -411,7 +432,7 @@ class FlashAttentionForwardSm90(OverlapTiles):
             tiled_mma_qk, tiled_mma_pv, out_store, softmax_scale, scale_log2,
             block_range, offset_q, seqlen_q, seqlen_k, head, m_block, n_max,
             num_iters, num_mask_blocks, mFullIndex, mMaskIndex, sparse_row,
-            sparse_head, mark, screen=screen)
+            sparse_head, mark, screen=screen, score_mods=score_mods)
         if const_expr(self.spec.overlap_tiles):
             q_consumer, k_consumer, v_consumer = self.consume_overlapped(
                 tidx, sQ, sK, sV, q_consumer, k_consumer, v_consumer, tiled_mma_qk,
@@ -431,10 +452,11 @@ class FlashAttentionForwardSm90(OverlapTiles):
         mK: cute.Tensor, mCuSeqlensQ: cute.Tensor, mCuSeqlensK: cute.Tensor,
         mFullCount: Optional[cute.Tensor], mMaskCount: Optional[cute.Tensor],
         mRowBlockOffsets: Optional[cute.Tensor], mQPositions: Optional[cute.Tensor],
+        score_mods: Optional[ScoreMods] = None,
     ):
         """Where the work tile at `coords` lies, which KV tiles it visits (a range or
-        compact lists), and its rows' `BlockRange` (at their sequence's first position with
-        `q_positions`)."""
+        compact lists), its rows' `BlockRange` (at their sequence's first position with
+        `q_positions`) and its `ScoreMods` (None without a user mask or bias)."""
         m_block, head, batch = tile_order.unpack(coords)
         if const_expr(self.spec.q_positions):
             block_range = block_range.at_row_offset(mQPositions[batch])
@@ -461,9 +483,12 @@ class FlashAttentionForwardSm90(OverlapTiles):
             n_min, n_max_range = block_range.n_block_min_max(m_block, seqlen_q, seqlen_k)
             n_max = n_max_range
             num_iters = cutlass.max(n_max - n_min, 0)
+        tile_mods = None
+        if const_expr(score_mods is not None):
+            tile_mods = score_mods.for_tile(batch, head)
         return (m_block, head, batch, offset_q, seqlen_q, offset_k, seqlen_k, head_kv,
                 in_sequence, n_max, num_iters, num_mask_blocks, sparse_row, sparse_head,
-                block_range)
+                block_range, tile_mods)
 
     @cute.jit
     def kv_tile_at(
@@ -531,7 +556,7 @@ class FlashAttentionForwardSm90(OverlapTiles):
         block_range: BlockRange, offset_q: Int32, seqlen_q: Int32, seqlen_k: Int32,
         head: Int32, m_block: Int32, n_max: Int32, num_iters: Int32, num_mask_blocks: Int32,
         mFullIndex, mMaskIndex, sparse_row: Int32, sparse_head: Int32, mark, deferred,
-        screen=None,
+        screen=None, score_mods: Optional[ScoreMods] = None,
     ):
         """One query tile: its KV tiles, then its output (stored now, or with `deferred` kept
         in registers and stored by the next tile, which also stores the one before it).
@@ -572,7 +597,8 @@ class FlashAttentionForwardSm90(OverlapTiles):
                 k_handle=k_handle, row_max=row_max, row_sum=row_sum, correction=correction,
                 scale_log2=scale_log2, t_coord=t_coord, block_range=block_range,
                 m_block=m_block, n_block=n_block, is_mask_tile=is_mask_tile, seqlen_k=seqlen_k,
-                unmasked_lo=unmasked_lo, unmasked_hi=unmasked_hi, mark=mark)
+                unmasked_lo=unmasked_lo, unmasked_hi=unmasked_hi, mark=mark,
+                seqlen_q=seqlen_q, score_mods=score_mods)
             if const_expr(self.spec.narrow_first_tile):
                 first_chunks = self.visible_chunks(tidx, block_range, m_block, n_block,
                                                    seqlen_q, seqlen_k)
@@ -590,7 +616,8 @@ class FlashAttentionForwardSm90(OverlapTiles):
             tidx, sQ_stage, tSrK, tOrV, acc_s, acc_o, r_p, r_p_as_acc, row_max, row_sum,
             correction, scale_log2, t_coord, block_range, m_block, seqlen_k, n_max,
             num_iters, num_mask_blocks, unmasked_lo, unmasked_hi, mFullIndex, mMaskIndex,
-            sparse_row, sparse_head, k_consumer, v_consumer, tiled_mma_qk, tiled_mma_pv, screen)
+            sparse_row, sparse_head, k_consumer, v_consumer, tiled_mma_qk, tiled_mma_pv, screen,
+            seqlen_q, score_mods)
         mark("loop_done")
         # Every Q K^T product of this tile is done: the producer may load the next tile's Q.
         q_handle.release()
@@ -684,6 +711,7 @@ class FlashAttentionForwardSm90(OverlapTiles):
         num_mask_blocks: Int32, unmasked_lo: Int32, unmasked_hi: Int32, mFullIndex,
         mMaskIndex, sparse_row: Int32, sparse_head: Int32, k_consumer, v_consumer,
         tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma, screen=None,
+        seqlen_q: Int32 = 0, score_mods: Optional[ScoreMods] = None,
     ):
         """KV tiles 1 .. num_iters-1 of a query tile (tile 0's softmax is done, its P in r_p).
 
@@ -697,7 +725,8 @@ class FlashAttentionForwardSm90(OverlapTiles):
             self.kv_step, tidx=tidx, sQ_stage=sQ_stage, tSrK=tSrK, tOrV=tOrV, acc_s=acc_s,
             acc_o=acc_o, r_p=r_p, r_p_as_acc=r_p_as_acc, row_max=row_max, row_sum=row_sum,
             correction=correction, scale_log2=scale_log2, t_coord=t_coord,
-            block_range=block_range, m_block=m_block, seqlen_k=seqlen_k, screen=screen)
+            block_range=block_range, m_block=m_block, seqlen_k=seqlen_k, screen=screen,
+            seqlen_q=seqlen_q, score_mods=score_mods)
         # `screen`: whether the it-th KV tile visited gets a mask (its V is read before P V).
         masked_at = lambda it: False  # noqa: E731  (no screen: nothing to decide)
         if const_expr(screen is not None):
@@ -786,7 +815,7 @@ class FlashAttentionForwardSm90(OverlapTiles):
     @cute.jit
     def drain_tile(self, coords, iteration, tile_work, out_store: OutputStore):
         """The storer warp's part of a tile (`FwdSpec.store_warp`)."""
-        (m_block, head, _, offset_q, seqlen_q, _, _, _, in_sequence, _, _, _, _, _,
+        (m_block, head, _, offset_q, seqlen_q, _, _, _, in_sequence, _, _, _, _, _, _,
          _) = tile_work(coords)
         out_store.drain(offset_q, seqlen_q, head, m_block, in_sequence, cute.arch.lane_idx())
         return ()
@@ -797,7 +826,7 @@ class FlashAttentionForwardSm90(OverlapTiles):
         tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma, tidx: Int32, sQ_stage, tSrK,
         tOrV, acc_s, acc_o, r_p, r_p_as_acc, row_max, row_sum, correction, scale_log2: Float32,
         t_coord, block_range: BlockRange, m_block: Int32, seqlen_k: Int32, screen=None,
-        screen_prev=False,
+        screen_prev=False, seqlen_q: Int32 = 0, score_mods: Optional[ScoreMods] = None,
     ):
         """One steady-state iteration: S = Q K_n^T and O += P_prev V_prev in flight together,
         then mask (`mask`: None, "seqlen" or "causal_window") and softmax of S while P V runs.
@@ -816,6 +845,11 @@ class FlashAttentionForwardSm90(OverlapTiles):
         self.pass_turn(tidx)
         warpgroup.wait_group(1)
         k_handle.release()
+        if const_expr(score_mods is not None):
+            # Block-sparse lists of a user mask: its "mask" tiles come through the
+            # "causal_window" loop, and only they read it.
+            score_mods.apply(acc_s, t_coord, m_block, n_block, self.tile_m, self.tile_n,
+                             seqlen_q, seqlen_k, mask == "causal_window")
         if const_expr(mask is not None):
             apply_mask(acc_s, t_coord, block_range, m_block, n_block, seqlen_k,
                        mask == "causal_window")
@@ -862,7 +896,8 @@ class FlashAttentionForwardSm90(OverlapTiles):
         r_p_as_acc, sQ_stage, tSrK, sQ, sK, q_handle, k_handle, row_max, row_sum, correction,
         scale_log2: Float32, t_coord, block_range: BlockRange, m_block: Int32, n_block: Int32,
         is_mask_tile, seqlen_k: Int32, unmasked_lo: Int32, unmasked_hi: Int32, mark,
-        deferred=None, out_store=None,
+        deferred=None, out_store=None, seqlen_q: Int32 = 0,
+        score_mods: Optional[ScoreMods] = None,
     ):
         """The first KV tile of a query tile: S = Q K^T over its first `width` keys (all of
         them, or with `narrow_first_tile` as far as this warpgroup's rows see), mask, softmax,
@@ -888,6 +923,9 @@ class FlashAttentionForwardSm90(OverlapTiles):
         warpgroup.wait_group(0)
         mark("s0_done")
         k_handle.release()
+        if const_expr(score_mods is not None):
+            score_mods.apply(s, t_coord, m_block, n_block, self.tile_m, self.tile_n, seqlen_q,
+                             seqlen_k, is_mask_tile)
         self.mask_scores(s, t_coord, block_range, m_block, n_block, is_mask_tile, seqlen_k,
                          unmasked_lo, unmasked_hi)
         softmax_step(s, row_max, row_sum, correction, scale_log2, is_first=True)

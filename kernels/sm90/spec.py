@@ -51,6 +51,15 @@ class FwdSpec:
     q_positions: bool = False  # each sequence's queries start at a position of their own (an
                                # (S,) int32 argument: q_start_positions), which every causal and
                                # window limit reads (kernels/sm90/block_range.py)
+    score_mask: bool = False   # a user mask read in the lists' "mask" tiles (block_sparse only;
+                               # kernels/sm90/score_mod.py)
+    score_bias: str = ""       # an additive bias of this dtype read in every visited tile
+                               # ("" none; block_sparse only)
+
+    @property
+    def score_mods(self) -> bool:
+        """Whether the kernel reads a user mask or bias (kernels/sm90/score_mod.py)."""
+        return self.score_mask or bool(self.score_bias)
 
     def writing_row_dots(self) -> "FwdSpec":
         """This spec with `row_dot_output`: the row dots come from the consumers' registers,

@@ -172,3 +172,42 @@ def test_bad_masks_and_biases_are_refused_by_name():
     with pytest.raises(ValueError, match="bias_gradient: there is no attn_bias"):
         masked_attention_backward(torch.ones_like(out), q, k, v, out, lse, attn_mask=good,
                                   bias_gradient=True)
+
+
+@pytest.mark.parametrize("rule", [dict(causal=True), dict(window_size=(100, 0)),
+                                  dict(causal=True, window_size=(200, -1)), {},
+                                  dict(causal=True, compress_factor=16)])
+def test_the_kernels_tile_lists_cover_every_seen_cell(rule):
+    """kernels/masked.py `tile_lists` (what the sm90 path visits): every tile with a seen
+    cell is listed, "full" exactly where every existing cell is seen, under the rule, the mask
+    and the bias's -inf cells together (against sparsity's builder on the combined dense mask);
+    a listed "mask" tile may be empty (classes combine tile by tile)."""
+    from kernels.fallback import visible_under_rule
+    from kernels.validate import validate_attention_forward
+    from sparsity import build_block_sparse_from_mask
+    from sparsity.testing import FULL_BLOCK, dense_block_mask
+
+    batch, seqlen_q, seqlen_k, heads, kv_heads = 2, 300, 500, 4, 2
+    if rule.get("compress_factor"):
+        seqlen_k = 40
+    q = torch.randn(batch, seqlen_q, heads, 64)
+    k = torch.randn(batch, seqlen_k, kv_heads, 64)
+    problem = validate_attention_forward(q, k, k, **rule)
+    mask = _random_mask((batch, 1, seqlen_q, seqlen_k), 0.7, seed=1)
+    mask[..., :256, :] = True          # whole tiles seen
+    mask[..., 256:, :128] = False      # whole tiles hidden
+    bias = torch.randn(1, kv_heads, seqlen_q, seqlen_k)
+    bias[..., 128:256, 256:] = float("-inf")
+    lists = masked_module.tile_lists(problem, mask, bias)
+
+    seen = mask.expand(batch, kv_heads, -1, -1) & ~torch.isneginf(bias)
+    seen = seen & visible_under_rule(problem, torch.arange(seqlen_q)[:, None],
+                                     torch.arange(seqlen_k)[None, :])
+    expected = build_block_sparse_from_mask(seen, q_tile=128, kv_block=128)
+    blocks = -(-seqlen_k // 128)
+    got, want = dense_block_mask(lists, blocks), dense_block_mask(expected, blocks)
+    assert ((want > 0) <= (got > 0)).all()
+    assert torch.equal(got == FULL_BLOCK, want == FULL_BLOCK)
+    assert (got == 0).any()
+    if not {"window_size", "compress_factor"} & set(rule):  # (their tiles are all partial)
+        assert (got == FULL_BLOCK).any()

@@ -260,3 +260,40 @@ def test_query_positions_variant_compiles_for_sm90a(call):
     the block-sparse walk reads the same per-tile range (GPU tests cover it)."""
     spec = dataclasses.replace(_spec("bfloat16", 128, call), q_positions=True)
     assert callable(compile_forward_on_fake_tensors(spec))
+
+
+# A user mask and bias (kernels/sm90/score_mod.py) on the block-sparse lists of 128 x 128 tiles
+# that kernels/masked.py builds (capacity 2 x Tk): long keys (one CTA per tile) and short ones
+# (the persistent schedule), with and without a rule; each bias dtype the kernel reads.
+SCORE_MOD_CALLS = {
+    "long": (False, (-1, -1), 16384),
+    "long-causal-window": (True, (300, 0), 16384),
+    "short-causal": (True, (-1, -1), 1024),
+}
+SCORE_MODS = {"mask": (True, None), "bias-bf16": (False, "bfloat16"),
+              "mask-bias-fp16": (True, "float16"), "mask-bias-fp32": (True, "float32")}
+
+
+# Each call and each mod at least once (compiles cost ~9 s each on CI's cores).
+@pytest.mark.parametrize("call, mods", [("long", "mask"), ("long", "bias-bf16"),
+                                        ("long-causal-window", "mask-bias-fp16"),
+                                        ("short-causal", "mask-bias-fp32"),
+                                        ("short-causal", "mask")])
+def test_score_mod_variants_compile_for_sm90a(call, mods):
+    import torch
+
+    from kernels.sm90.forward import ScoreModTensors
+
+    causal, window, max_seqlen_k = SCORE_MOD_CALLS[call]
+    with_mask, bias_dtype = SCORE_MODS[mods]
+    blocks = -(-max_seqlen_k // 128)
+    base = choose_spec(dtype="bfloat16", head_dim=128 if call != "short-causal" else 64,
+                       causal=causal, window_size=window, sparse_block_size=128,
+                       sparse_list_capacity=2 * blocks, max_seqlen_k=max_seqlen_k)
+    cells = torch.zeros(1, 1, 1)
+    spec = ScoreModTensors(
+        mask=cells.to(torch.uint8) if with_mask else None,
+        bias=None if bias_dtype is None else cells.to(getattr(torch, bias_dtype)),
+        slabs=torch.zeros(1, 1, 2, dtype=torch.int32)).spec(base)
+    assert spec.score_mask == with_mask and spec.score_bias == (bias_dtype or "")
+    assert callable(compile_forward_on_fake_tensors(spec))

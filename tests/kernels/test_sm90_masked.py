@@ -1,0 +1,156 @@
+"""A user mask and an additive bias on the sm90 forward kernel (kernels/sm90/score_mod.py, the
+lists of kernels/masked.py `tile_lists`), against the torch path of the same call in float32
+(itself held to a float64 reference in test_masked_attention.py): out and lse, over random masks
+of 10/50/90% of the cells with rows and whole tiles hidden, window-like masks, biases with and
+without a mask and with -inf cells, every broadcast form, GQA 1/4/8, head dims 64/128,
+bfloat16/float16, lengths that are no multiple of the tiles, alone and with causal/window. The
+gradients (the torch backward on the kernel's out and lse) against the torch path's.
+
+    python -m pytest -q tests/kernels/test_sm90_masked.py     # on an sm_90 GPU
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gpu_marks import requires_sm90
+from kernels import flash_attn_func
+from kernels import masked
+from kernels.validate import validate_attention_forward
+
+pytestmark = [pytest.mark.gpu, requires_sm90]
+
+TOLERANCE = 2e-2
+
+
+def _rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    finite = torch.isfinite(expected)
+    return ((actual.float() - expected.float())[finite].norm()
+            / expected.float()[finite].norm().clamp_min(1e-12)).item()
+
+
+def _cells(kind: str, shape, gen, keep: float = 0.5) -> torch.Tensor:
+    """A (Bm, Hm, Nq, Nk) bool mask of `kind`: random cells with the first rows and one whole
+    128 x 128 tile hidden, or a band |row - key| < 300 (window-like)."""
+    *lead, seqlen_q, seqlen_k = shape
+    if kind == "band":
+        rows = torch.arange(seqlen_q, device="cuda")[:, None]
+        keys = torch.arange(seqlen_k, device="cuda")[None, :]
+        return ((rows - keys).abs() < 300).expand(*lead, seqlen_q, seqlen_k)
+    mask = torch.rand(shape, generator=gen, device="cuda") < keep
+    mask[..., :5, :] = False          # rows that see nothing
+    mask[..., 128:256, 256:384] = False  # a tile that sees nothing
+    mask[..., 384:512, :128] = True   # a tile that sees everything
+    return mask
+
+
+def _bias(shape, dtype, gen, with_inf: bool) -> torch.Tensor:
+    bias = torch.randn(shape, generator=gen, device="cuda").mul_(2).to(dtype)
+    if with_inf:
+        bias[..., 256:384, :128] = float("-inf")  # a tile hidden by the bias alone
+        bias[..., 7, :] = float("-inf")
+    return bias
+
+
+# name: (B, Nq, Nk, H, Hkv, D, dtype, mask (kind, keep, shape) or None,
+#        bias (dtype, shape, with -inf) or None, rule)
+CASES = {
+    "mask10-mha": (2, 1000, 1300, 4, 4, 128, torch.bfloat16, ("random", 0.1, (2, 4)), None, {}),
+    "mask50-gqa4-causal": (2, 1100, 1100, 8, 2, 128, torch.bfloat16, ("random", 0.5, (1, 8)),
+                           None, dict(causal=True)),
+    "mask90-gqa8-d64-fp16": (1, 777, 1500, 8, 1, 64, torch.float16, ("random", 0.9, (1, 1)),
+                             None, {}),
+    "band-mask-per-kv-head": (2, 1024, 1024, 8, 2, 128, torch.bfloat16, ("band", 0, (1, 2)),
+                              None, {}),
+    "bias-only-bf16": (2, 900, 700, 8, 2, 128, torch.bfloat16, None,
+                       (torch.bfloat16, (2, 8), True), {}),
+    "bias-only-fp32-causal": (1, 1300, 1300, 4, 1, 64, torch.float16, None,
+                              (torch.float32, (1, 1), False), dict(causal=True)),
+    "mask-and-bias-window": (2, 1000, 1000, 8, 2, 128, torch.bfloat16, ("random", 0.5, (2, 1)),
+                             (torch.float16, (1, 2), True), dict(causal=True,
+                                                                 window_size=(300, 0))),
+    "mask-and-bias-gqa8-fp16": (1, 640, 900, 8, 1, 128, torch.float16, ("random", 0.9, (1, 8)),
+                                (torch.float32, (1, 1), True), {}),
+}
+
+
+def _call(name):
+    batch, seqlen_q, seqlen_k, heads, kv_heads, dim, dtype, mask_form, bias_form, rule = \
+        CASES[name]
+    gen = torch.Generator(device="cuda").manual_seed(len(name))
+    q = torch.randn(batch, seqlen_q, heads, dim, generator=gen, device="cuda").to(dtype)
+    k, v = (torch.randn(batch, seqlen_k, kv_heads, dim, generator=gen, device="cuda").to(dtype)
+            for _ in range(2))
+    mask = bias = None
+    if mask_form is not None:
+        kind, keep, lead = mask_form
+        mask = _cells(kind, (*lead, seqlen_q, seqlen_k), gen, keep)
+    if bias_form is not None:
+        bias_dtype, lead, with_inf = bias_form
+        bias = _bias((*lead, seqlen_q, seqlen_k), bias_dtype, gen, with_inf)
+    return q, k, v, mask, bias, rule
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_the_kernel_equals_the_torch_path(name):
+    q, k, v, mask, bias, rule = _call(name)
+    problem = validate_attention_forward(q, k, v, **rule)
+    on_kernel = masked.sm90_forward(problem, q, k, v, mask, bias)
+    assert on_kernel is not None, "the sm90 kernel did not take the call"
+    out, lse = on_kernel
+    expected_out, expected_lse = masked.forward(problem, q, k, v, mask, bias)
+    assert _rel_err(out, expected_out) < TOLERANCE
+    # Rows that see nothing: out 0 and lse -inf, as on the torch path.
+    blind = torch.isneginf(expected_lse)
+    assert torch.equal(torch.isneginf(lse), blind)
+    assert (out.float().permute(0, 2, 1, 3)[blind] == 0).all()
+    assert (lse[~blind] - expected_lse[~blind]).abs().max().item() < 2e-2
+    assert not out.isnan().any()
+
+
+def test_expanded_masks_are_read_without_copies_of_the_repeats():
+    """A mask expanded over batch and heads (stride 0) reads its one slab."""
+    q, k, v, mask, _, rule = _call("mask50-gqa4-causal")
+    wide = mask[:1, :1].expand(q.shape[0], q.shape[2], *mask.shape[2:])
+    problem = validate_attention_forward(q, k, v, **rule)
+    out, _ = masked.sm90_forward(problem, q, k, v, wide, None)
+    expected, _ = masked.forward(problem, q, k, v, mask[:1, :1], None)
+    assert _rel_err(out, expected) < TOLERANCE
+
+
+@pytest.mark.parametrize("name", ["mask-and-bias-window", "bias-only-bf16"])
+def test_gradients_through_flash_attn_func(name):
+    """The kernel's forward under the torch backward: every gradient, the bias's included,
+    against the torch path's forward and backward."""
+    q, k, v, mask, bias, rule = _call(name)
+    dout = torch.randn_like(q)
+    grads = []
+    for use_kernel in (True, False):
+        leaves = [x.detach().clone().requires_grad_() for x in (q, k, v, bias)]
+        if use_kernel:
+            out = flash_attn_func(*leaves[:3], attn_mask=mask, attn_bias=leaves[3], **rule)
+        else:
+            problem = validate_attention_forward(q, k, v, **rule)
+            out, lse = masked.forward(problem, *leaves[:3], mask, leaves[3])
+            out = _TorchPath.apply(problem, *leaves, mask, out, lse)
+        out.backward(dout)
+        grads.append([x.grad for x in leaves])
+    for actual, expected in zip(*grads):
+        assert _rel_err(actual, expected) < TOLERANCE
+
+
+class _TorchPath(torch.autograd.Function):
+    """The torch path's forward outputs with its backward (the reference's gradients)."""
+
+    @staticmethod
+    def forward(ctx, problem, q, k, v, bias, mask, out, lse):
+        ctx.problem, ctx.mask = problem, mask
+        ctx.save_for_backward(q, k, v, bias, out, lse)
+        return out.detach()
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, bias, out, lse = ctx.saved_tensors
+        dq, dk, dv, dbias = masked.backward(ctx.problem, dout, q, k, v, out, lse, ctx.mask, bias,
+                                            bias_gradient=True)
+        return None, dq, dk, dv, dbias, None, None, None
