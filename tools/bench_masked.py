@@ -1,0 +1,208 @@
+"""Masks and biases: our path (`kernels.flash_attn_func(attn_mask=, attn_bias=)`) against torch's
+FlexAttention and SDPA on the same mask and bias, in one run.
+
+Workloads (bf16, B=1, H=16, D=128, 16K tokens by default; `--seqlen`, `--heads`):
+  window W   a causal sliding-window mask built at run time as a bool tensor (key j seen by row
+             i when i - W < j <= i), for each W of `--windows` (32 ... 16K: the sweep of the
+             dynamic-mask benchmark), with an additive bias (1, H, N, N) that requires a
+             gradient;
+  tiles10    10% of the 128 x 128 tiles seen whole (random, every row's diagonal tile among
+             them), the same bias.
+Methods:
+  ours   flash_attn_func(q, k, v, attn_mask=mask, attn_bias=bias);
+  flex   torch.nn.attention.flex_attention, compiled: a BlockMask from the same mask tensor
+         (`create_block_mask`, 128 x 128 blocks, built outside the timing as a user would
+         reuse it) and a score_mod that adds the bias read at (b, h, q, k), with its gradient;
+  sdpa   F.scaled_dot_product_attention with the float mask (the bias, -inf where the mask
+         hides), its gradient flowing to the bias;
+  dense  our kernel without mask or bias (non-causal), for the tiles' TFLOP/s share.
+Passes: fwd (no graph), fwd+bwd (gradients of q, k, v and the bias), and bwd = fwd+bwd - fwd.
+CUDA events of device time after warm-up, medians. TFLOP/s count the attended pairs (4 D flops
+per pair and head forward, 3.5x for forward+backward). Inputs are random normal, never zeros.
+Prints a table per workload and a short table of the ratios last (flex / ours, sdpa bwd /
+ours bwd); `--json` writes the rows.
+
+    python tools/bench_masked.py --json masked.json
+    python tools/bench_masked.py --windows 512,4096 --methods ours,flex --seqlen 8192
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from kernels import flash_attn_func  # noqa: E402
+from tools._common import (describe_device, int_list, positive_int, resolve_device,  # noqa: E402
+                           time_ms, write_results_json)
+
+TOOL = "bench_masked"
+METHODS = ("ours", "flex", "sdpa", "dense")
+PASSES = ("fwd", "fwd+bwd")
+TILE = 128
+
+
+def parse_arguments(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seqlen", type=positive_int, default=16384)
+    parser.add_argument("--heads", type=positive_int, default=16)
+    parser.add_argument("--head-dim", type=positive_int, default=128)
+    parser.add_argument("--windows", type=int_list,
+                        default=[32, 128, 512, 1024, 2048, 4096, 8192, 16384])
+    parser.add_argument("--tiles", action=argparse.BooleanOptionalAction, default=True,
+                        help="also the random 10%% tile mask")
+    parser.add_argument("--methods", type=lambda s: s.split(","), default=list(METHODS))
+    parser.add_argument("--passes", type=lambda s: s.split(","), default=list(PASSES),
+                        help="fwd, fwd+bwd or both (default)")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--repeats", type=positive_int, default=5)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", default=None)
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args(argv)
+    unknown = set(args.methods) - set(METHODS)
+    if unknown:
+        parser.error(f"--methods: unknown {sorted(unknown)}; choose from {METHODS}")
+    if not args.passes or set(args.passes) - set(PASSES):
+        parser.error(f"--passes: choose from {PASSES}, got {args.passes}")
+    return args
+
+
+def window_mask(seqlen: int, window: int, device) -> torch.Tensor:
+    rows = torch.arange(seqlen, device=device)[:, None]
+    keys = torch.arange(seqlen, device=device)[None, :]
+    return ((keys <= rows) & (keys > rows - window))[None, None]
+
+
+def tile_mask(seqlen: int, share: float, generator, device) -> torch.Tensor:
+    tiles = -(-seqlen // TILE)
+    seen = torch.rand(tiles, tiles, generator=generator, device=device) < share
+    seen.fill_diagonal_(True)
+    cells = seen.repeat_interleave(TILE, 0).repeat_interleave(TILE, 1)
+    return cells[:seqlen, :seqlen][None, None].contiguous()
+
+
+def attended_pairs(mask: torch.Tensor, heads: int) -> int:
+    return int(mask.sum()) * (heads if mask.shape[1] == 1 else 1)
+
+
+def methods_for(args, q, k, v, mask, bias, dout) -> dict:
+    """name -> {pass: callable} for each method of `--methods` on this workload."""
+    leaves = [x.detach().clone().requires_grad_() for x in (q, k, v, bias)]
+    runs = {}
+
+    def both(forward):
+        def fwd():
+            with torch.no_grad():
+                forward(*leaves)
+
+        def fwd_bwd():
+            out = forward(*leaves)
+            torch.autograd.grad(out, leaves, dout)
+        return {"fwd": fwd, "fwd+bwd": fwd_bwd}
+
+    if "ours" in args.methods:
+        runs["ours"] = both(lambda q_, k_, v_, b_: flash_attn_func(
+            q_, k_, v_, attn_mask=mask, attn_bias=b_))
+    if "flex" in args.methods:
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+        compiled = torch.compile(flex_attention, dynamic=False)
+        cells = mask[0, 0]
+        block_mask = create_block_mask(lambda b, h, q_idx, kv_idx: cells[q_idx, kv_idx], 1, 1,
+                                       q.shape[1], k.shape[1], device=q.device,
+                                       BLOCK_SIZE=TILE)
+
+        def flex(q_, k_, v_, b_):
+            def add_bias(score, b, h, q_idx, kv_idx):
+                return score + b_[b, h, q_idx, kv_idx]
+            out = compiled(*(x.transpose(1, 2) for x in (q_, k_, v_)), score_mod=add_bias,
+                           block_mask=block_mask)
+            return out.transpose(1, 2)
+        runs["flex"] = both(flex)
+    if "sdpa" in args.methods:
+        hidden = ~mask
+
+        def sdpa(q_, k_, v_, b_):
+            float_mask = b_.masked_fill(hidden, float("-inf"))
+            out = torch.nn.functional.scaled_dot_product_attention(
+                *(x.transpose(1, 2) for x in (q_, k_, v_)), attn_mask=float_mask)
+            return out.transpose(1, 2)
+        runs["sdpa"] = both(sdpa)
+    if "dense" in args.methods:
+        plain = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+
+        def dense_fwd():
+            with torch.no_grad():
+                flash_attn_func(*plain)
+
+        def dense_fwd_bwd():
+            torch.autograd.grad(flash_attn_func(*plain), plain, dout)
+        runs["dense"] = {"fwd": dense_fwd, "fwd+bwd": dense_fwd_bwd}
+    return runs
+
+
+def measure(args, name: str, mask: torch.Tensor, device, generator) -> dict:
+    n, heads, dim = args.seqlen, args.heads, args.head_dim
+    q, k, v, dout = (torch.randn(1, n, heads, dim, generator=generator, device=device,
+                                 dtype=torch.bfloat16) for _ in range(4))
+    bias = torch.randn(1, heads, n, n, generator=generator, device=device,
+                       dtype=torch.bfloat16)
+    pairs = attended_pairs(mask, heads)
+    row = {"workload": name, "seqlen": n, "heads": heads, "head_dim": dim,
+           "kept_share": pairs / (heads * n * n), "ms": {}, "tflops": {}}
+    for method, passes in methods_for(args, q, k, v, mask, bias, dout).items():
+        counted = heads * n * n if method == "dense" else pairs
+        for pass_name, fn in passes.items():
+            if pass_name not in args.passes:
+                continue
+            try:
+                ms = time_ms(fn, device, warmup=args.warmup, repeats=args.repeats,
+                             gpu_only=True)
+            except torch.OutOfMemoryError as error:
+                print(f"{name} {method} {pass_name}: out of memory ({error})", file=sys.stderr)
+                torch.cuda.empty_cache()
+                continue
+            row["ms"][f"{method} {pass_name}"] = ms
+            flops = 4 * dim * counted * (3.5 if pass_name == "fwd+bwd" else 1.0)
+            row["tflops"][f"{method} {pass_name}"] = flops / ms / 1e9
+        fwd, both = row["ms"].get(f"{method} fwd"), row["ms"].get(f"{method} fwd+bwd")
+        if fwd is not None and both is not None:
+            row["ms"][f"{method} bwd"] = both - fwd
+    return row
+
+
+def main(argv=None) -> list[dict]:
+    args = parse_arguments(argv)
+    device = resolve_device(args.device)
+    generator = torch.Generator(device=device).manual_seed(args.seed)
+    workloads = [(f"window {w}", window_mask(args.seqlen, w, device)) for w in args.windows]
+    if args.tiles:
+        workloads.append(("tiles10", tile_mask(args.seqlen, 0.1, generator, device)))
+    rows = []
+    for name, mask in workloads:
+        row = measure(args, name, mask, device, generator)
+        rows.append(row)
+        print(f"{name}: kept {row['kept_share']:.1%} of the cells")
+        for key, ms in row["ms"].items():
+            tflops = row["tflops"].get(key)
+            print(f"  {key:<14} {ms:9.3f} ms" + (f"  {tflops:7.1f} TFLOP/s" if tflops else ""))
+    print("\nworkload        flex/ours fwd+bwd  sdpa bwd/ours bwd  ours/dense TFLOP/s (fwd+bwd)")
+    for row in rows:
+        ms, tf = row["ms"], row["tflops"]
+        ratio = lambda a, b: f"{ms[a] / ms[b]:.2f}x" if a in ms and b in ms else "-"  # noqa: E731
+        share = (f"{tf['ours fwd+bwd'] / tf['dense fwd+bwd']:.0%}"
+                 if "ours fwd+bwd" in tf and "dense fwd+bwd" in tf else "-")
+        print(f"{row['workload']:<15} {ratio('flex fwd+bwd', 'ours fwd+bwd'):>17}  "
+              f"{ratio('sdpa bwd', 'ours bwd'):>17}  {share:>10}")
+    if args.json is not None:
+        write_results_json(args.json, TOOL, list(argv if argv is not None else sys.argv[1:]),
+                           describe_device(device), rows)
+    return rows
+
+
+if __name__ == "__main__":
+    main()
