@@ -101,11 +101,11 @@ class _MaskedAttentionFunction(torch.autograd.Function):
     where it requires them, the bias."""
 
     @staticmethod
-    def forward(ctx, q, k, v, attn_bias, attn_mask, options: dict):
+    def forward(ctx, q, k, v, attn_bias, attn_mask, options: dict, deterministic: bool):
         out, lse = masked_attention_forward(q, k, v, attn_mask=attn_mask, attn_bias=attn_bias,
                                             **options)
         ctx.save_for_backward(q, k, v, out, lse, attn_mask, attn_bias)
-        ctx.options = options
+        ctx.options, ctx.deterministic = options, deterministic
         ctx.mark_non_differentiable(lse)
         return out, lse
 
@@ -116,10 +116,11 @@ class _MaskedAttentionFunction(torch.autograd.Function):
         with torch.no_grad():
             dq, dk, dv, dbias = masked_attention_backward(
                 contiguous_dout, q, k, v, out, lse, attn_mask=attn_mask, attn_bias=attn_bias,
-                bias_gradient=ctx.needs_input_grad[3], **ctx.options)
+                bias_gradient=ctx.needs_input_grad[3], deterministic=ctx.deterministic,
+                **ctx.options)
         grads = refuse_double_backward("flash_attn_func", (dq, dk, dv, dbias),
                                        (dout, q, k, v, attn_bias))
-        return (*grads, None, None)
+        return (*grads, None, None, None)
 
 
 def flash_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1),
@@ -132,7 +133,9 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=(-1, 
     ``attn_mask`` (bool, True = attend) and ``attn_bias`` (float16/bfloat16/float32, added to
     the scaled scores) broadcast as (B or 1, H or Hkv or 1, Nq, Nk), alone or with causal,
     window_size and compress_factor; the bias gets a gradient where it requires one
-    (``kernels.masked``; not with block_sparse, not under torch.compile yet).
+    (``kernels.masked``: on the sm90 kernels where they take the call, skipping the tiles
+    nothing is seen in; ``deterministic=True`` keeps the backward on the torch path; not with
+    block_sparse, not under torch.compile yet).
     """
     if attn_mask is not None or attn_bias is not None:
         if block_sparse is not None:
@@ -140,11 +143,10 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=(-1, 
                              "would come from the mask); pass one or the other")
         if torch.compiler.is_compiling():
             raise ValueError("attn_mask/attn_bias: not supported under torch.compile yet")
-        check_deterministic(deterministic)  # the masked backward is deterministic either way
         out, lse = _MaskedAttentionFunction.apply(
             q, k, v, attn_bias, attn_mask,
             dict(softmax_scale=softmax_scale, causal=causal, window_size=window_size,
-                 compress_factor=compress_factor))
+                 compress_factor=compress_factor), check_deterministic(deterministic))
         return (out, lse) if return_lse else out
     options = dict(softmax_scale=softmax_scale, causal=causal, window_size=window_size,
                    compress_factor=compress_factor, block_sparse=block_sparse)

@@ -102,15 +102,22 @@ def masked_attention_forward(q, k, v, *, attn_mask=None, attn_bias=None, softmax
 
 def masked_attention_backward(dout, q, k, v, out, lse, *, attn_mask=None, attn_bias=None,
                               softmax_scale=None, causal=False, window_size=(-1, -1),
-                              compress_factor=1, bias_gradient=False):
+                              compress_factor=1, bias_gradient=False, deterministic=False):
     """The backward of ``masked_attention_forward``: ``(dq, dk, dv, dbias)``, dbias (the bias's
-    shape and dtype, summed over its broadcast dims) with ``bias_gradient``, else None. The
-    sums run in a fixed order: bit-identical from run to run."""
+    shape and dtype, summed over its broadcast dims) with ``bias_gradient``, else None. On the
+    sm90 kernel where it takes the call, its float32 sums in a run-dependent order; with
+    ``deterministic=True`` (or off the kernel) on the torch path, whose sums run in a fixed
+    order: bit-identical from run to run."""
     problem = _validate_masked(q, k, v, attn_mask, attn_bias, softmax_scale, causal,
                                window_size, compress_factor)
     if bias_gradient and attn_bias is None:
         raise ValueError("bias_gradient: there is no attn_bias to take a gradient of")
     check_backward_tensors(problem, q, dout, out, lse)
+    if not check_deterministic(deterministic):
+        on_kernel = masked.sm90_backward(problem, dout, q, k, v, out, lse, attn_mask,
+                                         attn_bias, bias_gradient)
+        if on_kernel is not None:
+            return on_kernel
     return masked.backward(problem, dout, q, k, v, out, lse, attn_mask, attn_bias,
                            bias_gradient)
 

@@ -262,6 +262,39 @@ def sm90_forward(problem: AttentionProblem, q, k, v, attn_mask=None, attn_bias=N
                                                                       attn_bias))
 
 
+def sm90_backward(problem: AttentionProblem, dout, q, k, v, out, lse, attn_mask=None,
+                  attn_bias=None, bias_gradient: bool = False):
+    """(dq, dk, dv, dbias) of `backward` on the sm90 kernel (the KV-centric kernel with the
+    fused dQ, dS summed into a float32 dbias by reductions), or None where it does not take
+    the call. Its float32 sums (dQ, dbias) land in a run-dependent order: deterministic callers
+    take the torch path."""
+    from . import dispatch
+
+    if attn_bias is not None and attn_bias.dtype not in KERNEL_BIAS_DTYPES:
+        return None
+    if bias_gradient and any(_as_4d(attn_bias).stride(d) == 0 and _as_4d(attn_bias).shape[d] > 1
+                             for d in (0, 1)):
+        return None  # an expanded bias's gradient is per copy: its cells are not one slab
+    module, _ = dispatch.sm90_module("backward", q.device)
+    if module is None or module.unsupported_inputs(q, k, v, module.SUPPORTED_HEAD_DIMS,
+                                                   "the backward kernel"):
+        return None
+    lists = tile_lists(problem, attn_mask, attn_bias)
+    kwargs = dispatch.normalised_kwargs(problem, None, None, lists)
+    kernel, _ = dispatch.attention_kernel("backward", q, k, v, kwargs, problem)
+    mods = score_mod_tensors(problem, attn_mask, attn_bias)
+    if kernel is None or not kernel.can_run_score_mods(q, k, v, score_mods=mods,
+                                                       bias_grad=bias_gradient, **kwargs):
+        return None
+    dbias = None
+    if bias_gradient:
+        dbias = torch.zeros(mods.bias.shape, dtype=torch.float32, device=q.device)
+    dq, dk, dv = kernel.run(dout, q, k, v, out, lse, **kwargs, score_mods=mods, dbias=dbias)
+    if dbias is not None:
+        dbias = dbias.to(attn_bias.dtype).view(attn_bias.shape)
+    return dq, dk, dv, dbias
+
+
 def tile_lists(problem: AttentionProblem, attn_mask=None, attn_bias=None):
     """The block-sparse lists (`sparsity.BlockSparseTensors`, KERNEL_TILE square tiles, one
     list per (batch entry, tile, list head)) of the tiles a row may see something in: a tile is

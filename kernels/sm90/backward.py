@@ -86,6 +86,23 @@ def _spec_for(q, k, causal, window_size, block_sparse, compress_factor, determin
                                                             k.shape[-2]))
 
 
+def score_mod_spec(spec, score_mods, bias_grad: bool):
+    """`spec` with a user mask and bias (`score_mods`) and dbias where `bias_grad`: on the
+    fused dQ (the dQ kernel would recompute P without them); None where it cannot fuse."""
+    fused = dataclasses.replace(spec, dq_separate=False,
+                                score_mask=score_mods.mask is not None,
+                                score_bias=score_mods.bias_dtype, score_bias_grad=bias_grad)
+    return fused if fused.can_fuse_dq and fused.fits_in_smem() else None
+
+
+def can_run_score_mods(q, k, v, *, block_sparse, score_mods, bias_grad: bool,
+                       **kwargs) -> bool:
+    """Whether `run` takes this call with `score_mods` (after `can_run` said yes)."""
+    spec = _spec_for(q, k, kwargs.get("causal", False), kwargs.get("window_size", (-1, -1)),
+                     block_sparse, kwargs.get("compress_factor", 1), False)
+    return score_mod_spec(spec, score_mods, bias_grad) is not None
+
+
 def _sm_count(device) -> int:
     return sm_count(device) if device.type == "cuda" else H100_NUM_SMS
 
@@ -96,6 +113,7 @@ def run(
     block_sparse=None, block_sparse_transposed=None, deterministic=False, spec_overrides=None,
     dout_dot_out=None, dq_accumulator=None, dkv_accumulators=None, lse_gate=None,
     host_cu_seqlens_q=None, head_major_units=UNITS_HEAD_MAJOR, q_start_positions=None,
+    score_mods=None, dbias=None,
 ):
     """(dq, dk, dv) of the sm90 backward kernel; dk and dv summed over each KV group.
 
@@ -117,7 +135,10 @@ def run(
     head_major_units: split-list work units taken list head by list head (the default,
     UNITS_HEAD_MAJOR) or, False, KV block by KV block (tools/tune_sm90_backward.py compares).
     q_start_positions (packed; host ints, one per sequence): the position of each sequence's
-    first query row (`BwdSpec.q_positions`, and the dQ kernel's)."""
+    first query row (`BwdSpec.q_positions`, and the dQ kernel's).
+    score_mods (`kernels.sm90.forward.ScoreModTensors`, padded inputs with the lists of the
+    mask, `kernels.masked.sm90_backward`): the forward's user mask and bias, on the fused dQ
+    (`score_mod_spec`); dbias: a zeroed float32 (slabs, Nq, Nk) tensor that dS is summed into."""
     if lse_gate is not None and dout_dot_out is None:
         raise ValueError("lse_gate: only taken with dout_dot_out (the gate's row dots)")
     if q.dtype not in SUPPORTED_DTYPES:
@@ -157,6 +178,13 @@ def run(
                      kv_tile_ctas, max_seqlen_k, dq_accumulator_bytes=4 * q.numel())
     if spec_overrides:
         spec = dataclasses.replace(spec, **spec_overrides)
+    score_tensors = (None,) * 4
+    if score_mods is not None:
+        spec = score_mod_spec(spec, score_mods, dbias is not None)
+        if spec is None:
+            raise ValueError("score_mods: this call's backward cannot take the fused dQ "
+                             "(kernels.masked sends it to the torch path)")
+        score_tensors = (score_mods.mask, score_mods.bias, score_mods.slabs, dbias)
     positions = None
     if q_start_positions is not None:
         spec = dataclasses.replace(spec, q_positions=True)
@@ -214,7 +242,7 @@ def run(
             tensors = (q, k, v, dout, lse_log2, dpsum, dq_acc, dk, dv, cu_seqlens_q,
                        cu_seqlens_k, tiles.tile_offsets)
             scalars = (num_ctas, row_splits, softmax_scale, compress_factor, *window)
-            _launch(spec, tensors, scalars, (*lists, units, positions))
+            _launch(spec, tensors, scalars, (*lists, units, positions, *score_tensors))
         elif not adds_into_accumulators:
             dk.zero_()
             dv.zero_()

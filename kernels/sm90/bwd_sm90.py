@@ -50,6 +50,7 @@ from kernels.sm90.block_range import BlockRange
 from kernels.sm90.dq_accumulator import DqAccumulator, fragment_layout
 from kernels.sm90.layouts import (acc_as_a_operand_layout, acc_mn_view, transposed,
                                   with_row_strides_divisible)
+from kernels.sm90.score_mod import ScoreMods
 from kernels.sm90.mask import apply_mask_keys_as_rows
 from kernels.sm90.mma import gemm, warpgroup_slice
 from kernels.sm90.pipelines import load_seq_tile, smem_buffer, stage_index, tma_pipeline
@@ -89,6 +90,10 @@ class FlashAttentionBackwardSm90:
                                             and spec.dq_separate)
         assert not (spec.heavy_first and spec.block_sparse)
         assert not spec.row_bands or (spec.split_rows and not spec.heavy_first)
+        # The score mods hook into the fused-dQ step of block-sparse lists (the dQ kernel
+        # would recompute P without them); a bias gradient needs the bias.
+        assert not spec.score_mods or (spec.block_sparse and spec.fuses_dq)
+        assert not spec.score_bias_grad or spec.score_bias
         self.num_wg = spec.num_consumer_warpgroups
         self.key_wg = spec.key_warpgroups
         self.num_consumer_threads = _WARPGROUP * self.num_wg
@@ -130,6 +135,11 @@ class FlashAttentionBackwardSm90:
                                                 # block, list head, first and end list entry
         mQPositions: Optional[cute.Tensor],     # (S,) int32: first query positions
                                                 # (`q_positions`)
+        mScoreMask: Optional[cute.Tensor],      # as the forward's (kernels/sm90/score_mod.py)
+        mScoreBias: Optional[cute.Tensor],
+        mScoreSlabs: Optional[cute.Tensor],
+        mDBias: Optional[cute.Tensor],          # (slabs, Nq, Nk) float32, zeroed
+                                                # (`score_bias_grad`)
         stream: cuda.CUstream,
     ):
         dtype = self.dtype
@@ -192,6 +202,7 @@ class FlashAttentionBackwardSm90:
             mCuSeqlensQ, mCuSeqlensK, mQTileOffsets, num_kv_tiles, row_splits, softmax_scale,
             softmax_scale * Float32(_LOG2_E), compress_factor, window_left, window_right,
             mListOffsets, mListIndex, mListMaskCount, mKvBlockOffsets, mUnits, mQPositions,
+            mScoreMask, mScoreBias, mScoreSlabs, mDBias,
             sQ_layout, sK_layout, sdS_layout, sdQ_layout, tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq,
         ).launch(grid=self.grid(num_kv_tiles, row_splits, mK, mCuSeqlensQ),
                  block=[self.num_threads, 1, 1], stream=stream,
@@ -248,6 +259,8 @@ class FlashAttentionBackwardSm90:
         mListOffsets: Optional[cute.Tensor], mListIndex: Optional[cute.Tensor],
         mListMaskCount: Optional[cute.Tensor], mKvBlockOffsets: Optional[cute.Tensor],
         mUnits: Optional[cute.Tensor], mQPositions: Optional[cute.Tensor],
+        mScoreMask: Optional[cute.Tensor], mScoreBias: Optional[cute.Tensor],
+        mScoreSlabs: Optional[cute.Tensor], mDBias: Optional[cute.Tensor],
         sQ_layout: cute.ComposedLayout,
         sK_layout: cute.ComposedLayout, sdS_layout: cute.ComposedLayout,
         sdQ_layout: cute.Layout, tiled_mma_sdp: cute.TiledMma,
@@ -333,6 +346,15 @@ class FlashAttentionBackwardSm90:
             mKvBlockOffsets=mKvBlockOffsets, list_head=list_head, entry_lo=entry_lo,
             entry_hi=entry_hi, split=split, row_splits=row_splits)
         q_tile_offset = mQTileOffsets[batch]
+        score_mods = None
+        if const_expr(spec.score_mods):
+            # Absent tensors' fields hold the slab table (the Constexpr flags keep it unread).
+            score_mods = ScoreMods(
+                spec.score_mask, bool(spec.score_bias),
+                mScoreMask if const_expr(spec.score_mask) else mScoreSlabs,
+                mScoreBias if const_expr(spec.score_bias) else mScoreSlabs,
+                mScoreSlabs, Float32(1.0) / softmax_scale, spec.score_bias_grad,
+                mDBias if const_expr(spec.score_bias_grad) else mScoreSlabs)
 
         # KV tiles past their sequence's end have nothing to do (the grid covers the longest),
         # nor a band of rows that sees none of the tile's keys (`row_bands`).
@@ -367,7 +389,8 @@ class FlashAttentionBackwardSm90:
                     tidx - _WARPGROUP, walk, kv_consumer, q_consumer, do_consumer,
                     tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, sQ, sdO, sK, sV, sdS, sLSE,
                     sDPsum, dq_accumulator, dkv_handover, mdK, mdV, softmax_scale, scale_log2,
-                    block_range, n_block, head_kv, offset_k, seqlen_q, seqlen_k)
+                    block_range, n_block, head_kv, offset_k, seqlen_q, seqlen_k, score_mods,
+                    batch)
 
     @cute.jit
     def walk_steps(
@@ -518,7 +541,8 @@ class FlashAttentionBackwardSm90:
         sQ, sdO, sK, sV, sdS, sLSE, sDPsum, dq_accumulator: Optional[DqAccumulator],
         dkv_handover, mdK, mdV, softmax_scale: Float32, scale_log2: Float32,
         block_range: BlockRange, n_block: Int32, head_kv: Int32, offset_k: Int32,
-        seqlen_q: Int32, seqlen_k: Int32,
+        seqlen_q: Int32, seqlen_k: Int32, score_mods: Optional[ScoreMods] = None,
+        batch: Int32 = 0,
     ):
         """The consumer warpgroups' whole CTA: every step, then dK and dV."""
         # With `alternate_steps` both warpgroups hold the whole (64-key) tile: each slices the
@@ -566,7 +590,8 @@ class FlashAttentionBackwardSm90:
             acc_dk=acc_dk, acc_dv=acc_dv, acc_dq=acc_dq, r_p=r_p, r_ds=r_ds, t_coord=t_coord,
             ds_store_atom=ds_store_atom, t_rdS=t_rdS, t_sdS=t_sdS, sLSE=sLSE, sDPsum=sDPsum,
             dq_accumulator=dq_accumulator, scale_log2=scale_log2, block_range=block_range,
-            n_block=n_block, seqlen_q=seqlen_q, seqlen_k=seqlen_k)
+            n_block=n_block, seqlen_q=seqlen_q, seqlen_k=seqlen_k, score_mods=score_mods,
+            batch=batch)
         mmas = (tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq)
         if const_expr(self.spec.alternate_steps):
             wg = cute.arch.make_warp_uniform(tidx // _WARPGROUP)
@@ -639,9 +664,12 @@ class FlashAttentionBackwardSm90:
         acc_dk, acc_dv, acc_dq, r_p, r_ds, t_coord, ds_store_atom, t_rdS, t_sdS, sLSE, sDPsum,
         dq_accumulator: Optional[DqAccumulator], scale_log2: Float32, block_range: BlockRange,
         n_block: Int32, seqlen_q: Int32, seqlen_k: Int32,
+        score_mods: Optional[ScoreMods] = None, batch: Int32 = 0,
     ):
         """One (query head, query step of tile_m rows) against this CTA's keys. `mask`: None,
-        "causal_window", or "if_needed" (the causal/window mask where `needs_mask`)."""
+        "causal_window", or "if_needed" (the causal/window mask where `needs_mask`). With
+        `score_mods` the bias is added and the user mask read where the step's mask is (the
+        lists' "mask" entries), and dS goes into dbias."""
         stages = self.spec.q_stages
         q_handle = q_consumer.wait_and_advance()
         q_stage = stage_index(q_handle, stages)
@@ -672,6 +700,11 @@ class FlashAttentionBackwardSm90:
             rows_left = seqlen_q - m_block * self.tile_m
             for c in cutlass.range_constexpr(num_cols):
                 r_lse[c] = r_lse[c] if c_mn[0, c][1] < rows_left else Float32.inf
+        step_mods = None
+        if const_expr(score_mods is not None):
+            step_mods = score_mods.for_tile(batch, head)
+            step_mods.apply(acc_s, t_coord, m_block, n_block, self.tile_m, self.tile_n,
+                            seqlen_q, seqlen_k, needs_mask, keys_as_rows=True)
         if const_expr(mask == "causal_window"):
             apply_mask_keys_as_rows(acc_s, t_coord, block_range, n_block, m_block, seqlen_q,
                                     seqlen_k, True)
@@ -706,6 +739,9 @@ class FlashAttentionBackwardSm90:
                 r_dpsum[c] = sDPsum[c_mn[0, c][1], do_stage]
             for r in cutlass.range_constexpr(cute.size(dp_mn, mode=[0])):
                 dp_mn[r, c] = s_mn[r, c] * (dp_mn[r, c] - r_dpsum[c])
+        if const_expr(score_mods is not None and score_mods.has_bias_grad):
+            step_mods.add_bias_gradient(acc_dp, t_coord, m_block, n_block, self.tile_m,
+                                        self.tile_n, seqlen_q, seqlen_k)
         r_ds_as_acc = cute.make_tensor(r_ds.iterator, acc_dp.layout)
         r_ds_as_acc.store(acc_dp.load().to(self.dtype))
         if const_expr(not self.spec.dv_before_ds):

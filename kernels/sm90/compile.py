@@ -147,8 +147,12 @@ def fake_backward_arguments(spec):
     if spec.split_lists:
         units = make_fake_compact_tensor(cutlass.Int32, (cute.sym_int(), 5), stride_order=(1, 0))
     positions = fake_int32_vector() if spec.q_positions else None
+    dbias = None
+    if spec.score_bias_grad:
+        dbias = make_fake_tensor(cutlass.Float32, tuple(cute.sym_int() for _ in range(3)),
+                                 stride=(cute.sym_int(), cute.sym_int(), 1), assumed_align=4)
     return ((q, k, v, dout, lse, dpsum, dq_acc, dk, dv, cu_q, cu_k, q_tiles),
-            (*lists, units, positions))
+            (*lists, units, positions, *fake_score_mods(spec), dbias))
 
 
 def compiled_backward(spec, example_args, tvm_ffi: bool = False):

@@ -86,13 +86,17 @@ class ScoreModTensors:
     bias: torch.Tensor | None  # float16 / bfloat16 / float32
     slabs: torch.Tensor
 
+    @property
+    def bias_dtype(self) -> str:
+        """The bias's dtype by name ("" without a bias): the specs' `score_bias`."""
+        return "" if self.bias is None else str(self.bias.dtype).removeprefix("torch.")
+
     def spec(self, spec):
-        """`spec` with the score mods: on the non-persistent block-sparse schedule without the
-        narrowed first tile or overlapped tiles (the mods hook into the plain KV loops)."""
-        return dataclasses.replace(
-            spec, score_mask=self.mask is not None,
-            score_bias="" if self.bias is None else str(self.bias.dtype).removeprefix("torch."),
-            overlap_tiles=False, narrow_first_tile=False)
+        """Forward `spec` with the score mods, without the narrowed first tile or overlapped
+        tiles (the mods hook into the plain KV loops)."""
+        return dataclasses.replace(spec, score_mask=self.mask is not None,
+                                   score_bias=self.bias_dtype, overlap_tiles=False,
+                                   narrow_first_tile=False)
 
 
 def _typed_scalars(scalars):

@@ -294,7 +294,7 @@ class FlashAttentionForwardSm90(OverlapTiles):
                 spec.score_mask, bool(spec.score_bias),
                 mScoreMask if const_expr(spec.score_mask) else mScoreSlabs,
                 mScoreBias if const_expr(spec.score_bias) else mScoreSlabs,
-                mScoreSlabs, Float32(1.0) / softmax_scale)
+                mScoreSlabs, Float32(1.0) / softmax_scale, False, mScoreSlabs)
         tile_work = partial(
             self.tile_work, tile_order=tile_order, block_range=block_range, mQ=mQ, mK=mK,
             mCuSeqlensQ=mCuSeqlensQ, mCuSeqlensK=mCuSeqlensK, mFullCount=mFullCount,

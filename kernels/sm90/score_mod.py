@@ -31,6 +31,8 @@ class ScoreMods:
     bias: cute.Tensor      # (slabs, Nq, Nk) float16/bfloat16/float32 (a stand-in if not has_bias)
     slabs: cute.Tensor     # (B, H, 2) int32: the (batch, head)'s mask slab, bias slab
     bias_scale: Float32    # 1 / softmax_scale
+    has_bias_grad: cutlass.Constexpr[bool] = False
+    dbias: cute.Tensor = None  # (slabs, Nq, Nk) float32 sums of dS (the backward, has_bias_grad)
     mask_slab: Int32 = 0   # this tile's (`for_tile`)
     bias_slab: Int32 = 0
 
@@ -43,33 +45,63 @@ class ScoreMods:
     @cute.jit
     def apply(self, acc_s: cute.Tensor, t_coord: cute.Tensor, m_block: Int32, n_block: Int32,
               tile_m: cutlass.Constexpr[int], tile_n: cutlass.Constexpr[int], seqlen_q: Int32,
-              seqlen_k: Int32, read_mask):
+              seqlen_k: Int32, read_mask, keys_as_rows: cutlass.Constexpr[bool] = False):
         """Add the bias to, and apply the mask (where `read_mask`, a Boolean or a Python bool)
-        to, one thread's fragment of the score tile (m_block, n_block). Rows and keys past the
-        sequence are clamped to its last one: their scores are masked or never stored."""
+        to, one thread's fragment of the score tile (m_block, n_block): S (rows x keys), or
+        with `keys_as_rows` the backward's S^T. Rows and keys past the sequence are clamped to
+        its last one: their scores are masked or never stored."""
         s_mn = acc_mn_view(acc_s)
         c_mn = acc_mn_view(t_coord)
-        last_row, last_key = seqlen_q - 1, seqlen_k - 1
-        for r in cutlass.range_constexpr(cute.size(s_mn, mode=[0])):
-            row = cutlass.min(m_block * tile_m + c_mn[r, 0][0], last_row)
-            for c in cutlass.range_constexpr(cute.size(s_mn, mode=[1])):
-                key = cutlass.min(n_block * tile_n + c_mn[0, c][1], last_key)
-                if const_expr(self.has_bias):
+        if const_expr(self.has_bias):
+            for r in cutlass.range_constexpr(cute.size(s_mn, mode=[0])):
+                for c in cutlass.range_constexpr(cute.size(s_mn, mode=[1])):
+                    row, key = self.cell(c_mn, r, c, m_block, n_block, tile_m, tile_n,
+                                         keys_as_rows)
+                    row = cutlass.min(row, seqlen_q - 1)
+                    key = cutlass.min(key, seqlen_k - 1)
                     s_mn[r, c] = s_mn[r, c] + Float32(self.bias[self.bias_slab, row, key]) \
                         * self.bias_scale
         if const_expr(self.has_mask):
             if read_mask:
-                self.hide_masked(s_mn, c_mn, m_block, n_block, tile_m, tile_n, last_row,
-                                 last_key)
+                self.hide_masked(s_mn, c_mn, m_block, n_block, tile_m, tile_n, seqlen_q,
+                                 seqlen_k, keys_as_rows)
 
     @cute.jit
     def hide_masked(self, s_mn: cute.Tensor, c_mn: cute.Tensor, m_block: Int32, n_block: Int32,
                     tile_m: cutlass.Constexpr[int], tile_n: cutlass.Constexpr[int],
-                    last_row: Int32, last_key: Int32):
+                    seqlen_q: Int32, seqlen_k: Int32, keys_as_rows: cutlass.Constexpr[bool]):
+        """-inf where the mask is False (a function of its own: its locals stay out of the
+        caller's runtime `if`)."""
         for r in cutlass.range_constexpr(cute.size(s_mn, mode=[0])):
-            row = cutlass.min(m_block * tile_m + c_mn[r, 0][0], last_row)
             for c in cutlass.range_constexpr(cute.size(s_mn, mode=[1])):
-                key = cutlass.min(n_block * tile_n + c_mn[0, c][1], last_key)
-                attend = self.mask[self.mask_slab, row, key]
-                if attend == 0:
+                row, key = self.cell(c_mn, r, c, m_block, n_block, tile_m, tile_n,
+                                     keys_as_rows)
+                row = cutlass.min(row, seqlen_q - 1)
+                key = cutlass.min(key, seqlen_k - 1)
+                if self.mask[self.mask_slab, row, key] == 0:
                     s_mn[r, c] = -Float32.inf
+
+    @cute.jit
+    def add_bias_gradient(self, ds_t: cute.Tensor, t_coord: cute.Tensor, m_block: Int32,
+                          n_block: Int32, tile_m: cutlass.Constexpr[int],
+                          tile_n: cutlass.Constexpr[int], seqlen_q: Int32, seqlen_k: Int32):
+        """dbias += dS for one thread's fragment of the backward's dS^T (keys as rows), float32
+        reductions (`red.global.add`): a broadcast bias sums over the heads and batch entries
+        that share it, whichever CTAs walk them. Cells past the sequence are skipped."""
+        d_mn = acc_mn_view(ds_t)
+        c_mn = acc_mn_view(t_coord)
+        for r in cutlass.range_constexpr(cute.size(d_mn, mode=[0])):
+            for c in cutlass.range_constexpr(cute.size(d_mn, mode=[1])):
+                row, key = self.cell(c_mn, r, c, m_block, n_block, tile_m, tile_n, True)
+                if (row < seqlen_q) & (key < seqlen_k):
+                    offset = cute.crd2idx((self.bias_slab, row, key), self.dbias.layout)
+                    cute.arch.red(self.dbias.iterator + offset, d_mn[r, c], op="add",
+                                  dtype="f32", sem="relaxed", scope="gpu")
+
+    @staticmethod
+    def cell(c_mn, r: int, c: int, m_block: Int32, n_block: Int32, tile_m: int, tile_n: int,
+             keys_as_rows: bool):
+        """(query row, key) in the sequence of fragment element (r, c)."""
+        if keys_as_rows:
+            return m_block * tile_m + c_mn[0, c][1], n_block * tile_n + c_mn[r, 0][0]
+        return m_block * tile_m + c_mn[r, 0][0], n_block * tile_n + c_mn[0, c][1]

@@ -291,6 +291,13 @@ class BwdSpec:
                                # Dispatched for long compressed causal keys (2026-11-27,
                                # ROW_BANDS_FUSED_MIN_KEYS)
     q_positions: bool = False  # as `FwdSpec.q_positions`
+    score_mask: bool = False   # as `FwdSpec.score_mask` (block_sparse with the fused dQ only)
+    score_bias: str = ""       # as `FwdSpec.score_bias`
+    score_bias_grad: bool = False  # dS summed into a float32 dbias (kernels/sm90/score_mod.py)
+
+    @property
+    def score_mods(self) -> bool:
+        return self.score_mask or bool(self.score_bias)
 
     @property
     def key_warpgroups(self) -> int:

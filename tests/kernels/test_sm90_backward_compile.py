@@ -371,3 +371,28 @@ def test_list_layout_kernels_compile_for_sm90a(kernel):
     from kernels.sm90.list_layout import compile_on_fake_tensors
 
     assert callable(compile_on_fake_tensors(kernel))
+
+
+# A user mask and bias on the 128 x 128 lists of kernels/masked.py (lists per KV group, split
+# into units, and per query head): the fused-dQ spec `score_mod_spec` makes, each bias dtype.
+@pytest.mark.parametrize("head_dim, list_heads, mask, bias, grad", [
+    (128, "kv", True, "bfloat16", True), (64, "query", False, "float32", True),
+    (128, "query", True, "", False)])
+def test_score_mod_backward_variants_compile_for_sm90a(head_dim, list_heads, mask, bias, grad):
+    import torch
+
+    from kernels.sm90.backward import score_mod_spec
+    from kernels.sm90.forward import ScoreModTensors
+
+    lists = ListShape(spans_kv_groups=list_heads == "kv", per_query_head=list_heads == "query",
+                      width=256)
+    base = choose_backward_spec(dtype="bfloat16", head_dim=head_dim, causal=False,
+                                window_size=(-1, -1), sparse_block_size=128,
+                                max_seqlen_k=16384, lists=lists)
+    cells = torch.zeros(1, 1, 1)
+    mods = ScoreModTensors(mask=cells.to(torch.uint8) if mask else None,
+                           bias=cells.to(getattr(torch, bias)) if bias else None,
+                           slabs=torch.zeros(1, 1, 2, dtype=torch.int32))
+    spec = score_mod_spec(base, mods, grad)
+    assert spec is not None and spec.fuses_dq and spec.score_bias_grad == grad
+    compile_backward_on_fake_tensors(spec)

@@ -154,3 +154,24 @@ class _TorchPath(torch.autograd.Function):
         dq, dk, dv, dbias = masked.backward(ctx.problem, dout, q, k, v, out, lse, ctx.mask, bias,
                                             bias_gradient=True)
         return None, dq, dk, dv, dbias, None, None, None
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_the_kernel_backward_equals_the_torch_path(name):
+    """dq, dk, dv and dbias of the sm90 backward (fused dQ, dS into a float32 dbias) against
+    the torch path's on the same out and lse."""
+    q, k, v, mask, bias, rule = _call(name)
+    problem = validate_attention_forward(q, k, v, **rule)
+    out, lse = masked.forward(problem, q, k, v, mask, bias)
+    dout = torch.randn_like(q)
+    with_grad = bias is not None
+    on_kernel = masked.sm90_backward(problem, dout, q, k, v, out, lse, mask, bias, with_grad)
+    assert on_kernel is not None, "the sm90 backward did not take the call"
+    expected = masked.backward(problem, dout, q, k, v, out, lse, mask, bias, with_grad)
+    for got, want, what in zip(on_kernel, expected, ("dq", "dk", "dv", "dbias")):
+        if want is None:
+            assert got is None
+            continue
+        assert got.shape == want.shape and got.dtype == want.dtype, what
+        assert not got.isnan().any(), what
+        assert _rel_err(got, want) < TOLERANCE, what
