@@ -4,8 +4,10 @@ FlexAttention and SDPA on the same mask and bias, in one run.
 Workloads (bf16, B=1, H=16, D=128, 16K tokens by default; `--seqlen`, `--heads`):
   window W   a causal sliding-window mask built at run time as a bool tensor (key j seen by row
              i when i - W < j <= i), for each W of `--windows` (32 ... 16K: the sweep of the
-             dynamic-mask benchmark), with an additive bias (1, H, N, N) that requires a
-             gradient;
+             dynamic-mask benchmark), with an additive bias (1, Hb, N, N) that requires a
+             gradient (`--bias-heads` Hb: 1, shared by the heads, by default: FlexAttention's
+             score_mod indexes a captured tensor in 32-bit arithmetic, and a per-head bias of
+             16 x 16K x 16K cells (2**32) made it read out of bounds);
   tiles10    10% of the 128 x 128 tiles seen whole (random, every row's diagonal tile among
              them), the same bias.
 Methods:
@@ -55,6 +57,8 @@ def parse_arguments(argv=None) -> argparse.Namespace:
     parser.add_argument("--seqlen", type=positive_int, default=16384)
     parser.add_argument("--heads", type=positive_int, default=16)
     parser.add_argument("--head-dim", type=positive_int, default=128)
+    parser.add_argument("--bias-heads", type=positive_int, default=1,
+                        help="the bias's heads: 1 (shared) or --heads")
     parser.add_argument("--windows", type=int_list,
                         default=[32, 128, 512, 1024, 2048, 4096, 8192, 16384])
     parser.add_argument("--tiles", action=argparse.BooleanOptionalAction, default=True,
@@ -71,6 +75,8 @@ def parse_arguments(argv=None) -> argparse.Namespace:
     unknown = set(args.methods) - set(METHODS)
     if unknown:
         parser.error(f"--methods: unknown {sorted(unknown)}; choose from {METHODS}")
+    if args.bias_heads not in (1, args.heads):
+        parser.error(f"--bias-heads must be 1 or --heads ({args.heads}), got {args.bias_heads}")
     if not args.passes or set(args.passes) - set(PASSES):
         parser.error(f"--passes: choose from {PASSES}, got {args.passes}")
     return args
@@ -122,8 +128,10 @@ def methods_for(args, q, k, v, mask, bias, dout) -> dict:
                                        BLOCK_SIZE=TILE)
 
         def flex(q_, k_, v_, b_):
+            shared = b_.shape[1] == 1
+
             def add_bias(score, b, h, q_idx, kv_idx):
-                return score + b_[b, h, q_idx, kv_idx]
+                return score + b_[b, 0 if shared else h, q_idx, kv_idx]
             out = compiled(*(x.transpose(1, 2) for x in (q_, k_, v_)), score_mod=add_bias,
                            block_mask=block_mask, kernel_options=FLEX_KERNEL_OPTIONS)
             return out.transpose(1, 2)
@@ -154,10 +162,11 @@ def measure(args, name: str, mask: torch.Tensor, device, generator) -> dict:
     n, heads, dim = args.seqlen, args.heads, args.head_dim
     q, k, v, dout = (torch.randn(1, n, heads, dim, generator=generator, device=device,
                                  dtype=torch.bfloat16) for _ in range(4))
-    bias = torch.randn(1, heads, n, n, generator=generator, device=device,
+    bias = torch.randn(1, args.bias_heads, n, n, generator=generator, device=device,
                        dtype=torch.bfloat16)
     pairs = attended_pairs(mask, heads)
     row = {"workload": name, "seqlen": n, "heads": heads, "head_dim": dim,
+           "bias_heads": args.bias_heads,
            "kept_share": pairs / (heads * n * n), "ms": {}, "tflops": {}}
     for method, passes in methods_for(args, q, k, v, mask, bias, dout).items():
         counted = heads * n * n if method == "dense" else pairs
