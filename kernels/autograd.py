@@ -17,7 +17,7 @@ import torch
 
 from .interface import (attention_backward, attention_backward_trusted, attention_forward,
                         attention_forward_trusted, masked_attention_backward,
-                        masked_attention_forward)
+                        masked_attention_forward_with_lists)
 from .validate import check_deterministic
 
 
@@ -102,10 +102,10 @@ class _MaskedAttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, attn_bias, attn_mask, options: dict, deterministic: bool):
-        out, lse = masked_attention_forward(q, k, v, attn_mask=attn_mask, attn_bias=attn_bias,
-                                            **options)
+        out, lse, lists = masked_attention_forward_with_lists(
+            q, k, v, attn_mask=attn_mask, attn_bias=attn_bias, **options)
         ctx.save_for_backward(q, k, v, out, lse, attn_mask, attn_bias)
-        ctx.options, ctx.deterministic = options, deterministic
+        ctx.options, ctx.deterministic, ctx.lists = options, deterministic, lists
         ctx.mark_non_differentiable(lse)
         return out, lse
 
@@ -117,7 +117,8 @@ class _MaskedAttentionFunction(torch.autograd.Function):
             dq, dk, dv, dbias = masked_attention_backward(
                 contiguous_dout, q, k, v, out, lse, attn_mask=attn_mask, attn_bias=attn_bias,
                 bias_gradient=ctx.needs_input_grad[3], deterministic=ctx.deterministic,
-                **ctx.options)
+                tile_lists=ctx.lists, **ctx.options)
+        ctx.lists = None
         grads = refuse_double_backward("flash_attn_func", (dq, dk, dv, dbias),
                                        (dout, q, k, v, attn_bias))
         return (*grads, None, None, None)

@@ -37,11 +37,9 @@ from .validate import AttentionProblem
 CHUNK_BUDGET_BYTES = 256 << 20
 # float64 too: the torch path computes float64 inputs exactly (gradient checks).
 BIAS_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-# The sm90 path: its tiles (query rows x keys), the bias types it reads, and the cells of mask
-# or bias one classification pass turns into a temporary at a time.
+# The sm90 path: its tiles (query rows x keys) and the bias types it reads.
 KERNEL_TILE = 128
 KERNEL_BIAS_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-CLASSIFY_BUDGET_CELLS = 1 << 26
 
 
 @dataclass(frozen=True)
@@ -244,8 +242,9 @@ def _reduce_heads(ds: torch.Tensor, heads: int) -> torch.Tensor:
 # --- the sm90 forward ----------------------------------------------------------------------------
 
 def sm90_forward(problem: AttentionProblem, q, k, v, attn_mask=None, attn_bias=None):
-    """(out, lse) of `forward` on the sm90 kernel, or None where it does not take the call
-    (then the torch path runs). The same function, dtype rules and outputs."""
+    """(out, lse, lists) of `forward` on the sm90 kernel (lists: the `tile_lists` it ran on,
+    which the backward may reuse), or None where it does not take the call (then the torch
+    path runs). The same function, dtype rules and outputs."""
     from . import dispatch
 
     if attn_bias is not None and attn_bias.dtype not in KERNEL_BIAS_DTYPES:
@@ -258,16 +257,17 @@ def sm90_forward(problem: AttentionProblem, q, k, v, attn_mask=None, attn_bias=N
     kernel, _ = dispatch.attention_kernel("forward", q, k, v, kwargs, problem)
     if kernel is None:
         return None
-    return kernel.run(q, k, v, **kwargs, score_mods=score_mod_tensors(problem, attn_mask,
-                                                                      attn_bias))
+    out, lse = kernel.run(q, k, v, **kwargs,
+                          score_mods=score_mod_tensors(problem, attn_mask, attn_bias))
+    return out, lse, lists
 
 
 def sm90_backward(problem: AttentionProblem, dout, q, k, v, out, lse, attn_mask=None,
-                  attn_bias=None, bias_gradient: bool = False):
+                  attn_bias=None, bias_gradient: bool = False, lists=None):
     """(dq, dk, dv, dbias) of `backward` on the sm90 kernel (the KV-centric kernel with the
     fused dQ, dS summed into a float32 dbias by reductions), or None where it does not take
     the call. Its float32 sums (dQ, dbias) land in a run-dependent order: deterministic callers
-    take the torch path."""
+    take the torch path. lists: the forward's `tile_lists` of this call (None: built here)."""
     from . import dispatch
 
     if attn_bias is not None and attn_bias.dtype not in KERNEL_BIAS_DTYPES:
@@ -279,7 +279,8 @@ def sm90_backward(problem: AttentionProblem, dout, q, k, v, out, lse, attn_mask=
     if module is None or module.unsupported_inputs(q, k, v, module.SUPPORTED_HEAD_DIMS,
                                                    "the backward kernel"):
         return None
-    lists = tile_lists(problem, attn_mask, attn_bias)
+    if lists is None:
+        lists = tile_lists(problem, attn_mask, attn_bias)
     kwargs = dispatch.normalised_kwargs(problem, None, None, lists)
     kernel, _ = dispatch.attention_kernel("backward", q, k, v, kwargs, problem)
     mods = score_mod_tensors(problem, attn_mask, attn_bias)
@@ -308,11 +309,11 @@ def tile_lists(problem: AttentionProblem, attn_mask=None, attn_bias=None):
     heads = max(_as_4d(x).shape[1] for x in given)
     classes = _rule_classes(problem, tile, given[0].device)
     if attn_mask is not None:
-        classes = torch.minimum(classes, _expand(_cell_classes(attn_mask, lambda m: m, tile),
-                                                 problem, heads))
+        classes = torch.minimum(classes, _expand(
+            _cell_classes(attn_mask, lambda m: m != 0, tile), problem, heads))
     if attn_bias is not None:
         classes = torch.minimum(classes, _expand(
-            _cell_classes(attn_bias, lambda b: ~torch.isneginf(b), tile), problem, heads))
+            _cell_classes(attn_bias, lambda b: b > float("-inf"), tile), problem, heads))
     classes = classes.expand(problem.num_seqs, heads, *classes.shape[2:])
     return build_block_sparse_from_tile_classes(
         classes, seqlen_q=problem.max_seqlen_q, seqlen_k=problem.max_seqlen_k, q_tile=tile,
@@ -348,16 +349,39 @@ def _rule_classes(problem: AttentionProblem, tile: int, device: torch.device) ->
     return classes[None, None]
 
 
-def _cell_classes(x: torch.Tensor, attend, tile: int) -> torch.Tensor:
-    """(Bx, Hx, Tq, Tk) classes of a mask or bias, `attend(cells)` its bool view, a band of
-    rows at a time (at most CLASSIFY_BUDGET_CELLS cells: no Nq x Nk temporary)."""
-    from sparsity.builders import classify_tiles
+def _cell_classes(x: torch.Tensor, seen, tile: int) -> torch.Tensor:
+    """(Bx, Hx, Tq, Tk) classes of a mask or bias from the extremes of each tile: every cell
+    seen when its smallest value is `seen`, none when its largest is not (seen is monotone:
+    True above False, a finite bias above -inf). One pass over x, reductions along its rows'
+    contiguous keys: no temporary of Nq x Nk."""
+    from sparsity.builders import FULL_BLOCK, MASK_BLOCK, NOT_LISTED
 
     x = _broadcast_view(x)
-    batch, heads, seqlen_q, seqlen_k = x.shape
-    rows = max(tile, CLASSIFY_BUDGET_CELLS // max(1, batch * heads * seqlen_k) // tile * tile)
-    return torch.cat([classify_tiles(attend(x[:, :, r0:r0 + rows]), tile, tile)
-                      for r0 in range(0, seqlen_q, rows)], dim=2)
+    if x.dtype == torch.bool:
+        x = x.view(torch.uint8)
+    lo, hi = _tile_extremes(x, tile)
+    return torch.where(seen(lo), FULL_BLOCK,
+                       torch.where(seen(hi), MASK_BLOCK, NOT_LISTED)).to(torch.int8)
+
+
+def _tile_extremes(x: torch.Tensor, tile: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(min, max) of x (Bx, Hx, Nq, Nk) over each tile x tile block of its last two dims (the
+    last row and key blocks partial): (Bx, Hx, Tq, Tk) each."""
+    seqlen_q, seqlen_k = x.shape[-2:]
+    whole = seqlen_k // tile * tile
+    parts = []
+    if whole:
+        parts.append(torch.aminmax(x[..., :whole].unflatten(-1, (whole // tile, tile)), dim=-1))
+    if whole < seqlen_k:
+        parts.append(torch.aminmax(x[..., whole:], dim=-1, keepdim=True))
+    lo = torch.cat([part.min for part in parts], dim=-1)
+    hi = torch.cat([part.max for part in parts], dim=-1)
+    rows = -(-seqlen_q // tile) * tile - seqlen_q
+    if rows:  # the last row block's missing rows: neutral for each extreme
+        info = torch.finfo(x.dtype) if x.is_floating_point() else torch.iinfo(x.dtype)
+        lo = torch.nn.functional.pad(lo, (0, 0, 0, rows), value=info.max)
+        hi = torch.nn.functional.pad(hi, (0, 0, 0, rows), value=info.min)
+    return (lo.unflatten(2, (-1, tile)).amin(dim=3), hi.unflatten(2, (-1, tile)).amax(dim=3))
 
 
 def _broadcast_view(x: torch.Tensor) -> torch.Tensor:

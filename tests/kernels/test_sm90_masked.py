@@ -97,7 +97,8 @@ def test_the_kernel_equals_the_torch_path(name):
     problem = validate_attention_forward(q, k, v, **rule)
     on_kernel = masked.sm90_forward(problem, q, k, v, mask, bias)
     assert on_kernel is not None, "the sm90 kernel did not take the call"
-    out, lse = on_kernel
+    out, lse, lists = on_kernel
+    assert lists.row_block_size == masked.KERNEL_TILE
     expected_out, expected_lse = masked.forward(problem, q, k, v, mask, bias)
     assert _rel_err(out, expected_out) < TOLERANCE
     # Rows that see nothing: out 0 and lse -inf, as on the torch path.
@@ -113,7 +114,7 @@ def test_expanded_masks_are_read_without_copies_of_the_repeats():
     q, k, v, mask, _, rule = _call("mask50-gqa4-causal")
     wide = mask[:1, :1].expand(q.shape[0], q.shape[2], *mask.shape[2:])
     problem = validate_attention_forward(q, k, v, **rule)
-    out, _ = masked.sm90_forward(problem, q, k, v, wide, None)
+    out, _, _ = masked.sm90_forward(problem, q, k, v, wide, None)
     expected, _ = masked.forward(problem, q, k, v, mask[:1, :1], None)
     assert _rel_err(out, expected) < TOLERANCE
 
