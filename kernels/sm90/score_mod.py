@@ -33,6 +33,7 @@ class ScoreMods:
     bias_scale: Float32    # 1 / softmax_scale
     has_bias_grad: cutlass.Constexpr[bool] = False
     dbias: cute.Tensor = None  # (slabs, Nq, Nk) float32 sums of dS (the backward, has_bias_grad)
+    owned_bias_grad: cutlass.Constexpr[bool] = False  # this thread alone adds into its cells
     mask_slab: Int32 = 0   # this tile's (`for_tile`)
     bias_slab: Int32 = 0
 
@@ -85,18 +86,24 @@ class ScoreMods:
     def add_bias_gradient(self, ds_t: cute.Tensor, t_coord: cute.Tensor, m_block: Int32,
                           n_block: Int32, tile_m: cutlass.Constexpr[int],
                           tile_n: cutlass.Constexpr[int], seqlen_q: Int32, seqlen_k: Int32):
-        """dbias += dS for one thread's fragment of the backward's dS^T (keys as rows), float32
-        reductions (`red.global.add`): a broadcast bias sums over the heads and batch entries
-        that share it, whichever CTAs walk them. Cells past the sequence are skipped."""
+        """dbias += dS for one thread's fragment of the backward's dS^T (keys as rows): float32
+        reductions (`red.global.add`), as a bias shared by heads or batch entries that other
+        CTAs walk needs, or with `owned_bias_grad` plain loads and stores (every head a cell
+        serves is walked by this CTA, and a cell's place in the fragment by this thread, in
+        program order). Cells past the sequence are skipped."""
         d_mn = acc_mn_view(ds_t)
         c_mn = acc_mn_view(t_coord)
         for r in cutlass.range_constexpr(cute.size(d_mn, mode=[0])):
             for c in cutlass.range_constexpr(cute.size(d_mn, mode=[1])):
                 row, key = self.cell(c_mn, r, c, m_block, n_block, tile_m, tile_n, True)
                 if (row < seqlen_q) & (key < seqlen_k):
-                    offset = cute.crd2idx((self.bias_slab, row, key), self.dbias.layout)
-                    cute.arch.red(self.dbias.iterator + offset, d_mn[r, c], op="add",
-                                  dtype="f32", sem="relaxed", scope="gpu")
+                    if const_expr(self.owned_bias_grad):
+                        cell = (self.bias_slab, row, key)
+                        self.dbias[cell] = self.dbias[cell] + d_mn[r, c]
+                    else:
+                        offset = cute.crd2idx((self.bias_slab, row, key), self.dbias.layout)
+                        cute.arch.red(self.dbias.iterator + offset, d_mn[r, c], op="add",
+                                      dtype="f32", sem="relaxed", scope="gpu")
 
     @staticmethod
     def cell(c_mn, r: int, c: int, m_block: Int32, n_block: Int32, tile_m: int, tile_n: int,
