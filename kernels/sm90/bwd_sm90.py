@@ -685,7 +685,10 @@ class FlashAttentionBackwardSm90:
         c_mn = acc_mn_view(t_coord)
         num_cols = cute.size(s_mn, mode=[1])
         r_lse = cute.make_rmem_tensor(cute.make_layout(num_cols), Float32)
-        if const_expr(self.tile_m == 64):
+        # With score mods lse is read after them: its registers held through the mods' loads
+        # made the step spill (SASS, CPU compile: ~150 spill instructions per step).
+        early_lse = self.tile_m == 64 and score_mods is None
+        if const_expr(early_lse):
             for c in cutlass.range_constexpr(num_cols):
                 r_lse[c] = sLSE[c_mn[0, c][1], q_stage]
         do_handle = do_consumer.wait_and_advance()
@@ -693,19 +696,20 @@ class FlashAttentionBackwardSm90:
         tiled_mma_sdp = gemm(tiled_mma_sdp, acc_dp, tSrV[None, None, None, 0],
                                   tSrdO[None, None, None, do_stage], zero_init=True)
         warpgroup.wait_group(1)
-        if const_expr(self.tile_m > 64):
-            for c in cutlass.range_constexpr(num_cols):
-                r_lse[c] = sLSE[c_mn[0, c][1], q_stage]
-            # A 128-row step may reach past its sequence's 64-row tiles into the next
-            # sequence's: those rows' P must be 0 here, as the padding's +inf makes it.
-            rows_left = seqlen_q - m_block * self.tile_m
-            for c in cutlass.range_constexpr(num_cols):
-                r_lse[c] = r_lse[c] if c_mn[0, c][1] < rows_left else Float32.inf
         step_mods = None
         if const_expr(score_mods is not None):
             step_mods = score_mods.for_tile(batch, head)
             step_mods.apply(acc_s, t_coord, m_block, n_block, self.tile_m, self.tile_n,
                             seqlen_q, seqlen_k, needs_mask, keys_as_rows=True)
+        if const_expr(not early_lse):
+            for c in cutlass.range_constexpr(num_cols):
+                r_lse[c] = sLSE[c_mn[0, c][1], q_stage]
+        if const_expr(self.tile_m > 64):
+            # A 128-row step may reach past its sequence's 64-row tiles into the next
+            # sequence's: those rows' P must be 0 here, as the padding's +inf makes it.
+            rows_left = seqlen_q - m_block * self.tile_m
+            for c in cutlass.range_constexpr(num_cols):
+                r_lse[c] = r_lse[c] if c_mn[0, c][1] < rows_left else Float32.inf
         if const_expr(mask == "causal_window"):
             apply_mask_keys_as_rows(acc_s, t_coord, block_range, n_block, m_block, seqlen_q,
                                     seqlen_k, True)

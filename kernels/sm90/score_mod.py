@@ -49,38 +49,28 @@ class ScoreMods:
               seqlen_k: Int32, read_mask, keys_as_rows: cutlass.Constexpr[bool] = False):
         """Add the bias to, and apply the mask (where `read_mask`, a Boolean or a Python bool)
         to, one thread's fragment of the score tile (m_block, n_block): S (rows x keys), or
-        with `keys_as_rows` the backward's S^T. Rows and keys past the sequence are clamped to
-        its last one: their scores are masked or never stored."""
+        with `keys_as_rows` the backward's S^T. Rows past the sequence read its last row (their
+        scores are never stored), keys past it its last key (they are masked after)."""
         s_mn = acc_mn_view(acc_s)
         c_mn = acc_mn_view(t_coord)
+        # A tile inside the keys reads each query row's cells at constant offsets from one
+        # address (no per-cell clamp): one load instruction per cell, no address arithmetic.
+        inside = (n_block + 1) * tile_n <= seqlen_k
         if const_expr(self.has_bias):
-            for r in cutlass.range_constexpr(cute.size(s_mn, mode=[0])):
-                for c in cutlass.range_constexpr(cute.size(s_mn, mode=[1])):
-                    row, key = self.cell(c_mn, r, c, m_block, n_block, tile_m, tile_n,
-                                         keys_as_rows)
-                    row = cutlass.min(row, seqlen_q - 1)
-                    key = cutlass.min(key, seqlen_k - 1)
-                    s_mn[r, c] = s_mn[r, c] + Float32(self.bias[self.bias_slab, row, key]) \
-                        * self.bias_scale
+            if inside:
+                self.visit(s_mn, c_mn, m_block, n_block, tile_m, tile_n, seqlen_q, seqlen_k,
+                           keys_as_rows, False, "bias")
+            else:
+                self.visit(s_mn, c_mn, m_block, n_block, tile_m, tile_n, seqlen_q, seqlen_k,
+                           keys_as_rows, True, "bias")
         if const_expr(self.has_mask):
             if read_mask:
-                self.hide_masked(s_mn, c_mn, m_block, n_block, tile_m, tile_n, seqlen_q,
-                                 seqlen_k, keys_as_rows)
-
-    @cute.jit
-    def hide_masked(self, s_mn: cute.Tensor, c_mn: cute.Tensor, m_block: Int32, n_block: Int32,
-                    tile_m: cutlass.Constexpr[int], tile_n: cutlass.Constexpr[int],
-                    seqlen_q: Int32, seqlen_k: Int32, keys_as_rows: cutlass.Constexpr[bool]):
-        """-inf where the mask is False (a function of its own: its locals stay out of the
-        caller's runtime `if`)."""
-        for r in cutlass.range_constexpr(cute.size(s_mn, mode=[0])):
-            for c in cutlass.range_constexpr(cute.size(s_mn, mode=[1])):
-                row, key = self.cell(c_mn, r, c, m_block, n_block, tile_m, tile_n,
-                                     keys_as_rows)
-                row = cutlass.min(row, seqlen_q - 1)
-                key = cutlass.min(key, seqlen_k - 1)
-                if self.mask[self.mask_slab, row, key] == 0:
-                    s_mn[r, c] = -Float32.inf
+                if inside:
+                    self.visit(s_mn, c_mn, m_block, n_block, tile_m, tile_n, seqlen_q,
+                               seqlen_k, keys_as_rows, False, "mask")
+                else:
+                    self.visit(s_mn, c_mn, m_block, n_block, tile_m, tile_n, seqlen_q,
+                               seqlen_k, keys_as_rows, True, "mask")
 
     @cute.jit
     def add_bias_gradient(self, ds_t: cute.Tensor, t_coord: cute.Tensor, m_block: Int32,
@@ -93,22 +83,86 @@ class ScoreMods:
         program order). Cells past the sequence are skipped."""
         d_mn = acc_mn_view(ds_t)
         c_mn = acc_mn_view(t_coord)
-        for r in cutlass.range_constexpr(cute.size(d_mn, mode=[0])):
-            for c in cutlass.range_constexpr(cute.size(d_mn, mode=[1])):
-                row, key = self.cell(c_mn, r, c, m_block, n_block, tile_m, tile_n, True)
-                if (row < seqlen_q) & (key < seqlen_k):
-                    if const_expr(self.owned_bias_grad):
-                        cell = (self.bias_slab, row, key)
-                        self.dbias[cell] = self.dbias[cell] + d_mn[r, c]
-                    else:
-                        offset = cute.crd2idx((self.bias_slab, row, key), self.dbias.layout)
-                        cute.arch.red(self.dbias.iterator + offset, d_mn[r, c], op="add",
-                                      dtype="f32", sem="relaxed", scope="gpu")
+        if (n_block + 1) * tile_n <= seqlen_k:
+            self.visit(d_mn, c_mn, m_block, n_block, tile_m, tile_n, seqlen_q, seqlen_k, True,
+                       False, "dbias")
+        else:
+            self.visit(d_mn, c_mn, m_block, n_block, tile_m, tile_n, seqlen_q, seqlen_k, True,
+                       True, "dbias")
+
+    @cute.jit
+    def visit(self, s_mn: cute.Tensor, c_mn: cute.Tensor, m_block: Int32, n_block: Int32,
+              tile_m: cutlass.Constexpr[int], tile_n: cutlass.Constexpr[int], seqlen_q: Int32,
+              seqlen_k: Int32, keys_as_rows: cutlass.Constexpr[bool],
+              clamp_keys: cutlass.Constexpr[bool], what: cutlass.Constexpr[str]):
+        """One pass over the fragment's cells, query row by query row: `what` = "bias" (add
+        bias / softmax_scale), "mask" (-inf where the mask is 0) or "dbias" (add the fragment
+        into dbias). Each query row's cells are one line of the tensor, read at the tile's
+        first key plus the cell's compile-time column; `clamp_keys` clamps keys past the
+        sequence to its last (reads) or skips them (dbias). A function of its own: its locals
+        stay out of the caller's runtime `if`."""
+        line_mode = 1 if const_expr(keys_as_rows) else 0
+        num_lines = cute.size(s_mn, mode=[line_mode])
+        num_keys = cute.size(s_mn, mode=[1 - line_mode])
+        # Coordinates relative to this thread's first row and key fold to constants: with the
+        # coordinates themselves the compiler kept one register per line and key, hoisted
+        # out of the step loop (the backward spilled).
+        first_key = self.key_of(c_mn, 0, keys_as_rows)
+        first_row = self.row_of(c_mn, 0, keys_as_rows)
+        key_base = n_block * tile_n + first_key
+        row_base = m_block * tile_m + first_row
+        for i in cutlass.range_constexpr(num_lines):
+            row = row_base + (self.row_of(c_mn, i, keys_as_rows) - first_row)
+            if const_expr(what == "dbias"):
+                if row < seqlen_q:
+                    line = self.dbias[self.bias_slab, row, None]
+                    self.add_line(s_mn, line, i, num_keys, c_mn, key_base, first_key, seqlen_k,
+                                  keys_as_rows, clamp_keys)
+            else:
+                row = cutlass.min(row, seqlen_q - 1)
+                if const_expr(what == "bias"):
+                    line = self.bias[self.bias_slab, row, None]
+                else:
+                    line = self.mask[self.mask_slab, row, None]
+                for j in cutlass.range_constexpr(num_keys):
+                    key = key_base + (self.key_of(c_mn, j, keys_as_rows) - first_key)
+                    if const_expr(clamp_keys):
+                        key = cutlass.min(key, seqlen_k - 1)
+                    r, c = (j, i) if const_expr(keys_as_rows) else (i, j)
+                    if const_expr(what == "bias"):
+                        s_mn[r, c] = s_mn[r, c] + Float32(line[key]) * self.bias_scale
+                    elif line[key] == 0:
+                        s_mn[r, c] = -Float32.inf
+
+    @cute.jit
+    def add_line(self, d_mn: cute.Tensor, line: cute.Tensor, i: cutlass.Constexpr[int],
+                 num_keys: cutlass.Constexpr[int], c_mn: cute.Tensor, key_base: Int32,
+                 first_key: Int32, seqlen_k: Int32, keys_as_rows: cutlass.Constexpr[bool],
+                 clamp_keys: cutlass.Constexpr[bool]):
+        """dbias's line of one query row += the fragment's cells of that row."""
+        for j in cutlass.range_constexpr(num_keys):
+            key = key_base + (self.key_of(c_mn, j, keys_as_rows) - first_key)
+            r, c = (j, i) if const_expr(keys_as_rows) else (i, j)
+            if const_expr(clamp_keys):
+                if key < seqlen_k:
+                    self.add_cell(line, key, d_mn[r, c])
+            else:
+                self.add_cell(line, key, d_mn[r, c])
+
+    @cute.jit
+    def add_cell(self, line: cute.Tensor, key: Int32, value: Float32):
+        if const_expr(self.owned_bias_grad):
+            line[key] = line[key] + value
+        else:
+            cute.arch.red(line.iterator + key, value, op="add", dtype="f32", sem="relaxed",
+                          scope="gpu")
 
     @staticmethod
-    def cell(c_mn, r: int, c: int, m_block: Int32, n_block: Int32, tile_m: int, tile_n: int,
-             keys_as_rows: bool):
-        """(query row, key) in the sequence of fragment element (r, c)."""
-        if keys_as_rows:
-            return m_block * tile_m + c_mn[0, c][1], n_block * tile_n + c_mn[r, 0][0]
-        return m_block * tile_m + c_mn[r, 0][0], n_block * tile_n + c_mn[0, c][1]
+    def row_of(c_mn, i: int, keys_as_rows: bool):
+        """The query row (in the tile) of the fragment's i-th line."""
+        return c_mn[0, i][1] if keys_as_rows else c_mn[i, 0][0]
+
+    @staticmethod
+    def key_of(c_mn, j: int, keys_as_rows: bool):
+        """The key (in the tile) of the fragment's j-th cell along a line."""
+        return c_mn[j, 0][0] if keys_as_rows else c_mn[0, j][1]
