@@ -9,7 +9,8 @@ Workloads (bf16, B=1, H=16, D=128, 16K tokens by default; `--seqlen`, `--heads`)
              score_mod indexes a captured tensor in 32-bit arithmetic, and a per-head bias of
              16 x 16K x 16K cells (2**32) made it read out of bounds);
   tiles10    10% of the 128 x 128 tiles seen whole (random, every row's diagonal tile among
-             them), the same bias.
+             them), the same bias; and `tiles10 mask only`, the same mask without a bias (the
+             TFLOP/s share of our dense kernel's: issue 37's 70% line).
 Methods:
   ours   flash_attn_func(q, k, v, attn_mask=mask, attn_bias=bias);
   flex   torch.nn.attention.flex_attention, compiled: a BlockMask from the same mask tensor
@@ -101,8 +102,11 @@ def attended_pairs(mask: torch.Tensor, heads: int) -> int:
 
 
 def methods_for(args, q, k, v, mask, bias, dout) -> dict:
-    """name -> {pass: callable} for each method of `--methods` on this workload."""
-    leaves = [x.detach().clone().requires_grad_() for x in (q, k, v, bias)]
+    """name -> {pass: callable} for each method of `--methods` on this workload (bias None:
+    the mask alone)."""
+    leaves = [x.detach().clone().requires_grad_() for x in (q, k, v, bias) if x is not None]
+    if bias is None:
+        leaves.append(None)
     runs = {}
 
     def both(forward):
@@ -112,7 +116,7 @@ def methods_for(args, q, k, v, mask, bias, dout) -> dict:
 
         def fwd_bwd():
             out = forward(*leaves)
-            torch.autograd.grad(out, leaves, dout)
+            torch.autograd.grad(out, [x for x in leaves if x is not None], dout)
         return {"fwd": fwd, "fwd+bwd": fwd_bwd}
 
     if "ours" in args.methods:
@@ -128,10 +132,12 @@ def methods_for(args, q, k, v, mask, bias, dout) -> dict:
                                        BLOCK_SIZE=TILE)
 
         def flex(q_, k_, v_, b_):
-            shared = b_.shape[1] == 1
+            add_bias = None
+            if b_ is not None:
+                shared = b_.shape[1] == 1
 
-            def add_bias(score, b, h, q_idx, kv_idx):
-                return score + b_[b, 0 if shared else h, q_idx, kv_idx]
+                def add_bias(score, b, h, q_idx, kv_idx):
+                    return score + b_[b, 0 if shared else h, q_idx, kv_idx]
             out = compiled(*(x.transpose(1, 2) for x in (q_, k_, v_)), score_mod=add_bias,
                            block_mask=block_mask, kernel_options=FLEX_KERNEL_OPTIONS)
             return out.transpose(1, 2)
@@ -140,7 +146,7 @@ def methods_for(args, q, k, v, mask, bias, dout) -> dict:
         hidden = ~mask
 
         def sdpa(q_, k_, v_, b_):
-            float_mask = b_.masked_fill(hidden, float("-inf"))
+            float_mask = mask if b_ is None else b_.masked_fill(hidden, float("-inf"))
             out = torch.nn.functional.scaled_dot_product_attention(
                 *(x.transpose(1, 2) for x in (q_, k_, v_)), attn_mask=float_mask)
             return out.transpose(1, 2)
@@ -158,15 +164,18 @@ def methods_for(args, q, k, v, mask, bias, dout) -> dict:
     return runs
 
 
-def measure(args, name: str, mask: torch.Tensor, device, generator) -> dict:
+def measure(args, name: str, mask: torch.Tensor, device, generator,
+            with_bias: bool = True) -> dict:
     n, heads, dim = args.seqlen, args.heads, args.head_dim
     q, k, v, dout = (torch.randn(1, n, heads, dim, generator=generator, device=device,
                                  dtype=torch.bfloat16) for _ in range(4))
-    bias = torch.randn(1, args.bias_heads, n, n, generator=generator, device=device,
-                       dtype=torch.bfloat16)
+    bias = None
+    if with_bias:
+        bias = torch.randn(1, args.bias_heads, n, n, generator=generator, device=device,
+                           dtype=torch.bfloat16)
     pairs = attended_pairs(mask, heads)
     row = {"workload": name, "seqlen": n, "heads": heads, "head_dim": dim,
-           "bias_heads": args.bias_heads,
+           "bias_heads": args.bias_heads if with_bias else 0,
            "kept_share": pairs / (heads * n * n), "ms": {}, "tflops": {}}
     for method, passes in methods_for(args, q, k, v, mask, bias, dout).items():
         counted = heads * n * n if method == "dense" else pairs
@@ -193,24 +202,26 @@ def main(argv=None) -> list[dict]:
     args = parse_arguments(argv)
     device = resolve_device(args.device)
     generator = torch.Generator(device=device).manual_seed(args.seed)
-    workloads = [(f"window {w}", window_mask(args.seqlen, w, device)) for w in args.windows]
+    workloads = [(f"window {w}", window_mask(args.seqlen, w, device), True)
+                 for w in args.windows]
     if args.tiles:
-        workloads.append(("tiles10", tile_mask(args.seqlen, 0.1, generator, device)))
+        tiles = tile_mask(args.seqlen, 0.1, generator, device)
+        workloads += [("tiles10", tiles, True), ("tiles10 mask only", tiles, False)]
     rows = []
-    for name, mask in workloads:
-        row = measure(args, name, mask, device, generator)
+    for name, mask, with_bias in workloads:
+        row = measure(args, name, mask, device, generator, with_bias)
         rows.append(row)
         print(f"{name}: kept {row['kept_share']:.1%} of the cells")
         for key, ms in row["ms"].items():
             tflops = row["tflops"].get(key)
             print(f"  {key:<14} {ms:9.3f} ms" + (f"  {tflops:7.1f} TFLOP/s" if tflops else ""))
-    print("\nworkload        flex/ours fwd+bwd  sdpa bwd/ours bwd  ours/dense TFLOP/s (fwd+bwd)")
+    print("\nworkload          flex/ours fwd+bwd  sdpa bwd/ours bwd  ours/dense TFLOP/s (fwd+bwd)")
     for row in rows:
         ms, tf = row["ms"], row["tflops"]
         ratio = lambda a, b: f"{ms[a] / ms[b]:.2f}x" if a in ms and b in ms else "-"  # noqa: E731
         share = (f"{tf['ours fwd+bwd'] / tf['dense fwd+bwd']:.0%}"
                  if "ours fwd+bwd" in tf and "dense fwd+bwd" in tf else "-")
-        print(f"{row['workload']:<15} {ratio('flex fwd+bwd', 'ours fwd+bwd'):>17}  "
+        print(f"{row["workload"]:<17} {ratio('flex fwd+bwd', 'ours fwd+bwd'):>17}  "
               f"{ratio('sdpa bwd', 'ours bwd'):>17}  {share:>10}")
     if args.json is not None:
         write_results_json(args.json, TOOL, list(argv if argv is not None else sys.argv[1:]),
