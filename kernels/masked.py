@@ -423,8 +423,7 @@ def score_mod_tensors(problem: AttentionProblem, attn_mask, attn_bias):
     device = (attn_mask if attn_mask is not None else attn_bias).device
     slabs = _slab_table(problem.num_seqs, problem.num_heads, problem.num_kv_heads, *forms,
                         device)
-    return ScoreModTensors(cells[0], cells[1], slabs, bias_heads=forms[1][1],
-                           bias_batch_shared=forms[1][0] < problem.num_seqs)
+    return ScoreModTensors(cells[0], cells[1], slabs)
 
 
 @functools.lru_cache(maxsize=64)

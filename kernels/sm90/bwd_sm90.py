@@ -353,9 +353,8 @@ class FlashAttentionBackwardSm90:
                 spec.score_mask, bool(spec.score_bias),
                 mScoreMask if const_expr(spec.score_mask) else mScoreSlabs,
                 mScoreBias if const_expr(spec.score_bias) else mScoreSlabs,
-                mScoreSlabs, Float32(1.0) / softmax_scale, bool(spec.score_bias_grad),
-                mDBias if const_expr(spec.score_bias_grad) else mScoreSlabs,
-                spec.score_bias_grad == "owned")
+                mScoreSlabs, Float32(1.0) / softmax_scale, spec.score_bias_grad,
+                mDBias if const_expr(spec.score_bias_grad) else mScoreSlabs)
 
         # KV tiles past their sequence's end have nothing to do (the grid covers the longest),
         # nor a band of rows that sees none of the tile's keys (`row_bands`).
@@ -744,7 +743,7 @@ class FlashAttentionBackwardSm90:
                 r_dpsum[c] = sDPsum[c_mn[0, c][1], do_stage]
             for r in cutlass.range_constexpr(cute.size(dp_mn, mode=[0])):
                 dp_mn[r, c] = s_mn[r, c] * (dp_mn[r, c] - r_dpsum[c])
-        if const_expr(bool(self.spec.score_bias_grad)):
+        if const_expr(self.spec.score_bias_grad):
             step_mods.add_bias_gradient(acc_dp, t_coord, m_block, n_block, self.tile_m,
                                         self.tile_n, seqlen_q, seqlen_k)
         r_ds_as_acc = cute.make_tensor(r_ds.iterator, acc_dp.layout)

@@ -85,8 +85,6 @@ class ScoreModTensors:
     mask: torch.Tensor | None  # uint8, nonzero = attend
     bias: torch.Tensor | None  # float16 / bfloat16 / float32
     slabs: torch.Tensor
-    bias_heads: int = 1        # Hb: the bias's heads (1, Hkv or H)
-    bias_batch_shared: bool = False  # one bias slab serves several batch entries
 
     @property
     def bias_dtype(self) -> str:

@@ -33,7 +33,6 @@ class ScoreMods:
     bias_scale: Float32    # 1 / softmax_scale
     has_bias_grad: cutlass.Constexpr[bool] = False
     dbias: cute.Tensor = None  # (slabs, Nq, Nk) float32 sums of dS (the backward, has_bias_grad)
-    owned_bias_grad: cutlass.Constexpr[bool] = False  # this thread alone adds into its cells
     mask_slab: Int32 = 0   # this tile's (`for_tile`)
     bias_slab: Int32 = 0
 
@@ -76,11 +75,9 @@ class ScoreMods:
     def add_bias_gradient(self, ds_t: cute.Tensor, t_coord: cute.Tensor, m_block: Int32,
                           n_block: Int32, tile_m: cutlass.Constexpr[int],
                           tile_n: cutlass.Constexpr[int], seqlen_q: Int32, seqlen_k: Int32):
-        """dbias += dS for one thread's fragment of the backward's dS^T (keys as rows): float32
-        reductions (`red.global.add`), as a bias shared by heads or batch entries that other
-        CTAs walk needs, or with `owned_bias_grad` plain loads and stores (every head a cell
-        serves is walked by this CTA, and a cell's place in the fragment by this thread, in
-        program order). Cells past the sequence are skipped."""
+        """dbias += dS for one thread's fragment of the backward's dS^T (keys as rows), float32
+        reductions (`red.global.add`): a bias shared by heads or batch entries sums over them,
+        whichever CTAs walk them. Cells past the sequence are skipped."""
         d_mn = acc_mn_view(ds_t)
         c_mn = acc_mn_view(t_coord)
         if (n_block + 1) * tile_n <= seqlen_k:
@@ -151,11 +148,10 @@ class ScoreMods:
 
     @cute.jit
     def add_cell(self, line: cute.Tensor, key: Int32, value: Float32):
-        if const_expr(self.owned_bias_grad):
-            line[key] = line[key] + value
-        else:
-            cute.arch.red(line.iterator + key, value, op="add", dtype="f32", sem="relaxed",
-                          scope="gpu")
+        # A reduction even where this thread alone adds into the cell: a load and a store
+        # would put the load's latency into the step (docs/history.md, 2026-11-28).
+        cute.arch.red(line.iterator + key, value, op="add", dtype="f32", sem="relaxed",
+                      scope="gpu")
 
     @staticmethod
     def row_of(c_mn, i: int, keys_as_rows: bool):

@@ -293,9 +293,8 @@ class BwdSpec:
     q_positions: bool = False  # as `FwdSpec.q_positions`
     score_mask: bool = False   # as `FwdSpec.score_mask` (block_sparse with the fused dQ only)
     score_bias: str = ""       # as `FwdSpec.score_bias`
-    score_bias_grad: str = ""  # dS summed into a float32 dbias (kernels/sm90/score_mod.py):
-                               # "reduce" by reductions, "owned" by plain adds where one CTA
-                               # (one thread per cell) walks every head a bias cell serves
+    score_bias_grad: bool = False  # dS summed into a float32 dbias by reductions
+                                   # (kernels/sm90/score_mod.py)
 
     @property
     def score_mods(self) -> bool:

@@ -375,14 +375,10 @@ def test_list_layout_kernels_compile_for_sm90a(kernel):
 
 # A user mask and bias on the 128 x 128 lists of kernels/masked.py (lists per KV group, split
 # into units, and per query head): the fused-dQ spec `score_mod_spec` makes, each bias dtype.
-# dbias by plain adds (a bias per KV head, lists per KV group) and by reductions (one bias for
-# every head).
-@pytest.mark.parametrize("head_dim, list_heads, mask, bias, grad, bias_heads, mode", [
-    (128, "kv", True, "bfloat16", True, 8, "owned"),
-    (64, "query", False, "float32", True, 1, "reduce"),
-    (128, "query", True, "", False, 1, "")])
-def test_score_mod_backward_variants_compile_for_sm90a(head_dim, list_heads, mask, bias, grad,
-                                                       bias_heads, mode):
+@pytest.mark.parametrize("head_dim, list_heads, mask, bias, grad", [
+    (128, "kv", True, "bfloat16", True), (64, "query", False, "float32", True),
+    (128, "query", True, "", False)])
+def test_score_mod_backward_variants_compile_for_sm90a(head_dim, list_heads, mask, bias, grad):
     import torch
 
     from kernels.sm90.backward import score_mod_spec
@@ -396,8 +392,7 @@ def test_score_mod_backward_variants_compile_for_sm90a(head_dim, list_heads, mas
     cells = torch.zeros(1, 1, 1)
     mods = ScoreModTensors(mask=cells.to(torch.uint8) if mask else None,
                            bias=cells.to(getattr(torch, bias)) if bias else None,
-                           slabs=torch.zeros(1, 1, 2, dtype=torch.int32),
-                           bias_heads=bias_heads)
-    spec = score_mod_spec(base, mods, grad, 32, 8, 8 if list_heads == "kv" else 32)
-    assert spec is not None and spec.fuses_dq and spec.score_bias_grad == mode
+                           slabs=torch.zeros(1, 1, 2, dtype=torch.int32))
+    spec = score_mod_spec(base, mods, grad)
+    assert spec is not None and spec.fuses_dq and spec.score_bias_grad == grad
     compile_backward_on_fake_tensors(spec)
