@@ -221,7 +221,7 @@ def main(argv=None) -> list[dict]:
         ratio = lambda a, b: f"{ms[a] / ms[b]:.2f}x" if a in ms and b in ms else "-"  # noqa: E731
         share = (f"{tf['ours fwd+bwd'] / tf['dense fwd+bwd']:.0%}"
                  if "ours fwd+bwd" in tf and "dense fwd+bwd" in tf else "-")
-        print(f"{row["workload"]:<17} {ratio('flex fwd+bwd', 'ours fwd+bwd'):>17}  "
+        print(f"{row['workload']:<17} {ratio('flex fwd+bwd', 'ours fwd+bwd'):>17}  "
               f"{ratio('sdpa bwd', 'ours bwd'):>17}  {share:>10}")
     if args.json is not None:
         write_results_json(args.json, TOOL, list(argv if argv is not None else sys.argv[1:]),

@@ -36,6 +36,7 @@ TOOL_DESCRIPTIONS = {
     "train_lm": "NSA and dense attention on real long documents",
     "run_gpu_tests": "split over the visible GPUs",
     "profile_host": "Where an eager nsa() call spends host time",
+    "bench_masked": "FlexAttention and SDPA on the same mask and bias",
 }
 
 
@@ -841,3 +842,37 @@ def test_the_delegated_command_line_carries_the_problem():
     assert "--no-weights" in argv and "--deterministic" in argv  # mean gates: no weights
     assert argv[argv.index("--recompute") + 1] == "keep"
     assert argv[argv.index("--window-size") + 1] == "32"
+
+
+# ----------------------------------------------------------------------------------------------
+# bench_masked: masks and biases against FlexAttention and SDPA
+# ----------------------------------------------------------------------------------------------
+
+def test_bench_masked_times_every_workload_on_the_cpu(tmp_path, capsys):
+    """A tiny run on the fallback: every workload (windows, the tile mask with and without the
+    bias) gets its passes, the JSON rows say what they counted."""
+    out = tmp_path / "masked.json"
+    rows = load_tool("bench_masked").main([
+        "--device", "cpu", "--seqlen", "256", "--heads", "2", "--head-dim", "64", "--windows",
+        "32,300", "--methods", "ours,sdpa,dense", "--warmup", "0", "--repeats", "1",
+        "--json", str(out)])
+    names = [row["workload"] for row in rows]
+    assert names == ["window 32", "window 300", "tiles10", "tiles10 mask only"]
+    for row in rows:
+        for method in ("ours", "sdpa", "dense"):
+            assert row["ms"][f"{method} fwd"] > 0 and row["ms"][f"{method} fwd+bwd"] > 0
+        assert 0 < row["kept_share"] <= 1
+    assert rows[0]["kept_share"] < rows[1]["kept_share"]
+    assert rows[-1]["bias_heads"] == 0 and rows[0]["bias_heads"] == 1
+    assert json.loads(out.read_text())["results"][0]["workload"] == "window 32"
+    assert "flex/ours fwd+bwd" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--methods", "ours,flash"], "--methods"), (["--passes", "bwd"], "--passes"),
+    (["--bias-heads", "3"], "--bias-heads")])
+def test_bench_masked_rejects_bad_options(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        load_tool("bench_masked").main(["--device", "cpu", *argv])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
