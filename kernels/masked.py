@@ -247,7 +247,7 @@ def sm90_forward(problem: AttentionProblem, q, k, v, attn_mask=None, attn_bias=N
     path runs). The same function, dtype rules and outputs."""
     from . import dispatch
 
-    if attn_bias is not None and attn_bias.dtype not in KERNEL_BIAS_DTYPES:
+    if not _kernel_takes(problem, attn_bias):
         return None
     module, _ = dispatch.sm90_module("forward", q.device)
     if module is None or module.unsupported_inputs(q, k, v, module.SUPPORTED_HEAD_DIMS):
@@ -270,7 +270,7 @@ def sm90_backward(problem: AttentionProblem, dout, q, k, v, out, lse, attn_mask=
     take the torch path. lists: the forward's `tile_lists` of this call (None: built here)."""
     from . import dispatch
 
-    if attn_bias is not None and attn_bias.dtype not in KERNEL_BIAS_DTYPES:
+    if not _kernel_takes(problem, attn_bias):
         return None
     if bias_gradient and any(_as_4d(attn_bias).stride(d) == 0 and _as_4d(attn_bias).shape[d] > 1
                              for d in (0, 1)):
@@ -294,6 +294,13 @@ def sm90_backward(problem: AttentionProblem, dout, q, k, v, out, lse, attn_mask=
     if dbias is not None:
         dbias = dbias.to(attn_bias.dtype).view(attn_bias.shape)
     return dq, dk, dv, dbias
+
+
+def _kernel_takes(problem: AttentionProblem, attn_bias) -> bool:
+    """What the sm90 path needs before any list is built: a bias type it reads, and rows and
+    keys (an empty side is the torch path's: every row sees nothing)."""
+    return ((attn_bias is None or attn_bias.dtype in KERNEL_BIAS_DTYPES)
+            and problem.max_seqlen_q > 0 and problem.max_seqlen_k > 0)
 
 
 def tile_lists(problem: AttentionProblem, attn_mask=None, attn_bias=None):
