@@ -115,9 +115,12 @@ def test_context_parallel_run_equals_one_process(tmp_path):
     launcher = [str(torchrun)] if torchrun.exists() else [sys.executable, "-m",
                                                           "torch.distributed.run"]
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    subprocess.run([*launcher, "--nproc-per-node", "2", str(TOOL), "--context-parallel", "2",
-                    "--cp-layout", "zigzag", *arguments, "--json", str(tmp_path / "cp.json")],
-                   check=True, env=env, cwd=tmp_path, timeout=240, capture_output=True)
+    # --standalone: a free rendezvous port (a fixed one may be taken on a busy machine).
+    run = subprocess.run([*launcher, "--standalone", "--nproc-per-node", "2", str(TOOL),
+                          "--context-parallel", "2", "--cp-layout", "zigzag", *arguments,
+                          "--json", str(tmp_path / "cp.json")],
+                         env=env, cwd=tmp_path, timeout=240, capture_output=True, text=True)
+    assert run.returncode == 0, f"torchrun exited {run.returncode}:\n{run.stderr[-3000:]}"
     one, cp = (json.loads((tmp_path / f"{name}.json").read_text())["runs"][0]
                for name in ("one", "cp"))
     written = json.loads((tmp_path / "cp.json").read_text())
