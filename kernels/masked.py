@@ -245,21 +245,13 @@ def sm90_forward(problem: AttentionProblem, q, k, v, attn_mask=None, attn_bias=N
     """(out, lse, lists) of `forward` on the sm90 kernel (lists: the `tile_lists` it ran on,
     which the backward may reuse), or None where it does not take the call (then the torch
     path runs). The same function, dtype rules and outputs."""
-    from . import dispatch
-
-    if not _kernel_takes(problem, attn_bias):
+    call = _kernel_call("forward", problem, q, k, v, attn_mask, attn_bias)
+    if call is None:
         return None
-    module, _ = dispatch.sm90_module("forward", q.device)
-    if module is None or module.unsupported_inputs(q, k, v, module.SUPPORTED_HEAD_DIMS):
-        return None
-    lists = tile_lists(problem, attn_mask, attn_bias)
-    kwargs = dispatch.normalised_kwargs(problem, None, None, lists)
-    kernel, _ = dispatch.attention_kernel("forward", q, k, v, kwargs, problem)
-    if kernel is None:
-        return None
+    kernel, kwargs = call
     out, lse = kernel.run(q, k, v, **kwargs,
                           score_mods=score_mod_tensors(problem, attn_mask, attn_bias))
-    return out, lse, lists
+    return out, lse, kwargs["block_sparse"]
 
 
 def sm90_backward(problem: AttentionProblem, dout, q, k, v, out, lse, attn_mask=None,
@@ -268,24 +260,15 @@ def sm90_backward(problem: AttentionProblem, dout, q, k, v, out, lse, attn_mask=
     fused dQ, dS summed into a float32 dbias by reductions), or None where it does not take
     the call. Its float32 sums (dQ, dbias) land in a run-dependent order: deterministic callers
     take the torch path. lists: the forward's `tile_lists` of this call (None: built here)."""
-    from . import dispatch
-
-    if not _kernel_takes(problem, attn_bias):
-        return None
-    if bias_gradient and any(_as_4d(attn_bias).stride(d) == 0 and _as_4d(attn_bias).shape[d] > 1
-                             for d in (0, 1)):
+    if bias_gradient and _broadcast_view(attn_bias).shape != _as_4d(attn_bias).shape:
         return None  # an expanded bias's gradient is per copy: its cells are not one slab
-    module, _ = dispatch.sm90_module("backward", q.device)
-    if module is None or module.unsupported_inputs(q, k, v, module.SUPPORTED_HEAD_DIMS,
-                                                   "the backward kernel"):
+    call = _kernel_call("backward", problem, q, k, v, attn_mask, attn_bias, lists)
+    if call is None:
         return None
-    if lists is None:
-        lists = tile_lists(problem, attn_mask, attn_bias)
-    kwargs = dispatch.normalised_kwargs(problem, None, None, lists)
-    kernel, _ = dispatch.attention_kernel("backward", q, k, v, kwargs, problem)
+    kernel, kwargs = call
     mods = score_mod_tensors(problem, attn_mask, attn_bias)
-    if kernel is None or not kernel.can_run_score_mods(q, k, v, score_mods=mods,
-                                                       bias_grad=bias_gradient, **kwargs):
+    if not kernel.can_run_score_mods(q, k, v, score_mods=mods, bias_grad=bias_gradient,
+                                     **kwargs):
         return None
     dbias = None
     if bias_gradient:
@@ -296,11 +279,26 @@ def sm90_backward(problem: AttentionProblem, dout, q, k, v, out, lse, attn_mask=
     return dq, dk, dv, dbias
 
 
-def _kernel_takes(problem: AttentionProblem, attn_bias) -> bool:
-    """What the sm90 path needs before any list is built: a bias type it reads, and rows and
-    keys (an empty side is the torch path's: every row sees nothing)."""
-    return ((attn_bias is None or attn_bias.dtype in KERNEL_BIAS_DTYPES)
-            and problem.max_seqlen_q > 0 and problem.max_seqlen_k > 0)
+def _kernel_call(direction: str, problem: AttentionProblem, q, k, v, attn_mask, attn_bias,
+                 lists=None):
+    """(kernel module, its keyword arguments) of the sm90 `direction` ("forward" or
+    "backward") for this call, the tile lists under "block_sparse" (`lists`, or built here),
+    or None where the kernel does not take it. Checked before any list is built: a bias type
+    the kernels read, rows and keys (an empty side is the torch path's: every row sees
+    nothing), and q, k, v the kernel module takes."""
+    from . import dispatch
+
+    if ((attn_bias is not None and attn_bias.dtype not in KERNEL_BIAS_DTYPES)
+            or problem.max_seqlen_q == 0 or problem.max_seqlen_k == 0):
+        return None
+    module, _ = dispatch.sm90_module(direction, q.device)
+    if module is None or module.unsupported_inputs(q, k, v, module.SUPPORTED_HEAD_DIMS):
+        return None
+    if lists is None:
+        lists = tile_lists(problem, attn_mask, attn_bias)
+    kwargs = dispatch.normalised_kwargs(problem, None, None, lists)
+    kernel, _ = dispatch.attention_kernel(direction, q, k, v, kwargs, problem)
+    return None if kernel is None else (kernel, kwargs)
 
 
 def tile_lists(problem: AttentionProblem, attn_mask=None, attn_bias=None):

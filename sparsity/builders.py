@@ -268,7 +268,7 @@ def build_block_sparse_from_mask(mask: Tensor, *, q_tile: int, kv_block: int,
             if batch not in (1, batch_size):
                 raise ValueError(f"mask has batch dim {batch}; with batch_size={batch_size} it "
                                  "must be 1 (shared) or batch_size")
-        classes = classify_tiles(attend, q_tile, kv_block)  # (B, H, Tq, Tk)
+        classes = _classify_tiles(attend, q_tile, kv_block)  # (B, H, Tq, Tk)
         if batch_size is not None and batch == 1 and batch_size > 1:
             classes = classes.expand(batch_size, -1, -1, -1)
         return build_block_sparse_from_tile_classes(
@@ -283,11 +283,7 @@ def build_block_sparse_from_mask(mask: Tensor, *, q_tile: int, kv_block: int,
             raise ValueError(f"with cu_seqlens, mask must have shape (1, H or 1, T, T) with "
                              f"T = cu_seqlens[-1] = {total}, got {tuple(mask.shape)}")
         per_tile = _classify_packed(attend, cu, q_tile, kv_block)
-        cu_k = cu
-    blocks = torch.arange(per_tile.shape[-1], device=per_tile.device).expand(per_tile.shape)
-    blocks = blocks.masked_fill(per_tile == NOT_LISTED, -1)
-    lists = compact_block_lists(blocks, per_tile == FULL_BLOCK)
-    return _assemble(lists, tile_geometry(cu, cu_k, q_tile), q_tile, kv_block)
+        return _lists_of_classes(per_tile, cu, cu, q_tile, kv_block)
 
 
 def build_block_sparse_from_tile_classes(classes: Tensor, *, seqlen_q: int, seqlen_k: int,
@@ -303,13 +299,20 @@ def build_block_sparse_from_tile_classes(classes: Tensor, *, seqlen_q: int, seql
     device = classes.device
     cu = uniform_cu_seqlens(sequences, seqlen_q, device=device).to(torch.int64)
     cu_k = uniform_cu_seqlens(sequences, seqlen_k, device=device).to(torch.int64)
-    blocks = torch.arange(blocks_per_row, device=device).expand(per_tile.shape)
+    host_cu_q = [s * seqlen_q for s in range(sequences + 1)]
+    return _lists_of_classes(per_tile, cu, cu_k, q_tile, kv_block,
+                             (blocks_per_row,) * 2 if bounded_widths else None, host_cu_q)
+
+
+def _lists_of_classes(per_tile: Tensor, cu: Tensor, cu_k: Tensor, q_tile: int, kv_block: int,
+                      widths: tuple[int, int] | None = None,
+                      host_cu_q: Sequence[int] | None = None) -> BlockSparseTensors:
+    """Lists from (R, Hs, Tk) tile classes of the tiles that cu, cu_k lay out (widths,
+    host_cu_q: as `compact_block_lists` and `tile_geometry` take them)."""
+    blocks = torch.arange(per_tile.shape[-1], device=per_tile.device).expand(per_tile.shape)
     blocks = blocks.masked_fill(per_tile == NOT_LISTED, -1)
-    lists = compact_block_lists(blocks, per_tile == FULL_BLOCK,
-                                (blocks_per_row,) * 2 if bounded_widths else None)
-    host_cu_q = range(0, sequences * seqlen_q + 1, seqlen_q) if seqlen_q else [0] * (sequences + 1)
-    return _assemble(lists, tile_geometry(cu, cu_k, q_tile, host_cu_q=list(host_cu_q)), q_tile,
-                     kv_block)
+    lists = compact_block_lists(blocks, per_tile == FULL_BLOCK, widths)
+    return _assemble(lists, tile_geometry(cu, cu_k, q_tile, host_cu_q), q_tile, kv_block)
 
 
 def _assemble(lists, geometry: TileGeometry, q_tile: int, kv_block: int) -> BlockSparseTensors:
@@ -378,7 +381,7 @@ def _attend_from_mask(mask) -> Tensor:
     return attend
 
 
-def classify_tiles(attend: Tensor, q_tile: int, kv_block: int) -> Tensor:
+def _classify_tiles(attend: Tensor, q_tile: int, kv_block: int) -> Tensor:
     """(B, H, Nq, Nk) bool -> (B, H, Tq, Tk) int8 classes (NOT_LISTED, MASK_BLOCK, FULL_BLOCK)
     over the cells that exist."""
     batch, heads, seqlen_q, seqlen_k = attend.shape
@@ -398,7 +401,7 @@ def classify_tiles(attend: Tensor, q_tile: int, kv_block: int) -> Tensor:
 def _classify_packed(attend: Tensor, cu: Tensor, q_tile: int, kv_block: int) -> Tensor:
     """Per sequence, classify its diagonal square; rows (tiles) concatenated, columns padded."""
     bounds = cu.tolist()
-    per_sequence = [classify_tiles(attend[:, :, a:b, a:b], q_tile, kv_block)[0].transpose(0, 1)
+    per_sequence = [_classify_tiles(attend[:, :, a:b, a:b], q_tile, kv_block)[0].transpose(0, 1)
                     for a, b in zip(bounds[:-1], bounds[1:])]
     width = max((c.shape[-1] for c in per_sequence), default=0)
     padded = [torch.nn.functional.pad(c, (0, width - c.shape[-1]), value=NOT_LISTED)

@@ -50,7 +50,7 @@ from kernels.sm90.block_range import BlockRange
 from kernels.sm90.dq_accumulator import DqAccumulator, fragment_layout
 from kernels.sm90.layouts import (acc_as_a_operand_layout, acc_mn_view, transposed,
                                   with_row_strides_divisible)
-from kernels.sm90.score_mod import ScoreMods
+from kernels.sm90.score_mod import ScoreMods, score_mods_of
 from kernels.sm90.mask import apply_mask_keys_as_rows
 from kernels.sm90.mma import gemm, warpgroup_slice
 from kernels.sm90.pipelines import load_seq_tile, smem_buffer, stage_index, tma_pipeline
@@ -346,15 +346,8 @@ class FlashAttentionBackwardSm90:
             mKvBlockOffsets=mKvBlockOffsets, list_head=list_head, entry_lo=entry_lo,
             entry_hi=entry_hi, split=split, row_splits=row_splits)
         q_tile_offset = mQTileOffsets[batch]
-        score_mods = None
-        if const_expr(spec.score_mods):
-            # Absent tensors' fields hold the slab table (the Constexpr flags keep it unread).
-            score_mods = ScoreMods(
-                spec.score_mask, bool(spec.score_bias),
-                mScoreMask if const_expr(spec.score_mask) else mScoreSlabs,
-                mScoreBias if const_expr(spec.score_bias) else mScoreSlabs,
-                mScoreSlabs, Float32(1.0) / softmax_scale, spec.score_bias_grad,
-                mDBias if const_expr(spec.score_bias_grad) else mScoreSlabs)
+        score_mods = score_mods_of(spec, mScoreMask, mScoreBias, mScoreSlabs, softmax_scale,
+                                   mDBias)
 
         # KV tiles past their sequence's end have nothing to do (the grid covers the longest),
         # nor a band of rows that sees none of the tile's keys (`row_bands`).

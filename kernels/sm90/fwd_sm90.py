@@ -44,7 +44,7 @@ from kernels.sm90.mask import apply_mask
 from kernels.sm90.mma import gemm, warpgroup_slice
 from kernels.sm90.overlap_tiles import OverlapTiles
 from kernels.sm90.pipelines import smem_buffer, stage_index, tma_pipeline
-from kernels.sm90.score_mod import ScoreMods
+from kernels.sm90.score_mod import ScoreMods, score_mods_of
 from kernels.sm90.screen import masked_value_screen
 from kernels.sm90.softmax import rescale_rows, softmax_finalize, softmax_init, softmax_step
 from kernels.sm90.spec import FwdSpec
@@ -286,15 +286,7 @@ class FlashAttentionForwardSm90(OverlapTiles):
             self.tile_m, self.tile_n, spec.causal, spec.has_window_left, spec.has_window_right,
             spec.compressed, compress_factor, window_left, window_right,
         )
-        score_mods = None
-        if const_expr(spec.score_mods):
-            # An absent tensor's field holds the slab table: the DSL carries tensors, and the
-            # Constexpr flags keep it unread.
-            score_mods = ScoreMods(
-                spec.score_mask, bool(spec.score_bias),
-                mScoreMask if const_expr(spec.score_mask) else mScoreSlabs,
-                mScoreBias if const_expr(spec.score_bias) else mScoreSlabs,
-                mScoreSlabs, Float32(1.0) / softmax_scale, False, mScoreSlabs)
+        score_mods = score_mods_of(spec, mScoreMask, mScoreBias, mScoreSlabs, softmax_scale)
         tile_work = partial(
             self.tile_work, tile_order=tile_order, block_range=block_range, mQ=mQ, mK=mK,
             mCuSeqlensQ=mCuSeqlensQ, mCuSeqlensK=mCuSeqlensK, mFullCount=mFullCount,

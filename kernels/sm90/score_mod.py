@@ -1,5 +1,5 @@
-"""A user mask and an additive bias applied to a score tile in registers (the forward's side of
-`kernels.masked`'s function on the kernel).
+"""A user mask and an additive bias applied to a score tile in registers, and the bias's
+gradient (the kernels' side of `kernels.masked`'s function).
 
 The scores the kernel holds are raw Q K^T; its softmax multiplies them by softmax_scale (in the
 log2 domain). So the bias enters as bias / softmax_scale, and a False mask cell as -inf:
@@ -12,7 +12,7 @@ and of the bias: the broadcast rules stay on the host (`kernels/masked.py`), the
 one slab index per tile. Each thread reads the cells of its own fragment straight from global
 memory (L2 serves the neighbours' reads of the same lines). The mask is read only in the tiles
 the lists call "mask" tiles (some cell hidden); "full" tiles skip it. The bias is read in every
-visited tile.
+visited tile. The backward reads both on S^T and sums dS into a float32 dbias.
 """
 from dataclasses import dataclass, replace
 
@@ -21,6 +21,19 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 
 from kernels.sm90.layouts import acc_mn_view
+
+
+def score_mods_of(spec, mask, bias, slabs, softmax_scale, dbias=None):
+    """The kernel's `ScoreMods` for `spec` (`FwdSpec` or `BwdSpec`; None without score mods).
+    An absent tensor's field holds the slab table: the DSL carries tensors, and the Constexpr
+    flags keep it unread. Plain Python on compile-time values, called while a kernel traces."""
+    if not spec.score_mods:
+        return None
+    bias_grad = getattr(spec, "score_bias_grad", False)
+    return ScoreMods(spec.score_mask, bool(spec.score_bias),
+                     mask if spec.score_mask else slabs, bias if spec.score_bias else slabs,
+                     slabs, Float32(1.0) / softmax_scale, bias_grad,
+                     dbias if bias_grad else slabs)
 
 
 @dataclass(frozen=True)
@@ -101,9 +114,8 @@ class ScoreMods:
         line_mode = 1 if const_expr(keys_as_rows) else 0
         num_lines = cute.size(s_mn, mode=[line_mode])
         num_keys = cute.size(s_mn, mode=[1 - line_mode])
-        # Coordinates relative to this thread's first row and key fold to constants: with the
-        # coordinates themselves the compiler kept one register per line and key, hoisted
-        # out of the step loop (the backward spilled).
+        # Coordinates relative to this thread's first row and key fold to compile-time
+        # offsets (as in kernels/sm90/mask.py): each line is one address, its cells immediates.
         first_key = self.key_of(c_mn, 0, keys_as_rows)
         first_row = self.row_of(c_mn, 0, keys_as_rows)
         key_base = n_block * tile_n + first_key
