@@ -229,11 +229,18 @@ class Ranks:
                 dist.all_reduce(parameter.grad, group=self.group)
                 parameter.grad /= self.size
 
-    def close(self) -> None:
+    def close(self, completed: bool) -> None:
+        """The group's end. After a completed run every rank first waits for the others, so
+        that none closes its connections while a peer may still be finishing a collective over
+        them; after a failure no rank waits (the others may never arrive: the launcher stops
+        them once this one exits)."""
         if self.group is not None:
             import torch.distributed as dist
 
+            if completed:
+                dist.barrier(group=self.group)
             dist.destroy_process_group()
+            self.group = None
 
 
 @torch.no_grad()
@@ -509,11 +516,13 @@ def main(argv=None) -> int:
               f"tokens in {len(eval_set)} batches of up to {args.seq_len:,}")
 
     attentions = ["nsa", "dense"] if args.attention == "both" else [args.attention]
+    completed = False
     try:
         runs = [train_one(attention, args, train_documents, eval_set, ranks)
                 for attention in attentions]
+        completed = True
     finally:
-        ranks.close()
+        ranks.close(completed)
     if not ranks.first:
         return 0
     summary = dict(

@@ -4,6 +4,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -98,6 +99,9 @@ def test_help_and_bad_arguments(capsys):
         tool.parse_args(["--device", "cpu", "--minutes", "0"])
 
 
+_TEARDOWN_ABORT = "terminate called without an active exception"
+
+
 def test_context_parallel_run_equals_one_process(tmp_path):
     """torchrun --nproc-per-node 2 ... --context-parallel 2 --cp-layout zigzag (gloo, CPU): the
     same losses, step by step and held out, as one process training on whole batches. Zigzag
@@ -114,13 +118,26 @@ def test_context_parallel_run_equals_one_process(tmp_path):
     torchrun = Path(sys.executable).with_name("torchrun")
     launcher = [str(torchrun)] if torchrun.exists() else [sys.executable, "-m",
                                                           "torch.distributed.run"]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    # PYTHONFAULTHANDLER: a rank that dies by a signal prints where its threads were.
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONFAULTHANDLER="1")
     # --standalone: a free rendezvous port (a fixed one may be taken on a busy machine).
-    run = subprocess.run([*launcher, "--standalone", "--nproc-per-node", "2", str(TOOL),
-                          "--context-parallel", "2", "--cp-layout", "zigzag", *arguments,
-                          "--json", str(tmp_path / "cp.json")],
-                         env=env, cwd=tmp_path, timeout=240, capture_output=True, text=True)
-    assert run.returncode == 0, f"torchrun exited {run.returncode}:\n{run.stderr[-3000:]}"
+    command = [*launcher, "--standalone", "--nproc-per-node", "2", str(TOOL), "--context-parallel",
+               "2", "--cp-layout", "zigzag", *arguments, "--json", str(tmp_path / "cp.json")]
+    attempts = []
+    for _ in range(2):
+        run = subprocess.run(command, env=env, cwd=tmp_path, timeout=240, capture_output=True,
+                             text=True)
+        attempts.append(f"torchrun exited {run.returncode}:\nstdout: {run.stdout[-2000:]}\n"
+                        f"stderr: {run.stderr[-4000:]}")
+        # Twice in CI (2 busy cores) a rank aborted in C++ ("terminate called without an
+        # active exception": a thread destroyed while running), never in 40 launches here;
+        # Ranks.close's barrier before the group's teardown is the expected cure. That abort
+        # alone earns one more launch, with a warning that carries its output; any other
+        # failure fails at once.
+        if run.returncode == 0 or _TEARDOWN_ABORT not in run.stderr:
+            break
+        warnings.warn(f"gloo teardown abort, launching once more:\n{attempts[-1]}")
+    assert run.returncode == 0, "\n\n".join(attempts)
     one, cp = (json.loads((tmp_path / f"{name}.json").read_text())["runs"][0]
                for name in ("one", "cp"))
     written = json.loads((tmp_path / "cp.json").read_text())
