@@ -43,6 +43,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import gc
 import json
 import math
 import os
@@ -241,6 +242,10 @@ class Ranks:
                 dist.barrier(group=self.group)
             dist.destroy_process_group()
             self.group = None
+            # Objects still in reference cycles (autograd contexts that held the group) go now,
+            # not during the interpreter's teardown, where a backend's threads may no longer
+            # take the GIL to free what they hold.
+            gc.collect()
 
 
 @torch.no_grad()
