@@ -293,9 +293,22 @@ def build_block_sparse_from_tile_classes(classes: Tensor, *, seqlen_q: int, seql
     FULL_BLOCK for B sequences of seqlen_q queries and seqlen_k keys each (Tq, Tk their tiles
     and blocks), e.g. a mask's classes combined with a rule's (`kernels.masked`).
     bounded_widths: every list padded to Tk (no device read), else to the longest list (one
-    read)."""
+    read). The shapes are checked on the host; the class values are trusted (reading them would
+    cost a device read)."""
+    check_tensor(classes, "classes")
+    check_positive_int(q_tile, "q_tile")
+    check_positive_int(kv_block, "kv_block")
+    for value, name in ((seqlen_q, "seqlen_q"), (seqlen_k, "seqlen_k")):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"{name} must be a non-negative int, got {value!r}")
+    tiles_and_blocks = (ceil_div(seqlen_q, q_tile), ceil_div(seqlen_k, kv_block))
+    if classes.dtype != torch.int8 or classes.dim() != 4 \
+            or tuple(classes.shape[2:]) != tiles_and_blocks:
+        raise ValueError(f"classes must be an int8 (B, Hs, Tq, Tk) tensor with (Tq, Tk) = "
+                         f"{tiles_and_blocks} (the q tiles of seqlen_q and the kv blocks of "
+                         f"seqlen_k), got {classes.dtype} of shape {tuple(classes.shape)}")
     sequences, heads, tiles, blocks_per_row = classes.shape
-    per_tile = classes.permute(0, 2, 1, 3).reshape(-1, heads, blocks_per_row)
+    per_tile = classes.permute(0, 2, 1, 3).reshape(sequences * tiles, heads, blocks_per_row)
     device = classes.device
     cu = uniform_cu_seqlens(sequences, seqlen_q, device=device).to(torch.int64)
     cu_k = uniform_cu_seqlens(sequences, seqlen_k, device=device).to(torch.int64)

@@ -4,7 +4,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from sparsity import build_block_sparse_from_mask, build_selected_block_sparse
+from sparsity import (build_block_sparse_from_mask, build_block_sparse_from_tile_classes,
+                      build_selected_block_sparse)
 from sparsity_oracle import (FULL_BLOCK, MASK_BLOCK, as_lists, assert_well_formed, ceil_div,
                              cu_from_lengths, sequence_rows)
 
@@ -62,6 +63,31 @@ def test_bad_arguments_raise_naming_them(kwargs, match):
     kw.update(kwargs)
     with pytest.raises((ValueError, TypeError), match=match):
         build_block_sparse_from_mask(kw.pop("mask"), **kw)
+
+
+def test_a_side_without_tokens_lists_nothing():
+    no_rows = build_block_sparse_from_mask(torch.ones(1, 1, 0, 8, dtype=torch.bool), q_tile=4,
+                                           kv_block=4)
+    assert no_rows.row_block_offsets.tolist() == [0, 0] and no_rows.full_count.numel() == 0
+    no_keys = build_block_sparse_from_mask(torch.ones(2, 1, 8, 0, dtype=torch.bool), q_tile=4,
+                                           kv_block=4)
+    assert no_keys.row_block_offsets.tolist() == [0, 2, 4]
+    assert as_lists(no_keys) == [[([], [])]] * 4
+
+
+@pytest.mark.parametrize("classes, kwargs, match", [
+    ("not a tensor", {}, "classes must be a torch.Tensor"),
+    (torch.zeros(1, 1, 2, 4), {}, r"int8 \(B, Hs, Tq, Tk\) tensor with \(Tq, Tk\) = \(2, 4\)"),
+    (torch.zeros(1, 1, 2, 3, dtype=torch.int8), {}, r"got torch.int8 of shape \(1, 1, 2, 3\)"),
+    (torch.zeros(2, 4, dtype=torch.int8), {}, r"\(B, Hs, Tq, Tk\)"),
+    (torch.zeros(1, 1, 2, 4, dtype=torch.int8), dict(seqlen_k=-1), "seqlen_k must be a non-neg"),
+    (torch.zeros(1, 1, 2, 4, dtype=torch.int8), dict(q_tile=0), "q_tile must be a positive"),
+])
+def test_tile_classes_bad_arguments_raise_naming_them(classes, kwargs, match):
+    kw = dict(seqlen_q=8, seqlen_k=16, q_tile=4, kv_block=4)
+    kw.update(kwargs)
+    with pytest.raises((ValueError, TypeError), match=match):
+        build_block_sparse_from_tile_classes(classes, **kw)
 
 
 def loop_classes(attend, q_tile, kv_block, num_blocks):
