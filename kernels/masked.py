@@ -325,11 +325,14 @@ def tile_lists(problem: AttentionProblem, attn_mask=None, attn_bias=None):
         kv_block=tile)
 
 
+@functools.lru_cache(maxsize=64)
 def _rule_classes(problem: AttentionProblem, tile: int, device: torch.device) -> torch.Tensor:
     """(1, 1, Tq, Tk) int8 classes of the causal/window/compress rule over the existing cells
-    (all FULL_BLOCK without a rule). The rule is a band of key positions per row, so a tile is
-    seen whole when its last key is seen from its first row and its first key from its last
-    row, and touched when the bands of its rows reach its keys' positions."""
+    (all FULL_BLOCK without a rule). Cached per call shape and rule (a layer's calls repeat
+    them; some ten small ops each otherwise): shared, read only. The rule is a band of key
+    positions per row, so a tile is seen whole when its last key is seen from its first row
+    and its first key from its last row, and touched when the bands of its rows reach its
+    keys' positions."""
     from sparsity.builders import FULL_BLOCK, MASK_BLOCK, NOT_LISTED
 
     seqlen_q, seqlen_k = problem.max_seqlen_q, problem.max_seqlen_k
@@ -355,18 +358,48 @@ def _rule_classes(problem: AttentionProblem, tile: int, device: torch.device) ->
 
 
 def _cell_classes(x: torch.Tensor, seen, tile: int) -> torch.Tensor:
-    """(Bx, Hx, Tq, Tk) classes of a mask or bias from the extremes of each tile: every cell
-    seen when its smallest value is `seen`, none when its largest is not (seen is monotone:
-    True above False, a finite bias above -inf). One pass over x, reductions along its rows'
-    contiguous keys: no temporary of Nq x Nk."""
-    from sparsity.builders import FULL_BLOCK, MASK_BLOCK, NOT_LISTED
-
+    """(Bx, Hx, Tq, Tk) classes of a mask or bias: every cell of a tile seen, some, or none
+    (a mask's True cells, a bias's cells above -inf: `seen`). On sm90 one pass of
+    `kernels.sm90.tile_classes`; else from the extremes of each tile (seen is monotone: True
+    above False, a finite bias above -inf), reductions along its rows' contiguous keys. No
+    temporary of Nq x Nk either way."""
     x = _broadcast_view(x)
     if x.dtype == torch.bool:
         x = x.view(torch.uint8)
+    on_kernel = _cell_classes_on_kernel(x, tile)
+    if on_kernel is not None:
+        return on_kernel
+    return _cell_classes_from_extremes(x, seen, tile)
+
+
+def _cell_classes_from_extremes(x: torch.Tensor, seen, tile: int) -> torch.Tensor:
+    """`_cell_classes` of x (Bx, Hx, Nq, Nk; a mask as uint8) in torch."""
+    from sparsity.builders import FULL_BLOCK, MASK_BLOCK, NOT_LISTED
+
     lo, hi = _tile_extremes(x, tile)
     return torch.where(seen(lo), FULL_BLOCK,
                        torch.where(seen(hi), MASK_BLOCK, NOT_LISTED)).to(torch.int8)
+
+
+def _cell_classes_on_kernel(x: torch.Tensor, tile: int) -> torch.Tensor | None:
+    """`_cell_classes` of x (Bx, Hx, Nq, Nk; a mask as uint8) by the sm90 kernel, one launch per
+    run of slabs that is one strided view (all of x unless its batch and head strides do not
+    merge), or None where it does not take x."""
+    from . import dispatch
+
+    module, _ = dispatch.sm90_module("tile_classes", x.device)
+    if module is None or tile != module.TILE:
+        return None
+    batch, heads = x.shape[:2]
+    if batch == 1 or heads == 1 or x.stride(0) == x.stride(1) * heads:
+        runs = [x.flatten(0, 1)]
+    else:
+        runs = list(x.unbind(0))
+    if not all(module.can_run(run) for run in runs):
+        return None
+    classes = [module.run(run) for run in runs]
+    return (classes[0] if len(classes) == 1 else torch.cat(classes)).view(
+        batch, heads, *classes[0].shape[1:])
 
 
 def _tile_extremes(x: torch.Tensor, tile: int) -> tuple[torch.Tensor, torch.Tensor]:
