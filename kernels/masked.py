@@ -320,9 +320,37 @@ def tile_lists(problem: AttentionProblem, attn_mask=None, attn_bias=None):
         classes = torch.minimum(classes, _expand(
             _cell_classes(attn_bias, lambda b: b > float("-inf"), tile), problem, heads))
     classes = classes.expand(problem.num_seqs, heads, *classes.shape[2:])
+    on_kernel = _lists_on_kernel(classes, tile)
+    if on_kernel is not None:
+        return on_kernel
     return build_block_sparse_from_tile_classes(
         classes, seqlen_q=problem.max_seqlen_q, seqlen_k=problem.max_seqlen_k, q_tile=tile,
         kv_block=tile)
+
+
+def _lists_on_kernel(classes: torch.Tensor, tile: int):
+    """`build_block_sparse_from_tile_classes` of (B, Hs, Tq, Tk) classes (every sequence of the
+    same length, lists Tk wide) in one launch of `kernels.sm90.class_lists`, or None where it
+    does not take them."""
+    from sparsity import BlockSparseTensors
+
+    from . import dispatch
+
+    module, _ = dispatch.sm90_module("class_lists", classes.device)
+    if module is None or not module.can_run(classes):
+        return None
+    full_count, full_index, mask_count, mask_index = module.run(classes)
+    return BlockSparseTensors(
+        full_count=full_count, full_index=full_index, mask_count=mask_count,
+        mask_index=mask_index, row_block_size=tile, col_block_size=tile,
+        row_block_offsets=_uniform_row_block_offsets(classes.shape[0], classes.shape[2],
+                                                     classes.device))
+
+
+@functools.lru_cache(maxsize=64)
+def _uniform_row_block_offsets(sequences: int, tiles: int, device: torch.device):
+    """(S+1,) int32 first row block of each of `sequences` sequences of `tiles` tiles."""
+    return torch.arange(0, (sequences + 1) * tiles, tiles, dtype=torch.int32).to(device)
 
 
 @functools.lru_cache(maxsize=64)

@@ -1,10 +1,12 @@
-"""The tile classes of a mask or bias (kernels/sm90/tile_classes.py, used by kernels/masked.py
-`tile_lists`): which 128 x 128 tiles see every cell, some, or none.
+"""The tile classes of a mask or bias (kernels/sm90/tile_classes.py) and the lists made of them
+(kernels/sm90/class_lists.py), both used by kernels/masked.py `tile_lists`: which 128 x 128
+tiles see every cell, some, or none, and the full / mask lists of each query tile.
 
-CPU: the sm_90a builds of every element type, what the launcher refuses, the torch path against
-an explicit count of seen cells per tile. GPU (sm_90): the kernel against the same count over
-masks and biases of every element type, lengths that are no multiple of the tile, strided rows,
-slabs whose batch and head strides do not merge, -inf and NaN cells.
+CPU: the sm_90a builds, what the launchers refuse, the torch path against an explicit count of
+seen cells per tile. GPU (sm_90): the classes kernel against the same count over masks and
+biases of every element type, lengths that are no multiple of the tile, strided rows, slabs
+whose batch and head strides do not merge, -inf and NaN cells; the lists kernel equal to
+`sparsity.build_block_sparse_from_tile_classes` on random and expanded classes.
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import torch
 
 from gpu_marks import requires_sm90
 from kernels import masked
+from sparsity import build_block_sparse_from_tile_classes
 from sparsity.builders import FULL_BLOCK, MASK_BLOCK, NOT_LISTED
 
 TILE = 128
@@ -79,7 +82,14 @@ def test_kernel_builds_for_sm90(dtype):
     assert compile_on_fake_tensors(TileClassesSpec(dtype))
 
 
-def test_the_launcher_refuses_what_the_kernel_cannot_read():
+def test_lists_kernel_builds_for_sm90():
+    from kernels.sm90.class_lists import ClassListsSpec, compile_on_fake_tensors
+
+    assert compile_on_fake_tensors(ClassListsSpec())
+
+
+def test_the_launchers_refuse_what_the_kernels_cannot_read():
+    from kernels.sm90.class_lists import can_run as lists_can_run
     from kernels.sm90.tile_classes import TileClassesSpec, can_run
 
     with pytest.raises(ValueError, match="dtype 'float64'"):
@@ -93,6 +103,11 @@ def test_the_launcher_refuses_what_the_kernel_cannot_read():
     assert not can_run(mask[0])                       # not (S, Nq, Nk)
     assert not can_run(mask[:, :0])                   # no rows
     assert can_run(torch.zeros(3, 100, 1000, dtype=torch.bfloat16)[:, :, 8:1000])
+    classes = torch.zeros(2, 3, 4, 5, dtype=torch.int8)
+    assert lists_can_run(classes) and lists_can_run(classes[:1].expand(2, 3, 4, 5))
+    assert not lists_can_run(classes.int())
+    assert not lists_can_run(classes.transpose(2, 3))
+    assert not lists_can_run(classes[:, :, :0])
 
 
 @pytest.mark.gpu
@@ -140,3 +155,22 @@ def test_nan_bias_cells_count_as_hidden():
     bias[..., 128:, :128] = 0.0              # tile (1, 0): every cell seen
     got = masked._cell_classes_on_kernel(bias, TILE)
     assert got.flatten().tolist() == [NOT_LISTED, MASK_BLOCK, FULL_BLOCK, NOT_LISTED]
+
+
+@pytest.mark.gpu
+@requires_sm90
+@pytest.mark.parametrize("shape", [(2, 3, 5, 77), (1, 1, 40, 7), (3, 2, 9, 64)],
+                         ids=lambda s: "x".join(map(str, s)))
+def test_lists_kernel_equals_the_torch_builder(shape):
+    batch, heads, tiles, blocks = shape
+    gen = torch.Generator(device="cuda").manual_seed(blocks)
+    classes = torch.randint(0, 3, shape, generator=gen, device="cuda").to(torch.int8)
+    classes[0, 0, 0] = NOT_LISTED   # a list with nothing
+    classes[-1, -1, -1] = FULL_BLOCK  # a list of full blocks only
+    for form in (classes, classes[:1, :1].expand(shape)):
+        got = masked._lists_on_kernel(form, TILE)
+        assert got is not None  # the kernel, not the torch builder
+        expected = build_block_sparse_from_tile_classes(
+            form, seqlen_q=tiles * TILE - 3, seqlen_k=blocks * TILE - 5, q_tile=TILE,
+            kv_block=TILE)
+        assert got.equals(expected)
