@@ -88,8 +88,9 @@ def fake_score_mods(spec):
     """Fakes standing for the user mask (slabs, Nq, Nk) uint8, the bias (slabs, Nq, Nk) and the
     (B, H, 2) int32 slab table (kernels/sm90/score_mod.py), None where the spec has none."""
     def cells(element):
+        # 64-bit strides: a per-head 16K x 16K bias has 2**32 cells.
         return make_fake_tensor(element, tuple(cute.sym_int() for _ in range(3)),
-                                stride=(cute.sym_int(), cute.sym_int(), 1), assumed_align=4)
+                                stride=(cute.sym_int64(), cute.sym_int64(), 1), assumed_align=4)
 
     mask = cells(cutlass.Uint8) if spec.score_mask else None
     bias = cells(SCORE_BIAS_DTYPES[spec.score_bias]) if spec.score_bias else None
@@ -149,8 +150,9 @@ def fake_backward_arguments(spec):
     positions = fake_int32_vector() if spec.q_positions else None
     dbias = None
     if spec.score_bias_grad:
+        # (slabs, Nk, Nq') float32, rows 8 bytes apart (kernels/sm90/score_mod.py).
         dbias = make_fake_tensor(cutlass.Float32, tuple(cute.sym_int() for _ in range(3)),
-                                 stride=(cute.sym_int(), cute.sym_int(), 1), assumed_align=4)
+                                 stride=(cute.sym_int64(), cute.sym_int64(), 1), assumed_align=8)
     return ((q, k, v, dout, lse, dpsum, dq_acc, dk, dv, cu_q, cu_k, q_tiles),
             (*lists, units, positions, *fake_score_mods(spec), dbias))
 
