@@ -271,25 +271,12 @@ def sm90_backward(problem: AttentionProblem, dout, q, k, v, out, lse, attn_mask=
                                      **kwargs):
         return None
     dbias = None
-    if bias_gradient:  # transposed, rows rounded up to even (kernels/sm90/score_mod.py)
-        slabs, seqlen_q, seqlen_k = mods.bias.shape
-        dbias = torch.zeros(slabs, seqlen_k, seqlen_q + seqlen_q % 2, dtype=torch.float32,
-                            device=q.device)
+    if bias_gradient:
+        dbias = torch.zeros(mods.bias.shape, dtype=torch.float32, device=q.device)
     dq, dk, dv = kernel.run(dout, q, k, v, out, lse, **kwargs, score_mods=mods, dbias=dbias)
     if dbias is not None:
-        dbias = _bias_layout(dbias, mods.bias.shape[1], attn_bias.dtype).view(attn_bias.shape)
+        dbias = dbias.to(attn_bias.dtype).view(attn_bias.shape)
     return dq, dk, dv, dbias
-
-
-def _bias_layout(acc: torch.Tensor, seqlen_q: int, dtype: torch.dtype) -> torch.Tensor:
-    """The (slabs, Nq, Nk) gradient in `dtype` of the backward's transposed float32 sums
-    (slabs, Nk, Nq'): one pass of `kernels.sm90.dbias_transpose`, else torch's copy."""
-    from . import dispatch
-
-    module, _ = dispatch.sm90_module("dbias_transpose", acc.device)
-    if module is not None and module.can_run(acc, dtype):
-        return module.run(acc, seqlen_q, dtype)
-    return acc[..., :seqlen_q].transpose(1, 2).to(dtype).contiguous()
 
 
 def _kernel_call(direction: str, problem: AttentionProblem, q, k, v, attn_mask, attn_bias,
@@ -324,7 +311,9 @@ def tile_lists(problem: AttentionProblem, attn_mask=None, attn_bias=None):
 
     tile = KERNEL_TILE
     given = [x for x in (attn_mask, attn_bias) if x is not None]
-    heads = max(_as_4d(x).shape[1] for x in given)
+    # One list per KV head at least: the kernels take lists per query head or per KV head
+    # (Hs in {H, Hkv}); lists shared by several KV heads gave a wrong backward.
+    heads = max(problem.num_kv_heads, *(_as_4d(x).shape[1] for x in given))
     classes = _rule_classes(problem, tile, given[0].device)
     if attn_mask is not None:
         classes = torch.minimum(classes, _expand(

@@ -143,8 +143,7 @@ def run(
     first query row (`BwdSpec.q_positions`, and the dQ kernel's).
     score_mods (`kernels.sm90.forward.ScoreModTensors`, padded inputs with the lists of the
     mask, `kernels.masked.sm90_backward`): the forward's user mask and bias, on the fused dQ
-    (`score_mod_spec`); dbias: a zeroed float32 (slabs, Nk, Nq') tensor, Nq' = Nq rounded up
-    to even, that dS^T is summed into (kernels/sm90/score_mod.py)."""
+    (`score_mod_spec`); dbias: a zeroed float32 (slabs, Nq, Nk) tensor that dS is summed into."""
     if lse_gate is not None and dout_dot_out is None:
         raise ValueError("lse_gate: only taken with dout_dot_out (the gate's row dots)")
     if q.dtype not in SUPPORTED_DTYPES:

@@ -150,9 +150,8 @@ def fake_backward_arguments(spec):
     positions = fake_int32_vector() if spec.q_positions else None
     dbias = None
     if spec.score_bias_grad:
-        # (slabs, Nk, Nq') float32, rows 8 bytes apart (kernels/sm90/score_mod.py).
         dbias = make_fake_tensor(cutlass.Float32, tuple(cute.sym_int() for _ in range(3)),
-                                 stride=(cute.sym_int64(), cute.sym_int64(), 1), assumed_align=8)
+                                 stride=(cute.sym_int64(), cute.sym_int64(), 1), assumed_align=4)
     return ((q, k, v, dout, lse, dpsum, dq_acc, dk, dv, cu_q, cu_k, q_tiles),
             (*lists, units, positions, *fake_score_mods(spec), dbias))
 

@@ -12,12 +12,7 @@ and of the bias: the broadcast rules stay on the host (`kernels/masked.py`), the
 one slab index per tile. Each thread reads the cells of its own fragment straight from global
 memory (L2 serves the neighbours' reads of the same lines). The mask is read only in the tiles
 the lists call "mask" tiles (some cell hidden); "full" tiles skip it. The bias is read in every
-visited tile. The backward reads both on S^T and sums dS into a float32 dbias kept transposed,
-(slabs, Nk, Nq'), Nq' = Nq rounded up to even: a thread's dS^T fragment holds each key's cells
-in pairs of adjacent query rows, which are then 8 contiguous bytes, one `red.global.add.v2.f32`
-instead of two scalar reductions (kernels/sm90/dbias_transpose.py turns it into the bias's
-layout and dtype). Its rows start at even rows, so a pair is in the tensor whole: the padding
-row of an odd Nq takes the last pair's second half.
+visited tile. The backward reads both on S^T and sums dS into a float32 dbias.
 """
 from dataclasses import dataclass, replace
 
@@ -50,7 +45,7 @@ class ScoreMods:
     slabs: cute.Tensor     # (B, H, 2) int32: the (batch, head)'s mask slab, bias slab
     bias_scale: Float32    # 1 / softmax_scale
     has_bias_grad: cutlass.Constexpr[bool] = False
-    dbias: cute.Tensor = None  # (slabs, Nk, Nq') float32 sums of dS^T (the backward, has_bias_grad)
+    dbias: cute.Tensor = None  # (slabs, Nq, Nk) float32 sums of dS (the backward, has_bias_grad)
     mask_slab: Int32 = 0   # this tile's (`for_tile`)
     bias_slab: Int32 = 0
 
@@ -93,58 +88,17 @@ class ScoreMods:
     def add_bias_gradient(self, ds_t: cute.Tensor, t_coord: cute.Tensor, m_block: Int32,
                           n_block: Int32, tile_m: cutlass.Constexpr[int],
                           tile_n: cutlass.Constexpr[int], seqlen_q: Int32, seqlen_k: Int32):
-        """dbias^T += dS^T for one thread's fragment of the backward's dS^T (keys as rows):
-        float32 vector reductions (`red.global.add.v2.f32`) of each key's two adjacent query
-        rows: a bias shared by heads or batch entries sums over them, whichever CTAs walk them.
-        Keys past the sequence are skipped, and rows past it where the pair starts past it."""
+        """dbias += dS for one thread's fragment of the backward's dS^T (keys as rows), float32
+        reductions (`red.global.add`): a bias shared by heads or batch entries sums over them,
+        whichever CTAs walk them. Cells past the sequence are skipped."""
         d_mn = acc_mn_view(ds_t)
         c_mn = acc_mn_view(t_coord)
         if (n_block + 1) * tile_n <= seqlen_k:
-            self.add_pairs(d_mn, c_mn, m_block, n_block, tile_m, tile_n, seqlen_q, seqlen_k,
-                           False)
+            self.visit(d_mn, c_mn, m_block, n_block, tile_m, tile_n, seqlen_q, seqlen_k, True,
+                       False, "dbias")
         else:
-            self.add_pairs(d_mn, c_mn, m_block, n_block, tile_m, tile_n, seqlen_q, seqlen_k,
-                           True)
-
-    @cute.jit
-    def add_pairs(self, d_mn: cute.Tensor, c_mn: cute.Tensor, m_block: Int32, n_block: Int32,
-                  tile_m: cutlass.Constexpr[int], tile_n: cutlass.Constexpr[int],
-                  seqlen_q: Int32, seqlen_k: Int32, clamp_keys: cutlass.Constexpr[bool]):
-        """The reductions of `add_bias_gradient`, key by key: each key's line of dbias^T is one
-        address, its pairs at constant offsets (the fragment's lines 2p and 2p + 1 are adjacent
-        columns of the accumulator, i.e. adjacent query rows, the first even)."""
-        num_keys = cute.size(d_mn, mode=[0])
-        num_pairs = cute.size(d_mn, mode=[1]) // 2
-        first_key = self.key_of(c_mn, 0, True)
-        first_row = self.row_of(c_mn, 0, True)
-        key_base = n_block * tile_n + first_key
-        row_base = m_block * tile_m + first_row
-        for j in cutlass.range_constexpr(num_keys):
-            key = key_base + (self.key_of(c_mn, j, True) - first_key)
-            if const_expr(clamp_keys):
-                if key < seqlen_k:
-                    self.add_key_pairs(d_mn, c_mn, j, num_pairs, key, row_base, first_row,
-                                       seqlen_q)
-            else:
-                self.add_key_pairs(d_mn, c_mn, j, num_pairs, key, row_base, first_row, seqlen_q)
-
-    @cute.jit
-    def add_key_pairs(self, d_mn: cute.Tensor, c_mn: cute.Tensor, j: cutlass.Constexpr[int],
-                      num_pairs: cutlass.Constexpr[int], key: Int32, row_base: Int32,
-                      first_row: Int32, seqlen_q: Int32):
-        """dbias^T's line of one key += the fragment's pairs of that key."""
-        line = self.dbias[self.bias_slab, key, None]
-        for p in cutlass.range_constexpr(num_pairs):
-            row = row_base + (self.row_of(c_mn, 2 * p, True) - first_row)
-            if row < seqlen_q:
-                pair = cute.make_rmem_tensor((2,), Float32)
-                pair[0] = d_mn[j, 2 * p]
-                pair[1] = d_mn[j, 2 * p + 1]
-                # A reduction even where this thread alone adds into the cells: a load and a
-                # store would put the load's latency into the step (docs/history.md,
-                # 2026-11-28).
-                cute.arch.red(line.iterator + row, pair.load(), op="add", dtype="f32",
-                              sem="relaxed", scope="gpu")
+            self.visit(d_mn, c_mn, m_block, n_block, tile_m, tile_n, seqlen_q, seqlen_k, True,
+                       True, "dbias")
 
     @cute.jit
     def visit(self, s_mn: cute.Tensor, c_mn: cute.Tensor, m_block: Int32, n_block: Int32,
@@ -168,20 +122,48 @@ class ScoreMods:
         row_base = m_block * tile_m + first_row
         for i in cutlass.range_constexpr(num_lines):
             row = row_base + (self.row_of(c_mn, i, keys_as_rows) - first_row)
-            row = cutlass.min(row, seqlen_q - 1)
-            if const_expr(what == "bias"):
-                line = self.bias[self.bias_slab, row, None]
+            if const_expr(what == "dbias"):
+                if row < seqlen_q:
+                    line = self.dbias[self.bias_slab, row, None]
+                    self.add_line(s_mn, line, i, num_keys, c_mn, key_base, first_key, seqlen_k,
+                                  keys_as_rows, clamp_keys)
             else:
-                line = self.mask[self.mask_slab, row, None]
-            for j in cutlass.range_constexpr(num_keys):
-                key = key_base + (self.key_of(c_mn, j, keys_as_rows) - first_key)
-                if const_expr(clamp_keys):
-                    key = cutlass.min(key, seqlen_k - 1)
-                r, c = (j, i) if const_expr(keys_as_rows) else (i, j)
+                row = cutlass.min(row, seqlen_q - 1)
                 if const_expr(what == "bias"):
-                    s_mn[r, c] = s_mn[r, c] + Float32(line[key]) * self.bias_scale
-                elif line[key] == 0:
-                    s_mn[r, c] = -Float32.inf
+                    line = self.bias[self.bias_slab, row, None]
+                else:
+                    line = self.mask[self.mask_slab, row, None]
+                for j in cutlass.range_constexpr(num_keys):
+                    key = key_base + (self.key_of(c_mn, j, keys_as_rows) - first_key)
+                    if const_expr(clamp_keys):
+                        key = cutlass.min(key, seqlen_k - 1)
+                    r, c = (j, i) if const_expr(keys_as_rows) else (i, j)
+                    if const_expr(what == "bias"):
+                        s_mn[r, c] = s_mn[r, c] + Float32(line[key]) * self.bias_scale
+                    elif line[key] == 0:
+                        s_mn[r, c] = -Float32.inf
+
+    @cute.jit
+    def add_line(self, d_mn: cute.Tensor, line: cute.Tensor, i: cutlass.Constexpr[int],
+                 num_keys: cutlass.Constexpr[int], c_mn: cute.Tensor, key_base: Int32,
+                 first_key: Int32, seqlen_k: Int32, keys_as_rows: cutlass.Constexpr[bool],
+                 clamp_keys: cutlass.Constexpr[bool]):
+        """dbias's line of one query row += the fragment's cells of that row."""
+        for j in cutlass.range_constexpr(num_keys):
+            key = key_base + (self.key_of(c_mn, j, keys_as_rows) - first_key)
+            r, c = (j, i) if const_expr(keys_as_rows) else (i, j)
+            if const_expr(clamp_keys):
+                if key < seqlen_k:
+                    self.add_cell(line, key, d_mn[r, c])
+            else:
+                self.add_cell(line, key, d_mn[r, c])
+
+    @cute.jit
+    def add_cell(self, line: cute.Tensor, key: Int32, value: Float32):
+        # A reduction even where this thread alone adds into the cell: a load and a store
+        # would put the load's latency into the step (docs/history.md, 2026-11-28).
+        cute.arch.red(line.iterator + key, value, op="add", dtype="f32", sem="relaxed",
+                      scope="gpu")
 
     @staticmethod
     def row_of(c_mn, i: int, keys_as_rows: bool):

@@ -71,8 +71,10 @@ CASES = {
                                                                  window_size=(300, 0))),
     "mask-and-bias-gqa8-fp16": (1, 640, 900, 8, 1, 128, torch.float16, ("random", 0.9, (1, 8)),
                                 (torch.float32, (1, 1), True), {}),
-    # Odd rows: dbias's transposed sums have a padding row (kernels/sm90/score_mod.py); odd
-    # keys: its layout pass falls back to torch's copy.
+    # A mask and bias shared by every head over several KV heads: one list per KV head.
+    "mask50-shared-mha": (1, 768, 1024, 4, 4, 128, torch.bfloat16, ("random", 0.5, (1, 1)),
+                          None, {}),
+    # Odd rows and keys: no pair of rows or keys shares an aligned word.
     "bias-odd-rows": (2, 333, 1000, 4, 4, 128, torch.bfloat16, None,
                       (torch.float16, (1, 4), True), dict(causal=True)),
     "bias-odd-rows-and-keys": (1, 777, 901, 4, 2, 64, torch.bfloat16, ("random", 0.5, (1, 1)),
