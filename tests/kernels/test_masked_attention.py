@@ -211,3 +211,22 @@ def test_the_kernels_tile_lists_cover_every_seen_cell(rule):
     assert (got == 0).any()
     if not {"window_size", "compress_factor"} & set(rule):  # (their tiles are all partial)
         assert (got == FULL_BLOCK).any()
+
+
+@pytest.mark.parametrize("forms, list_heads", [(((1, 1), None), 2), ((None, (1, 1)), 2),
+                                               (((1, 2), (1, 1)), 2), (((1, 1), (2, 4)), 4)])
+def test_the_kernels_tile_lists_have_a_list_per_kv_head_at_least(forms, list_heads):
+    """The kernels take lists per query head or per KV head (Hs in {H, Hkv}): a mask and bias
+    shared by every head still give one list per KV head (one list over several KV heads gave
+    a wrong backward on the GPU)."""
+    from kernels.validate import validate_attention_forward
+
+    batch, seqlen, heads, kv_heads = 2, 200, 4, 2
+    q = torch.randn(batch, seqlen, heads, 64)
+    k = torch.randn(batch, seqlen, kv_heads, 64)
+    problem = validate_attention_forward(q, k, k)
+    mask_form, bias_form = forms
+    mask = None if mask_form is None else _random_mask((*mask_form, seqlen, seqlen), 0.5, seed=2)
+    bias = None if bias_form is None else torch.randn(*bias_form, seqlen, seqlen)
+    lists = masked_module.tile_lists(problem, mask, bias)
+    assert lists.num_heads == list_heads and lists.num_rows == batch * 2
