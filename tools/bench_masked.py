@@ -20,6 +20,11 @@ Methods:
   sdpa   F.scaled_dot_product_attention with the float mask (the bias, -inf where the mask
          hides), its gradient flowing to the bias;
   dense  our kernel without mask or bias (non-causal), for the tiles' TFLOP/s share.
+Before timing, ours is checked against the torch path of kernels/masked.py (the reference the
+kernel tests use) on the first and last 256 query rows: out, dq and dbias (a row's are exact on
+its own rows of q, dout, mask and bias: no causal or window rule here); a relative error above
+2e-2 stops the run (`--no-check` skips it). dk and dv sum over every row and are left to the
+GPU tests (tests/kernels/test_sm90_masked.py).
 Passes: fwd (no graph), fwd+bwd (gradients of q, k, v and the bias), and bwd = fwd+bwd - fwd.
 CUDA events of device time after warm-up, medians. TFLOP/s count the attended pairs (4 D flops
 per pair and head forward, 3.5x for forward+backward). Inputs are random normal, never zeros.
@@ -51,6 +56,8 @@ TILE = 128
 # shared memory with the bias's gradient, over the H200's 227 KiB (its compile fails): one
 # stage less.
 FLEX_KERNEL_OPTIONS = {"bwd_num_stages": 2}
+CHECK_ROWS = 256
+CHECK_TOLERANCE = 2e-2
 
 
 def parse_arguments(argv=None) -> argparse.Namespace:
@@ -69,6 +76,8 @@ def parse_arguments(argv=None) -> argparse.Namespace:
                         help="fwd, fwd+bwd or both (default)")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--repeats", type=positive_int, default=5)
+    parser.add_argument("--check", action=argparse.BooleanOptionalAction, default=True,
+                        help="check ours against the torch path on some rows before timing")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default=None)
     parser.add_argument("--json", type=Path, default=None)
@@ -99,6 +108,49 @@ def tile_mask(seqlen: int, share: float, generator, device) -> torch.Tensor:
 
 def attended_pairs(mask: torch.Tensor, heads: int) -> int:
     return int(mask.sum()) * (heads if mask.shape[1] == 1 else 1)
+
+
+def check_ours(q, k, v, mask, bias, dout) -> dict:
+    """{"out", "dq"[, "dbias"]: relative error} of ours against the torch path of
+    kernels/masked.py on the first and last CHECK_ROWS query rows (a row's out, dq and dbias
+    depend only on its own rows of q, dout, mask and bias, and on every key); RuntimeError
+    above CHECK_TOLERANCE."""
+    from kernels import masked
+    from kernels.validate import validate_attention_forward
+
+    leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+    bias_leaf = None if bias is None else bias.detach().clone().requires_grad_()
+    out = flash_attn_func(*leaves, attn_mask=mask, attn_bias=bias_leaf)
+    wanted = [leaves[0]] + ([bias_leaf] if bias_leaf is not None else [])
+    dq, *dbias = torch.autograd.grad(out, wanted, dout)
+    seqlen = q.shape[1]
+    errors: dict[str, float] = {}
+    for start in sorted({0, max(seqlen - CHECK_ROWS, 0)}):
+        rows = slice(start, min(start + CHECK_ROWS, seqlen))
+        q_rows, dout_rows = q[:, rows], dout[:, rows]
+        mask_rows = mask[..., rows, :]
+        bias_rows = None if bias is None else bias[..., rows, :]
+        problem = validate_attention_forward(q_rows, k, v)
+        ref_out, ref_lse = masked.forward(problem, q_rows, k, v, mask_rows, bias_rows)
+        ref_dq, _, _, ref_dbias = masked.backward(problem, dout_rows, q_rows, k, v, ref_out,
+                                                  ref_lse, mask_rows, bias_rows,
+                                                  bias_gradient=bias is not None)
+        pairs = [("out", out[:, rows], ref_out), ("dq", dq[:, rows], ref_dq)]
+        if bias is not None:
+            pairs.append(("dbias", dbias[0][..., rows, :], ref_dbias))
+        for what, got, want in pairs:
+            errors[what] = max(errors.get(what, 0.0), _relative_error(got, want))
+    bad = {what: error for what, error in errors.items() if not error <= CHECK_TOLERANCE}
+    if bad:
+        raise RuntimeError(f"ours differs from the torch path on rows of this workload: "
+                           f"{bad} (tolerance {CHECK_TOLERANCE}); nothing timed")
+    return errors
+
+
+def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    finite = torch.isfinite(want)
+    difference = (got.float() - want.float())[finite].norm()
+    return (difference / want.float()[finite].norm().clamp_min(1e-12)).item()
 
 
 def methods_for(args, q, k, v, mask, bias, dout) -> dict:
@@ -177,6 +229,8 @@ def measure(args, name: str, mask: torch.Tensor, device, generator,
     row = {"workload": name, "seqlen": n, "heads": heads, "head_dim": dim,
            "bias_heads": args.bias_heads if with_bias else 0,
            "kept_share": pairs / (heads * n * n), "ms": {}, "tflops": {}}
+    if args.check and "ours" in args.methods:
+        row["check"] = check_ours(q, k, v, mask, bias, dout)
     for method, passes in methods_for(args, q, k, v, mask, bias, dout).items():
         counted = heads * n * n if method == "dense" else pairs
         for pass_name, fn in passes.items():
@@ -211,7 +265,9 @@ def main(argv=None) -> list[dict]:
     for name, mask, with_bias in workloads:
         row = measure(args, name, mask, device, generator, with_bias)
         rows.append(row)
-        print(f"{name}: kept {row['kept_share']:.1%} of the cells")
+        checked = "".join(f", {what} {error:.1e}" for what, error in row.get("check", {}).items())
+        print(f"{name}: kept {row['kept_share']:.1%} of the cells"
+              + (f" (ours against the torch path{checked})" if checked else ""))
         for key, ms in row["ms"].items():
             tflops = row["tflops"].get(key)
             print(f"  {key:<14} {ms:9.3f} ms" + (f"  {tflops:7.1f} TFLOP/s" if tflops else ""))

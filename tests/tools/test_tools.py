@@ -866,6 +866,21 @@ def test_bench_masked_times_every_workload_on_the_cpu(tmp_path, capsys):
     assert rows[-1]["bias_heads"] == 0 and rows[0]["bias_heads"] == 1
     assert json.loads(out.read_text())["results"][0]["workload"] == "window 32"
     assert "flex/ours fwd+bwd" in capsys.readouterr().out
+    assert set(rows[0]["check"]) == {"out", "dq", "dbias"} and set(rows[-1]["check"]) == {
+        "out", "dq"}
+    assert all(error < 1e-3 for row in rows for error in row["check"].values())
+
+
+def test_bench_masked_refuses_to_time_a_wrong_result(monkeypatch):
+    """The check before timing: ours made wrong (its out scaled) stops the run, naming what
+    differs."""
+    tool = load_tool("bench_masked")
+    right = tool.flash_attn_func
+    monkeypatch.setattr(tool, "flash_attn_func", lambda *a, **kw: right(*a, **kw) * 1.1)
+    with pytest.raises(RuntimeError, match="differs from the torch path.*out"):
+        tool.main(["--device", "cpu", "--seqlen", "600", "--heads", "2", "--head-dim", "64",
+                   "--windows", "32", "--no-tiles", "--methods", "ours", "--warmup", "0",
+                   "--repeats", "1"])
 
 
 @pytest.mark.parametrize("argv, message", [
