@@ -337,22 +337,18 @@ def _lists_on_kernel(classes: torch.Tensor, tile: int):
     from sparsity import BlockSparseTensors
 
     from . import dispatch
+    from .sm90.launch import uniform_cu_seqlens
 
     module, _ = dispatch.sm90_module("class_lists", classes.device)
     if module is None or not module.can_run(classes):
         return None
     full_count, full_index, mask_count, mask_index = module.run(classes)
+    sequences, _, tiles, _ = classes.shape
     return BlockSparseTensors(
         full_count=full_count, full_index=full_index, mask_count=mask_count,
         mask_index=mask_index, row_block_size=tile, col_block_size=tile,
-        row_block_offsets=_uniform_row_block_offsets(classes.shape[0], classes.shape[2],
-                                                     classes.device))
-
-
-@functools.lru_cache(maxsize=64)
-def _uniform_row_block_offsets(sequences: int, tiles: int, device: torch.device):
-    """(S+1,) int32 first row block of each of `sequences` sequences of `tiles` tiles."""
-    return torch.arange(0, (sequences + 1) * tiles, tiles, dtype=torch.int32).to(device)
+        # Each sequence's first row block: the bounds of `sequences` runs of `tiles` (cached).
+        row_block_offsets=uniform_cu_seqlens(sequences, tiles, classes.device))
 
 
 @functools.lru_cache(maxsize=64)
