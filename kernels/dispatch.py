@@ -106,12 +106,17 @@ def _transpose(block_sparse, problem: AttentionProblem, cu_seqlens_k):
     num_kv_blocks = problem.key_block_offsets(block_sparse.col_block_size)[-1]
     if cu_seqlens_k is not None:
         return _transpose_csr(block_sparse, num_kv_blocks, cu_seqlens_k=cu_seqlens_k)
-    # Padded: B sequences of max_seqlen_k keys. The offsets are made on the device: the host
-    # holds them too, but a host list copied to the GPU waits for the stream as a read would.
+    # Padded: B sequences of max_seqlen_k keys. The offsets are made on the device (the host
+    # holds them too, but a host list copied to the GPU waits for the stream as a read would),
+    # once per shape; so is the transpose's layout, a function of the shape alone (the lists'
+    # row blocks of a padded call are uniform too, `validate`).
+    from kernels.sm90.launch import uniform_cu_seqlens
+
     per_sequence = -(-problem.max_seqlen_k // block_sparse.col_block_size)
-    offsets = per_sequence * torch.arange(problem.num_seqs + 1, dtype=torch.int32,
-                                          device=block_sparse.full_count.device)
-    return _transpose_csr(block_sparse, num_kv_blocks, col_block_offsets=offsets)
+    offsets = uniform_cu_seqlens(problem.num_seqs, per_sequence, block_sparse.full_count.device)
+    return _transpose_csr(block_sparse, num_kv_blocks, col_block_offsets=offsets,
+                          layout_key=("padded", problem.num_seqs, problem.max_seqlen_q,
+                                      problem.max_seqlen_k))
 
 
 def _transpose_csr(block_sparse, num_kv_blocks: int, **kv_blocks):

@@ -270,13 +270,71 @@ def sm90_backward(problem: AttentionProblem, dout, q, k, v, out, lse, attn_mask=
     if not kernel.can_run_score_mods(q, k, v, score_mods=mods, bias_grad=bias_gradient,
                                      **kwargs):
         return None
-    dbias = None
-    if bias_gradient:
-        dbias = torch.zeros(mods.bias.shape, dtype=torch.float32, device=q.device)
-    dq, dk, dv = kernel.run(dout, q, k, v, out, lse, **kwargs, score_mods=mods, dbias=dbias)
-    if dbias is not None:
-        dbias = dbias.to(attn_bias.dtype).view(attn_bias.shape)
-    return dq, dk, dv, dbias
+    gradient = _BiasGradient(problem, attn_bias, mods.bias, kwargs["block_sparse"]) \
+        if bias_gradient else None
+    dq, dk, dv = kernel.run(dout, q, k, v, out, lse, **kwargs, score_mods=mods,
+                            dbias=None if gradient is None else gradient.sums)
+    return dq, dk, dv, None if gradient is None else gradient.result()
+
+
+class _BiasGradient:
+    """The float32 sums the sm90 backward adds dS into ((slabs, Nq, Nk), zeroed where a list
+    visits) and the bias's gradient made of them (`result`).
+
+    Only the tiles some list visits receive a sum. Where `kernels.sm90.dbias_tiles` runs, only
+    those tiles of the sums are zeroed before the backward and read after it; the gradient's
+    other tiles are written as zeros in the same pass (at 16K x 16K, window 32, the whole-tensor
+    zeroing and conversion cost 0.67 ms, more than the attention). A float32 bias's gradient is
+    its own sums. Elsewhere the whole tensor is zeroed and converted in torch."""
+
+    def __init__(self, problem: AttentionProblem, attn_bias: torch.Tensor, bias: torch.Tensor,
+                 lists):
+        from . import dispatch
+
+        self.shape = attn_bias.shape
+        device = bias.device
+        self.out = torch.empty(bias.shape, dtype=attn_bias.dtype, device=device)
+        self.sums = self.out if attn_bias.dtype == torch.float32 else torch.empty(
+            bias.shape, dtype=torch.float32, device=device)
+        self.tiles, _ = dispatch.sm90_module("dbias_tiles", device)
+        self.visited = None
+        if self.tiles is not None:
+            self.visited = _visited_tiles(problem, lists, _as_4d(attn_bias).shape[:2])
+            if not self.tiles.can_run(self.visited, self.sums, self.out):
+                self.tiles = None
+        if self.tiles is None:
+            self.sums.zero_()
+        else:
+            self.tiles.zero_listed(self.visited, self.sums)
+
+    def result(self) -> torch.Tensor:
+        """The gradient in the bias's shape and dtype (0 in every tile no list visits)."""
+        if self.tiles is not None:
+            self.tiles.convert(self.visited, self.sums, self.out)
+        elif self.out is not self.sums:
+            self.out.copy_(self.sums)
+        return self.out.view(self.shape)
+
+
+def _visited_tiles(problem: AttentionProblem, lists, bias_form) -> torch.Tensor:
+    """(slabs, Tq, Tk) int8: 1 where a list of one of the heads and batch entries a bias slab
+    serves visits the tile. lists: (B * Tq, Hs) rows (`tile_lists`); bias_form: the bias's
+    (Bm, Hm), Hm dividing Hs (its heads are one per query head, one per KV head, or one) and
+    each list head's bias head its index // (Hs / Hm)."""
+    rows, heads = lists.full_count.shape
+    batch, (form_batch, form_heads) = problem.num_seqs, tuple(bias_form)
+    tiles_q, tiles_k = rows // batch, -(-problem.max_seqlen_k // lists.col_block_size)
+    visited = torch.zeros(rows, heads, tiles_k + 1, dtype=torch.int8,
+                          device=lists.full_count.device)
+    for count, index in ((lists.full_count, lists.full_index),
+                         (lists.mask_count, lists.mask_index)):
+        listed = torch.arange(index.shape[-1], device=index.device) < count.unsqueeze(-1)
+        # Slots past the count go to the spare last column.
+        visited.scatter_(-1, torch.where(listed, index, tiles_k).long(), 1)
+    visited = visited[..., :tiles_k].view(form_batch, batch // form_batch, tiles_q,
+                                          form_heads, heads // form_heads, tiles_k)
+    return visited.amax(dim=(1, 4)).transpose(1, 2).reshape(form_batch * form_heads, tiles_q,
+                                                            tiles_k)
 
 
 def _kernel_call(direction: str, problem: AttentionProblem, q, k, v, attn_mask, attn_bias,

@@ -212,7 +212,9 @@ def run(
             dk.zero_()
             dv.zero_()
     else:
-        tiles = query_tiles(cu_seqlens_q, total_q, None if padded else host_cu_seqlens_q)
+        if padded:  # the bounds are the batch's multiples of its length: known here
+            host_cu_seqlens_q = tuple(range(0, total_q + 1, max_seqlen_q))
+        tiles = query_tiles(cu_seqlens_q, total_q, host_cu_seqlens_q)
         lse_log2, dpsum = tiles.row_statistics(dout, out, lse, dout_dot_out, lse_gate)
         dq_acc = None
         if spec.fuses_dq:

@@ -230,3 +230,40 @@ def test_the_kernels_tile_lists_have_a_list_per_kv_head_at_least(forms, list_hea
     bias = None if bias_form is None else torch.randn(*bias_form, seqlen, seqlen)
     lists = masked_module.tile_lists(problem, mask, bias)
     assert lists.num_heads == list_heads and lists.num_rows == batch * 2
+
+
+@pytest.mark.parametrize("forms", [((1, 1), (1, 1)), ((2, 4), (1, 1)), ((1, 2), (2, 2)),
+                                   ((2, 1), (1, 4)), (None, (2, 4))],
+                         ids=lambda f: str(f).replace(" ", ""))
+def test_the_bias_gradients_visited_tiles_are_every_list_of_its_slab(forms):
+    """kernels/masked.py `_visited_tiles` (the tiles of each bias slab that the sm90 backward
+    may add dS into, zeroed and converted there, zeros written elsewhere): the union of the
+    lists of every (batch entry, query head) the slab serves, the serving taken from the slab
+    table the kernels read. A tile missing would leave stale float32 sums in the gradient; one
+    too many costs only its zeroing."""
+    from kernels.validate import validate_attention_forward
+    from sparsity.testing import dense_block_mask
+
+    batch, seqlen_q, seqlen_k, heads, kv_heads = 2, 300, 420, 4, 2
+    q = torch.randn(batch, seqlen_q, heads, 64)
+    k = torch.randn(batch, seqlen_k, kv_heads, 64)
+    problem = validate_attention_forward(q, k, k, causal=True)
+    mask_form, bias_form = forms
+    mask = None if mask_form is None else _random_mask((*mask_form, seqlen_q, seqlen_k), 0.1,
+                                                       seed=3)
+    bias = torch.randn(*bias_form, seqlen_q, seqlen_k)
+    bias[..., :128, 128:256] = float("-inf")  # a tile no row sees
+    lists = masked_module.tile_lists(problem, mask, bias)
+    visited = masked_module._visited_tiles(problem, lists, bias_form)
+
+    tiles_q, tiles_k = -(-seqlen_q // 128), -(-seqlen_k // 128)
+    listed = dense_block_mask(lists, tiles_k).view(batch, tiles_q, lists.num_heads, tiles_k) > 0
+    slabs = masked_module.score_mod_tensors(problem, mask, bias).slabs  # (B, H, 2)
+    expected = torch.zeros(bias_form[0] * bias_form[1], tiles_q, tiles_k, dtype=torch.bool)
+    for b in range(batch):
+        for h in range(heads):
+            list_head = h // (heads // lists.num_heads)
+            expected[slabs[b, h, 1]] |= listed[b, :, list_head]
+    assert visited.dtype == torch.int8
+    assert torch.equal(visited > 0, expected)
+    assert not expected.all() and expected.any()
