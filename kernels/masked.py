@@ -278,13 +278,9 @@ def sm90_backward(problem: AttentionProblem, dout, q, k, v, out, lse, attn_mask=
     return dq, dk, dv, None if gradient is None else gradient.result()
 
 
-# float32 elements per reduction of the backward's dbias sums (`red.global.add.v4.f32`).
-SUM_VECTOR = 4
-
-
 class _BiasGradient:
-    """The float32 sums the sm90 backward adds dS into ((slabs, Nq, Nk), rows 16-byte aligned,
-    zeroed where a list visits) and the bias's gradient made of them (`result`).
+    """The float32 sums the sm90 backward adds dS into ((slabs, Nq, Nk), zeroed where a list
+    visits) and the bias's gradient made of them (`result`).
 
     Only the tiles some list visits receive a sum. Where `kernels.sm90.dbias_tiles` runs, only
     those tiles of the sums are zeroed before the backward and read after it; the gradient's
@@ -299,14 +295,8 @@ class _BiasGradient:
         self.shape = attn_bias.shape
         device = bias.device
         self.out = torch.empty(bias.shape, dtype=attn_bias.dtype, device=device)
-        # The kernel adds 16-byte vectors: rows (and slabs) start 16 bytes apart in the sums.
-        slabs, rows, keys = bias.shape
-        row_stride = -(-keys // SUM_VECTOR) * SUM_VECTOR
-        if attn_bias.dtype == torch.float32 and row_stride == keys:
-            self.sums = self.out
-        else:
-            self.sums = torch.empty(slabs, rows, row_stride, dtype=torch.float32,
-                                    device=device)[..., :keys]
+        self.sums = self.out if attn_bias.dtype == torch.float32 else torch.empty(
+            bias.shape, dtype=torch.float32, device=device)
         self.tiles, _ = dispatch.sm90_module("dbias_tiles", device)
         self.visited = None
         if self.tiles is not None:
@@ -328,13 +318,11 @@ class _BiasGradient:
 
 
 def _rows_are_32_bit_offsets(*cells) -> bool:
-    """Whether every row of these (slabs, Nq, Nk) views (None: absent) starts below 2**31
-    elements from its slab's start: the backward reads and sums them at 32-bit offsets from
-    one 64-bit address per slab (`kernels.sm90.score_mod.slab_rows`; its float32 sums are
-    laid out as the bias is, rows padded to 16 bytes)."""
-    limit = 2**31 - 1
-    return all(x is None or (x.shape[1] - 1) * max(x.stride(1), -(-x.shape[2] // SUM_VECTOR)
-                                                   * SUM_VECTOR) + x.shape[2] <= limit
+    """Whether every cell of these (slabs, Nq, Nk) views (None: absent) lies below 2**31
+    elements from its slab's start: the backward reads them, and sums dS into float32 sums laid
+    out as the bias is, at 32-bit offsets from one 64-bit address per slab
+    (`kernels.sm90.score_mod.slab_rows`)."""
+    return all(x is None or (x.shape[1] - 1) * x.stride(1) + x.shape[2] <= 2**31 - 1
                for x in cells)
 
 

@@ -584,7 +584,7 @@ class FlashAttentionBackwardSm90:
             ds_store_atom=ds_store_atom, t_rdS=t_rdS, t_sdS=t_sdS, sLSE=sLSE, sDPsum=sDPsum,
             dq_accumulator=dq_accumulator, scale_log2=scale_log2, block_range=block_range,
             n_block=n_block, seqlen_q=seqlen_q, seqlen_k=seqlen_k, score_mods=score_mods,
-            batch=batch, sdS=sdS)
+            batch=batch)
         mmas = (tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq)
         if const_expr(self.spec.alternate_steps):
             wg = cute.arch.make_warp_uniform(tidx // _WARPGROUP)
@@ -657,7 +657,7 @@ class FlashAttentionBackwardSm90:
         acc_dk, acc_dv, acc_dq, r_p, r_ds, t_coord, ds_store_atom, t_rdS, t_sdS, sLSE, sDPsum,
         dq_accumulator: Optional[DqAccumulator], scale_log2: Float32, block_range: BlockRange,
         n_block: Int32, seqlen_q: Int32, seqlen_k: Int32,
-        score_mods: Optional[ScoreMods] = None, batch: Int32 = 0, sdS=None,
+        score_mods: Optional[ScoreMods] = None, batch: Int32 = 0,
     ):
         """One (query head, query step of tile_m rows) against this CTA's keys. `mask`: None,
         "causal_window", or "if_needed" (the causal/window mask where `needs_mask`). With
@@ -736,6 +736,9 @@ class FlashAttentionBackwardSm90:
                 r_dpsum[c] = sDPsum[c_mn[0, c][1], do_stage]
             for r in cutlass.range_constexpr(cute.size(dp_mn, mode=[0])):
                 dp_mn[r, c] = s_mn[r, c] * (dp_mn[r, c] - r_dpsum[c])
+        if const_expr(self.spec.score_bias_grad):
+            step_mods.add_bias_gradient(acc_dp, t_coord, m_block, n_block, self.tile_m,
+                                        self.tile_n, seqlen_q, seqlen_k)
         r_ds_as_acc = cute.make_tensor(r_ds.iterator, acc_dp.layout)
         r_ds_as_acc.store(acc_dp.load().to(self.dtype))
         if const_expr(not self.spec.dv_before_ds):
@@ -753,12 +756,6 @@ class FlashAttentionBackwardSm90:
                                 tdQrK[None, None, None, 0], zero_init=True)
             tiled_mma_dkv = gemm(tiled_mma_dkv, acc_dk, r_ds, tdKrQ[None, None, None, q_stage],
                                  zero_init=False)
-            if const_expr(self.spec.score_bias_grad):
-                # dbias from the whole tile's dS in smem while dQ and dK run: coalesced vector
-                # reductions instead of one per cell of the S^T fragment.
-                step_mods.add_bias_gradient(sdS[None, None, q_stage], tidx,
-                                            self.num_consumer_threads, m_block, n_block,
-                                            self.tile_m, self.tile_n, seqlen_q, seqlen_k)
             warpgroup.wait_group(1)  # dV and dQ (dK may still run)
             do_handle.release()
             dq_accumulator.hand_to_writer(tidx, acc_dq)

@@ -12,8 +12,7 @@ and of the bias: the broadcast rules stay on the host (`kernels/masked.py`), the
 one slab index per tile. Each thread reads the cells of its own fragment straight from global
 memory (L2 serves the neighbours' reads of the same lines). The mask is read only in the tiles
 the lists call "mask" tiles (some cell hidden); "full" tiles skip it. The bias is read in every
-visited tile. The backward reads both on S^T, and sums dS into a float32 dbias from the copy
-of the step's dS that its dQ product reads from shared memory (row by row, 16 bytes at a time).
+visited tile. The backward reads both on S^T and sums dS into a float32 dbias.
 """
 from dataclasses import dataclass, replace
 
@@ -22,9 +21,6 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 
 from kernels.sm90.layouts import acc_mn_view
-
-# Keys per chunk of `ScoreMods.add_bias_gradient`: 16 bytes of 16-bit dS in shared memory.
-_CHUNK = 8
 
 
 def score_mods_of(spec, mask, bias, slabs, softmax_scale, dbias=None):
@@ -44,9 +40,7 @@ def score_mods_of(spec, mask, bias, slabs, softmax_scale, dbias=None):
 def slab_rows(cells: cute.Tensor, slab: Int32) -> cute.Tensor:
     """Slab `slab` of (slabs, Nq, Nk) cells as an (Nq, Nk) view whose row stride is 32-bit: the
     slab's start is one 64-bit address (slabs of a per-head 16K x 16K bias span 2**32 cells),
-    each row's offset from it 32-bit (the launcher admits slabs of fewer than 2**31 cells).
-    With 64-bit row strides every query row of the backward's S^T fragment held a 64-bit
-    address: ~250 spill instructions per step against ~20 (SASS, CPU compile, head dim 128)."""
+    each row's offset from it 32-bit (the launcher admits slabs of fewer than 2**31 cells)."""
     rows = cells[slab, None, None]
     return cute.make_tensor(rows.iterator, cute.make_layout(
         rows.shape, stride=(Int32(rows.stride[0]), rows.stride[1])))
@@ -101,47 +95,20 @@ class ScoreMods:
                                seqlen_k, keys_as_rows, True, "mask")
 
     @cute.jit
-    def add_bias_gradient(self, s_ds: cute.Tensor, thread: Int32,
-                          threads: cutlass.Constexpr[int], m_block: Int32, n_block: Int32,
-                          tile_m: cutlass.Constexpr[int], tile_n: cutlass.Constexpr[int],
-                          seqlen_q: Int32, seqlen_k: Int32):
-        """dbias += dS of one step, read from its copy in shared memory (s_ds: tile_m query rows
-        x tile_n keys, keys contiguous, in the 16-bit type the dQ product reads) by the
-        `threads` threads that share the step. Each takes chunks of 8 keys of a row: one
-        16-byte smem load, two float32 vector reductions (`red.global.add.v4.f32`) along
-        dbias's row. A bias shared by heads or batch entries sums over them, whichever CTAs
-        walk them. Rows past the sequence are skipped, a chunk that crosses the keys' end is
-        added cell by cell. (The per-cell reductions of the S^T fragment that this replaces
-        were one 4-byte reduction per cell, spread over eight rows per warp instruction.)"""
-        chunks_per_row = tile_n // _CHUNK
-        dbias_rows = slab_rows(self.dbias, self.bias_slab)
-        for i in cutlass.range_constexpr(tile_m * chunks_per_row // threads):
-            chunk = i * threads + thread
-            row_in_tile, chunk_in_row = chunk // chunks_per_row, chunk % chunks_per_row
-            row = m_block * tile_m + row_in_tile
-            if row < seqlen_q:
-                cells = cute.make_rmem_tensor((_CHUNK,), s_ds.element_type)
-                cells.store(cute.local_tile(s_ds[row_in_tile, None], (_CHUNK,),
-                                            (chunk_in_row,)).load())
-                values = cute.make_rmem_tensor((_CHUNK,), Float32)
-                values.store(cells.load().to(Float32))
-                key = n_block * tile_n + chunk_in_row * _CHUNK
-                line = dbias_rows[row, None]
-                if key + _CHUNK <= seqlen_k:
-                    for half in cutlass.range_constexpr(_CHUNK // 4):
-                        quad = cute.make_rmem_tensor((4,), Float32)
-                        for e in cutlass.range_constexpr(4):
-                            quad[e] = values[4 * half + e]
-                        # A reduction even where this thread alone adds into the cells: a load
-                        # and a store would put the load's latency into the step
-                        # (docs/history.md, 2026-11-28).
-                        cute.arch.red(line.iterator + key + 4 * half, quad.load(), op="add",
-                                      dtype="f32", sem="relaxed", scope="gpu")
-                else:
-                    for e in cutlass.range_constexpr(_CHUNK):
-                        if key + e < seqlen_k:
-                            cute.arch.red(line.iterator + key + e, values[e], op="add",
-                                          dtype="f32", sem="relaxed", scope="gpu")
+    def add_bias_gradient(self, ds_t: cute.Tensor, t_coord: cute.Tensor, m_block: Int32,
+                          n_block: Int32, tile_m: cutlass.Constexpr[int],
+                          tile_n: cutlass.Constexpr[int], seqlen_q: Int32, seqlen_k: Int32):
+        """dbias += dS for one thread's fragment of the backward's dS^T (keys as rows), float32
+        reductions (`red.global.add`): a bias shared by heads or batch entries sums over them,
+        whichever CTAs walk them. Cells past the sequence are skipped."""
+        d_mn = acc_mn_view(ds_t)
+        c_mn = acc_mn_view(t_coord)
+        if (n_block + 1) * tile_n <= seqlen_k:
+            self.visit(d_mn, c_mn, m_block, n_block, tile_m, tile_n, seqlen_q, seqlen_k, True,
+                       False, "dbias")
+        else:
+            self.visit(d_mn, c_mn, m_block, n_block, tile_m, tile_n, seqlen_q, seqlen_k, True,
+                       True, "dbias")
 
     @cute.jit
     def visit(self, s_mn: cute.Tensor, c_mn: cute.Tensor, m_block: Int32, n_block: Int32,
@@ -149,10 +116,11 @@ class ScoreMods:
               seqlen_k: Int32, keys_as_rows: cutlass.Constexpr[bool],
               clamp_keys: cutlass.Constexpr[bool], what: cutlass.Constexpr[str]):
         """One pass over the fragment's cells, query row by query row: `what` = "bias" (add
-        bias / softmax_scale) or "mask" (-inf where the mask is 0). Each query row's cells are
-        one line of the tensor, read at the tile's first key plus the cell's compile-time
-        column; `clamp_keys` clamps keys past the sequence to its last. A function of its own:
-        its locals stay out of the caller's runtime `if`."""
+        bias / softmax_scale), "mask" (-inf where the mask is 0) or "dbias" (add the fragment
+        into dbias). Each query row's cells are one line of the tensor, read at the tile's
+        first key plus the cell's compile-time column; `clamp_keys` clamps keys past the
+        sequence to its last (reads) or skips them (dbias). A function of its own: its locals
+        stay out of the caller's runtime `if`."""
         line_mode = 1 if const_expr(keys_as_rows) else 0
         num_lines = cute.size(s_mn, mode=[line_mode])
         num_keys = cute.size(s_mn, mode=[1 - line_mode])
@@ -162,25 +130,57 @@ class ScoreMods:
         first_row = self.row_of(c_mn, 0, keys_as_rows)
         key_base = n_block * tile_n + first_key
         row_base = m_block * tile_m + first_row
-        tensor, slab = (self.bias, self.bias_slab) if const_expr(what == "bias") else \
-            (self.mask, self.mask_slab)
-        # The backward's lines are its fragment's query rows (16 or 32 per thread): 32-bit row
-        # offsets. The forward's are two rows: 64-bit ones cost no spill there, 32-bit ones 86
-        # spill instructions (SASS, CPU compile, head dim 128, mask and float16 bias).
+        tensor, slab = self.mask, self.mask_slab
+        if const_expr(what == "bias"):
+            tensor, slab = self.bias, self.bias_slab
+        elif const_expr(what == "dbias"):
+            tensor, slab = self.dbias, self.bias_slab
+        # The backward's lines are the query rows of its S^T fragment (16 or 32 per thread):
+        # with 64-bit row strides each held a 64-bit address, 247 spill instructions per step
+        # against 59 at 32-bit offsets (SASS, CPU compile, head dim 128, mask and bf16 bias
+        # with its gradient; H200, 16K: backward -2%, docs/history.md 2026-11-29). The
+        # forward's are two rows: 64-bit offsets cost no spill there, 32-bit ones 86.
         cells = slab_rows(tensor, slab) if const_expr(keys_as_rows) else tensor[slab, None, None]
         for i in cutlass.range_constexpr(num_lines):
             row = row_base + (self.row_of(c_mn, i, keys_as_rows) - first_row)
-            row = cutlass.min(row, seqlen_q - 1)
-            line = cells[row, None]
-            for j in cutlass.range_constexpr(num_keys):
-                key = key_base + (self.key_of(c_mn, j, keys_as_rows) - first_key)
-                if const_expr(clamp_keys):
-                    key = cutlass.min(key, seqlen_k - 1)
-                r, c = (j, i) if const_expr(keys_as_rows) else (i, j)
-                if const_expr(what == "bias"):
-                    s_mn[r, c] = s_mn[r, c] + Float32(line[key]) * self.bias_scale
-                elif line[key] == 0:
-                    s_mn[r, c] = -Float32.inf
+            if const_expr(what == "dbias"):
+                if row < seqlen_q:
+                    line = cells[row, None]
+                    self.add_line(s_mn, line, i, num_keys, c_mn, key_base, first_key, seqlen_k,
+                                  keys_as_rows, clamp_keys)
+            else:
+                line = cells[cutlass.min(row, seqlen_q - 1), None]
+                for j in cutlass.range_constexpr(num_keys):
+                    key = key_base + (self.key_of(c_mn, j, keys_as_rows) - first_key)
+                    if const_expr(clamp_keys):
+                        key = cutlass.min(key, seqlen_k - 1)
+                    r, c = (j, i) if const_expr(keys_as_rows) else (i, j)
+                    if const_expr(what == "bias"):
+                        s_mn[r, c] = s_mn[r, c] + Float32(line[key]) * self.bias_scale
+                    elif line[key] == 0:
+                        s_mn[r, c] = -Float32.inf
+
+    @cute.jit
+    def add_line(self, d_mn: cute.Tensor, line: cute.Tensor, i: cutlass.Constexpr[int],
+                 num_keys: cutlass.Constexpr[int], c_mn: cute.Tensor, key_base: Int32,
+                 first_key: Int32, seqlen_k: Int32, keys_as_rows: cutlass.Constexpr[bool],
+                 clamp_keys: cutlass.Constexpr[bool]):
+        """dbias's line of one query row += the fragment's cells of that row."""
+        for j in cutlass.range_constexpr(num_keys):
+            key = key_base + (self.key_of(c_mn, j, keys_as_rows) - first_key)
+            r, c = (j, i) if const_expr(keys_as_rows) else (i, j)
+            if const_expr(clamp_keys):
+                if key < seqlen_k:
+                    self.add_cell(line, key, d_mn[r, c])
+            else:
+                self.add_cell(line, key, d_mn[r, c])
+
+    @cute.jit
+    def add_cell(self, line: cute.Tensor, key: Int32, value: Float32):
+        # A reduction even where this thread alone adds into the cell: a load and a store
+        # would put the load's latency into the step (docs/history.md, 2026-11-28).
+        cute.arch.red(line.iterator + key, value, op="add", dtype="f32", sem="relaxed",
+                      scope="gpu")
 
     @staticmethod
     def row_of(c_mn, i: int, keys_as_rows: bool):

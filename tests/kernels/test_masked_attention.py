@@ -267,3 +267,18 @@ def test_the_bias_gradients_visited_tiles_are_every_list_of_its_slab(forms):
     assert visited.dtype == torch.int8
     assert torch.equal(visited > 0, expected)
     assert not expected.all() and expected.any()
+
+
+def test_slabs_past_32_bit_row_offsets_are_not_sent_to_the_kernels_backward():
+    """The sm90 backward reads the mask and bias, and sums dbias, at 32-bit offsets from each
+    slab's start (kernels/sm90/score_mod.py `slab_rows`): a slab whose cells reach 2**31
+    elements from its start goes to the torch path."""
+    fits = torch.empty(2, 46340, 46340, device="meta")       # 2,147,395,600 cells a slab
+    too_long = torch.empty(1, 46341, 46341, device="meta")  # 2,147,488,281: past 2**31 - 1
+    strided = torch.empty(1, 32768, 65536 + 8, device="meta")[..., :65536]  # rows 65,544 apart
+    assert masked_module._rows_are_32_bit_offsets(fits, None)
+    assert not masked_module._rows_are_32_bit_offsets(fits, too_long)
+    assert not masked_module._rows_are_32_bit_offsets(strided)
+    # 32,764 rows: the last cell 2**31 - 40 elements from the slab's start; one row more: past.
+    assert masked_module._rows_are_32_bit_offsets(strided[:, :32764])
+    assert not masked_module._rows_are_32_bit_offsets(strided[:, :32765])
