@@ -96,7 +96,14 @@ class ScoreModTensors:
         tiles (the mods hook into the plain KV loops)."""
         return dataclasses.replace(spec, score_mask=self.mask is not None,
                                    score_bias=self.bias_dtype, overlap_tiles=False,
-                                   narrow_first_tile=False)
+                                   narrow_first_tile=False, score_pairs=self.even_strides)
+
+    @property
+    def even_strides(self) -> bool:
+        """Whether the mask's and bias's slabs and rows start an even number of elements
+        apart (`FwdSpec.score_pairs`)."""
+        return all(x is None or (x.stride(0) % 2 == 0 and x.stride(1) % 2 == 0)
+                   for x in (self.mask, self.bias))
 
 
 def _typed_scalars(scalars):

@@ -30,10 +30,21 @@ def score_mods_of(spec, mask, bias, slabs, softmax_scale, dbias=None):
     if not spec.score_mods:
         return None
     bias_grad = getattr(spec, "score_bias_grad", False)
+    pairs = getattr(spec, "score_pairs", False)
+    if pairs:  # the launcher admits only even strides with the flag (`FwdSpec.score_pairs`)
+        mask, bias = (with_even_strides(t) if t is not None else None for t in (mask, bias))
     return ScoreMods(spec.score_mask, bool(spec.score_bias),
                      mask if spec.score_mask else slabs, bias if spec.score_bias else slabs,
                      slabs, Float32(1.0) / softmax_scale, bias_grad,
-                     dbias if bias_grad else slabs)
+                     dbias if bias_grad else slabs, pairs=pairs)
+
+
+def with_even_strides(cells: cute.Tensor) -> cute.Tensor:
+    """(slabs, Nq, Nk) cells with the slab and row strides asserted even: every row starts
+    two elements apart, so an even key's pair of cells is one aligned load."""
+    strides = (cute.assume(cells.stride[0], divby=2), cute.assume(cells.stride[1], divby=2),
+               cells.stride[2])
+    return cute.make_tensor(cells.iterator, cute.make_layout(cells.shape, stride=strides))
 
 
 @cute.jit
@@ -58,6 +69,7 @@ class ScoreMods:
     dbias: cute.Tensor = None  # (slabs, Nq, Nk) float32 sums of dS (the backward, has_bias_grad)
     mask_slab: Int32 = 0   # this tile's (`for_tile`)
     bias_slab: Int32 = 0
+    pairs: cutlass.Constexpr[bool] = False  # the forward reads adjacent key pairs as one load
 
     @cute.jit
     def for_tile(self, batch: Int32, head: Int32) -> "ScoreMods":
@@ -141,6 +153,44 @@ class ScoreMods:
         # with its gradient; H200, 16K: backward -2%, docs/history.md 2026-11-29). The
         # forward's are two rows: 64-bit offsets cost no spill there, 32-bit ones 86.
         cells = slab_rows(tensor, slab) if const_expr(keys_as_rows) else tensor[slab, None, None]
+        if const_expr(self.pairs and not keys_as_rows and not clamp_keys and what != "dbias"):
+            self.visit_pairs(s_mn, c_mn, cells, num_lines, num_keys, row_base, first_row,
+                             key_base, first_key, seqlen_q, what)
+        else:
+            self.visit_cells(s_mn, c_mn, cells, num_lines, num_keys, row_base, first_row,
+                             key_base, first_key, seqlen_q, seqlen_k, keys_as_rows, clamp_keys,
+                             what)
+
+    @cute.jit
+    def visit_pairs(self, s_mn: cute.Tensor, c_mn: cute.Tensor, cells: cute.Tensor,
+                    num_lines: cutlass.Constexpr[int], num_keys: cutlass.Constexpr[int],
+                    row_base: Int32, first_row: Int32, key_base: Int32, first_key: Int32,
+                    seqlen_q: Int32, what: cutlass.Constexpr[str]):
+        """`visit` of the forward's fragment (rows x keys, every key inside the sequence),
+        which holds each row's keys in adjacent pairs, the first even (the accumulator's
+        columns 2p, 2p + 1): one 32-bit bias load (16-bit for the mask's bytes) per pair
+        instead of two."""
+        for i in cutlass.range_constexpr(num_lines):
+            row = row_base + (self.row_of(c_mn, i, False) - first_row)
+            line = cells[cutlass.min(row, seqlen_q - 1), None]
+            for p in cutlass.range_constexpr(num_keys // 2):
+                key = key_base + (self.key_of(c_mn, 2 * p, False) - first_key)
+                pair = cute.make_rmem_tensor((2,), line.element_type)
+                pair.store(cute.local_tile(line, (2,), (key // 2,)).load())
+                for e in cutlass.range_constexpr(2):
+                    j = 2 * p + e
+                    if const_expr(what == "bias"):
+                        s_mn[i, j] = s_mn[i, j] + Float32(pair[e]) * self.bias_scale
+                    elif pair[e] == 0:
+                        s_mn[i, j] = -Float32.inf
+
+    @cute.jit
+    def visit_cells(self, s_mn: cute.Tensor, c_mn: cute.Tensor, cells: cute.Tensor,
+                    num_lines: cutlass.Constexpr[int], num_keys: cutlass.Constexpr[int],
+                    row_base: Int32, first_row: Int32, key_base: Int32, first_key: Int32,
+                    seqlen_q: Int32, seqlen_k: Int32, keys_as_rows: cutlass.Constexpr[bool],
+                    clamp_keys: cutlass.Constexpr[bool], what: cutlass.Constexpr[str]):
+        """`visit` cell by cell."""
         for i in cutlass.range_constexpr(num_lines):
             row = row_base + (self.row_of(c_mn, i, keys_as_rows) - first_row)
             if const_expr(what == "dbias"):

@@ -55,6 +55,8 @@ class FwdSpec:
                                # kernels/sm90/score_mod.py)
     score_bias: str = ""       # an additive bias of this dtype read in every visited tile
                                # ("" none; block_sparse only)
+    score_pairs: bool = False  # the mask's and bias's slabs and rows start an even number of
+                               # elements apart: adjacent key pairs read as one load
 
     @property
     def score_mods(self) -> bool:

@@ -274,12 +274,14 @@ SCORE_MODS = {"mask": (True, None), "bias-bf16": (False, "bfloat16"),
               "mask-bias-fp16": (True, "float16"), "mask-bias-fp32": (True, "float32")}
 
 
-# Each call and each mod at least once (compiles cost ~9 s each on CI's cores).
-@pytest.mark.parametrize("call, mods", [("long", "mask"), ("long", "bias-bf16"),
-                                        ("long-causal-window", "mask-bias-fp16"),
-                                        ("short-causal", "mask-bias-fp32"),
-                                        ("short-causal", "mask")])
-def test_score_mod_variants_compile_for_sm90a(call, mods):
+# Each call and each mod at least once (compiles cost ~9 s each on CI's cores); the cells'
+# rows an even number of elements apart (read in key pairs) except for the last two.
+@pytest.mark.parametrize("call, mods, pairs", [("long", "mask", True),
+                                               ("long", "bias-bf16", True),
+                                               ("long-causal-window", "mask-bias-fp16", True),
+                                               ("short-causal", "mask-bias-fp32", False),
+                                               ("short-causal", "mask", False)])
+def test_score_mod_variants_compile_for_sm90a(call, mods, pairs):
     import torch
 
     from kernels.sm90.forward import ScoreModTensors
@@ -290,10 +292,11 @@ def test_score_mod_variants_compile_for_sm90a(call, mods):
     base = choose_spec(dtype="bfloat16", head_dim=128 if call != "short-causal" else 64,
                        causal=causal, window_size=window, sparse_block_size=128,
                        sparse_list_capacity=2 * blocks, max_seqlen_k=max_seqlen_k)
-    cells = torch.zeros(1, 1, 1)
+    cells = torch.zeros(1, 2, 2) if pairs else torch.zeros(1, 3, 3)
     spec = ScoreModTensors(
         mask=cells.to(torch.uint8) if with_mask else None,
         bias=None if bias_dtype is None else cells.to(getattr(torch, bias_dtype)),
         slabs=torch.zeros(1, 1, 2, dtype=torch.int32)).spec(base)
     assert spec.score_mask == with_mask and spec.score_bias == (bias_dtype or "")
+    assert spec.score_pairs == pairs
     assert callable(compile_forward_on_fake_tensors(spec))
