@@ -97,7 +97,17 @@ def score_mod_spec(spec, score_mods, bias_grad: bool):
     fused = dataclasses.replace(spec, dq_separate=False,
                                 score_mask=score_mods.mask is not None,
                                 score_bias=score_mods.bias_dtype, score_bias_grad=bias_grad)
-    return fused if fused.can_fuse_dq and fused.fits_in_smem() else None
+    if not (fused.can_fuse_dq and fused.fits_in_smem()):
+        return None
+    staged = dataclasses.replace(fused, score_stage_bias=True)
+    return staged if _can_stage_bias(score_mods.bias) and staged.fits_in_smem() else fused
+
+
+def _can_stage_bias(bias) -> bool:
+    """Whether the backward can copy the bias's tiles to smem 16 bytes at a time
+    (`BwdSpec.score_stage_bias`): a 16-bit bias whose slabs and rows start 16 bytes apart."""
+    return (bias is not None and bias.element_size() == 2 and bias.data_ptr() % 16 == 0
+            and bias.stride(0) % 8 == 0 and bias.stride(1) % 8 == 0)
 
 
 def can_run_score_mods(q, k, v, *, block_sparse, score_mods, bias_grad: bool,

@@ -55,7 +55,7 @@ from kernels.sm90.mask import apply_mask_keys_as_rows
 from kernels.sm90.mma import gemm, warpgroup_slice
 from kernels.sm90.pipelines import load_seq_tile, smem_buffer, stage_index, tma_pipeline
 from kernels.sm90.register_store import store_rows_from_registers
-from kernels.sm90.spec import QUERY_SLOT_ROWS, BwdSpec
+from kernels.sm90.spec import QUERY_SLOT_ROWS, STAGED_BIAS_PAD, BwdSpec
 
 _WARPGROUP = 128
 # Named barrier (0 is __syncthreads) among the consumer warpgroups: the step's dS is in smem
@@ -65,6 +65,8 @@ _DS_FULL_BARRIER = 1
 # each has staged the dK or dV it hands over.
 _WALKS_DONE_BARRIER = 2
 _DKV_STAGED_BARRIER = 3
+# `score_stage_bias`: warpgroup w's half of the step's bias tile is in smem (4 + w).
+_BIAS_STAGED_BARRIER = 4
 _LOG2_E = 1.4426950408889634
 
 
@@ -189,8 +191,9 @@ class FlashAttentionBackwardSm90:
         sdQ_layout = cute.make_layout((QUERY_SLOT_ROWS * self.dq_cols_per_wg, self.num_wg))
         self.q_bytes = cute.size_in_bytes(dtype, sQ_one) + tm * 4
         self.kv_bytes = 2 * cute.size_in_bytes(dtype, sK_one)
-        self.shared_storage = self.shared_storage_struct(sQ_layout, sK_layout, sdS_layout,
-                                                         sdQ_layout)
+        self.shared_storage = self.shared_storage_struct(
+            sQ_layout, sK_layout, sdS_layout, sdQ_layout,
+            mScoreBias.element_type if const_expr(self.spec.score_stage_bias) else None)
 
         mdK = with_row_strides_divisible(mdK, 8)  # proves the 32-bit stores of column pairs
         mdV = with_row_strides_divisible(mdV, 8)
@@ -224,8 +227,10 @@ class FlashAttentionBackwardSm90:
             return (num_kv_tiles * num_kv_heads, 1, num_seqs)
         return (num_kv_tiles, num_kv_heads, num_seqs)
 
-    def shared_storage_struct(self, sQ_layout, sK_layout, sdS_layout, sdQ_layout):
-        """The CTA's shared memory (`BwdSpec.smem_bytes` computes its size)."""
+    def shared_storage_struct(self, sQ_layout, sK_layout, sdS_layout, sdQ_layout,
+                              bias_dtype=None):
+        """The CTA's shared memory (`BwdSpec.smem_bytes` computes its size); bias_dtype: the
+        staged bias tile's element type (`score_stage_bias`)."""
         dtype, stages = self.dtype, self.spec.q_stages
 
         fields = dict(
@@ -242,6 +247,9 @@ class FlashAttentionBackwardSm90:
         if self.spec.fuses_dq:
             fields["sdS"] = smem_buffer(dtype, cute.cosize(sdS_layout), 1024)
             fields["sdQ"] = smem_buffer(Float32, cute.cosize(sdQ_layout), 1024)
+        if self.spec.score_stage_bias:
+            fields["sBias"] = smem_buffer(
+                bias_dtype, self.tile_m * (self.tile_n + STAGED_BIAS_PAD), 128)
         return cute.struct(type("BackwardSharedStorage", (), {"__annotations__": fields}))
 
     # ------------------------------------------------------------------ device side
@@ -346,8 +354,12 @@ class FlashAttentionBackwardSm90:
             mKvBlockOffsets=mKvBlockOffsets, list_head=list_head, entry_lo=entry_lo,
             entry_hi=entry_hi, split=split, row_splits=row_splits)
         q_tile_offset = mQTileOffsets[batch]
+        staged_bias = None
+        if const_expr(spec.score_stage_bias):
+            staged_bias = storage.sBias.get_tensor(cute.make_layout(
+                (self.tile_m, self.tile_n), stride=(self.tile_n + STAGED_BIAS_PAD, 1)))
         score_mods = score_mods_of(spec, mScoreMask, mScoreBias, mScoreSlabs, softmax_scale,
-                                   mDBias)
+                                   mDBias, staged_bias)
 
         # KV tiles past their sequence's end have nothing to do (the grid covers the longest),
         # nor a band of rows that sees none of the tile's keys (`row_bands`).
@@ -664,6 +676,13 @@ class FlashAttentionBackwardSm90:
         `score_mods` the bias is added and the user mask read where the step's mask is (the
         lists' "mask" entries), and dS goes into dbias."""
         stages = self.spec.q_stages
+        step_mods = None
+        if const_expr(score_mods is not None):
+            step_mods = score_mods.for_tile(batch, head)
+            if const_expr(self.spec.score_stage_bias):
+                # The bias tile's copies run under the step's first products.
+                step_mods = step_mods.stage_bias(tidx, _BIAS_STAGED_BARRIER, m_block, n_block,
+                                                 self.tile_m, self.tile_n, seqlen_q, seqlen_k)
         q_handle = q_consumer.wait_and_advance()
         q_stage = stage_index(q_handle, stages)
         tiled_mma_sdp = gemm(tiled_mma_sdp, acc_s, tSrK[None, None, None, 0],
@@ -688,9 +707,7 @@ class FlashAttentionBackwardSm90:
         tiled_mma_sdp = gemm(tiled_mma_sdp, acc_dp, tSrV[None, None, None, 0],
                                   tSrdO[None, None, None, do_stage], zero_init=True)
         warpgroup.wait_group(1)
-        step_mods = None
         if const_expr(score_mods is not None):
-            step_mods = score_mods.for_tile(batch, head)
             step_mods.apply(acc_s, t_coord, m_block, n_block, self.tile_m, self.tile_n,
                             seqlen_q, seqlen_k, needs_mask, keys_as_rows=True)
         if const_expr(not early_lse):

@@ -88,9 +88,11 @@ def fake_score_mods(spec):
     """Fakes standing for the user mask (slabs, Nq, Nk) uint8, the bias (slabs, Nq, Nk) and the
     (B, H, 2) int32 slab table (kernels/sm90/score_mod.py), None where the spec has none."""
     def cells(element):
-        # 64-bit strides: a per-head 16K x 16K bias has 2**32 cells.
+        # 64-bit strides: a per-head 16K x 16K bias has 2**32 cells. Aligned as the launcher
+        # passes them (`launch.as_cute`: 16 bytes for 16-bit elements, 4 otherwise).
         return make_fake_tensor(element, tuple(cute.sym_int() for _ in range(3)),
-                                stride=(cute.sym_int64(), cute.sym_int64(), 1), assumed_align=4)
+                                stride=(cute.sym_int64(), cute.sym_int64(), 1),
+                                assumed_align=16 if element.width == 16 else 4)
 
     mask = cells(cutlass.Uint8) if spec.score_mask else None
     bias = cells(SCORE_BIAS_DTYPES[spec.score_bias]) if spec.score_bias else None

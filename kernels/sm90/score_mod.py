@@ -20,10 +20,18 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 
-from kernels.sm90.layouts import acc_mn_view
+from cutlass.cute.nvgpu import cpasync
+
+from kernels.sm90.layouts import acc_mn_view, with_row_strides_divisible
+
+# Elements of a 16-bit bias per cp.async of the backward's staged tile (16 bytes).
+_STAGED_CHUNK = 8
+# Keys of the staged tile each consumer warpgroup of the backward copies and reads (its half).
+_KEYS_PER_WARPGROUP = 64
+_WARPGROUP = 128
 
 
-def score_mods_of(spec, mask, bias, slabs, softmax_scale, dbias=None):
+def score_mods_of(spec, mask, bias, slabs, softmax_scale, dbias=None, staged_bias=None):
     """The kernel's `ScoreMods` for `spec` (`FwdSpec` or `BwdSpec`; None without score mods).
     An absent tensor's field holds the slab table: the DSL carries tensors, and the Constexpr
     flags keep it unread. Plain Python on compile-time values, called while a kernel traces."""
@@ -33,10 +41,12 @@ def score_mods_of(spec, mask, bias, slabs, softmax_scale, dbias=None):
     pairs = getattr(spec, "score_pairs", False)
     if pairs:  # the launcher admits only even strides with the flag (`FwdSpec.score_pairs`)
         mask, bias = (with_even_strides(t) if t is not None else None for t in (mask, bias))
+    if getattr(spec, "score_stage_bias", False):  # its rows 16 bytes apart: 16-byte copies
+        bias = with_row_strides_divisible(bias, _STAGED_CHUNK)
     return ScoreMods(spec.score_mask, bool(spec.score_bias),
                      mask if spec.score_mask else slabs, bias if spec.score_bias else slabs,
                      slabs, Float32(1.0) / softmax_scale, bias_grad,
-                     dbias if bias_grad else slabs, pairs=pairs)
+                     dbias if bias_grad else slabs, pairs=pairs, staged_bias=staged_bias)
 
 
 def with_even_strides(cells: cute.Tensor) -> cute.Tensor:
@@ -70,6 +80,11 @@ class ScoreMods:
     mask_slab: Int32 = 0   # this tile's (`for_tile`)
     bias_slab: Int32 = 0
     pairs: cutlass.Constexpr[bool] = False  # the forward reads adjacent key pairs as one load
+    # The backward's (tile_m, tile_n) smem copy of the step's bias tile (`stage_bias`), None
+    # where it reads the bias from global memory; and the named barrier of this thread's
+    # warpgroup that says its half was copied.
+    staged_bias: cute.Tensor = None
+    staged_barrier: Int32 = 0
 
     @cute.jit
     def for_tile(self, batch: Int32, head: Int32) -> "ScoreMods":
@@ -92,8 +107,15 @@ class ScoreMods:
         inside = (n_block + 1) * tile_n <= seqlen_k
         if const_expr(self.has_bias):
             if inside:
-                self.visit(s_mn, c_mn, m_block, n_block, tile_m, tile_n, seqlen_q, seqlen_k,
-                           keys_as_rows, False, "bias")
+                if const_expr(self.staged_bias is not None and keys_as_rows):
+                    # This thread's copies, then its warpgroup's: the half it reads is there.
+                    cute.arch.cp_async_wait_group(0)
+                    cute.arch.barrier(barrier_id=self.staged_barrier,
+                                      number_of_threads=_WARPGROUP)
+                    self.visit_staged(s_mn, c_mn)
+                else:
+                    self.visit(s_mn, c_mn, m_block, n_block, tile_m, tile_n, seqlen_q,
+                               seqlen_k, keys_as_rows, False, "bias")
             else:
                 self.visit(s_mn, c_mn, m_block, n_block, tile_m, tile_n, seqlen_q, seqlen_k,
                            keys_as_rows, True, "bias")
@@ -105,6 +127,46 @@ class ScoreMods:
                 else:
                     self.visit(s_mn, c_mn, m_block, n_block, tile_m, tile_n, seqlen_q,
                                seqlen_k, keys_as_rows, True, "mask")
+
+    @cute.jit
+    def stage_bias(self, thread: Int32, barrier: Int32, m_block: Int32, n_block: Int32,
+                   tile_m: cutlass.Constexpr[int], tile_n: cutlass.Constexpr[int],
+                   seqlen_q: Int32, seqlen_k: Int32) -> "ScoreMods":
+        """Start copying the step's bias tile (m_block, n_block) to `staged_bias` (the
+        backward, `BwdSpec.score_stage_bias`): each consumer warpgroup its own 64 keys, 16 bytes
+        per cp.async, rows past the sequence read as its last row (as `visit` reads them). Only
+        for a KV tile inside the keys (the tile of the whole CTA: its other tiles keep the
+        cell-by-cell reads). `apply` waits for the copies. Returns the mods with the
+        warpgroup's barrier (`barrier` + its index)."""
+        wg = thread // _WARPGROUP
+        if (n_block + 1) * tile_n <= seqlen_k:
+            atom = cute.make_copy_atom(cpasync.CopyG2SOp(), self.bias.element_type,
+                                       num_bits_per_copy=8 * 2 * _STAGED_CHUNK)
+            cells = self.bias[self.bias_slab, None, None]
+            chunks_per_row = _KEYS_PER_WARPGROUP // _STAGED_CHUNK
+            first_chunk = (n_block * tile_n + wg * _KEYS_PER_WARPGROUP) // _STAGED_CHUNK
+            for i in cutlass.range_constexpr(tile_m * chunks_per_row // _WARPGROUP):
+                chunk = i * _WARPGROUP + thread % _WARPGROUP
+                row_in_tile, chunk_in_row = chunk // chunks_per_row, chunk % chunks_per_row
+                row = cutlass.min(m_block * tile_m + row_in_tile, seqlen_q - 1)
+                cute.copy(atom, cute.local_tile(cells[row, None], (_STAGED_CHUNK,),
+                                                (first_chunk + chunk_in_row,)),
+                          cute.local_tile(self.staged_bias[row_in_tile, None], (_STAGED_CHUNK,),
+                                          (wg * chunks_per_row + chunk_in_row,)))
+            cute.arch.cp_async_commit_group()
+        return replace(self, staged_barrier=barrier + wg)
+
+    @cute.jit
+    def visit_staged(self, s_mn: cute.Tensor, c_mn: cute.Tensor):
+        """Add the staged bias tile to the backward's S^T fragment: every cell an smem read at
+        a compile-time offset from this thread's first query row and key."""
+        first_key = self.key_of(c_mn, 0, True)
+        first_row = self.row_of(c_mn, 0, True)
+        for i in cutlass.range_constexpr(cute.size(s_mn, mode=[1])):
+            line = self.staged_bias[first_row + (self.row_of(c_mn, i, True) - first_row), None]
+            for j in cutlass.range_constexpr(cute.size(s_mn, mode=[0])):
+                key = first_key + (self.key_of(c_mn, j, True) - first_key)
+                s_mn[j, i] = s_mn[j, i] + Float32(line[key]) * self.bias_scale
 
     @cute.jit
     def add_bias_gradient(self, ds_t: cute.Tensor, t_coord: cute.Tensor, m_block: Int32,

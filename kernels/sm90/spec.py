@@ -297,6 +297,9 @@ class BwdSpec:
     score_bias: str = ""       # as `FwdSpec.score_bias`
     score_bias_grad: bool = False  # dS summed into a float32 dbias by reductions
                                    # (kernels/sm90/score_mod.py)
+    score_stage_bias: bool = False  # a 16-bit bias's tile copied to smem by cp.async at each
+                                    # step (rows 16 bytes apart; KV tiles inside the keys) and
+                                    # read there on S^T, instead of cell by cell from global
 
     @property
     def score_mods(self) -> bool:
@@ -413,11 +416,19 @@ class BwdSpec:
             size = aligned(size, 1024) + 2 * self.tile_m * self.tile_n * self.ds_stages
             size = aligned(size, 1024) + 4 * QUERY_SLOT_ROWS * self.dq_cols_per_warpgroup * (
                 self.num_consumer_warpgroups)
+        if self.score_stage_bias:
+            size = aligned(size, 128) + 2 * self.tile_m * (self.tile_n + STAGED_BIAS_PAD)
         return size
 
     def fits_in_smem(self) -> bool:
         return (self.smem_bytes <= SMEM_PER_CTA
                 and self.ctas_per_sm * (self.smem_bytes + SMEM_RESERVED_PER_CTA) <= SMEM_PER_SM)
+
+
+# Elements after each row of the backward's staged bias tile (`BwdSpec.score_stage_bias`):
+# rows 272 bytes apart, so the S^T fragment's reads of four query rows two apart fall on
+# different banks.
+STAGED_BIAS_PAD = 8
 
 
 @dataclass(frozen=True)

@@ -375,10 +375,13 @@ def test_list_layout_kernels_compile_for_sm90a(kernel):
 
 # A user mask and bias on the 128 x 128 lists of kernels/masked.py (lists per KV group, split
 # into units, and per query head): the fused-dQ spec `score_mod_spec` makes, each bias dtype.
-@pytest.mark.parametrize("head_dim, list_heads, mask, bias, grad", [
-    (128, "kv", True, "bfloat16", True), (64, "query", False, "float32", True),
-    (128, "query", True, "", False)])
-def test_score_mod_backward_variants_compile_for_sm90a(head_dim, list_heads, mask, bias, grad):
+# The 16-bit bias's tiles staged in smem where its rows start 16 bytes apart (`staged`).
+@pytest.mark.parametrize("head_dim, list_heads, mask, bias, grad, staged", [
+    (128, "kv", True, "bfloat16", True, True), (128, "kv", True, "bfloat16", True, False),
+    (64, "query", False, "float32", True, False), (128, "query", False, "float16", False, True),
+    (128, "query", True, "", False, False)])
+def test_score_mod_backward_variants_compile_for_sm90a(head_dim, list_heads, mask, bias, grad,
+                                                       staged):
     import torch
 
     from kernels.sm90.backward import score_mod_spec
@@ -389,10 +392,11 @@ def test_score_mod_backward_variants_compile_for_sm90a(head_dim, list_heads, mas
     base = choose_backward_spec(dtype="bfloat16", head_dim=head_dim, causal=False,
                                 window_size=(-1, -1), sparse_block_size=128,
                                 max_seqlen_k=16384, lists=lists)
-    cells = torch.zeros(1, 1, 1)
+    cells = torch.zeros(1, 8, 8) if staged else torch.zeros(1, 3, 3)
     mods = ScoreModTensors(mask=cells.to(torch.uint8) if mask else None,
                            bias=cells.to(getattr(torch, bias)) if bias else None,
                            slabs=torch.zeros(1, 1, 2, dtype=torch.int32))
     spec = score_mod_spec(base, mods, grad)
     assert spec is not None and spec.fuses_dq and spec.score_bias_grad == grad
+    assert spec.score_stage_bias == staged
     compile_backward_on_fake_tensors(spec)

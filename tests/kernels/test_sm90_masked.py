@@ -79,6 +79,9 @@ CASES = {
                       (torch.float16, (1, 4), True), dict(causal=True)),
     "bias-odd-rows-and-keys": (1, 777, 901, 4, 2, 64, torch.bfloat16, ("random", 0.5, (1, 1)),
                                (torch.bfloat16, (1, 1), False), {}),
+    # Keys a multiple of 8: the backward stages the bias's tiles in smem (all but the last).
+    "bias-staged-d64": (1, 600, 1000, 4, 2, 64, torch.bfloat16, None,
+                        (torch.bfloat16, (1, 1), True), dict(causal=True)),
 }
 
 
