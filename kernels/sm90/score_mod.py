@@ -10,16 +10,19 @@ Both tensors come as (slabs, Nq, Nk) (a padded call's rows and keys, every broad
 head) pair one slab) with a (B, H, 2) int32 table of each (batch, query head)'s slab of the mask
 and of the bias: the broadcast rules stay on the host (`kernels/masked.py`), the kernel reads
 one slab index per tile. Each thread reads the cells of its own fragment straight from global
-memory (L2 serves the neighbours' reads of the same lines). The mask is read only in the tiles
-the lists call "mask" tiles (some cell hidden); "full" tiles skip it. The bias is read in every
-visited tile. The backward reads both on S^T and sums dS into a float32 dbias.
+memory (L2 serves the neighbours' reads of the same lines); the forward's fragment holds a row's
+keys in adjacent pairs, read as one load where the rows start an even number of elements apart
+(`FwdSpec.score_pairs`). The mask is read only in the tiles the lists call "mask" tiles (some
+cell hidden); "full" tiles skip it. The bias is read in every visited tile. The backward reads
+both on S^T, where a thread's cells lie along 16-32 query rows, so it copies a 16-bit bias's
+tile to shared memory first where it can (`BwdSpec.score_stage_bias`), and sums dS into a
+float32 dbias with one reduction per cell.
 """
 from dataclasses import dataclass, replace
 
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
-
 from cutlass.cute.nvgpu import cpasync
 
 from kernels.sm90.layouts import acc_mn_view, with_row_strides_divisible
@@ -135,9 +138,9 @@ class ScoreMods:
         """Start copying the step's bias tile (m_block, n_block) to `staged_bias` (the
         backward, `BwdSpec.score_stage_bias`): each consumer warpgroup its own 64 keys, 16 bytes
         per cp.async, rows past the sequence read as its last row (as `visit` reads them). Only
-        for a KV tile inside the keys (the tile of the whole CTA: its other tiles keep the
-        cell-by-cell reads). `apply` waits for the copies. Returns the mods with the
-        warpgroup's barrier (`barrier` + its index)."""
+        for a KV tile inside the keys (a CTA keeps its KV tile for every step; one whose tile
+        crosses the keys' end reads cell by cell). `apply` waits for the copies. Returns the
+        mods with the warpgroup's barrier (`barrier` + its index)."""
         wg = thread // _WARPGROUP
         if (n_block + 1) * tile_n <= seqlen_k:
             atom = cute.make_copy_atom(cpasync.CopyG2SOp(), self.bias.element_type,
