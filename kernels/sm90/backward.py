@@ -28,8 +28,8 @@ import torch
 
 from kernels.device import sm_count
 from kernels.sm90.forward import SUPPORTED_DTYPES, unsupported_inputs
-from kernels.sm90.launch import (aligned_rows, as_cute, launch_compiled, launch_on_current_stream,
-                                 query_positions, uniform_cu_seqlens)
+from kernels.sm90.launch import (aligned_rows, as_cute, has_aligned_rows, launch_compiled,
+                                 launch_on_current_stream, query_positions, uniform_cu_seqlens)
 from kernels.sm90.limits import require_int32_limits
 from kernels.sm90.spec import (BACKWARD_DENSE_TILE_N, H100_NUM_SMS, choose_backward_spec,
                                dq_spec_for, list_shape)
@@ -108,8 +108,7 @@ def score_mod_spec(spec, score_mods, bias_grad: bool):
 def _can_stage_bias(bias) -> bool:
     """Whether the backward can copy the bias's tiles to smem 16 bytes at a time
     (`BwdSpec.score_stage_bias`): a 16-bit bias whose slabs and rows start 16 bytes apart."""
-    return (bias is not None and bias.element_size() == 2 and bias.data_ptr() % 16 == 0
-            and bias.stride(0) % 8 == 0 and bias.stride(1) % 8 == 0)
+    return bias is not None and bias.element_size() == 2 and has_aligned_rows(bias)
 
 
 def can_run_score_mods(q, k, v, *, block_sparse, score_mods, bias_grad: bool,

@@ -42,22 +42,16 @@ def score_mods_of(spec, mask, bias, slabs, softmax_scale, dbias=None, staged_bia
         return None
     bias_grad = getattr(spec, "score_bias_grad", False)
     pairs = getattr(spec, "score_pairs", False)
-    if pairs:  # the launcher admits only even strides with the flag (`FwdSpec.score_pairs`)
-        mask, bias = (with_even_strides(t) if t is not None else None for t in (mask, bias))
+    if pairs:  # the launcher admits only even strides with the flag (`FwdSpec.score_pairs`):
+        # every row starts two elements apart, so an even key's pair is one aligned load
+        mask, bias = (with_row_strides_divisible(t, 2) if t is not None else None
+                      for t in (mask, bias))
     if getattr(spec, "score_stage_bias", False):  # its rows 16 bytes apart: 16-byte copies
         bias = with_row_strides_divisible(bias, _STAGED_CHUNK)
     return ScoreMods(spec.score_mask, bool(spec.score_bias),
                      mask if spec.score_mask else slabs, bias if spec.score_bias else slabs,
                      slabs, Float32(1.0) / softmax_scale, bias_grad,
                      dbias if bias_grad else slabs, pairs=pairs, staged_bias=staged_bias)
-
-
-def with_even_strides(cells: cute.Tensor) -> cute.Tensor:
-    """(slabs, Nq, Nk) cells with the slab and row strides asserted even: every row starts
-    two elements apart, so an even key's pair of cells is one aligned load."""
-    strides = (cute.assume(cells.stride[0], divby=2), cute.assume(cells.stride[1], divby=2),
-               cells.stride[2])
-    return cute.make_tensor(cells.iterator, cute.make_layout(cells.shape, stride=strides))
 
 
 @cute.jit
