@@ -54,7 +54,7 @@ from kernels.sm90.score_mod import ScoreMods, score_mods_of
 from kernels.sm90.mask import apply_mask_keys_as_rows
 from kernels.sm90.mma import gemm, warpgroup_slice
 from kernels.sm90.pipelines import load_seq_tile, smem_buffer, stage_index, tma_pipeline
-from kernels.sm90.register_store import store_rows_from_registers
+from kernels.sm90.register_store import reduce_rows_from_registers, store_rows_from_registers
 from kernels.sm90.spec import QUERY_SLOT_ROWS, STAGED_BIAS_PAD, BwdSpec
 
 _WARPGROUP = 128
@@ -794,14 +794,8 @@ class FlashAttentionBackwardSm90:
         float32 sums (this CTA alone owns the tile's rows); with `partial_dkv` added into the
         float32 accumulator instead (several CTAs share a KV tile)."""
         if const_expr(self.spec.partial_dkv):
-            m_seq = cute.domain_offset((offset_k, 0), m_out[None, head_kv, None])
-            g_part = thr_dkv.partition_C(
-                cute.local_tile(m_seq, (self.tile_n, self.head_dim), (n_block, 0)))
-            coord = thr_dkv.partition_C(cute.make_identity_tensor((self.tile_n, self.head_dim)))
-            for i in cutlass.range_constexpr(cute.size(acc)):
-                if n_block * self.tile_n + coord[i][0] < seqlen_k:
-                    cute.arch.red(g_part.iterator + cute.crd2idx(i, g_part.layout), acc[i],
-                                  op="add", dtype="f32", sem="relaxed", scope="gpu")
+            reduce_rows_from_registers(thr_dkv, acc, m_out, offset_k, head_kv, n_block,
+                                       self.tile_n, self.head_dim, seqlen_k)
         else:
             add = self.spec.add_dkv
             store_rows_from_registers(thr_dkv, acc, m_out, offset_k, head_kv, n_block,

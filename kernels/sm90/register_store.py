@@ -43,3 +43,27 @@ def store_rows_from_registers(thr_mma, acc: cute.Tensor, m_out: cute.Tensor, off
                     o_mn[r, pair].store(
                         (a_mn[r, pair].load() + held.load().to(Float32)).to(dtype))
                 cute.copy(pair_store, o_mn[r, pair], g_mn[r, pair])
+
+
+@cute.jit
+def reduce_rows_from_registers(thr_mma, acc: cute.Tensor, m_out: cute.Tensor, offset: Int32,
+                               head: Int32, block: Int32, tile_rows: cutlass.Constexpr[int],
+                               head_dim: cutlass.Constexpr[int], seqlen: Int32):
+    """acc (float32, as in `store_rows_from_registers`) added into the float32 rows of m_out
+    that several CTAs share, rows at or past `seqlen` skipped: one `red.global.add.v2.f32` per
+    pair of adjacent columns (m_out's row strides must be known multiples of 2 elements). Half
+    the reductions of one per value; the split-list backward issues them at the end of each
+    work unit, a burst no compute hides (32K values per 128-key unit)."""
+    m_seq = cute.domain_offset((offset, 0), m_out[None, head, None])
+    g_mn = acc_mn_view(thr_mma.partition_C(
+        cute.local_tile(m_seq, (tile_rows, head_dim), (block, 0))))
+    c_mn = acc_mn_view(thr_mma.partition_C(cute.make_identity_tensor((tile_rows, head_dim))))
+    a_mn = acc_mn_view(acc)
+    col_groups = cute.size(a_mn.shape[1][1])
+    num_pairs = cute.size(a_mn, mode=[1]) // 2
+    for r in cutlass.range_constexpr(cute.size(a_mn, mode=[0])):
+        if block * tile_rows + c_mn[r, 0][0] < seqlen:
+            for c in cutlass.range_constexpr(num_pairs):
+                pair = (None, c % col_groups, c // col_groups)
+                cute.arch.red(g_mn[r, pair].iterator, a_mn[r, pair].load(), op="add",
+                              dtype="f32", sem="relaxed", scope="gpu")
