@@ -274,7 +274,8 @@ def sm90_backward(problem: AttentionProblem, dout, q, k, v, out, lse, attn_mask=
     gradient = _BiasGradient(problem, attn_bias, mods.bias, kwargs["block_sparse"]) \
         if bias_gradient else None
     dq, dk, dv = kernel.run(dout, q, k, v, out, lse, **kwargs, score_mods=mods,
-                            dbias=None if gradient is None else gradient.sums)
+                            dbias=None if gradient is None else gradient.sums,
+                            dbias_stores=gradient is not None and gradient.stores)
     return dq, dk, dv, None if gradient is None else gradient.result()
 
 
@@ -286,7 +287,12 @@ class _BiasGradient:
     those tiles of the sums are zeroed before the backward and read after it; the gradient's
     other tiles are written as zeros in the same pass (at 16K x 16K, window 32, the whole-tensor
     zeroing and conversion cost 0.67 ms, more than the attention). A float32 bias's gradient is
-    its own sums. Elsewhere the whole tensor is zeroed and converted in torch."""
+    its own sums. Elsewhere the whole tensor is zeroed and converted in torch.
+
+    Where every slab serves one batch entry and query head (`stores`: a (B, H, Nq, Nk) bias, the
+    largest), nothing is summed: the backward stores each visited cell's dS into the gradient
+    itself, in the bias's dtype (`BwdSpec.score_dbias_stores`), the other tiles are zeroed, and
+    there is no float32 temporary (a per-head 16-bit bias of 16 x 16K x 16K would need 16 GiB)."""
 
     def __init__(self, problem: AttentionProblem, attn_bias: torch.Tensor, bias: torch.Tensor,
                  lists):
@@ -294,9 +300,10 @@ class _BiasGradient:
 
         self.shape = attn_bias.shape
         device = bias.device
+        self.stores = bias.shape[0] == problem.num_seqs * problem.num_heads
         self.out = torch.empty(bias.shape, dtype=attn_bias.dtype, device=device)
-        self.sums = self.out if attn_bias.dtype == torch.float32 else torch.empty(
-            bias.shape, dtype=torch.float32, device=device)
+        self.sums = self.out if attn_bias.dtype == torch.float32 or self.stores else \
+            torch.empty(bias.shape, dtype=torch.float32, device=device)
         self.tiles, _ = dispatch.sm90_module("dbias_tiles", device)
         self.visited = None
         if self.tiles is not None:
@@ -305,12 +312,14 @@ class _BiasGradient:
                 self.tiles = None
         if self.tiles is None:
             self.sums.zero_()
+        elif self.stores:
+            self.tiles.zero_unlisted(self.visited, self.out)
         else:
             self.tiles.zero_listed(self.visited, self.sums)
 
     def result(self) -> torch.Tensor:
         """The gradient in the bias's shape and dtype (0 in every tile no list visits)."""
-        if self.tiles is not None:
+        if self.tiles is not None and not self.stores:
             self.tiles.convert(self.visited, self.sums, self.out)
         elif self.out is not self.sums:
             self.out.copy_(self.sums)

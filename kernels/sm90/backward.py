@@ -86,8 +86,9 @@ def _spec_for(q, k, causal, window_size, block_sparse, compress_factor, determin
                                                             k.shape[-2]))
 
 
-def score_mod_spec(spec, score_mods, bias_grad: bool):
-    """`spec` with a user mask and bias (`score_mods`) and dbias where `bias_grad`: on the
+def score_mod_spec(spec, score_mods, bias_grad: bool, dbias_stores: bool = False):
+    """`spec` with a user mask and bias (`score_mods`) and dbias where `bias_grad` (stored,
+    not summed, with `dbias_stores`: `BwdSpec.score_dbias_stores`): on the
     fused dQ (the dQ kernel would recompute P without them); None where it cannot fuse. A
     16-bit bias whose rows start 16 bytes apart is staged in smem (`score_stage_bias`) where
     its tile fits (H200, 16K, window 16K: backward 13.97 -> 11.69 ms, docs/history.md).
@@ -98,7 +99,8 @@ def score_mod_spec(spec, score_mods, bias_grad: bool):
     windows 8192 / 16384 against 23.8 / 41.8 with reductions, docs/history.md)."""
     fused = dataclasses.replace(spec, dq_separate=False,
                                 score_mask=score_mods.mask is not None,
-                                score_bias=score_mods.bias_dtype, score_bias_grad=bias_grad)
+                                score_bias=score_mods.bias_dtype, score_bias_grad=bias_grad,
+                                score_dbias_stores=bias_grad and dbias_stores)
     if not (fused.can_fuse_dq and fused.fits_in_smem()):
         return None
     staged = dataclasses.replace(fused, score_stage_bias=True)
@@ -129,7 +131,7 @@ def run(
     block_sparse=None, block_sparse_transposed=None, deterministic=False, spec_overrides=None,
     dout_dot_out=None, dq_accumulator=None, dkv_accumulators=None, lse_gate=None,
     host_cu_seqlens_q=None, head_major_units=UNITS_HEAD_MAJOR, q_start_positions=None,
-    score_mods=None, dbias=None,
+    score_mods=None, dbias=None, dbias_stores=False,
 ):
     """(dq, dk, dv) of the sm90 backward kernel; dk and dv summed over each KV group.
 
@@ -154,7 +156,10 @@ def run(
     first query row (`BwdSpec.q_positions`, and the dQ kernel's).
     score_mods (`kernels.sm90.forward.ScoreModTensors`, padded inputs with the lists of the
     mask, `kernels.masked.sm90_backward`): the forward's user mask and bias, on the fused dQ
-    (`score_mod_spec`); dbias: a zeroed float32 (slabs, Nq, Nk) tensor that dS is summed into."""
+    (`score_mod_spec`); dbias: a float32 (slabs, Nq, Nk) tensor that dS is summed into, zeroed
+    where the lists visit; with `dbias_stores` (each bias slab serves one batch entry and query
+    head) a tensor of the bias's dtype whose visited cells are written dS
+    (`BwdSpec.score_dbias_stores`)."""
     if lse_gate is not None and dout_dot_out is None:
         raise ValueError("lse_gate: only taken with dout_dot_out (the gate's row dots)")
     if q.dtype not in SUPPORTED_DTYPES:
@@ -196,7 +201,7 @@ def run(
         spec = dataclasses.replace(spec, **spec_overrides)
     score_tensors = (None,) * 4
     if score_mods is not None:
-        spec = score_mod_spec(spec, score_mods, dbias is not None)
+        spec = score_mod_spec(spec, score_mods, dbias is not None, dbias_stores)
         if spec is None:
             raise ValueError("score_mods: this call's backward cannot take the fused dQ "
                              "(kernels.masked sends it to the torch path)")

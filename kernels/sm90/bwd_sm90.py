@@ -96,6 +96,7 @@ class FlashAttentionBackwardSm90:
         # would recompute P without them); a bias gradient needs the bias.
         assert not spec.score_mods or (spec.block_sparse and spec.fuses_dq)
         assert not spec.score_bias_grad or spec.score_bias
+        assert not spec.score_dbias_stores or spec.score_bias_grad
         self.num_wg = spec.num_consumer_warpgroups
         self.key_wg = spec.key_warpgroups
         self.num_consumer_threads = _WARPGROUP * self.num_wg
@@ -141,7 +142,8 @@ class FlashAttentionBackwardSm90:
         mScoreBias: Optional[cute.Tensor],
         mScoreSlabs: Optional[cute.Tensor],
         mDBias: Optional[cute.Tensor],          # (slabs, Nq, Nk) float32, zeroed
-                                                # (`score_bias_grad`)
+                                                # (`score_bias_grad`); the bias's dtype,
+                                                # its cells written (`score_dbias_stores`)
         stream: cuda.CUstream,
     ):
         dtype = self.dtype

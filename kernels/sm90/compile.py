@@ -84,18 +84,20 @@ SCORE_BIAS_DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16,
                      "float32": cutlass.Float32}
 
 
+def fake_score_cells(element):
+    """A fake (slabs, Nq, Nk) tensor of mask, bias or dbias cells: 64-bit strides (a per-head
+    16K x 16K bias has 2**32 cells), aligned as the launcher passes them (`launch.as_cute`: 16
+    bytes for 16-bit elements, 4 otherwise)."""
+    return make_fake_tensor(element, tuple(cute.sym_int() for _ in range(3)),
+                            stride=(cute.sym_int64(), cute.sym_int64(), 1),
+                            assumed_align=16 if element.width == 16 else 4)
+
+
 def fake_score_mods(spec):
     """Fakes standing for the user mask (slabs, Nq, Nk) uint8, the bias (slabs, Nq, Nk) and the
     (B, H, 2) int32 slab table (kernels/sm90/score_mod.py), None where the spec has none."""
-    def cells(element):
-        # 64-bit strides: a per-head 16K x 16K bias has 2**32 cells. Aligned as the launcher
-        # passes them (`launch.as_cute`: 16 bytes for 16-bit elements, 4 otherwise).
-        return make_fake_tensor(element, tuple(cute.sym_int() for _ in range(3)),
-                                stride=(cute.sym_int64(), cute.sym_int64(), 1),
-                                assumed_align=16 if element.width == 16 else 4)
-
-    mask = cells(cutlass.Uint8) if spec.score_mask else None
-    bias = cells(SCORE_BIAS_DTYPES[spec.score_bias]) if spec.score_bias else None
+    mask = fake_score_cells(cutlass.Uint8) if spec.score_mask else None
+    bias = fake_score_cells(SCORE_BIAS_DTYPES[spec.score_bias]) if spec.score_bias else None
     slabs = (make_fake_compact_tensor(cutlass.Int32, (cute.sym_int(), cute.sym_int(), 2),
                                       stride_order=(2, 1, 0))
              if spec.score_mods else None)
@@ -152,8 +154,9 @@ def fake_backward_arguments(spec):
     positions = fake_int32_vector() if spec.q_positions else None
     dbias = None
     if spec.score_bias_grad:
-        dbias = make_fake_tensor(cutlass.Float32, tuple(cute.sym_int() for _ in range(3)),
-                                 stride=(cute.sym_int64(), cute.sym_int64(), 1), assumed_align=4)
+        # float32 sums, or with `score_dbias_stores` the gradient in the bias's dtype
+        dbias = fake_score_cells(SCORE_BIAS_DTYPES[spec.score_bias]
+                                 if spec.score_dbias_stores else cutlass.Float32)
     return ((q, k, v, dout, lse, dpsum, dq_acc, dk, dv, cu_q, cu_k, q_tiles),
             (*lists, units, positions, *fake_score_mods(spec), dbias))
 

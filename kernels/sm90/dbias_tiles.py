@@ -7,7 +7,10 @@ at 16K x 16K on an H200, more than the attention itself under a narrow window
 (docs/history.md, 2026-11-29). Only the tiles some list visits ever receive a sum: this kernel
 zeroes the float32 sums of those tiles alone before the backward ("zero"), and after it writes
 the output whole, the converted sums of those tiles and zeros everywhere else ("convert"), so
-the float32 cells of the other tiles are never read or written.
+the float32 cells of the other tiles are never read or written. Where the backward stores dS
+into the gradient itself (`BwdSpec.score_dbias_stores`: a slab per batch entry and query head,
+nothing to sum) there are no sums: "zero_unlisted" writes zeros in the tiles no list visits and
+leaves the others to the backward.
 
 Layout: listed (S, Tq, Tk) int8, nonzero where some list of the slab's heads visits the 128 x
 128 tile; sums (S, Nq, Nk) float32 and out (S, Nq, Nk) in the bias's dtype ("zero" passes the
@@ -28,7 +31,7 @@ from kernels.sm90.layouts import with_row_strides_divisible
 TILE = 128
 WARPS = 8
 VECTOR = 4  # elements per lane: 16 bytes of float32, TILE / 32 lanes
-MODES = ("zero", "convert")
+MODES = ("zero", "convert", "zero_unlisted")
 OUT_DTYPES = ("float32", "bfloat16", "float16")
 MAX_GRID_YZ = 65535
 
@@ -40,7 +43,8 @@ def _cutlass_dtype(name: str):
 
 @dataclass(frozen=True)
 class DbiasTilesSpec:
-    """The compile key: the pass and the output's element type ("zero": float32, the sums)."""
+    """The compile key: the pass and the output's element type ("zero": float32, the sums;
+    "zero_unlisted": the gradient's, which stands for the sums too)."""
     mode: str
     dtype: str = "float32"
 
@@ -86,7 +90,12 @@ class DbiasTilesSm90:
     def row_vector(self, visited, sums: cute.Tensor, out: cute.Tensor, slab: Int32, row: Int32,
                    vector: Int32):
         """One lane's 4 cells of one row."""
-        if const_expr(self.spec.mode == "zero"):
+        if const_expr(self.spec.mode == "zero_unlisted"):
+            if not visited:
+                zeros = cute.make_rmem_tensor((VECTOR,), _cutlass_dtype(self.spec.dtype))
+                zeros.fill(0.0)
+                cute.local_tile(out[slab, row, None], (VECTOR,), (vector,)).store(zeros.load())
+        elif const_expr(self.spec.mode == "zero"):
             if visited:
                 zeros = cute.make_rmem_tensor((VECTOR,), Float32)
                 zeros.fill(0.0)
@@ -114,7 +123,8 @@ def fake_arguments(spec: DbiasTilesSpec):
         return make_fake_tensor(_cutlass_dtype(dtype), (slabs, rows, keys),
                                 stride=(cute.sym_int64(), cute.sym_int64(), 1), assumed_align=16)
 
-    return listed, cells("float32"), cells(spec.dtype)
+    sums = cells(spec.dtype if spec.mode == "zero_unlisted" else "float32")
+    return listed, sums, cells(spec.dtype)
 
 
 def compile_on_fake_tensors(spec: DbiasTilesSpec):
@@ -125,13 +135,15 @@ def compile_on_fake_tensors(spec: DbiasTilesSpec):
 
 
 # ------------------------------------------------------------------------------------------------
-# Torch side: `can_run` decides, `zero_listed` and `convert` launch (kernels/masked.py).
+# Torch side: `can_run` decides, `zero_listed`, `convert` and `zero_unlisted` launch
+# (kernels/masked.py).
 # ------------------------------------------------------------------------------------------------
 
 
 def can_run(listed, sums, out) -> bool:
     """Whether the kernel takes these (the device already checked): listed (S, Tq, Tk) int8
-    with unit last stride over sums (S, Nq, Nk) float32 and out (S, Nq, Nk) of an output dtype,
+    with unit last stride over sums (S, Nq, Nk) float32 (out itself for `zero_unlisted`) and
+    out (S, Nq, Nk) of an output dtype,
     unit last strides, Nk and the leading strides multiples of 4 elements, 16-byte aligned
     starts, the tiles and slabs within the launch grid."""
     import torch
@@ -147,13 +159,21 @@ def can_run(listed, sums, out) -> bool:
     slabs, rows, keys = sums.shape if sums.dim() == 3 else (0, 0, 0)
     return (0 not in (slabs, rows, keys) and keys % VECTOR == 0
             and tuple(listed.shape) == (slabs, -(-rows // TILE), -(-keys // TILE))
-            and cells_ok(sums, ("float32",)) and cells_ok(out, OUT_DTYPES)
+            and cells_ok(sums, ("float32",) if sums is not out else OUT_DTYPES)
+            and cells_ok(out, OUT_DTYPES)
             and slabs <= MAX_GRID_YZ and listed.shape[1] <= MAX_GRID_YZ)
 
 
 def zero_listed(listed, sums) -> None:
     """Zero the float32 sums of every listed tile (the others are left as they are)."""
     _launch(DbiasTilesSpec("zero"), listed, sums, sums)
+
+
+def zero_unlisted(listed, out) -> None:
+    """Zero the gradient `out` in every tile no list visits (the others are left as they are:
+    the backward stores them)."""
+    _launch(DbiasTilesSpec("zero_unlisted", str(out.dtype).removeprefix("torch.")), listed, out,
+            out)
 
 
 def convert(listed, sums, out) -> None:

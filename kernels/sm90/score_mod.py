@@ -16,7 +16,9 @@ keys in adjacent pairs, read as one load where the rows start an even number of 
 cell hidden); "full" tiles skip it. The bias is read in every visited tile. The backward reads
 both on S^T, where a thread's cells lie along 16-32 query rows, so it copies a 16-bit bias's
 tile to shared memory first where it can (`BwdSpec.score_stage_bias`), and sums dS into a
-float32 dbias with one reduction per cell.
+float32 dbias with one reduction per cell; where every bias slab serves one batch entry and
+query head, each cell takes one dS, which it stores into the gradient itself, in the bias's
+dtype (`BwdSpec.score_dbias_stores`: no float32 temporary of the bias's size).
 """
 from dataclasses import dataclass, replace
 
@@ -51,7 +53,8 @@ def score_mods_of(spec, mask, bias, slabs, softmax_scale, dbias=None, staged_bia
     return ScoreMods(spec.score_mask, bool(spec.score_bias),
                      mask if spec.score_mask else slabs, bias if spec.score_bias else slabs,
                      slabs, Float32(1.0) / softmax_scale, bias_grad,
-                     dbias if bias_grad else slabs, pairs=pairs, staged_bias=staged_bias)
+                     dbias if bias_grad else slabs, pairs=pairs, staged_bias=staged_bias,
+                     dbias_stores=getattr(spec, "score_dbias_stores", False))
 
 
 @cute.jit
@@ -82,6 +85,9 @@ class ScoreMods:
     # warpgroup that says its half was copied.
     staged_bias: cute.Tensor = None
     staged_barrier: Int32 = 0
+    # dbias holds the gradient itself, in the bias's dtype, and each cell takes one dS (a slab
+    # per batch entry and query head: nothing to sum): stores instead of float32 reductions.
+    dbias_stores: cutlass.Constexpr[bool] = False
 
     @cute.jit
     def for_tile(self, batch: Int32, head: Int32) -> "ScoreMods":
@@ -171,7 +177,8 @@ class ScoreMods:
                           tile_n: cutlass.Constexpr[int], seqlen_q: Int32, seqlen_k: Int32):
         """dbias += dS for one thread's fragment of the backward's dS^T (keys as rows), float32
         reductions (`red.global.add`): a bias shared by heads or batch entries sums over them,
-        whichever CTAs walk them. Cells past the sequence are skipped."""
+        whichever CTAs walk them; with `dbias_stores` dbias = dS, stored. Cells past the
+        sequence are skipped."""
         d_mn = acc_mn_view(ds_t)
         c_mn = acc_mn_view(t_coord)
         if (n_block + 1) * tile_n <= seqlen_k:
@@ -286,10 +293,13 @@ class ScoreMods:
 
     @cute.jit
     def add_cell(self, line: cute.Tensor, key: Int32, value: Float32):
-        # A reduction even where this thread alone adds into the cell: a load and a store
-        # would put the load's latency into the step (docs/history.md, 2026-11-28).
-        cute.arch.red(line.iterator + key, value, op="add", dtype="f32", sem="relaxed",
-                      scope="gpu")
+        if const_expr(self.dbias_stores):
+            line[key] = line.element_type(value)
+        else:
+            # A reduction even where this thread alone adds into the cell: a load and a store
+            # would put the load's latency into the step (docs/history.md, 2026-11-28).
+            cute.arch.red(line.iterator + key, value, op="add", dtype="f32", sem="relaxed",
+                          scope="gpu")
 
     @staticmethod
     def row_of(c_mn, i: int, keys_as_rows: bool):

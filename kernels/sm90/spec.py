@@ -297,6 +297,9 @@ class BwdSpec:
     score_bias: str = ""       # as `FwdSpec.score_bias`
     score_bias_grad: bool = False  # dS summed into a float32 dbias by reductions
                                    # (kernels/sm90/score_mod.py)
+    score_dbias_stores: bool = False  # with score_bias_grad: every dbias cell takes one dS (a
+                                      # bias slab per batch entry and query head), stored in
+                                      # the bias's dtype instead of summed into float32
     score_stage_bias: bool = False  # a 16-bit bias's tile copied to smem by cp.async at each
                                     # step (rows 16 bytes apart; KV tiles inside the keys) and
                                     # read there on S^T, instead of cell by cell from global

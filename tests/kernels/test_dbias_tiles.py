@@ -1,6 +1,7 @@
 """The bias gradient's tile passes (kernels/sm90/dbias_tiles.py, used by kernels/masked.py's
 sm90 backward): the float32 sums zeroed in the listed tiles only, and the gradient written
-whole from them, zeros in every tile no list visits.
+whole from them, zeros in every tile no list visits; or, where the backward stores the gradient
+itself, zeros in the unlisted tiles alone.
 
 CPU: the sm_90a builds and what the launcher refuses. GPU (sm_90): both passes against torch on
 random listings, lengths that are no multiple of the tile, strided rows, and every output type.
@@ -15,7 +16,8 @@ from gpu_marks import requires_sm90
 
 TILE = 128
 SPECS = [("zero", "float32"), ("convert", "bfloat16"), ("convert", "float16"),
-         ("convert", "float32")]
+         ("convert", "float32"), ("zero_unlisted", "bfloat16"), ("zero_unlisted", "float16"),
+         ("zero_unlisted", "float32")]
 
 
 @pytest.mark.parametrize("mode, dtype", SPECS)
@@ -37,6 +39,8 @@ def test_the_launcher_refuses_what_the_kernel_cannot_write():
     out = torch.zeros(2, 300, 520, dtype=torch.bfloat16)
     listed = torch.zeros(2, 3, 5, dtype=torch.int8)
     assert can_run(listed, sums, out) and can_run(listed, sums, sums)
+    assert can_run(listed, out, out)                                 # zero_unlisted's form
+    assert not can_run(listed, out, out.clone())                     # 16-bit sums of another
     assert not can_run(listed[:, :2], sums, out)                     # tiles do not match
     assert not can_run(listed.int(), sums, out)                      # not int8
     assert not can_run(listed, sums.double(), out)                   # sums not float32
@@ -98,3 +102,21 @@ def test_convert_writes_the_sums_where_listed_and_zeros_elsewhere(dtype, shape):
         in_place = sums.clone()
         dbias_tiles.convert(listed, in_place, in_place)
         assert torch.equal(in_place, sums.masked_fill(~cells, 0.0))
+
+
+@pytest.mark.gpu
+@requires_sm90
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("shape", [(1, 1024, 2048), (3, 1000, 1300), (2, 129, 4)],
+                         ids=lambda s: "x".join(map(str, s)))
+def test_zero_unlisted_zeroes_only_the_tiles_no_list_visits(dtype, shape):
+    from kernels.sm90 import dbias_tiles
+
+    gen = torch.Generator(device="cuda").manual_seed(3 * sum(shape))
+    listed = _listed(*shape, gen, "cuda")
+    out = torch.randn(shape, generator=gen, device="cuda").to(dtype)  # the backward's stores
+    before = out.clone()
+    assert dbias_tiles.can_run(listed, out, out)
+    dbias_tiles.zero_unlisted(listed, out)
+    cells = _per_cell(listed, *shape[1:])
+    assert torch.equal(out, before.masked_fill(~cells, 0.0))
