@@ -143,9 +143,9 @@ def compile_on_fake_tensors(spec: DbiasTilesSpec):
 def can_run(listed, sums, out) -> bool:
     """Whether the kernel takes these (the device already checked): listed (S, Tq, Tk) int8
     with unit last stride over sums (S, Nq, Nk) float32 (out itself for `zero_unlisted`) and
-    out (S, Nq, Nk) of an output dtype,
-    unit last strides, Nk and the leading strides multiples of 4 elements, 16-byte aligned
-    starts, the tiles and slabs within the launch grid."""
+    out (S, Nq, Nk) of an output dtype, unit last strides, Nk and the leading strides
+    multiples of 4 elements, 16-byte aligned starts, the tiles and slabs within the launch
+    grid."""
     import torch
 
     def cells_ok(x, dtypes):
