@@ -90,16 +90,16 @@ class DbiasTilesSm90:
     def row_vector(self, visited, sums: cute.Tensor, out: cute.Tensor, slab: Int32, row: Int32,
                    vector: Int32):
         """One lane's 4 cells of one row."""
-        if const_expr(self.spec.mode == "zero_unlisted"):
-            if not visited:
+        if const_expr(self.spec.mode != "convert"):
+            # "zero" clears a visited tile's sums, "zero_unlisted" the gradient's tiles that no
+            # list visits.
+            cells, clear = sums, visited
+            if const_expr(self.spec.mode == "zero_unlisted"):
+                cells, clear = out, not visited
+            if clear:
                 zeros = cute.make_rmem_tensor((VECTOR,), _cutlass_dtype(self.spec.dtype))
                 zeros.fill(0.0)
-                cute.local_tile(out[slab, row, None], (VECTOR,), (vector,)).store(zeros.load())
-        elif const_expr(self.spec.mode == "zero"):
-            if visited:
-                zeros = cute.make_rmem_tensor((VECTOR,), Float32)
-                zeros.fill(0.0)
-                cute.local_tile(sums[slab, row, None], (VECTOR,), (vector,)).store(zeros.load())
+                cute.local_tile(cells[slab, row, None], (VECTOR,), (vector,)).store(zeros.load())
         else:
             cells = cute.make_rmem_tensor((VECTOR,), _cutlass_dtype(self.spec.dtype))
             cells.fill(0.0)
