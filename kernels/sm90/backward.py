@@ -22,6 +22,7 @@ built by `kernels.interface` when the caller gave none). Three launches, no host
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import torch
@@ -50,6 +51,11 @@ LIST_CHUNK = 16  # (beside the dQ kernel; the fused dQ's units are longer: `list
 # 64K 10.18 / 9.09; random 25% 64-key lists per query head 5.77 / 5.75 and 101.5 / 101.8.
 # run(head_major_units=False) (the tuner's "units CSR order") takes them KV block by KV block.
 UNITS_HEAD_MAJOR = True  # run()'s default
+# Split-list units that alone add into their KV tile store its dK/dV themselves
+# (`BwdSpec.owned_dkv_stores`, kernels/sm90/dkv_tiles.py), where the float32 partials are the
+# kernel's own (not the caller's sums); the other tiles' partials are zeroed and converted
+# tile by tile. A switch for the A/B and the GPU tests.
+OWNED_DKV_STORES = True
 # Rows per chunk of the preprocess and postprocess (bounds their float32 temporaries).
 _CHUNK_ROWS = 32768
 
@@ -212,10 +218,13 @@ def run(
         positions = query_positions(tuple(q_start_positions), q.device)
 
     adds_into_accumulators = dkv_accumulators is not None
+    spec = with_dkv_destination(spec, adds_into_accumulators)
+    owned = (None, None)  # `owned_dkv_stores`: dK and dV in the input dtype
     if adds_into_accumulators:  # the caller's float32 sums take the CTAs' dK, dV
-        if not spec.partial_dkv:  # one CTA per KV tile: it adds as it stores
-            spec = dataclasses.replace(spec, add_dkv=True)
         dk, dv = (t.view(-1, *t.shape[-2:]) for t in dkv_accumulators)
+    elif spec.owned_dkv_stores:  # partials zeroed and converted only where units share tiles
+        dk, dv = (torch.empty(t.shape, dtype=torch.float32, device=t.device) for t in (k, v))
+        owned = tuple(torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (k, v))
     elif spec.partial_dkv:  # float32 accumulators of several CTAs' partial sums
         dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
         dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
@@ -225,8 +234,9 @@ def run(
     if total_q == 0 or max_seqlen_q == 0 or k.shape[0] == 0:
         dq = torch.zeros_like(q)
         if not adds_into_accumulators:
-            dk.zero_()
-            dv.zero_()
+            for t in (dk, dv, *owned):
+                if t is not None:
+                    t.zero_()
     else:
         if padded:  # the bounds are the batch's multiples of its length: known here
             host_cu_seqlens_q = tuple(range(0, total_q + 1, max_seqlen_q))
@@ -259,16 +269,29 @@ def run(
                 csr = transpose_block_sparse_csr(block_sparse, cu_seqlens_k=cu_seqlens_k)
             lists = (csr.offsets, csr.index, csr.mask_count, csr.row_block_offsets)
             if spec.split_lists:
-                units = work_units(csr, list_chunk(csr, spec), head_major=head_major_units)
+                chunk = list_chunk(csr, spec)
+                units = work_units(csr, chunk, head_major=head_major_units)
                 num_ctas = units.shape[0]
         if max_seqlen_k > 0 and num_ctas > 0:
+            tile_pass = None
+            if spec.owned_dkv_stores:  # the tiles no unit owns: zeroed before, finished after
+                from kernels.sm90 import dkv_tiles
+
+                tile_pass = functools.partial(dkv_tiles.run, csr=csr, chunk=chunk,
+                                              cu_seqlens_k=cu_seqlens_k, tile_n=spec.tile_n,
+                                              sums=(dk, dv), out=owned)
+                tile_pass("zero")
             tensors = (q, k, v, dout, lse_log2, dpsum, dq_acc, dk, dv, cu_seqlens_q,
                        cu_seqlens_k, tiles.tile_offsets)
             scalars = (num_ctas, row_splits, softmax_scale, compress_factor, *window)
-            _launch(spec, tensors, scalars, (*lists, units, positions, *score_tensors))
+            _launch(spec, tensors, scalars,
+                    (*lists, units, positions, *score_tensors, *owned))
+            if tile_pass is not None:
+                tile_pass("finish")
         elif not adds_into_accumulators:
-            dk.zero_()
-            dv.zero_()
+            for t in (dk, dv, *owned):
+                if t is not None:
+                    t.zero_()
         if spec.dq_separate:
             dq = torch.empty_like(q) if dq_into is None else dq_into
             _launch_dq(dq_spec_for(spec, accumulate=dq_into is not None),
@@ -288,12 +311,26 @@ def run(
         dq = dq.view(batch, seqlen_q, num_heads, head_dim)
     if adds_into_accumulators:
         return dq, *dkv_accumulators
-    if spec.partial_dkv:
+    if spec.owned_dkv_stores:
+        dk, dv = owned
+    elif spec.partial_dkv:
         dk, dv = dk.to(k.dtype), dv.to(v.dtype)
     if padded:
         dk = dk.view(batch, seqlen_k, *dk.shape[1:])
         dv = dv.view(batch, seqlen_k, *dv.shape[1:])
     return dq, dk, dv
+
+
+def with_dkv_destination(spec, into_caller_sums: bool):
+    """`spec` with where its dK and dV go: into the caller's float32 sums (`add_dkv` where one
+    CTA owns each KV tile, else its partials added there), or beside the kernel's own float32
+    partials, stored by the split-list units that own their tile (`owned_dkv_stores`, while
+    OWNED_DKV_STORES), or as the spec has them."""
+    if into_caller_sums:
+        return spec if spec.partial_dkv else dataclasses.replace(spec, add_dkv=True)
+    if spec.split_lists and OWNED_DKV_STORES:
+        return dataclasses.replace(spec, owned_dkv_stores=True)
+    return spec
 
 
 def query_tiles(cu_seqlens_q: torch.Tensor, total_q: int, host_cu_seqlens_q=None) -> "QueryTiles":

@@ -45,6 +45,7 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warp, warpgroup
 
+from kernels.sm90.dkv_tiles import unit_owns_tile
 from kernels.sm90.dtypes import CUTLASS_DTYPES
 from kernels.sm90.block_range import BlockRange
 from kernels.sm90.dq_accumulator import DqAccumulator, fragment_layout
@@ -86,6 +87,7 @@ class FlashAttentionBackwardSm90:
         assert not (spec.deterministic and spec.partial_dkv)
         assert not spec.fuses_dq or spec.can_fuse_dq, f"{spec} cannot fuse dQ"
         assert not (spec.add_dkv and spec.partial_dkv)
+        assert not spec.owned_dkv_stores or spec.split_lists
         assert not (spec.split_lists and not spec.block_sparse)
         assert not (spec.split_rows and spec.block_sparse)
         assert not spec.alternate_steps or (self.tile_n == 64 and self.tile_m == 64
@@ -144,6 +146,9 @@ class FlashAttentionBackwardSm90:
         mDBias: Optional[cute.Tensor],          # (slabs, Nq, Nk) float32, zeroed
                                                 # (`score_bias_grad`); the bias's dtype,
                                                 # its cells written (`score_dbias_stores`)
+        mdKOut: Optional[cute.Tensor],          # (Tk, Hkv, D) in the input dtype: dK and dV
+        mdVOut: Optional[cute.Tensor],          # of the units that own their KV tile
+                                                # (`owned_dkv_stores`)
         stream: cuda.CUstream,
     ):
         dtype = self.dtype
@@ -197,8 +202,10 @@ class FlashAttentionBackwardSm90:
             sQ_layout, sK_layout, sdS_layout, sdQ_layout,
             mScoreBias.element_type if const_expr(self.spec.score_stage_bias) else None)
 
-        mdK = with_row_strides_divisible(mdK, 8)  # proves the 32-bit stores of column pairs
-        mdV = with_row_strides_divisible(mdV, 8)
+        # Proves the 32-bit stores of column pairs.
+        mdK, mdV = (with_row_strides_divisible(t, 8) for t in (mdK, mdV))
+        if const_expr(self.spec.owned_dkv_stores):
+            mdKOut, mdVOut = (with_row_strides_divisible(t, 8) for t in (mdKOut, mdVOut))
         if const_expr(self.spec.compressed):
             compress_factor = cute.fast_divmod_create_divisor_v2(compress_factor)
         self.kernel(
@@ -207,7 +214,7 @@ class FlashAttentionBackwardSm90:
             mCuSeqlensQ, mCuSeqlensK, mQTileOffsets, num_kv_tiles, row_splits, softmax_scale,
             softmax_scale * Float32(_LOG2_E), compress_factor, window_left, window_right,
             mListOffsets, mListIndex, mListMaskCount, mKvBlockOffsets, mUnits, mQPositions,
-            mScoreMask, mScoreBias, mScoreSlabs, mDBias,
+            mScoreMask, mScoreBias, mScoreSlabs, mDBias, mdKOut, mdVOut,
             sQ_layout, sK_layout, sdS_layout, sdQ_layout, tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq,
         ).launch(grid=self.grid(num_kv_tiles, row_splits, mK, mCuSeqlensQ),
                  block=[self.num_threads, 1, 1], stream=stream,
@@ -271,6 +278,7 @@ class FlashAttentionBackwardSm90:
         mUnits: Optional[cute.Tensor], mQPositions: Optional[cute.Tensor],
         mScoreMask: Optional[cute.Tensor], mScoreBias: Optional[cute.Tensor],
         mScoreSlabs: Optional[cute.Tensor], mDBias: Optional[cute.Tensor],
+        mdKOut: Optional[cute.Tensor], mdVOut: Optional[cute.Tensor],
         sQ_layout: cute.ComposedLayout,
         sK_layout: cute.ComposedLayout, sdS_layout: cute.ComposedLayout,
         sdQ_layout: cute.Layout, tiled_mma_sdp: cute.TiledMma,
@@ -300,6 +308,12 @@ class FlashAttentionBackwardSm90:
             batch, n_block, list_head = mUnits[unit, 0], mUnits[unit, 1], mUnits[unit, 2]
             entry_lo, entry_hi = mUnits[unit, 3], mUnits[unit, 4]
             head_kv = list_head * (num_heads // cute.size(mListMaskCount.shape[1])) // group
+        # `owned_dkv_stores`: a unit alone in adding into its KV tile stores dK/dV itself.
+        owns = False
+        if const_expr(spec.owned_dkv_stores):
+            owns = unit_owns_tile(mListOffsets, mKvBlockOffsets[batch] + n_block, list_head,
+                                  cute.size(mListMaskCount.shape[1]), cute.size(mK.shape[2]),
+                                  entry_lo, entry_hi)
 
         if warp_idx == 0:
             for atom in (tma_atom_q, tma_atom_do, tma_atom_k, tma_atom_v, tma_atom_lse,
@@ -395,9 +409,9 @@ class FlashAttentionBackwardSm90:
                 self.consume(
                     tidx - _WARPGROUP, walk, kv_consumer, q_consumer, do_consumer,
                     tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, sQ, sdO, sK, sV, sdS, sLSE,
-                    sDPsum, dq_accumulator, dkv_handover, mdK, mdV, softmax_scale, scale_log2,
-                    block_range, n_block, head_kv, offset_k, seqlen_q, seqlen_k, score_mods,
-                    batch)
+                    sDPsum, dq_accumulator, dkv_handover, (mdK, mdV, mdKOut, mdVOut, owns),
+                    softmax_scale, scale_log2, block_range, n_block, head_kv, offset_k,
+                    seqlen_q, seqlen_k, score_mods, batch)
 
     @cute.jit
     def walk_steps(
@@ -546,12 +560,14 @@ class FlashAttentionBackwardSm90:
         self, tidx: Int32, walk, kv_consumer, q_consumer, do_consumer,
         tiled_mma_sdp: cute.TiledMma, tiled_mma_dkv: cute.TiledMma, tiled_mma_dq: cute.TiledMma,
         sQ, sdO, sK, sV, sdS, sLSE, sDPsum, dq_accumulator: Optional[DqAccumulator],
-        dkv_handover, mdK, mdV, softmax_scale: Float32, scale_log2: Float32,
+        dkv_handover, dkv_out, softmax_scale: Float32, scale_log2: Float32,
         block_range: BlockRange, n_block: Int32, head_kv: Int32, offset_k: Int32,
         seqlen_q: Int32, seqlen_k: Int32, score_mods: Optional[ScoreMods] = None,
         batch: Int32 = 0,
     ):
-        """The consumer warpgroups' whole CTA: every step, then dK and dV."""
+        """The consumer warpgroups' whole CTA: every step, then dK and dV. dkv_out: (dK, dV,
+        the owned tiles' dK and dV, whether this unit owns its tile: `store_keys`)."""
+        mdK, mdV, mdKOut, mdVOut, owns = dkv_out
         # With `alternate_steps` both warpgroups hold the whole (64-key) tile: each slices the
         # one-warpgroup MMAs by its own thread index.
         mma_tidx = tidx % _WARPGROUP if const_expr(self.spec.alternate_steps) else tidx
@@ -610,15 +626,18 @@ class FlashAttentionBackwardSm90:
             self.hand_over_dkv(tidx, wg, acc_dk, acc_dv, dkv_handover)
             if wg == 0:
                 acc_dk.store(acc_dk.load() * softmax_scale)
-                self.store_keys(thr_dkv, acc_dk, mdK, offset_k, head_kv, n_block, seqlen_k)
+                self.store_keys(thr_dkv, acc_dk, mdK, mdKOut, owns, offset_k, head_kv, n_block,
+                                seqlen_k)
             else:
-                self.store_keys(thr_dkv, acc_dv, mdV, offset_k, head_kv, n_block, seqlen_k)
+                self.store_keys(thr_dkv, acc_dv, mdV, mdVOut, owns, offset_k, head_kv, n_block,
+                                seqlen_k)
         else:
             walk(step, (q_consumer, do_consumer, *mmas))
             kv_handle.release()
             acc_dk.store(acc_dk.load() * softmax_scale)
-            for acc, m_out in ((acc_dk, mdK), (acc_dv, mdV)):
-                self.store_keys(thr_dkv, acc, m_out, offset_k, head_kv, n_block, seqlen_k)
+            for acc, m_out, m_owned in ((acc_dk, mdK, mdKOut), (acc_dv, mdV, mdVOut)):
+                self.store_keys(thr_dkv, acc, m_out, m_owned, owns, offset_k, head_kv, n_block,
+                                seqlen_k)
 
     @cute.jit
     def consume_turn(self, head: Int32, m_block: Int32, mask: cutlass.Constexpr, needs_mask,
@@ -789,17 +808,26 @@ class FlashAttentionBackwardSm90:
         return q_consumer, do_consumer, tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq
 
     @cute.jit
-    def store_keys(self, thr_dkv, acc: cute.Tensor, m_out: cute.Tensor, offset_k: Int32,
-                   head_kv: Int32, n_block: Int32, seqlen_k: Int32):
+    def store_keys(self, thr_dkv, acc: cute.Tensor, m_out: cute.Tensor,
+                   m_owned: Optional[cute.Tensor], owns, offset_k: Int32, head_kv: Int32,
+                   n_block: Int32, seqlen_k: Int32):
         """dK or dV of this thread's keys inside the sequence, straight from registers (one
         32-bit store per pair of adjacent columns); with `add_dkv` added into the caller's
         float32 sums (this CTA alone owns the tile's rows); with `partial_dkv` added into the
-        float32 accumulator instead (several CTAs share a KV tile)."""
-        if const_expr(self.spec.partial_dkv):
-            reduce_rows_from_registers(thr_dkv, acc, m_out, offset_k, head_kv, n_block,
-                                       self.tile_n, self.head_dim, seqlen_k)
+        float32 accumulator m_out instead (several CTAs share a KV tile), except, with
+        `owned_dkv_stores`, where this unit `owns` the tile: stored into m_owned then."""
+        store = partial(store_rows_from_registers, thr_dkv, acc, offset=offset_k, head=head_kv,
+                        block=n_block, tile_rows=self.tile_n, head_dim=self.head_dim,
+                        seqlen=seqlen_k)
+        reduce = partial(reduce_rows_from_registers, thr_dkv, acc, m_out, offset_k, head_kv,
+                         n_block, self.tile_n, self.head_dim, seqlen_k)
+        if const_expr(self.spec.owned_dkv_stores):
+            if owns:
+                store(m_out=m_owned, dtype=self.dtype)
+            else:
+                reduce()
+        elif const_expr(self.spec.partial_dkv):
+            reduce()
         else:
             add = self.spec.add_dkv
-            store_rows_from_registers(thr_dkv, acc, m_out, offset_k, head_kv, n_block,
-                                      self.tile_n, self.head_dim, seqlen_k,
-                                      Float32 if add else self.dtype, accumulate=add)
+            store(m_out=m_out, dtype=Float32 if add else self.dtype, accumulate=add)

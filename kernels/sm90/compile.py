@@ -131,7 +131,8 @@ def fake_backward_arguments(spec):
     """Fake tensors standing for the backward kernel's arguments, in order (the scalars and the
     stream excluded): (q, k, v, dO, lse, dO.O, dQacc, dK, dV, cu_q, cu_k, q tile offsets),
     (list offsets, list index, list mask counts, KV block offsets, work units, first query
-    positions), None where kernels/sm90/backward.py `run` passes None."""
+    positions, score mask, bias, slabs, dbias, owned dK, owned dV), None where
+    kernels/sm90/backward.py `run` passes None."""
     dtype = CUTLASS_DTYPES[spec.dtype]
     q, k, v, dout = (fake_seq_head_dim(dtype) for _ in range(4))
     # `partial_dkv`, `add_dkv`: dK and dV are float32 sums (several CTAs per KV tile, or the
@@ -157,8 +158,11 @@ def fake_backward_arguments(spec):
         # float32 sums, or with `score_dbias_stores` the gradient in the bias's dtype
         dbias = fake_score_cells(SCORE_BIAS_DTYPES[spec.score_bias]
                                  if spec.score_dbias_stores else cutlass.Float32)
+    # `owned_dkv_stores`: dK and dV of the units that own their tile, in the input dtype.
+    owned = (tuple(fake_seq_head_dim(dtype) for _ in range(2)) if spec.owned_dkv_stores
+             else (None, None))
     return ((q, k, v, dout, lse, dpsum, dq_acc, dk, dv, cu_q, cu_k, q_tiles),
-            (*lists, units, positions, *fake_score_mods(spec), dbias))
+            (*lists, units, positions, *fake_score_mods(spec), dbias, *owned))
 
 
 def compiled_backward(spec, example_args, tvm_ffi: bool = False):

@@ -279,6 +279,11 @@ class BwdSpec:
     q_stages: int = 2          # Q (+ lse) and dO (+ dO.O) pipeline depth
     add_dkv: bool = False      # dK/dV added into the caller's float32 sums (one CTA per KV
                                # tile: a load, add and store; nsa()'s running dk, dv)
+    owned_dkv_stores: bool = False  # `split_lists` into the kernel's own float32 partials: a
+                                    # unit that is the only one adding into its KV tile (its
+                                    # whole list, one list per KV head) stores dK/dV in the
+                                    # input dtype instead; kernels/sm90/dkv_tiles.py zeroes and
+                                    # converts the other tiles
     one_cta_per_sm: bool = False  # 64-key tiles: one CTA per SM (240 registers per consumer
                                   # thread instead of 232), see `ctas_per_sm`
     heavy_first: bool = False  # dense walks: CTAs launched KV tile by KV tile, KV heads
@@ -524,6 +529,9 @@ ROW_BANDS_FUSED_MIN_KEYS = 2048
 # kernel needs none, and nsa()'s backward at 1M tokens (H=32, D=128: a 16 GiB accumulator)
 # must stay within 1.5x of its gradients' memory.
 ROW_BANDS_FUSED_MAX_ACCUMULATOR_BYTES = 4 << 30
+# Sliding windows (dense keys) take the fused dQ from FUSED_DQ_MIN_KEYS on (`choose_backward_spec`);
+# False keeps them on the dQ kernel. A switch for the A/B.
+FUSED_DQ_WINDOWS = True
 BACKWARD_DENSE_TILE_N = 128  # keys per backward CTA without block-sparse lists
 H100_NUM_SMS = 132  # the SM count assumed where no GPU is asked (compile-only dispatch)
 
@@ -637,11 +645,13 @@ def choose_backward_spec(
         split_lists=splits_lists(*list_call),
         split_rows=(sparse_block_size is None and not deterministic and kv_tile_ctas is not None
                     and kv_tile_ctas < num_sms))
-    # dQ fused into this kernel (FA3/FA4's order and dQ writer warp, `fuses_dq`) where
-    # every query tile meets many KV tiles in order: plain causal or full attention. H100,
+    # dQ fused into this kernel (FA3/FA4's order and dQ writer warp, `fuses_dq`) for dense
+    # keys (causal, full, or a sliding window; not compressed keys nor lists). H100,
     # 2026-11-24, torch.profiler device time of the kernels alone (fused / KV-centric + dQ):
     # dense causal 16K 10.07 / 10.59 ms, 64K 163.2 / 183.7; causal window 512 0.80 / 1.04 and
-    # 3.10 / 4.07 (a tie once the float32 accumulator is zeroed and converted); compress
+    # 3.10 / 4.07 (a tie once the float32 accumulator is zeroed and converted on the H100;
+    # on the H200, 2026-11-29, the whole backward with both, `tools/tune_sm90_backward.py`:
+    # 8K 0.549 -> 0.489 ms, 16K 1.063 -> 0.945, so windows fuse since); compress
     # factor 64 0.53 / 0.47 and 6.14 / 4.04; random 25% 128-key lists 5.20 / 5.84 and
     # 134.6 / 111.0 (the reductions land on query tiles in random order at 64K).
     # Packed short sequences keep the dQ kernel: a KV tile meets few query tiles there, and
@@ -662,11 +672,12 @@ def choose_backward_spec(
     # random 25% lists per query head, two kernels / fused: 16K 6.18 / 5.35 ms, 64K 105.2 /
     # 85.4 (FA4 5.31 / 85.4 in the same run; KV block by KV block the fused dQ took 128.8 ms
     # at 64K).
-    plain = not spec.block_sparse and plain_mask(causal, window_size, compress_factor)
+    dense_keys = (not spec.block_sparse and compress_factor == 1
+                  and (FUSED_DQ_WINDOWS or plain_mask(causal, window_size, compress_factor)))
     long_keys = max_seqlen_k is None or max_seqlen_k >= FUSED_DQ_MIN_KEYS
     if fused_lists:  # split for the fused dQ: it must be there (`splits_lists` counts on it)
         assert spec.can_fuse_dq and spec.split_lists, spec
-    if (plain and long_keys or fused_lists) and spec.can_fuse_dq:
+    if (dense_keys and long_keys or fused_lists) and spec.can_fuse_dq:
         spec = dataclasses.replace(spec, dq_separate=False)
     compressed_causal = (spec.compressed and spec.causal and not spec.block_sparse
                          and not spec.has_window_left)

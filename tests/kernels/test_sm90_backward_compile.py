@@ -10,6 +10,7 @@ import pytest
 
 import cutlass  # noqa: F401  (a broken CuTe DSL install must fail here, not skip)
 
+from kernels.sm90.backward import with_dkv_destination
 from kernels.sm90.compile import (compile_backward_kernel_on_fake_tensors,
                                   compile_backward_on_fake_tensors, compile_dq_on_fake_tensors)
 from kernels.sm90.spec import (FUSED_DQ_MIN_KEYS, BwdSpec, ListShape, choose_backward_spec,
@@ -55,9 +56,13 @@ def _spec_of(dtype, head_dim, call_and_grid, deterministic=False) -> BwdSpec:
 def test_backward_variant_compiles_for_sm90a(dtype, head_dim, call):
     spec = _spec_of(dtype, head_dim, call)
     assert spec.fits_in_smem()
-    assert callable(compile_backward_on_fake_tensors(spec))
-    if not spec.partial_dkv:  # adding dK, dV into given float32 sums (nsa()'s dk, dv)
-        assert callable(compile_backward_on_fake_tensors(dataclasses.replace(spec, add_dkv=True)))
+    # dK, dV into given float32 sums (nsa()'s dk, dv) and as a direct call's outputs (the
+    # split-list units that own their tile storing them: `owned_dkv_stores`)
+    for into_caller_sums in (True, False):
+        launched = with_dkv_destination(spec, into_caller_sums)
+        assert launched.owned_dkv_stores == (spec.split_lists and not into_caller_sums)
+        assert launched.add_dkv == (into_caller_sums and not spec.partial_dkv)
+        assert callable(compile_backward_on_fake_tensors(launched))
     if spec.dq_separate:  # and the query-centric dQ kernel that runs beside it, both ways
         for accumulate in (False, True):  # (nsa() adds its branches' dq as the kernel writes)
             assert callable(compile_dq_on_fake_tensors(dq_spec_for(spec, accumulate)))
@@ -155,19 +160,18 @@ def test_backward_dispatch_steps_128_rows_at_head_dim_64_with_128_key_tiles():
     assert _backward_spec("bfloat16", 64, "selected-sparse64").tile_m == 64
 
 
-def test_backward_dispatch_fuses_dq_only_for_plain_causal_or_full_attention():
+def test_backward_dispatch_fuses_dq_only_for_dense_keys():
     """dQ fused into the KV-centric kernel with the writer warp (2026-11-24, H100: faster on
-    dense causal from 4096-key sequences on) where no window, compress factor or list applies,
-    in the fast mode; every other call of these (packed short sequences too, NSA's lists per
-    KV group), and the deterministic mode, keeps the query-centric dQ kernel (the KV-centric
-    kernel then needs no dQ staging and keeps two CTAs per SM at 64-key tiles). Lists per
-    query head: the test below."""
+    dense causal from 4096-key sequences on; sliding windows since 2026-11-29, H200) where no
+    compress factor or list applies, in the fast mode; every other call of these (packed short
+    sequences too, NSA's lists per KV group), and the deterministic mode, keeps the
+    query-centric dQ kernel (the KV-centric kernel then needs no dQ staging and keeps two CTAs
+    per SM at 64-key tiles). Lists per query head: the test below."""
     for call in _distinct_calls():
         causal, window, cf, sparse, _, _ = CALLS[call.split("/")[0]]
         max_seqlen_k = CALLS[call.split("/")[0]][5]
         long_keys = max_seqlen_k is None or max_seqlen_k >= FUSED_DQ_MIN_KEYS
-        plain = (sparse is None and cf == 1 and window[0] < 0 and (causal or window[1] < 0)
-                 and long_keys)
+        plain = sparse is None and cf == 1 and long_keys
         for head_dim in (64, 128):
             for deterministic in (False, True):
                 spec = _spec_of("bfloat16", head_dim, call, deterministic)
@@ -403,4 +407,4 @@ def test_score_mod_backward_variants_compile_for_sm90a(head_dim, list_heads, mas
     assert spec is not None and spec.fuses_dq and spec.score_bias_grad == grad
     assert spec.score_dbias_stores == stores
     assert spec.score_stage_bias == staged
-    compile_backward_on_fake_tensors(spec)
+    compile_backward_on_fake_tensors(with_dkv_destination(spec, into_caller_sums=False))
