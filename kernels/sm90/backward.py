@@ -12,10 +12,13 @@ built by `kernels.interface` when the caller gave none). Three launches, no host
    for free (128-row steps, head dim 64, reach past the sequence's tiles: the kernel sets
    those rows' lse to +inf);
 2. the KV-centric kernel (kernels/sm90/bwd_sm90.py): dK, dV, written in the input type (or
-   added into float32 accumulators where several CTAs share a KV tile, converted after);
+   added into float32 accumulators where several CTAs share a KV tile, converted after; with
+   split lists only the tiles several work units share, kernels/sm90/dkv_tiles.py, the others
+   stored by the unit that owns them);
 3. the query-centric dQ kernel (kernels/sm90/bwd_dq_sm90.py), which writes dQ in the input
-   type (`BwdSpec.dq_separate`); or, where the dispatcher fuses dQ (plain causal or full
-   attention, wide 128-key lists per query head: `choose_backward_spec`), the KV-centric kernel
+   type (`BwdSpec.dq_separate`); or, where the dispatcher fuses dQ (dense keys: causal, full
+   or a sliding window; wide 128-key lists per query head: `choose_backward_spec`), the
+   KV-centric kernel
    reduces dQ into a zeroed float32 accumulator in the tile layout and
    kernels/sm90/dq_convert.py scales it and writes it back to (T, H, D).
 """
