@@ -269,6 +269,54 @@ def add_problem_arguments(parser: argparse.ArgumentParser) -> None:
     timing.add_argument("--repeats", type=positive_int, default=5, help="timed calls (median)")
 
 
+# Packages whose module-level switches `--switch` may set.
+SWITCH_PACKAGES = ("kernels", "nsa", "sparsity")
+
+
+def add_switch_argument(parser: argparse.ArgumentParser) -> None:
+    """`--switch MODULE.NAME=VALUE` (repeatable): set one of the library's module-level
+    switches (an UPPER_CASE constant such as kernels.sm90.backward.OWNED_DKV_STORES) before the
+    run, so an A/B of a dispatch choice is two runs of the same command."""
+    parser.add_argument("--switch", action="append", default=[], metavar="MODULE.NAME=VALUE",
+                        help="set a module-level switch of kernels/, nsa/ or sparsity/ first "
+                             "(a Python literal of the constant's type; repeatable)")
+
+
+def apply_switches(switches: list[str]) -> list[str]:
+    """Set each `MODULE.NAME=VALUE` (`add_switch_argument`); returns them as set, for the
+    run's header. ValueError naming the switch where the module is not the library's, the name
+    is not an UPPER_CASE constant it has, or the value is not a literal of the constant's
+    type."""
+    import ast
+    import importlib
+
+    applied = []
+    for switch in switches:
+        target, sep, text = switch.partition("=")
+        module_name, _, name = target.rpartition(".")
+        if not sep or not module_name or not name:
+            raise ValueError(f"--switch {switch!r}: expected MODULE.NAME=VALUE")
+        if module_name.split(".")[0] not in SWITCH_PACKAGES:
+            raise ValueError(f"--switch {switch!r}: the module must be in one of "
+                             f"{SWITCH_PACKAGES}")
+        module = importlib.import_module(module_name)
+        if not name.isupper() or not hasattr(module, name):
+            raise ValueError(f"--switch {switch!r}: {module_name} has no UPPER_CASE constant "
+                             f"{name}")
+        current = getattr(module, name)
+        try:
+            value = ast.literal_eval(text)
+        except (ValueError, SyntaxError):
+            raise ValueError(f"--switch {switch!r}: {text!r} is not a Python literal") from None
+        if type(value) is not type(current) and not (
+                isinstance(current, bool) and value in (0, 1) and type(value) is int):
+            raise ValueError(f"--switch {switch!r}: {name} is of type "
+                             f"{type(current).__name__}, got {type(value).__name__}")
+        setattr(module, name, type(current)(value))
+        applied.append(f"{module_name}.{name}={getattr(module, name)!r}")
+    return applied
+
+
 def add_kernel_shape_arguments(parser: argparse.ArgumentParser) -> None:
     """The attention shape of the kernel benchmarks (bench_kernels, tune_sm90_forward): issue
     3's H100 configuration by default."""

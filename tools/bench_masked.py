@@ -45,8 +45,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from kernels import flash_attn_func  # noqa: E402
-from tools._common import (describe_device, int_list, positive_int, resolve_device,  # noqa: E402
-                           time_ms, write_results_json)
+from tools._common import (add_switch_argument, apply_switches, describe_device,  # noqa: E402
+                           int_list, positive_int, resolve_device, time_ms, write_results_json)
 
 TOOL = "bench_masked"
 METHODS = ("ours", "flex", "sdpa", "dense")
@@ -81,7 +81,12 @@ def parse_arguments(argv=None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default=None)
     parser.add_argument("--json", type=Path, default=None)
+    add_switch_argument(parser)
     args = parser.parse_args(argv)
+    try:
+        args.switches = apply_switches(args.switch)
+    except ValueError as error:
+        parser.error(str(error))
     unknown = set(args.methods) - set(METHODS)
     if unknown:
         parser.error(f"--methods: unknown {sorted(unknown)}; choose from {METHODS}")
@@ -261,6 +266,8 @@ def main(argv=None) -> list[dict]:
     if args.tiles:
         tiles = tile_mask(args.seqlen, 0.1, generator, device)
         workloads += [("tiles10", tiles, True), ("tiles10 mask only", tiles, False)]
+    for switch in args.switches:
+        print(f"switch: {switch}")
     rows = []
     for name, mask, with_bias in workloads:
         row = measure(args, name, mask, device, generator, with_bias)

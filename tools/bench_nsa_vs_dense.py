@@ -104,7 +104,8 @@ from nsa.validation import validate_nsa_call  # noqa: E402
 from bench_context_parallel import add_context_parallel_argument, run_for_tool  # noqa: E402
 from _common import (CAPTURE_OPTIONS, RECOMPUTE_OPTIONS,  # noqa: E402
                      add_capture_argument, add_cmp_selected_argument, add_num_seqs_argument,
-                     add_problem_arguments, add_recompute_argument,
+                     add_problem_arguments, add_recompute_argument, add_switch_argument,
+                     apply_switches,
                      attention_tflops, capped_causal_pairs, causal_pairs, check_num_seqs,
                      int_list,
                      compressed_key_cap, compressed_pairs, cu_seqlens_of, nsa_options, nsa_pairs,
@@ -711,8 +712,13 @@ def parse_args(argv):
     packed.add_argument("--packed-seed", type=int, default=0,
                         help="seed of the lognormal lengths (default 0)")
     add_context_parallel_argument(parser)
+    add_switch_argument(parser)
     parser.add_argument("--json", type=Path, help="write the results to this JSON file")
     args = parser.parse_args(argv)
+    try:
+        args.switches = apply_switches(args.switch)
+    except ValueError as error:
+        parser.error(str(error))
     if args.context_parallel is not None and (args.packed is not None or args.branch_profile):
         parser.error("--context-parallel times nsa() on --seqlens (each one packed sequence "
                      "of --num-seqs documents): not with --packed or --branch-profile")
@@ -789,7 +795,8 @@ def main(argv=None) -> int:
           f"{metadata['backend']['forward']}, backward {metadata['backend']['backward']}")
     print(f"B={args.batch} {problem_summary(args)}; "
           f"{'learned' if args.gate else 'mean'} gates"
-          f"{'; deterministic backward' if args.deterministic else ''}")
+          f"{'; deterministic backward' if args.deterministic else ''}"
+          + "".join(f"; {switch}" for switch in args.switches))
     rule = NSAPairRule.from_args(args)
     for workload in args.workloads:
         record = workload_record(workload, rule)

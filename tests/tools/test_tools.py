@@ -277,6 +277,47 @@ def test_bench_and_plot(tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_switches_set_the_library_constants_and_refuse_anything_else(common, monkeypatch):
+    """`--switch MODULE.NAME=VALUE` sets one of kernels/, nsa/ or sparsity/'s UPPER_CASE
+    constants for the run (an A/B of a dispatch choice as two runs of one command); everything
+    else is refused with the switch named."""
+    import kernels.sm90.backward as backward
+    import kernels.sm90.spec as spec
+
+    monkeypatch.setattr(backward, "OWNED_DKV_STORES", True)
+    monkeypatch.setattr(spec, "FUSED_DQ_MIN_KEYS", spec.FUSED_DQ_MIN_KEYS)
+    applied = common.apply_switches(["kernels.sm90.backward.OWNED_DKV_STORES=False",
+                                     "kernels.sm90.spec.FUSED_DQ_MIN_KEYS=1"])
+    assert backward.OWNED_DKV_STORES is False and spec.FUSED_DQ_MIN_KEYS == 1
+    assert applied == ["kernels.sm90.backward.OWNED_DKV_STORES=False",
+                       "kernels.sm90.spec.FUSED_DQ_MIN_KEYS=1"]
+    assert common.apply_switches(["kernels.sm90.backward.OWNED_DKV_STORES=1"])
+    assert backward.OWNED_DKV_STORES is True
+    for switch, message in [
+            ("kernels.sm90.backward.OWNED_DKV_STORES", "expected MODULE.NAME=VALUE"),
+            ("torch.backends.cudnn.enabled=False", "must be in one of"),
+            ("kernels.sm90.backward.NO_SUCH_SWITCH=1", "no UPPER_CASE constant NO_SUCH_SWITCH"),
+            ("kernels.sm90.backward.run=1", "no UPPER_CASE constant run"),
+            ("kernels.sm90.backward.OWNED_DKV_STORES=maybe", "not a Python literal"),
+            ("kernels.sm90.spec.FUSED_DQ_MIN_KEYS=1.5", "is of type int, got float")]:
+        with pytest.raises(ValueError, match=message):
+            common.apply_switches([switch])
+
+
+def test_bench_takes_switches_and_names_them(tmp_path, capsys, monkeypatch):
+    import kernels.sm90.backward as backward
+
+    monkeypatch.setattr(backward, "OWNED_DKV_STORES", True)
+    bench = load_tool("bench_nsa_vs_dense")
+    assert bench.main([*TINY, "--methods", "nsa", "--passes", "fwd",
+                       "--switch", "kernels.sm90.backward.OWNED_DKV_STORES=False"]) == 0
+    assert "kernels.sm90.backward.OWNED_DKV_STORES=False" in capsys.readouterr().out
+    assert backward.OWNED_DKV_STORES is False
+    with pytest.raises(SystemExit):
+        bench.main([*TINY, "--switch", "nsa.NOPE=1"])
+    assert "--switch 'nsa.NOPE=1'" in capsys.readouterr().err
+
+
 def test_bench_varlen_packs_the_batch_and_reports_padded_only_methods(tmp_path):
     """--num-seqs: every method gets the same packed sequences; ours run them varlen, SDPA and
     fa4-nsa say they take padded inputs only; the attended pairs are the sequences' own."""
