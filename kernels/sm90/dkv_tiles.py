@@ -173,9 +173,11 @@ def tile_state(offsets: cute.Tensor, kv_row: Int32, head_kv: Int32, list_heads: 
 
 def fake_arguments(spec: DkvTilesSpec):
     """Fake arguments for a CPU build (CUTE_DSL_ARCH=sm_90a), as the launcher passes them."""
-    from cutlass.cute.runtime import make_fake_tensor
+    from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_tensor
 
-    from kernels.sm90.compile import fake_int32_vector
+    # Its own int32 vectors: kernels.sm90.compile imports the backward, which imports this.
+    def vector():
+        return make_fake_compact_tensor(cutlass.Int32, (cute.sym_int(),), assumed_align=4)
 
     keys, heads = cute.sym_int(), cute.sym_int()
 
@@ -185,7 +187,7 @@ def fake_arguments(spec: DkvTilesSpec):
 
     dtype = _cutlass_dtype(spec.dtype)
     # offsets, KV block offsets, cu_seqlens_k, list heads, chunk, sums, outputs
-    return (fake_int32_vector(), fake_int32_vector(), fake_int32_vector(), Int32(1), Int32(1),
+    return (vector(), vector(), vector(), Int32(1), Int32(1),
             rows(Float32), rows(Float32), rows(dtype), rows(dtype))
 
 

@@ -80,12 +80,15 @@ def test_deterministic_backward_variant_compiles_for_sm90a(head_dim, call):
 
 def test_query_positions_variant_compiles_for_sm90a():
     """`BwdSpec.q_positions` and the dQ kernel's (q_start_positions), on the window rule: the
-    KV-centric walk's query-tile range and keys-as-rows mask, and the dQ kernel's range."""
+    KV-centric walk's query-tile range and keys-as-rows mask, with the fused dQ (windows from
+    FUSED_DQ_MIN_KEYS keys on) and beside the dQ kernel, and the dQ kernel's range."""
     spec = dataclasses.replace(_spec_of("bfloat16", 128, "window-causal/many-kv-tiles"),
                                q_positions=True)
-    assert spec.dq_separate
+    assert spec.fuses_dq
     assert callable(compile_backward_on_fake_tensors(spec))
-    assert callable(compile_dq_on_fake_tensors(dq_spec_for(spec, accumulate=True)))
+    beside = dataclasses.replace(spec, dq_separate=True)
+    assert callable(compile_backward_on_fake_tensors(beside))
+    assert callable(compile_dq_on_fake_tensors(dq_spec_for(beside, accumulate=True)))
 
 
 @pytest.mark.parametrize("accumulate", [False, True])
