@@ -37,6 +37,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 
 from kernels.sm90.layouts import with_row_strides_divisible
+from kernels.sm90.list_layout import block_sequence
 
 THREADS = 256
 VECTOR = 4  # elements per thread and row: 16 bytes of float32
@@ -102,16 +103,7 @@ class DkvTilesSm90:
         if kv_row < kv_block_offsets[num_seqs]:
             state = tile_state(offsets, kv_row, head_kv, list_heads,
                                cute.size(dk.shape[1]), chunk)
-            # The KV block's sequence: the last s with kv_block_offsets[s] <= kv_row (empty
-            # sequences share their offset with the next one, which owns the block).
-            lo = Int32(0)
-            hi = num_seqs - 1
-            while lo < hi:
-                mid = (lo + hi + 1) // 2
-                if kv_block_offsets[mid] <= kv_row:
-                    lo = mid
-                else:
-                    hi = mid - 1
+            lo = block_sequence(kv_block_offsets, kv_row)
             first_row = cu_seqlens_k[lo] + (kv_row - kv_block_offsets[lo]) * self.spec.tile_n
             end_row = cu_seqlens_k[lo + 1]
             vectors_per_row = self.spec.head_dim // VECTOR

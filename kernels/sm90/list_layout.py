@@ -122,16 +122,7 @@ class WorkUnits:
             chunks = (end_entry - first_entry + chunk - 1) // chunk
             first_unit = Int32(chunk_ends[group]) - chunks
             kv_row = group // heads
-            # The KV block's sequence: the last s with kv_block_offsets[s] <= kv_row (empty
-            # sequences share their offset with the next one, which owns the block).
-            lo = Int32(0)
-            hi = cute.size(kv_block_offsets.shape[0]) - 2
-            while lo < hi:
-                mid = (lo + hi + 1) // 2
-                if kv_block_offsets[mid] <= kv_row:
-                    lo = mid
-                else:
-                    hi = mid - 1
+            lo = block_sequence(kv_block_offsets, kv_row)
             block_in_sequence = kv_row - kv_block_offsets[lo]
             for c in cutlass.range(chunks):
                 unit = first_unit + c
@@ -141,6 +132,22 @@ class WorkUnits:
                 units[unit, 2] = group % heads
                 units[unit, 3] = first
                 units[unit, 4] = cutlass.min(first + chunk, end_entry)
+
+
+@cute.jit
+def block_sequence(kv_block_offsets: cute.Tensor, kv_row: Int32) -> Int32:
+    """The sequence of global KV block `kv_row`: the last s with kv_block_offsets[s] <= kv_row
+    (empty sequences share their offset with the next one, which owns the block); a bisection
+    over the (S + 1,) offsets."""
+    lo = Int32(0)
+    hi = cute.size(kv_block_offsets.shape[0]) - 2
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if kv_block_offsets[mid] <= kv_row:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
 
 # ------------------------------------------------------------------------------------------------
