@@ -234,12 +234,14 @@ def run(
     else:
         dk = torch.empty_like(k)
         dv = torch.empty_like(v)
+    # The dK, dV a direct call gets back (before a conversion of float32 partials), zeroed where
+    # no launch writes them.
+    returned = owned if spec.owned_dkv_stores else (dk, dv)
     if total_q == 0 or max_seqlen_q == 0 or k.shape[0] == 0:
         dq = torch.zeros_like(q)
         if not adds_into_accumulators:
-            for t in (dk, dv, *owned):
-                if t is not None:
-                    t.zero_()
+            for t in returned:
+                t.zero_()
     else:
         if padded:  # the bounds are the batch's multiples of its length: known here
             host_cu_seqlens_q = tuple(range(0, total_q + 1, max_seqlen_q))
@@ -292,9 +294,8 @@ def run(
             if tile_pass is not None:
                 tile_pass("finish")
         elif not adds_into_accumulators:
-            for t in (dk, dv, *owned):
-                if t is not None:
-                    t.zero_()
+            for t in returned:
+                t.zero_()
         if spec.dq_separate:
             dq = torch.empty_like(q) if dq_into is None else dq_into
             _launch_dq(dq_spec_for(spec, accumulate=dq_into is not None),
@@ -315,7 +316,7 @@ def run(
     if adds_into_accumulators:
         return dq, *dkv_accumulators
     if spec.owned_dkv_stores:
-        dk, dv = owned
+        dk, dv = returned
     elif spec.partial_dkv:
         dk, dv = dk.to(k.dtype), dv.to(v.dtype)
     if padded:

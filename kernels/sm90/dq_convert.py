@@ -21,12 +21,13 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_utils
-from cutlass import Float32, Int32
+from cutlass import Float32
 from cutlass.cute.nvgpu import warpgroup
 
 from kernels.sm90.dq_accumulator import fragment_layout
 from kernels.sm90.dtypes import CUTLASS_DTYPES
 from kernels.sm90.layouts import with_row_strides_divisible
+from kernels.sm90.tile_scheduler import last_offset_at_most
 
 _THREADS = 128
 _ROWS = 64
@@ -73,13 +74,7 @@ class BackwardDqConvert:
         tile, head, _ = cute.arch.block_idx()
         # The tile's sequence: the last b with tile_offsets[b] <= tile (S, the end, for the
         # padding tiles past the last sequence).
-        lo, hi = Int32(0), cute.size(mTileOffsets.shape[0]) - 1
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if mTileOffsets[mid] <= tile:
-                lo = mid
-            else:
-                hi = mid - 1
+        lo = last_offset_at_most(mTileOffsets, tile, cute.size(mTileOffsets.shape[0]) - 1)
         if lo < cute.size(mTileOffsets.shape[0]) - 1:
             first_row = mCuSeqlens[lo] + (tile - mTileOffsets[lo]) * _ROWS
             rows = mCuSeqlens[lo + 1] - first_row

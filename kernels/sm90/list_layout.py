@@ -26,6 +26,8 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, Int64
 
+from kernels.sm90.tile_scheduler import last_offset_at_most
+
 THREADS = 256
 # The kind ranks of the CSR's sort keys: a group's mask entries before its full ones
 # (sparsity/csr.py `_MASK_RANK`, `_FULL_RANK`).
@@ -139,15 +141,7 @@ def block_sequence(kv_block_offsets: cute.Tensor, kv_row: Int32) -> Int32:
     """The sequence of global KV block `kv_row`: the last s with kv_block_offsets[s] <= kv_row
     (empty sequences share their offset with the next one, which owns the block); a bisection
     over the (S + 1,) offsets."""
-    lo = Int32(0)
-    hi = cute.size(kv_block_offsets.shape[0]) - 2
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if kv_block_offsets[mid] <= kv_row:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
+    return last_offset_at_most(kv_block_offsets, kv_row, cute.size(kv_block_offsets.shape[0]) - 2)
 
 
 # ------------------------------------------------------------------------------------------------

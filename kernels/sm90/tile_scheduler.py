@@ -22,6 +22,22 @@ import cutlass.cute as cute
 from cutlass import Int32, const_expr
 
 
+@cute.jit
+def last_offset_at_most(offsets: cute.Tensor, value: Int32, hi: Int32) -> Int32:
+    """The last s in [0, hi] with offsets[s] <= value (offsets ascending, offsets[0] <= value):
+    which sequence a packed index belongs to, by bisection. Empty sequences share their offset
+    with the next one, which owns the index; `hi` = S - 1 keeps indices past the end in the last
+    sequence, S names them."""
+    lo = Int32(0)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if offsets[mid] <= value:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
 @dataclass(frozen=True)
 class TileOrder:
     heads_fastest: cutlass.Constexpr[bool]
