@@ -346,9 +346,11 @@ class KernelBackward:
         return True
 
     def backward(self, dout, lse, *, dout_dot_out, lse_gate=None, dq_accumulator=None,
-                 dkv_accumulators=None):
+                 dkv_accumulators=None, dq_sums=None):
         """``attention_backward_trusted`` of the planned call with ``dout_dot_out`` (out not
-        read): (dq, dk, dv), added into the accumulators where given."""
+        read): (dq, dk, dv), added into the accumulators where given. ``dq_sums``
+        (``kernels.sm90.backward.DqSums``): a fused dQ goes into these shared float32 sums,
+        unconverted (dq is then ``dq_accumulator``, None without one; the caller finishes)."""
         if dout_dot_out is None:
             raise ValueError("dout_dot_out: required (the planned backward does not read out)")
         _check_internal_arguments(self.q, self.k, self.v, dout_dot_out, lse_gate,
@@ -356,6 +358,8 @@ class KernelBackward:
         check_backward_tensors(self.problem, self.q, dout, None, lse, reads_out=False)
         given = _given_to_kernel(self.problem, dout_dot_out, dq_accumulator, dkv_accumulators,
                                  lse_gate)
+        if dq_sums is not None:
+            given["dq_sums"] = dq_sums
         return self._backward.run(dout, self.q, self.k, self.v, None, lse, **given,
                                   **self._backward_kwargs)
 

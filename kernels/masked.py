@@ -396,8 +396,13 @@ def tile_lists(problem: AttentionProblem, attn_mask=None, attn_bias=None):
         classes = torch.minimum(classes, _expand(
             _cell_classes(attn_mask, lambda m: m != 0, tile), problem, heads))
     if attn_bias is not None:
+        # The bias is read only in the tiles the rule and the mask list for a row it serves.
+        prior = None
+        if attn_mask is not None or has_rule(problem):
+            prior = _prior_for(classes, _broadcast_view(attn_bias).shape[:2], heads)
         classes = torch.minimum(classes, _expand(
-            _cell_classes(attn_bias, lambda b: b > float("-inf"), tile), problem, heads))
+            _cell_classes(attn_bias, lambda b: b > float("-inf"), tile, prior), problem,
+            heads))
     classes = classes.expand(problem.num_seqs, heads, *classes.shape[2:])
     on_kernel = _lists_on_kernel(classes, tile)
     if on_kernel is not None:
@@ -460,19 +465,42 @@ def _rule_classes(problem: AttentionProblem, tile: int, device: torch.device) ->
     return classes[None, None]
 
 
-def _cell_classes(x: torch.Tensor, seen, tile: int) -> torch.Tensor:
+def _cell_classes(x: torch.Tensor, seen, tile: int, prior=None) -> torch.Tensor:
     """(Bx, Hx, Tq, Tk) classes of a mask or bias: every cell of a tile seen, some, or none
     (a mask's True cells, a bias's cells above -inf: `seen`). On sm90 one pass of
     `kernels.sm90.tile_classes`; else from the extremes of each tile (seen is monotone: True
     above False, a finite bias above -inf), reductions along its rows' contiguous keys. No
-    temporary of Nq x Nk either way."""
+    temporary of Nq x Nk either way. prior ((Bx, Hx, Tq, Tk) int8 or None): classes the
+    caller takes the minimum with; the kernel skips the tiles it leaves unlisted (and calls
+    them so)."""
     x = _broadcast_view(x)
     if x.dtype == torch.bool:
         x = x.view(torch.uint8)
-    on_kernel = _cell_classes_on_kernel(x, tile)
+    on_kernel = _cell_classes_on_kernel(x, tile, prior)
     if on_kernel is not None:
         return on_kernel
     return _cell_classes_from_extremes(x, seen, tile)
+
+
+def _prior_for(classes: torch.Tensor, form: tuple[int, int], heads: int) -> torch.Tensor | None:
+    """For a source of (Bx, Hx) slabs, the classes (B', H', Tq, Tk; B' in {1, Bx, B}, H' in
+    {1, heads}) of the sources before it, as (Bx, Hx, Tq, Tk): each slab's tile unlisted only
+    where it is unlisted for every (batch entry, list head) the slab serves (NOT_LISTED is the
+    least class, so their maximum). None where Hx is neither 1 nor a divisor of `heads`
+    (validated calls have no such form: Hx is 1, Hkv or H, and heads is Hkv or H)."""
+    batch, slab_heads = form
+    if classes.shape[0] != batch:
+        classes = (classes.amax(0, keepdim=True) if batch == 1
+                   else classes.expand(batch, *classes.shape[1:]))
+    held = classes.shape[1]
+    if held != slab_heads and held != 1:  # held == heads
+        if slab_heads == 1:
+            classes = classes.amax(1, keepdim=True)
+        elif heads % slab_heads == 0:  # a slab per KV head, lists per query head
+            classes = classes.unflatten(1, (slab_heads, heads // slab_heads)).amax(2)
+        else:
+            return None
+    return classes.expand(batch, slab_heads, *classes.shape[2:]).contiguous()
 
 
 def _cell_classes_from_extremes(x: torch.Tensor, seen, tile: int) -> torch.Tensor:
@@ -484,10 +512,10 @@ def _cell_classes_from_extremes(x: torch.Tensor, seen, tile: int) -> torch.Tenso
                        torch.where(seen(hi), MASK_BLOCK, NOT_LISTED)).to(torch.int8)
 
 
-def _cell_classes_on_kernel(x: torch.Tensor, tile: int) -> torch.Tensor | None:
+def _cell_classes_on_kernel(x: torch.Tensor, tile: int, prior=None) -> torch.Tensor | None:
     """`_cell_classes` of x (Bx, Hx, Nq, Nk; a mask as uint8) by the sm90 kernel, one launch per
     run of slabs that is one strided view (all of x unless its batch and head strides do not
-    merge), or None where it does not take x."""
+    merge), or None where it does not take x. prior: as `_cell_classes`'."""
     from . import dispatch
 
     module, _ = dispatch.sm90_module("tile_classes", x.device)
@@ -496,11 +524,15 @@ def _cell_classes_on_kernel(x: torch.Tensor, tile: int) -> torch.Tensor | None:
     batch, heads = x.shape[:2]
     if batch == 1 or heads == 1 or x.stride(0) == x.stride(1) * heads:
         runs = [x.flatten(0, 1)]
+        priors = [None if prior is None else prior.flatten(0, 1)]
     else:
         runs = list(x.unbind(0))
+        priors = [None] * batch if prior is None else list(prior.unbind(0))
     if not all(module.can_run(run) for run in runs):
         return None
-    classes = [module.run(run) for run in runs]
+    priors = [p if p is not None and module.can_run(run, p) else None
+              for run, p in zip(runs, priors)]
+    classes = [module.run(run, p) for run, p in zip(runs, priors)]
     return (classes[0] if len(classes) == 1 else torch.cat(classes)).view(
         batch, heads, *classes[0].shape[1:])
 

@@ -73,7 +73,8 @@ class Branch:
                  dout_dot_out: Tensor | None = None, lse_gate: tuple[Tensor, int] | None = None,
                  dq_accumulator: Tensor | None = None,
                  dkv_accumulators: tuple[Tensor, Tensor] | None = None,
-                 plan: KernelBackward | None = None) -> tuple[Tensor, Tensor, Tensor]:
+                 plan: KernelBackward | None = None,
+                 dq_sums=None) -> tuple[Tensor | None, Tensor, Tensor]:
         """(dq, dk, dv), dk and dv summed over each KV group. block_sparse_transposed: this
         branch's `transposed_lists()`, or None (the kernels build them when they need them).
         plan: this branch's `plan_backward` for these q, k, v and options: the call then goes
@@ -81,12 +82,15 @@ class Branch:
         and lse_gate (gates, b), the gate the kernel folds into lse (only a plan takes these
         two). Without a plan, out is read. dq_accumulator: a tensor like q that dq is added
         into; dkv_accumulators: (dk_sum, dv_sum) float32 tensors that dk and dv are added into
-        (both returned as the results)."""
+        (both returned as the results). dq_sums (with a plan; a
+        `kernels.sm90.backward.DqSums`): where the kernel fuses dQ, it adds into these float32
+        sums shared with the other branches and returns dq_accumulator as dq (None without
+        one); the caller converts the sums once (`DqSums.finish`)."""
         if plan is not None:
             _check_planned(plan, q, k, v)
             return plan.backward(dout, lse, dout_dot_out=dout_dot_out, lse_gate=lse_gate,
                                  dq_accumulator=dq_accumulator,
-                                 dkv_accumulators=dkv_accumulators)
+                                 dkv_accumulators=dkv_accumulators, dq_sums=dq_sums)
         if dout_dot_out is not None or lse_gate is not None:
             raise ValueError("dout_dot_out, lse_gate: only a planned backward takes them "
                              "(Branch.plan_backward)")

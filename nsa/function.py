@@ -30,6 +30,7 @@ from torch import Tensor
 
 from kernels.autograd import refuse_double_backward
 from kernels.gated_sum import GatedSum, gate_gradient, gated_sum_backward
+from kernels.sm90.backward import DqSums
 from nsa.branches import Branch, compressed_branch, selected_branch, window_branch
 from nsa.compression import (compress_backward, compress_pair, compressed_block_starts,
                              compressed_cu_seqlens, compressed_row_tokens, compute_dtype)
@@ -163,8 +164,9 @@ def packed_gradients(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, W_k: Tensor 
 
     Memory is what this is laid out for (1M tokens must train on one 80 GB GPU): one branch
     is recomputed at a time, and besides the inputs only these gradients stay alive between
-    branches: dq in q's dtype, each branch's dq added as it comes (rounded once per branch),
-    and dk, dv in the compute dtype, which the compressed branch's compress_backward starts and
+    branches: dq in q's dtype, each branch's dq added as it comes (rounded once per branch;
+    the branches on the fused dQ add into one float32 accumulator, `DqSums`, converted into dq
+    at the end: it then lives from the first such branch to the end), and dk, dv in the compute dtype, which the compressed branch's compress_backward starts and
     the other branches' attention backward adds into (the sm90 kernel adds its float32 partial
     sums there itself). On the sm90 kernel a branch needs neither its output nor g_b * dO in
     the attention backward (the kernel folds the gate into lse,
@@ -179,6 +181,9 @@ def packed_gradients(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, W_k: Tensor 
     d_gates = torch.zeros(*q.shape[:2], NUM_BRANCHES, dtype=dtype, device=q.device)
     dq = dk = dv = None
     dW_k = dW_v = dW_gate = None
+    # The branches whose kernels fuse dQ (compressed keys from 128K tokens, the window from
+    # 4096 keys) add into one float32 accumulator, converted once at the end.
+    dq_sums = DqSums()
 
     outputs = kept.outputs if kept is not None else ()
     branch: Branch
@@ -218,7 +223,8 @@ def packed_gradients(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, W_k: Tensor 
         dq, dk_b, dv_b = branch.backward(step.dout, q, keys, values, step.out, step.lse,
                                          dout_dot_out=step.dout_dot_out, lse_gate=step.lse_gate,
                                          dq_accumulator=dq, dkv_accumulators=accumulators,
-                                         plan=plan, **options)
+                                         plan=plan, dq_sums=dq_sums if on_kernel else None,
+                                         **options)
         del step, keys, values
         if branch.reads_compressed:
             # dk_cmp, dv_cmp flow back through the projection and the mean pooling.
@@ -233,6 +239,7 @@ def packed_gradients(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, W_k: Tensor 
             del starts, row_tokens, dk_x, dv_x
         del dk_b, dv_b
 
+    dq = dq_sums.finish(into=dq)
     if dq is None:  # no branch ran: nsa() refuses such a call, this keeps the function total
         dq = torch.zeros_like(q)
     if W_gate is not None:

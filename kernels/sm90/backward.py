@@ -140,7 +140,7 @@ def run(
     block_sparse=None, block_sparse_transposed=None, deterministic=False, spec_overrides=None,
     dout_dot_out=None, dq_accumulator=None, dkv_accumulators=None, lse_gate=None,
     host_cu_seqlens_q=None, head_major_units=UNITS_HEAD_MAJOR, q_start_positions=None,
-    score_mods=None, dbias=None, dbias_stores=False,
+    score_mods=None, dbias=None, dbias_stores=False, dq_sums=None,
 ):
     """(dq, dk, dv) of the sm90 backward kernel; dk and dv summed over each KV group.
 
@@ -168,7 +168,11 @@ def run(
     (`score_mod_spec`); dbias: a float32 (slabs, Nq, Nk) tensor that dS is summed into, zeroed
     where the lists visit; with `dbias_stores` (each bias slab serves one batch entry and query
     head) a tensor of the bias's dtype whose visited cells are written dS
-    (`BwdSpec.score_dbias_stores`)."""
+    (`BwdSpec.score_dbias_stores`).
+    dq_sums (packed inputs; a `DqSums`): where this call fuses dQ into a float32 accumulator of
+    the sums' layout, it adds into the shared one and leaves it unconverted; dq is then
+    returned as dq_accumulator (None without one) and the caller's `dq_sums.finish` converts
+    it."""
     if lse_gate is not None and dout_dot_out is None:
         raise ValueError("lse_gate: only taken with dout_dot_out (the gate's row dots)")
     if q.dtype not in SUPPORTED_DTYPES:
@@ -247,10 +251,14 @@ def run(
             host_cu_seqlens_q = tuple(range(0, total_q + 1, max_seqlen_q))
         tiles = query_tiles(cu_seqlens_q, total_q, host_cu_seqlens_q)
         lse_log2, dpsum = tiles.row_statistics(dout, out, lse, dout_dot_out, lse_gate)
-        dq_acc = None
+        dq_acc = shared_sums = None
         if spec.fuses_dq:
-            dq_acc = torch.zeros((num_heads, tiles.num_slots, head_dim), dtype=torch.float32,
-                                 device=q.device)
+            shape = (num_heads, tiles.num_slots, head_dim)
+            if dq_sums is not None and not padded:
+                shared_sums = dq_sums.take(tiles, shape, spec.dq_cols_per_warpgroup,
+                                           softmax_scale, q.dtype, q.device)
+            dq_acc = shared_sums if shared_sums is not None else torch.zeros(
+                shape, dtype=torch.float32, device=q.device)
         forward_lists = (None,) * 5  # read by the dQ kernel
         if block_sparse is not None:
             bs = block_sparse
@@ -304,6 +312,8 @@ def run(
                        (-(-max_seqlen_q // DQ_TILE_ROWS), softmax_scale, compress_factor,
                         *window),
                        (*forward_lists, positions))
+        elif shared_sums is not None:  # converted by the caller's dq_sums.finish
+            dq = dq_into
         else:
             dq = tiles.gather_dq(dq_acc, spec.dq_cols_per_warpgroup, softmax_scale, q.dtype,
                                  into=dq_into)
@@ -447,6 +457,46 @@ class QueryTiles:
             dq.copy_(rows.transpose(0, 1))
         else:
             dq.copy_(dq.float() + rows.transpose(0, 1))  # one rounding, as the kernel
+        return dq
+
+
+class DqSums:
+    """One float32 dQ accumulator for several fused-dQ backward calls on the same q (nsa()'s
+    compressed and window branches, both on the fused dQ from 128K tokens at H=32): the first
+    call zeroes it, each call adds into it, and `finish` converts it once. On its own each
+    call zeroes and converts an accumulator of 4 x T x H x D bytes (4 GiB at 256K tokens,
+    H=32, D=128: about 1 ms to zero and 2 ms to convert into dq at an H200's bandwidth). A call
+    of another layout (tile layout, the dQ blocks' columns, softmax scale, dtype) keeps its
+    own accumulator, as without sums."""
+
+    def __init__(self):
+        self._sums = None
+        self._layout = None  # (QueryTiles, block columns, softmax scale, dtype)
+
+    def take(self, tiles: QueryTiles, shape, block_cols: int, softmax_scale: float, dtype,
+             device) -> torch.Tensor | None:
+        """The accumulator a call of this layout adds into (zeroed for the first), else None."""
+        if self._sums is None:
+            self._sums = torch.zeros(shape, dtype=torch.float32, device=device)
+            self._layout = (tiles, block_cols, softmax_scale, dtype)
+            return self._sums
+        held_tiles, *held = self._layout
+        if (held_tiles is tiles and held == [block_cols, softmax_scale, dtype]
+                and tuple(self._sums.shape) == tuple(shape)):
+            return self._sums
+        return None
+
+    def finish(self, into: torch.Tensor | None = None) -> torch.Tensor | None:
+        """dq (T, H, D) from the sums, added into `into` where given (returned as it); `into`
+        itself where no call took the sums."""
+        if self._sums is None:
+            return into
+        tiles, block_cols, softmax_scale, dtype = self._layout
+        sums, self._sums, self._layout = self._sums, None, None
+        target = None if into is None else _kernel_rows(into, into.shape)
+        dq = tiles.gather_dq(sums, block_cols, softmax_scale, dtype, into=target)
+        if into is not None and target is None:  # strides the conversion cannot write
+            dq = into.add_(dq)
         return dq
 
 

@@ -17,6 +17,12 @@ the warps through shared memory, and one thread per tile writes FULL_BLOCK, MASK
 NOT_LISTED. Cells past Nk do not exist and count for neither flag (Nk is a multiple of the
 vector, so a vector is in or out whole); a row past Nq reads row Nq - 1 again, which changes
 neither.
+
+With a prior (`TileClassesSpec.reads_prior`: classes (S, Tq, Tk) that the caller combines with
+these by their minimum, a bias's after the causal rule and the mask), a tile the prior leaves
+NOT_LISTED is not read: its lanes skip their loads and it is written NOT_LISTED, which the
+minimum gives anyway. A bias under a small window's mask is then read where the window is
+(at 16K, window 32: 1/64 of the tiles) instead of whole.
 """
 from __future__ import annotations
 
@@ -25,6 +31,7 @@ from dataclasses import dataclass
 import cutlass
 import cutlass.memory
 import cutlass.cute as cute
+import torch
 from cutlass import Float32, Int32, const_expr
 
 from sparsity.builders import FULL_BLOCK, MASK_BLOCK, NOT_LISTED
@@ -45,8 +52,10 @@ def _cutlass_dtype(name: str):
 
 @dataclass(frozen=True)
 class TileClassesSpec:
-    """The compile key: the cells' element type (a mask's bytes or a bias's floats)."""
+    """The compile key: the cells' element type (a mask's bytes or a bias's floats), and
+    whether tiles a prior leaves unlisted are skipped."""
     dtype: str
+    reads_prior: bool = False
 
     def __post_init__(self):
         if self.dtype not in ELEMENT_BYTES:
@@ -69,13 +78,13 @@ class TileClassesSpec:
 
 class TileClassesSm90:
     """The kernel for one `TileClassesSpec`; called with (x (S, Nq, Nk), classes (S, Tq, Tk)
-    int8)."""
+    int8, prior (S, Tq, Tk) int8 or None)."""
 
     def __init__(self, spec: TileClassesSpec):
         self.spec = spec
 
     @cute.jit
-    def __call__(self, x: cute.Tensor, classes: cute.Tensor, stream):
+    def __call__(self, x: cute.Tensor, classes: cute.Tensor, prior, stream):
         spec = self.spec
         # Rows and slabs start 16 bytes apart (the launcher admits only such strides).
         strides = (cute.assume(x.stride[0], divby=spec.vector),
@@ -83,12 +92,12 @@ class TileClassesSm90:
         x = cute.make_tensor(x.iterator, cute.make_layout(x.shape, stride=strides))
         grid = [cute.ceil_div(cute.size(classes.shape[2]), spec.tiles_per_warp),
                 cute.size(classes.shape[1]), cute.size(classes.shape[0])]
-        self.kernel(x, classes).launch(grid=grid, block=[32 * WARPS, 1, 1],
+        self.kernel(x, classes, prior).launch(grid=grid, block=[32 * WARPS, 1, 1],
                                        smem=4 * 2 * WARPS * spec.tiles_per_warp + 16,
                                        stream=stream)
 
     @cute.kernel
-    def kernel(self, x: cute.Tensor, classes: cute.Tensor):
+    def kernel(self, x: cute.Tensor, classes: cute.Tensor, prior):
         spec = self.spec
         tidx, _, _ = cute.arch.thread_idx()
         column_group, tile_row, slab = cute.arch.block_idx()
@@ -100,7 +109,11 @@ class TileClassesSm90:
 
         every = Int32(1)  # every existing cell this lane read was seen
         some = Int32(0)  # some cell was seen
-        if key < seqlen_k:
+        reads = Int32(key < seqlen_k)
+        if const_expr(spec.reads_prior):
+            if key < seqlen_k:
+                reads = Int32(Int32(prior[slab, tile_row, tile_col]) != Int32(NOT_LISTED))
+        if reads != 0:
             for step in cutlass.range_constexpr(TILE // WARPS):
                 # A row past Nq reads the last row again instead (the flags do not change when
                 # a cell is read twice): no branch between the loads.
@@ -136,6 +149,9 @@ class TileClassesSm90:
                     value = Int32(FULL_BLOCK)
                 elif some != 0:
                     value = Int32(MASK_BLOCK)
+                if const_expr(spec.reads_prior):  # skipped: not read, and unlisted anyway
+                    if Int32(prior[slab, tile_row, tile_col]) == Int32(NOT_LISTED):
+                        value = Int32(NOT_LISTED)
                 classes[slab, tile_row, tile_col] = cutlass.Int8(value)
 
     @cute.jit
@@ -148,16 +164,19 @@ class TileClassesSm90:
 
 
 def fake_arguments(spec: TileClassesSpec):
-    """Fake (x, classes) for a CPU build (CUTE_DSL_ARCH=sm_90a), as the launcher passes them:
-    every extent and the leading strides dynamic (64-bit), unit last strides."""
+    """Fake (x, classes, prior) for a CPU build (CUTE_DSL_ARCH=sm_90a), as the launcher passes
+    them: every extent and the leading strides dynamic (64-bit), unit last strides; prior None
+    unless the spec reads one."""
     from cutlass.cute.runtime import make_fake_tensor
 
     slabs, rows, keys = cute.sym_int(), cute.sym_int(), cute.sym_int()
     x = make_fake_tensor(_cutlass_dtype(spec.dtype), (slabs, rows, keys),
                          stride=(cute.sym_int64(), cute.sym_int64(), 1), assumed_align=16)
-    classes = make_fake_tensor(cutlass.Int8, (slabs, cute.sym_int(), cute.sym_int()),
-                               stride=(cute.sym_int64(), cute.sym_int64(), 1), assumed_align=1)
-    return x, classes
+
+    def tile_classes():
+        return make_fake_tensor(cutlass.Int8, (slabs, cute.sym_int(), cute.sym_int()),
+                                stride=(cute.sym_int64(), cute.sym_int64(), 1), assumed_align=1)
+    return x, tile_classes(), tile_classes() if spec.reads_prior else None
 
 
 def compile_on_fake_tensors(spec: TileClassesSpec):
@@ -172,12 +191,17 @@ def compile_on_fake_tensors(spec: TileClassesSpec):
 # ------------------------------------------------------------------------------------------------
 
 
-def can_run(x) -> bool:
+def can_run(x, prior=None) -> bool:
     """Whether the kernel classifies x, an (S, Nq, Nk) view (bool as uint8 or a float bias),
     the device already checked: unit last stride, Nk and the leading strides multiples of the
-    16-byte vector, 16-byte aligned, the tiles and slabs within the launch grid."""
+    16-byte vector, 16-byte aligned, the tiles and slabs within the launch grid; a prior, where
+    given, (S, Tq, Tk) int8 with a unit last stride."""
     dtype = str(x.dtype).removeprefix("torch.")
     if dtype not in ELEMENT_BYTES or x.dim() != 3 or 0 in x.shape:
+        return False
+    tiles = (x.shape[0], -(-x.shape[1] // TILE), -(-x.shape[2] // TILE))
+    if prior is not None and (prior.dtype != torch.int8 or tuple(prior.shape) != tiles
+                              or prior.stride(-1) != 1 or prior.device != x.device):
         return False
     vector = VECTOR_BYTES // ELEMENT_BYTES[dtype]
     return (x.stride(2) == 1 and x.shape[2] % vector == 0 and x.stride(0) % vector == 0
@@ -185,14 +209,14 @@ def can_run(x) -> bool:
             and x.shape[0] <= MAX_GRID_YZ and -(-x.shape[1] // TILE) <= MAX_GRID_YZ)
 
 
-def run(x):
-    """The (S, Tq, Tk) int8 classes of x, an (S, Nq, Nk) view that `can_run` accepts."""
-    import torch
-
+def run(x, prior=None):
+    """The (S, Tq, Tk) int8 classes of x, an (S, Nq, Nk) view that `can_run` accepts (with
+    `prior`: NOT_LISTED, unread, where the prior is)."""
     from kernels.sm90.launch import launch_on_current_stream
 
-    spec = TileClassesSpec(str(x.dtype).removeprefix("torch."))
+    spec = TileClassesSpec(str(x.dtype).removeprefix("torch."), reads_prior=prior is not None)
     classes = torch.empty(x.shape[0], -(-x.shape[1] // TILE), -(-x.shape[2] // TILE),
                           dtype=torch.int8, device=x.device)
-    launch_on_current_stream(TileClassesSm90, spec, fake_arguments, (x, classes), x.device)
+    launch_on_current_stream(TileClassesSm90, spec, fake_arguments, (x, classes, prior),
+                             x.device)
     return classes

@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 
-from kernels.sm90.backward import (QueryTiles, gate_folded_lse, query_tiles, work_units,
-                                   work_units_torch)
+from kernels.sm90.backward import (DqSums, QueryTiles, gate_folded_lse, query_tiles,
+                                   work_units, work_units_torch)
 from sparsity import build_block_sparse_from_mask, transpose_block_sparse_csr
 from gpu_marks import requires_sm90
 
@@ -160,6 +160,36 @@ def test_fused_dq_accumulator_blocks_are_read_back_in_row_order():
     running = torch.randn(300, heads, dim)
     summed = tiles.gather_dq(acc, cols, 0.5, torch.float32, into=running.clone())
     assert torch.allclose(summed, running + dq)
+
+
+def test_dq_sums_are_shared_by_one_layout_and_converted_once():
+    """DqSums: the first call of a layout gets zeroed sums, a later call of the same layout
+    the same tensor, any other layout (tiles, block columns, scale, dtype) None; finish
+    converts the sum of every call's blocks once, fresh or added into a running dq, and leaves
+    the sums empty (a finish without calls returns `into` untouched)."""
+    cu = torch.tensor([0, 1, 65, 65, 300], dtype=torch.int32)
+    tiles = QueryTiles(cu, 300)
+    heads, dim, cols = 2, 32, 16
+    shape = (heads, tiles.num_slots, dim)
+    sums = DqSums()
+    first = sums.take(tiles, shape, cols, 0.5, torch.float32, "cpu")
+    assert first is not None and torch.count_nonzero(first) == 0
+    gen = torch.Generator().manual_seed(0)
+    a, b = (torch.randn(shape, generator=gen) for _ in range(2))
+    first.add_(a)
+    assert sums.take(tiles, shape, cols, 0.5, torch.float32, "cpu") is first
+    first.add_(b)
+    assert sums.take(QueryTiles(cu, 300), shape, cols, 0.5, torch.float32, "cpu") is None
+    assert sums.take(tiles, shape, 2 * cols, 0.5, torch.float32, "cpu") is None
+    assert sums.take(tiles, shape, cols, 0.25, torch.float32, "cpu") is None
+    assert sums.take(tiles, shape, cols, 0.5, torch.float64, "cpu") is None
+    running = torch.randn(300, heads, dim, generator=gen)
+    summed = sums.finish(into=running.clone())
+    assert torch.allclose(summed, running + tiles.gather_dq(a + b, cols, 0.5, torch.float32))
+    assert sums.finish(into=running) is running
+    assert sums.finish() is None
+    sums.take(tiles, shape, cols, 0.5, torch.float32, "cpu").add_(a)
+    assert torch.equal(sums.finish(), tiles.gather_dq(a, cols, 0.5, torch.float32))
 
 
 @pytest.mark.gpu

@@ -10,6 +10,8 @@ whose batch and head strides do not merge, -inf and NaN cells; the lists kernel 
 """
 from __future__ import annotations
 
+import itertools
+
 import cutlass  # noqa: F401  (a dependency: a broken CuTe DSL install fails here, not skips)
 import pytest
 import torch
@@ -74,12 +76,13 @@ def test_torch_path_equals_the_count():
         assert torch.equal(got, _expected_classes(x)), dtype
 
 
+@pytest.mark.parametrize("reads_prior", [False, True], ids=["whole", "prior"])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_kernel_builds_for_sm90(dtype):
+def test_kernel_builds_for_sm90(dtype, reads_prior):
     # CUTE_DSL_ARCH=sm_90a: tests/conftest.py
     from kernels.sm90.tile_classes import TileClassesSpec, compile_on_fake_tensors
 
-    assert compile_on_fake_tensors(TileClassesSpec(dtype))
+    assert compile_on_fake_tensors(TileClassesSpec(dtype, reads_prior))
 
 
 def test_lists_kernel_builds_for_sm90():
@@ -108,6 +111,37 @@ def test_the_launchers_refuse_what_the_kernels_cannot_read():
     assert not lists_can_run(classes.int())
     assert not lists_can_run(classes.transpose(2, 3))
     assert not lists_can_run(classes[:, :, :0])
+
+
+def test_the_launcher_refuses_a_prior_it_cannot_read():
+    from kernels.sm90.tile_classes import can_run
+
+    mask = torch.zeros(2, 256, 1000 + 24, dtype=torch.uint8)
+    prior = torch.zeros(2, 2, 8, dtype=torch.int8)
+    assert can_run(mask, prior)
+    assert not can_run(mask, prior[:1])                # not one per slab
+    assert not can_run(mask, prior[..., :7])           # not one per tile
+    assert not can_run(mask, prior.int())              # not int8
+    assert not can_run(mask, prior.transpose(1, 2).contiguous().transpose(1, 2))
+
+
+@pytest.mark.parametrize("classes_form", [(1, 1), (2, 1), (1, 8), (2, 8)])
+@pytest.mark.parametrize("slab_form", [(1, 1), (2, 1), (1, 2), (2, 8), (1, 8)])
+def test_prior_lists_a_tile_where_any_served_list_does(classes_form, slab_form):
+    """`_prior_for`: the classes before a source (rule and mask: (1 or B, 1 or `heads`)) as
+    one per slab of the source ((1 or B, 1, Hkv or H)); a slab's tile is unlisted only where
+    it is for every (batch entry, list head) the slab serves (B=2, heads=8, Hkv=2)."""
+    batch, heads = 2, 8
+    gen = torch.Generator().manual_seed(sum(classes_form) + 10 * sum(slab_form))
+    classes = torch.randint(0, 3, (*classes_form, 3, 5), generator=gen).to(torch.int8)
+    prior = masked._prior_for(classes, slab_form, heads)
+    assert prior.shape == (*slab_form, 3, 5) and prior.is_contiguous()
+    full = classes.expand(batch, heads, 3, 5)
+    for b, h in itertools.product(range(slab_form[0]), range(slab_form[1])):
+        served_batch = range(batch) if slab_form[0] == 1 else [b]
+        group = heads // slab_form[1]
+        served = full[list(served_batch)][:, h * group:(h + 1) * group]
+        assert torch.equal(prior[b, h], served.amax((0, 1))), (b, h)
 
 
 @pytest.mark.gpu
@@ -141,6 +175,24 @@ def test_kernel_reads_strided_rows_and_unmerged_slabs():
     got = masked._cell_classes(mask, lambda m: m != 0, TILE)
     assert got.shape == (2, 1, 4, 5)
     assert torch.equal(got, _expected_classes(mask[:, :1]))
+
+
+@pytest.mark.gpu
+@requires_sm90
+@pytest.mark.parametrize("dtype", ["uint8", "bfloat16"])
+def test_kernel_skips_the_tiles_a_prior_leaves_unlisted(dtype):
+    """With a prior, the kernel's classes are the count's where the prior lists the tile and
+    NOT_LISTED where it does not, per slab, also over unmerged slabs (one launch each)."""
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    x = _cells((2, 3, 1000, 1296), dtype, gen, "cuda")
+    prior = torch.randint(0, 3, (2, 3, 8, 11), generator=gen, device="cuda").to(torch.int8)
+    expected = torch.where(prior == NOT_LISTED, NOT_LISTED, _expected_classes(x))
+    got = masked._cell_classes_on_kernel(_as_read(x), TILE, prior)
+    assert got is not None
+    assert torch.equal(got, expected)
+    unmerged = x.transpose(0, 1).contiguous().transpose(0, 1)
+    assert torch.equal(masked._cell_classes_on_kernel(_as_read(unmerged), TILE, prior),
+                       expected)
 
 
 @pytest.mark.gpu
