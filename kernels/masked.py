@@ -40,6 +40,9 @@ BIAS_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 # The sm90 path: its tiles (query rows x keys) and the bias types it reads.
 KERNEL_TILE = 128
 KERNEL_BIAS_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# The bias's tile classes read only the tiles the rule and the mask list (`_prior_for`);
+# False: the whole bias (a switch for the A/B, `tools/bench_masked.py --switch`).
+BIAS_CLASSES_AFTER_MASK = True
 
 
 @dataclass(frozen=True)
@@ -398,7 +401,7 @@ def tile_lists(problem: AttentionProblem, attn_mask=None, attn_bias=None):
     if attn_bias is not None:
         # The bias is read only in the tiles the rule and the mask list for a row it serves.
         prior = None
-        if attn_mask is not None or has_rule(problem):
+        if BIAS_CLASSES_AFTER_MASK and (attn_mask is not None or has_rule(problem)):
             prior = _prior_for(classes, _broadcast_view(attn_bias).shape[:2], heads)
         classes = torch.minimum(classes, _expand(
             _cell_classes(attn_bias, lambda b: b > float("-inf"), tile, prior), problem,

@@ -495,9 +495,11 @@ class DqSums:
         sums, self._sums, self._layout = self._sums, None, None
         target = None if into is None else _kernel_rows(into, into.shape)
         dq = tiles.gather_dq(sums, block_cols, softmax_scale, dtype, into=target)
-        if into is not None and target is None:  # strides the conversion cannot write
-            dq = into.add_(dq)
-        return dq
+        if into is None:
+            return dq
+        if target is None:  # strides the conversion cannot write
+            into.add_(dq)
+        return into
 
 
 def _rows_from_fragment_order(dq_acc: torch.Tensor, block_cols: int) -> torch.Tensor:

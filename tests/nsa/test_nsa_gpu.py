@@ -114,12 +114,13 @@ def branch_backends(monkeypatch) -> dict:
     original = Branch.backward
 
     def recording_backward(self, dout, q, k, v, out, lse, **options):
-        # dout_dot_out replaces out, lse_gate goes with it, the accumulators receive dq, dk,
-        # dv, and plan is the path already chosen: none chooses it, which_backend takes none
+        # dout_dot_out replaces out, lse_gate goes with it, the accumulators and dq_sums
+        # receive dq, dk, dv, and plan is the path already chosen: none chooses it,
+        # which_backend takes none
         asked = {name: value for name, value in options.items()
                  if value is not None and value is not False
                  and name not in ("dout_dot_out", "lse_gate", "dq_accumulator",
-                                  "dkv_accumulators", "plan")}
+                                  "dkv_accumulators", "plan", "dq_sums")}
         backend = kernels.which_backend(q, k, v, backward=True, **asked, **self.kernel_kwargs)
         # On the kernel, nsa() frees the branch output first and passes rowsum(dO * O) instead
         kept = out is not None or options.get("dout_dot_out") is None
