@@ -41,6 +41,10 @@ from nsa.validation import PackedSequences
 from sparsity import QueryRows
 from sparsity.host_cache import cached
 
+# The branches on the fused dQ share one float32 accumulator (`DqSums`); False: each zeroes and
+# converts its own (a switch for the A/B, `tools/bench_nsa_vs_dense.py --switch`).
+SHARED_DQ_SUMS = True
+
 
 class NSAFunction(torch.autograd.Function):
     """nsa() on packed tensors: q (T, H, D), k, v (T, Hkv, D), cu_seqlens (S+1,) int32.
@@ -183,7 +187,7 @@ def packed_gradients(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, W_k: Tensor 
     dW_k = dW_v = dW_gate = None
     # The branches whose kernels fuse dQ (compressed keys from 128K tokens, the window from
     # 4096 keys) add into one float32 accumulator, converted once at the end.
-    dq_sums = DqSums()
+    dq_sums = DqSums() if SHARED_DQ_SUMS else None
 
     outputs = kept.outputs if kept is not None else ()
     branch: Branch
@@ -223,7 +227,7 @@ def packed_gradients(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, W_k: Tensor 
         dq, dk_b, dv_b = branch.backward(step.dout, q, keys, values, step.out, step.lse,
                                          dout_dot_out=step.dout_dot_out, lse_gate=step.lse_gate,
                                          dq_accumulator=dq, dkv_accumulators=accumulators,
-                                         plan=plan, dq_sums=dq_sums if on_kernel else None,
+                                         plan=plan, dq_sums=dq_sums,
                                          **options)
         del step, keys, values
         if branch.reads_compressed:
@@ -239,7 +243,8 @@ def packed_gradients(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, W_k: Tensor 
             del starts, row_tokens, dk_x, dv_x
         del dk_b, dv_b
 
-    dq = dq_sums.finish(into=dq)
+    if dq_sums is not None:
+        dq = dq_sums.finish(into=dq)
     if dq is None:  # no branch ran: nsa() refuses such a call, this keeps the function total
         dq = torch.zeros_like(q)
     if W_gate is not None:

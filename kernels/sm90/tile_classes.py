@@ -114,10 +114,6 @@ class TileClassesSm90:
             if key < seqlen_k:
                 reads = Int32(Int32(prior[slab, tile_row, tile_col]) != Int32(NOT_LISTED))
         if reads != 0:
-            # Every load issued before any cell is looked at: loaded and tested row by row,
-            # ptxas kept one or two 16-byte loads in flight per thread (30 registers), too few
-            # bytes in flight per SM for the memory's bandwidth.
-            loaded = []
             for step in cutlass.range_constexpr(TILE // WARPS):
                 # A row past Nq reads the last row again instead (the flags do not change when
                 # a cell is read twice): no branch between the loads.
@@ -125,20 +121,10 @@ class TileClassesSm90:
                 cells = cute.make_rmem_tensor((spec.vector,), x.element_type)
                 cells.store(cute.local_tile(x[slab, row, None], (spec.vector,),
                                             (key // spec.vector,)).load())
-                loaded.append(cells)
-            for cells in loaded:
-                if const_expr(spec.dtype == "uint8"):
-                    # Four mask bytes per 32-bit word: no byte unpacking (16 instructions per
-                    # load before the tests).
-                    words = cute.recast_tensor(cells, cutlass.Uint32)
-                    for i in cutlass.range_constexpr(spec.vector // 4):
-                        every = every & _every_byte_nonzero(words[i])
-                        some = some | Int32(words[i] != cutlass.Uint32(0))
-                else:
-                    for i in cutlass.range_constexpr(spec.vector):
-                        seen = self.seen(cells[i])
-                        every = every & seen
-                        some = some | seen
+                for i in cutlass.range_constexpr(spec.vector):
+                    seen = self.seen(cells[i])
+                    every = every & seen
+                    some = some | seen
 
         # The tile's lanes, then the warps.
         for level in cutlass.range_constexpr(spec.lanes.bit_length() - 1):
@@ -175,15 +161,6 @@ class TileClassesSm90:
         if const_expr(self.spec.dtype == "uint8"):
             return Int32(cell != cutlass.Uint8(0))
         return Int32(Float32(cell) > Float32(-float("inf")))
-
-
-@cute.jit
-def _every_byte_nonzero(word) -> Int32:
-    """1 where none of the word's four bytes is 0: adding 0x7F to a byte's low seven bits
-    carries into its top bit unless they are 0, and the byte's own top bit covers 0x80."""
-    low = cutlass.Uint32(0x7F7F7F7F)
-    top = cutlass.Uint32(0x80808080)
-    return Int32((((word & low) + low) | word) & top == top)
 
 
 def fake_arguments(spec: TileClassesSpec):
