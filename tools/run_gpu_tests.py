@@ -6,8 +6,9 @@ round-robin to the shards (neighbouring tests, often variants of one kernel, lan
 processes), and each shard runs in its own process with CUDA_VISIBLE_DEVICES set to its GPU and
 its own CuTe DSL compile cache (shards never write one cache at once). Tests marked `whole_gpu`
 (they need a GPU's memory to themselves, e.g. 2M tokens) run after the shards, one at a time
-per GPU. Logs go to --log-dir; the summary gives each shard's counts and the total, and the
-exit code is nonzero when a shard failed or reported a failure.
+per GPU. Logs go to --log-dir; the summary gives each shard's counts, the ids of its failed
+and erroring tests, and the total, and the exit code is nonzero when a shard failed or
+reported a failure.
 
     python tools/run_gpu_tests.py                          # every visible GPU, all gpu tests
     python tools/run_gpu_tests.py --gpus 2 tests/nsa       # two GPUs, the nsa tests only
@@ -66,6 +67,19 @@ def counts(log_tail: str) -> dict[str, int]:
     found: dict[str, int] = {}
     for number, kind in _COUNTS.findall(log_tail):
         found[kind.rstrip("s") if kind.startswith("error") else kind] = int(number)
+    return found
+
+
+def failures(log_text: str) -> list[str]:
+    """The test ids pytest's short summary names as failed or erroring ('FAILED path::id -
+    message', 'ERROR path::id'), without the message: the run's summary prints them, so a
+    caller who only sees this process's output (a remote run that returns its tail and not
+    every log) still learns which tests failed."""
+    found = []
+    for line in log_text.splitlines():
+        kind, _, rest = line.partition(" ")
+        if kind in ("FAILED", "ERROR") and "::" in rest:
+            found.append(f"{kind} {rest.split(' - ')[0]}")
     return found
 
 
@@ -142,12 +156,15 @@ def main(argv=None) -> int:
             for index, process, log in running:
                 code = process.wait()
                 log.close()
-                tail = (log_dir / f"{log_name}_{index}.log").read_text()[-2000:]
+                text = (log_dir / f"{log_name}_{index}.log").read_text()
+                tail = text[-2000:]
                 found = counts(tail.splitlines()[-1] if tail.strip() else "")
                 for kind, number in found.items():
                     total[kind] = total.get(kind, 0) + number
                 failed |= code != 0 or found.get("failed", 0) > 0 or found.get("error", 0) > 0
                 print(f"{log_name} {index} (GPU {index % gpus}): exit {code}, {found}", flush=True)
+                for line in failures(text):
+                    print(f"  {line}", flush=True)
             if interrupted:
                 cut = f"; {len(interrupted)} processes interrupted at the time limit"
                 break

@@ -796,6 +796,20 @@ def test_run_gpu_tests_reads_pytest_counts():
         "failed": 3, "passed": 120, "skipped": 2, "error": 1}
 
 
+def test_run_gpu_tests_names_the_failed_tests():
+    tool = load_tool("run_gpu_tests")
+    log = "\n".join([
+        "tests/a.py::test_x[case-1] FAILED                                   [ 50%]",
+        "=========================== short test summary info ===========================",
+        "FAILED tests/a.py::test_x[case-1] - AssertionError: assert 0.02 < 0.01",
+        "ERROR tests/b.py::test_y - RuntimeError: CUDA error",
+        "FAILED to collect nothing here",
+        "== 1 failed, 3 passed, 1 error in 9.1s =="])
+    assert tool.failures(log) == ["FAILED tests/a.py::test_x[case-1]",
+                                  "ERROR tests/b.py::test_y"]
+    assert tool.failures("== 4 passed in 1.0s ==") == []
+
+
 def test_run_gpu_tests_keeps_shards_inside_the_callers_visible_devices(monkeypatch):
     tool = load_tool("run_gpu_tests")
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
