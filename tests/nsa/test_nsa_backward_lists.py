@@ -42,7 +42,9 @@ class RecordingBackward(types.ModuleType):
         return True, "recording stand-in"
 
     def run(self, dout, q, k, v, out, lse, dout_dot_out=None, dq_accumulator=None,
-            dkv_accumulators=None, lse_gate=None, host_cu_seqlens_q=None, **kwargs):
+            dkv_accumulators=None, lse_gate=None, host_cu_seqlens_q=None, dq_sums=None,
+            **kwargs):
+        # dq_sums: this fake computes dq itself, as a kernel without the fused dQ does.
         self.calls.append(kwargs)
         if lse_gate is not None:  # the kernel folds the gate into lse itself
             lse = gate_folded_lse(lse, lse_gate[0][..., lse_gate[1]])
