@@ -170,7 +170,8 @@ def packed_gradients(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, W_k: Tensor 
     is recomputed at a time, and besides the inputs only these gradients stay alive between
     branches: dq in q's dtype, each branch's dq added as it comes (rounded once per branch;
     the branches on the fused dQ add into one float32 accumulator, `DqSums`, converted into dq
-    at the end: it then lives from the first such branch to the end), and dk, dv in the compute dtype, which the compressed branch's compress_backward starts and
+    at the end: it then lives from the first such branch to the end), and dk, dv in the
+    compute dtype, which the compressed branch's compress_backward starts and
     the other branches' attention backward adds into (the sm90 kernel adds its float32 partial
     sums there itself). On the sm90 kernel a branch needs neither its output nor g_b * dO in
     the attention backward (the kernel folds the gate into lse,
@@ -227,8 +228,7 @@ def packed_gradients(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, W_k: Tensor 
         dq, dk_b, dv_b = branch.backward(step.dout, q, keys, values, step.out, step.lse,
                                          dout_dot_out=step.dout_dot_out, lse_gate=step.lse_gate,
                                          dq_accumulator=dq, dkv_accumulators=accumulators,
-                                         plan=plan, dq_sums=dq_sums,
-                                         **options)
+                                         plan=plan, dq_sums=dq_sums, **options)
         del step, keys, values
         if branch.reads_compressed:
             # dk_cmp, dv_cmp flow back through the projection and the mean pooling.

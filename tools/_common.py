@@ -282,9 +282,19 @@ def add_switch_argument(parser: argparse.ArgumentParser) -> None:
                              "(a Python literal of the constant's type; repeatable)")
 
 
+def parse_switches(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[str]:
+    """`apply_switches` of the parsed `--switch` options, a bad one reported as the parser's
+    usage error (exit 2, the switch named)."""
+    try:
+        return apply_switches(args.switch)
+    except ValueError as error:
+        parser.error(str(error))
+
+
 def apply_switches(switches: list[str]) -> list[str]:
     """Set each `MODULE.NAME=VALUE` (`add_switch_argument`); returns them as set, for the
-    run's header. ValueError naming the switch where the module is not the library's, the name
+    run's header. ValueError naming the switch where the module is not the library's or does
+    not exist, the name
     is not an UPPER_CASE constant it has, or the value is not a literal of the constant's
     type."""
     import ast
@@ -299,7 +309,10 @@ def apply_switches(switches: list[str]) -> list[str]:
         if module_name.split(".")[0] not in SWITCH_PACKAGES:
             raise ValueError(f"--switch {switch!r}: the module must be in one of "
                              f"{SWITCH_PACKAGES}")
-        module = importlib.import_module(module_name)
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError:
+            raise ValueError(f"--switch {switch!r}: no module {module_name}") from None
         if not name.isupper() or not hasattr(module, name):
             raise ValueError(f"--switch {switch!r}: {module_name} has no UPPER_CASE constant "
                              f"{name}")

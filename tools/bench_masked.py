@@ -45,8 +45,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from kernels import flash_attn_func  # noqa: E402
-from tools._common import (add_switch_argument, apply_switches, describe_device,  # noqa: E402
-                           int_list, positive_int, resolve_device, time_ms, write_results_json)
+from tools._common import (add_switch_argument, describe_device, int_list,  # noqa: E402
+                           parse_switches, positive_int, resolve_device, time_ms,
+                           write_results_json)
 
 TOOL = "bench_masked"
 METHODS = ("ours", "flex", "sdpa", "dense")
@@ -83,10 +84,7 @@ def parse_arguments(argv=None) -> argparse.Namespace:
     parser.add_argument("--json", type=Path, default=None)
     add_switch_argument(parser)
     args = parser.parse_args(argv)
-    try:
-        args.switches = apply_switches(args.switch)
-    except ValueError as error:
-        parser.error(str(error))
+    args.switches = parse_switches(parser, args)
     unknown = set(args.methods) - set(METHODS)
     if unknown:
         parser.error(f"--methods: unknown {sorted(unknown)}; choose from {METHODS}")

@@ -105,7 +105,7 @@ from bench_context_parallel import add_context_parallel_argument, run_for_tool  
 from _common import (CAPTURE_OPTIONS, RECOMPUTE_OPTIONS,  # noqa: E402
                      add_capture_argument, add_cmp_selected_argument, add_num_seqs_argument,
                      add_problem_arguments, add_recompute_argument, add_switch_argument,
-                     apply_switches,
+                     parse_switches,
                      attention_tflops, capped_causal_pairs, causal_pairs, check_num_seqs,
                      int_list,
                      compressed_key_cap, compressed_pairs, cu_seqlens_of, nsa_options, nsa_pairs,
@@ -715,10 +715,7 @@ def parse_args(argv):
     add_switch_argument(parser)
     parser.add_argument("--json", type=Path, help="write the results to this JSON file")
     args = parser.parse_args(argv)
-    try:
-        args.switches = apply_switches(args.switch)
-    except ValueError as error:
-        parser.error(str(error))
+    args.switches = parse_switches(parser, args)
     if args.context_parallel is not None and (args.packed is not None or args.branch_profile):
         parser.error("--context-parallel times nsa() on --seqlens (each one packed sequence "
                      "of --num-seqs documents): not with --packed or --branch-profile")

@@ -296,6 +296,7 @@ def test_switches_set_the_library_constants_and_refuse_anything_else(common, mon
     for switch, message in [
             ("kernels.sm90.backward.OWNED_DKV_STORES", "expected MODULE.NAME=VALUE"),
             ("torch.backends.cudnn.enabled=False", "must be in one of"),
+            ("kernels.no_such_module.SWITCH=1", "no module kernels.no_such_module"),
             ("kernels.sm90.backward.NO_SUCH_SWITCH=1", "no UPPER_CASE constant NO_SUCH_SWITCH"),
             ("kernels.sm90.backward.run=1", "no UPPER_CASE constant run"),
             ("kernels.sm90.backward.OWNED_DKV_STORES=maybe", "not a Python literal"),
