@@ -16,7 +16,8 @@ profile, the largest single stage of `nsa()`'s forward at 64K; the kernel 0.87 m
 
 `gated_sum_backward` is the backward of one term (NSA's backward, per branch): the gate
 gradient rowsum(dO * o_b) and the term's gradient g_b * dO, one CuTe DSL pass on sm90;
-`gate_gradient` the gate gradient alone.
+`gate_gradient` the gate gradient alone, `gate_gradients` that of several terms in one pass
+over dO.
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ import torch
 from torch import Tensor
 
 from . import dispatch
+
 
 class GatedSum:
     """Accumulate `gates[..., column] * term` for terms shaped like `like`, then `result()`.
@@ -121,8 +123,8 @@ def gated_sum_backward(dout: Tensor, term: Tensor, gates: Tensor, column: int,
     if backward_runs_on_sm90(dout, d_gates):
         from kernels.sm90 import gated_sum
 
-        return gated_sum.run_backward(_aligned(dout), _aligned(term),
-                                      gates.to(torch.float32).contiguous(), column, d_gates)
+        return gated_sum.run_backward(_aligned(dout), (_aligned(term),),
+                                      gates.to(torch.float32).contiguous(), (column,), d_gates)
     _write_gate_gradient(dout, term, column, d_gates)
     d_term = torch.empty(dout.shape, dtype=dout.dtype, device=dout.device)  # dense strides
     return torch.mul(gates[..., column, None], dout, out=d_term)
@@ -133,14 +135,30 @@ def gate_gradient(dout: Tensor, term: Tensor, column: int, d_gates: Tensor) -> N
     d_gates[..., column], without the term's gradient (nsa()'s backward on the sm90 kernels
     folds the gate into the attention backward instead, and takes this row dot from the
     recomputing forward where that runs on the kernel); one pass over dout and term."""
-    _check_term_backward(dout, term, None, column, d_gates)
+    gate_gradients(dout, (term,), (column,), d_gates)
+
+
+def gate_gradients(dout: Tensor, terms, columns, d_gates: Tensor) -> None:
+    """`gate_gradient` of several terms at once: rowsum(dout * terms[i]) into
+    d_gates[..., columns[i]]; on sm90 one pass reads dout once for up to three of them (nsa()'s
+    backward with its branch outputs kept)."""
+    terms, columns = tuple(terms), tuple(columns)
+    if not terms or len(columns) != len(terms) or len(set(columns)) != len(columns):
+        raise ValueError(f"terms, columns: expected one distinct gate column per term, got "
+                         f"{len(terms)} terms and columns {columns}")
+    for term, column in zip(terms, columns):
+        _check_term_backward(dout, term, None, column, d_gates)
     if backward_runs_on_sm90(dout, d_gates):
         from kernels.sm90 import gated_sum
 
-        gated_sum.run_backward(_aligned(dout), _aligned(term), None, column, d_gates,
-                               term_gradient=False)
+        dout = _aligned(dout)
+        for first in range(0, len(terms), gated_sum.MAX_TERMS):
+            last = first + gated_sum.MAX_TERMS
+            gated_sum.run_backward(dout, tuple(_aligned(t) for t in terms[first:last]), None,
+                                   columns[first:last], d_gates, term_gradient=False)
         return
-    _write_gate_gradient(dout, term, column, d_gates)
+    for term, column in zip(terms, columns):
+        _write_gate_gradient(dout, term, column, d_gates)
 
 
 def _write_gate_gradient(dout: Tensor, term: Tensor, column: int, d_gates: Tensor) -> None:

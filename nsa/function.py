@@ -29,7 +29,8 @@ import torch
 from torch import Tensor
 
 from kernels.autograd import refuse_double_backward
-from kernels.gated_sum import GatedSum, gate_gradient, gated_sum_backward
+from kernels.gated_sum import (GatedSum, backward_runs_on_sm90, gate_gradient,
+                                gate_gradients, gated_sum_backward)
 from kernels.sm90.backward import DqSums
 from nsa.branches import Branch, compressed_branch, selected_branch, window_branch
 from nsa.compression import (compress_backward, compress_pair, compressed_block_starts,
@@ -44,6 +45,9 @@ from sparsity.host_cache import cached
 # The branches on the fused dQ share one float32 accumulator (`DqSums`); False: each zeroes and
 # converts its own (a switch for the A/B, `tools/bench_nsa_vs_dense.py --switch`).
 SHARED_DQ_SUMS = True
+# With the branch outputs kept, one pass over dO writes every branch's gate gradient
+# (`branches_gate_gradients`); False: a pass per branch (the switch for the A/B).
+SHARED_GATE_PASS = True
 
 
 class NSAFunction(torch.autograd.Function):
@@ -177,7 +181,8 @@ def packed_gradients(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, W_k: Tensor 
     the attention backward (the kernel folds the gate into lse,
     `kernels.sm90.backward.gate_folded_lse`): the recomputing forward writes only the gate
     gradient <dO, o_b> (`fused_gate_pass`), and g_b * dO is never written. With kept outputs
-    nothing is recomputed: the gate pass reads o_b (one pass over dO and o_b per branch)."""
+    nothing is recomputed: on the kernel one pass reads dO and every o_b for all the gate
+    gradients (`branches_gate_gradients`), elsewhere a pass per branch."""
     dtype = compute_dtype(q.dtype)
     dout = dout.contiguous()
     gates = kept.gates if kept is not None and kept.gates is not None else \
@@ -191,6 +196,9 @@ def packed_gradients(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, W_k: Tensor 
     dq_sums = DqSums() if SHARED_DQ_SUMS else None
 
     outputs = kept.outputs if kept is not None else ()
+    # With every branch's output kept, their gate gradients come from one pass over dO.
+    gates_written = len(outputs) == len(branches) and branches_gate_gradients(
+        dout, outputs, branches, d_gates)
     branch: Branch
     for position, (branch, lse) in enumerate(zip(branches, lses)):
         if branch.reads_compressed:
@@ -216,7 +224,7 @@ def packed_gradients(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, W_k: Tensor 
         step = None
         if position < len(outputs):
             step = gate_pass(branch.index, dout, outputs[position], gates, d_gates, lse,
-                             on_kernel=on_kernel)
+                             on_kernel=on_kernel, written=gates_written)
         elif on_kernel:
             step = fused_gate_pass(branch, dout, q, keys, values, gates, d_gates, lse, plan)
         if step is None:
@@ -271,16 +279,30 @@ class BranchBackwardInputs:
 
 
 def gate_pass(index: int, dout: Tensor, branch_out: Tensor, gates: Tensor, d_gates: Tensor,
-              lse: Tensor, *, on_kernel: bool) -> BranchBackwardInputs:
+              lse: Tensor, *, on_kernel: bool, written: bool = False) -> BranchBackwardInputs:
     """Branch `index`'s gate gradient dL/dg_b = <dO, o_b> (per row and head) into d_gates, and
     what its attention backward reads. out = sum_b g_b o_b, so dL/do_b = g_b dO: written only
     off the kernel. A zero dO contributes exactly zero, even against a non-finite output of a
-    later row (its NaN must not reach dW_gate)."""
+    later row (its NaN must not reach dW_gate). written: d_gates holds the branch's column
+    already (`branches_gate_gradients`)."""
     if on_kernel:
-        gate_gradient(dout, branch_out, index, d_gates)
+        if not written:
+            gate_gradient(dout, branch_out, index, d_gates)
         return _folded_inputs(index, dout, gates, d_gates[..., index], lse)
     branch_dout = gated_sum_backward(dout, branch_out, gates, index, d_gates)
     return BranchBackwardInputs(branch_dout, branch_out, lse, None)
+
+
+def branches_gate_gradients(dout: Tensor, outputs, branches: list[Branch],
+                            d_gates: Tensor) -> bool:
+    """Every branch's gate gradient <dO, o_b> from its kept output into d_gates in one pass
+    that reads dO once (a pass per branch read it once each: 2 GiB at 256K tokens, H=32).
+    False, writing nothing, where that pass is not the sm90 kernel: there each branch's
+    `gate_pass` computes its own (off the kernel it also writes g_b * dO)."""
+    if not SHARED_GATE_PASS or not backward_runs_on_sm90(dout, d_gates):
+        return False
+    gate_gradients(dout, outputs, [branch.index for branch in branches], d_gates)
+    return True
 
 
 def fused_gate_pass(branch: Branch, dout: Tensor, q: Tensor, k: Tensor, v: Tensor,

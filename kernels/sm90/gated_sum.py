@@ -21,7 +21,9 @@ dO == 0 counts as exactly 0, so a NaN or Inf in a row the loss does not depend o
 dL/dg. The torch code it replaces (nsa/function.py) moved about 6.7 GB per branch at 64K
 tokens, H=32, D=128, through float32 temporaries; this pass moves 1.5 GB. Without
 `term_gradient` it writes dL/dg alone (1 GB there): nsa()'s backward on the sm90 kernels folds
-g into the attention backward's lse and never needs g * dO.
+g into the attention backward's lse and never needs g * dO. Then one pass takes up to three
+terms (the branch outputs nsa() kept) and reads dO once for all: a pass per branch read dO
+three times, 2 GiB each at 256K tokens, H=32 (3.18 ms of the step's gate passes, H200).
 """
 from __future__ import annotations
 
@@ -102,13 +104,14 @@ class GatedSumSm90:
 
 @dataclass(frozen=True)
 class GatedSumBackwardSpec:
-    """What a compiled backward build fixes: dtype, head dim, the term's gate column, the
-    gate tensor's row length and whether it writes the term's gradient g * dO
-    (`term_gradient`; without it only the gate gradient: nsa()'s backward on the sm90 kernels
-    folds the gate into the attention backward's lse instead, see nsa/function.py)."""
+    """What a compiled backward build fixes: dtype, head dim, the terms' gate columns (their
+    number, too), the gate tensor's row length and whether it writes the term's gradient g * dO
+    (`term_gradient`, one term only; without it only the gate gradients: nsa()'s backward on
+    the sm90 kernels folds the gate into the attention backward's lse instead, see
+    nsa/function.py). Several terms share one read of dO: their gate gradients in one pass."""
     dtype: str
     head_dim: int
-    column: int
+    columns: tuple[int, ...]
     gate_width: int
     term_gradient: bool = True
 
@@ -118,19 +121,23 @@ class GatedSumBackwardSpec:
         if self.head_dim % (VECTOR * BACKWARD_MIN_LANES):
             raise ValueError(f"head_dim {self.head_dim} (expected a multiple of "
                              f"{VECTOR * BACKWARD_MIN_LANES})")
-        if not 0 <= self.column < self.gate_width:
-            raise ValueError(f"column {self.column} outside a gate row of {self.gate_width}")
+        if not 1 <= len(self.columns) <= (1 if self.term_gradient else MAX_TERMS):
+            raise ValueError(f"columns {self.columns} (1 term with term_gradient, else 1 to "
+                             f"{MAX_TERMS})")
+        if any(not 0 <= c < self.gate_width for c in self.columns):
+            raise ValueError(f"columns {self.columns} outside a gate row of {self.gate_width}")
 
 
 class GatedSumBackwardSm90:
-    """The backward of one term for one `GatedSumBackwardSpec`; called with flat tensors
-    (gates, d_gates, dout, term, d_term), d_gates written at the spec's column only; gates and
-    d_term are None without `term_gradient`.
+    """The backward of 1-3 terms for one `GatedSumBackwardSpec`; called with flat tensors
+    (gates, d_gates, dout, term_0, term_1, term_2, d_term), d_gates written at the spec's
+    columns only; missing terms are None, and gates and d_term are None without
+    `term_gradient`.
 
     Each (t, h) row of D elements is read by `lanes` adjacent threads, 16 bytes at a time
-    (D / 8 / lanes vectors each, interleaved so a warp's loads stay contiguous); the lanes add
-    their partial dot products with butterfly shuffles. A CTA of 128 threads covers
-    BACKWARD_ROWS_PER_CTA rows."""
+    (D / 8 / lanes vectors each, interleaved so a warp's loads stay contiguous), dO once for
+    every term; the lanes add their partial dot products with butterfly shuffles. A CTA of 128
+    threads covers BACKWARD_ROWS_PER_CTA rows."""
 
     threads = 128
 
@@ -144,39 +151,61 @@ class GatedSumBackwardSm90:
 
     @cute.jit
     def __call__(self, gates: cute.Tensor | None, d_gates: cute.Tensor, dout: cute.Tensor,
-                 term: cute.Tensor, d_term: cute.Tensor | None, stream):
+                 term0: cute.Tensor, term1: cute.Tensor | None, term2: cute.Tensor | None,
+                 d_term: cute.Tensor | None, stream):
         rows = cute.size(dout) // self.spec.head_dim
-        d_term_vectors = None
+        term1_vectors, term2_vectors, d_term_vectors = None, None, None
+        if const_expr(term1 is not None):
+            term1_vectors = cute.zipped_divide(term1, (VECTOR,))
+        if const_expr(term2 is not None):
+            term2_vectors = cute.zipped_divide(term2, (VECTOR,))
         if const_expr(d_term is not None):
             d_term_vectors = cute.zipped_divide(d_term, (VECTOR,))
         self.kernel(gates, d_gates, cute.zipped_divide(dout, (VECTOR,)),
-                    cute.zipped_divide(term, (VECTOR,)), d_term_vectors, rows).launch(
+                    cute.zipped_divide(term0, (VECTOR,)), term1_vectors, term2_vectors,
+                    d_term_vectors, rows).launch(
             grid=[cute.ceil_div(rows, BACKWARD_ROWS_PER_CTA), 1, 1], block=[self.threads, 1, 1],
             stream=stream)
 
     @cute.kernel
     def kernel(self, gates: cute.Tensor | None, d_gates: cute.Tensor, dout: cute.Tensor,
-               term: cute.Tensor, d_term: cute.Tensor | None, rows: Int32):
+               term0: cute.Tensor, term1: cute.Tensor | None, term2: cute.Tensor | None,
+               d_term: cute.Tensor | None, rows: Int32):
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         lane = tidx % self.lanes
         vectors_per_row = self.spec.head_dim // VECTOR
+        columns = self.spec.columns
         for p in cutlass.range_constexpr(BACKWARD_ROWS_PER_CTA // self.rows_per_pass):
             row = bidx * BACKWARD_ROWS_PER_CTA + p * self.rows_per_pass + tidx // self.lanes
-            dot = Float32(0.0)
+            dot0, dot1, dot2 = Float32(0.0), Float32(0.0), Float32(0.0)
             if row < rows:
                 gate = Float32(0.0)
                 if const_expr(d_term is not None):
-                    gate = gates[row * self.spec.gate_width + self.spec.column]
+                    gate = gates[row * self.spec.gate_width + columns[0]]
                 for j in cutlass.range_constexpr(self.vectors_per_lane):
                     vector = row * vectors_per_row + j * self.lanes + lane
                     d = dout[(None, vector)].load().to(Float32)
-                    dot = dot + masked_dot(d, term[(None, vector)].load().to(Float32))
+                    dot0 = dot0 + masked_dot(d, term0[(None, vector)].load().to(Float32))
+                    if const_expr(term1 is not None):
+                        dot1 = dot1 + masked_dot(d, term1[(None, vector)].load().to(Float32))
+                    if const_expr(term2 is not None):
+                        dot2 = dot2 + masked_dot(d, term2[(None, vector)].load().to(Float32))
                     if const_expr(d_term is not None):
                         d_term[(None, vector)].store((d * gate).to(self.dtype))
-            dot = lane_group_sum(dot, self.lanes)  # every lane: the row test is per lane
+            # Every lane: the row test is per lane.
+            dot0 = lane_group_sum(dot0, self.lanes)
+            if const_expr(term1 is not None):
+                dot1 = lane_group_sum(dot1, self.lanes)
+            if const_expr(term2 is not None):
+                dot2 = lane_group_sum(dot2, self.lanes)
             if (row < rows) & (lane == 0):
-                d_gates[row * self.spec.gate_width + self.spec.column] = dot
+                gate_row = row * self.spec.gate_width
+                d_gates[gate_row + columns[0]] = dot0
+                if const_expr(term1 is not None):
+                    d_gates[gate_row + columns[1]] = dot1
+                if const_expr(term2 is not None):
+                    d_gates[gate_row + columns[2]] = dot2
 
 
 def fake_arguments(spec: GatedSumSpec):
@@ -192,17 +221,23 @@ def fake_arguments(spec: GatedSumSpec):
 
 
 def fake_backward_arguments(spec: GatedSumBackwardSpec):
-    """Fake flat tensors (gates, d_gates, dout, term, d_term) for a CPU build."""
+    """Fake flat tensors (gates, d_gates, dout, term_0..term_2, d_term) for a CPU build."""
     from cutlass.cute.runtime import make_fake_compact_tensor
 
     gate_elements, elements = cute.sym_int(), cute.sym_int()
     gates, d_gates = (make_fake_compact_tensor(Float32, (gate_elements,), assumed_align=4)
                       for _ in range(2))
-    dout, term, d_term = (make_fake_compact_tensor(CUTLASS_DTYPES[spec.dtype], (elements,),
-                                                   assumed_align=16) for _ in range(3))
-    if not spec.term_gradient:
-        gates = d_term = None
-    return gates, d_gates, dout, term, d_term
+    dout, *terms = (make_fake_compact_tensor(CUTLASS_DTYPES[spec.dtype], (elements,),
+                                             assumed_align=16)
+                    for _ in range(1 + len(spec.columns)))
+    terms += [None] * (MAX_TERMS - len(terms))
+    d_term = None
+    if spec.term_gradient:
+        d_term = make_fake_compact_tensor(CUTLASS_DTYPES[spec.dtype], (elements,),
+                                          assumed_align=16)
+    else:
+        gates = None
+    return gates, d_gates, dout, *terms, d_term
 
 
 def compile_gated_sum_on_fake_tensors(spec: GatedSumSpec | GatedSumBackwardSpec):
@@ -264,17 +299,19 @@ def run(terms, columns, gates, into=None):
     return first if into is None else into
 
 
-def run_backward(dout, term, gates, column, d_gates, term_gradient=True):
-    """rowsum(dout * term) written into d_gates[..., column] (0 where dout is 0) and, with
-    `term_gradient`, gates[..., column] * dout returned in dout's dtype (else None). dout, term:
-    contiguous, 16-byte aligned (T, H, D) bf16/fp16 tensors; gates, d_gates: contiguous
-    (T, H, G) float32 (the caller, `kernels.gated_sum`, has made sure)."""
+def run_backward(dout, terms, gates, columns, d_gates, term_gradient=True):
+    """rowsum(dout * terms[i]) written into d_gates[..., columns[i]] (0 where dout is 0), dout
+    read once for all terms, and, with `term_gradient` (one term), gates[..., columns[0]] *
+    dout returned in dout's dtype (else None). dout, terms: contiguous, 16-byte aligned
+    (T, H, D) bf16/fp16 tensors (1-3 terms); gates, d_gates: contiguous (T, H, G) float32 (the
+    caller, `kernels.gated_sum`, has made sure)."""
     import torch
 
-    spec = GatedSumBackwardSpec(str(dout.dtype).removeprefix("torch."), dout.shape[-1], column,
-                                d_gates.shape[-1], term_gradient)
+    spec = GatedSumBackwardSpec(str(dout.dtype).removeprefix("torch."), dout.shape[-1],
+                                tuple(columns), d_gates.shape[-1], term_gradient)
     d_term = torch.empty_like(dout) if term_gradient else None
-    tensors = [gates if term_gradient else None, d_gates, dout, term, d_term]
+    tensors = [gates if term_gradient else None, d_gates, dout, *terms]
+    tensors += [None] * (MAX_TERMS - len(terms)) + [d_term]
     for flat in _launch_chunks(tensors, dout):
         _launch(spec, flat, dout)
     return d_term

@@ -238,6 +238,52 @@ def test_backward_keeps_a_nan_of_an_unused_row_out_of_the_gate_gradient():
     assert (alone[4] == 0).all() and not torch.isfinite(alone[5, 0, 2])
 
 
+def _check_gate_gradients(dout, terms, columns, width=3):
+    """gate_gradients of several terms into d_gates of sentinels equals gate_gradient of each
+    term alone, bit for bit (the same per-row sums, dO read once), and leaves the other
+    columns alone."""
+    from kernels.gated_sum import gate_gradient, gate_gradients
+
+    accumulate = torch.promote_types(dout.dtype, torch.float32)
+    shape = (*dout.shape[:2], width)
+    together = torch.full(shape, -7.0, dtype=accumulate, device=dout.device)
+    gate_gradients(dout, terms, columns, together)
+    alone = torch.full(shape, -7.0, dtype=accumulate, device=dout.device)
+    for term, column in zip(terms, columns):
+        gate_gradient(dout, term, column, alone)
+    assert torch.equal(together, alone)
+    others = [c for c in range(width) if c not in columns]
+    assert (together[..., others] == -7.0).all()
+    for term, column in zip(terms, columns):
+        exact = (dout.double() * term.double()).sum(-1)
+        torch.testing.assert_close(together[..., column].double(), exact, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("columns", [(2,), (0, 2), (1, 2, 0)], ids=lambda c: "cols" + "".join(map(str, c)))
+def test_gate_gradients_of_several_terms_torch_path(columns):
+    gen = torch.Generator().manual_seed(3)
+    dout, *terms = (torch.randn(37, 3, 24, generator=gen).bfloat16()
+                    for _ in range(1 + len(columns)))
+    _check_gate_gradients(dout, terms, columns)
+
+
+def test_gate_gradients_bad_input_names_the_argument():
+    from kernels.gated_sum import gate_gradients
+
+    dout, term, _ = _backward_problem(6, 2, 8, torch.bfloat16)
+    d_gates = torch.zeros(6, 2, 3)
+    with pytest.raises(ValueError, match="terms, columns"):
+        gate_gradients(dout, (term, term), (0,), d_gates)
+    with pytest.raises(ValueError, match="terms, columns"):
+        gate_gradients(dout, (term, term), (1, 1), d_gates)
+    with pytest.raises(ValueError, match="terms, columns"):
+        gate_gradients(dout, (), (), d_gates)
+    with pytest.raises(ValueError, match="column: 3 outside"):
+        gate_gradients(dout, (term, term), (0, 3), d_gates)
+    with pytest.raises(ValueError, match="term: expected"):
+        gate_gradients(dout, (term, term[:, :1]), (0, 1), d_gates)
+
+
 def test_backward_bad_input_names_the_argument():
     from kernels.gated_sum import gate_gradient, gated_sum_backward
 
@@ -263,7 +309,15 @@ def test_backward_bad_input_names_the_argument():
 def test_backward_kernel_builds_for_sm90(dtype, head_dim, term_gradient):
     from kernels.sm90.gated_sum import GatedSumBackwardSpec, compile_gated_sum_on_fake_tensors
 
-    spec = GatedSumBackwardSpec(dtype, head_dim, 1, 3, term_gradient)
+    spec = GatedSumBackwardSpec(dtype, head_dim, (1,), 3, term_gradient)
+    assert compile_gated_sum_on_fake_tensors(spec)
+
+
+@pytest.mark.parametrize("columns", [(0, 2), (2, 0, 1)], ids=lambda c: "cols" + "".join(map(str, c)))
+def test_several_terms_gate_only_kernel_builds_for_sm90(columns):
+    from kernels.sm90.gated_sum import GatedSumBackwardSpec, compile_gated_sum_on_fake_tensors
+
+    spec = GatedSumBackwardSpec("bfloat16", 128, columns, 3, term_gradient=False)
     assert compile_gated_sum_on_fake_tensors(spec)
 
 
@@ -271,9 +325,13 @@ def test_backward_kernel_spec_rejects_what_it_cannot_build():
     from kernels.sm90.gated_sum import GatedSumBackwardSpec, can_run
 
     with pytest.raises(ValueError, match="head_dim 72"):
-        GatedSumBackwardSpec("bfloat16", 72, 0, 3)
-    with pytest.raises(ValueError, match="column 3"):
-        GatedSumBackwardSpec("bfloat16", 128, 3, 3)
+        GatedSumBackwardSpec("bfloat16", 72, (0,), 3)
+    with pytest.raises(ValueError, match=r"columns \(3,\) outside"):
+        GatedSumBackwardSpec("bfloat16", 128, (3,), 3)
+    with pytest.raises(ValueError, match="1 term with term_gradient"):
+        GatedSumBackwardSpec("bfloat16", 128, (0, 1), 3)  # g * dO of one term only
+    with pytest.raises(ValueError, match="1 to 3"):
+        GatedSumBackwardSpec("bfloat16", 128, (0, 1, 2, 3), 4, term_gradient=False)
     ok, reason = can_run(torch.empty(4, 2, 72, dtype=torch.bfloat16), backward=True)
     assert not ok and "D % 64" in reason
 
@@ -303,6 +361,32 @@ def test_backward_kernel_matches_exact(case, dtype):
 
 @pytest.mark.gpu
 @requires_sm90
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("case", [
+    (1000, 3, 128, (0, 1, 2)), (777, 31, 64, (2, 0)), (513, 5, 192, (1, 2, 0)),
+    (16384, 32, 128, (0, 1, 2)),
+], ids=lambda c: f"T{c[0]}-H{c[1]}-D{c[2]}-cols{''.join(map(str, c[3]))}")
+def test_gate_gradients_kernel_reads_dout_once_for_every_term(case, dtype):
+    """The several-term pass equals the one-term passes bit for bit, and a row the loss does
+    not read (dO == 0) keeps a NaN of any term out of every column."""
+    from kernels.gated_sum import backward_runs_on_sm90, gate_gradients
+
+    rows, heads, dim, columns = case
+    gen = torch.Generator().manual_seed(rows)
+    dout, *terms = (torch.randn(rows, heads, dim, generator=gen).to("cuda", dtype)
+                    for _ in range(1 + len(columns)))
+    assert backward_runs_on_sm90(dout, torch.empty(1, device="cuda"))
+    _check_gate_gradients(dout, terms, columns)
+    dout[rows // 2] = 0
+    for term in terms:
+        term[rows // 2, 0, 0] = float("nan")
+    d_gates = torch.zeros(rows, heads, 3, device="cuda")
+    gate_gradients(dout, terms, columns, d_gates)
+    assert (d_gates[rows // 2] == 0).all() and torch.isfinite(d_gates).all()
+
+
+@pytest.mark.gpu
+@requires_sm90
 def test_kernels_split_tensors_over_launches(monkeypatch):
     """Tensors past the kernels' 32-bit indexing (2**31 elements: q at 1M tokens, H=32, D=128)
     run as several launches over row ranges; here the limit is lowered to 1000 rows of D so a
@@ -320,6 +404,8 @@ def test_kernels_split_tensors_over_launches(monkeypatch):
     assert (error <= exact.abs() * torch.finfo(torch.bfloat16).eps / 2 + 1e-6).all()
     dout, term, gates = _backward_problem(rows, heads, 128, torch.bfloat16, "cuda", seed=6)
     _check_backward(dout, term, gates, column=1)
+    _check_gate_gradients(dout, (term, gates[..., :1].expand_as(term).bfloat16(), dout),
+                          (2, 0, 1))
 
 
 def test_launch_chunks_cover_the_rows_once_in_ranges_of_whole_rows(monkeypatch):

@@ -213,3 +213,35 @@ def test_nsa_deterministic_backward_is_bitwise_stable(case, branch_backends):
     for name, grad in runs[0].items():
         err = rel_err(grad, ref_grads[name])
         assert err < GRAD_TOLERANCE, f"{name}: relative error {err:.3e}"
+
+
+@requires_sm90
+def test_nsa_shared_gate_pass_gives_the_per_branch_passes_bits(monkeypatch, branch_backends):
+    """With the branch outputs kept (nsa()'s default at these sizes), one pass over dO writes
+    every branch's gate gradient (`nsa.function.SHARED_GATE_PASS`); deterministic=True gives
+    the same bits as a pass per branch, for every gradient W_gate's included."""
+    import kernels.gated_sum as gated_sum
+    import nsa.function as function
+
+    lengths, heads, heads_kv, dim, options = BACKWARD_CASES["gqa4-varlen"]
+    x = _gpu_inputs(lengths, heads, heads_kv, dim, seed=13)
+    fast_in = differentiable(x, torch.bfloat16)
+    dout = _random_dout(x["q"].shape, x["q"].device, seed=7)
+    shared_calls = []
+    original = gated_sum.gate_gradients
+
+    def counting(dout, terms, columns, d_gates):
+        shared_calls.append(len(tuple(terms)))
+        return original(dout, terms, columns, d_gates)
+    monkeypatch.setattr(function, "gate_gradients", counting)
+    runs = {}
+    for shared in (True, False):
+        monkeypatch.setattr(function, "SHARED_GATE_PASS", shared)
+        out = nsa(**fast_in, max_seqlen=max(lengths), deterministic=True, recompute=False,
+                  capture=False, **options)
+        runs[shared] = grads_of(out, fast_in, dout)
+    torch.cuda.synchronize()
+    _assert_backward_on_kernels(branch_backends)
+    assert shared_calls == [3], shared_calls  # the shared run's one pass of three terms
+    for name, grad in runs[True].items():
+        assert torch.equal(grad, runs[False][name]), f"{name} differs with the shared pass"
