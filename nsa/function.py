@@ -32,7 +32,8 @@ from kernels.autograd import refuse_double_backward
 from kernels.gated_sum import (GatedSum, backward_runs_on_sm90, gate_gradient,
                                 gate_gradients, gated_sum_backward)
 from kernels.sm90.backward import DqSums
-from nsa.branches import Branch, compressed_branch, selected_branch, window_branch
+from nsa.branches import (SELECTED, Branch, compressed_branch, selected_branch,
+                          window_branch)
 from nsa.compression import (compress_backward, compress_pair, compressed_block_starts,
                              compressed_cu_seqlens, compressed_row_tokens, compute_dtype)
 from nsa.config import NSAConfig
@@ -45,6 +46,10 @@ from sparsity.host_cache import cached
 # The branches on the fused dQ share one float32 accumulator (`DqSums`); False: each zeroes and
 # converts its own (a switch for the A/B, `tools/bench_nsa_vs_dense.py --switch`).
 SHARED_DQ_SUMS = True
+# With the branch outputs kept, the selected branch's backward runs last and its dQ kernel adds
+# the fused branches' `DqSums` into its dQ (no conversion pass); False: the sums are converted
+# at the end (the switch for the A/B).
+SELECTED_CONSUMES_DQ_SUMS = True
 # With the branch outputs kept, one pass over dO writes every branch's gate gradient
 # (`branches_gate_gradients`); False: a pass per branch (the switch for the A/B).
 SHARED_GATE_PASS = True
@@ -191,16 +196,20 @@ def packed_gradients(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, W_k: Tensor 
     d_gates = torch.zeros(*q.shape[:2], NUM_BRANCHES, dtype=dtype, device=q.device)
     dq = dk = dv = None
     dW_k = dW_v = dW_gate = None
-    # The branches whose kernels fuse dQ (compressed keys from 128K tokens, the window from
-    # 4096 keys) add into one float32 accumulator, converted once at the end.
-    dq_sums = DqSums() if SHARED_DQ_SUMS else None
-
     outputs = kept.outputs if kept is not None else ()
+    kept_all = len(outputs) == len(branches)
+    # The branches whose kernels fuse dQ (compressed keys from 128K tokens, the window from
+    # 4096 keys) add into one float32 accumulator. With the outputs kept (memory is not
+    # tight) the selected branch runs last and its dQ kernel adds the sums into its dQ; when
+    # recomputing, its order stays and the sums are converted at the end (the window's 16 GiB
+    # of sums at 1M tokens then live through the window's backward alone).
+    consumes = kept_all and SELECTED_CONSUMES_DQ_SUMS
+    dq_sums = DqSums(consumes=consumes) if SHARED_DQ_SUMS else None
     # With every branch's output kept, their gate gradients come from one pass over dO.
-    gates_written = len(outputs) == len(branches) and branches_gate_gradients(
-        dout, outputs, branches, d_gates)
+    gates_written = kept_all and branches_gate_gradients(dout, outputs, branches, d_gates)
     branch: Branch
-    for position, (branch, lse) in enumerate(zip(branches, lses)):
+    for position in backward_order(branches, selected_last=consumes):
+        branch, lse = branches[position], lses[position]
         if branch.reads_compressed:
             starts = compressed_starts(cu_seqlens, cu_seqlens_cmp, sequences, config)
             if kept is not None and kept.compressed is not None:
@@ -263,6 +272,15 @@ def packed_gradients(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, W_k: Tensor 
         dW_v = dW_v.to(W_v.dtype)
     dk, dv = ((torch.zeros_like(x) if g is None else g.to(x.dtype)) for g, x in ((dk, k), (dv, v)))
     return dq, dk, dv, dW_k, dW_v, dW_gate
+
+
+def backward_order(branches: list[Branch], selected_last: bool) -> list[int]:
+    """The positions of `branches` in the order their backward runs: as given, or with the
+    selected branch last (its dQ kernel then sees every fused branch's sums)."""
+    order = list(range(len(branches)))
+    if selected_last:
+        order.sort(key=lambda position: branches[position].index == SELECTED)
+    return order
 
 
 @dataclass

@@ -172,7 +172,8 @@ def run(
     dq_sums (packed inputs; a `DqSums`): where this call fuses dQ into a float32 accumulator of
     the sums' layout, it adds into the shared one and leaves it unconverted; dq is then
     returned as dq_accumulator (None without one) and the caller's `dq_sums.finish` converts
-    it."""
+    it. Where it runs the dQ kernel instead and `dq_sums.consumes` says so, that kernel adds
+    the sums into its dQ (`DqSpec.sums_block_cols`) and the sums are spent."""
     if lse_gate is not None and dout_dot_out is None:
         raise ValueError("lse_gate: only taken with dout_dot_out (the gate's row dots)")
     if q.dtype not in SUPPORTED_DTYPES:
@@ -306,12 +307,17 @@ def run(
                 t.zero_()
         if spec.dq_separate:
             dq = torch.empty_like(q) if dq_into is None else dq_into
-            _launch_dq(dq_spec_for(spec, accumulate=dq_into is not None),
+            # The fused branches' sums, when this call can take them, go into its dQ.
+            sums, sums_cols = (None, 0)
+            if dq_sums is not None and not padded:
+                sums, sums_cols = dq_sums.consume(tiles, softmax_scale, q.dtype)
+            _launch_dq(dq_spec_for(spec, accumulate=dq_into is not None,
+                                   sums_block_cols=sums_cols),
                        (q, k, v, dout, lse_log2, dpsum, dq, cu_seqlens_q, cu_seqlens_k,
                         tiles.tile_offsets),
                        (-(-max_seqlen_q // DQ_TILE_ROWS), softmax_scale, compress_factor,
                         *window),
-                       (*forward_lists, positions))
+                       (*forward_lists, positions, sums))
         elif shared_sums is not None:  # converted by the caller's dq_sums.finish
             dq = dq_into
         else:
@@ -469,11 +475,16 @@ class DqSums:
     zeroing 1.92 -> 1.00 ms of a step, its kernels -3.6 ms (docs/history.md). The sums live
     from the first such call to `finish` (through the selected branch's backward in nsa()).
     A call of another layout (tile layout, the dQ blocks' columns, softmax scale, dtype)
-    keeps its own accumulator, as without sums."""
+    keeps its own accumulator, as without sums. With `consumes`, a later call on the dQ
+    kernel adds the sums into the dQ it writes (`consume`: nsa()'s selected branch, run last
+    where its outputs are kept), so no conversion pass reads them and dq is rounded once."""
 
-    def __init__(self):
+    def __init__(self, consumes: bool = False):
         self._sums = None
         self._layout = None  # (QueryTiles, block columns, softmax scale, dtype)
+        # A dQ-kernel call may take the sums into its dQ (`consume`): only where the caller
+        # makes that call the last to see them.
+        self.consumes = consumes
 
     def take(self, tiles: QueryTiles, shape, block_cols: int, softmax_scale: float, dtype,
              device) -> torch.Tensor | None:
@@ -487,6 +498,19 @@ class DqSums:
                 and tuple(self._sums.shape) == tuple(shape)):
             return self._sums
         return None
+
+    def consume(self, tiles: QueryTiles, softmax_scale: float, dtype):
+        """(sums, block columns) for a dQ-kernel call of this layout to add into its dQ, which
+        spends them (`finish` then has nothing to convert), or (None, 0): no sums, another
+        layout, or `consumes` off. The caller orders its calls so that the one taking them
+        comes after every call that adds into them."""
+        if not self.consumes or self._sums is None:
+            return None, 0
+        held_tiles, block_cols, held_scale, held_dtype = self._layout
+        if held_tiles is not tiles or held_scale != softmax_scale or held_dtype != dtype:
+            return None, 0
+        sums, self._sums, self._layout = self._sums, None, None
+        return sums, block_cols
 
     def finish(self, into: torch.Tensor | None = None) -> torch.Tensor | None:
         """dq (T, H, D) from the sums, added into `into` where given (returned as it); `into`

@@ -37,6 +37,7 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
+from kernels.sm90.dq_accumulator import fragment_layout
 from kernels.sm90.dtypes import CUTLASS_DTYPES
 from kernels.sm90.block_range import BlockRange
 from kernels.sm90.layouts import (acc_as_a_operand_layout, acc_mn_view, transposed,
@@ -90,6 +91,7 @@ class DqBackwardSm90:
         mMaskIndex: Optional[cute.Tensor],
         mRowBlockOffsets: Optional[cute.Tensor],
         mQPositions: Optional[cute.Tensor],  # (S,) int32: first query positions (`q_positions`)
+        mdQSums: Optional[cute.Tensor],  # (H, P, D) float32: fused dQ sums (`sums_block_cols`)
         stream: cuda.CUstream,
     ):
         dtype = self.dtype
@@ -123,6 +125,8 @@ class DqBackwardSm90:
         self.shared_storage = self.shared_storage_struct(sQ_layout, sK_layout)
 
         mdQ = with_row_strides_divisible(mdQ, 8)  # proves the 32-bit stores of column pairs
+        if const_expr(mdQSums is not None):
+            mdQSums = with_row_strides_divisible(mdQSums, 4)  # and the sums' 16-byte loads
         if const_expr(self.spec.compressed):
             compress_factor = cute.fast_divmod_create_divisor_v2(compress_factor)
         self.kernel(
@@ -130,7 +134,7 @@ class DqBackwardSm90:
             mLSE, mDPsum, mdQ, mCuSeqlensQ, mCuSeqlensK, mQTileOffsets, num_m_blocks,
             softmax_scale, softmax_scale * Float32(_LOG2_E), compress_factor, window_left,
             window_right, mFullCount, mFullIndex, mMaskCount, mMaskIndex, mRowBlockOffsets,
-            mQPositions, sQ_layout, sK_layout, tiled_mma_sdp, tiled_mma_dq,
+            mQPositions, mdQSums, sQ_layout, sK_layout, tiled_mma_sdp, tiled_mma_dq,
         ).launch(grid=(cute.size(mQ.shape[1]), num_m_blocks, cute.size(mCuSeqlensQ.shape[0]) - 1),
                  block=[self.num_threads, 1, 1], stream=stream)
 
@@ -160,7 +164,7 @@ class DqBackwardSm90:
         window_right: Int32, mFullCount: Optional[cute.Tensor],
         mFullIndex: Optional[cute.Tensor], mMaskCount: Optional[cute.Tensor],
         mMaskIndex: Optional[cute.Tensor], mRowBlockOffsets: Optional[cute.Tensor],
-        mQPositions: Optional[cute.Tensor],
+        mQPositions: Optional[cute.Tensor], mdQSums: Optional[cute.Tensor],
         sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
         tiled_mma_sdp: cute.TiledMma, tiled_mma_dq: cute.TiledMma,
     ):
@@ -244,7 +248,7 @@ class DqBackwardSm90:
                     kv_consumer,
                     tiled_mma_sdp, tiled_mma_dq, sQ, sdO, sK, sV, mLSE, mDPsum, mdQ,
                     mQTileOffsets, softmax_scale, scale_log2, block_range, m_block, head,
-                    batch, offset_q, seqlen_q, seqlen_k)
+                    batch, offset_q, seqlen_q, seqlen_k, mdQSums)
 
     @cute.jit
     def kv_tile_at(self, it: Int32, n_max: Int32, num_mask: Int32, mFullIndex, mMaskIndex,
@@ -269,6 +273,7 @@ class DqBackwardSm90:
         mLSE: cute.Tensor, mDPsum: cute.Tensor, mdQ: cute.Tensor, mQTileOffsets: cute.Tensor,
         softmax_scale: Float32, scale_log2: Float32, block_range: BlockRange, m_block: Int32,
         head: Int32, batch: Int32, offset_q: Int32, seqlen_q: Int32, seqlen_k: Int32,
+        mdQSums: Optional[cute.Tensor] = None,
     ):
         """The consumer warpgroups' whole CTA: every visited KV tile, then dQ."""
         thr_sdp = tiled_mma_sdp.get_slice(tidx)
@@ -336,9 +341,38 @@ class DqBackwardSm90:
                 for it in cutlass.range(it_masked_left, num_iters, unroll=1):
                     state = step(it, "causal_window", *state)
 
+        if const_expr(self.spec.sums_block_cols > 0):
+            self.add_fused_sums(acc_dq, mdQSums, mQTileOffsets[batch] + m_block * self.num_wg,
+                                head, tidx, m_block, seqlen_q)
         acc_dq.store(acc_dq.load() * softmax_scale)
         store_rows_from_registers(thr_dq, acc_dq, mdQ, offset_q, head, m_block, self.tile_m,
                                   self.head_dim, seqlen_q, self.dtype, self.spec.accumulate)
+
+    @cute.jit
+    def add_fused_sums(self, acc_dq: cute.Tensor, mdQSums: cute.Tensor, first_slot_tile: Int32,
+                       head: Int32, tidx: Int32, m_block: Int32, seqlen_q: Int32):
+        """acc_dq += this thread's values of the fused branches' float32 dQ sums (unscaled, as
+        acc_dq). Each warpgroup's 64 rows are one 64-row slot tile of the sums; its blocks of
+        `sums_block_cols` columns hold the values in the dQ product's register order
+        (kernels/sm90/dq_accumulator.py), the same wgmma fragment as acc_dq's, so value v of
+        thread t is value v % (cols / 2) of thread t in block v // (cols / 2): 16-byte loads
+        in register order, a warp's one contiguous 512-byte run. A warpgroup whose rows start
+        past the sequence reads nothing (its slot tile is another sequence's or past the end;
+        its rows are never stored)."""
+        wg, thread = tidx // _WARPGROUP, tidx % _WARPGROUP
+        if m_block * self.tile_m + wg * 64 < seqlen_q:
+            cols = self.spec.sums_block_cols
+            block_values = 64 * cols
+            per_block = cols // 2  # one thread's values of a block
+            tile_start = mdQSums[head, (first_slot_tile + wg) * 64, None].iterator
+            values = cute.make_tensor(acc_dq.iterator, cute.make_layout(cute.size(acc_dq)))
+            for b in cutlass.range_constexpr(self.head_dim // cols):
+                block = cute.make_tensor(tile_start + b * block_values,
+                                         fragment_layout(block_values))
+                sums = cute.make_rmem_tensor(cute.make_layout(per_block), Float32)
+                cute.autovec_copy(block[None, thread], sums)
+                for i in cutlass.range_constexpr(per_block):
+                    values[b * per_block + i] = values[b * per_block + i] + sums[i]
 
     @cute.jit
     def consume_tile(

@@ -194,13 +194,19 @@ def compile_backward_kernel_on_fake_tensors(kernel):
 def fake_dq_arguments(spec):
     """Fake tensors standing for the dQ kernel's arguments, in order (the scalars and the
     stream excluded): (q, k, v, dO, lse, dO.O, dQ, cu_q, cu_k, q tile offsets), (the forward's
-    full count, full index, mask count, mask index, row offsets, first query positions)."""
+    full count, full index, mask count, mask index, row offsets, first query positions, the
+    fused dQ sums)."""
     q, k, v, dout, dq = (fake_seq_head_dim(CUTLASS_DTYPES[spec.dtype]) for _ in range(5))
     lse, dpsum = fake_row_statistics(), fake_row_statistics()
     cu_q, cu_k, q_tiles = (fake_int32_vector() for _ in range(3))
     forward_lists = fake_forward_lists() if spec.block_sparse else (None,) * 5
     positions = fake_int32_vector() if spec.q_positions else None
-    return (q, k, v, dout, lse, dpsum, dq, cu_q, cu_k, q_tiles), (*forward_lists, positions)
+    sums = None
+    if spec.sums_block_cols:
+        sums = make_fake_tensor(cutlass.Float32, tuple(cute.sym_int() for _ in range(3)),
+                                stride=(cute.sym_int(64), cute.sym_int(64), 1), assumed_align=16)
+    return (q, k, v, dout, lse, dpsum, dq, cu_q, cu_k, q_tiles), (*forward_lists, positions,
+                                                                   sums)
 
 
 def compiled_dq(spec, example_args, tvm_ffi: bool = False):

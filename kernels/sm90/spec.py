@@ -456,6 +456,10 @@ class DqSpec:
     kv_stages: int = 2         # K and V pipeline depth
     accumulate: bool = False   # add dQ into the values dQ holds (nsa()'s running dq)
     q_positions: bool = False  # as `FwdSpec.q_positions`
+    # Add a fused-dQ float32 accumulator (kernels/sm90/dq_accumulator.py: blocks of this many
+    # columns in the dQ product's register order) into dQ before it is written: nsa()'s last
+    # branch takes the fused branches' `DqSums` so, instead of a conversion pass. 0: none.
+    sums_block_cols: int = 0
 
     @property
     def tiles_per_list_block(self) -> int:
@@ -694,13 +698,13 @@ def choose_backward_spec(
     return spec
 
 
-def dq_spec_for(spec: BwdSpec, accumulate: bool = False) -> DqSpec:
+def dq_spec_for(spec: BwdSpec, accumulate: bool = False, sums_block_cols: int = 0) -> DqSpec:
     """The dQ kernel that runs beside a `dq_separate` backward: the same features, the same
     list blocks (the KV-centric kernel's tile_n when block-sparse); `accumulate` adds dQ into
-    the given tensor's values."""
+    the given tensor's values, `sums_block_cols` a fused-dQ accumulator (`DqSpec`)."""
     assert spec.dq_separate
     return DqSpec(dtype=spec.dtype, head_dim=spec.head_dim, causal=spec.causal,
                   has_window_left=spec.has_window_left, has_window_right=spec.has_window_right,
                   block_sparse=spec.block_sparse, compressed=spec.compressed,
                   list_block=spec.tile_n if spec.block_sparse else 64, accumulate=accumulate,
-                  q_positions=spec.q_positions)
+                  q_positions=spec.q_positions, sums_block_cols=sums_block_cols)

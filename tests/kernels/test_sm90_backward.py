@@ -462,6 +462,51 @@ def test_dq_sums_shared_by_two_fused_calls(monkeypatch):
     assert rel_err(shared.float() - running.float(), dq_total) < 2e-2
 
 
+@requires_sm90
+@pytest.mark.gpu
+def test_dq_kernel_consumes_the_fused_calls_dq_sums(monkeypatch):
+    """Two fused-dQ calls add into a consuming `DqSums`; a third call on the dQ kernel (the
+    deterministic path) takes the sums into the dQ it adds into the running dq
+    (`DqSpec.sums_block_cols`), so `finish` has nothing left: the running dq ends as itself
+    plus the three calls' own dq (one bf16 rounding), and dk, dv are those of the calls
+    alone."""
+    from kernels.interface import plan_backward_trusted
+    from kernels.sm90.backward import DqSums
+
+    case = Case("bf16", 128, VARLEN_LONG, 4)
+    q, k, v, dout, kwargs = make_inputs(case)
+    lengths = tuple(itertools.accumulate(case.lengths, initial=0))
+    host = (lengths, lengths)
+    calls = [dict(kwargs), dict(kwargs, window_size=(512, 0)),
+             dict(kwargs, window_size=(256, 0), deterministic=True)]
+    launched = record_backward_launches(monkeypatch)
+    plans, statistics, alone = [], [], []
+    for call in calls:
+        out, lse = kernels.attention_forward(q, k, v, **call)
+        plan = plan_backward_trusted(q, k, v, host_cu_seqlens=host, **call)
+        plans.append(plan)
+        statistics.append((lse, (dout.float() * out.float()).sum(-1)))
+        alone.append([t.clone() for t in plan.backward(dout, lse,
+                                                       dout_dot_out=statistics[-1][1])])
+    assert [spec.fuses_dq for spec in launched] == [True, True, False], launched
+    dq_total = sum(dq.float() for dq, _, _ in alone)
+    running = (torch.randn(q.shape, generator=torch.Generator().manual_seed(6))
+               * dq_total.std().item()).to(q)
+    sums = DqSums(consumes=True)
+    shared = running.clone()
+    for plan, (lse, row_dots), (_, dk_alone, dv_alone) in zip(plans, statistics, alone):
+        dq, dk, dv = plan.backward(dout, lse, dout_dot_out=row_dots, dq_accumulator=shared,
+                                   dq_sums=sums)
+        assert dq is shared
+        assert torch.equal(dk, dk_alone) and torch.equal(dv, dv_alone)
+    converted = shared.clone()
+    assert sums.finish(into=shared) is shared and torch.equal(shared, converted), \
+        "the dQ kernel left sums to convert"
+    torch.cuda.synchronize()
+    assert rel_err(shared, running.float() + dq_total) < 1e-2
+    assert rel_err(shared.float() - running.float(), dq_total) < 2e-2
+
+
 COMPRESSED_CASES = [case for case in GRADIENT_CASES
                     if case.compress_factor > 1 and case.kv_block is None]
 

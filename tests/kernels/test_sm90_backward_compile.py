@@ -78,6 +78,20 @@ def test_deterministic_backward_variant_compiles_for_sm90a(head_dim, call):
         assert callable(compile_dq_on_fake_tensors(dq_spec_for(spec)))
 
 
+@pytest.mark.parametrize("head_dim, cols", [(128, 64), (64, 32), (64, 64)])
+def test_dq_kernel_taking_fused_sums_compiles_for_sm90a(head_dim, cols):
+    """The dQ kernel that adds a fused-dQ accumulator of `cols`-column blocks into its dQ
+    (`DqSpec.sums_block_cols`: nsa()'s selected branch taking the `DqSums`), on 64-key lists
+    (the selected branch's), adding into a running dq and not."""
+    from kernels.sm90.spec import DqSpec
+
+    for accumulate in (False, True):
+        spec = DqSpec("bfloat16", head_dim, causal=False, has_window_left=False,
+                      has_window_right=False, block_sparse=True, accumulate=accumulate,
+                      sums_block_cols=cols)
+        assert callable(compile_dq_on_fake_tensors(spec))
+
+
 def test_query_positions_variant_compiles_for_sm90a():
     """`BwdSpec.q_positions` and the dQ kernel's (q_start_positions), on the window rule: the
     KV-centric walk's query-tile range and keys-as-rows mask, with the fused dQ (windows from

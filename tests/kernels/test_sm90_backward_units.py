@@ -192,6 +192,31 @@ def test_dq_sums_are_shared_by_one_layout_and_converted_once():
     assert torch.equal(sums.finish(), tiles.gather_dq(a, cols, 0.5, torch.float32))
 
 
+def test_dq_sums_are_consumed_by_one_call_of_their_layout_when_allowed():
+    """DqSums.consume: (sums, block columns) once for a call of the sums' layout where
+    `consumes` is on, after which finish converts nothing; (None, 0) without sums, with
+    `consumes` off, or for another layout (tiles, scale, dtype), and the sums stay."""
+    cu = torch.tensor([0, 70, 300], dtype=torch.int32)
+    tiles = QueryTiles(cu, 300)
+    shape, cols = (2, tiles.num_slots, 32), 16
+    for consumes in (False, True):
+        sums = DqSums(consumes=consumes)
+        assert sums.consume(tiles, 0.5, torch.bfloat16) == (None, 0)
+        held = sums.take(tiles, shape, cols, 0.5, torch.bfloat16, "cpu")
+        held.add_(1.0)
+        assert sums.consume(QueryTiles(cu, 300), 0.5, torch.bfloat16) == (None, 0)
+        assert sums.consume(tiles, 0.25, torch.bfloat16) == (None, 0)
+        assert sums.consume(tiles, 0.5, torch.float16) == (None, 0)
+        taken, taken_cols = sums.consume(tiles, 0.5, torch.bfloat16)
+        running = torch.zeros(300, 2, 32, dtype=torch.bfloat16)
+        if consumes:
+            assert taken is held and taken_cols == cols
+            assert sums.finish(into=running) is running and torch.count_nonzero(running) == 0
+        else:
+            assert (taken, taken_cols) == (None, 0)
+            assert torch.count_nonzero(sums.finish(into=running)) > 0
+
+
 @pytest.mark.gpu
 @requires_sm90
 @pytest.mark.parametrize("cols", [32, 64])

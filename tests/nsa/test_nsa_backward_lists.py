@@ -362,3 +362,18 @@ def test_transposed_lists_are_built_on_the_gpu_without_synchronising():
             num_kv_blocks = int(lists.row_block_offsets[-1])
             check_csr_matches(lists, block_sparse, num_col_blocks=num_kv_blocks,
                               check_contents=True)
+
+
+def test_backward_order_puts_the_selected_branch_last_only_when_asked():
+    """nsa()'s backward runs the branches as built, or with the selected branch last (its dQ
+    kernel then takes the fused branches' dQ sums: nsa.function.backward_order)."""
+    from types import SimpleNamespace
+
+    from nsa.branches import COMPRESSED, SELECTED, WINDOW
+    from nsa.function import backward_order
+
+    branches = [SimpleNamespace(index=i) for i in (COMPRESSED, SELECTED, WINDOW)]
+    assert backward_order(branches, selected_last=False) == [0, 1, 2]
+    assert backward_order(branches, selected_last=True) == [0, 2, 1]
+    assert backward_order(branches[:2], selected_last=True) == [0, 1]
+    assert backward_order(branches[1:], selected_last=True) == [1, 0]
