@@ -361,8 +361,9 @@ def query_tiles(cu_seqlens_q: torch.Tensor, total_q: int, host_cu_seqlens_q=None
         return QueryTiles(cu_seqlens_q, total_q)
     from sparsity.host_cache import cached
 
-    return cached(("query tiles", tuple(host_cu_seqlens_q), total_q), cu_seqlens_q,
-                  lambda: QueryTiles(cu_seqlens_q, total_q))
+    host_key = (tuple(host_cu_seqlens_q), total_q)
+    return cached(("query tiles", *host_key), cu_seqlens_q,
+                  lambda: QueryTiles(cu_seqlens_q, total_q, host_key))
 
 
 def gate_folded_lse(lse: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
@@ -389,7 +390,11 @@ class QueryTiles:
     number of slots is bounded from shapes (T + 64 S rounded to tiles), so nothing is read back
     from the device."""
 
-    def __init__(self, cu_seqlens_q: torch.Tensor, total_q: int):
+    def __init__(self, cu_seqlens_q: torch.Tensor, total_q: int, host_key=None):
+        # (host cu_seqlens, total_q) where the layout was built from host bounds: two layouts
+        # with one key are equal (`same_layout`) even where the cache did not hand out one
+        # object (a capture on a side stream builds its own).
+        self.host_key = host_key
         device = cu_seqlens_q.device
         cu = cu_seqlens_q.to(torch.int64)
         num_seqs = cu.numel() - 1
@@ -403,6 +408,11 @@ class QueryTiles:
         # Only int32 kept (< 2**31: kernels.validate checks the slots): host_cache holds this
         # layout per packing, 4 bytes a row.
         self.slot32 = slot.to(torch.int32)
+
+    def same_layout(self, other: "QueryTiles") -> bool:
+        """Whether `other` lays the rows out as this one does, known on the host: the same
+        object, or both built from the same host bounds."""
+        return other is self or (self.host_key is not None and other.host_key == self.host_key)
 
     @property
     def slot(self) -> torch.Tensor:
@@ -494,7 +504,7 @@ class DqSums:
             self._layout = (tiles, block_cols, softmax_scale, dtype)
             return self._sums
         held_tiles, *held = self._layout
-        if (held_tiles is tiles and held == [block_cols, softmax_scale, dtype]
+        if (held_tiles.same_layout(tiles) and held == [block_cols, softmax_scale, dtype]
                 and tuple(self._sums.shape) == tuple(shape)):
             return self._sums
         return None
@@ -507,7 +517,8 @@ class DqSums:
         if not self.consumes or self._sums is None:
             return None, 0
         held_tiles, block_cols, held_scale, held_dtype = self._layout
-        if held_tiles is not tiles or held_scale != softmax_scale or held_dtype != dtype:
+        if (not held_tiles.same_layout(tiles) or held_scale != softmax_scale
+                or held_dtype != dtype):
             return None, 0
         sums, self._sums, self._layout = self._sums, None, None
         return sums, block_cols

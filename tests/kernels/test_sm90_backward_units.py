@@ -180,6 +180,11 @@ def test_dq_sums_are_shared_by_one_layout_and_converted_once():
     assert sums.take(tiles, shape, cols, 0.5, torch.float32, "cpu") is first
     first.add_(b)
     assert sums.take(QueryTiles(cu, 300), shape, cols, 0.5, torch.float32, "cpu") is None
+    # Built from the same host bounds (a capture builds its own object): the same layout.
+    keyed = QueryTiles(cu, 300, host_key=((0, 1, 65, 65, 300), 300))
+    again = QueryTiles(cu, 300, host_key=((0, 1, 65, 65, 300), 300))
+    assert keyed.same_layout(again) and not keyed.same_layout(tiles)
+    assert not tiles.same_layout(QueryTiles(cu, 300)) and tiles.same_layout(tiles)
     assert sums.take(tiles, shape, 2 * cols, 0.5, torch.float32, "cpu") is None
     assert sums.take(tiles, shape, cols, 0.25, torch.float32, "cpu") is None
     assert sums.take(tiles, shape, cols, 0.5, torch.float64, "cpu") is None
@@ -205,6 +210,9 @@ def test_dq_sums_are_consumed_by_one_call_of_their_layout_when_allowed():
         held = sums.take(tiles, shape, cols, 0.5, torch.bfloat16, "cpu")
         held.add_(1.0)
         assert sums.consume(QueryTiles(cu, 300), 0.5, torch.bfloat16) == (None, 0)
+        # nor for another layout of the same bounds' key
+        assert sums.consume(QueryTiles(cu, 300, host_key=((0, 70, 300), 301)), 0.5,
+                            torch.bfloat16) == (None, 0)
         assert sums.consume(tiles, 0.25, torch.bfloat16) == (None, 0)
         assert sums.consume(tiles, 0.5, torch.float16) == (None, 0)
         taken, taken_cols = sums.consume(tiles, 0.5, torch.bfloat16)
