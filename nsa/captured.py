@@ -66,6 +66,7 @@ from kernels.device import kernels_unavailable, total_memory
 from nsa.config import NSAConfig
 from nsa.function import packed_forward, packed_gradients, transposed_lists
 from nsa.validation import PackedSequences
+from sparsity.host_cache import pinned_for_capture
 
 # Query rows x heads up to which a call is captured by default (2 x H200, 2026-11-28,
 # FINDINGS.md, learned gates): forward+backward 8K 5.50 -> 3.71 ms and 16K 6.85 -> 6.48 ms with a
@@ -149,6 +150,9 @@ class _Slot:
         self.generation = 0
         self.bytes = 0
         self._state_tensors: list[Tensor] | None = None
+        # Cached layouts its graphs read (sparsity.host_cache.pinned_for_capture): kept with
+        # the graphs, as the static inputs are.
+        self.pins: list = []
 
     def acquire(self) -> int:
         self.busy = True
@@ -162,9 +166,13 @@ class _Slot:
     def state_tensors(self) -> list[Tensor]:
         """Every tensor of the forward's state that the backward reads (branches' lists,
         lses, compressed keys, kept outputs and gates; not the output, not the static
-        inputs), once each: what a call on a shared slot copies out and back in."""
+        inputs, not the pinned cache entries), once each: what a call on a shared slot copies
+        out and back in."""
         if self._state_tensors is None:
+            # Neither the static inputs nor the cached layouts the graphs read (`pins`: the
+            # same for every call of the signature, and never written).
             inputs = {x.data_ptr() for x in self.inputs if x is not None}
+            inputs |= {t.data_ptr() for t in tensors_in(self.pins)}
             seen, found = set(), []
             for t in tensors_in(self.state[1:]):
                 key = (t.data_ptr(), t.shape, t.stride(), t.dtype)
@@ -368,15 +376,18 @@ def _capture(signature: _Signature, slot: _Slot, capture_step) -> bool:
     return True
 
 
-def _captured(device: torch.device, pool, work):
+def _captured(device: torch.device, pool, work, pins: list):
     """(a CUDA graph of work(), work()'s result), captured into `pool` on the device's capture
     stream, then replayed once on the current stream (capture runs nothing). Not
     torch.cuda.graph: its synchronize and empty_cache on entry would stall a training step and
-    make the step after it allocate afresh, at every capture."""
+    make the step after it allocate afresh, at every capture. The layouts and ranges the
+    signature's eager calls left in sparsity.host_cache are read, not rebuilt, by the graph
+    (about 120 small launches of a forward+backward): `pins` (the slot's) keeps them alive as
+    long as the graph."""
     stream = _plans.capture_stream(device)
     stream.wait_stream(torch.cuda.current_stream(device))
     graph = torch.cuda.CUDAGraph()
-    with torch.no_grad(), torch.cuda.stream(stream):
+    with torch.no_grad(), torch.cuda.stream(stream), pinned_for_capture(pins):
         graph.capture_begin(pool=pool, capture_error_mode="thread_local")
         try:
             result = work()
@@ -393,7 +404,7 @@ def _capture_forward(slot: _Slot, inputs: tuple, cu_seqlens: Tensor,
                         for x in (*inputs, cu_seqlens))
     slot.forward_graph, slot.state = _captured(
         slot.device, slot.pool,
-        lambda: packed_forward(*slot.inputs, sequences, config, keep_outputs))
+        lambda: packed_forward(*slot.inputs, sequences, config, keep_outputs), slot.pins)
 
 
 def _capture_backward(slot: _Slot, dout: Tensor, sequences: PackedSequences,
@@ -401,7 +412,7 @@ def _capture_backward(slot: _Slot, dout: Tensor, sequences: PackedSequences,
     slot.dout = dout.detach().clone(memory_format=torch.contiguous_format)
     slot.backward_graph, slot.grads = _captured(
         slot.device, _plans.backward_pool(slot.device),
-        lambda: _slot_gradients(slot, slot.dout, sequences, config))
+        lambda: _slot_gradients(slot, slot.dout, sequences, config), slot.pins)
 
 
 def _slot_gradients(slot: _Slot, dout: Tensor, sequences: PackedSequences,

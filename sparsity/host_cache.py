@@ -15,7 +15,11 @@ Rules that keep it correct:
   stream and read on another could be freed (evicted) while the other stream still reads it,
   and its memory reused under it. CUDA-graph capture never runs on the default stream, so a
   captured graph neither stores a tensor that holds no values until replay nor reads one that
-  an eviction could free: capture builds its own, as without the cache;
+  an eviction could free: capture builds its own, as without the cache. The exception is a
+  capture whose owner keeps what it reads alive as long as its graph (`pinned_for_capture`:
+  nsa()'s captured plans, whose slots hold their static buffers the same way): it reads the
+  entries already built (hits only; a miss builds its own), so the graph does not replay
+  their builds (about 120 small launches of an nsa() forward+backward);
 - fake tensors (torch.compile's tracing) and meta tensors bypass the cache;
 - callers never write into a returned tensor;
 - entries are built outside inference mode, so a training call may use what an evaluation
@@ -24,6 +28,7 @@ Rules that keep it correct:
 from __future__ import annotations
 
 from collections import OrderedDict
+from contextlib import contextmanager
 from typing import Callable, TypeVar
 
 import torch
@@ -33,14 +38,21 @@ MAX_ENTRIES = 32  # a few packings at once (train and eval shapes), ~8 keys each
 
 T = TypeVar("T")
 _entries: OrderedDict = OrderedDict()  # least recently used first
+_capture_pins: list | None = None  # the owner's list while a pinning capture runs
 
 
 def cached(key: tuple, like: torch.Tensor, build: Callable[[], T]) -> T:
     """build()'s result for `key` on like's device: from the cache, or built and kept (on a
     GPU only from the default stream, see the module's rules)."""
-    if is_fake(like) or like.device.type == "meta" or not _on_default_stream(like):
+    if is_fake(like) or like.device.type == "meta":
         return build()
     full_key = (key, like.device)
+    if not _on_default_stream(like):
+        if _capture_pins is not None and full_key in _entries:
+            value = _entries[full_key]
+            _capture_pins.append(value)  # alive as long as the capture's owner keeps it
+            return value
+        return build()
     if full_key in _entries:
         _entries.move_to_end(full_key)
         return _entries[full_key]
@@ -69,6 +81,20 @@ def _on_default_stream(like: torch.Tensor) -> bool:
         index = like.device.index
         return current(torch.cuda.current_device() if index is None else index)[0] == 0
     return torch.cuda.current_stream(like.device) == torch.cuda.default_stream(like.device)
+
+
+@contextmanager
+def pinned_for_capture(pins: list):
+    """Within: a CUDA-graph capture (off the default stream) reads the entries already built,
+    appending each value it reads to `pins`, which the caller keeps as long as the graph (so
+    no eviction frees memory the graph reads). Entries not built yet are built by the capture,
+    as without this."""
+    global _capture_pins
+    outer, _capture_pins = _capture_pins, pins
+    try:
+        yield pins
+    finally:
+        _capture_pins = outer
 
 
 def clear() -> None:

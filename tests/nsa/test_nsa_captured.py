@@ -186,22 +186,24 @@ class _ReplayedByRunningAgain:
         self.work, self.result = work, result
 
     def replay(self):
-        fresh = _as_captured(self.work)
+        fresh = _as_captured(self.work, pins=[])
         statics, news = list(captured.tensors_in(self.result)), list(captured.tensors_in(fresh))
         assert len(statics) == len(news)
         for static, new in zip(statics, news):
-            static.copy_(new)
+            if static is not new:  # a pinned cache entry is read, never written, by a graph
+                static.copy_(new)
 
 
-def _as_captured(work):
-    """work() as a capture runs it: without autograd, and past sparsity's host cache (a GPU
-    capture runs on a side stream, which the cache never serves)."""
+def _as_captured(work, pins: list):
+    """work() as a capture runs it: without autograd, and off the default stream (a GPU
+    capture runs on a side stream), where sparsity's host cache serves only the entries built
+    before, into the plan's `pins` (`host_cache.pinned_for_capture`)."""
     import sparsity.host_cache as host_cache
 
     on_default_stream = host_cache._on_default_stream
     host_cache._on_default_stream = lambda like: False
     try:
-        with torch.no_grad():
+        with torch.no_grad(), host_cache.pinned_for_capture(pins):
             return work()
     finally:
         host_cache._on_default_stream = on_default_stream
@@ -216,8 +218,8 @@ def emulated_graphs(monkeypatch):
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 0)
     monkeypatch.setattr(captured, "total_memory", lambda device: 2 ** 40)
 
-    def capture(device, pool, work):
-        result = _as_captured(work)
+    def capture(device, pool, work, pins):
+        result = _as_captured(work, pins)
         return _ReplayedByRunningAgain(work, result), result
 
     monkeypatch.setattr(captured, "_captured", capture)

@@ -64,6 +64,44 @@ def test_off_the_default_stream_the_cache_is_bypassed(monkeypatch):
     assert builds == [1]  # not stored from the other stream
 
 
+def test_a_pinning_capture_reads_hits_and_pins_them(monkeypatch):
+    """Inside `pinned_for_capture` (nsa()'s captured plans; the capture's stream faked here) a
+    hit is read, not rebuilt, and goes into the owner's pins; a miss is built and not stored;
+    after the block the other stream bypasses the cache again."""
+    like = torch.zeros(1)
+    kept = host_cache.cached(("kept",), like, lambda: torch.tensor([1]))
+    monkeypatch.setattr(host_cache, "_on_default_stream", lambda like: False)
+    builds, pins = [], []
+    with host_cache.pinned_for_capture(pins):
+        assert host_cache.cached(("kept",), like, lambda: builds.append(1)) is kept
+        host_cache.cached(("new",), like, lambda: builds.append(1) or torch.tensor([3]))
+    assert builds == [1] and len(pins) == 1 and pins[0] is kept
+    assert host_cache.cached(("kept",), like, lambda: builds.append(1) or like) is not kept
+    monkeypatch.setattr(host_cache, "_on_default_stream", lambda like: True)
+    builds.clear()
+    host_cache.cached(("new",), like, lambda: builds.append(1) or torch.tensor([3]))
+    assert builds == [1]  # the capture's miss was not stored
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_pinning_capture_replays_without_rebuilding_the_entries():
+    """On the GPU: a capture inside `pinned_for_capture` reads the default stream's entry; the
+    graph replays against it (its values, not a copy made at capture)."""
+    like = torch.zeros(1, device="cuda")
+    kept = host_cache.cached(("kept",), like, lambda: like + 1)
+    builds, pins = [], []
+    out = torch.zeros(1, device="cuda")
+    graph = torch.cuda.CUDAGraph()
+    with host_cache.pinned_for_capture(pins), torch.cuda.graph(graph):
+        read = host_cache.cached(("kept",), like, lambda: builds.append(1) or like + 2)
+        out.copy_(read * 10)
+    assert builds == [] and read is kept and pins == [kept]
+    graph.replay()
+    torch.cuda.synchronize()
+    assert out.item() == 10.0
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_a_capture_and_a_side_stream_neither_store_nor_read():
