@@ -14,12 +14,14 @@ Rules that keep it correct:
 - on a GPU the cache is used only from the device's default stream. A tensor made on one
   stream and read on another could be freed (evicted) while the other stream still reads it,
   and its memory reused under it. CUDA-graph capture never runs on the default stream, so a
-  captured graph neither stores a tensor that holds no values until replay nor reads one that
-  an eviction could free: capture builds its own, as without the cache. The exception is a
-  capture whose owner keeps what it reads alive as long as its graph (`pinned_for_capture`:
-  nsa()'s captured plans, whose slots hold their static buffers the same way): it reads the
-  entries already built (hits only; a miss builds its own), so the graph does not replay
-  their builds (about 120 small launches of an nsa() forward+backward);
+  captured graph never stores a tensor that holds no values until replay: a miss in a
+  capture builds its own, as without the cache. A hit in a capture is read, so the graph
+  does not replay the entry's build (about 120 small launches of an nsa() forward+backward),
+  and its memory is kept as long as the graph may read it: by the capture's owner where it
+  says so (`pinned_for_capture`: nsa()'s captured plans, whose slots hold their static
+  buffers the same way), else in `_captured_entries`, never evicted (a user's own capture
+  of nsa(): its graph's life is unknown here; `clear()` drops them). A side stream that is
+  not capturing neither reads nor stores;
 - fake tensors (torch.compile's tracing) and meta tensors bypass the cache;
 - callers never write into a returned tensor;
 - entries are built outside inference mode, so a training call may use what an evaluation
@@ -39,6 +41,7 @@ MAX_ENTRIES = 32  # a few packings at once (train and eval shapes), ~8 keys each
 T = TypeVar("T")
 _entries: OrderedDict = OrderedDict()  # least recently used first
 _capture_pins: list | None = None  # the owner's list while a pinning capture runs
+_captured_entries: dict = {}  # entries a capture without an owner read: kept until clear()
 
 
 def cached(key: tuple, like: torch.Tensor, build: Callable[[], T]) -> T:
@@ -48,11 +51,14 @@ def cached(key: tuple, like: torch.Tensor, build: Callable[[], T]) -> T:
         return build()
     full_key = (key, like.device)
     if not _on_default_stream(like):
-        if _capture_pins is not None and full_key in _entries:
-            value = _entries[full_key]
+        value = _entries.get(full_key, _captured_entries.get(full_key))
+        if value is None or not _capturing(like):
+            return build()
+        if _capture_pins is not None:
             _capture_pins.append(value)  # alive as long as the capture's owner keeps it
-            return value
-        return build()
+        else:
+            _captured_entries[full_key] = value  # alive as long as a graph may read it
+        return value
     if full_key in _entries:
         _entries.move_to_end(full_key)
         return _entries[full_key]
@@ -97,6 +103,13 @@ def pinned_for_capture(pins: list):
         _capture_pins = outer
 
 
+def _capturing(like: torch.Tensor) -> bool:
+    """Whether like's device's current stream is capturing a CUDA graph."""
+    return like.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
 def clear() -> None:
-    """Drop every entry (tests; or to free the memory they hold)."""
+    """Drop every entry (tests; or to free the memory they hold), those a user's CUDA graph
+    read too: call it only when no such graph will replay."""
     _entries.clear()
+    _captured_entries.clear()

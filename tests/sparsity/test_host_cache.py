@@ -71,16 +71,37 @@ def test_a_pinning_capture_reads_hits_and_pins_them(monkeypatch):
     like = torch.zeros(1)
     kept = host_cache.cached(("kept",), like, lambda: torch.tensor([1]))
     monkeypatch.setattr(host_cache, "_on_default_stream", lambda like: False)
+    monkeypatch.setattr(host_cache, "_capturing", lambda like: True)
     builds, pins = [], []
     with host_cache.pinned_for_capture(pins):
         assert host_cache.cached(("kept",), like, lambda: builds.append(1)) is kept
         host_cache.cached(("new",), like, lambda: builds.append(1) or torch.tensor([3]))
     assert builds == [1] and len(pins) == 1 and pins[0] is kept
+    assert not host_cache._captured_entries  # the owner keeps it, not the cache
+    monkeypatch.setattr(host_cache, "_capturing", lambda like: False)  # a side stream
     assert host_cache.cached(("kept",), like, lambda: builds.append(1) or like) is not kept
     monkeypatch.setattr(host_cache, "_on_default_stream", lambda like: True)
     builds.clear()
     host_cache.cached(("new",), like, lambda: builds.append(1) or torch.tensor([3]))
     assert builds == [1]  # the capture's miss was not stored
+
+
+def test_a_capture_without_an_owner_keeps_what_it_read_past_eviction(monkeypatch):
+    """A user's own capture (no `pinned_for_capture`) reads a hit too; the entry then stays
+    alive past the cache's eviction (the graph may replay any time) until clear()."""
+    like = torch.zeros(1)
+    kept = host_cache.cached(("kept",), like, lambda: torch.tensor([1]))
+    monkeypatch.setattr(host_cache, "_on_default_stream", lambda like: False)
+    monkeypatch.setattr(host_cache, "_capturing", lambda like: True)
+    assert host_cache.cached(("kept",), like, lambda: torch.tensor([2])) is kept
+    monkeypatch.setattr(host_cache, "_on_default_stream", lambda like: True)
+    for n in range(host_cache.MAX_ENTRIES + 1):  # evicts ("kept",) from the LRU entries
+        host_cache.cached(("n", n), like, lambda n=n: torch.tensor([n]))
+    assert list(host_cache._captured_entries.values()) == [kept]
+    monkeypatch.setattr(host_cache, "_on_default_stream", lambda like: False)
+    assert host_cache.cached(("kept",), like, lambda: torch.tensor([3])) is kept
+    host_cache.clear()
+    assert not host_cache._captured_entries
 
 
 @pytest.mark.gpu
@@ -104,9 +125,10 @@ def test_a_pinning_capture_replays_without_rebuilding_the_entries():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_a_capture_and_a_side_stream_neither_store_nor_read():
-    """On the GPU: only the default stream uses the cache (torch.cuda.graph captures on a
-    stream of its own)."""
+def test_a_capture_reads_hits_and_a_side_stream_neither_stores_nor_reads():
+    """On the GPU: only the default stream stores; a capture (torch.cuda.graph, on a stream of
+    its own) reads an entry already built and builds its misses without storing them; a side
+    stream that is not capturing builds its own."""
     like = torch.zeros(1, device="cuda")
     kept = host_cache.cached(("kept",), like, lambda: like + 1)
     builds = []
@@ -119,9 +141,9 @@ def test_a_capture_and_a_side_stream_neither_store_nor_read():
     with torch.cuda.stream(side):
         host_cache.cached(("on a side stream",), like, lambda: builds.append(1) or like + 4)
     torch.cuda.current_stream().wait_stream(side)
-    assert builds == [1, 1, 1] and captured is not kept
+    assert builds == [1, 1] and captured is kept
     graph.replay()
-    assert captured.item() == 2.0 and kept.item() == 1.0
+    assert kept.item() == 1.0
     builds.clear()
     for key in ("in capture", "on a side stream"):
         host_cache.cached((key,), like, lambda: builds.append(1) or like + 5)
