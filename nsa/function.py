@@ -29,6 +29,7 @@ import torch
 from torch import Tensor
 
 from kernels.autograd import refuse_double_backward
+from kernels.device import kernels_unavailable
 from kernels.gated_sum import (GatedSum, backward_runs_on_sm90, gate_gradient,
                                 gate_gradients, gated_sum_backward)
 from kernels.sm90.backward import DqSums
@@ -200,10 +201,13 @@ def packed_gradients(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, W_k: Tensor 
     kept_all = len(outputs) == len(branches)
     # The branches whose kernels fuse dQ (compressed keys from 128K tokens, the window from
     # 4096 keys) add into one float32 accumulator. With the outputs kept (memory is not
-    # tight) the selected branch runs last and its dQ kernel adds the sums into its dQ; when
-    # recomputing, its order stays and the sums are converted at the end (the window's 16 GiB
-    # of sums at 1M tokens then live through the window's backward alone).
-    consumes = kept_all and SELECTED_CONSUMES_DQ_SUMS
+    # tight) on the sm90 kernels the selected branch runs last and its dQ kernel adds the
+    # sums into its dQ; when recomputing, its order stays and the sums are converted at the
+    # end (the window's 16 GiB of sums at 1M tokens then live through the window's backward
+    # alone). Elsewhere (the fallback, deterministic mode: no fused dQ) the order stays, so
+    # kept and recomputed outputs give the same bits there.
+    consumes = (kept_all and SELECTED_CONSUMES_DQ_SUMS and SHARED_DQ_SUMS
+                and not config.deterministic and not kernels_unavailable(q.device))
     dq_sums = DqSums(consumes=consumes) if SHARED_DQ_SUMS else None
     # With every branch's output kept, their gate gradients come from one pass over dO.
     gates_written = kept_all and branches_gate_gradients(dout, outputs, branches, d_gates)
