@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import random
@@ -294,40 +295,59 @@ def parse_switches(parser: argparse.ArgumentParser, args: argparse.Namespace) ->
 def apply_switches(switches: list[str]) -> list[str]:
     """Set each `MODULE.NAME=VALUE` (`add_switch_argument`); returns them as set, for the
     run's header. ValueError naming the switch where the module is not the library's or does
-    not exist, the name
-    is not an UPPER_CASE constant it has, or the value is not a literal of the constant's
-    type."""
+    not exist, the name is not an UPPER_CASE constant it has, or the value is not a literal of
+    the constant's type (nothing is set then)."""
+    resolved = [_resolve_switch(switch) for switch in switches]
+    for module, name, value in resolved:
+        setattr(module, name, value)
+    return [f"{module.__name__}.{name}={value!r}" for module, name, value in resolved]
+
+
+@contextlib.contextmanager
+def switched(switches: list[str]):
+    """`apply_switches` for the block, the previous values put back after it (an A/B in one
+    process: tools/profile_kernels.py)."""
+    resolved = [_resolve_switch(switch) for switch in switches]
+    previous = [(module, name, getattr(module, name)) for module, name, _ in resolved]
+    try:
+        for module, name, value in resolved:
+            setattr(module, name, value)
+        yield
+    finally:
+        for module, name, value in reversed(previous):
+            setattr(module, name, value)
+
+
+def _resolve_switch(switch: str):
+    """(module, name, value) of one `MODULE.NAME=VALUE`, or the ValueError of
+    `apply_switches`."""
     import ast
     import importlib
 
-    applied = []
-    for switch in switches:
-        target, sep, text = switch.partition("=")
-        module_name, _, name = target.rpartition(".")
-        if not sep or not module_name or not name:
-            raise ValueError(f"--switch {switch!r}: expected MODULE.NAME=VALUE")
-        if module_name.split(".")[0] not in SWITCH_PACKAGES:
-            raise ValueError(f"--switch {switch!r}: the module must be in one of "
-                             f"{SWITCH_PACKAGES}")
-        try:
-            module = importlib.import_module(module_name)
-        except ModuleNotFoundError:
-            raise ValueError(f"--switch {switch!r}: no module {module_name}") from None
-        if not name.isupper() or not hasattr(module, name):
-            raise ValueError(f"--switch {switch!r}: {module_name} has no UPPER_CASE constant "
-                             f"{name}")
-        current = getattr(module, name)
-        try:
-            value = ast.literal_eval(text)
-        except (ValueError, SyntaxError):
-            raise ValueError(f"--switch {switch!r}: {text!r} is not a Python literal") from None
-        if type(value) is not type(current) and not (
-                isinstance(current, bool) and value in (0, 1) and type(value) is int):
-            raise ValueError(f"--switch {switch!r}: {name} is of type "
-                             f"{type(current).__name__}, got {type(value).__name__}")
-        setattr(module, name, type(current)(value))
-        applied.append(f"{module_name}.{name}={getattr(module, name)!r}")
-    return applied
+    target, sep, text = switch.partition("=")
+    module_name, _, name = target.rpartition(".")
+    if not sep or not module_name or not name:
+        raise ValueError(f"--switch {switch!r}: expected MODULE.NAME=VALUE")
+    if module_name.split(".")[0] not in SWITCH_PACKAGES:
+        raise ValueError(f"--switch {switch!r}: the module must be in one of "
+                         f"{SWITCH_PACKAGES}")
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError:
+        raise ValueError(f"--switch {switch!r}: no module {module_name}") from None
+    if not name.isupper() or not hasattr(module, name):
+        raise ValueError(f"--switch {switch!r}: {module_name} has no UPPER_CASE constant "
+                         f"{name}")
+    current = getattr(module, name)
+    try:
+        value = ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        raise ValueError(f"--switch {switch!r}: {text!r} is not a Python literal") from None
+    if type(value) is not type(current) and not (
+            isinstance(current, bool) and value in (0, 1) and type(value) is int):
+        raise ValueError(f"--switch {switch!r}: {name} is of type "
+                         f"{type(current).__name__}, got {type(value).__name__}")
+    return module, name, type(current)(value)
 
 
 def add_kernel_shape_arguments(parser: argparse.ArgumentParser) -> None:

@@ -36,6 +36,7 @@ TOOL_DESCRIPTIONS = {
     "train_lm": "NSA and dense attention on real long documents",
     "run_gpu_tests": "split over the visible GPUs",
     "profile_host": "Where an eager nsa() call spends host time",
+    "profile_kernels": "kernel by kernel",
     "bench_masked": "FlexAttention and SDPA on the same mask and bias",
 }
 
@@ -303,6 +304,53 @@ def test_switches_set_the_library_constants_and_refuse_anything_else(common, mon
             ("kernels.sm90.spec.FUSED_DQ_MIN_KEYS=1.5", "is of type int, got float")]:
         with pytest.raises(ValueError, match=message):
             common.apply_switches([switch])
+
+
+def test_switched_puts_the_previous_values_back(common, monkeypatch):
+    """`switched`: the switches hold inside the block and the previous values after it, also
+    when the block raises; a bad switch sets nothing."""
+    import kernels.sm90.backward as backward
+    import nsa.function as function
+
+    monkeypatch.setattr(backward, "OWNED_DKV_STORES", True)
+    monkeypatch.setattr(function, "SHARED_GATE_PASS", True)
+    with common.switched(["kernels.sm90.backward.OWNED_DKV_STORES=False",
+                          "nsa.function.SHARED_GATE_PASS=False"]):
+        assert backward.OWNED_DKV_STORES is False and function.SHARED_GATE_PASS is False
+    assert backward.OWNED_DKV_STORES is True and function.SHARED_GATE_PASS is True
+    with pytest.raises(RuntimeError), common.switched(
+            ["kernels.sm90.backward.OWNED_DKV_STORES=False"]):
+        raise RuntimeError("inside")
+    assert backward.OWNED_DKV_STORES is True
+    with pytest.raises(ValueError, match="NOPE"):
+        with common.switched(["nsa.function.SHARED_GATE_PASS=False", "nsa.function.NOPE=1"]):
+            pass
+    assert function.SHARED_GATE_PASS is True
+
+
+def test_profile_kernels_lists_the_step_and_runs_an_ab(capsys, monkeypatch):
+    """CPU smoke run: the op table of a forward+backward (ms per step, launches, the total),
+    and an A/B whose rounds alternate the library's settings and the switch, left as they
+    were after it."""
+    import nsa.function as function
+
+    monkeypatch.setattr(function, "SHARED_GATE_PASS", True)
+    tool = load_tool("profile_kernels")
+    tiny = ["--device", "cpu", "--seqlens", "200", "--heads", "4", "--kv-heads", "2",
+            "--head-dim", "16", "--warmup", "1", "--repeats", "1", "--top", "5"]
+    assert tool.main(tiny) == 0
+    out = capsys.readouterr().out
+    assert "200 tokens:" in out and "(all)" in out and "ms/step" in out
+    assert tool.main([*tiny, "--rounds", "2", "--switch",
+                      "nsa.function.SHARED_GATE_PASS=False"]) == 0
+    out = capsys.readouterr().out
+    assert "round 1 (A)" in out and "round 2 (B)" in out and "B - A" in out
+    assert function.SHARED_GATE_PASS is True
+    for bad in (["--switch", "nsa.function.NOPE=1"],
+                ["--rounds", "1", "--switch", "nsa.function.SHARED_GATE_PASS=False"],
+                ["--packed", "no-such-workload"]):
+        with pytest.raises(SystemExit):
+            tool.main([*tiny, *bad])
 
 
 def test_bench_takes_switches_and_names_them(tmp_path, capsys, monkeypatch):

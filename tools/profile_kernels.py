@@ -1,0 +1,218 @@
+"""Where an nsa() forward+backward step's device time goes, kernel by kernel, and an A/B of the
+library's switches in one process.
+
+For each workload (`--seqlens`, or `--packed` names of tools/packed_workloads.py) the tool runs
+`--warmup` steps, then profiles `--repeats` steps with torch.profiler and prints the kernels by
+device time per step (their mean over those steps): launches per step, ms per step, share of the step, and the step's total
+kernel time. On the CPU (a smoke run; no GPU figure) it lists the ops' own CPU time instead.
+
+With `--switch MODULE.NAME=VALUE` (repeatable) the rounds (`--rounds`, default 4) alternate in
+one process: the library's settings ("A"), the switched ones ("B"), A, B, ...; each round
+re-warms (captured plans are dropped first: a graph keeps the settings it was captured with)
+and prints the step's total kernel time and the kernels whose time moved most between the
+two settings. Paired rounds in one process are far steadier than two processes' end-to-end
+times (at 256K a forward varied by 2-3 ms between runs of the same code, FINDINGS.md).
+
+    python tools/profile_kernels.py --seqlens 8192
+    python tools/profile_kernels.py --seqlens 262144 --warmup 1 --repeats 1 --top 30
+    python tools/profile_kernels.py --packed lognormal-2k \\
+        --switch nsa.function.SELECTED_CONSUMES_DQ_SUMS=False
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _common import (CAPTURE_OPTIONS, add_capture_argument, add_problem_arguments,  # noqa: E402
+                     add_switch_argument, cu_seqlens_of, describe_device, nsa_options,
+                     positive_int, problem_defaults_epilog, problem_summary,
+                     resolve_problem_arguments, switched, synchronize)
+from packed_workloads import build_workload, parse_workload_name  # noqa: E402
+
+NAME_WIDTH = 100  # characters of a kernel's name in the table (CuTe DSL names run long)
+
+
+def workloads(args) -> list[tuple[str, list[int] | None, int]]:
+    """(label, document lengths or None for one padded sequence, tokens) per workload."""
+    found = [(f"{n} tokens", None, n) for n in (args.seqlens if not args.packed else [])]
+    for name in args.packed:
+        lengths = list(build_workload(name).lengths)
+        found.append((f"{name} ({len(lengths)} documents)", lengths, sum(lengths)))
+    return found
+
+
+def make_step(args, lengths: list[int] | None, tokens: int):
+    """One nsa() forward+backward on random inputs (never zeros), as a training step: the
+    leaves' .grad cleared first."""
+    from nsa import nsa
+
+    device, dtype = args.device, args.torch_dtype
+    generator = torch.Generator().manual_seed(0)
+    rows = (tokens,) if lengths is not None else (1, tokens)
+
+    def randn(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=generator) * scale).to(device=device, dtype=dtype)
+
+    call = dict(nsa_options(args), **CAPTURE_OPTIONS[args.capture])
+    for name, heads in (("q", args.heads), ("k", args.kv_heads), ("v", args.kv_heads)):
+        call[name] = randn(*rows, heads, args.head_dim).requires_grad_()
+    if args.gate:
+        call["W_gate"] = randn(args.heads, 3, args.head_dim,
+                               scale=args.head_dim ** -0.5).requires_grad_()
+    if lengths is not None:
+        bounds = [0]
+        for length in lengths:
+            bounds.append(bounds[-1] + length)
+        call.update(cu_seqlens=cu_seqlens_of(lengths, device), max_seqlen=max(lengths),
+                    host_cu_seqlens=bounds)
+    dout = randn(*rows, args.heads, args.head_dim)
+    leaves = [x for x in call.values() if isinstance(x, torch.Tensor) and x.requires_grad]
+
+    def step():
+        for leaf in leaves:
+            leaf.grad = None
+        torch.autograd.backward(nsa(**call), dout)
+    return step
+
+
+def kernel_times(step, steps: int, device: torch.device) -> collections.Counter:
+    """name -> (ms per step, launches per step) over `steps` profiled steps: the GPU's
+    kernels (and copies) by device time, or on the CPU the ops by their own CPU time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activity = ProfilerActivity.CUDA if device.type == "cuda" else ProfilerActivity.CPU
+    synchronize(device)
+    with profile(activities=[activity]) as profiler:
+        for _ in range(steps):
+            step()
+        synchronize(device)
+    times: collections.Counter = collections.Counter()
+    launches: collections.Counter = collections.Counter()
+    for event in profiler.events():
+        if device.type == "cuda":
+            if event.device_type != torch.autograd.DeviceType.CUDA:
+                continue
+            microseconds = event.device_time_total
+        else:
+            microseconds = event.self_cpu_time_total
+        name = event.name[:NAME_WIDTH]
+        times[name] += microseconds / 1e3 / steps
+        launches[name] += 1
+    return collections.Counter({name: (ms, launches[name] / steps)
+                                for name, ms in times.items()})
+
+
+def time_kind(device: torch.device) -> str:
+    """What the tables add up: the GPU's kernel time, or on the CPU the ops' own time."""
+    return "kernel time" if device.type == "cuda" else "CPU op time (own)"
+
+
+def total_ms(table: collections.Counter) -> float:
+    return sum(ms for ms, _ in table.values())
+
+
+def format_table(table: collections.Counter, top: int) -> str:
+    total = total_ms(table)
+    rows = sorted(table.items(), key=lambda item: -item[1][0])[:top]
+    lines = [f"  {'ms/step':>9} {'share':>6} {'launches':>8}  kernel",
+             *(f"  {ms:9.3f} {ms / total:6.1%} {count:8.1f}  {name}"
+               for name, (ms, count) in rows),
+             f"  {total:9.3f} {'100%':>6} {sum(c for _, c in table.values()):8.1f}  (all)"]
+    return "\n".join(lines)
+
+
+def format_moves(a: collections.Counter, b: collections.Counter, top: int) -> str:
+    """The kernels whose ms per step moved most from setting A to setting B."""
+    names = set(a) | set(b)
+    moves = sorted(names, key=lambda n: -abs(b.get(n, (0.0, 0))[0] - a.get(n, (0.0, 0))[0]))
+    lines = [f"  {'A ms':>9} {'B ms':>9} {'B - A':>9}  kernel"]
+    for name in moves[:top]:
+        ms_a, ms_b = a.get(name, (0.0, 0))[0], b.get(name, (0.0, 0))[0]
+        lines.append(f"  {ms_a:9.3f} {ms_b:9.3f} {ms_b - ms_a:+9.3f}  {name}")
+    return "\n".join(lines)
+
+
+def warm(step, warmup: int, device: torch.device) -> None:
+    """`warmup` steps, captured plans dropped first (a graph keeps the switches it was
+    captured with: the rounds of an A/B recapture)."""
+    from nsa.captured import release_captured_plans
+
+    release_captured_plans()
+    for _ in range(warmup):
+        step()
+    synchronize(device)
+
+
+def profile_workload(args, label: str, lengths, tokens: int) -> None:
+    step = make_step(args, lengths, tokens)
+    if not args.switch:
+        warm(step, args.warmup, args.device)
+        table = kernel_times(step, args.repeats, args.device)
+        print(f"\n{label}: {total_ms(table):.3f} ms of {time_kind(args.device)} per "
+              f"forward+backward")
+        print(format_table(table, args.top))
+        return
+    tables = {"A": [], "B": []}
+    for round_index in range(args.rounds):
+        setting = "AB"[round_index % 2]
+        with switched(args.switch if setting == "B" else []):
+            warm(step, args.warmup, args.device)
+            tables[setting].append(kernel_times(step, args.repeats, args.device))
+        print(f"{label}: round {round_index + 1} ({setting}) "
+              f"{total_ms(tables[setting][-1]):.3f} ms of {time_kind(args.device)} per "
+              f"forward+backward")
+    # The last round of each setting, kernel by kernel.
+    print(f"\n{label}: kernels that moved most, A (the library's settings) -> B "
+          f"({', '.join(args.switch)}), last round of each")
+    print(format_moves(tables["A"][-1], tables["B"][-1], args.top))
+
+
+def parse_arguments(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     epilog=__doc__.split("\n\n", 3)[-1] + "\n\n"
+                                     + problem_defaults_epilog(),
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_problem_arguments(parser)
+    parser.add_argument("--packed", action="append", default=[], metavar="WORKLOAD",
+                        help="a workload of tools/packed_workloads.py (lognormal-2k, docs-8k, "
+                             "docs-1k, docs-256) instead of --seqlens; repeatable")
+    parser.add_argument("--top", type=positive_int, default=25,
+                        help="kernels listed (default 25)")
+    parser.add_argument("--rounds", type=positive_int, default=4,
+                        help="A/B rounds with --switch (default 4: A, B, A, B)")
+    add_capture_argument(parser)
+    add_switch_argument(parser)
+    args = parser.parse_args(argv)
+    resolve_problem_arguments(args, parser)
+    if args.rounds < 2 and args.switch:
+        parser.error(f"--rounds: an A/B needs at least 2, got {args.rounds}")
+    for name in args.packed:
+        try:
+            parse_workload_name(name)
+        except ValueError as error:
+            parser.error(f"--packed: {error}")
+    try:
+        with switched(args.switch):  # checked (and undone) before anything runs
+            pass
+    except ValueError as error:
+        parser.error(str(error))
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_arguments(argv)
+    print(f"{describe_device(args.device)}: nsa() forward+backward, {problem_summary(args)}, "
+          f"{'learned' if args.gate else 'mean'} gates, --capture {args.capture}")
+    for label, lengths, tokens in workloads(args):
+        profile_workload(args, label, lengths, tokens)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
