@@ -40,7 +40,8 @@ NAME_WIDTH = 100  # characters of a kernel's name in the table (CuTe DSL names r
 
 def workloads(args) -> list[tuple[str, list[int] | None, int]]:
     """(label, document lengths or None for one padded sequence, tokens) per workload."""
-    found = [(f"{n} tokens", None, n) for n in (args.seqlens if not args.packed else [])]
+    found = [(f"{args.batch} x {n} tokens" if args.batch > 1 else f"{n} tokens", None, n)
+             for n in (args.seqlens if not args.packed else [])]
     for name in args.packed:
         lengths = list(build_workload(name).lengths)
         found.append((f"{name} ({len(lengths)} documents)", lengths, sum(lengths)))
@@ -54,7 +55,7 @@ def make_step(args, lengths: list[int] | None, tokens: int):
 
     device, dtype = args.device, args.torch_dtype
     generator = torch.Generator().manual_seed(0)
-    rows = (tokens,) if lengths is not None else (1, tokens)
+    rows = (tokens,) if lengths is not None else (args.batch, tokens)
 
     def randn(*shape, scale=1.0):
         return (torch.randn(*shape, generator=generator) * scale).to(device=device, dtype=dtype)
