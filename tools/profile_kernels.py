@@ -33,29 +33,31 @@ from _common import (CAPTURE_OPTIONS, add_capture_argument, add_problem_argument
                      add_switch_argument, cu_seqlens_of, describe_device, nsa_options,
                      positive_int, problem_defaults_epilog, problem_summary,
                      resolve_problem_arguments, switched, synchronize)
-from packed_workloads import build_workload, parse_workload_name  # noqa: E402
+from packed_workloads import (PackedWorkload, build_workload,  # noqa: E402
+                              parse_workload_name)
 
 NAME_WIDTH = 100  # characters of a kernel's name in the table (CuTe DSL names run long)
 
 
-def workloads(args) -> list[tuple[str, list[int] | None, int]]:
-    """(label, document lengths or None for one padded sequence, tokens) per workload."""
+def workloads(args) -> list[tuple[str, PackedWorkload | None, int]]:
+    """(label, the packing or None for padded sequences, tokens) per workload."""
     found = [(f"{args.batch} x {n} tokens" if args.batch > 1 else f"{n} tokens", None, n)
              for n in (args.seqlens if not args.packed else [])]
     for name in args.packed:
-        lengths = list(build_workload(name).lengths)
-        found.append((f"{name} ({len(lengths)} documents)", lengths, sum(lengths)))
+        workload = build_workload(name)
+        found.append((f"{name} ({workload.documents} documents)", workload,
+                      workload.total_tokens))
     return found
 
 
-def make_step(args, lengths: list[int] | None, tokens: int):
+def make_step(args, packing: PackedWorkload | None, tokens: int):
     """One nsa() forward+backward on random inputs (never zeros), as a training step: the
     leaves' .grad cleared first."""
     from nsa import nsa
 
     device, dtype = args.device, args.torch_dtype
     generator = torch.Generator().manual_seed(0)
-    rows = (tokens,) if lengths is not None else (args.batch, tokens)
+    rows = (tokens,) if packing is not None else (args.batch, tokens)
 
     def randn(*shape, scale=1.0):
         return (torch.randn(*shape, generator=generator) * scale).to(device=device, dtype=dtype)
@@ -66,12 +68,9 @@ def make_step(args, lengths: list[int] | None, tokens: int):
     if args.gate:
         call["W_gate"] = randn(args.heads, 3, args.head_dim,
                                scale=args.head_dim ** -0.5).requires_grad_()
-    if lengths is not None:
-        bounds = [0]
-        for length in lengths:
-            bounds.append(bounds[-1] + length)
-        call.update(cu_seqlens=cu_seqlens_of(lengths, device), max_seqlen=max(lengths),
-                    host_cu_seqlens=bounds)
+    if packing is not None:
+        call.update(cu_seqlens=cu_seqlens_of(list(packing.lengths), device),
+                    max_seqlen=packing.longest, host_cu_seqlens=packing.cu_seqlens())
     dout = randn(*rows, args.heads, args.head_dim)
     leaves = [x for x in call.values() if isinstance(x, torch.Tensor) and x.requires_grad]
 
@@ -150,8 +149,8 @@ def warm(step, warmup: int, device: torch.device) -> None:
     synchronize(device)
 
 
-def profile_workload(args, label: str, lengths, tokens: int) -> None:
-    step = make_step(args, lengths, tokens)
+def profile_workload(args, label: str, packing, tokens: int) -> None:
+    step = make_step(args, packing, tokens)
     if not args.switch:
         warm(step, args.warmup, args.device)
         table = kernel_times(step, args.repeats, args.device)
@@ -210,8 +209,8 @@ def main(argv=None) -> int:
     args = parse_arguments(argv)
     print(f"{describe_device(args.device)}: nsa() forward+backward, {problem_summary(args)}, "
           f"{'learned' if args.gate else 'mean'} gates, --capture {args.capture}")
-    for label, lengths, tokens in workloads(args):
-        profile_workload(args, label, lengths, tokens)
+    for label, packing, tokens in workloads(args):
+        profile_workload(args, label, packing, tokens)
     return 0
 
 

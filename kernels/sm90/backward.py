@@ -503,8 +503,7 @@ class DqSums:
             self._sums = torch.zeros(shape, dtype=torch.float32, device=device)
             self._layout = (tiles, block_cols, softmax_scale, dtype)
             return self._sums
-        held_tiles, *held = self._layout
-        if (held_tiles.same_layout(tiles) and held == [block_cols, softmax_scale, dtype]
+        if (self._holds(tiles, softmax_scale, dtype) and self._layout[1] == block_cols
                 and tuple(self._sums.shape) == tuple(shape)):
             return self._sums
         return None
@@ -514,14 +513,18 @@ class DqSums:
         spends them (`finish` then has nothing to convert), or (None, 0): no sums, another
         layout, or `consumes` off. The caller orders its calls so that the one taking them
         comes after every call that adds into them."""
-        if not self.consumes or self._sums is None:
+        if not self.consumes or self._sums is None or not self._holds(tiles, softmax_scale,
+                                                                      dtype):
             return None, 0
-        held_tiles, block_cols, held_scale, held_dtype = self._layout
-        if (not held_tiles.same_layout(tiles) or held_scale != softmax_scale
-                or held_dtype != dtype):
-            return None, 0
-        sums, self._sums, self._layout = self._sums, None, None
+        sums, block_cols = self._sums, self._layout[1]
+        self._sums = self._layout = None
         return sums, block_cols
+
+    def _holds(self, tiles: QueryTiles, softmax_scale: float, dtype) -> bool:
+        """Whether the sums held are of this query tile layout, scale and dtype."""
+        held_tiles, _, held_scale, held_dtype = self._layout
+        return (held_tiles.same_layout(tiles) and held_scale == softmax_scale
+                and held_dtype == dtype)
 
     def finish(self, into: torch.Tensor | None = None) -> torch.Tensor | None:
         """dq (T, H, D) from the sums, added into `into` where given (returned as it); `into`

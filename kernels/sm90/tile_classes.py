@@ -199,14 +199,19 @@ def can_run(x, prior=None) -> bool:
     dtype = str(x.dtype).removeprefix("torch.")
     if dtype not in ELEMENT_BYTES or x.dim() != 3 or 0 in x.shape:
         return False
-    tiles = (x.shape[0], -(-x.shape[1] // TILE), -(-x.shape[2] // TILE))
+    tiles = _tile_shape(x)
     if prior is not None and (prior.dtype != torch.int8 or tuple(prior.shape) != tiles
                               or prior.stride(-1) != 1 or prior.device != x.device):
         return False
     vector = VECTOR_BYTES // ELEMENT_BYTES[dtype]
     return (x.stride(2) == 1 and x.shape[2] % vector == 0 and x.stride(0) % vector == 0
             and x.stride(1) % vector == 0 and x.data_ptr() % VECTOR_BYTES == 0
-            and x.shape[0] <= MAX_GRID_YZ and -(-x.shape[1] // TILE) <= MAX_GRID_YZ)
+            and x.shape[0] <= MAX_GRID_YZ and tiles[1] <= MAX_GRID_YZ)
+
+
+def _tile_shape(x) -> tuple[int, int, int]:
+    """(S, Tq, Tk): the classes' shape for x (S, Nq, Nk), the last tiles partial."""
+    return x.shape[0], -(-x.shape[1] // TILE), -(-x.shape[2] // TILE)
 
 
 def run(x, prior=None):
@@ -215,8 +220,7 @@ def run(x, prior=None):
     from kernels.sm90.launch import launch_on_current_stream
 
     spec = TileClassesSpec(str(x.dtype).removeprefix("torch."), reads_prior=prior is not None)
-    classes = torch.empty(x.shape[0], -(-x.shape[1] // TILE), -(-x.shape[2] // TILE),
-                          dtype=torch.int8, device=x.device)
+    classes = torch.empty(_tile_shape(x), dtype=torch.int8, device=x.device)
     launch_on_current_stream(TileClassesSm90, spec, fake_arguments, (x, classes, prior),
                              x.device)
     return classes
