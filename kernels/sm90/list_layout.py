@@ -5,10 +5,12 @@ backward, host time", 2026-11-27): every torch op costs the host ~20-25 us, and 
 transposed lists and the split-list work units took ~65 of them per step. Two elementwise
 kernels replace them:
 
-- `TransposeKeys`: the int64 sort key of every slot of the forward lists
+- `TransposeKeys`: the sort key of every slot of the forward lists
   (`sparsity.csr._sort_keys`' torch ops): ((global KV block * Hs + head) * 2 + kind) * span +
   the tile's local index, or `unlisted` for a slot past its list's count or outside its
-  sequence. The transpose is then one torch sort and a search (sparsity/csr.py).
+  sequence; int32 where every key fits (`sparsity.csr.sort_key_dtype`: half the radix passes
+  of the sort), else int64. The transpose is then one torch sort and a search
+  (sparsity/csr.py).
 - `WorkUnits`: the (sequence, KV block, list head, first entry, end entry) chunks of
   `BwdSpec.split_lists` (`kernels.sm90.backward.work_units`' torch ops): one thread per list
   writes its chunks at the list's place in the running count of chunks (one torch cumsum, over
@@ -24,7 +26,7 @@ from dataclasses import dataclass
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Int32, Int64
+from cutlass import Int32, Int64, const_expr
 
 from kernels.sm90.tile_scheduler import last_offset_at_most
 
@@ -36,16 +38,18 @@ MASK_RANK, FULL_RANK = 0, 1
 
 @dataclass(frozen=True)
 class ListLayoutSpec:
-    """The compile key of both kernels: they have nothing to specialise but the kernel."""
+    """The compile key of both kernels: the threads per CTA, and `TransposeKeys`' key width."""
     threads: int = THREADS
+    key_bits: int = 64  # TransposeKeys writes int64 keys, or int32 (32) where they fit
 
 
 class TransposeKeys:
     """Called with the forward lists (full count (R, Hs), full index (R, Hs, Kf), mask count,
     mask index (R, Hs, Km), int32), each tile's geometry ((R,) int64: local tile index, first
     global KV block of its sequence, KV blocks of its sequence), span and unlisted (int64) and
-    the keys out (R * Hs * (Kf + Km),) int64, slot (r, h, j) at (r * Hs + h) * (Kf + Km) + j,
-    the full slots first."""
+    the keys out (R * Hs * (Kf + Km),) int64 (int32 with `key_bits` 32: the caller's bounds
+    keep every key below 2**31), slot (r, h, j) at (r * Hs + h) * (Kf + Km) + j, the full slots
+    first."""
 
     def __init__(self, spec: ListLayoutSpec):
         self.spec = spec
@@ -90,7 +94,10 @@ class TransposeKeys:
             if (block >= 0) & (Int64(block) < columns[row]):
                 group = (first_col[row] + Int64(block)) * Int64(heads) + Int64(head)
                 key = (group * Int64(2) + rank) * span + local_tile[row]
-            keys[slot] = key
+            if const_expr(self.spec.key_bits == 32):
+                keys[slot] = Int32(key)
+            else:
+                keys[slot] = key
 
 
 class WorkUnits:
@@ -169,9 +176,10 @@ def fake_transpose_keys_arguments(spec: ListLayoutSpec):
         return make_fake_tensor(Int32, (rows, heads, cute.sym_int()),
                                 stride=(cute.sym_int(), cute.sym_int(), 1), assumed_align=4)
 
+    key_type = Int32 if spec.key_bits == 32 else Int64
     return (counts(), index(), counts(), index(), _fake_int_vector(Int64, rows),
             _fake_int_vector(Int64, rows), _fake_int_vector(Int64, rows), Int64(1), Int64(0),
-            _fake_int_vector(Int64))
+            _fake_int_vector(key_type))
 
 
 def fake_work_units_arguments(spec: ListLayoutSpec):
@@ -183,11 +191,12 @@ def fake_work_units_arguments(spec: ListLayoutSpec):
             Int32(1), Int32(1), units)
 
 
-def compile_on_fake_tensors(kernel: str):
-    """`TransposeKeys` or `WorkUnits` (by name) built for sm_90a without a GPU."""
+def compile_on_fake_tensors(kernel: str, key_bits: int = 64):
+    """`TransposeKeys` (with `key_bits`) or `WorkUnits` (by name) built for sm_90a without a
+    GPU."""
     from cutlass.cute.runtime import make_fake_stream
 
-    spec = ListLayoutSpec()
+    spec = ListLayoutSpec(key_bits=key_bits)
     kernel_class, fakes = {"transpose_keys": (TransposeKeys, fake_transpose_keys_arguments),
                            "work_units": (WorkUnits, fake_work_units_arguments)}[kernel]
     return cute.compile(kernel_class(spec), *fakes(spec), make_fake_stream())
@@ -195,19 +204,23 @@ def compile_on_fake_tensors(kernel: str):
 
 def transpose_keys(bs, geometry, span: int, unlisted: int):
     """`sparsity.csr._sort_keys(bs, geometry, span, unlisted, check=False)` in one launch: the
-    flat int64 keys of bs's slots (lists of width >= 1 each, on an sm90 GPU)."""
+    flat keys of bs's slots in `sparsity.csr.sort_key_dtype(unlisted)` (lists of width >= 1
+    each, on an sm90 GPU)."""
     import torch
 
     from kernels.sm90.launch import launch_on_current_stream
+    from sparsity.csr import sort_key_dtype
 
     rows, heads = bs.full_count.shape
     width = bs.full_index.shape[-1] + bs.mask_index.shape[-1]
-    keys = torch.empty(rows * heads * width, dtype=torch.int64, device=bs.full_count.device)
+    dtype = sort_key_dtype(unlisted)
+    keys = torch.empty(rows * heads * width, dtype=dtype, device=bs.full_count.device)
     if keys.numel() == 0:
         return keys
     local_tile, first_col, columns = (x.reshape(-1) for x in geometry)
+    spec = ListLayoutSpec(key_bits=32 if dtype == torch.int32 else 64)
     launch_on_current_stream(
-        TransposeKeys, ListLayoutSpec(), fake_transpose_keys_arguments,
+        TransposeKeys, spec, fake_transpose_keys_arguments,
         (bs.full_count, bs.full_index, bs.mask_count, bs.mask_index, local_tile, first_col,
          columns, span, unlisted, keys), keys.device)
     return keys

@@ -386,12 +386,14 @@ def test_gate_folded_row_statistics_compile_for_sm90a():
     assert callable(compile_gate_fold_on_fake_tensors(GateFoldSpec()))
 
 
-@pytest.mark.parametrize("kernel", ["transpose_keys", "work_units"])
-def test_list_layout_kernels_compile_for_sm90a(kernel):
-    """The backward's list layout kernels (kernels/sm90/list_layout.py)."""
+@pytest.mark.parametrize("kernel, key_bits", [("transpose_keys", 32), ("transpose_keys", 64),
+                                              ("work_units", 64)])
+def test_list_layout_kernels_compile_for_sm90a(kernel, key_bits):
+    """The backward's list layout kernels (kernels/sm90/list_layout.py), the transpose's keys
+    in both widths."""
     from kernels.sm90.list_layout import compile_on_fake_tensors
 
-    assert callable(compile_on_fake_tensors(kernel))
+    assert callable(compile_on_fake_tensors(kernel, key_bits))
 
 
 # A user mask and bias on the 128 x 128 lists of kernels/masked.py (lists per KV group, split

@@ -384,10 +384,13 @@ def test_list_layout_kernels_equal_their_torch_ops(kv_block):
     geometry = _tile_geometry(bs, offsets)
     span = bs.num_rows
     unlisted = 2 * total * bs.num_heads * span
-    expected = _sort_keys(bs, geometry, span, unlisted, False, "bs")
-    got = list_layout.transpose_keys(bs, geometry, span, unlisted)
-    assert torch.equal(got, expected)
-    assert (expected < unlisted).sum() > 0.2 * expected.numel()  # not vacuous
+    # The call's own bound (int32 keys), and one past 2**31 (int64 keys, `sort_key_dtype`).
+    for bound, dtype in ((unlisted, torch.int32), (unlisted + 2**31, torch.int64)):
+        expected = _sort_keys(bs, geometry, span, bound, False, "bs")
+        got = list_layout.transpose_keys(bs, geometry, span, bound)
+        assert got.dtype == expected.dtype == dtype
+        assert torch.equal(got, expected)
+        assert (expected < bound).sum() > 0.2 * expected.numel()  # not vacuous
     host = tuple(cu.tolist())
     csr = transpose_block_sparse_trusted(bs, cu_seqlens_k=cu, host_cu_seqlens_k=host,
                                          host_cu_seqlens_q=host)

@@ -92,6 +92,20 @@ def test_csr_by_hand():
     check_csr_matches(csr, bs, num_col_blocks=5, check_contents=True)
 
 
+def test_sort_keys_are_int32_where_they_fit_and_int64_beyond(monkeypatch):
+    """The transpose sorts int32 keys where every key fits (half the radix passes of int64's)
+    and int64 beyond; both give the same lists."""
+    from sparsity import csr as csr_module
+
+    assert csr_module.sort_key_dtype(2**31 - 1) == torch.int32
+    assert csr_module.sort_key_dtype(2**31) == torch.int64
+    bs = by_hand()
+    narrow = transpose_block_sparse_csr(bs, COL_OFFSETS)
+    monkeypatch.setattr(csr_module, "sort_key_dtype", lambda unlisted: torch.int64)
+    wide = transpose_block_sparse_csr(bs, COL_OFFSETS)
+    assert wide.equals(narrow) and narrow.offsets.tolist() == [0, 2, 4, 5, 6, 6]
+
+
 def test_empty_lists_sequences_and_blocks():
     # No q tiles at all, KV blocks that nobody lists, and lists of width 0.
     bs = from_dense_classes(torch.zeros(0, 2, 1, dtype=torch.int8), [0, 0, 0],
