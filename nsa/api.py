@@ -11,6 +11,7 @@ from nsa.function import NSAFunction
 from nsa.memory_policy import keeps_branch_outputs
 from nsa.selection_rule import CMP_KV_BLOCK, SELECTION_Q_TILE
 from nsa.validation import PackedSequences, validate_nsa_call
+from sparsity.host_cache import cached
 
 
 def nsa(q: Tensor, k: Tensor, v: Tensor, *, cu_seqlens: Tensor | None = None,
@@ -122,10 +123,12 @@ def nsa(q: Tensor, k: Tensor, v: Tensor, *, cu_seqlens: Tensor | None = None,
         return _packed_nsa(q.contiguous(), k.contiguous(), v.contiguous(), *weights, cu_seqlens,
                            config, sequences, recompute, capture)
     # A padded batch is B sequences of N rows, packed (an empty batch as one empty sequence);
-    # built on the device, so nothing waits on it (sequences.cu_seqlens holds the same values).
+    # built on the device, so nothing waits on it (sequences.cu_seqlens holds the same values),
+    # and kept across calls of the same shape (two launches an eager call need not make).
     batch, seqlen = q.shape[:2]
-    cu_seqlens = torch.arange(max(batch, 1) + 1, dtype=torch.int32, device=q.device) * \
-        (seqlen if batch else 0)
+    # (arange, not a host copy: a capture that misses the cache builds it inside its graph)
+    cu_seqlens = cached(("padded cu_seqlens", sequences.cu_seqlens), q, lambda: torch.arange(
+        max(batch, 1) + 1, dtype=torch.int32, device=q.device) * (seqlen if batch else 0))
     packed = (x.reshape(batch * seqlen, *x.shape[2:]) for x in (q, k, v))
     out = _packed_nsa(*packed, *weights, cu_seqlens, config, sequences, recompute, capture)
     return out.view(q.shape)
