@@ -95,6 +95,27 @@ class GatedSum:
             self._result = self._sum()
         return self._result
 
+    def tensors(self) -> tuple[Tensor, ...]:
+        """The tensors the sum reads: the kept terms and the gates (sm90), or the float32
+        accumulator and the gates (torch)."""
+        return (*self.terms, self.gates) if self.backend == "sm90" else (self.total, self.gates)
+
+    def sum_copy(self) -> Tensor:
+        """The sum in a new tensor, the terms left as they are: a sum made with keep_terms can
+        be taken again (nsa()'s captured plans take it outside their graph, into a tensor the
+        caller owns, instead of copying the graph's static result out)."""
+        if not self.keep_terms:
+            raise RuntimeError("GatedSum.sum_copy needs keep_terms=True (the sm90 path writes "
+                               "the sum over the first term otherwise)")
+        if self.backend != "sm90":
+            return self.total.to(self.like.dtype, copy=True)  # (float64: no conversion)
+        if not self.terms:
+            return torch.zeros_like(self.like)
+        from kernels.sm90 import gated_sum
+
+        return gated_sum.run(self.terms, self.columns, self.gates,
+                             into=torch.empty_like(self.terms[0]))
+
     def _sum(self) -> Tensor:
         if self.backend != "sm90":
             return self.total.to(self.like.dtype)

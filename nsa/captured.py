@@ -37,9 +37,13 @@ The rules, decided here only:
   too): the state copies cost device time that only a host-bound step earns back (the LM of
   tools/train_lm.py, a new packing every step, 2 x H200, 2026-11-28: +12% tokens/s at 8K
   tokens x 16 heads, -4% at 32K x 16).
-- **Copies**: the output and the gradients are copied out of the static buffers (a later replay
-  overwrites them); the inputs are copied in. At 8K, H=32, that is about 0.5 GB of memory
-  traffic a step (~0.2 ms of an H200's), against ~2 ms of host time saved.
+- **Copies**: the inputs are copied in; what the caller gets must outlive the next replay, so
+  the output is the gated sum of the kept branch outputs taken outside the graph, straight
+  into a new tensor (`_output`; a copy of the graph's where the outputs are not kept), dk and
+  dv leave the graph in float32 and are converted into new tensors (the conversion a call
+  makes anyway), and dq and the weights' gradients are copied out. At 8K, H=32, that is
+  about 0.4 GB of memory traffic a step (~0.1 ms of an H200's), against ~2 ms of host time
+  saved.
 - **Memory**: each slot keeps its inputs, the forward's peak and what the backward reads; the
   backward graphs of a device share one pool (their memory lives only during a replay, as the
   gradients are copied out at once). All slots together take at most CAPTURE_FRACTION of the
@@ -63,6 +67,7 @@ from torch import Tensor
 
 from kernels.autograd import refuse_double_backward
 from kernels.device import kernels_unavailable, total_memory
+from kernels.gated_sum import GatedSum
 from nsa.config import NSAConfig
 from nsa.function import packed_forward, packed_gradients, transposed_lists
 from nsa.validation import PackedSequences
@@ -299,7 +304,7 @@ def run(inputs: tuple, cu_seqlens: Tensor, config: NSAConfig, sequences: PackedS
     if not _forward_on(signature, slot, inputs, cu_seqlens, sequences, config, keep_outputs):
         return eager()
     if not differentiable:
-        return slot.state[0].clone()
+        return _output(slot)
     return _CapturedNSA.apply(slot, signature, sequences, config, *inputs)
 
 
@@ -402,9 +407,11 @@ def _capture_forward(slot: _Slot, inputs: tuple, cu_seqlens: Tensor,
                      sequences: PackedSequences, config: NSAConfig, keep_outputs: bool) -> None:
     slot.inputs = tuple(None if x is None else x.detach().clone()
                         for x in (*inputs, cu_seqlens))
+    # With the branch outputs kept, their gated sum runs outside the graph (`_output`).
     slot.forward_graph, slot.state = _captured(
         slot.device, slot.pool,
-        lambda: packed_forward(*slot.inputs, sequences, config, keep_outputs), slot.pins)
+        lambda: packed_forward(*slot.inputs, sequences, config, keep_outputs,
+                               combine=not keep_outputs), slot.pins)
 
 
 def _capture_backward(slot: _Slot, dout: Tensor, sequences: PackedSequences,
@@ -421,7 +428,26 @@ def _slot_gradients(slot: _Slot, dout: Tensor, sequences: PackedSequences,
     out, branches, cu_seqlens_cmp, lses, kept = slot.state
     q, k, v, W_k, W_v, W_gate, cu_seqlens = slot.inputs
     return packed_gradients(dout, q, k, v, W_k, W_v, W_gate, cu_seqlens, cu_seqlens_cmp, lses,
-                            branches, sequences, config, transposed_lists(branches), kept)
+                            branches, sequences, config, transposed_lists(branches), kept,
+                            convert_dkv=False)
+
+
+def _output(slot: _Slot) -> Tensor:
+    """The call's output in a tensor of its own (a later replay overwrites the graph's): the
+    gated sum of the slot's kept branch outputs, taken outside the graph straight into it,
+    or where the graph summed them (outputs not kept), a copy of its result."""
+    out = slot.state[0]
+    return out.sum_copy() if isinstance(out, GatedSum) else out.clone()
+
+
+def _owned_gradients(grads: tuple, inputs: tuple, needed) -> tuple:
+    """The gradients the caller gets, in tensors of its own and each input's dtype: dk and
+    dv leave the graph in float32 (`convert_dkv=False`) and are converted into new tensors,
+    which costs what a copy of the converted ones would; the others are copied. None where an
+    input needs none."""
+    return tuple(None if g is None or not need else
+                 g.to(x.dtype) if g.dtype != x.dtype else g.clone()
+                 for g, x, need in zip(grads, inputs, needed))
 
 
 def _backward(ctx, slot: _Slot, dout: Tensor) -> tuple:
@@ -438,10 +464,12 @@ def _backward(ctx, slot: _Slot, dout: Tensor) -> tuple:
 
 
 def tensors_in(value):
-    """Every tensor inside value: tensors, tuples, lists, dict values and dataclass fields,
-    depth first (a shared slot's state: nsa.function.packed_forward's result)."""
+    """Every tensor inside value: tensors, tuples, lists, dict values, dataclass fields and a
+    GatedSum's tensors, depth first (a slot's state: nsa.function.packed_forward's result)."""
     if isinstance(value, Tensor):
         yield value
+    elif isinstance(value, GatedSum):
+        yield from value.tensors()
     elif isinstance(value, (tuple, list)):
         for item in value:
             yield from tensors_in(item)
@@ -464,7 +492,7 @@ class _SharedNSA(torch.autograd.Function):
         ctx.slot, ctx.signature, ctx.state = slot, signature, state
         ctx.sequences, ctx.config = sequences, config
         ctx.save_for_backward(q, k, v, W_k, W_v, W_gate)
-        return slot.state[0].clone()
+        return _output(slot)
 
     @staticmethod
     def backward(ctx, dout: Tensor):
@@ -483,8 +511,7 @@ class _SharedNSA(torch.autograd.Function):
                 signature.eager_backwards += 1
             else:
                 grads = _backward(ctx, slot, dout)
-            grads = tuple(g.clone() if g is not None and needed else None
-                          for g, needed in zip(grads, ctx.needs_input_grad[5:]))
+            grads = _owned_gradients(grads, inputs, ctx.needs_input_grad[5:])
         ctx.state = None
         grads = refuse_double_backward("nsa()", grads, (dout, *inputs))
         return (None, None, None, None, None, *grads)
@@ -513,7 +540,7 @@ class _CapturedNSA(torch.autograd.Function):
         ctx.sequences, ctx.config = sequences, config
         ctx.lease = _Lease(slot, generation)
         ctx.save_for_backward(q, k, v, W_k, W_v, W_gate)
-        return slot.state[0].clone()
+        return _output(slot)
 
     @staticmethod
     def backward(ctx, dout: Tensor):
@@ -524,9 +551,8 @@ class _CapturedNSA(torch.autograd.Function):
                 "earlier backward through the same graph (retain_graph=True); pass "
                 "capture=False to nsa() for graphs that are differentiated more than once")
         with torch.no_grad():
-            grads = tuple(g.clone() if g is not None and needed else None
-                          for g, needed in zip(_backward(ctx, slot, dout),
-                                               ctx.needs_input_grad[4:]))
+            grads = _owned_gradients(_backward(ctx, slot, dout), ctx.saved_tensors,
+                                     ctx.needs_input_grad[4:])
         slot.release(ctx.generation)
         grads = refuse_double_backward("nsa()", grads, (dout, *ctx.saved_tensors))
         return (None, None, None, None, *grads)

@@ -109,20 +109,26 @@ class KeptForBackward:
 def packed_forward(q: Tensor, k: Tensor, v: Tensor, W_k: Tensor | None, W_v: Tensor | None,
                    W_gate: Tensor | None, cu_seqlens: Tensor, sequences: PackedSequences,
                    config: NSAConfig, keep_outputs: bool = False,
-                   queries: QueryRows | None = None
-                   ) -> tuple[Tensor, list[Branch], Tensor, list[Tensor], KeptForBackward]:
+                   queries: QueryRows | None = None, combine: bool = True
+                   ) -> tuple[Tensor | GatedSum, list[Branch], Tensor, list[Tensor],
+                              KeptForBackward]:
     """NSAFunction's forward without autograd: (out, the branches that ran, the compressed
     cu_seqlens, each branch's lse, what it keeps), the last four what `packed_gradients` needs.
     keep_outputs: keep the branch outputs (else the backward recomputes them).
     queries: q holds each sequence's rows from a tile-aligned position on, against all of the
     keys that cu_seqlens bounds (`sparsity.QueryRows`: context parallelism's sequence mode);
-    None: q holds the keys' own rows."""
+    None: q holds the keys' own rows.
+    combine=False (with keep_outputs): out is the `GatedSum` of the kept outputs, not yet
+    summed; each `sum_copy()` writes the sum into a new tensor (nsa/captured.py sums outside
+    its graph, straight into the tensor it returns)."""
     branches, cu_seqlens_cmp, k_cmp, v_cmp = compress_and_plan(q, k, v, W_k, W_v, cu_seqlens,
                                                                sequences, config, queries)
     k_cmp, v_cmp = k_cmp.to(k.dtype), v_cmp.to(v.dtype)
 
     # One pass over the branch outputs on sm90; elsewhere a float32 sum that frees each
     # output as it is added (kernels/gated_sum.py), unless they are kept.
+    if not combine and not keep_outputs:
+        raise ValueError("combine=False needs keep_outputs=True (the sum reads the outputs)")
     out = GatedSum(gate_weights(q, W_gate, config.branches), like=q, keep_terms=keep_outputs)
     lses, outputs = [], []
     for branch in branches:
@@ -133,7 +139,7 @@ def packed_forward(q: Tensor, k: Tensor, v: Tensor, W_k: Tensor | None, W_v: Ten
         if keep_outputs:
             outputs.append(branch_out)
         del branch_out
-    return (out.result(), branches, cu_seqlens_cmp, lses,
+    return (out.result() if combine else out, branches, cu_seqlens_cmp, lses,
             KeptForBackward((k_cmp, v_cmp), tuple(outputs),
                             out.gates if keep_outputs else None))
 
@@ -171,10 +177,12 @@ def packed_gradients(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, W_k: Tensor 
                      W_v: Tensor | None, W_gate: Tensor | None, cu_seqlens: Tensor,
                      cu_seqlens_cmp: Tensor, lses, branches: list[Branch],
                      sequences: PackedSequences, config: NSAConfig, transposed: dict,
-                     kept: KeptForBackward | None = None) -> tuple:
+                     kept: KeptForBackward | None = None, convert_dkv: bool = True) -> tuple:
     """(dq, dk, dv, dW_k, dW_v, dW_gate) of `packed_forward`, None for absent weights, given
     what it returned; `transposed` as `_transposed_lists` builds it. kept: what the forward
-    kept (None: compress and recompute every branch here).
+    kept (None: compress and recompute every branch here). convert_dkv=False returns dk and dv
+    as they were summed, in the compute dtype (float32 for 16-bit inputs), for the caller to
+    convert (nsa/captured.py converts outside its graph, into the tensors it returns).
 
     Memory is what this is laid out for (1M tokens must train on one 80 GB GPU): one branch
     is recomputed at a time, and besides the inputs only these gradients stay alive between
@@ -274,7 +282,8 @@ def packed_gradients(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, W_k: Tensor 
         dW_k = dW_k.to(W_k.dtype)
     if dW_v is not None:
         dW_v = dW_v.to(W_v.dtype)
-    dk, dv = ((torch.zeros_like(x) if g is None else g.to(x.dtype)) for g, x in ((dk, k), (dv, v)))
+    dk, dv = ((torch.zeros_like(x) if g is None else g.to(x.dtype) if convert_dkv else g)
+              for g, x in ((dk, k), (dv, v)))
     return dq, dk, dv, dW_k, dW_v, dW_gate
 
 

@@ -102,6 +102,34 @@ def test_kernel_spec_rejects_what_it_cannot_build():
         GatedSumSpec("float32", 128, (0,), 3)
 
 
+def _sum_copy_is_a_new_sum_each_time(device: str, dtype) -> None:
+    outputs, gates = _problem(300, 4, 128, dtype, terms=3, device=device)
+    total = GatedSum(gates, like=outputs[0], keep_terms=True)
+    for column, out in zip((2, 0, 1), outputs):
+        total.add(column, out)
+    kept = [o.clone() for o in outputs]
+    first, second = total.sum_copy(), total.sum_copy()
+    assert first.data_ptr() not in {second.data_ptr(), *(o.data_ptr() for o in outputs)}
+    assert torch.equal(first, second) and torch.equal(first, total.result())
+    assert all(torch.equal(o, k) for o, k in zip(outputs, kept))  # the terms are untouched
+    with pytest.raises(RuntimeError, match="keep_terms"):
+        GatedSum(gates, like=outputs[0]).sum_copy()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64])
+def test_sum_copy_is_a_new_sum_each_time_torch_path(dtype):
+    """`sum_copy` (nsa()'s captured plans sum outside their graph with it): a new tensor per
+    call, equal to `result()`, the kept terms untouched (float64: no conversion to hide a
+    shared tensor behind)."""
+    _sum_copy_is_a_new_sum_each_time("cpu", dtype)
+
+
+@pytest.mark.gpu
+@requires_sm90
+def test_sum_copy_is_a_new_sum_each_time_kernel():
+    _sum_copy_is_a_new_sum_each_time("cuda", torch.bfloat16)
+
+
 @pytest.mark.gpu
 @requires_sm90
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
