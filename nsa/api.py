@@ -126,9 +126,13 @@ def nsa(q: Tensor, k: Tensor, v: Tensor, *, cu_seqlens: Tensor | None = None,
     # built on the device, so nothing waits on it (sequences.cu_seqlens holds the same values),
     # and kept across calls of the same shape (two launches an eager call need not make).
     batch, seqlen = q.shape[:2]
-    # (arange, not a host copy: a capture that misses the cache builds it inside its graph)
-    cu_seqlens = cached(("padded cu_seqlens", sequences.cu_seqlens), q, lambda: torch.arange(
-        max(batch, 1) + 1, dtype=torch.int32, device=q.device) * (seqlen if batch else 0))
+    # (arange, not a host copy: a capture that misses the cache builds it inside its graph;
+    # torch.compile traces the build itself, the cache being host state)
+    def padded_bounds():
+        return torch.arange(max(batch, 1) + 1, dtype=torch.int32, device=q.device) * \
+            (seqlen if batch else 0)
+    cu_seqlens = (padded_bounds() if torch.compiler.is_compiling() else
+                  cached(("padded cu_seqlens", sequences.cu_seqlens), q, padded_bounds))
     packed = (x.reshape(batch * seqlen, *x.shape[2:]) for x in (q, k, v))
     out = _packed_nsa(*packed, *weights, cu_seqlens, config, sequences, recompute, capture)
     return out.view(q.shape)
