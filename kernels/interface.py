@@ -27,6 +27,7 @@ import torch
 
 from . import call_cache, dispatch, fallback, masked
 from .device import kernels_unavailable
+from .dkv_sums import write_into
 from .dispatch import normalised_kwargs
 from .dispatch import transpose_block_sparse_trusted  # noqa: F401  (nsa's branches take it here)
 from .validate import (AttentionProblem, check_backward_tensors, check_block_sparse_transposed,
@@ -202,7 +203,9 @@ def attention_backward_trusted(dout, q, k, v, out, lse, *, host_cu_seqlens,
     ``dkv_accumulators``: ``(dk_sum, dv_sum)``, tensors of k's and v's shape in float32
     (float64 for float64 inputs), into which dk and dv are added instead of returned fresh;
     the returned dk, dv are then these tensors. Where the sm90 kernel sums dK/dV partials in
-    float32 it adds into them directly (no buffer of its own, no conversion)."""
+    float32 it adds into them directly (no buffer of its own, no conversion). As
+    ``kernels.dkv_sums.UnwrittenDkvSums`` they hold nothing yet: dk and dv are written into
+    them (no zeroing before the call)."""
     _check_internal_arguments(q, k, v, None, None, dq_accumulator, dkv_accumulators)
     problem = validate_trusted_attention_backward(dout, q, k, v, out, lse,
                                                   host_cu_seqlens=host_cu_seqlens, **kwargs)
@@ -415,8 +418,8 @@ def add_into_accumulators(grads, dq_accumulator, dkv_accumulators):
     dq, dk, dv = grads
     if dq_accumulator is not None:
         dq = dq_accumulator.add_(dq)
-    if dkv_accumulators is not None:
-        dk, dv = dkv_accumulators[0].add_(dk), dkv_accumulators[1].add_(dv)
+    if dkv_accumulators is not None:  # (copied where they hold nothing yet)
+        dk, dv = write_into(dkv_accumulators, dk, dv)
     return dq, dk, dv
 
 

@@ -442,12 +442,17 @@ def _output(slot: _Slot) -> Tensor:
 
 def _owned_gradients(grads: tuple, inputs: tuple, needed) -> tuple:
     """The gradients the caller gets, in tensors of its own and each input's dtype: dk and
-    dv leave the graph in float32 (`convert_dkv=False`) and are converted into new tensors,
-    which costs what a copy of the converted ones would; the others are copied. None where an
-    input needs none."""
-    return tuple(None if g is None or not need else
-                 g.to(x.dtype) if g.dtype != x.dtype else g.clone()
-                 for g, x, need in zip(grads, inputs, needed))
+    dv leave the graph unconverted (`convert_dkv=False`: their `KeyValueGradients`) and are
+    finished into new tensors, which costs what a copy of the finished ones would; the others
+    are copied. None where an input needs none."""
+    dq, key_grads, _, *weight_grads = grads
+    dk = dv = None
+    if needed[1] or needed[2]:
+        dk, dv = key_grads.finish(inputs[1], inputs[2], copy=True)
+    copied = (None if g is None or not need else g.clone()
+              for g, need in zip((dq, *weight_grads), (needed[0], *needed[3:])))
+    dq, *weight_grads = copied
+    return (dq, dk if needed[1] else None, dv if needed[2] else None, *weight_grads)
 
 
 def _backward(ctx, slot: _Slot, dout: Tensor) -> tuple:

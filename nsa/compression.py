@@ -14,7 +14,8 @@ from torch import Tensor
 from kernels.row_means import compute_dtype, row_means
 
 __all__ = ["compressed_cu_seqlens", "compressed_block_starts", "compressed_row_tokens",
-           "compress", "compress_pair", "compress_backward", "compress_kv", "compute_dtype"]
+           "compress", "compress_pair", "compress_backward", "compressed_row_gradients",
+           "compress_kv", "compute_dtype"]
 
 
 def compressed_cu_seqlens(cu_seqlens: Tensor, compress_block_size: int) -> Tensor:
@@ -65,11 +66,25 @@ def compress_backward(d_compressed: Tensor, x: Tensor, block_starts: Tensor, blo
     """Gradients of `compress` for x (compute_dtype, shape of x) and W (None without W).
 
     Blocks do not overlap and each row of a block carries 1/l of the block's gradient, rows
-    of no block none: one gather of the scaled gradients by `row_tokens`
-    (`compressed_row_tokens`, computed here when None). A token whose gradient is zero adds
-    nothing to dW, whatever its block holds: a NaN in a block that no row sees yet must not
-    reach dW through 0 * NaN.
+    of no block none: one gather of `compressed_row_gradients` by `row_tokens`
+    (`compressed_row_tokens`, computed here when None).
     """
+    per_token, dW = compressed_row_gradients(d_compressed, x, block_starts, block_size, W)
+    if row_tokens is None:
+        row_tokens = compressed_row_tokens(block_starts, block_size, x.shape[0])
+    return per_token.index_select(0, row_tokens), dW
+
+
+def compressed_row_gradients(d_compressed: Tensor, x: Tensor, block_starts: Tensor,
+                             block_size: int, W: Tensor | None = None
+                             ) -> tuple[Tensor, Tensor | None]:
+    """The gradient each row of a compressed token's block gets, per token, and W's: (Tc + 1,
+    Hkv, D) in compute_dtype, 1/l of the token's gradient (through W where given), the last
+    row zeros (the token of rows in no block: `compressed_row_tokens`); dW or None. Expanded
+    to the rows by `compress_backward`, or where nsa()'s backward converts dk and dv
+    (`kernels.dkv_sums.finish_dkv`). A token whose gradient is zero adds nothing to dW,
+    whatever its block holds: a NaN in a block that no row sees yet must not reach dW through
+    0 * NaN."""
     dtype = compute_dtype(x.dtype)
     d_compressed = d_compressed.to(dtype)
     dW = None
@@ -78,10 +93,7 @@ def compress_backward(d_compressed: Tensor, x: Tensor, block_starts: Tensor, blo
         pooled.masked_fill_(~(d_compressed != 0).any(dim=-1, keepdim=True), 0)
         dW = torch.einsum("thd,the->hde", pooled, d_compressed)
         d_compressed = torch.einsum("the,hde->thd", d_compressed, W.to(dtype))
-    if row_tokens is None:
-        row_tokens = compressed_row_tokens(block_starts, block_size, x.shape[0])
-    per_token = torch.cat([d_compressed / block_size, d_compressed.new_zeros(1, *x.shape[1:])])
-    return per_token.index_select(0, row_tokens), dW
+    return torch.cat([d_compressed / block_size, d_compressed.new_zeros(1, *x.shape[1:])]), dW
 
 
 def compress_kv(k: Tensor, v: Tensor, cu_seqlens: Tensor, compress_block_size: int,

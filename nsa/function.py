@@ -30,12 +30,13 @@ from torch import Tensor
 
 from kernels.autograd import refuse_double_backward
 from kernels.device import kernels_unavailable
+from kernels.dkv_sums import UnwrittenDkvSums, finish_dkv
 from kernels.gated_sum import (GatedSum, backward_runs_on_sm90, gate_gradient,
                                 gate_gradients, gated_sum_backward)
 from kernels.sm90.backward import DqSums
 from nsa.branches import (SELECTED, Branch, compressed_branch, selected_branch,
                           window_branch)
-from nsa.compression import (compress_backward, compress_pair, compressed_block_starts,
+from nsa.compression import (compress_pair, compressed_block_starts, compressed_row_gradients,
                              compressed_cu_seqlens, compressed_row_tokens, compute_dtype)
 from nsa.config import NSAConfig
 from nsa.gating import NUM_BRANCHES, gate_backward, gate_weights
@@ -54,6 +55,10 @@ SELECTED_CONSUMES_DQ_SUMS = True
 # With the branch outputs kept, one pass over dO writes every branch's gate gradient
 # (`branches_gate_gradients`); False: a pass per branch (the switch for the A/B).
 SHARED_GATE_PASS = True
+# The compressed branch's dk, dv stay per compressed token until the conversion of dk and dv
+# reads them row by row (`KeyValueGradients.finish`); False: expanded to the keys' rows in
+# float32 at once and added into (the switch for the A/B).
+FINISH_COMPRESSED_DKV = True
 
 
 class NSAFunction(torch.autograd.Function):
@@ -180,18 +185,21 @@ def packed_gradients(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, W_k: Tensor 
                      kept: KeptForBackward | None = None, convert_dkv: bool = True) -> tuple:
     """(dq, dk, dv, dW_k, dW_v, dW_gate) of `packed_forward`, None for absent weights, given
     what it returned; `transposed` as `_transposed_lists` builds it. kept: what the forward
-    kept (None: compress and recompute every branch here). convert_dkv=False returns dk and dv
-    as they were summed, in the compute dtype (float32 for 16-bit inputs), for the caller to
-    convert (nsa/captured.py converts outside its graph, into the tensors it returns).
+    kept (None: compress and recompute every branch here). convert_dkv=False returns, in
+    the place of dk and of dv both, their `KeyValueGradients` as the branches left them, for
+    the caller to finish (nsa/captured.py finishes outside its graph, into the tensors it
+    returns).
 
     Memory is what this is laid out for (1M tokens must train on one 80 GB GPU): one branch
     is recomputed at a time, and besides the inputs only these gradients stay alive between
     branches: dq in q's dtype, each branch's dq added as it comes (rounded once per branch;
     the branches on the fused dQ add into one float32 accumulator, `DqSums`, converted into dq
     at the end: it then lives from the first such branch to the end), and dk, dv in the
-    compute dtype, which the compressed branch's compress_backward starts and
-    the other branches' attention backward adds into (the sm90 kernel adds its float32 partial
-    sums there itself). On the sm90 kernel a branch needs neither its output nor g_b * dO in
+    compute dtype, which the first attention branch to reach them writes (`UnwrittenDkvSums`:
+    never zeroed where its kernel stores them) and the others add into (the sm90 kernel adds
+    its float32 partial sums there itself); the compressed branch's gradient stays per
+    compressed token until the final conversion reads it row by row (`KeyValueGradients`,
+    switch FINISH_COMPRESSED_DKV). On the sm90 kernel a branch needs neither its output nor g_b * dO in
     the attention backward (the kernel folds the gate into lse,
     `kernels.sm90.backward.gate_folded_lse`): the recomputing forward writes only the gate
     gradient <dO, o_b> (`fused_gate_pass`), and g_b * dO is never written. With kept outputs
@@ -204,6 +212,7 @@ def packed_gradients(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, W_k: Tensor 
     gates = gates.contiguous()
     d_gates = torch.zeros(*q.shape[:2], NUM_BRANCHES, dtype=dtype, device=q.device)
     dq = dk = dv = None
+    compressed_rows = None  # the compressed branch's (dk, dv) per token (`KeyValueGradients`)
     dW_k = dW_v = dW_gate = None
     outputs = kept.outputs if kept is not None else ()
     kept_all = len(outputs) == len(branches)
@@ -233,9 +242,10 @@ def packed_gradients(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, W_k: Tensor 
             accumulators = None  # dk, dv of the compressed keys go through compress_backward
         else:
             keys, values = k, v
-            if dk is None:
-                dk, dv = (torch.zeros(x.shape, dtype=dtype, device=x.device) for x in (k, v))
             accumulators = (dk, dv)
+            if dk is None:  # this branch writes them first: no zeroing where it stores
+                dk, dv = (torch.empty(x.shape, dtype=dtype, device=x.device) for x in (k, v))
+                accumulators = UnwrittenDkvSums((dk, dv))
         options = dict(deterministic=config.deterministic,
                        block_sparse_transposed=transposed[branch.index])
         # (No rows: the kernel path's checks would stand dO in for the absent output, and an
@@ -265,11 +275,17 @@ def packed_gradients(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, W_k: Tensor 
             # A function of the host bounds and l: kept across calls (sparsity/host_cache.py)
             row_tokens = cached(("compressed row tokens", sequences.cu_seqlens, l), cu_seqlens,
                                 lambda: compressed_row_tokens(starts, l, k.shape[0]))
-            dk_x, dW_k = compress_backward(dk_b, k, starts, l, W_k, row_tokens)
-            dv_x, dW_v = compress_backward(dv_b, v, starts, l, W_v, row_tokens)
-            dk = dk_x if dk is None else dk.add_(dk_x)
-            dv = dv_x if dv is None else dv.add_(dv_x)
-            del starts, row_tokens, dk_x, dv_x
+            (dk_rows, dW_k), (dv_rows, dW_v) = (
+                compressed_row_gradients(d_b, x, starts, l, W)
+                for d_b, x, W in ((dk_b, k, W_k), (dv_b, v, W_v)))
+            if FINISH_COMPRESSED_DKV:  # read row by row where dk, dv are converted
+                compressed_rows = (dk_rows, dv_rows, row_tokens)
+            else:  # expanded to the rows now
+                dk_x, dv_x = (rows.index_select(0, row_tokens) for rows in (dk_rows, dv_rows))
+                dk = dk_x if dk is None else dk.add_(dk_x)
+                dv = dv_x if dv is None else dv.add_(dv_x)
+                del dk_x, dv_x
+            del starts, row_tokens, dk_rows, dv_rows
         del dk_b, dv_b
 
     if dq_sums is not None:
@@ -282,9 +298,33 @@ def packed_gradients(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, W_k: Tensor 
         dW_k = dW_k.to(W_k.dtype)
     if dW_v is not None:
         dW_v = dW_v.to(W_v.dtype)
-    dk, dv = ((torch.zeros_like(x) if g is None else g.to(x.dtype) if convert_dkv else g)
-              for g, x in ((dk, k), (dv, v)))
-    return dq, dk, dv, dW_k, dW_v, dW_gate
+    key_grads = KeyValueGradients(None if dk is None else (dk, dv), compressed_rows)
+    if not convert_dkv:
+        return dq, key_grads, key_grads, dW_k, dW_v, dW_gate
+    return (dq, *key_grads.finish(k, v), dW_k, dW_v, dW_gate)
+
+
+@dataclass
+class KeyValueGradients:
+    """dk and dv as nsa()'s backward leaves them before their conversion to the inputs' dtype:
+    the attention branches' sums in the compute dtype (None: no such branch ran) and the
+    compressed branch's gradients per compressed token, (dk rows, dv rows, row tokens) of
+    `compressed_row_gradients` and `compressed_row_tokens` (None: none, or added already)."""
+    sums: tuple[Tensor, Tensor] | None
+    compressed_rows: tuple[Tensor, Tensor, Tensor] | None = None
+
+    def finish(self, k: Tensor, v: Tensor, copy: bool = False) -> tuple[Tensor, Tensor]:
+        """(dk, dv) like k and v: the sums and the compressed rows' expansion added and rounded
+        once (one pass: `kernels.dkv_sums.finish_dkv`). copy: new tensors even where the sums
+        are in the inputs' dtype already (float32 inputs), as a caller owning them needs."""
+        if self.compressed_rows is None:
+            if self.sums is None:
+                return torch.zeros_like(k), torch.zeros_like(v)
+            return tuple(g.to(x.dtype, copy=copy) for g, x in zip(self.sums, (k, v)))
+        *rows, row_tokens = self.compressed_rows
+        if self.sums is None:
+            return tuple(r.index_select(0, row_tokens).to(x.dtype) for r, x in zip(rows, (k, v)))
+        return finish_dkv(self.sums, tuple(rows), row_tokens, k.dtype)
 
 
 def backward_order(branches: list[Branch], selected_last: bool) -> list[int]:

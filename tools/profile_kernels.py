@@ -101,11 +101,24 @@ def kernel_times(step, steps: int, device: torch.device) -> collections.Counter:
             microseconds = event.device_time_total
         else:
             microseconds = event.self_cpu_time_total
-        name = event.name[:NAME_WIDTH]
-        times[name] += microseconds / 1e3 / steps
-        launches[name] += 1
-    return collections.Counter({name: (ms, launches[name] / steps)
-                                for name, ms in times.items()})
+        times[event.name] += microseconds / 1e3 / steps
+        launches[event.name] += 1
+    return collections.Counter({shown: (times[name], launches[name] / steps)
+                                for name, shown in zip(times, shown_names(times))})
+
+
+def shown_names(full_names) -> list[str]:
+    """The table's names: each kernel's first NAME_WIDTH characters, and where two kernels
+    share them (CuTe DSL kernels of one class, e.g. the three branches' backward, differ only
+    past them) a " #i" suffix in order of first launch, so they stay apart."""
+    first = [name[:NAME_WIDTH] for name in full_names]
+    count = collections.Counter(first)
+    seen: collections.Counter = collections.Counter()
+    shown = []
+    for name in first:
+        seen[name] += 1
+        shown.append(f"{name} #{seen[name]}" if count[name] > 1 else name)
+    return shown
 
 
 def time_kind(device: torch.device) -> str:

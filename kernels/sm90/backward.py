@@ -31,6 +31,7 @@ import math
 import torch
 
 from kernels.device import sm_count
+from kernels.dkv_sums import UnwrittenDkvSums
 from kernels.sm90.forward import SUPPORTED_DTYPES, unsupported_inputs
 from kernels.sm90.launch import (aligned_rows, as_cute, has_aligned_rows, launch_compiled,
                                  launch_on_current_stream, query_positions, uniform_cu_seqlens)
@@ -152,7 +153,9 @@ def run(
     dkv_accumulators: (dk_sum, dv_sum), contiguous float32 tensors of k's and v's shape that
     dk and dv are added into and returned as; the kernel adds into them itself, its float32
     partial sums (`BwdSpec.partial_dkv`) or, one CTA per KV tile, its dK, dV as it stores them
-    (`BwdSpec.add_dkv`).
+    (`BwdSpec.add_dkv`). As `kernels.dkv_sums.UnwrittenDkvSums` they hold nothing yet: one CTA
+    per KV tile stores its float32 dK, dV into them (`BwdSpec.store_dkv_sums`), partial sums
+    go in after they are zeroed.
     lse_gate: (gates (Tq, H, B), b) with dout_dot_out: `lse` is the branch's own and the gate
     gates[..., b] is folded into it here (`gate_folded_lse`; on the GPU in the row-statistics
     launch, `GateFoldedStatistics`). nsa()'s backward passes it instead of folding in torch.
@@ -226,7 +229,11 @@ def run(
         positions = query_positions(tuple(q_start_positions), q.device)
 
     adds_into_accumulators = dkv_accumulators is not None
-    spec = with_dkv_destination(spec, adds_into_accumulators)
+    unwritten = isinstance(dkv_accumulators, UnwrittenDkvSums)
+    spec = with_dkv_destination(spec, adds_into_accumulators, unwritten)
+    if unwritten and not spec.store_dkv_sums:  # partials add into them, or no launch writes
+        for t in dkv_accumulators:
+            t.zero_()
     owned = (None, None)  # `owned_dkv_stores`: dK and dV in the input dtype
     if adds_into_accumulators:  # the caller's float32 sums take the CTAs' dK, dV
         dk, dv = (t.view(-1, *t.shape[-2:]) for t in dkv_accumulators)
@@ -244,7 +251,7 @@ def run(
     returned = owned if spec.owned_dkv_stores else (dk, dv)
     if total_q == 0 or max_seqlen_q == 0 or k.shape[0] == 0:
         dq = torch.zeros_like(q)
-        if not adds_into_accumulators:
+        if not adds_into_accumulators or spec.store_dkv_sums:  # nothing stores into them
             for t in returned:
                 t.zero_()
     else:
@@ -302,7 +309,7 @@ def run(
                     (*lists, units, positions, *score_tensors, *owned))
             if tile_pass is not None:
                 tile_pass("finish")
-        elif not adds_into_accumulators:
+        elif not adds_into_accumulators or spec.store_dkv_sums:  # nothing stores into them
             for t in returned:
                 t.zero_()
         if spec.dq_separate:
@@ -341,13 +348,16 @@ def run(
     return dq, dk, dv
 
 
-def with_dkv_destination(spec, into_caller_sums: bool):
+def with_dkv_destination(spec, into_caller_sums: bool, unwritten: bool = False):
     """`spec` with where its dK and dV go: into the caller's float32 sums (`add_dkv` where one
-    CTA owns each KV tile, else its partials added there), or beside the kernel's own float32
-    partials, stored by the split-list units that own their tile (`owned_dkv_stores`, while
-    OWNED_DKV_STORES), or as the spec has them."""
+    CTA owns each KV tile, `store_dkv_sums` there when the sums hold nothing yet (`unwritten`),
+    else its partials added there), or beside the kernel's own float32 partials, stored by the
+    split-list units that own their tile (`owned_dkv_stores`, while OWNED_DKV_STORES), or as
+    the spec has them."""
     if into_caller_sums:
-        return spec if spec.partial_dkv else dataclasses.replace(spec, add_dkv=True)
+        if spec.partial_dkv:
+            return spec
+        return dataclasses.replace(spec, **{"store_dkv_sums" if unwritten else "add_dkv": True})
     if spec.split_lists and OWNED_DKV_STORES:
         return dataclasses.replace(spec, owned_dkv_stores=True)
     return spec

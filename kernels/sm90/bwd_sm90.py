@@ -87,6 +87,7 @@ class FlashAttentionBackwardSm90:
         assert not (spec.deterministic and spec.partial_dkv)
         assert not spec.fuses_dq or spec.can_fuse_dq, f"{spec} cannot fuse dQ"
         assert not (spec.add_dkv and spec.partial_dkv)
+        assert not (spec.store_dkv_sums and (spec.add_dkv or spec.partial_dkv))
         assert not spec.owned_dkv_stores or spec.split_lists
         assert not (spec.split_lists and not spec.block_sparse)
         assert not (spec.split_rows and spec.block_sparse)
@@ -813,9 +814,10 @@ class FlashAttentionBackwardSm90:
                    n_block: Int32, seqlen_k: Int32):
         """dK or dV of this thread's keys inside the sequence, straight from registers (one
         32-bit store per pair of adjacent columns); with `add_dkv` added into the caller's
-        float32 sums (this CTA alone owns the tile's rows); with `partial_dkv` added into the
-        float32 accumulator m_out instead (several CTAs share a KV tile), except, with
-        `owned_dkv_stores`, where this unit `owns` the tile: stored into m_owned then."""
+        float32 sums (this CTA alone owns the tile's rows), with `store_dkv_sums` stored into
+        them (they hold nothing yet); with `partial_dkv` added into the float32 accumulator
+        m_out instead (several CTAs share a KV tile), except, with `owned_dkv_stores`, where
+        this unit `owns` the tile: stored into m_owned then."""
         store = partial(store_rows_from_registers, thr_dkv, acc, offset=offset_k, head=head_kv,
                         block=n_block, tile_rows=self.tile_n, head_dim=self.head_dim,
                         seqlen=seqlen_k)
@@ -830,4 +832,5 @@ class FlashAttentionBackwardSm90:
             reduce()
         else:
             add = self.spec.add_dkv
-            store(m_out=m_out, dtype=Float32 if add else self.dtype, accumulate=add)
+            store(m_out=m_out, dtype=Float32 if self.spec.float32_dkv else self.dtype,
+                  accumulate=add)

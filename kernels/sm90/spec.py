@@ -279,6 +279,9 @@ class BwdSpec:
     q_stages: int = 2          # Q (+ lse) and dO (+ dO.O) pipeline depth
     add_dkv: bool = False      # dK/dV added into the caller's float32 sums (one CTA per KV
                                # tile: a load, add and store; nsa()'s running dk, dv)
+    store_dkv_sums: bool = False  # dK/dV stored into the caller's float32 sums, which hold
+                                  # nothing yet (`kernels.dkv_sums.UnwrittenDkvSums`: nsa()'s
+                                  # first branch on them; no zeroing, no load)
     owned_dkv_stores: bool = False  # `split_lists` into the kernel's own float32 partials: a
                                     # unit that is the only one adding into its KV tile (its
                                     # whole list, one list per KV head) stores dK/dV in the
@@ -386,8 +389,9 @@ class BwdSpec:
 
     @property
     def float32_dkv(self) -> bool:
-        """dK/dV land in float32 tensors: partial sums, or the caller's sums (`add_dkv`)."""
-        return self.partial_dkv or self.add_dkv
+        """dK/dV land in float32 tensors: partial sums, or the caller's sums (`add_dkv`,
+        `store_dkv_sums`)."""
+        return self.partial_dkv or self.add_dkv or self.store_dkv_sums
 
     @property
     def dq_rows_per_warpgroup(self) -> bool:

@@ -56,12 +56,15 @@ def _spec_of(dtype, head_dim, call_and_grid, deterministic=False) -> BwdSpec:
 def test_backward_variant_compiles_for_sm90a(dtype, head_dim, call):
     spec = _spec_of(dtype, head_dim, call)
     assert spec.fits_in_smem()
-    # dK, dV into given float32 sums (nsa()'s dk, dv) and as a direct call's outputs (the
-    # split-list units that own their tile storing them: `owned_dkv_stores`)
-    for into_caller_sums in (True, False):
-        launched = with_dkv_destination(spec, into_caller_sums)
+    # dK, dV into given float32 sums (nsa()'s dk, dv), into sums that hold nothing yet (stored,
+    # where one CTA owns each KV tile) and as a direct call's outputs (the split-list units that
+    # own their tile storing them: `owned_dkv_stores`)
+    for into_caller_sums, unwritten in ((True, False), (True, True), (False, False)):
+        launched = with_dkv_destination(spec, into_caller_sums, unwritten)
         assert launched.owned_dkv_stores == (spec.split_lists and not into_caller_sums)
-        assert launched.add_dkv == (into_caller_sums and not spec.partial_dkv)
+        owns_tiles = into_caller_sums and not spec.partial_dkv
+        assert launched.add_dkv == (owns_tiles and not unwritten)
+        assert launched.store_dkv_sums == (owns_tiles and unwritten)
         assert callable(compile_backward_on_fake_tensors(launched))
     if spec.dq_separate:  # and the query-centric dQ kernel that runs beside it, both ways
         for accumulate in (False, True):  # (nsa() adds its branches' dq as the kernel writes)

@@ -412,7 +412,9 @@ def test_backward_adds_dk_dv_into_given_accumulators():
     holding what they held plus this call's dk, dv. For NSA-like lists the kernel sums partials
     in float32 (partial_dkv) and adds them there itself; dense causal on few KV tiles too
     (split rows); a window call, one CTA per KV tile, adds its float32 dK, dV into them as it
-    stores (add_dkv)."""
+    stores (add_dkv). Given as UnwrittenDkvSums (holding garbage: nothing yet), the returned
+    dk, dv are this call's alone: stored (store_dkv_sums) or zeroed before the partials."""
+    from kernels.dkv_sums import UnwrittenDkvSums
     from kernels import attention_forward
     from kernels.sm90 import backward
 
@@ -442,6 +444,13 @@ def test_backward_adds_dk_dv_into_given_accumulators():
             added = total - start
             assert ref.abs().sum() > 0
             assert (added - ref.float()).norm() <= 1e-2 * ref.float().norm()
+        unwritten = UnwrittenDkvSums(torch.full_like(t, float("nan")) for t in starts)
+        _, dk, dv = backward.run(dout, q, k, v, out, lse, dkv_accumulators=unwritten,
+                                 **options)
+        assert dk is unwritten[0] and dv is unwritten[1]
+        for total, ref in ((dk, dk_ref), (dv, dv_ref)):
+            assert torch.isfinite(total).all()
+            assert (total - ref.float()).norm() <= 1e-2 * ref.float().norm()
 
 
 @pytest.mark.gpu

@@ -353,6 +353,15 @@ def test_profile_kernels_lists_the_step_and_runs_an_ab(capsys, monkeypatch):
             tool.main([*tiny, *bad])
 
 
+def test_profile_kernels_keeps_kernels_that_share_a_long_prefix_apart():
+    """The three branches' backward kernels differ only past the table's name width: each
+    keeps a row of its own (numbered by first launch), names that fit stay as they are."""
+    tool = load_tool("profile_kernels")
+    prefix = "k" * tool.NAME_WIDTH
+    assert tool.shown_names([prefix + "_window", "short", prefix + "_selected"]) == [
+        prefix + " #1", "short", prefix + " #2"]
+
+
 def test_bench_takes_switches_and_names_them(tmp_path, capsys, monkeypatch):
     import kernels.sm90.backward as backward
 
