@@ -74,7 +74,7 @@ def nsa(q: Tensor, k: Tensor, v: Tensor, *, cu_seqlens: Tensor | None = None,
         backward replayed for every later call with the same shapes, dtypes, config and packing
         (the host's work becomes a few copies and one graph launch per direction; results are
         the eager call's). None (the default) captures on an sm_90 GPU up to 16K tokens at
-        H=32 (query rows x heads <= 2**19; a forward without backward up to 8K), where the host
+        H=32 (query rows x heads <= 2**19, a forward without backward too), where the host
         time exceeds the device work; True captures any CUDA call; False never. The first calls
         of a signature run eagerly (the warm-up); plans hold at most 1/8 of the device's
         memory; a backward through a retained graph after its plan was reused raises (pass

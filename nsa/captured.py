@@ -75,10 +75,11 @@ from sparsity.host_cache import pinned_for_capture
 
 # Query rows x heads up to which a call is captured by default (2 x H200, 2026-11-28,
 # FINDINGS.md, learned gates): forward+backward 8K 5.50 -> 3.71 ms and 16K 6.85 -> 6.48 ms with a
-# plan; a forward alone 8K 1.18 -> 1.04 ms but 16K 1.68 -> 1.77 ms (its 0.9 ms of host time is
-# hidden there already, and the copies cost more than they save).
+# plan. A forward alone: 8K 1.18 -> 1.04 ms then, 16K 1.68 -> 1.77 ms while the plan copied its
+# output out of the graph; since the gated sum writes the returned output outside the graph
+# (`_output`), 16K 1.742 -> 1.379 ms (H200, 2026-11-29, mean gates, FINDINGS.md).
 AUTO_MAX_ROW_HEADS = 16384 * 32
-AUTO_MAX_ROW_HEADS_FORWARD = 8192 * 32
+AUTO_MAX_ROW_HEADS_FORWARD = 16384 * 32
 AUTO_MAX_ROW_HEADS_SHARED = 8192 * 32
 CAPTURE_FRACTION = 1 / 8
 # Shared slots (a signature's first step) alive at once: the current step's and the last one's.
