@@ -199,8 +199,8 @@ def packed_gradients(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, W_k: Tensor 
     never zeroed where its kernel stores them) and the others add into (the sm90 kernel adds
     its float32 partial sums there itself); the compressed branch's gradient stays per
     compressed token until the final conversion reads it row by row (`KeyValueGradients`,
-    switch FINISH_COMPRESSED_DKV). On the sm90 kernel a branch needs neither its output nor g_b * dO in
-    the attention backward (the kernel folds the gate into lse,
+    switch FINISH_COMPRESSED_DKV). On the sm90 kernel a branch needs neither its output nor
+    g_b * dO in the attention backward (the kernel folds the gate into lse,
     `kernels.sm90.backward.gate_folded_lse`): the recomputing forward writes only the gate
     gradient <dO, o_b> (`fused_gate_pass`), and g_b * dO is never written. With kept outputs
     nothing is recomputed: on the kernel one pass reads dO and every o_b for all the gate
@@ -239,7 +239,7 @@ def packed_gradients(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, W_k: Tensor 
                 keys, values = (x_cmp.to(x.dtype) for x_cmp, x in zip(
                     compress_pair((k, v), starts, config.compress_block_size, (W_k, W_v)),
                     (k, v)))
-            accumulators = None  # dk, dv of the compressed keys go through compress_backward
+            accumulators = None  # the compressed keys' dk, dv: compressed_row_gradients below
         else:
             keys, values = k, v
             accumulators = (dk, dv)

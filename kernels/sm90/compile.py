@@ -135,8 +135,8 @@ def fake_backward_arguments(spec):
     kernels/sm90/backward.py `run` passes None."""
     dtype = CUTLASS_DTYPES[spec.dtype]
     q, k, v, dout = (fake_seq_head_dim(dtype) for _ in range(4))
-    # `partial_dkv`, `add_dkv`, `store_dkv_sums`: dK and dV are float32 sums (several CTAs per KV tile, or the
-    # caller's).
+    # `partial_dkv`, `add_dkv`, `store_dkv_sums`: dK and dV are float32 sums (several CTAs per
+    # KV tile, or the caller's).
     dk, dv = (fake_seq_head_dim(cutlass.Float32 if spec.float32_dkv else dtype)
               for _ in range(2))
     lse, dpsum = fake_row_statistics(), fake_row_statistics()
