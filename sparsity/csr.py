@@ -141,7 +141,7 @@ def _transpose(bs: BlockSparseTensors, col_block_offsets, cu_seqlens_k, num_col_
     keys = keys.sort().values
     # Entry p of the sorted keys belongs to the segment (group, kind) = key // span; the
     # capacity check above keeps every position an int32.
-    starts = torch.searchsorted(keys, segment_keys, out_int32=True)
+    starts = torch.searchsorted(keys, segment_keys.to(keys.dtype), out_int32=True)
     offsets = starts[0::2]
     mask_count = (starts[1::2] - offsets[:-1]).view(num_col_blocks, heads)
     index = torch.where(keys < unlisted, keys % span, -1)
