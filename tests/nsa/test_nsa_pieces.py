@@ -64,6 +64,38 @@ def test_compress_backward_matches_autograd(projected):
     torch.testing.assert_close(compress(x["k"], starts, 4, x.get("W_k")), k_ref.detach())
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_key_value_gradients_finish_each_way(dtype):
+    """nsa()'s dk, dv before their conversion (`KeyValueGradients`): no branch -> zeros; the
+    attention branches' sums alone -> converted (a copy when asked, even where no conversion
+    is needed); the compressed rows alone -> expanded; both -> summed, rounded once; the
+    compressed rows equal compress_backward's expansion."""
+    from nsa.compression import compressed_row_gradients, compressed_row_tokens
+    from nsa.function import KeyValueGradients
+
+    x = random_inputs(LENGTHS, 4, 2, 8, seed=3)
+    cu = x["cu_seqlens"]
+    k, v = x["k"].to(dtype), x["v"].to(dtype)
+    k_cmp, _, cu_cmp = compress_kv_reference(x["k"], x["v"], cu, 4)
+    starts = compressed_block_starts(cu, cu_cmp, 4, k_cmp.shape[0])
+    tokens = compressed_row_tokens(starts, 4, k.shape[0])
+    d_cmp = [torch.randn_like(k_cmp) for _ in range(2)]
+    rows = [compressed_row_gradients(d, x["k"], starts, 4)[0] for d in d_cmp]
+    expanded = [compress_backward(d, x["k"], starts, 4, row_tokens=tokens)[0] for d in d_cmp]
+    sums = tuple(torch.randn(k.shape) for _ in range(2))
+
+    zeros = KeyValueGradients(None).finish(k, v)
+    assert all(torch.equal(z, torch.zeros_like(k)) for z in zeros)
+    converted = KeyValueGradients(sums).finish(k, v, copy=True)
+    assert all(c.dtype == dtype and torch.equal(c, s.to(dtype)) for c, s in zip(converted, sums))
+    assert all(c.data_ptr() != s.data_ptr() for c, s in zip(converted, sums))
+    only_rows = KeyValueGradients(None, (*rows, tokens)).finish(k, v)
+    assert all(torch.equal(o, e.to(dtype)) for o, e in zip(only_rows, expanded))
+    both = KeyValueGradients(sums, (*rows, tokens)).finish(k, v)
+    assert all(torch.equal(b, (s + e).to(dtype)) for b, s, e in zip(both, sums, expanded))
+    assert expanded[0].abs().sum() > 0  # not vacuous
+
+
 # --- gating --------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("branches", [(True, True, True), (True, True, False)],
