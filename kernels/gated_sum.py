@@ -107,25 +107,21 @@ class GatedSum:
         if not self.keep_terms:
             raise RuntimeError("GatedSum.sum_copy needs keep_terms=True (the sm90 path writes "
                                "the sum over the first term otherwise)")
-        if self.backend != "sm90":
-            return self.total.to(self.like.dtype, copy=True)  # (float64: no conversion)
-        if not self.terms:
-            return torch.zeros_like(self.like)
-        from kernels.sm90 import gated_sum
+        return self._sum(again=True)
 
-        return gated_sum.run(self.terms, self.columns, self.gates,
-                             into=torch.empty_like(self.terms[0]))
-
-    def _sum(self) -> Tensor:
+    def _sum(self, again: bool = False) -> Tensor:
+        """The sum; `again`: in a new tensor even where no conversion makes one (float64), the
+        terms kept for another sum."""
         if self.backend != "sm90":
-            return self.total.to(self.like.dtype)
+            return self.total.to(self.like.dtype, copy=again)
         if not self.terms:
             return torch.zeros_like(self.like)
         from kernels.sm90 import gated_sum
 
         into = torch.empty_like(self.terms[0]) if self.keep_terms else None
         out = gated_sum.run(self.terms, self.columns, self.gates, into=into)
-        self.terms.clear()
+        if not again:
+            self.terms.clear()
         return out
 
 

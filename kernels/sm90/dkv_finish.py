@@ -22,12 +22,12 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int64
 
+from kernels.sm90.dtypes import CUTLASS_DTYPES
 from kernels.sm90.layouts import with_row_strides_divisible
 
 THREADS = 256
 VECTOR = 4  # elements per thread and row: 16 bytes of float32
 PASSES = 4  # row groups per CTA
-CUTLASS_DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
 
 
 @dataclass(frozen=True)

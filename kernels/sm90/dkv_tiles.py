@@ -36,19 +36,16 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 
+from kernels.sm90.dtypes import CUTLASS_DTYPES
 from kernels.sm90.layouts import with_row_strides_divisible
 from kernels.sm90.list_layout import block_sequence
 
 THREADS = 256
 VECTOR = 4  # elements per thread and row: 16 bytes of float32
 MODES = ("zero", "finish")
-DTYPES = ("bfloat16", "float16")
+DTYPES = tuple(CUTLASS_DTYPES)
 # A tile's state (`tile_state`).
 UNLISTED, OWNED, SUMMED = 0, 1, 2
-
-
-def _cutlass_dtype(name: str):
-    return {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}[name]
 
 
 @dataclass(frozen=True)
@@ -125,7 +122,7 @@ class DkvTilesSm90:
                 cute.local_tile(sums[row, head, None], (VECTOR,), (vector,)).store(zeros.load())
         else:
             if state != OWNED:
-                cells = cute.make_rmem_tensor((VECTOR,), _cutlass_dtype(self.spec.dtype))
+                cells = cute.make_rmem_tensor((VECTOR,), CUTLASS_DTYPES[self.spec.dtype])
                 cells.fill(0.0)
                 if state == SUMMED:
                     summed = cute.make_rmem_tensor((VECTOR,), Float32)
@@ -177,7 +174,7 @@ def fake_arguments(spec: DkvTilesSpec):
         return make_fake_tensor(dtype, (keys, heads, spec.head_dim),
                                 stride=(cute.sym_int64(), cute.sym_int64(), 1), assumed_align=16)
 
-    dtype = _cutlass_dtype(spec.dtype)
+    dtype = CUTLASS_DTYPES[spec.dtype]
     # offsets, KV block offsets, cu_seqlens_k, list heads, chunk, sums, outputs
     return (vector(), vector(), vector(), Int32(1), Int32(1),
             rows(Float32), rows(Float32), rows(dtype), rows(dtype))
