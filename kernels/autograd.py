@@ -18,6 +18,7 @@ import torch
 from .interface import (attention_backward, attention_backward_trusted, attention_forward,
                         attention_forward_trusted, masked_attention_backward,
                         masked_attention_forward_with_lists)
+from . import masked
 from .validate import check_deterministic
 
 
@@ -104,14 +105,18 @@ class _MaskedAttentionFunction(torch.autograd.Function):
     def forward(ctx, q, k, v, attn_bias, attn_mask, options: dict, deterministic: bool):
         out, lse, lists = masked_attention_forward_with_lists(
             q, k, v, attn_mask=attn_mask, attn_bias=attn_bias, **options)
-        ctx.save_for_backward(q, k, v, out, lse, attn_mask, attn_bias)
+        ctx.save_for_backward(q, k, v, out, lse, masked.mask_tensor(attn_mask), attn_bias)
         ctx.options, ctx.deterministic, ctx.lists = options, deterministic, lists
+        # A prepared mask goes to the backward as itself (its kept transpose of the lists).
+        ctx.prepared = attn_mask if isinstance(attn_mask, masked.PreparedMask) else None
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse, attn_mask, attn_bias = ctx.saved_tensors
+        if ctx.prepared is not None:
+            attn_mask = ctx.prepared
         contiguous_dout = dout.contiguous() if dout.stride(-1) != 1 else dout
         with torch.no_grad():
             dq, dk, dv, dbias = masked_attention_backward(
@@ -136,7 +141,8 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=(-1, 
     window_size and compress_factor; the bias gets a gradient where it requires one
     (``kernels.masked``: on the sm90 kernels where they take the call, skipping the tiles
     nothing is seen in; ``deterministic=True`` keeps the backward on the torch path; not with
-    block_sparse, not under torch.compile yet).
+    block_sparse, not under torch.compile yet). A mask shared by many calls can be passed as
+    ``kernels.prepare_mask(attn_mask)``: its tile lists are then built once per call shape.
     """
     if attn_mask is not None or attn_bias is not None:
         if block_sparse is not None:

@@ -111,7 +111,7 @@ def masked_attention_forward_with_lists(q, k, v, *, attn_mask=None, attn_bias=No
     on_kernel = masked.sm90_forward(problem, q, k, v, attn_mask, attn_bias)
     if on_kernel is not None:
         return on_kernel
-    return (*masked.forward(problem, q, k, v, attn_mask, attn_bias), None)
+    return (*masked.forward(problem, q, k, v, masked.mask_tensor(attn_mask), attn_bias), None)
 
 
 def masked_attention_backward(dout, q, k, v, out, lse, *, attn_mask=None, attn_bias=None,
@@ -134,8 +134,8 @@ def masked_attention_backward(dout, q, k, v, out, lse, *, attn_mask=None, attn_b
                                          attn_bias, bias_gradient, tile_lists)
         if on_kernel is not None:
             return on_kernel
-    return masked.backward(problem, dout, q, k, v, out, lse, attn_mask, attn_bias,
-                           bias_gradient)
+    return masked.backward(problem, dout, q, k, v, out, lse, masked.mask_tensor(attn_mask),
+                           attn_bias, bias_gradient)
 
 
 def _validate_masked(q, k, v, attn_mask, attn_bias, softmax_scale, causal, window_size,

@@ -18,6 +18,11 @@ visit are listed from the mask, the bias's -inf cells and the causal/window rule
 everything is seen skip the mask), and the kernel adds the bias and reads the mask in
 registers (kernels/sm90/score_mod.py).
 
+A mask that many calls share (a model's layers, a fixed pattern across steps) can be prepared
+once (`prepare_mask`, FlexAttention's BlockMask in our terms): its tile classes, the tile lists
+of each call shape and their transpose for the backward are then built at the first call and
+reused; its tensor must not change afterwards (an in-place change is refused at the next call).
+
 The torch path here is the reference those kernels are held to, and the backward: it works one
 chunk of query rows at a time (all keys, every head) so that its temporaries stay under
 `CHUNK_BUDGET_BYTES`; nothing of Nq x Nk is allocated beyond the user's mask and bias and the
@@ -53,9 +58,81 @@ class Broadcast:
     heads: int  # Hm: 1, Hkv or H
 
 
+class PreparedMask:
+    """An attention mask whose tile lists are built once (`prepare_mask`): pass it as
+    flash_attn_func's attn_mask. Holds the bool tensor, its tile classes (built at the first
+    call on the kernels) and, per call shape and rule (`AttentionProblem`), the tile lists and
+    their transpose, reused by every later call of that shape without a bias. The tensor must
+    keep its values: a call after an in-place change raises (torch's version counter; an
+    inference tensor has none and is trusted)."""
+
+    MAX_SHAPES = 8  # call shapes kept (train and eval, a few rules); the oldest goes first
+
+    def __init__(self, mask: torch.Tensor):
+        self.mask = mask
+        self._version = None if mask.is_inference() else mask._version
+        self._classes: torch.Tensor | None = None
+        self._lists: dict = {}  # AttentionProblem -> [lists, their transpose or None]
+
+    def tensor(self) -> torch.Tensor:
+        """The mask, refused (ValueError) if it changed since it was prepared."""
+        if self._version is not None and self.mask._version != self._version:
+            raise ValueError("attn_mask: the tensor of this kernels.PreparedMask was changed in "
+                             "place after prepare_mask (its tile lists no longer describe it); "
+                             "prepare it again")
+        return self.mask
+
+    def cell_classes(self, tile: int) -> torch.Tensor:
+        """`_cell_classes` of the mask, built once."""
+        if self._classes is None:
+            self._classes = _cell_classes(self.mask, lambda m: m != 0, tile)
+        return self._classes
+
+    def lists_for(self, problem: AttentionProblem, build):
+        """The tile lists of `problem` without a bias: build()'s result, kept."""
+        entry = self._lists.get(problem)
+        if entry is None:
+            while len(self._lists) >= self.MAX_SHAPES:
+                self._lists.pop(next(iter(self._lists)))
+            entry = self._lists[problem] = [build(), None]
+        return entry[0]
+
+    def transposed_for(self, problem: AttentionProblem, lists):
+        """The kept transpose of `lists` (this mask's lists of `problem`), or None."""
+        entry = self._lists.get(problem)
+        return entry[1] if entry is not None and entry[0] is lists else None
+
+    def keep_transposed(self, problem: AttentionProblem, lists, transposed) -> None:
+        entry = self._lists.get(problem)
+        if entry is not None and entry[0] is lists:
+            entry[1] = transposed
+
+
+def prepare_mask(attn_mask: torch.Tensor) -> PreparedMask:
+    """attn_mask (bool, broadcastable as flash_attn_func's) prepared for many calls: pass the
+    result as attn_mask. Its tile lists are built at the first call of each shape and reused
+    (the sm90 kernels; the torch path reads the tensor as it is). Checked here for its type and
+    rank; its shape against q and k at each call."""
+    if not isinstance(attn_mask, torch.Tensor):
+        raise TypeError(f"attn_mask must be a torch.Tensor, got {type(attn_mask).__name__}")
+    if attn_mask.dtype != torch.bool:
+        raise TypeError(f"attn_mask must be bool (True = attend), got {attn_mask.dtype}")
+    if not 2 <= attn_mask.dim() <= 4:
+        raise ValueError(f"attn_mask must be 2-D to 4-D (B or 1, H or Hkv or 1, Nq, Nk), got "
+                         f"shape {tuple(attn_mask.shape)}")
+    return PreparedMask(attn_mask)
+
+
+def mask_tensor(attn_mask):
+    """The tensor of an attn_mask that is a tensor, a PreparedMask (checked unchanged) or None."""
+    return attn_mask.tensor() if isinstance(attn_mask, PreparedMask) else attn_mask
+
+
 def check_mask_and_bias(q, k, attn_mask, attn_bias) -> tuple[Broadcast | None, Broadcast | None]:
     """The broadcast of each (None where not given), or a TypeError / ValueError naming the
-    argument. q (B, Nq, H, D), k (B, Nk, Hkv, D) are already checked."""
+    argument. q (B, Nq, H, D), k (B, Nk, Hkv, D) are already checked. attn_mask may be a
+    `PreparedMask`."""
+    attn_mask = mask_tensor(attn_mask)
     if q.dim() != 4:
         raise ValueError("attn_mask, attn_bias: padded inputs only (q (B, Nq, H, D)); packed "
                          "varlen calls do not take them")
@@ -66,7 +143,8 @@ def check_mask_and_bias(q, k, attn_mask, attn_bias) -> tuple[Broadcast | None, B
             forms.append(None)
             continue
         if not isinstance(x, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+            also = " or a kernels.PreparedMask" if name == "attn_mask" else ""
+            raise TypeError(f"{name} must be a torch.Tensor{also}, got {type(x).__name__}")
         if x.dtype not in dtypes:
             names = "/".join(str(d).removeprefix("torch.") for d in dtypes)
             raise TypeError(f"{name} must be {names}, got {x.dtype}")
@@ -247,13 +325,15 @@ def _reduce_heads(ds: torch.Tensor, heads: int) -> torch.Tensor:
 def sm90_forward(problem: AttentionProblem, q, k, v, attn_mask=None, attn_bias=None):
     """(out, lse, lists) of `forward` on the sm90 kernel (lists: the `tile_lists` it ran on,
     which the backward may reuse), or None where it does not take the call (then the torch
-    path runs). The same function, dtype rules and outputs."""
+    path runs). The same function, dtype rules and outputs. attn_mask may be a
+    `PreparedMask`."""
     call = _kernel_call("forward", problem, q, k, v, attn_mask, attn_bias)
     if call is None:
         return None
     kernel, kwargs = call
     out, lse = kernel.run(q, k, v, **kwargs,
-                          score_mods=score_mod_tensors(problem, attn_mask, attn_bias))
+                          score_mods=score_mod_tensors(problem, mask_tensor(attn_mask),
+                                                       attn_bias))
     return out, lse, kwargs["block_sparse"]
 
 
@@ -262,14 +342,15 @@ def sm90_backward(problem: AttentionProblem, dout, q, k, v, out, lse, attn_mask=
     """(dq, dk, dv, dbias) of `backward` on the sm90 kernel (the KV-centric kernel with the
     fused dQ, dS summed into a float32 dbias by reductions), or None where it does not take
     the call. Its float32 sums (dQ, dbias) land in a run-dependent order: deterministic callers
-    take the torch path. lists: the forward's `tile_lists` of this call (None: built here)."""
+    take the torch path. lists: the forward's `tile_lists` of this call (None: built here).
+    attn_mask may be a `PreparedMask`."""
     if bias_gradient and _broadcast_view(attn_bias).shape != _as_4d(attn_bias).shape:
         return None  # an expanded bias's gradient is per copy: its cells are not one slab
     call = _kernel_call("backward", problem, q, k, v, attn_mask, attn_bias, lists)
     if call is None:
         return None
     kernel, kwargs = call
-    mods = score_mod_tensors(problem, attn_mask, attn_bias)
+    mods = score_mod_tensors(problem, mask_tensor(attn_mask), attn_bias)
     if (not kernel.can_run_score_mods(q, k, v, score_mods=mods, bias_grad=bias_gradient,
                                       **kwargs)
             or not _rows_are_32_bit_offsets(mods.mask, mods.bias)):
@@ -377,7 +458,12 @@ def _kernel_call(direction: str, problem: AttentionProblem, q, k, v, attn_mask, 
     if lists is None:
         lists = tile_lists(problem, attn_mask, attn_bias)
     kwargs = dispatch.normalised_kwargs(problem, None, None, lists)
+    prepared = attn_mask if isinstance(attn_mask, PreparedMask) else None
+    if direction == "backward" and prepared is not None:
+        kwargs["block_sparse_transposed"] = prepared.transposed_for(problem, lists)
     kernel, _ = dispatch.attention_kernel(direction, q, k, v, kwargs, problem)
+    if direction == "backward" and prepared is not None:
+        prepared.keep_transposed(problem, lists, kwargs.get("block_sparse_transposed"))
     return None if kernel is None else (kernel, kwargs)
 
 
@@ -386,18 +472,28 @@ def tile_lists(problem: AttentionProblem, attn_mask=None, attn_bias=None):
     list per (batch entry, tile, list head)) of the tiles a row may see something in: a tile is
     "full" when the rule, the mask and the bias let every existing cell through, "mask" when
     some, unlisted when none (combined tile by tile: a "mask" tile of two sources may turn out
-    empty, which costs a visit, never a wrong result). Built on the device, without reads."""
+    empty, which costs a visit, never a wrong result). Built on the device, without reads.
+    A `PreparedMask` gives its kept classes, and without a bias its kept lists."""
+    if isinstance(attn_mask, PreparedMask) and attn_bias is None:
+        return attn_mask.lists_for(problem, lambda: _tile_lists(problem, attn_mask, None))
+    return _tile_lists(problem, attn_mask, attn_bias)
+
+
+def _tile_lists(problem: AttentionProblem, attn_mask, attn_bias):
     from sparsity import build_block_sparse_from_tile_classes
 
     tile = KERNEL_TILE
+    prepared = attn_mask if isinstance(attn_mask, PreparedMask) else None
+    attn_mask = mask_tensor(attn_mask)
     given = [x for x in (attn_mask, attn_bias) if x is not None]
     # One list per KV head at least: the kernels take lists per query head or per KV head
     # (Hs in {H, Hkv}); lists shared by several KV heads gave a wrong backward.
     heads = max(problem.num_kv_heads, *(_as_4d(x).shape[1] for x in given))
     classes = _rule_classes(problem, tile, given[0].device)
     if attn_mask is not None:
-        classes = torch.minimum(classes, _expand(
-            _cell_classes(attn_mask, lambda m: m != 0, tile), problem, heads))
+        mask_classes = (prepared.cell_classes(tile) if prepared is not None
+                        else _cell_classes(attn_mask, lambda m: m != 0, tile))
+        classes = torch.minimum(classes, _expand(mask_classes, problem, heads))
     if attn_bias is not None:
         # The bias is read only in the tiles the rule and the mask list for a row it serves.
         prior = None

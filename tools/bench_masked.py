@@ -13,6 +13,9 @@ Workloads (bf16, B=1, H=16, D=128, 16K tokens by default; `--seqlen`, `--heads`)
              TFLOP/s share of our dense kernel's: issue 37's 70% line).
 Methods:
   ours   flash_attn_func(q, k, v, attn_mask=mask, attn_bias=bias);
+  ours-prepared  the same with attn_mask=kernels.prepare_mask(mask), prepared outside the
+         timing as FlexAttention's BlockMask is (the mask's tile lists then built once: the
+         timed calls build only the bias's classes where a bias is given);
   flex   torch.nn.attention.flex_attention, compiled: a BlockMask from the same mask tensor
          (`create_block_mask`, 128 x 128 blocks, built outside the timing as a user would
          reuse it) and a score_mod that adds the bias read at (b, h, q, k), with its gradient
@@ -44,13 +47,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from kernels import flash_attn_func  # noqa: E402
+from kernels import flash_attn_func, prepare_mask  # noqa: E402
 from tools._common import (add_switch_argument, describe_device, int_list,  # noqa: E402
                            parse_switches, positive_int, resolve_device, time_ms,
                            write_results_json)
 
 TOOL = "bench_masked"
-METHODS = ("ours", "flex", "sdpa", "dense")
+METHODS = ("ours", "ours-prepared", "flex", "sdpa", "dense")
 PASSES = ("fwd", "fwd+bwd")
 TILE = 128
 # FlexAttention's sm90 backward default at D=128 (64 x 128 tiles, 3 stages) needs 240 KiB of
@@ -177,6 +180,10 @@ def methods_for(args, q, k, v, mask, bias, dout) -> dict:
     if "ours" in args.methods:
         runs["ours"] = both(lambda q_, k_, v_, b_: flash_attn_func(
             q_, k_, v_, attn_mask=mask, attn_bias=b_))
+    if "ours-prepared" in args.methods:
+        prepared = prepare_mask(mask)
+        runs["ours-prepared"] = both(lambda q_, k_, v_, b_: flash_attn_func(
+            q_, k_, v_, attn_mask=prepared, attn_bias=b_))
     if "flex" in args.methods:
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
@@ -275,15 +282,19 @@ def main(argv=None) -> list[dict]:
               + (f" (ours against the torch path{checked})" if checked else ""))
         for key, ms in row["ms"].items():
             tflops = row["tflops"].get(key)
-            print(f"  {key:<14} {ms:9.3f} ms" + (f"  {tflops:7.1f} TFLOP/s" if tflops else ""))
-    print("\nworkload          flex/ours fwd+bwd  sdpa bwd/ours bwd  ours/dense TFLOP/s (fwd+bwd)")
+            print(f"  {key:<22} {ms:9.3f} ms" + (f"  {tflops:7.1f} TFLOP/s" if tflops else ""))
+    print("\nfwd+bwd unless said; 'prepared' = ours-prepared")
+    print("workload          flex/ours  flex/prepared  sdpa bwd/ours bwd  ours/dense TFLOP/s  "
+          "prepared/dense")
     for row in rows:
         ms, tf = row["ms"], row["tflops"]
         ratio = lambda a, b: f"{ms[a] / ms[b]:.2f}x" if a in ms and b in ms else "-"  # noqa: E731
-        share = (f"{tf['ours fwd+bwd'] / tf['dense fwd+bwd']:.0%}"
-                 if "ours fwd+bwd" in tf and "dense fwd+bwd" in tf else "-")
-        print(f"{row['workload']:<17} {ratio('flex fwd+bwd', 'ours fwd+bwd'):>17}  "
-              f"{ratio('sdpa bwd', 'ours bwd'):>17}  {share:>10}")
+        share = lambda a: (f"{tf[a] / tf['dense fwd+bwd']:.0%}"  # noqa: E731
+                           if a in tf and "dense fwd+bwd" in tf else "-")
+        print(f"{row['workload']:<17} {ratio('flex fwd+bwd', 'ours fwd+bwd'):>9}  "
+              f"{ratio('flex fwd+bwd', 'ours-prepared fwd+bwd'):>13}  "
+              f"{ratio('sdpa bwd', 'ours bwd'):>17}  {share('ours fwd+bwd'):>18}  "
+              f"{share('ours-prepared fwd+bwd'):>14}")
     if args.json is not None:
         write_results_json(args.json, TOOL, list(argv if argv is not None else sys.argv[1:]),
                            describe_device(device), rows)

@@ -282,3 +282,89 @@ def test_slabs_past_32_bit_row_offsets_are_not_sent_to_the_kernels_backward():
     # 32,764 rows: the last cell 2**31 - 40 elements from the slab's start; one row more: past.
     assert masked_module._rows_are_32_bit_offsets(strided[:, :32764])
     assert not masked_module._rows_are_32_bit_offsets(strided[:, :32765])
+
+
+def test_a_prepared_mask_computes_what_its_tensor_computes():
+    """kernels.prepare_mask: the same outputs and gradients as the bool tensor itself, with and
+    without a bias, over several calls (the torch path reads the tensor)."""
+    from kernels import prepare_mask
+
+    q, k, v = _inputs(2, 40, 40, 4, 2, 16, torch.float64, seed=11)
+    mask = _random_mask((2, 1, 40, 40), 0.5, seed=12)
+    bias = torch.randn(1, 4, 40, 40, dtype=torch.float64, requires_grad=True)
+    prepared = prepare_mask(mask)
+    assert prepared.tensor() is mask
+    for attn_bias in (None, bias, None):
+        leaves = [x for x in (q, k, v, attn_bias) if x is not None]
+        results = []
+        for attn_mask in (mask, prepared):
+            out = flash_attn_func(q, k, v, attn_mask=attn_mask, attn_bias=attn_bias,
+                                  causal=True)
+            results.append((out, *torch.autograd.grad(out.square().sum(), leaves)))
+        for a, b in zip(*results):
+            assert torch.equal(a, b)
+
+
+def test_a_prepared_mask_keeps_its_lists_per_call_shape(monkeypatch):
+    """The kernels' tile lists of a prepared mask: those of its tensor, built once per call
+    shape and rule without a bias (the same object at the next call), built per call with one
+    (a bias changes between calls), and the mask's tile classes read once."""
+    from kernels import prepare_mask
+    from kernels.validate import validate_attention_forward
+    from sparsity.testing import dense_block_mask
+
+    batch, seqlen, heads, kv_heads = 2, 300, 4, 2
+    q = torch.randn(batch, seqlen, heads, 64)
+    k = torch.randn(batch, seqlen, kv_heads, 64)
+    mask = _random_mask((batch, 1, seqlen, seqlen), 0.6, seed=13)
+    mask[..., 256:, :128] = False
+    prepared = prepare_mask(mask)
+    bias = torch.randn(1, 1, seqlen, seqlen)
+    bias[..., :128, 128:256] = float("-inf")
+    blocks = -(-seqlen // 128)
+    reads = []
+    original = masked_module._cell_classes
+
+    def counted(x, seen, tile, prior=None):
+        reads.append(x.dtype)
+        return original(x, seen, tile, prior)
+    for rule in (dict(causal=True), {}):
+        problem = validate_attention_forward(q, k, k, **rule)
+        first = masked_module.tile_lists(problem, prepared)
+        assert masked_module.tile_lists(problem, prepared) is first
+        want = masked_module.tile_lists(problem, mask)
+        assert torch.equal(dense_block_mask(first, blocks), dense_block_mask(want, blocks))
+        with_bias = masked_module.tile_lists(problem, prepared, bias)
+        assert with_bias is not first
+        assert torch.equal(dense_block_mask(with_bias, blocks),
+                           dense_block_mask(masked_module.tile_lists(problem, mask, bias),
+                                            blocks))
+        if not reads:  # from here on count the classes read
+            monkeypatch.setattr(masked_module, "_cell_classes", counted)
+    # The second rule read the mask's classes for the unprepared calls only (two), and the
+    # bias's classes twice: never the prepared mask's.
+    assert reads.count(torch.bool) == 2 and len(reads) == 4
+
+
+def test_a_prepared_mask_is_refused_once_its_tensor_changes_and_checked_like_a_mask():
+    from kernels import PreparedMask, prepare_mask
+
+    q, k, v = _inputs(1, 8, 6, 2, 1, 8, torch.float32)
+    mask = torch.ones(8, 6, dtype=torch.bool)
+    prepared = prepare_mask(mask)
+    assert isinstance(prepared, PreparedMask)
+    flash_attn_func(q, k, v, attn_mask=prepared)
+    mask[0, 0] = False
+    with pytest.raises(ValueError, match="attn_mask: the tensor of this kernels.PreparedMask "
+                                         "was changed in place"):
+        flash_attn_func(q, k, v, attn_mask=prepared)
+    for bad, error, phrase in ((mask.tolist(), TypeError, "attn_mask must be a torch.Tensor"),
+                               (mask.float(), TypeError, "attn_mask must be bool"),
+                               (mask[0], ValueError, "attn_mask must be 2-D to 4-D")):
+        with pytest.raises(error, match=phrase):
+            prepare_mask(bad)
+    with pytest.raises(ValueError, match="attn_mask must broadcast"):
+        flash_attn_func(q, k, v, attn_mask=prepare_mask(torch.ones(8, 7, dtype=torch.bool)))
+    with pytest.raises(TypeError, match="attn_mask must be a torch.Tensor or a "
+                                        "kernels.PreparedMask"):
+        flash_attn_func(q, k, v, attn_mask="causal")

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from gpu_marks import requires_sm90
-from kernels import flash_attn_func
+from kernels import flash_attn_func, prepare_mask
 from kernels import masked
 from kernels.fallback import has_rule, visible_under_rule
 from kernels.validate import validate_attention_forward
@@ -224,3 +224,36 @@ def test_the_kernel_backward_equals_the_torch_path(name):
         if what == "dbias":
             unseen = _unseen_cells(problem, mask, bias).view(got.shape)
             assert (want[unseen] == 0).all() and (got[unseen] == 0).all(), what
+
+
+@pytest.mark.parametrize("name", ["mask50-gqa4-causal", "mask-and-bias-window"])
+def test_a_prepared_mask_on_the_kernels(name, monkeypatch):
+    """kernels.prepare_mask on the sm90 kernels: the forward bit-equal to the bool tensor's,
+    the gradients (the bias's included) equal to its within the float32 sums' rounding; the
+    mask's tile classes read at the first call only, and without a bias the lists and their
+    transpose built once (the second call reuses both)."""
+    q, k, v, mask, bias, rule = _call(name)
+    prepared = prepare_mask(mask)
+    dout = torch.randn_like(q)
+    results = []
+    for call, attn_mask in enumerate((mask, prepared, prepared)):
+        leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+        attn_bias = None if bias is None else bias.detach().clone().requires_grad_()
+        out, lse = flash_attn_func(*leaves, attn_mask=attn_mask, attn_bias=attn_bias,
+                                   return_lse=True, **rule)
+        out.backward(dout)
+        grads = [x.grad for x in leaves] + ([] if attn_bias is None else [attn_bias.grad])
+        results.append((out, lse, grads))
+        if call == 1:  # after the first prepared call: no classes of the mask
+            def no_mask_classes(x, seen, tile, prior=None, original=masked._cell_classes):
+                assert x.dtype != torch.bool, "the prepared mask's classes were read again"
+                return original(x, seen, tile, prior)
+            monkeypatch.setattr(masked, "_cell_classes", no_mask_classes)
+    (out0, lse0, grads0) = results[0]
+    for out, lse, grads in results[1:]:
+        assert torch.equal(out, out0) and torch.equal(lse, lse0)
+        for actual, expected in zip(grads, grads0):
+            assert _rel_err(actual, expected) < 1e-2
+    if bias is None:
+        (entry,) = prepared._lists.values()
+        assert entry[1] is not None  # the backward's transpose, kept

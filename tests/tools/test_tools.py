@@ -967,18 +967,18 @@ def test_bench_masked_times_every_workload_on_the_cpu(tmp_path, capsys):
     out = tmp_path / "masked.json"
     rows = load_tool("bench_masked").main([
         "--device", "cpu", "--seqlen", "256", "--heads", "2", "--head-dim", "64", "--windows",
-        "32,300", "--methods", "ours,sdpa,dense", "--warmup", "0", "--repeats", "1",
-        "--json", str(out)])
+        "32,300", "--methods", "ours,ours-prepared,sdpa,dense", "--warmup", "0", "--repeats",
+        "1", "--json", str(out)])
     names = [row["workload"] for row in rows]
     assert names == ["window 32", "window 300", "tiles10", "tiles10 mask only"]
     for row in rows:
-        for method in ("ours", "sdpa", "dense"):
+        for method in ("ours", "ours-prepared", "sdpa", "dense"):
             assert row["ms"][f"{method} fwd"] > 0 and row["ms"][f"{method} fwd+bwd"] > 0
         assert 0 < row["kept_share"] <= 1
     assert rows[0]["kept_share"] < rows[1]["kept_share"]
     assert rows[-1]["bias_heads"] == 0 and rows[0]["bias_heads"] == 1
     assert json.loads(out.read_text())["results"][0]["workload"] == "window 32"
-    assert "flex/ours fwd+bwd" in capsys.readouterr().out
+    assert "flex/ours  flex/prepared" in capsys.readouterr().out
     assert set(rows[0]["check"]) == {"out", "dq", "dbias"} and set(rows[-1]["check"]) == {
         "out", "dq"}
     assert all(error < 1e-3 for row in rows for error in row["check"].values())
