@@ -252,6 +252,8 @@ def _tensor(name: str, value) -> None:
 
 
 def _int(name: str, value) -> int:
+    if type(value) is int:  # the common case, without the abstract class check
+        return value
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
     return int(value)

@@ -47,9 +47,10 @@ _captured_entries: dict = {}  # entries a capture without an owner read: kept un
 def cached(key: tuple, like: torch.Tensor, build: Callable[[], T]) -> T:
     """build()'s result for `key` on like's device: from the cache, or built and kept (on a
     GPU only from the default stream, see the module's rules)."""
-    if is_fake(like) or like.device.type == "meta":
+    device = like.device
+    if device.type == "meta" or (not _plain_tensor(like) and is_fake(like)):
         return build()
-    full_key = (key, like.device)
+    full_key = (key, device)
     if not _on_default_stream(like):
         value = _entries.get(full_key, _captured_entries.get(full_key))
         if value is None or not _capturing(like):
@@ -73,6 +74,14 @@ def cached(key: tuple, like: torch.Tensor, build: Callable[[], T]) -> T:
     while len(_entries) > MAX_ENTRIES:
         _entries.popitem(last=False)
     return value
+
+
+def _plain_tensor(like: torch.Tensor) -> bool:
+    """Whether like is an ordinary tensor (no subclass, functional or functorch wrapper), which
+    is never fake: the common case, decided without `is_fake`'s checks (3.6 us against 0.5 on
+    a CPU, and nsa() asks about 60 times per forward+backward)."""
+    return (type(like) is torch.Tensor and not torch._is_functional_tensor(like)
+            and not torch._C._functorch.is_functorch_wrapped_tensor(like))
 
 
 def _on_default_stream(like: torch.Tensor) -> bool:

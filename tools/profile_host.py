@@ -13,7 +13,8 @@ this tool takes it apart, on one workload:
 - torch ops and kernel-launch calls of one forward+backward (torch.profiler), and the table of
   host time per op.
 
-bf16, learned gates (W_gate), dO random; the other options are nsa()'s defaults (`--capture`:
+bf16, learned gates (W_gate; `--mean-gates` for none), dO random; the other options are nsa()'s
+defaults (`--capture`:
 with the default, calls up to 16K tokens at H=32 replay nsa()'s captured plans after the
 warm-up; `--capture off` times the eager path itself).
 
@@ -64,7 +65,8 @@ def make_inputs(args, device: torch.device) -> tuple[dict, torch.Tensor]:
     head_dim = args.head_dim
     for name, heads in (("q", args.heads), ("k", args.kv_heads), ("v", args.kv_heads)):
         call[name] = randn(*rows, heads, head_dim).requires_grad_()
-    call["W_gate"] = randn(args.heads, 3, head_dim, scale=head_dim ** -0.5).requires_grad_()
+    if not args.mean_gates:
+        call["W_gate"] = randn(args.heads, 3, head_dim, scale=head_dim ** -0.5).requires_grad_()
     return call, randn(*rows, args.heads, head_dim)
 
 
@@ -136,6 +138,9 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=positive_int, default=21)
     parser.add_argument("--cprofile", type=int, default=0, metavar="N",
                         help="print the N functions with the most own and cumulative time")
+    parser.add_argument("--mean-gates", action="store_true",
+                        help="no W_gate: each branch weighted equally (bench_nsa_vs_dense's "
+                             "default)")
     parser.add_argument("--ops", action="store_true",
                         help="print torch.profiler's table of host time per op")
     add_capture_argument(parser)
@@ -161,12 +166,15 @@ def main(argv=None) -> int:
 
     workload = args.packed or f"{args.seqlen} tokens"
     print(f"{torch.cuda.get_device_name()}: {workload}, H={args.heads} Hkv={args.kv_heads} "
-          f"D={args.head_dim} bf16, learned gates")
+          f"D={args.head_dim} bf16, {'mean' if args.mean_gates else 'learned'} gates")
     for name, step in (("fwd", forward), ("fwd+bwd", forward_backward)):
         for _ in range(args.warmup):
             step()
         times = host_times(step, args.repeats)
         print(f"host ms {name:8s} median {statistics.median(times):7.3f}  min {min(times):7.3f}")
+    if args.cprofile:  # the forward alone first: what the host does before the GPU starts
+        _, text = python_calls(forward, 5, args.cprofile)
+        print(text.replace("--- cProfile", "--- forward alone, cProfile"))
     calls, text = python_calls(forward_backward, 5, args.cprofile)
     aten, launches, table = op_counts(forward_backward)
     print(f"per fwd+bwd: {calls:,.0f} Python calls, {aten} aten ops, {launches} kernel launches")
