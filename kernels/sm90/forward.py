@@ -76,6 +76,11 @@ def _spec_for(q, causal, window_size, block_sparse, compress_factor=1, max_seqle
         tile_m=TILE_M, max_seqlen_k=max_seqlen_k)
 
 
+# The score mods' consumer warpgroups take turns issuing wgmma (`FwdSpec.pingpong`) also
+# where the spec without them would not (a grid over long lists). False: the A/B's switch.
+PINGPONG = True
+
+
 @dataclasses.dataclass(frozen=True)
 class ScoreModTensors:
     """A user mask and additive bias as the kernel reads them (kernels/sm90/score_mod.py):
@@ -93,10 +98,13 @@ class ScoreModTensors:
 
     def spec(self, spec):
         """Forward `spec` with the score mods, without the narrowed first tile or overlapped
-        tiles (the mods hook into the plain KV loops)."""
+        tiles (the mods hook into the plain KV loops); the consumer warpgroups take turns
+        issuing their products (`pingpong`, switch PINGPONG) so that one's bias and mask
+        reads and softmax run under the other's products."""
         return dataclasses.replace(spec, score_mask=self.mask is not None,
                                    score_bias=self.bias_dtype, overlap_tiles=False,
-                                   narrow_first_tile=False, score_pairs=self.even_strides)
+                                   narrow_first_tile=False, score_pairs=self.even_strides,
+                                   pingpong=spec.pingpong or (PINGPONG and spec.tile_m > 64))
 
     @property
     def even_strides(self) -> bool:

@@ -299,4 +299,5 @@ def test_score_mod_variants_compile_for_sm90a(call, mods, pairs):
         slabs=torch.zeros(1, 1, 2, dtype=torch.int32)).spec(base)
     assert spec.score_mask == with_mask and spec.score_bias == (bias_dtype or "")
     assert spec.score_pairs == pairs
+    assert spec.pingpong  # the warpgroups take turns (kernels.sm90.forward.PINGPONG)
     assert callable(compile_forward_on_fake_tensors(spec))
