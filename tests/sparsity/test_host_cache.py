@@ -37,6 +37,36 @@ def test_the_oldest_entries_go_first():
     assert builds == [1]  # key 0 was evicted, the newest key was kept
 
 
+def test_fake_tensors_bypass_the_cache_wrapped_or_not():
+    """A fake tensor (torch.compile's tracing) is never kept, also inside a functional wrapper
+    (its functionalization): each call builds. A wrapper of a real tensor (functionalize, vmap)
+    is cached as the real one is; the plain-tensor shortcut decides only plain tensors."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.func import functionalize, vmap
+
+    builds = []
+
+    def build():
+        builds.append(1)
+        return torch.arange(2)
+
+    def twice(x, key):
+        for _ in range(2):
+            host_cache.cached((key,), x, build)
+        return x + 1
+    with FakeTensorMode():
+        fake = torch.zeros(3)
+        twice(fake, "fake")
+        functionalize(lambda x: twice(x, "fake"))(fake)
+        twice(torch._to_functional_tensor(fake), "fake")  # a plain Tensor type around it
+        vmap(lambda x: twice(x, "fake"))(torch.zeros(2, 3))  # a functorch wrapper of a fake
+    assert len(builds) == 8
+    functionalize(lambda x: twice(x, "real"))(torch.zeros(3))
+    vmap(lambda x: twice(x, "real"))(torch.zeros(2, 3))
+    assert len(builds) == 9  # built once, read by the wrapped calls after it
+    assert host_cache._plain_tensor(torch.zeros(1))
+
+
 def test_meta_tensors_bypass_the_cache():
     like = torch.empty(3, device="meta")
     builds = []
