@@ -21,7 +21,10 @@ registers (kernels/sm90/score_mod.py).
 A mask that many calls share (a model's layers, a fixed pattern across steps) can be prepared
 once (`prepare_mask`, FlexAttention's BlockMask in our terms): its tile classes, the tile lists
 of each call shape and their transpose for the backward are then built at the first call and
-reused; its tensor must not change afterwards (an in-place change is refused at the next call).
+reused, with or without a bias; its tensor must not change afterwards (an in-place change is
+refused at the next call). A prepared mask decides the tiles visited, as a BlockMask does: a
+bias's -inf cells still hide their keys but no longer take tiles off the lists (a tile the
+bias hides whole is visited and contributes nothing; put such tiles in the mask to skip them).
 
 The torch path here is the reference those kernels are held to, and the backward: it works one
 chunk of query rows at a time (all keys, every head) so that its temporaries stay under
@@ -61,10 +64,11 @@ class Broadcast:
 class PreparedMask:
     """An attention mask whose tile lists are built once (`prepare_mask`): pass it as
     flash_attn_func's attn_mask. Holds the bool tensor, its tile classes (built at the first
-    call on the kernels) and, per call shape and rule (`AttentionProblem`), the tile lists and
-    their transpose, reused by every later call of that shape without a bias. The tensor must
-    keep its values: a call after an in-place change raises (torch's version counter; an
-    inference tensor has none and is trusted)."""
+    call on the kernels) and, per call shape and rule (`AttentionProblem`), the tile lists,
+    their transpose and, per bias broadcast form, the map of tiles they visit (the bias
+    gradient's), reused by every later call of that shape. The tensor must keep its values: a
+    call after an in-place change raises (torch's version counter; an inference tensor has
+    none and is trusted)."""
 
     MAX_SHAPES = 8  # call shapes kept (train and eval, a few rules); the oldest goes first
 
@@ -72,7 +76,9 @@ class PreparedMask:
         self.mask = mask
         self._version = None if mask.is_inference() else mask._version
         self._classes: torch.Tensor | None = None
-        self._lists: dict = {}  # AttentionProblem -> [lists, their transpose or None]
+        # (AttentionProblem, list heads) -> [lists, their transpose or None,
+        #                                   {bias form: visited tiles}]
+        self._lists: dict = {}
 
     def tensor(self) -> torch.Tensor:
         """The mask, refused (ValueError) if it changed since it was prepared."""
@@ -88,31 +94,48 @@ class PreparedMask:
             self._classes = _cell_classes(self.mask, lambda m: m != 0, tile)
         return self._classes
 
-    def lists_for(self, problem: AttentionProblem, build):
-        """The tile lists of `problem` without a bias: build()'s result, kept."""
-        entry = self._lists.get(problem)
+    def lists_for(self, problem: AttentionProblem, heads: int, build):
+        """The tile lists of `problem` (the mask's and the rule's), `heads` lists per batch
+        entry and tile: build()'s result, kept."""
+        key = (problem, heads)
+        entry = self._lists.get(key)
         if entry is None:
             while len(self._lists) >= self.MAX_SHAPES:
                 self._lists.pop(next(iter(self._lists)))
-            entry = self._lists[problem] = [build(), None]
+            entry = self._lists[key] = [build(), None, {}]
         return entry[0]
 
-    def transposed_for(self, problem: AttentionProblem, lists):
-        """The kept transpose of `lists` (this mask's lists of `problem`), or None."""
-        entry = self._lists.get(problem)
-        return entry[1] if entry is not None and entry[0] is lists else None
+    def _entry(self, lists):
+        return next((entry for entry in self._lists.values() if entry[0] is lists), None)
 
-    def keep_transposed(self, problem: AttentionProblem, lists, transposed) -> None:
-        entry = self._lists.get(problem)
-        if entry is not None and entry[0] is lists:
+    def transposed_for(self, lists):
+        """The kept transpose of `lists` (lists of this mask), or None."""
+        entry = self._entry(lists)
+        return None if entry is None else entry[1]
+
+    def keep_transposed(self, lists, transposed) -> None:
+        entry = self._entry(lists)
+        if entry is not None:
             entry[1] = transposed
+
+    def visited_for(self, lists, bias_form, build):
+        """build()'s map of the tiles `lists` (lists of this mask) visit per bias slab of the
+        (Bm, Hm) form `bias_form`, kept with them."""
+        entry = self._entry(lists)
+        if entry is None:
+            return build()
+        form = tuple(bias_form)
+        if form not in entry[2]:
+            entry[2][form] = build()
+        return entry[2][form]
 
 
 def prepare_mask(attn_mask: torch.Tensor) -> PreparedMask:
     """attn_mask (bool, broadcastable as flash_attn_func's) prepared for many calls: pass the
     result as attn_mask. Its tile lists are built at the first call of each shape and reused
-    (the sm90 kernels; the torch path reads the tensor as it is). Checked here for its type and
-    rank; its shape against q and k at each call."""
+    with or without a bias (the sm90 kernels; the torch path reads the tensor as it is): they
+    decide the tiles visited, a bias's -inf cells hide keys inside them. Checked here for its
+    type and rank; its shape against q and k at each call."""
     if not isinstance(attn_mask, torch.Tensor):
         raise TypeError(f"attn_mask must be a torch.Tensor, got {type(attn_mask).__name__}")
     if attn_mask.dtype != torch.bool:
@@ -355,9 +378,11 @@ def sm90_backward(problem: AttentionProblem, dout, q, k, v, out, lse, attn_mask=
                                       **kwargs)
             or not _rows_are_32_bit_offsets(mods.mask, mods.bias)):
         return None
-    gradient = _BiasGradient(problem, attn_bias, mods.bias, kwargs["block_sparse"]) \
+    gradient = _BiasGradient(problem, attn_bias, mods.bias, kwargs["block_sparse"],
+                             attn_mask if isinstance(attn_mask, PreparedMask) else None) \
         if bias_gradient else None
     dq, dk, dv = kernel.run(dout, q, k, v, out, lse, **kwargs, score_mods=mods,
+                            head_major_units=mods.head_major_units,
                             dbias=None if gradient is None else gradient.sums,
                             dbias_stores=gradient is not None and gradient.stores)
     return dq, dk, dv, None if gradient is None else gradient.result()
@@ -379,7 +404,7 @@ class _BiasGradient:
     there is no float32 temporary (a per-head 16-bit bias of 16 x 16K x 16K would need 16 GiB)."""
 
     def __init__(self, problem: AttentionProblem, attn_bias: torch.Tensor, bias: torch.Tensor,
-                 lists):
+                 lists, prepared: PreparedMask | None = None):
         from . import dispatch
 
         self.shape = attn_bias.shape
@@ -391,7 +416,10 @@ class _BiasGradient:
         self.tiles, _ = dispatch.sm90_module("dbias_tiles", device)
         self.visited = None
         if self.tiles is not None:
-            self.visited = _visited_tiles(problem, lists, _as_4d(attn_bias).shape[:2])
+            form = _as_4d(attn_bias).shape[:2]
+            build = functools.partial(_visited_tiles, problem, lists, form)
+            self.visited = build() if prepared is None else prepared.visited_for(
+                lists, form, build)
             if not self.tiles.can_run(self.visited, self.sums, self.out):
                 self.tiles = None
         if self.tiles is None:
@@ -460,10 +488,10 @@ def _kernel_call(direction: str, problem: AttentionProblem, q, k, v, attn_mask, 
     kwargs = dispatch.normalised_kwargs(problem, None, None, lists)
     prepared = attn_mask if isinstance(attn_mask, PreparedMask) else None
     if direction == "backward" and prepared is not None:
-        kwargs["block_sparse_transposed"] = prepared.transposed_for(problem, lists)
+        kwargs["block_sparse_transposed"] = prepared.transposed_for(lists)
     kernel, _ = dispatch.attention_kernel(direction, q, k, v, kwargs, problem)
     if direction == "backward" and prepared is not None:
-        prepared.keep_transposed(problem, lists, kwargs.get("block_sparse_transposed"))
+        prepared.keep_transposed(lists, kwargs.get("block_sparse_transposed"))
     return None if kernel is None else (kernel, kwargs)
 
 
@@ -473,22 +501,33 @@ def tile_lists(problem: AttentionProblem, attn_mask=None, attn_bias=None):
     "full" when the rule, the mask and the bias let every existing cell through, "mask" when
     some, unlisted when none (combined tile by tile: a "mask" tile of two sources may turn out
     empty, which costs a visit, never a wrong result). Built on the device, without reads.
-    A `PreparedMask` gives its kept classes, and without a bias its kept lists."""
-    if isinstance(attn_mask, PreparedMask) and attn_bias is None:
-        return attn_mask.lists_for(problem, lambda: _tile_lists(problem, attn_mask, None))
-    return _tile_lists(problem, attn_mask, attn_bias)
+    A `PreparedMask` gives its kept lists, those of its mask and the rule, with or without a
+    bias (the bias's -inf cells then hide keys inside the visited tiles without taking tiles
+    off, as FlexAttention's BlockMask and score_mod divide the work; a tile of -inf scores adds
+    nothing to a row's softmax, and a row of them outputs 0 with lse -inf as on a tensor
+    mask)."""
+    heads = _list_heads(problem, mask_tensor(attn_mask), attn_bias)
+    if isinstance(attn_mask, PreparedMask):
+        return attn_mask.lists_for(problem, heads,
+                                   lambda: _tile_lists(problem, attn_mask, None, heads))
+    return _tile_lists(problem, attn_mask, attn_bias, heads)
 
 
-def _tile_lists(problem: AttentionProblem, attn_mask, attn_bias):
+def _list_heads(problem: AttentionProblem, *given) -> int:
+    """Lists per batch entry and tile: one per KV head at least (the kernels take lists per
+    query head or per KV head, Hs in {H, Hkv}; lists shared by several KV heads gave a wrong
+    backward), one per head of a mask or bias given per query head (a bias slab's heads then
+    divide the list heads, as the bias gradient's map of visited tiles needs)."""
+    return max([problem.num_kv_heads, *(_as_4d(x).shape[1] for x in given if x is not None)])
+
+
+def _tile_lists(problem: AttentionProblem, attn_mask, attn_bias, heads: int):
     from sparsity import build_block_sparse_from_tile_classes
 
     tile = KERNEL_TILE
     prepared = attn_mask if isinstance(attn_mask, PreparedMask) else None
     attn_mask = mask_tensor(attn_mask)
     given = [x for x in (attn_mask, attn_bias) if x is not None]
-    # One list per KV head at least: the kernels take lists per query head or per KV head
-    # (Hs in {H, Hkv}); lists shared by several KV heads gave a wrong backward.
-    heads = max(problem.num_kv_heads, *(_as_4d(x).shape[1] for x in given))
     classes = _rule_classes(problem, tile, given[0].device)
     if attn_mask is not None:
         mask_classes = (prepared.cell_classes(tile) if prepared is not None
@@ -695,7 +734,8 @@ def score_mod_tensors(problem: AttentionProblem, attn_mask, attn_bias):
     device = (attn_mask if attn_mask is not None else attn_bias).device
     slabs = _slab_table(problem.num_seqs, problem.num_heads, problem.num_kv_heads, *forms,
                         device)
-    return ScoreModTensors(cells[0], cells[1], slabs)
+    return ScoreModTensors(cells[0], cells[1], slabs,
+                           bias_shared=attn_bias is not None and forms[1][1] < problem.num_heads)
 
 
 @functools.lru_cache(maxsize=64)

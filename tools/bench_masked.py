@@ -14,8 +14,8 @@ Workloads (bf16, B=1, H=16, D=128, 16K tokens by default; `--seqlen`, `--heads`)
 Methods:
   ours   flash_attn_func(q, k, v, attn_mask=mask, attn_bias=bias);
   ours-prepared  the same with attn_mask=kernels.prepare_mask(mask), prepared outside the
-         timing as FlexAttention's BlockMask is (the mask's tile lists then built once: the
-         timed calls build only the bias's classes where a bias is given);
+         timing as FlexAttention's BlockMask is (the tile lists, their transpose and the bias
+         gradient's map of visited tiles then built at the first call and reused);
   flex   torch.nn.attention.flex_attention, compiled: a BlockMask from the same mask tensor
          (`create_block_mask`, 128 x 128 blocks, built outside the timing as a user would
          reuse it) and a score_mod that adds the bias read at (b, h, q, k), with its gradient

@@ -79,6 +79,15 @@ def _spec_for(q, causal, window_size, block_sparse, compress_factor=1, max_seqle
 # The score mods' consumer warpgroups take turns issuing wgmma (`FwdSpec.pingpong`) also
 # where the spec without them would not (a grid over long lists). False: the A/B's switch.
 PINGPONG = True
+# A bias one slab of which serves several query heads (a (1, 1, N, N) bias; one per KV head):
+# the CTAs running together take the heads of one query tile (`FwdSpec.heads_fastest`), so
+# each bias tile comes from HBM once and from L2 for the other heads, instead of once per head
+# (a 16-bit 16K x 16K bias is 512 MiB: no head's pass leaves it in L2 for the next).
+SHARED_BIAS_HEADS_TOGETHER = True
+# The backward's work units likewise, KV tile by KV tile with the heads innermost
+# (`kernels.sm90.backward.run(head_major_units=False)`): the heads of one KV tile read the
+# same bias tiles and add dS into the same float32 dbias sums at about the same time, in L2.
+SHARED_BIAS_UNITS_KV_MAJOR = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,6 +99,12 @@ class ScoreModTensors:
     mask: torch.Tensor | None  # uint8, nonzero = attend
     bias: torch.Tensor | None  # float16 / bfloat16 / float32
     slabs: torch.Tensor
+    bias_shared: bool = False  # a bias slab serves several query heads
+
+    @property
+    def head_major_units(self) -> bool:
+        """The backward's `head_major_units` (SHARED_BIAS_UNITS_KV_MAJOR)."""
+        return not (SHARED_BIAS_UNITS_KV_MAJOR and self.bias_shared)
 
     @property
     def bias_dtype(self) -> str:
@@ -100,11 +115,14 @@ class ScoreModTensors:
         """Forward `spec` with the score mods, without the narrowed first tile or overlapped
         tiles (the mods hook into the plain KV loops); the consumer warpgroups take turns
         issuing their products (`pingpong`, switch PINGPONG) so that one's bias and mask
-        reads and softmax run under the other's products."""
+        reads and softmax run under the other's products; a bias shared by query heads puts
+        their tiles side by side (`heads_fastest`, switch SHARED_BIAS_HEADS_TOGETHER)."""
         return dataclasses.replace(spec, score_mask=self.mask is not None,
                                    score_bias=self.bias_dtype, overlap_tiles=False,
                                    narrow_first_tile=False, score_pairs=self.even_strides,
-                                   pingpong=spec.pingpong or (PINGPONG and spec.tile_m > 64))
+                                   pingpong=spec.pingpong or (PINGPONG and spec.tile_m > 64),
+                                   heads_fastest=spec.heads_fastest
+                                   or (SHARED_BIAS_HEADS_TOGETHER and self.bias_shared))
 
     @property
     def even_strides(self) -> bool:

@@ -306,9 +306,11 @@ def test_a_prepared_mask_computes_what_its_tensor_computes():
 
 
 def test_a_prepared_mask_keeps_its_lists_per_call_shape(monkeypatch):
-    """The kernels' tile lists of a prepared mask: those of its tensor, built once per call
-    shape and rule without a bias (the same object at the next call), built per call with one
-    (a bias changes between calls), and the mask's tile classes read once."""
+    """The kernels' tile lists of a prepared mask: those of its tensor and the rule, built once
+    per call shape, rule and list heads and reused with or without a bias (a bias's -inf cells
+    take no tile off them, where the tensor mask's lists drop the tiles a bias hides whole); a
+    bias per query head asks for lists per query head; the mask's tile classes read once and
+    the bias's never."""
     from kernels import prepare_mask
     from kernels.validate import validate_attention_forward
     from sparsity.testing import dense_block_mask
@@ -321,6 +323,7 @@ def test_a_prepared_mask_keeps_its_lists_per_call_shape(monkeypatch):
     prepared = prepare_mask(mask)
     bias = torch.randn(1, 1, seqlen, seqlen)
     bias[..., :128, 128:256] = float("-inf")
+    per_head_bias = torch.randn(1, heads, seqlen, seqlen)
     blocks = -(-seqlen // 128)
     reads = []
     original = masked_module._cell_classes
@@ -331,19 +334,27 @@ def test_a_prepared_mask_keeps_its_lists_per_call_shape(monkeypatch):
     for rule in (dict(causal=True), {}):
         problem = validate_attention_forward(q, k, k, **rule)
         first = masked_module.tile_lists(problem, prepared)
+        assert first.full_count.shape[1] == kv_heads
         assert masked_module.tile_lists(problem, prepared) is first
+        assert masked_module.tile_lists(problem, prepared, bias) is first
         want = masked_module.tile_lists(problem, mask)
         assert torch.equal(dense_block_mask(first, blocks), dense_block_mask(want, blocks))
-        with_bias = masked_module.tile_lists(problem, prepared, bias)
-        assert with_bias is not first
-        assert torch.equal(dense_block_mask(with_bias, blocks),
-                           dense_block_mask(masked_module.tile_lists(problem, mask, bias),
-                                            blocks))
+        if not rule:  # the tensor mask with the bias drops the tile that the bias hides
+            def tile_0_1(lists):  # whole: query tile 0, key tile 1 (causal hides it anyway)
+                return dense_block_mask(lists, blocks).view(batch, blocks, -1, blocks)[:, 0, :, 1]
+            assert not tile_0_1(masked_module.tile_lists(problem, mask, bias)).any()
+            assert tile_0_1(first).all()
+        per_head = masked_module.tile_lists(problem, prepared, per_head_bias)
+        assert per_head is not first and per_head.full_count.shape[1] == heads
+        assert masked_module.tile_lists(problem, prepared, per_head_bias) is per_head
+        assert torch.equal(dense_block_mask(per_head, blocks),
+                           dense_block_mask(first, blocks).repeat_interleave(heads // kv_heads,
+                                                                             dim=1))
         if not reads:  # from here on count the classes read
             monkeypatch.setattr(masked_module, "_cell_classes", counted)
-    # The second rule read the mask's classes for the unprepared calls only (two), and the
-    # bias's classes twice: never the prepared mask's.
-    assert reads.count(torch.bool) == 2 and len(reads) == 4
+    # The second rule read the mask's classes for the two unprepared calls and the bias's
+    # classes for the second of them: never the prepared mask's, never for its calls.
+    assert reads.count(torch.bool) == 2 and len(reads) == 3
 
 
 def test_a_prepared_mask_is_refused_once_its_tensor_changes_and_checked_like_a_mask():

@@ -275,13 +275,15 @@ SCORE_MODS = {"mask": (True, None), "bias-bf16": (False, "bfloat16"),
 
 
 # Each call and each mod at least once (compiles cost ~9 s each on CI's cores); the cells'
-# rows an even number of elements apart (read in key pairs) except for the last two.
-@pytest.mark.parametrize("call, mods, pairs", [("long", "mask", True),
-                                               ("long", "bias-bf16", True),
-                                               ("long-causal-window", "mask-bias-fp16", True),
-                                               ("short-causal", "mask-bias-fp32", False),
-                                               ("short-causal", "mask", False)])
-def test_score_mod_variants_compile_for_sm90a(call, mods, pairs):
+# rows an even number of elements apart (read in key pairs) except for the last two; a bias
+# shared by query heads (heads side by side in the tile order) in both schedules.
+@pytest.mark.parametrize("call, mods, pairs, shared", [
+    ("long", "mask", True, False),
+    ("long", "bias-bf16", True, True),
+    ("long-causal-window", "mask-bias-fp16", True, False),
+    ("short-causal", "mask-bias-fp32", False, True),
+    ("short-causal", "mask", False, False)])
+def test_score_mod_variants_compile_for_sm90a(call, mods, pairs, shared):
     import torch
 
     from kernels.sm90.forward import ScoreModTensors
@@ -296,8 +298,9 @@ def test_score_mod_variants_compile_for_sm90a(call, mods, pairs):
     spec = ScoreModTensors(
         mask=cells.to(torch.uint8) if with_mask else None,
         bias=None if bias_dtype is None else cells.to(getattr(torch, bias_dtype)),
-        slabs=torch.zeros(1, 1, 2, dtype=torch.int32)).spec(base)
+        slabs=torch.zeros(1, 1, 2, dtype=torch.int32), bias_shared=shared).spec(base)
     assert spec.score_mask == with_mask and spec.score_bias == (bias_dtype or "")
     assert spec.score_pairs == pairs
+    assert spec.heads_fastest == shared  # kernels.sm90.forward.SHARED_BIAS_HEADS_TOGETHER
     assert spec.pingpong  # the warpgroups take turns (kernels.sm90.forward.PINGPONG)
     assert callable(compile_forward_on_fake_tensors(spec))

@@ -109,6 +109,10 @@ CASES = {
                                       dict(causal=True, window_size=(300, 0))),
     "bias-per-head-fp32-mha": (2, 700, 900, 4, 4, 64, torch.bfloat16, None,
                                (torch.float32, (2, 4), False), {}),
+    # A mask shared by the heads beside a bias per query head: lists per query head.
+    "mask-shared-bias-per-head-gqa": (1, 700, 900, 8, 2, 128, torch.bfloat16,
+                                      ("random", 0.5, (1, 1)), (torch.bfloat16, (1, 8), True),
+                                      dict(causal=True)),
 }
 
 
@@ -226,12 +230,15 @@ def test_the_kernel_backward_equals_the_torch_path(name):
             assert (want[unseen] == 0).all() and (got[unseen] == 0).all(), what
 
 
-@pytest.mark.parametrize("name", ["mask50-gqa4-causal", "mask-and-bias-window"])
+@pytest.mark.parametrize("name", ["mask50-gqa4-causal", "mask-and-bias-window",
+                                  "mask-shared-bias-per-head-gqa"])
 def test_a_prepared_mask_on_the_kernels(name, monkeypatch):
-    """kernels.prepare_mask on the sm90 kernels: the forward bit-equal to the bool tensor's,
-    the gradients (the bias's included) equal to its within the float32 sums' rounding; the
-    mask's tile classes read at the first call only, and without a bias the lists and their
-    transpose built once (the second call reuses both)."""
+    """kernels.prepare_mask on the sm90 kernels: the forward bit-equal to the bool tensor's
+    (which drops the tiles a -inf bias hides whole, where the prepared mask's lists visit
+    them: a tile of -inf scores adds exactly nothing), the gradients (the bias's included)
+    equal to its within the float32 sums' rounding, and the bias's gradient exactly 0 where
+    nothing is seen; the lists, their transpose and the bias gradient's map of visited tiles
+    built at the first prepared call only (no classes of the mask or the bias read after it)."""
     q, k, v, mask, bias, rule = _call(name)
     prepared = prepare_mask(mask)
     dout = torch.randn_like(q)
@@ -244,16 +251,22 @@ def test_a_prepared_mask_on_the_kernels(name, monkeypatch):
         out.backward(dout)
         grads = [x.grad for x in leaves] + ([] if attn_bias is None else [attn_bias.grad])
         results.append((out, lse, grads))
-        if call == 1:  # after the first prepared call: no classes of the mask
-            def no_mask_classes(x, seen, tile, prior=None, original=masked._cell_classes):
-                assert x.dtype != torch.bool, "the prepared mask's classes were read again"
-                return original(x, seen, tile, prior)
-            monkeypatch.setattr(masked, "_cell_classes", no_mask_classes)
+        if call == 1:  # after the first prepared call: nothing built again
+            def no_classes(*args, **kwargs):
+                raise AssertionError("tile classes read for a prepared mask's second call")
+
+            def no_map(*args, **kwargs):
+                raise AssertionError("the bias gradient's map of visited tiles built again")
+            monkeypatch.setattr(masked, "_cell_classes", no_classes)
+            monkeypatch.setattr(masked, "_visited_tiles", no_map)
     (out0, lse0, grads0) = results[0]
     for out, lse, grads in results[1:]:
         assert torch.equal(out, out0) and torch.equal(lse, lse0)
         for actual, expected in zip(grads, grads0):
             assert _rel_err(actual, expected) < 1e-2
-    if bias is None:
-        (entry,) = prepared._lists.values()
-        assert entry[1] is not None  # the backward's transpose, kept
+    if bias is not None:
+        problem = validate_attention_forward(q, k, v, **rule)
+        unseen = _unseen_cells(problem, mask, bias).view(bias.shape)
+        assert (results[-1][2][-1][unseen] == 0).all()
+    (entry,) = prepared._lists.values()
+    assert entry[1] is not None  # the backward's transpose, kept
