@@ -16,7 +16,8 @@ The forward runs on the sm90 kernel where it takes the call (`sm90_forward`): th
 visit are listed from the mask, the bias's -inf cells and the causal/window rule, per
 128 x 128 tile (`tile_lists`: tiles where nothing is seen are never loaded, tiles where
 everything is seen skip the mask), and the kernel adds the bias and reads the mask in
-registers (kernels/sm90/score_mod.py).
+registers (kernels/sm90/score_mod.py). Its backward sums a shared 16-bit bias's gradient in
+float32 over at most KERNEL_SUMS_BUDGET_BYTES, chunk of query rows by chunk past it.
 
 A mask that many calls share (a model's layers, a fixed pattern across steps) can be prepared
 once (`prepare_mask`, FlexAttention's BlockMask in our terms): its tile classes, the tile lists
@@ -34,6 +35,7 @@ bias's gradient. The chunks walk the batch inside each row range, so a bias shar
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 
@@ -51,6 +53,12 @@ KERNEL_BIAS_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # The bias's tile classes read only the tiles the rule and the mask list (`_prior_for`);
 # False: the whole bias (a switch for the A/B, `tools/bench_masked.py --switch`).
 BIAS_CLASSES_AFTER_MASK = True
+# The sm90 backward's float32 dbias sums (a 16-bit bias a slab of which serves several heads or
+# batch entries: dS is summed over them, `_BiasGradient`) hold at most this many bytes: past
+# it the backward runs in chunks of query rows whose sums fit (`_backward_by_rows`), so a long
+# call keeps no float32 copy of its bias's size beside the bias and its gradient (a shared
+# 64K x 64K bias would need 16 GiB). 1 GiB keeps 16K x 16K in one launch.
+KERNEL_SUMS_BUDGET_BYTES = 1 << 30
 
 
 @dataclass(frozen=True)
@@ -378,6 +386,11 @@ def sm90_backward(problem: AttentionProblem, dout, q, k, v, out, lse, attn_mask=
                                       **kwargs)
             or not _rows_are_32_bit_offsets(mods.mask, mods.bias)):
         return None
+    if bias_gradient:
+        rows = _rows_per_launch(problem, attn_bias, mods.bias)
+        if rows < problem.max_seqlen_q:
+            return _backward_by_rows(rows, problem, dout, q, k, v, out, lse, attn_bias, mods,
+                                     kwargs["block_sparse"])
     gradient = _BiasGradient(problem, attn_bias, mods.bias, kwargs["block_sparse"],
                              attn_mask if isinstance(attn_mask, PreparedMask) else None) \
         if bias_gradient else None
@@ -386,6 +399,84 @@ def sm90_backward(problem: AttentionProblem, dout, q, k, v, out, lse, attn_mask=
                             dbias=None if gradient is None else gradient.sums,
                             dbias_stores=gradient is not None and gradient.stores)
     return dq, dk, dv, None if gradient is None else gradient.result()
+
+
+def _rows_per_launch(problem: AttentionProblem, attn_bias: torch.Tensor,
+                     bias: torch.Tensor) -> int:
+    """Query rows per backward launch: all of them, or where the float32 dbias sums of all
+    rows pass KERNEL_SUMS_BUDGET_BYTES, the most whole tiles of rows whose sums fit (one tile
+    at least). bias: the (slabs, Nq, Nk) cells the kernel reads."""
+    slabs, rows, keys = bias.shape
+    if attn_bias.dtype == torch.float32 or slabs == problem.num_seqs * problem.num_heads:
+        return rows  # the gradient is its own sums, or takes stores: no float32 temporary
+    per_row = slabs * keys * 4
+    if rows * per_row <= KERNEL_SUMS_BUDGET_BYTES:
+        return rows
+    return max(1, KERNEL_SUMS_BUDGET_BYTES // (per_row * KERNEL_TILE)) * KERNEL_TILE
+
+
+def _backward_by_rows(rows: int, problem: AttentionProblem, dout, q, k, v, out, lse,
+                      attn_bias, mods, lists):
+    """`sm90_backward` with the bias's gradient, one launch per chunk of `rows` query rows (a
+    multiple of KERNEL_TILE): each chunk's float32 dbias sums cover its rows alone and are
+    converted into them before the next; dK and dV add up over the chunks in float32
+    (`dkv_accumulators`) and are rounded once; dQ rows are each chunk's own. The rule sees the
+    chunk's rows at their positions (q_start_positions), the mask and bias at their rows."""
+    from .dkv_sums import UnwrittenDkvSums
+
+    batch, seqlen_q = problem.num_seqs, problem.max_seqlen_q
+    tiles = -(-seqlen_q // KERNEL_TILE)
+    dq = torch.empty_like(q)
+    dbias = torch.empty(mods.bias.shape, dtype=attn_bias.dtype, device=q.device)
+    sums = UnwrittenDkvSums(torch.empty(t.shape, dtype=torch.float32, device=t.device)
+                            for t in (k, v))
+    for r0 in range(0, seqlen_q, rows):
+        r1 = min(r0 + rows, seqlen_q)
+        part = _row_chunk(problem, r0, r1)
+        part_lists = _list_rows(lists, batch, tiles, r0 // KERNEL_TILE, -(-r1 // KERNEL_TILE))
+        call = _kernel_call("backward", part, q[:, r0:r1], k, v, None, None, part_lists)
+        assert call is not None, "a chunk of a backward the kernel takes"
+        kernel, kwargs = call
+        part_mods = dataclasses.replace(
+            mods, mask=None if mods.mask is None else mods.mask[:, r0:r1],
+            bias=mods.bias[:, r0:r1])
+        gradient = _BiasGradient(part, attn_bias, part_mods.bias, part_lists,
+                                 out=dbias[:, r0:r1])
+        dq_rows, *sums = kernel.run(
+            dout[:, r0:r1], q[:, r0:r1], k, v, out[:, r0:r1], lse[:, :, r0:r1], **kwargs,
+            score_mods=part_mods, head_major_units=mods.head_major_units,
+            dbias=gradient.sums, dkv_accumulators=sums)
+        dq[:, r0:r1] = dq_rows
+        gradient.result()
+        del gradient  # its float32 sums go before the next chunk's
+    dk, dv = (s.to(t.dtype) for s, t in zip(sums, (k, v)))
+    return dq, dk, dv, dbias.view(attn_bias.shape)
+
+
+def _row_chunk(problem: AttentionProblem, r0: int, r1: int) -> AttentionProblem:
+    """`problem` for query rows [r0, r1) of each batch entry (every key), the rows at their
+    positions where a rule reads them."""
+    n = r1 - r0
+    shifted = r0 > 0 and has_rule(problem)
+    return dataclasses.replace(problem, cu_seqlens_q=tuple(range(0, problem.num_seqs * n + 1, n)),
+                               max_seqlen_q=n,
+                               q_start_positions=(r0,) * problem.num_seqs if shifted else None)
+
+
+def _list_rows(lists, batch: int, tiles: int, t0: int, t1: int):
+    """The lists of query tiles [t0, t1) of each of `batch` entries (rows b * tiles + t of
+    `lists`): lists of a call of those rows."""
+    if batch == 1:
+        pick = slice(t0, t1)
+    else:
+        device = lists.full_count.device
+        pick = (torch.arange(batch, device=device)[:, None] * tiles
+                + torch.arange(t0, t1, device=device)).flatten()
+    return dataclasses.replace(
+        lists, full_count=lists.full_count[pick], full_index=lists.full_index[pick],
+        mask_count=lists.mask_count[pick], mask_index=lists.mask_index[pick],
+        row_block_offsets=torch.arange(0, batch * (t1 - t0) + 1, t1 - t0, dtype=torch.int32,
+                                       device=lists.full_count.device))
 
 
 class _BiasGradient:
@@ -401,16 +492,20 @@ class _BiasGradient:
     Where every slab serves one batch entry and query head (`stores`: a (B, H, Nq, Nk) bias, the
     largest), nothing is summed: the backward stores each visited cell's dS into the gradient
     itself, in the bias's dtype (`BwdSpec.score_dbias_stores`), the other tiles are zeroed, and
-    there is no float32 temporary (a per-head 16-bit bias of 16 x 16K x 16K would need 16 GiB)."""
+    there is no float32 temporary (a per-head 16-bit bias of 16 x 16K x 16K would need 16 GiB).
+
+    out: the gradient's cells to write (rows of a larger gradient, `_backward_by_rows`);
+    None: allocated here in the bias's shape."""
 
     def __init__(self, problem: AttentionProblem, attn_bias: torch.Tensor, bias: torch.Tensor,
-                 lists, prepared: PreparedMask | None = None):
+                 lists, prepared: PreparedMask | None = None, out: torch.Tensor | None = None):
         from . import dispatch
 
-        self.shape = attn_bias.shape
+        self.shape = attn_bias.shape if out is None else out.shape
         device = bias.device
         self.stores = bias.shape[0] == problem.num_seqs * problem.num_heads
-        self.out = torch.empty(bias.shape, dtype=attn_bias.dtype, device=device)
+        self.out = torch.empty(bias.shape, dtype=attn_bias.dtype, device=device) \
+            if out is None else out
         self.sums = self.out if attn_bias.dtype == torch.float32 or self.stores else \
             torch.empty(bias.shape, dtype=torch.float32, device=device)
         self.tiles, _ = dispatch.sm90_module("dbias_tiles", device)

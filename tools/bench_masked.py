@@ -30,7 +30,9 @@ its own rows of q, dout, mask and bias: no causal or window rule here); a relati
 GPU tests (tests/kernels/test_sm90_masked.py).
 Passes: fwd (no graph), fwd+bwd (gradients of q, k, v and the bias), and bwd = fwd+bwd - fwd.
 CUDA events of device time after warm-up, medians. TFLOP/s count the attended pairs (4 D flops
-per pair and head forward, 3.5x for forward+backward). Inputs are random normal, never zeros.
+per pair and head forward, 3.5x for forward+backward). On a GPU each method's forward+backward
+line ends with the peak memory one call adds above what was allocated before it (its outputs,
+gradients and temporaries; "peak +X GiB"), from one more call after the timing. Inputs are random normal, never zeros.
 Prints a table per workload and a short table of the ratios last (flex / ours, sdpa bwd /
 ours bwd); `--json` writes the rows.
 
@@ -254,12 +256,24 @@ def measure(args, name: str, mask: torch.Tensor, device, generator,
                 torch.cuda.empty_cache()
                 continue
             row["ms"][f"{method} {pass_name}"] = ms
+            if pass_name == "fwd+bwd" and device.type == "cuda":
+                row.setdefault("peak_gib", {})[method] = added_peak_gib(fn, device)
             flops = 4 * dim * counted * (3.5 if pass_name == "fwd+bwd" else 1.0)
             row["tflops"][f"{method} {pass_name}"] = flops / ms / 1e9
         fwd, both = row["ms"].get(f"{method} fwd"), row["ms"].get(f"{method} fwd+bwd")
         if fwd is not None and both is not None:
             row["ms"][f"{method} bwd"] = both - fwd
     return row
+
+
+def added_peak_gib(fn, device) -> float:
+    """GiB that one call of fn adds to the allocator's peak above what is allocated before."""
+    torch.cuda.synchronize(device)
+    before = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    fn()
+    torch.cuda.synchronize(device)
+    return (torch.cuda.max_memory_allocated(device) - before) / 2**30
 
 
 def main(argv=None) -> list[dict]:
@@ -282,7 +296,10 @@ def main(argv=None) -> list[dict]:
               + (f" (ours against the torch path{checked})" if checked else ""))
         for key, ms in row["ms"].items():
             tflops = row["tflops"].get(key)
-            print(f"  {key:<22} {ms:9.3f} ms" + (f"  {tflops:7.1f} TFLOP/s" if tflops else ""))
+            method, pass_name = key.rsplit(" ", 1)
+            peak = row.get("peak_gib", {}).get(method) if pass_name == "fwd+bwd" else None
+            print(f"  {key:<22} {ms:9.3f} ms" + (f"  {tflops:7.1f} TFLOP/s" if tflops else "")
+                  + (f"  peak +{peak:.2f} GiB" if peak is not None else ""))
     print("\nfwd+bwd unless said; 'prepared' = ours-prepared")
     print("workload          flex/ours  flex/prepared  sdpa bwd/ours bwd  ours/dense TFLOP/s  "
           "prepared/dense")

@@ -379,3 +379,45 @@ def test_a_prepared_mask_is_refused_once_its_tensor_changes_and_checked_like_a_m
     with pytest.raises(TypeError, match="attn_mask must be a torch.Tensor or a "
                                         "kernels.PreparedMask"):
         flash_attn_func(q, k, v, attn_mask="causal")
+
+
+def test_the_kernel_backward_chunks_rows_past_its_sums_budget(monkeypatch):
+    """The sm90 backward's float32 dbias sums stay under KERNEL_SUMS_BUDGET_BYTES: a shared
+    16-bit bias whose sums pass it is taken in whole tiles of query rows (one at least); a
+    float32 bias (its own sums) and a bias per batch entry and query head (stores) never
+    chunk. A chunk's lists are the rows of each batch entry's tiles, and its rule reads its
+    rows at their positions (a rule only: without one, positions change nothing)."""
+    from kernels.validate import validate_attention_forward
+    from sparsity.testing import dense_block_mask
+
+    batch, seqlen, heads, kv_heads = 2, 600, 4, 2
+    q = torch.randn(batch, seqlen, heads, 64)
+    k = torch.randn(batch, seqlen, kv_heads, 64)
+    problem = validate_attention_forward(q, k, k, causal=True)
+    shared = torch.randn(1, 1, seqlen, seqlen, dtype=torch.bfloat16)
+    cells = masked_module._broadcast_view(shared).reshape(-1, seqlen, seqlen)
+    rows = masked_module._rows_per_launch
+    assert rows(problem, shared, cells) == seqlen
+    monkeypatch.setattr(masked_module, "KERNEL_SUMS_BUDGET_BYTES", 300 * seqlen * 4)
+    assert rows(problem, shared, cells) == 256  # 300 rows fit: two whole tiles
+    monkeypatch.setattr(masked_module, "KERNEL_SUMS_BUDGET_BYTES", 10)
+    assert rows(problem, shared, cells) == 128
+    assert rows(problem, shared.float(), cells.float()) == seqlen
+    per_head = torch.randn(batch, heads, seqlen, seqlen, dtype=torch.float16)
+    assert rows(problem, per_head, per_head.reshape(-1, seqlen, seqlen)) == seqlen
+
+    chunk = masked_module._row_chunk(problem, 256, 512)
+    assert (chunk.max_seqlen_q, chunk.cu_seqlens_q, chunk.q_start_positions) == \
+        (256, (0, 256, 512), (256, 256))
+    assert masked_module._row_chunk(problem, 0, 256).q_start_positions is None
+    plain = validate_attention_forward(q, k, k)
+    assert masked_module._row_chunk(plain, 256, 512).q_start_positions is None
+
+    mask = _random_mask((batch, 1, seqlen, seqlen), 0.5, seed=3)
+    lists = masked_module.tile_lists(problem, mask)
+    tiles, blocks = -(-seqlen // 128), -(-seqlen // 128)
+    whole = dense_block_mask(lists, blocks).view(batch, tiles, -1, blocks)
+    part = masked_module._list_rows(lists, batch, tiles, 2, 5)
+    assert part.row_block_offsets.tolist() == [0, 3, 6]
+    assert torch.equal(dense_block_mask(part, blocks).view(batch, 3, -1, blocks),
+                       whole[:, 2:5])

@@ -430,3 +430,25 @@ def test_score_mod_backward_variants_compile_for_sm90a(head_dim, list_heads, mas
     assert spec.score_dbias_stores == stores
     assert spec.score_stage_bias == staged
     compile_backward_on_fake_tensors(with_dkv_destination(spec, into_caller_sums=False))
+
+
+def test_score_mod_backward_of_a_row_chunk_compiles_for_sm90a():
+    """A chunk of query rows of a shared bias's backward (kernels/masked.py
+    `_backward_by_rows`): causal rows at their positions (`q_positions`), the chunk's dK/dV
+    partials added into the caller's float32 sums."""
+    import torch
+
+    from kernels.sm90.backward import score_mod_spec
+    from kernels.sm90.forward import ScoreModTensors
+
+    lists = ListShape(spans_kv_groups=True, per_query_head=True, width=256)
+    base = choose_backward_spec(dtype="bfloat16", head_dim=128, causal=True,
+                                window_size=(-1, -1), sparse_block_size=128,
+                                max_seqlen_k=16384, lists=lists)
+    cells = torch.zeros(1, 8, 8)
+    mods = ScoreModTensors(mask=None, bias=cells.to(torch.bfloat16),
+                           slabs=torch.zeros(1, 1, 2, dtype=torch.int32), bias_shared=True)
+    spec = dataclasses.replace(score_mod_spec(base, mods, True), q_positions=True)
+    launched = with_dkv_destination(spec, into_caller_sums=True)
+    assert launched.partial_dkv and launched.split_lists and launched.score_bias_grad
+    compile_backward_on_fake_tensors(launched)

@@ -270,3 +270,39 @@ def test_a_prepared_mask_on_the_kernels(name, monkeypatch):
         assert (results[-1][2][-1][unseen] == 0).all()
     (entry,) = prepared._lists.values()
     assert entry[1] is not None  # the backward's transpose, kept
+
+
+@pytest.mark.parametrize("name", ["mask-and-bias-window", "bias-staged-d64",
+                                  "bias-odd-rows-and-keys"])
+def test_the_backward_in_row_chunks(name, monkeypatch):
+    """A shared 16-bit bias's gradient past KERNEL_SUMS_BUDGET_BYTES: the backward runs in
+    chunks of 256 query rows (the rule at the rows' positions: a causal window, causal, none;
+    keys a multiple of 4 or not, the dbias tile pass or the whole-tensor one), dq, dk, dv and
+    dbias equal to the torch path's and to the one-launch kernel's within the float32 sums'
+    rounding, dbias 0 where nothing is seen, and no float32 sums larger than the budget."""
+    q, k, v, mask, bias, rule = _call(name)
+    problem = validate_attention_forward(q, k, v, **rule)
+    out, lse = masked.forward(problem, q, k, v, mask, bias)
+    dout = torch.randn(q.shape, generator=torch.Generator(device="cuda").manual_seed(5),
+                       device="cuda").to(q.dtype)
+    whole = masked.sm90_backward(problem, dout, q, k, v, out, lse, mask, bias, True)
+    slabs = masked._broadcast_view(bias).shape[:2].numel()
+    budget = slabs * 256 * k.shape[1] * 4
+    monkeypatch.setattr(masked, "KERNEL_SUMS_BUDGET_BYTES", budget)
+    sums = []
+    original = masked._BiasGradient.__init__
+
+    def recorded(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        sums.append(self.sums.numel() * self.sums.element_size())
+    monkeypatch.setattr(masked._BiasGradient, "__init__", recorded)
+    chunked = masked.sm90_backward(problem, dout, q, k, v, out, lse, mask, bias, True)
+    assert len(sums) == -(-q.shape[1] // 256) and max(sums) <= budget
+    expected = masked.backward(problem, dout, q, k, v, out, lse, mask, bias, True)
+    for got, one_launch, want, what in zip(chunked, whole, expected, ("dq", "dk", "dv", "dbias")):
+        assert got.shape == want.shape and got.dtype == want.dtype, what
+        assert not got.isnan().any(), what
+        assert _rel_err(got, want) < TOLERANCE, what
+        assert _rel_err(got, one_launch) < 1e-2, what
+    unseen = _unseen_cells(problem, mask, bias).view(chunked[3].shape)
+    assert (chunked[3][unseen] == 0).all()
