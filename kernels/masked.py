@@ -78,7 +78,9 @@ class PreparedMask:
     call after an in-place change raises (torch's version counter; an inference tensor has
     none and is trusted)."""
 
-    MAX_SHAPES = 8  # call shapes kept (train and eval, a few rules); the oldest goes first
+    # Call shapes kept (train and eval, a few rules, and the row chunks of a backward whose
+    # bias gradient is summed chunk by chunk: `_backward_by_rows`); the oldest goes first.
+    MAX_SHAPES = 32
 
     def __init__(self, mask: torch.Tensor):
         self.mask = mask
@@ -389,8 +391,8 @@ def sm90_backward(problem: AttentionProblem, dout, q, k, v, out, lse, attn_mask=
     if bias_gradient:
         rows = _rows_per_launch(problem, attn_bias, mods.bias)
         if rows < problem.max_seqlen_q:
-            return _backward_by_rows(rows, problem, dout, q, k, v, out, lse, attn_bias, mods,
-                                     kwargs["block_sparse"])
+            return _backward_by_rows(rows, problem, dout, q, k, v, out, lse, attn_mask,
+                                     attn_bias, mods, kwargs["block_sparse"])
     gradient = _BiasGradient(problem, attn_bias, mods.bias, kwargs["block_sparse"],
                              attn_mask if isinstance(attn_mask, PreparedMask) else None) \
         if bias_gradient else None
@@ -416,12 +418,13 @@ def _rows_per_launch(problem: AttentionProblem, attn_bias: torch.Tensor,
 
 
 def _backward_by_rows(rows: int, problem: AttentionProblem, dout, q, k, v, out, lse,
-                      attn_bias, mods, lists):
+                      attn_mask, attn_bias, mods, lists):
     """`sm90_backward` with the bias's gradient, one launch per chunk of `rows` query rows (a
     multiple of KERNEL_TILE): each chunk's float32 dbias sums cover its rows alone and are
     converted into them before the next; dK and dV add up over the chunks in float32
     (`dkv_accumulators`) and are rounded once; dQ rows are each chunk's own. The rule sees the
-    chunk's rows at their positions (q_start_positions), the mask and bias at their rows."""
+    chunk's rows at their positions (q_start_positions), the mask and bias at their rows. A
+    `PreparedMask` keeps each chunk's lists, their transpose and visited-tile map."""
     from .dkv_sums import UnwrittenDkvSums
 
     batch, seqlen_q = problem.num_seqs, problem.max_seqlen_q
@@ -430,17 +433,21 @@ def _backward_by_rows(rows: int, problem: AttentionProblem, dout, q, k, v, out, 
     dbias = torch.empty(mods.bias.shape, dtype=attn_bias.dtype, device=q.device)
     sums = UnwrittenDkvSums(torch.empty(t.shape, dtype=torch.float32, device=t.device)
                             for t in (k, v))
+    prepared = attn_mask if isinstance(attn_mask, PreparedMask) else None
     for r0 in range(0, seqlen_q, rows):
         r1 = min(r0 + rows, seqlen_q)
         part = _row_chunk(problem, r0, r1)
-        part_lists = _list_rows(lists, batch, tiles, r0 // KERNEL_TILE, -(-r1 // KERNEL_TILE))
-        call = _kernel_call("backward", part, q[:, r0:r1], k, v, None, None, part_lists)
+        build = functools.partial(_list_rows, lists, batch, tiles, r0 // KERNEL_TILE,
+                                  -(-r1 // KERNEL_TILE))
+        part_lists = build() if prepared is None else prepared.lists_for(
+            part, lists.full_count.shape[1], build)
+        call = _kernel_call("backward", part, q[:, r0:r1], k, v, prepared, None, part_lists)
         assert call is not None, "a chunk of a backward the kernel takes"
         kernel, kwargs = call
         part_mods = dataclasses.replace(
             mods, mask=None if mods.mask is None else mods.mask[:, r0:r1],
             bias=mods.bias[:, r0:r1])
-        gradient = _BiasGradient(part, attn_bias, part_mods.bias, part_lists,
+        gradient = _BiasGradient(part, attn_bias, part_mods.bias, part_lists, prepared,
                                  out=dbias[:, r0:r1])
         dq_rows, *sums = kernel.run(
             dout[:, r0:r1], q[:, r0:r1], k, v, out[:, r0:r1], lse[:, :, r0:r1], **kwargs,

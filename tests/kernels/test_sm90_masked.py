@@ -272,14 +272,17 @@ def test_a_prepared_mask_on_the_kernels(name, monkeypatch):
     assert entry[1] is not None  # the backward's transpose, kept
 
 
-@pytest.mark.parametrize("name", ["mask-and-bias-window", "bias-staged-d64",
-                                  "bias-odd-rows-and-keys"])
-def test_the_backward_in_row_chunks(name, monkeypatch):
+@pytest.mark.parametrize("name, prepared", [("mask-and-bias-window", False),
+                                            ("mask-and-bias-window", True),
+                                            ("bias-staged-d64", False),
+                                            ("bias-odd-rows-and-keys", False)])
+def test_the_backward_in_row_chunks(name, prepared, monkeypatch):
     """A shared 16-bit bias's gradient past KERNEL_SUMS_BUDGET_BYTES: the backward runs in
     chunks of 256 query rows (the rule at the rows' positions: a causal window, causal, none;
     keys a multiple of 4 or not, the dbias tile pass or the whole-tensor one), dq, dk, dv and
     dbias equal to the torch path's and to the one-launch kernel's within the float32 sums'
-    rounding, dbias 0 where nothing is seen, and no float32 sums larger than the budget."""
+    rounding, dbias 0 where nothing is seen, and no float32 sums larger than the budget. A
+    prepared mask keeps each chunk's lists: its second backward builds none."""
     q, k, v, mask, bias, rule = _call(name)
     problem = validate_attention_forward(q, k, v, **rule)
     out, lse = masked.forward(problem, q, k, v, mask, bias)
@@ -296,8 +299,21 @@ def test_the_backward_in_row_chunks(name, monkeypatch):
         original(self, *args, **kwargs)
         sums.append(self.sums.numel() * self.sums.element_size())
     monkeypatch.setattr(masked._BiasGradient, "__init__", recorded)
-    chunked = masked.sm90_backward(problem, dout, q, k, v, out, lse, mask, bias, True)
-    assert len(sums) == -(-q.shape[1] // 256) and max(sums) <= budget
+    attn_mask = prepare_mask(mask) if prepared else mask
+    chunked = masked.sm90_backward(problem, dout, q, k, v, out, lse, attn_mask, bias, True)
+    chunks = -(-q.shape[1] // 256)
+    assert len(sums) == chunks and max(sums) <= budget
+    if prepared:  # the whole call's lists and each chunk's, each with its transpose
+        assert len(attn_mask._lists) == 1 + chunks
+        assert all(entry[1] is not None for entry in attn_mask._lists.values())
+
+        def no_lists(*args, **kwargs):
+            raise AssertionError("lists built for a prepared mask's chunk again")
+        monkeypatch.setattr(masked, "_list_rows", no_lists)
+        monkeypatch.setattr(masked, "_visited_tiles", no_lists)
+        again = masked.sm90_backward(problem, dout, q, k, v, out, lse, attn_mask, bias, True)
+        for got, first in zip(again, chunked):
+            assert _rel_err(got, first) < 1e-2
     expected = masked.backward(problem, dout, q, k, v, out, lse, mask, bias, True)
     for got, one_launch, want, what in zip(chunked, whole, expected, ("dq", "dk", "dv", "dbias")):
         assert got.shape == want.shape and got.dtype == want.dtype, what
