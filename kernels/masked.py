@@ -86,8 +86,8 @@ class PreparedMask:
         self.mask = mask
         self._version = None if mask.is_inference() else mask._version
         self._classes: torch.Tensor | None = None
-        # (AttentionProblem, list heads) -> [lists, their transpose or None,
-        #                                   {bias form: visited tiles}]
+        # (AttentionProblem, list heads, row chunk or None) -> [lists, their transpose or
+        #                                                      None, {bias form: visited tiles}]
         self._lists: dict = {}
 
     def tensor(self) -> torch.Tensor:
@@ -104,10 +104,12 @@ class PreparedMask:
             self._classes = _cell_classes(self.mask, lambda m: m != 0, tile)
         return self._classes
 
-    def lists_for(self, problem: AttentionProblem, heads: int, build):
+    def lists_for(self, problem: AttentionProblem, heads: int, build, rows=None):
         """The tile lists of `problem` (the mask's and the rule's), `heads` lists per batch
-        entry and tile: build()'s result, kept."""
-        key = (problem, heads)
+        entry and tile: build()'s result, kept. rows: the (first, end) query rows of the mask
+        that `problem` covers, for a chunk of a call's rows (`_backward_by_rows`; the problem
+        alone does not say which rows where no rule places them)."""
+        key = (problem, heads, rows)
         entry = self._lists.get(key)
         if entry is None:
             while len(self._lists) >= self.MAX_SHAPES:
@@ -440,7 +442,7 @@ def _backward_by_rows(rows: int, problem: AttentionProblem, dout, q, k, v, out, 
         build = functools.partial(_list_rows, lists, batch, tiles, r0 // KERNEL_TILE,
                                   -(-r1 // KERNEL_TILE))
         part_lists = build() if prepared is None else prepared.lists_for(
-            part, lists.full_count.shape[1], build)
+            part, lists.full_count.shape[1], build, rows=(r0, r1))
         call = _kernel_call("backward", part, q[:, r0:r1], k, v, prepared, None, part_lists)
         assert call is not None, "a chunk of a backward the kernel takes"
         kernel, kwargs = call

@@ -23,8 +23,8 @@ Methods:
   sdpa   F.scaled_dot_product_attention with the float mask (the bias, -inf where the mask
          hides), its gradient flowing to the bias;
   dense  our kernel without mask or bias (non-causal), for the tiles' TFLOP/s share.
-Before timing, ours is checked against the torch path of kernels/masked.py (the reference the
-kernel tests use) on the first and last 256 query rows: out, dq and dbias (a row's are exact on
+Before timing, ours and ours-prepared (those of `--methods`) are checked against the torch path
+of kernels/masked.py (the reference the kernel tests use) on the first and last 256 query rows: out, dq and dbias (a row's are exact on
 its own rows of q, dout, mask and bias: no causal or window rule here); a relative error above
 2e-2 stops the run (`--no-check` skips it). dk and dv sum over every row and are left to the
 GPU tests (tests/kernels/test_sm90_masked.py).
@@ -118,17 +118,18 @@ def attended_pairs(mask: torch.Tensor, heads: int) -> int:
     return int(mask.sum()) * (heads if mask.shape[1] == 1 else 1)
 
 
-def check_ours(q, k, v, mask, bias, dout) -> dict:
-    """{"out", "dq"[, "dbias"]: relative error} of ours against the torch path of
-    kernels/masked.py on the first and last CHECK_ROWS query rows (a row's out, dq and dbias
-    depend only on its own rows of q, dout, mask and bias, and on every key); RuntimeError
-    above CHECK_TOLERANCE."""
+def check_ours(q, k, v, mask, bias, dout, prepared: bool = False) -> dict:
+    """{"out", "dq"[, "dbias"]: relative error} of ours (the mask `prepared` or the tensor)
+    against the torch path of kernels/masked.py on the first and last CHECK_ROWS query rows (a
+    row's out, dq and dbias depend only on its own rows of q, dout, mask and bias, and on every
+    key); RuntimeError above CHECK_TOLERANCE."""
     from kernels import masked
     from kernels.validate import validate_attention_forward
 
     leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
     bias_leaf = None if bias is None else bias.detach().clone().requires_grad_()
-    out = flash_attn_func(*leaves, attn_mask=mask, attn_bias=bias_leaf)
+    out = flash_attn_func(*leaves, attn_mask=prepare_mask(mask) if prepared else mask,
+                          attn_bias=bias_leaf)
     wanted = [leaves[0]] + ([bias_leaf] if bias_leaf is not None else [])
     dq, *dbias = torch.autograd.grad(out, wanted, dout)
     seqlen = q.shape[1]
@@ -150,7 +151,8 @@ def check_ours(q, k, v, mask, bias, dout) -> dict:
             errors[what] = max(errors.get(what, 0.0), _relative_error(got, want))
     bad = {what: error for what, error in errors.items() if not error <= CHECK_TOLERANCE}
     if bad:
-        raise RuntimeError(f"ours differs from the torch path on rows of this workload: "
+        raise RuntimeError(f"ours{'-prepared' if prepared else ''} differs from the torch path "
+                           f"on rows of this workload: "
                            f"{bad} (tolerance {CHECK_TOLERANCE}); nothing timed")
     return errors
 
@@ -241,8 +243,11 @@ def measure(args, name: str, mask: torch.Tensor, device, generator,
     row = {"workload": name, "seqlen": n, "heads": heads, "head_dim": dim,
            "bias_heads": args.bias_heads if with_bias else 0,
            "kept_share": pairs / (heads * n * n), "ms": {}, "tflops": {}}
-    if args.check and "ours" in args.methods:
-        row["check"] = check_ours(q, k, v, mask, bias, dout)
+    if args.check:
+        for method in ("ours", "ours-prepared"):
+            if method in args.methods:
+                row.setdefault("check", {})[method] = check_ours(
+                    q, k, v, mask, bias, dout, prepared=method == "ours-prepared")
     for method, passes in methods_for(args, q, k, v, mask, bias, dout).items():
         counted = heads * n * n if method == "dense" else pairs
         for pass_name, fn in passes.items():
@@ -291,9 +296,11 @@ def main(argv=None) -> list[dict]:
     for name, mask, with_bias in workloads:
         row = measure(args, name, mask, device, generator, with_bias)
         rows.append(row)
-        checked = "".join(f", {what} {error:.1e}" for what, error in row.get("check", {}).items())
+        checked = "; ".join(method + "".join(f" {what} {error:.1e}"
+                                             for what, error in errors.items())
+                            for method, errors in row.get("check", {}).items())
         print(f"{name}: kept {row['kept_share']:.1%} of the cells"
-              + (f" (ours against the torch path{checked})" if checked else ""))
+              + (f" (against the torch path: {checked})" if checked else ""))
         for key, ms in row["ms"].items():
             tflops = row["tflops"].get(key)
             method, pass_name = key.rsplit(" ", 1)

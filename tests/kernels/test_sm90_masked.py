@@ -275,14 +275,16 @@ def test_a_prepared_mask_on_the_kernels(name, monkeypatch):
 @pytest.mark.parametrize("name, prepared", [("mask-and-bias-window", False),
                                             ("mask-and-bias-window", True),
                                             ("bias-staged-d64", False),
-                                            ("bias-odd-rows-and-keys", False)])
+                                            ("bias-odd-rows-and-keys", False),
+                                            ("bias-odd-rows-and-keys", True)])
 def test_the_backward_in_row_chunks(name, prepared, monkeypatch):
     """A shared 16-bit bias's gradient past KERNEL_SUMS_BUDGET_BYTES: the backward runs in
     chunks of 256 query rows (the rule at the rows' positions: a causal window, causal, none;
     keys a multiple of 4 or not, the dbias tile pass or the whole-tensor one), dq, dk, dv and
     dbias equal to the torch path's and to the one-launch kernel's within the float32 sums'
     rounding, dbias 0 where nothing is seen, and no float32 sums larger than the budget. A
-    prepared mask keeps each chunk's lists: its second backward builds none."""
+    prepared mask keeps each chunk's lists (chunks apart also where no rule tells their rows
+    apart: "bias-odd-rows-and-keys"): its second backward builds none."""
     q, k, v, mask, bias, rule = _call(name)
     problem = validate_attention_forward(q, k, v, **rule)
     out, lse = masked.forward(problem, q, k, v, mask, bias)

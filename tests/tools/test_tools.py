@@ -979,9 +979,11 @@ def test_bench_masked_times_every_workload_on_the_cpu(tmp_path, capsys):
     assert rows[-1]["bias_heads"] == 0 and rows[0]["bias_heads"] == 1
     assert json.loads(out.read_text())["results"][0]["workload"] == "window 32"
     assert "flex/ours  flex/prepared" in capsys.readouterr().out
-    assert set(rows[0]["check"]) == {"out", "dq", "dbias"} and set(rows[-1]["check"]) == {
-        "out", "dq"}
-    assert all(error < 1e-3 for row in rows for error in row["check"].values())
+    for row in rows:  # both of ours checked: the tensor mask and the prepared one
+        assert set(row["check"]) == {"ours", "ours-prepared"}
+        for errors in row["check"].values():
+            assert set(errors) == ({"out", "dq"} if row is rows[-1] else {"out", "dq", "dbias"})
+            assert all(error < 1e-3 for error in errors.values())
 
 
 def test_bench_masked_refuses_to_time_a_wrong_result(monkeypatch):
