@@ -421,3 +421,26 @@ def test_the_kernel_backward_chunks_rows_past_its_sums_budget(monkeypatch):
     assert part.row_block_offsets.tolist() == [0, 3, 6]
     assert torch.equal(dense_block_mask(part, blocks).view(batch, 3, -1, blocks),
                        whole[:, 2:5])
+
+
+def test_a_prepared_mask_keeps_row_chunks_apart():
+    """A backward's row chunks of one shape without a rule share their `AttentionProblem`:
+    the prepared mask keeps their lists apart by rows (one build each, then reused)."""
+    from kernels import prepare_mask
+    from kernels.validate import validate_attention_forward
+
+    q = torch.randn(1, 512, 2, 64)
+    prepared = prepare_mask(_random_mask((1, 1, 512, 512), 0.5, seed=4))
+    problem = validate_attention_forward(q, q, q)
+    chunks = [masked_module._row_chunk(problem, r0, r0 + 256) for r0 in (0, 256)]
+    assert chunks[0] == chunks[1]  # no rule: the rows are not part of the call
+    built = []
+
+    def build(r0):
+        built.append(r0)
+        return object()
+    first, second = (prepared.lists_for(chunk, 2, lambda r0=r0: build(r0), rows=(r0, r0 + 256))
+                     for chunk, r0 in zip(chunks, (0, 256)))
+    assert first is not second and built == [0, 256]
+    assert prepared.lists_for(chunks[1], 2, lambda: build(-1), rows=(256, 512)) is second
+    assert built == [0, 256]
