@@ -24,15 +24,16 @@ Methods:
          hides), its gradient flowing to the bias;
   dense  our kernel without mask or bias (non-causal), for the tiles' TFLOP/s share.
 Before timing, ours and ours-prepared (those of `--methods`) are checked against the torch path
-of kernels/masked.py (the reference the kernel tests use) on the first and last 256 query rows: out, dq and dbias (a row's are exact on
-its own rows of q, dout, mask and bias: no causal or window rule here); a relative error above
-2e-2 stops the run (`--no-check` skips it). dk and dv sum over every row and are left to the
-GPU tests (tests/kernels/test_sm90_masked.py).
+of kernels/masked.py (the reference the kernel tests use) on the first and last 256 query rows:
+out, dq and dbias (a row's are exact on its own rows of q, dout, mask and bias: no causal or
+window rule here); a relative error above 2e-2 stops the run (`--no-check` skips it). dk and dv
+sum over every row and are left to the GPU tests (tests/kernels/test_sm90_masked.py).
 Passes: fwd (no graph), fwd+bwd (gradients of q, k, v and the bias), and bwd = fwd+bwd - fwd.
 CUDA events of device time after warm-up, medians. TFLOP/s count the attended pairs (4 D flops
 per pair and head forward, 3.5x for forward+backward). On a GPU each method's forward+backward
 line ends with the peak memory one call adds above what was allocated before it (its outputs,
-gradients and temporaries; "peak +X GiB"), from one more call after the timing. Inputs are random normal, never zeros.
+gradients and temporaries; "peak +X GiB"), from one more call after the timing. Inputs are
+random normal, never zeros.
 Prints a table per workload and a short table of the ratios last (flex / ours, sdpa bwd /
 ours bwd); `--json` writes the rows.
 
