@@ -108,7 +108,7 @@ class _MaskedAttentionFunction(torch.autograd.Function):
         ctx.save_for_backward(q, k, v, out, lse, masked.mask_tensor(attn_mask), attn_bias)
         ctx.options, ctx.deterministic, ctx.lists = options, deterministic, lists
         # A prepared mask goes to the backward as itself (its kept transpose of the lists).
-        ctx.prepared = attn_mask if isinstance(attn_mask, masked.PreparedMask) else None
+        ctx.prepared = masked.prepared_of(attn_mask)
         ctx.mark_non_differentiable(lse)
         return out, lse
 

@@ -163,6 +163,11 @@ def mask_tensor(attn_mask):
     return attn_mask.tensor() if isinstance(attn_mask, PreparedMask) else attn_mask
 
 
+def prepared_of(attn_mask) -> PreparedMask | None:
+    """attn_mask where it is a PreparedMask, else None (a tensor or no mask)."""
+    return attn_mask if isinstance(attn_mask, PreparedMask) else None
+
+
 def check_mask_and_bias(q, k, attn_mask, attn_bias) -> tuple[Broadcast | None, Broadcast | None]:
     """The broadcast of each (None where not given), or a TypeError / ValueError naming the
     argument. q (B, Nq, H, D), k (B, Nk, Hkv, D) are already checked. attn_mask may be a
@@ -396,8 +401,7 @@ def sm90_backward(problem: AttentionProblem, dout, q, k, v, out, lse, attn_mask=
             return _backward_by_rows(rows, problem, dout, q, k, v, out, lse, attn_mask,
                                      attn_bias, mods, kwargs["block_sparse"])
     gradient = _BiasGradient(problem, attn_bias, mods.bias, kwargs["block_sparse"],
-                             attn_mask if isinstance(attn_mask, PreparedMask) else None) \
-        if bias_gradient else None
+                             prepared_of(attn_mask)) if bias_gradient else None
     dq, dk, dv = kernel.run(dout, q, k, v, out, lse, **kwargs, score_mods=mods,
                             head_major_units=mods.head_major_units,
                             dbias=None if gradient is None else gradient.sums,
@@ -411,8 +415,8 @@ def _rows_per_launch(problem: AttentionProblem, attn_bias: torch.Tensor,
     rows pass KERNEL_SUMS_BUDGET_BYTES, the most whole tiles of rows whose sums fit (one tile
     at least). bias: the (slabs, Nq, Nk) cells the kernel reads."""
     slabs, rows, keys = bias.shape
-    if attn_bias.dtype == torch.float32 or slabs == problem.num_seqs * problem.num_heads:
-        return rows  # the gradient is its own sums, or takes stores: no float32 temporary
+    if not _sums_in_float32(problem, attn_bias, bias):
+        return rows
     per_row = slabs * keys * 4
     if rows * per_row <= KERNEL_SUMS_BUDGET_BYTES:
         return rows
@@ -435,7 +439,7 @@ def _backward_by_rows(rows: int, problem: AttentionProblem, dout, q, k, v, out, 
     dbias = torch.empty(mods.bias.shape, dtype=attn_bias.dtype, device=q.device)
     sums = UnwrittenDkvSums(torch.empty(t.shape, dtype=torch.float32, device=t.device)
                             for t in (k, v))
-    prepared = attn_mask if isinstance(attn_mask, PreparedMask) else None
+    prepared = prepared_of(attn_mask)
     for r0 in range(0, seqlen_q, rows):
         r1 = min(r0 + rows, seqlen_q)
         part = _row_chunk(problem, r0, r1)
@@ -512,11 +516,11 @@ class _BiasGradient:
 
         self.shape = attn_bias.shape if out is None else out.shape
         device = bias.device
-        self.stores = bias.shape[0] == problem.num_seqs * problem.num_heads
+        self.stores = _dbias_stores(problem, bias)
         self.out = torch.empty(bias.shape, dtype=attn_bias.dtype, device=device) \
             if out is None else out
-        self.sums = self.out if attn_bias.dtype == torch.float32 or self.stores else \
-            torch.empty(bias.shape, dtype=torch.float32, device=device)
+        self.sums = torch.empty(bias.shape, dtype=torch.float32, device=device) \
+            if _sums_in_float32(problem, attn_bias, bias) else self.out
         self.tiles, _ = dispatch.sm90_module("dbias_tiles", device)
         self.visited = None
         if self.tiles is not None:
@@ -540,6 +544,19 @@ class _BiasGradient:
         elif self.out is not self.sums:
             self.out.copy_(self.sums)
         return self.out.view(self.shape)
+
+
+def _dbias_stores(problem: AttentionProblem, bias: torch.Tensor) -> bool:
+    """Whether every slab of the (slabs, Nq, Nk) bias cells serves one batch entry and query
+    head: each dbias cell then takes one dS, stored (`BwdSpec.score_dbias_stores`)."""
+    return bias.shape[0] == problem.num_seqs * problem.num_heads
+
+
+def _sums_in_float32(problem: AttentionProblem, attn_bias: torch.Tensor,
+                     bias: torch.Tensor) -> bool:
+    """Whether the backward sums dS into a float32 temporary of the bias cells' shape: not
+    where the gradient is its own sums (a float32 bias) or takes stores (`_dbias_stores`)."""
+    return attn_bias.dtype != torch.float32 and not _dbias_stores(problem, bias)
 
 
 def _rows_are_32_bit_offsets(*cells) -> bool:
@@ -590,7 +607,7 @@ def _kernel_call(direction: str, problem: AttentionProblem, q, k, v, attn_mask, 
     if lists is None:
         lists = tile_lists(problem, attn_mask, attn_bias)
     kwargs = dispatch.normalised_kwargs(problem, None, None, lists)
-    prepared = attn_mask if isinstance(attn_mask, PreparedMask) else None
+    prepared = prepared_of(attn_mask)
     if direction == "backward" and prepared is not None:
         kwargs["block_sparse_transposed"] = prepared.transposed_for(lists)
     kernel, _ = dispatch.attention_kernel(direction, q, k, v, kwargs, problem)
@@ -629,7 +646,7 @@ def _tile_lists(problem: AttentionProblem, attn_mask, attn_bias, heads: int):
     from sparsity import build_block_sparse_from_tile_classes
 
     tile = KERNEL_TILE
-    prepared = attn_mask if isinstance(attn_mask, PreparedMask) else None
+    prepared = prepared_of(attn_mask)
     attn_mask = mask_tensor(attn_mask)
     given = [x for x in (attn_mask, attn_bias) if x is not None]
     classes = _rule_classes(problem, tile, given[0].device)

@@ -14,9 +14,8 @@ this tool takes it apart, on one workload:
   host time per op.
 
 bf16, learned gates (W_gate; `--mean-gates` for none), dO random; the other options are nsa()'s
-defaults (`--capture`:
-with the default, calls up to 16K tokens at H=32 replay nsa()'s captured plans after the
-warm-up; `--capture off` times the eager path itself).
+defaults (`--capture`: with the default, calls up to 16K tokens at H=32 replay nsa()'s captured
+plans after the warm-up; `--capture off` times the eager path itself).
 
     python tools/profile_host.py                              # 8K tokens, H=32, Hkv=8, D=128
     python tools/profile_host.py --packed lognormal-2k        # a packed workload
