@@ -17,7 +17,7 @@ import torch
 
 from .interface import (attention_backward, attention_backward_trusted, attention_forward,
                         attention_forward_trusted, masked_attention_backward,
-                        masked_attention_forward_with_lists)
+                        masked_attention_forward_with_tiles)
 from . import masked
 from .validate import check_deterministic
 
@@ -103,10 +103,11 @@ class _MaskedAttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, attn_bias, attn_mask, options: dict, deterministic: bool):
-        out, lse, lists = masked_attention_forward_with_lists(
-            q, k, v, attn_mask=attn_mask, attn_bias=attn_bias, **options)
+        out, lse, tiles = masked_attention_forward_with_tiles(
+            q, k, v, attn_mask=attn_mask, attn_bias=attn_bias, **options,
+            bias_gradient=ctx.needs_input_grad[3] and not deterministic)
         ctx.save_for_backward(q, k, v, out, lse, masked.mask_tensor(attn_mask), attn_bias)
-        ctx.options, ctx.deterministic, ctx.lists = options, deterministic, lists
+        ctx.options, ctx.deterministic, ctx.tiles = options, deterministic, tiles
         # A prepared mask goes to the backward as itself (its kept transpose of the lists).
         ctx.prepared = masked.prepared_of(attn_mask)
         ctx.mark_non_differentiable(lse)
@@ -122,8 +123,8 @@ class _MaskedAttentionFunction(torch.autograd.Function):
             dq, dk, dv, dbias = masked_attention_backward(
                 contiguous_dout, q, k, v, out, lse, attn_mask=attn_mask, attn_bias=attn_bias,
                 bias_gradient=ctx.needs_input_grad[3], deterministic=ctx.deterministic,
-                tile_lists=ctx.lists, **ctx.options)
-        ctx.lists = None
+                forward_tiles=ctx.tiles, **ctx.options)
+        ctx.tiles = None
         grads = refuse_double_backward("flash_attn_func", (dq, dk, dv, dbias),
                                        (dout, q, k, v, attn_bias))
         return (*grads, None, None, None)

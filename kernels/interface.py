@@ -94,21 +94,23 @@ def masked_attention_forward(q, k, v, *, attn_mask=None, attn_bias=None, softmax
                              ) -> tuple[torch.Tensor, torch.Tensor]:
     """``attention_forward`` of padded inputs with a user mask and/or an additive bias
     (``kernels.masked`` states the function and the broadcast rules): ``(out, lse)``."""
-    out, lse, _ = masked_attention_forward_with_lists(
+    out, lse, _ = masked_attention_forward_with_tiles(
         q, k, v, attn_mask=attn_mask, attn_bias=attn_bias, softmax_scale=softmax_scale,
         causal=causal, window_size=window_size, compress_factor=compress_factor)
     return out, lse
 
 
-def masked_attention_forward_with_lists(q, k, v, *, attn_mask=None, attn_bias=None,
+def masked_attention_forward_with_tiles(q, k, v, *, attn_mask=None, attn_bias=None,
                                         softmax_scale=None, causal=False, window_size=(-1, -1),
-                                        compress_factor=1):
-    """``masked_attention_forward`` and the tile lists the sm90 kernel ran on (None on the
-    torch path): ``(out, lse, lists)``; ``masked_attention_backward(tile_lists=lists)`` then
-    skips building them again (the autograd function passes them)."""
+                                        compress_factor=1, bias_gradient=False):
+    """``masked_attention_forward`` and what the sm90 kernel's backward reuses of it
+    (``kernels.masked.ForwardTiles``: the tile lists it ran on and, with ``bias_gradient``
+    where the bias's float32 gradient sums need them, the tiles they visit, counted; None on
+    the torch path): ``(out, lse, tiles)``; ``masked_attention_backward(forward_tiles=tiles)``
+    then builds none of them again (the autograd function passes them)."""
     problem = _validate_masked(q, k, v, attn_mask, attn_bias, softmax_scale, causal,
                                window_size, compress_factor)
-    on_kernel = masked.sm90_forward(problem, q, k, v, attn_mask, attn_bias)
+    on_kernel = masked.sm90_forward(problem, q, k, v, attn_mask, attn_bias, bias_gradient)
     if on_kernel is not None:
         return on_kernel
     return (*masked.forward(problem, q, k, v, masked.mask_tensor(attn_mask), attn_bias), None)
@@ -117,13 +119,13 @@ def masked_attention_forward_with_lists(q, k, v, *, attn_mask=None, attn_bias=No
 def masked_attention_backward(dout, q, k, v, out, lse, *, attn_mask=None, attn_bias=None,
                               softmax_scale=None, causal=False, window_size=(-1, -1),
                               compress_factor=1, bias_gradient=False, deterministic=False,
-                              tile_lists=None):
+                              forward_tiles=None):
     """The backward of ``masked_attention_forward``: ``(dq, dk, dv, dbias)``, dbias (the bias's
     shape and dtype, summed over its broadcast dims) with ``bias_gradient``, else None. On the
     sm90 kernel where it takes the call, its float32 sums in a run-dependent order; with
     ``deterministic=True`` (or off the kernel) on the torch path, whose sums run in a fixed
-    order: bit-identical from run to run. ``tile_lists``: the forward's lists of this call
-    (``masked_attention_forward_with_lists``), reused instead of built again."""
+    order: bit-identical from run to run. ``forward_tiles``: the forward's tiles of this call
+    (``masked_attention_forward_with_tiles``), reused instead of built again."""
     problem = _validate_masked(q, k, v, attn_mask, attn_bias, softmax_scale, causal,
                                window_size, compress_factor)
     if bias_gradient and attn_bias is None:
@@ -131,7 +133,7 @@ def masked_attention_backward(dout, q, k, v, out, lse, *, attn_mask=None, attn_b
     check_backward_tensors(problem, q, dout, out, lse)
     if not check_deterministic(deterministic):
         on_kernel = masked.sm90_backward(problem, dout, q, k, v, out, lse, attn_mask,
-                                         attn_bias, bias_gradient, tile_lists)
+                                         attn_bias, bias_gradient, forward_tiles)
         if on_kernel is not None:
             return on_kernel
     return masked.backward(problem, dout, q, k, v, out, lse, masked.mask_tensor(attn_mask),

@@ -17,7 +17,7 @@ visit are listed from the mask, the bias's -inf cells and the causal/window rule
 128 x 128 tile (`tile_lists`: tiles where nothing is seen are never loaded, tiles where
 everything is seen skip the mask), and the kernel adds the bias and reads the mask in
 registers (kernels/sm90/score_mod.py). Its backward sums a shared 16-bit bias's gradient in
-float32 over at most KERNEL_SUMS_BUDGET_BYTES, chunk of query rows by chunk past it.
+float32 over at most KERNEL_SUMS_BUDGET_BYTES, one chunk of keys at a time past it.
 
 A mask that many calls share (a model's layers, a fixed pattern across steps) can be prepared
 once (`prepare_mask`, FlexAttention's BlockMask in our terms): its tile classes, the tile lists
@@ -55,10 +55,10 @@ KERNEL_BIAS_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 BIAS_CLASSES_AFTER_MASK = True
 # The sm90 backward's float32 dbias sums (a 16-bit bias a slab of which serves several heads or
 # batch entries: dS is summed over them, `_BiasGradient`) hold at most this many bytes: past
-# it the backward runs in chunks of query rows whose sums fit (`_backward_by_rows`), so a long
-# call keeps no float32 copy of its bias's size beside the bias and its gradient (a shared
-# 64K x 64K bias would need 16 GiB). 1 GiB keeps 16K x 16K in one launch.
-KERNEL_SUMS_BUDGET_BYTES = 1 << 30
+# it the backward runs in chunks of keys whose sums fit (`_backward_by_columns`), so no call
+# keeps a float32 copy of its bias's size beside the bias and its gradient (a shared 16K x 16K
+# bias would need 1 GiB, 64K x 64K 16 GiB).
+KERNEL_SUMS_BUDGET_BYTES = 256 << 20
 
 
 @dataclass(frozen=True)
@@ -78,16 +78,15 @@ class PreparedMask:
     call after an in-place change raises (torch's version counter; an inference tensor has
     none and is trusted)."""
 
-    # Call shapes kept (train and eval, a few rules, and the row chunks of a backward whose
-    # bias gradient is summed chunk by chunk: `_backward_by_rows`); the oldest goes first.
-    MAX_SHAPES = 32
+    # Call shapes kept (train and eval, a few rules); the oldest goes first.
+    MAX_SHAPES = 8
 
     def __init__(self, mask: torch.Tensor):
         self.mask = mask
         self._version = None if mask.is_inference() else mask._version
         self._classes: torch.Tensor | None = None
-        # (AttentionProblem, list heads, row chunk or None) -> [lists, their transpose or
-        #                                                      None, {bias form: visited tiles}]
+        # (AttentionProblem, list heads) -> [lists, their transpose or None,
+        #     {bias form: visited tiles}, {KV tiles of a column chunk: their transpose}]
         self._lists: dict = {}
 
     def tensor(self) -> torch.Tensor:
@@ -104,17 +103,15 @@ class PreparedMask:
             self._classes = _cell_classes(self.mask, lambda m: m != 0, tile)
         return self._classes
 
-    def lists_for(self, problem: AttentionProblem, heads: int, build, rows=None):
+    def lists_for(self, problem: AttentionProblem, heads: int, build):
         """The tile lists of `problem` (the mask's and the rule's), `heads` lists per batch
-        entry and tile: build()'s result, kept. rows: the (first, end) query rows of the mask
-        that `problem` covers, for a chunk of a call's rows (`_backward_by_rows`; the problem
-        alone does not say which rows where no rule places them)."""
-        key = (problem, heads, rows)
+        entry and tile: build()'s result, kept."""
+        key = (problem, heads)
         entry = self._lists.get(key)
         if entry is None:
             while len(self._lists) >= self.MAX_SHAPES:
                 self._lists.pop(next(iter(self._lists)))
-            entry = self._lists[key] = [build(), None, {}]
+            entry = self._lists[key] = [build(), None, {}, {}]
         return entry[0]
 
     def _entry(self, lists):
@@ -130,9 +127,20 @@ class PreparedMask:
         if entry is not None:
             entry[1] = transposed
 
+    def columns_for(self, lists, tiles: tuple[int, int], build):
+        """build()'s transpose of `lists` (lists of this mask) restricted to the KV tiles
+        [first, end) `tiles` (a column chunk of `_backward_by_columns`), kept with them."""
+        entry = self._entry(lists)
+        if entry is None:
+            return build()
+        if tiles not in entry[3]:
+            entry[3][tiles] = build()
+        return entry[3][tiles]
+
     def visited_for(self, lists, bias_form, build):
-        """build()'s map of the tiles `lists` (lists of this mask) visit per bias slab of the
-        (Bm, Hm) form `bias_form`, kept with them."""
+        """build()'s tiles `lists` (lists of this mask) visit per bias slab of the (Bm, Hm)
+        form `bias_form` (`_VisitedTiles`: their map, and their slots once counted), kept with
+        them."""
         entry = self._entry(lists)
         if entry is None:
             return build()
@@ -362,23 +370,42 @@ def _reduce_heads(ds: torch.Tensor, heads: int) -> torch.Tensor:
 
 # --- the sm90 forward ----------------------------------------------------------------------------
 
-def sm90_forward(problem: AttentionProblem, q, k, v, attn_mask=None, attn_bias=None):
-    """(out, lse, lists) of `forward` on the sm90 kernel (lists: the `tile_lists` it ran on,
-    which the backward may reuse), or None where it does not take the call (then the torch
-    path runs). The same function, dtype rules and outputs. attn_mask may be a
-    `PreparedMask`."""
+def sm90_forward(problem: AttentionProblem, q, k, v, attn_mask=None, attn_bias=None,
+                 bias_gradient: bool = False):
+    """(out, lse, tiles) of `forward` on the sm90 kernel (tiles: a `ForwardTiles`, what the
+    backward may reuse), or None where it does not take the call (then the torch path runs).
+    The same function, dtype rules and outputs. attn_mask may be a `PreparedMask`.
+    bias_gradient: the backward will take the bias's gradient; where its float32 sums would
+    pass KERNEL_SUMS_BUDGET_BYTES, the tiles the lists visit are counted here for it
+    (`_VisitedTiles.count_later`: the backward reads the count without waiting for more than
+    this point of the forward)."""
     call = _kernel_call("forward", problem, q, k, v, attn_mask, attn_bias)
     if call is None:
         return None
     kernel, kwargs = call
-    out, lse = kernel.run(q, k, v, **kwargs,
-                          score_mods=score_mod_tensors(problem, mask_tensor(attn_mask),
-                                                       attn_bias))
-    return out, lse, kwargs["block_sparse"]
+    mods = score_mod_tensors(problem, mask_tensor(attn_mask), attn_bias)
+    lists, visited = kwargs["block_sparse"], None
+    if (bias_gradient and prepared_of(attn_mask) is None
+            and _sums_in_float32(problem, attn_bias, mods.bias)
+            and _keys_per_launch(problem, attn_bias, mods.bias) < problem.max_seqlen_k
+            and not torch.cuda.is_current_stream_capturing()):
+        visited = _VisitedTiles.of(problem, lists, _as_4d(attn_bias).shape[:2])
+        visited.count_later()
+    out, lse = kernel.run(q, k, v, **kwargs, score_mods=mods)
+    return out, lse, ForwardTiles(lists, visited)
+
+
+@dataclass(frozen=True)
+class ForwardTiles:
+    """What the sm90 forward hands its backward (`sm90_backward(tiles=)`): the tile lists it
+    ran on and, where it counted them for the bias's gradient, the tiles they visit per bias
+    slab (`_VisitedTiles`)."""
+    lists: object
+    visited: "_VisitedTiles | None" = None
 
 
 def sm90_backward(problem: AttentionProblem, dout, q, k, v, out, lse, attn_mask=None,
-                  attn_bias=None, bias_gradient: bool = False, lists=None):
+                  attn_bias=None, bias_gradient: bool = False, tiles=None):
     """(dq, dk, dv, dbias) of `backward` on the sm90 kernel (the KV-centric kernel with the
     fused dQ, dS summed into a float32 dbias by reductions), or None where it does not take
     the call. Its float32 sums (dQ, dbias) land in a run-dependent order: deterministic callers
@@ -386,7 +413,8 @@ def sm90_backward(problem: AttentionProblem, dout, q, k, v, out, lse, attn_mask=
     attn_mask may be a `PreparedMask`."""
     if bias_gradient and _broadcast_view(attn_bias).shape != _as_4d(attn_bias).shape:
         return None  # an expanded bias's gradient is per copy: its cells are not one slab
-    call = _kernel_call("backward", problem, q, k, v, attn_mask, attn_bias, lists)
+    tiles = tiles or ForwardTiles(None)
+    call = _kernel_call("backward", problem, q, k, v, attn_mask, attn_bias, tiles.lists)
     if call is None:
         return None
     kernel, kwargs = call
@@ -395,155 +423,225 @@ def sm90_backward(problem: AttentionProblem, dout, q, k, v, out, lse, attn_mask=
                                       **kwargs)
             or not _rows_are_32_bit_offsets(mods.mask, mods.bias)):
         return None
-    if bias_gradient:
-        rows = _rows_per_launch(problem, attn_bias, mods.bias)
-        if rows < problem.max_seqlen_q:
-            return _backward_by_rows(rows, problem, dout, q, k, v, out, lse, attn_mask,
-                                     attn_bias, mods, kwargs["block_sparse"])
     gradient = _BiasGradient(problem, attn_bias, mods.bias, kwargs["block_sparse"],
-                             prepared_of(attn_mask)) if bias_gradient else None
+                             prepared_of(attn_mask), tiles.visited) if bias_gradient else None
+    if gradient is not None and gradient.keys_per_launch < problem.max_seqlen_k:
+        return _backward_by_columns(gradient, problem, dout, q, k, v, out, lse, attn_mask,
+                                    mods, kernel, kwargs)
     dq, dk, dv = kernel.run(dout, q, k, v, out, lse, **kwargs, score_mods=mods,
                             head_major_units=mods.head_major_units,
-                            dbias=None if gradient is None else gradient.sums,
-                            dbias_stores=gradient is not None and gradient.stores)
+                            dbias=None if gradient is None else gradient.sums_for(
+                                0, problem.max_seqlen_k),
+                            dbias_stores=gradient is not None and gradient.stores,
+                            dbias_slots=None if gradient is None else gradient.slots)
+    if gradient is not None:
+        gradient.convert()
     return dq, dk, dv, None if gradient is None else gradient.result()
 
 
-def _rows_per_launch(problem: AttentionProblem, attn_bias: torch.Tensor,
+def _keys_per_launch(problem: AttentionProblem, attn_bias: torch.Tensor,
                      bias: torch.Tensor) -> int:
-    """Query rows per backward launch: all of them, or where the float32 dbias sums of all
-    rows pass KERNEL_SUMS_BUDGET_BYTES, the most whole tiles of rows whose sums fit (one tile
-    at least). bias: the (slabs, Nq, Nk) cells the kernel reads."""
+    """Keys per backward launch: all of them, or where the float32 dbias sums of all keys
+    pass KERNEL_SUMS_BUDGET_BYTES, the most whole tiles of keys whose sums fit (one tile at
+    least). bias: the (slabs, Nq, Nk) cells the kernel reads."""
     slabs, rows, keys = bias.shape
     if not _sums_in_float32(problem, attn_bias, bias):
-        return rows
-    per_row = slabs * keys * 4
-    if rows * per_row <= KERNEL_SUMS_BUDGET_BYTES:
-        return rows
-    return max(1, KERNEL_SUMS_BUDGET_BYTES // (per_row * KERNEL_TILE)) * KERNEL_TILE
+        return keys
+    per_key = slabs * rows * 4
+    if keys * per_key <= KERNEL_SUMS_BUDGET_BYTES:
+        return keys
+    return max(1, KERNEL_SUMS_BUDGET_BYTES // (per_key * KERNEL_TILE)) * KERNEL_TILE
 
 
-def _backward_by_rows(rows: int, problem: AttentionProblem, dout, q, k, v, out, lse,
-                      attn_mask, attn_bias, mods, lists):
-    """`sm90_backward` with the bias's gradient, one launch per chunk of `rows` query rows (a
-    multiple of KERNEL_TILE): each chunk's float32 dbias sums cover its rows alone and are
-    converted into them before the next; dK and dV add up over the chunks in float32
-    (`dkv_accumulators`) and are rounded once; dQ rows are each chunk's own. The rule sees the
-    chunk's rows at their positions (q_start_positions), the mask and bias at their rows. A
-    `PreparedMask` keeps each chunk's lists, their transpose and visited-tile map."""
-    from .dkv_sums import UnwrittenDkvSums
+def _backward_by_columns(gradient: "_BiasGradient", problem: AttentionProblem, dout, q, k, v,
+                         out, lse, attn_mask, mods, kernel, kwargs):
+    """`sm90_backward` with the bias's gradient, one launch per chunk of
+    `gradient.keys_per_launch` keys (a multiple of KERNEL_TILE). Each launch is the backward
+    of its keys alone: k, v, the mask's and the bias's columns, the transpose of the call's
+    lists restricted to its KV tiles (`sparsity.csr.csr_rows`), and where a rule reads
+    positions, the rows placed so that the keys keep theirs (q_start_positions moved back by
+    the chunk's first key's position). So dK and dV of its keys are whole and written once,
+    its float32 dbias sums cover its columns alone and are converted into them before the
+    next launch reuses them, and every launch adds its dQ into one float32 accumulator
+    (`DqSums`), converted once; the row statistics are computed once. A `PreparedMask` keeps
+    each chunk's transpose."""
+    from sparsity.csr import csr_rows
 
-    batch, seqlen_q = problem.num_seqs, problem.max_seqlen_q
-    tiles = -(-seqlen_q // KERNEL_TILE)
-    dq = torch.empty_like(q)
-    dbias = torch.empty(mods.bias.shape, dtype=attn_bias.dtype, device=q.device)
-    sums = UnwrittenDkvSums(torch.empty(t.shape, dtype=torch.float32, device=t.device)
-                            for t in (k, v))
+    from .sm90.backward import DqSums, SharedRowStatistics
+
+    seqlen_k, tile, keys = problem.max_seqlen_k, KERNEL_TILE, gradient.keys_per_launch
+    lists, transposed = kwargs["block_sparse"], kwargs["block_sparse_transposed"]
     prepared = prepared_of(attn_mask)
-    for r0 in range(0, seqlen_q, rows):
-        r1 = min(r0 + rows, seqlen_q)
-        part = _row_chunk(problem, r0, r1)
-        build = functools.partial(_list_rows, lists, batch, tiles, r0 // KERNEL_TILE,
-                                  -(-r1 // KERNEL_TILE))
-        part_lists = build() if prepared is None else prepared.lists_for(
-            part, lists.full_count.shape[1], build, rows=(r0, r1))
-        call = _kernel_call("backward", part, q[:, r0:r1], k, v, prepared, None, part_lists)
-        assert call is not None, "a chunk of a backward the kernel takes"
-        kernel, kwargs = call
+    dk, dv = torch.empty_like(k), torch.empty_like(v)
+    dq_sums, statistics = DqSums(), SharedRowStatistics()
+    for c0 in range(0, seqlen_k, keys):
+        c1 = min(c0 + keys, seqlen_k)
+        tiles = (c0 // tile, -(-c1 // tile))
+        build = functools.partial(csr_rows, transposed, -(-seqlen_k // tile), *tiles)
+        part = dict(kwargs, max_seqlen_k=c1 - c0, block_sparse_transposed=(
+            build() if prepared is None else prepared.columns_for(lists, tiles, build)))
+        if has_rule(problem):  # key j of the chunk is key c0 + j: its position moves by c0 cf
+            part["q_start_positions"] = tuple(problem.q_start(s) - c0 * problem.compress_factor
+                                              for s in range(problem.num_seqs))
         part_mods = dataclasses.replace(
-            mods, mask=None if mods.mask is None else mods.mask[:, r0:r1],
-            bias=mods.bias[:, r0:r1])
-        gradient = _BiasGradient(part, attn_bias, part_mods.bias, part_lists, prepared,
-                                 out=dbias[:, r0:r1])
-        dq_rows, *sums = kernel.run(
-            dout[:, r0:r1], q[:, r0:r1], k, v, out[:, r0:r1], lse[:, :, r0:r1], **kwargs,
-            score_mods=part_mods, head_major_units=mods.head_major_units,
-            dbias=gradient.sums, dkv_accumulators=sums)
-        dq[:, r0:r1] = dq_rows
-        gradient.result()
-        del gradient  # its float32 sums go before the next chunk's
-    dk, dv = (s.to(t.dtype) for s, t in zip(sums, (k, v)))
-    return dq, dk, dv, dbias.view(attn_bias.shape)
-
-
-def _row_chunk(problem: AttentionProblem, r0: int, r1: int) -> AttentionProblem:
-    """`problem` for query rows [r0, r1) of each batch entry (every key), the rows at their
-    positions where a rule reads them."""
-    n = r1 - r0
-    shifted = r0 > 0 and has_rule(problem)
-    return dataclasses.replace(problem, cu_seqlens_q=tuple(range(0, problem.num_seqs * n + 1, n)),
-                               max_seqlen_q=n,
-                               q_start_positions=(r0,) * problem.num_seqs if shifted else None)
-
-
-def _list_rows(lists, batch: int, tiles: int, t0: int, t1: int):
-    """The lists of query tiles [t0, t1) of each of `batch` entries (rows b * tiles + t of
-    `lists`): lists of a call of those rows."""
-    if batch == 1:
-        pick = slice(t0, t1)
-    else:
-        device = lists.full_count.device
-        pick = (torch.arange(batch, device=device)[:, None] * tiles
-                + torch.arange(t0, t1, device=device)).flatten()
-    return dataclasses.replace(
-        lists, full_count=lists.full_count[pick], full_index=lists.full_index[pick],
-        mask_count=lists.mask_count[pick], mask_index=lists.mask_index[pick],
-        row_block_offsets=torch.arange(0, batch * (t1 - t0) + 1, t1 - t0, dtype=torch.int32,
-                                       device=lists.full_count.device))
+            mods, mask=None if mods.mask is None else mods.mask[..., c0:c1],
+            bias=mods.bias[..., c0:c1])
+        columns = (dk[:, c0:c1], dv[:, c0:c1])  # contiguous for one batch entry: written
+        dq_part, *dkv_part = kernel.run(
+            dout, q, k[:, c0:c1], v[:, c0:c1], out, lse, **part, score_mods=part_mods,
+            head_major_units=mods.head_major_units, dbias=gradient.sums_for(c0, c1),
+            dq_sums=dq_sums, row_statistics=statistics, dkv_out=columns)
+        gradient.convert()
+        assert dq_part is None, "a chunk's dQ adds into the shared float32 sums"
+        for into, part_grad in zip(columns, dkv_part):
+            if part_grad.data_ptr() != into.data_ptr():  # not written in place
+                into.copy_(part_grad)
+    return dq_sums.finish().view(q.shape), dk, dv, gradient.result()
 
 
 class _BiasGradient:
-    """The float32 sums the sm90 backward adds dS into ((slabs, Nq, Nk), zeroed where a list
-    visits) and the bias's gradient made of them (`result`).
+    """The float32 sums the sm90 backward adds dS into and the bias's gradient made of them:
+    `sums_for(c0, c1)` gives the tensor a launch over keys [c0, c1) sums into, zeroed where it
+    will add, `convert()` turns the launch's sums into the gradient's columns after it, and
+    `result()` is the gradient. The sums take one of three forms, decided here:
+
+    - the visited 128 x 128 tiles alone, (slots, 128, 128), each found through an int32 map
+      of the tiles (`slots`; `BwdSpec.score_dbias_tiles`), where their count is known on the
+      host and fits KERNEL_SUMS_BUDGET_BYTES: a prepared mask's, counted once at its first
+      backward, or a tensor mask's, counted by the forward (`counted`) where the cells' sums
+      would pass the budget (a window of 2048 keys at 16K visits 12% of the tiles);
+    - the bias's cells, (slabs, Nq, Nk), where they fit the budget (one launch);
+    - past it, one launch per chunk of `keys_per_launch` keys whose cells fit
+      (`_backward_by_columns`), the chunks' sums one buffer in turn.
 
     Only the tiles some list visits receive a sum. Where `kernels.sm90.dbias_tiles` runs, only
-    those tiles of the sums are zeroed before the backward and read after it; the gradient's
-    other tiles are written as zeros in the same pass (at 16K x 16K, window 32, the whole-tensor
-    zeroing and conversion cost 0.67 ms, more than the attention). A float32 bias's gradient is
-    its own sums. Elsewhere the whole tensor is zeroed and converted in torch.
+    those tiles of the cells' sums are zeroed before the backward and read after it; the
+    gradient's other tiles are written as zeros in the same pass (at 16K x 16K, window 32, the
+    whole-tensor zeroing and conversion cost 0.67 ms, more than the attention). A float32
+    bias's gradient is its own sums. Elsewhere the columns are zeroed and converted whole in
+    torch.
 
     Where every slab serves one batch entry and query head (`stores`: a (B, H, Nq, Nk) bias, the
     largest), nothing is summed: the backward stores each visited cell's dS into the gradient
     itself, in the bias's dtype (`BwdSpec.score_dbias_stores`), the other tiles are zeroed, and
-    there is no float32 temporary (a per-head 16-bit bias of 16 x 16K x 16K would need 16 GiB).
-
-    out: the gradient's cells to write (rows of a larger gradient, `_backward_by_rows`);
-    None: allocated here in the bias's shape."""
+    there is no float32 temporary (a per-head 16-bit bias of 16 x 16K x 16K would need 16 GiB)."""
 
     def __init__(self, problem: AttentionProblem, attn_bias: torch.Tensor, bias: torch.Tensor,
-                 lists, prepared: PreparedMask | None = None, out: torch.Tensor | None = None):
+                 lists, prepared: PreparedMask | None = None,
+                 counted: "_VisitedTiles | None" = None):
         from . import dispatch
 
-        self.shape = attn_bias.shape if out is None else out.shape
+        self.shape = attn_bias.shape
         device = bias.device
         self.stores = _dbias_stores(problem, bias)
-        self.out = torch.empty(bias.shape, dtype=attn_bias.dtype, device=device) \
-            if out is None else out
-        self.sums = torch.empty(bias.shape, dtype=torch.float32, device=device) \
-            if _sums_in_float32(problem, attn_bias, bias) else self.out
-        self.tiles, _ = dispatch.sm90_module("dbias_tiles", device)
-        self.visited = None
-        if self.tiles is not None:
+        self.out = torch.empty(bias.shape, dtype=attn_bias.dtype, device=device)
+        self._tiles, _ = dispatch.sm90_module("dbias_tiles", device)
+        visited = None
+        if self._tiles is not None:
             form = _as_4d(attn_bias).shape[:2]
-            build = functools.partial(_visited_tiles, problem, lists, form)
-            self.visited = build() if prepared is None else prepared.visited_for(
-                lists, form, build)
-            if not self.tiles.can_run(self.visited, self.sums, self.out):
-                self.tiles = None
-        if self.tiles is None:
-            self.sums.zero_()
+            build = functools.partial(_VisitedTiles.of, problem, lists, form)
+            visited = counted or (build() if prepared is None
+                                  else prepared.visited_for(lists, form, build))
+        self._map = None if visited is None else visited.map
+        self.slots = None  # the (slabs, Tq, Tk) int32 slot map of sums of the visited tiles
+        self.keys_per_launch = bias.shape[2]
+        self._sums = None  # one launch's float32 sums, or None: the gradient's own cells
+        if _sums_in_float32(problem, attn_bias, bias):
+            if visited is not None and (prepared is not None or visited is counted):
+                slots, count = visited.slots()
+                sums = torch.empty(max(count, 1), KERNEL_TILE, KERNEL_TILE,
+                                   dtype=torch.float32, device=device)
+                if (sums.numel() * 4 <= KERNEL_SUMS_BUDGET_BYTES
+                        and self._tiles.can_run_slots(slots, sums, self.out)):
+                    self.slots, self._sums = slots, sums
+            if self._sums is None:
+                self.keys_per_launch = _keys_per_launch(problem, attn_bias, bias)
+                self._sums = torch.empty((*bias.shape[:2], self.keys_per_launch),
+                                         dtype=torch.float32, device=device)
+        self._launch = None  # (visited tiles or None, sums, gradient cells) of the launch
+
+    def sums_for(self, c0: int, c1: int) -> torch.Tensor:
+        """The tensor a launch over keys [c0, c1) (whole tiles from c0) sums dS into, where it
+        adds zeroed (with stores: the gradient's tiles no list visits zeroed)."""
+        out = self.out[..., c0:c1]
+        if self.slots is not None:  # every slot is a visited tile's
+            self._sums.zero_()
+            self._launch = (self.slots, self._sums, out)
+            return self._sums
+        sums = out if self._sums is None else self._sums[..., :c1 - c0]
+        visited = None
+        if self._map is not None:
+            visited = self._map[..., c0 // KERNEL_TILE:-(-c1 // KERNEL_TILE)]
+            if not self._tiles.can_run(visited, sums, out):
+                visited = None
+        if visited is None:
+            sums.zero_()
         elif self.stores:
-            self.tiles.zero_unlisted(self.visited, self.out)
+            self._tiles.zero_unlisted(visited, out)
         else:
-            self.tiles.zero_listed(self.visited, self.sums)
+            self._tiles.zero_listed(visited, sums)
+        self._launch = (visited, sums, out)
+        return sums
+
+    def convert(self) -> None:
+        """The launch's columns of the gradient from its sums (0 in every tile no list
+        visits)."""
+        visited, sums, out = self._launch
+        if self.slots is not None:
+            self._tiles.convert_slots(self.slots, sums, out)
+        elif visited is not None and not self.stores:
+            self._tiles.convert(visited, sums, out)
+        elif out is not sums:
+            out.copy_(sums)
+        self._launch = None
 
     def result(self) -> torch.Tensor:
-        """The gradient in the bias's shape and dtype (0 in every tile no list visits)."""
-        if self.tiles is not None and not self.stores:
-            self.tiles.convert(self.visited, self.sums, self.out)
-        elif self.out is not self.sums:
-            self.out.copy_(self.sums)
+        """The gradient in the bias's shape and dtype."""
         return self.out.view(self.shape)
+
+
+class _VisitedTiles:
+    """The 128 x 128 tiles a call's lists visit per bias slab (`map`, `_visited_tiles`) and
+    each visited tile's slot in float32 sums of those tiles alone, with their count (`slots`).
+    A prepared mask keeps them with its lists and counts them once, at its first backward;
+    a tensor mask's are counted by the forward (`count_later`) and read by the backward."""
+
+    def __init__(self, visited: torch.Tensor):
+        self.map = visited
+        self._slots = None
+        self._pending = None  # (slots, the count in pinned host memory, its copy's event)
+
+    @classmethod
+    def of(cls, problem: AttentionProblem, lists, bias_form) -> "_VisitedTiles":
+        return cls(_visited_tiles(problem, lists, bias_form))
+
+    def _slot_map(self) -> tuple[torch.Tensor, torch.Tensor]:
+        seen = self.map.flatten() != 0
+        order = torch.cumsum(seen, 0, dtype=torch.int32)
+        return torch.where(seen, order - 1, -1).view(self.map.shape), order[-1:]
+
+    def count_later(self) -> None:
+        """Count the slots now, on the device, and copy the count to the host without
+        waiting: `slots` then waits for this point of the stream alone (the forward's, long
+        passed by the time its backward runs in a training step), not for all queued work."""
+        slots, count = self._slot_map()
+        host = torch.empty(1, dtype=torch.int32, pin_memory=True)
+        host.copy_(count, non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record()
+        self._pending = (slots, host, copied)
+
+    def slots(self) -> tuple[torch.Tensor, int]:
+        """((slabs, Tq, Tk) int32: a visited tile's slot, -1 elsewhere; the number of slots)."""
+        if self._slots is None:
+            if self._pending is not None:
+                slots, host, copied = self._pending
+                copied.synchronize()
+                self._slots, self._pending = (slots, int(host[0])), None
+            else:
+                slots, count = self._slot_map()
+                self._slots = (slots, int(count[0]) if count.numel() else 0)
+        return self._slots
 
 
 def _dbias_stores(problem: AttentionProblem, bias: torch.Tensor) -> bool:

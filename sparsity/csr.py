@@ -151,6 +151,37 @@ def _transpose(bs: BlockSparseTensors, col_block_offsets, cu_seqlens_k, num_col_
         col_block_size=bs.row_block_size, row_block_offsets=col_offsets32)
 
 
+def csr_rows(csr: BlockSparseCSR, rows_per_sequence: int, start: int, end: int) -> BlockSparseCSR:
+    """The lists of rows (KV blocks) [start, end) of each sequence of `csr`, every sequence
+    `rows_per_sequence` rows long (a padded call's transpose), as the transpose of a call of
+    those KV blocks alone: row b * (end - start) + r - start holds row b * rows_per_sequence + r's
+    groups, the entries moved to the front of an index of the same capacity (-1 after).
+    Built on the device from shapes and host ints, without a read (kernels.masked's column
+    chunks: each launch of the backward walks some KV tiles of every sequence)."""
+    if not 0 <= start < end <= rows_per_sequence or csr.num_rows % rows_per_sequence:
+        raise ValueError(f"rows [{start}, {end}) of {csr.num_rows} rows in sequences of "
+                         f"{rows_per_sequence}")
+    device, heads = csr.offsets.device, csr.num_heads
+    sequences = csr.num_rows // rows_per_sequence
+    rows = (torch.arange(sequences, device=device)[:, None] * rows_per_sequence
+            + torch.arange(start, end, device=device)).flatten()
+    groups = (rows[:, None] * heads + torch.arange(heads, device=device)).flatten()
+    offsets = csr.offsets.to(torch.int64)
+    starts = offsets[groups]
+    kept = torch.zeros(groups.numel() + 1, dtype=torch.int64, device=device)
+    torch.cumsum(offsets[groups + 1] - starts, 0, out=kept[1:])
+    slot = torch.arange(csr.capacity, device=device)
+    group = torch.searchsorted(kept[1:], slot, right=True).clamp(max=groups.numel() - 1)
+    source = (starts[group] + slot - kept[group]).clamp(max=max(csr.capacity - 1, 0))
+    index = torch.where(slot < kept[-1], csr.index[source], -1).to(INDEX_DTYPE)
+    width = end - start
+    return BlockSparseCSR(
+        offsets=kept.to(INDEX_DTYPE), index=index, mask_count=csr.mask_count[rows],
+        row_block_size=csr.row_block_size, col_block_size=csr.col_block_size,
+        row_block_offsets=torch.arange(0, sequences * width + 1, width, dtype=INDEX_DTYPE,
+                                       device=device))
+
+
 def validate_block_sparse_csr(csr, *, name: str = "block_sparse_transposed",
                               num_heads: int | None = None, device=None,
                               check_contents: bool = True) -> None:

@@ -96,9 +96,11 @@ def _spec_for(q, k, causal, window_size, block_sparse, compress_factor, determin
                                                             k.shape[-2]))
 
 
-def score_mod_spec(spec, score_mods, bias_grad: bool, dbias_stores: bool = False):
+def score_mod_spec(spec, score_mods, bias_grad: bool, dbias_stores: bool = False,
+                   dbias_tiles: bool = False):
     """`spec` with a user mask and bias (`score_mods`) and dbias where `bias_grad` (stored,
-    not summed, with `dbias_stores`: `BwdSpec.score_dbias_stores`): on the
+    not summed, with `dbias_stores`: `BwdSpec.score_dbias_stores`; summed into sums of the
+    visited tiles alone with `dbias_tiles`: `BwdSpec.score_dbias_tiles`): on the
     fused dQ (the dQ kernel would recompute P without them); None where it cannot fuse. A
     16-bit bias whose rows start 16 bytes apart is staged in smem (`score_stage_bias`) where
     its tile fits (H200, 16K, window 16K: backward 13.97 -> 11.69 ms, docs/history.md).
@@ -110,7 +112,8 @@ def score_mod_spec(spec, score_mods, bias_grad: bool, dbias_stores: bool = False
     fused = dataclasses.replace(spec, dq_separate=False,
                                 score_mask=score_mods.mask is not None,
                                 score_bias=score_mods.bias_dtype, score_bias_grad=bias_grad,
-                                score_dbias_stores=bias_grad and dbias_stores)
+                                score_dbias_stores=bias_grad and dbias_stores,
+                                score_dbias_tiles=bias_grad and dbias_tiles)
     if not (fused.can_fuse_dq and fused.fits_in_smem()):
         return None
     staged = dataclasses.replace(fused, score_stage_bias=True)
@@ -141,7 +144,8 @@ def run(
     block_sparse=None, block_sparse_transposed=None, deterministic=False, spec_overrides=None,
     dout_dot_out=None, dq_accumulator=None, dkv_accumulators=None, lse_gate=None,
     host_cu_seqlens_q=None, head_major_units=UNITS_HEAD_MAJOR, q_start_positions=None,
-    score_mods=None, dbias=None, dbias_stores=False, dq_sums=None,
+    score_mods=None, dbias=None, dbias_stores=False, dbias_slots=None, dq_sums=None,
+    row_statistics=None, dkv_out=None,
 ):
     """(dq, dk, dv) of the sm90 backward kernel; dk and dv summed over each KV group.
 
@@ -164,19 +168,27 @@ def run(
     rebuilt on the device (about 20 small launches) by every call.
     head_major_units: split-list work units taken list head by list head (the default,
     UNITS_HEAD_MAJOR) or, False, KV block by KV block (tools/tune_sm90_backward.py compares).
-    q_start_positions (packed; host ints, one per sequence): the position of each sequence's
-    first query row (`BwdSpec.q_positions`, and the dQ kernel's).
+    q_start_positions (host ints, one per sequence): the position of each sequence's first
+    query row (`BwdSpec.q_positions`, and the dQ kernel's); negative where the keys given are
+    a later part of the sequence's (`kernels.masked`'s column chunks).
     score_mods (`kernels.sm90.forward.ScoreModTensors`, padded inputs with the lists of the
     mask, `kernels.masked.sm90_backward`): the forward's user mask and bias, on the fused dQ
     (`score_mod_spec`); dbias: a float32 (slabs, Nq, Nk) tensor that dS is summed into, zeroed
     where the lists visit; with `dbias_stores` (each bias slab serves one batch entry and query
     head) a tensor of the bias's dtype whose visited cells are written dS
-    (`BwdSpec.score_dbias_stores`).
-    dq_sums (packed inputs; a `DqSums`): where this call fuses dQ into a float32 accumulator of
-    the sums' layout, it adds into the shared one and leaves it unconverted; dq is then
-    returned as dq_accumulator (None without one) and the caller's `dq_sums.finish` converts
-    it. Where it runs the dQ kernel instead and `dq_sums.consumes` says so, that kernel adds
-    the sums into its dQ (`DqSpec.sums_block_cols`) and the sums are spent."""
+    (`BwdSpec.score_dbias_stores`); with dbias_slots ((slabs, Tq, Tk) int32, each visited
+    128 x 128 tile's slot) a float32 (slots, 128, 128) tensor of the visited tiles' sums
+    alone, zeroed (`BwdSpec.score_dbias_tiles`).
+    dq_sums (a `DqSums`): where this call fuses dQ into a float32 accumulator of the sums'
+    layout, it adds into the shared one and leaves it unconverted; dq is then returned as
+    dq_accumulator (None without one) and the caller's `dq_sums.finish` converts it. Where it
+    runs the dQ kernel instead (packed inputs) and `dq_sums.consumes` says so, that kernel adds
+    the sums into its dQ (`DqSpec.sums_block_cols`) and the sums are spent.
+    row_statistics (a `SharedRowStatistics`): calls on the same rows (other keys of them:
+    `kernels.masked`'s column chunks) compute the row statistics once.
+    dkv_out: (dk, dv) tensors of k's and v's shape and dtype, contiguous, that dK and dV are
+    written into and returned as where the units that own their KV tile store them
+    (`owned_dkv_stores`; elsewhere new tensors are returned)."""
     if lse_gate is not None and dout_dot_out is None:
         raise ValueError("lse_gate: only taken with dout_dot_out (the gate's row dots)")
     if q.dtype not in SUPPORTED_DTYPES:
@@ -216,13 +228,15 @@ def run(
                      kv_tile_ctas, max_seqlen_k, dq_accumulator_bytes=4 * q.numel())
     if spec_overrides:
         spec = dataclasses.replace(spec, **spec_overrides)
-    score_tensors = (None,) * 4
+    score_tensors = (None,) * 5
     if score_mods is not None:
-        spec = score_mod_spec(spec, score_mods, dbias is not None, dbias_stores)
+        spec = score_mod_spec(spec, score_mods, dbias is not None, dbias_stores,
+                              dbias_slots is not None)
         if spec is None:
             raise ValueError("score_mods: this call's backward cannot take the fused dQ "
                              "(kernels.masked sends it to the torch path)")
-        score_tensors = (score_mods.mask, score_mods.bias, score_mods.slabs, dbias)
+        score_tensors = (score_mods.mask, score_mods.bias, score_mods.slabs, dbias,
+                         dbias_slots)
     positions = None
     if q_start_positions is not None:
         spec = dataclasses.replace(spec, q_positions=True)
@@ -239,7 +253,11 @@ def run(
         dk, dv = (t.view(-1, *t.shape[-2:]) for t in dkv_accumulators)
     elif spec.owned_dkv_stores:  # partials zeroed and converted only where units share tiles
         dk, dv = (torch.empty(t.shape, dtype=torch.float32, device=t.device) for t in (k, v))
-        owned = tuple(torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (k, v))
+        if dkv_out is not None and all(o.is_contiguous() and o.numel() == t.numel()
+                                       and o.dtype == t.dtype for o, t in zip(dkv_out, (k, v))):
+            owned = tuple(o.view(t.shape) for o, t in zip(dkv_out, (k, v)))
+        else:
+            owned = tuple(torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (k, v))
     elif spec.partial_dkv:  # float32 accumulators of several CTAs' partial sums
         dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
         dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
@@ -258,11 +276,14 @@ def run(
         if padded:  # the bounds are the batch's multiples of its length: known here
             host_cu_seqlens_q = tuple(range(0, total_q + 1, max_seqlen_q))
         tiles = query_tiles(cu_seqlens_q, total_q, host_cu_seqlens_q)
-        lse_log2, dpsum = tiles.row_statistics(dout, out, lse, dout_dot_out, lse_gate)
+        statistics = functools.partial(tiles.row_statistics, dout, out, lse, dout_dot_out,
+                                       lse_gate)
+        lse_log2, dpsum = statistics() if row_statistics is None else row_statistics.of(
+            tiles, statistics)
         dq_acc = shared_sums = None
         if spec.fuses_dq:
             shape = (num_heads, tiles.num_slots, head_dim)
-            if dq_sums is not None and not padded:
+            if dq_sums is not None:
                 shared_sums = dq_sums.take(tiles, shape, spec.dq_cols_per_warpgroup,
                                            softmax_scale, q.dtype, q.device)
             dq_acc = shared_sums if shared_sums is not None else torch.zeros(
@@ -334,7 +355,7 @@ def run(
         if dq is not dq_into:  # computed fresh: added here
             dq_accumulator.add_(dq.reshape(dq_accumulator.shape))
         dq = dq_accumulator
-    elif padded:
+    elif padded and dq is not None:  # None: in the caller's dq_sums
         dq = dq.view(batch, seqlen_q, num_heads, head_dim)
     if adds_into_accumulators:
         return dq, *dkv_accumulators
@@ -486,9 +507,26 @@ class QueryTiles:
         return dq
 
 
+class SharedRowStatistics:
+    """The row statistics (lse * log2 e and rowsum(dO O) in the query tile layout) of one set
+    of rows, computed by the first of several backward calls on those rows and read by the
+    others (`kernels.masked`'s column chunks: each call walks other KV tiles of the same rows;
+    `run(row_statistics=)`)."""
+
+    def __init__(self):
+        self._held = None  # (QueryTiles, (lse_log2, dpsum))
+
+    def of(self, tiles: "QueryTiles", compute):
+        """compute()'s statistics for rows of this tile layout, computed once."""
+        if self._held is None or not self._held[0].same_layout(tiles):
+            self._held = (tiles, compute())
+        return self._held[1]
+
+
 class DqSums:
     """One float32 dQ accumulator for several fused-dQ backward calls on the same q (nsa()'s
-    compressed and window branches, both on the fused dQ from 128K tokens at H=32): the first
+    compressed and window branches, both on the fused dQ from 128K tokens at H=32;
+    `kernels.masked`'s column chunks, each on some of the keys): the first
     call zeroes it, each call adds into it, and `finish` converts it once. On its own each
     call zeroes and converts an accumulator of 4 x T x H x D bytes (4 GiB at 256K tokens,
     H=32, D=128). H200, 2026-11-29, nsa() at 256K: the conversions 4.10 -> 2.49 ms and the

@@ -100,6 +100,8 @@ class FlashAttentionBackwardSm90:
         assert not spec.score_mods or (spec.block_sparse and spec.fuses_dq)
         assert not spec.score_bias_grad or spec.score_bias
         assert not spec.score_dbias_stores or spec.score_bias_grad
+        assert not spec.score_dbias_tiles or (spec.score_bias_grad
+                                              and not spec.score_dbias_stores)
         self.num_wg = spec.num_consumer_warpgroups
         self.key_wg = spec.key_warpgroups
         self.num_consumer_threads = _WARPGROUP * self.num_wg
@@ -146,7 +148,10 @@ class FlashAttentionBackwardSm90:
         mScoreSlabs: Optional[cute.Tensor],
         mDBias: Optional[cute.Tensor],          # (slabs, Nq, Nk) float32, zeroed
                                                 # (`score_bias_grad`); the bias's dtype,
-                                                # its cells written (`score_dbias_stores`)
+                                                # its cells written (`score_dbias_stores`);
+                                                # (slots, 128, 128) (`score_dbias_tiles`)
+        mDBiasSlots: Optional[cute.Tensor],     # (slabs, Tq, Tk) int32: a tile's slot in
+                                                # mDBias (`score_dbias_tiles`)
         mdKOut: Optional[cute.Tensor],          # (Tk, Hkv, D) in the input dtype: dK and dV
         mdVOut: Optional[cute.Tensor],          # of the units that own their KV tile
                                                 # (`owned_dkv_stores`)
@@ -215,7 +220,7 @@ class FlashAttentionBackwardSm90:
             mCuSeqlensQ, mCuSeqlensK, mQTileOffsets, num_kv_tiles, row_splits, softmax_scale,
             softmax_scale * Float32(_LOG2_E), compress_factor, window_left, window_right,
             mListOffsets, mListIndex, mListMaskCount, mKvBlockOffsets, mUnits, mQPositions,
-            mScoreMask, mScoreBias, mScoreSlabs, mDBias, mdKOut, mdVOut,
+            mScoreMask, mScoreBias, mScoreSlabs, mDBias, mDBiasSlots, mdKOut, mdVOut,
             sQ_layout, sK_layout, sdS_layout, sdQ_layout, tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq,
         ).launch(grid=self.grid(num_kv_tiles, row_splits, mK, mCuSeqlensQ),
                  block=[self.num_threads, 1, 1], stream=stream,
@@ -279,6 +284,7 @@ class FlashAttentionBackwardSm90:
         mUnits: Optional[cute.Tensor], mQPositions: Optional[cute.Tensor],
         mScoreMask: Optional[cute.Tensor], mScoreBias: Optional[cute.Tensor],
         mScoreSlabs: Optional[cute.Tensor], mDBias: Optional[cute.Tensor],
+        mDBiasSlots: Optional[cute.Tensor],
         mdKOut: Optional[cute.Tensor], mdVOut: Optional[cute.Tensor],
         sQ_layout: cute.ComposedLayout,
         sK_layout: cute.ComposedLayout, sdS_layout: cute.ComposedLayout,
@@ -376,7 +382,7 @@ class FlashAttentionBackwardSm90:
             staged_bias = storage.sBias.get_tensor(cute.make_layout(
                 (self.tile_m, self.tile_n), stride=(self.tile_n + STAGED_BIAS_PAD, 1)))
         score_mods = score_mods_of(spec, mScoreMask, mScoreBias, mScoreSlabs, softmax_scale,
-                                   mDBias, staged_bias)
+                                   mDBias, staged_bias, mDBiasSlots)
 
         # KV tiles past their sequence's end have nothing to do (the grid covers the longest),
         # nor a band of rows that sees none of the tile's keys (`row_bands`).

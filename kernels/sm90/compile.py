@@ -131,7 +131,7 @@ def fake_backward_arguments(spec):
     """Fake tensors standing for the backward kernel's arguments, in order (the scalars and the
     stream excluded): (q, k, v, dO, lse, dO.O, dQacc, dK, dV, cu_q, cu_k, q tile offsets),
     (list offsets, list index, list mask counts, KV block offsets, work units, first query
-    positions, score mask, bias, slabs, dbias, owned dK, owned dV), None where
+    positions, score mask, bias, slabs, dbias, dbias slots, owned dK, owned dV), None where
     kernels/sm90/backward.py `run` passes None."""
     dtype = CUTLASS_DTYPES[spec.dtype]
     q, k, v, dout = (fake_seq_head_dim(dtype) for _ in range(4))
@@ -153,16 +153,19 @@ def fake_backward_arguments(spec):
     if spec.split_lists:
         units = make_fake_compact_tensor(cutlass.Int32, (cute.sym_int(), 5), stride_order=(1, 0))
     positions = fake_int32_vector() if spec.q_positions else None
-    dbias = None
+    dbias = dbias_slots = None
     if spec.score_bias_grad:
-        # float32 sums, or with `score_dbias_stores` the gradient in the bias's dtype
+        # float32 sums, or with `score_dbias_stores` the gradient in the bias's dtype; with
+        # `score_dbias_tiles` (slots, 128, 128) sums and the (slabs, Tq, Tk) int32 slot map
         dbias = fake_score_cells(SCORE_BIAS_DTYPES[spec.score_bias]
                                  if spec.score_dbias_stores else cutlass.Float32)
+        if spec.score_dbias_tiles:
+            dbias_slots = fake_score_cells(cutlass.Int32)
     # `owned_dkv_stores`: dK and dV of the units that own their tile, in the input dtype.
     owned = (tuple(fake_seq_head_dim(dtype) for _ in range(2)) if spec.owned_dkv_stores
              else (None, None))
     return ((q, k, v, dout, lse, dpsum, dq_acc, dk, dv, cu_q, cu_k, q_tiles),
-            (*lists, units, positions, *fake_score_mods(spec), dbias, *owned))
+            (*lists, units, positions, *fake_score_mods(spec), dbias, dbias_slots, *owned))
 
 
 def compiled_backward(spec, example_args, tvm_ffi: bool = False):

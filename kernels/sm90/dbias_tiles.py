@@ -12,10 +12,15 @@ into the gradient itself (`BwdSpec.score_dbias_stores`: a slab per batch entry a
 nothing to sum) there are no sums: "zero_unlisted" writes zeros in the tiles no list visits and
 leaves the others to the backward.
 
+Where the backward sums into the visited tiles' sums alone (`BwdSpec.score_dbias_tiles`: a
+(slots, 128, 128) float32 tensor, zeroed whole, and an int32 map of each tile's slot),
+"convert_slots" writes the gradient from them.
+
 Layout: listed (S, Tq, Tk) int8, nonzero where some list of the slab's heads visits the 128 x
-128 tile; sums (S, Nq, Nk) float32 and out (S, Nq, Nk) in the bias's dtype ("zero" passes the
-sums as out), 64-bit strides, every row 16 bytes apart in sums and 8 in a 16-bit out (Nk a
-multiple of 4: a 4-element vector is in or out whole). A CTA takes one tile; its warps take
+128 tile ("convert_slots": int32, the tile's slot in the sums or -1); sums (S, Nq, Nk) float32
+("convert_slots": (slots, 128, 128)) and out (S, Nq, Nk) in the bias's dtype ("zero" passes
+the sums as out), 64-bit strides, every row 16 bytes apart in sums and 8 in a 16-bit out (Nk
+a multiple of 4: a 4-element vector is in or out whole). A CTA takes one tile; its warps take
 every WARPS-th row, a lane one 4-element vector of the row.
 """
 from __future__ import annotations
@@ -31,7 +36,7 @@ from kernels.sm90.layouts import with_row_strides_divisible
 TILE = 128
 WARPS = 8
 VECTOR = 4  # elements per lane: 16 bytes of float32, TILE / 32 lanes
-MODES = ("zero", "convert", "zero_unlisted")
+MODES = ("zero", "convert", "zero_unlisted", "convert_slots")
 OUT_DTYPES = ("float32", "bfloat16", "float16")
 MAX_GRID_YZ = 65535
 
@@ -78,13 +83,35 @@ class DbiasTilesSm90:
         tile_col, tile_row, slab = cute.arch.block_idx()
         warp, lane = tidx // 32, tidx % 32
         key = tile_col * TILE + lane * VECTOR
-        seqlen_q, seqlen_k = sums.shape[1], sums.shape[2]
-        visited = Int32(listed[slab, tile_row, tile_col]) != Int32(0)
+        seqlen_q, seqlen_k = out.shape[1], out.shape[2]
+        entry = Int32(listed[slab, tile_row, tile_col])
+        visited = entry != Int32(0)
+        if const_expr(self.spec.mode == "convert_slots"):
+            visited = entry >= Int32(0)
         if key < seqlen_k:
             for step in cutlass.range_constexpr(TILE // WARPS):
                 row = tile_row * TILE + step * WARPS + warp
                 if row < seqlen_q:
-                    self.row_vector(visited, sums, out, slab, row, key // VECTOR)
+                    if const_expr(self.spec.mode == "convert_slots"):
+                        self.row_vector_of_slot(visited, sums, out, slab, row, key // VECTOR,
+                                                entry, row - tile_row * TILE, lane)
+                    else:
+                        self.row_vector(visited, sums, out, slab, row, key // VECTOR)
+
+    @cute.jit
+    def row_vector_of_slot(self, visited, sums: cute.Tensor, out: cute.Tensor, slab: Int32,
+                           row: Int32, vector: Int32, slot: Int32, slot_row: Int32,
+                           slot_vector: Int32):
+        """"convert_slots": one lane's 4 cells of one row, from row `slot_row` of the tile's
+        slot (its vector `slot_vector`), 0 where the tile has none."""
+        cells = cute.make_rmem_tensor((VECTOR,), _cutlass_dtype(self.spec.dtype))
+        cells.fill(0.0)
+        if visited:
+            summed = cute.make_rmem_tensor((VECTOR,), Float32)
+            summed.store(cute.local_tile(sums[slot, slot_row, None], (VECTOR,),
+                                         (slot_vector,)).load())
+            cells.store(summed.load().to(cells.element_type))
+        cute.local_tile(out[slab, row, None], (VECTOR,), (vector,)).store(cells.load())
 
     @cute.jit
     def row_vector(self, visited, sums: cute.Tensor, out: cute.Tensor, slab: Int32, row: Int32,
@@ -116,14 +143,20 @@ def fake_arguments(spec: DbiasTilesSpec):
     from cutlass.cute.runtime import make_fake_tensor
 
     slabs, rows, keys = cute.sym_int(), cute.sym_int(), cute.sym_int()
-    listed = make_fake_tensor(cutlass.Int8, (slabs, cute.sym_int(), cute.sym_int()),
-                              stride=(cute.sym_int64(), cute.sym_int64(), 1), assumed_align=1)
+    slots = spec.mode == "convert_slots"
+    listed = make_fake_tensor(cutlass.Int32 if slots else cutlass.Int8,
+                              (slabs, cute.sym_int(), cute.sym_int()),
+                              stride=(cute.sym_int64(), cute.sym_int64(), 1),
+                              assumed_align=4 if slots else 1)
 
-    def cells(dtype):
-        return make_fake_tensor(_cutlass_dtype(dtype), (slabs, rows, keys),
+    def cells(dtype, shape=(slabs, rows, keys)):
+        return make_fake_tensor(_cutlass_dtype(dtype), shape,
                                 stride=(cute.sym_int64(), cute.sym_int64(), 1), assumed_align=16)
 
-    sums = cells(spec.dtype if spec.mode == "zero_unlisted" else "float32")
+    if slots:
+        sums = cells("float32", (cute.sym_int(), TILE, TILE))
+    else:
+        sums = cells(spec.dtype if spec.mode == "zero_unlisted" else "float32")
     return listed, sums, cells(spec.dtype)
 
 
@@ -148,20 +181,37 @@ def can_run(listed, sums, out) -> bool:
     grid."""
     import torch
 
-    def cells_ok(x, dtypes):
-        return (str(x.dtype).removeprefix("torch.") in dtypes and x.dim() == 3
-                and tuple(x.shape) == tuple(sums.shape) and x.stride(2) == 1
-                and x.stride(0) % VECTOR == 0 and x.stride(1) % VECTOR == 0
-                and x.data_ptr() % 16 == 0)
+    return (listed.dtype == torch.int8 and _tiles_ok(listed, out)
+            and _cells_ok(sums, out.shape, ("float32",) if sums is not out else OUT_DTYPES))
 
-    if listed.dtype != torch.int8 or listed.dim() != 3 or listed.stride(2) != 1:
-        return False
-    slabs, rows, keys = sums.shape if sums.dim() == 3 else (0, 0, 0)
-    return (0 not in (slabs, rows, keys) and keys % VECTOR == 0
+
+def can_run_slots(slots, sums, out) -> bool:
+    """Whether "convert_slots" takes these: slots (S, Tq, Tk) int32 over out as `can_run` has
+    them, sums (n, 128, 128) float32, contiguous and 16-byte aligned."""
+    import torch
+
+    return (slots.dtype == torch.int32 and _tiles_ok(slots, out)
+            and sums.dtype == torch.float32 and sums.dim() == 3
+            and tuple(sums.shape[1:]) == (TILE, TILE) and sums.is_contiguous()
+            and sums.data_ptr() % 16 == 0)
+
+
+def _tiles_ok(listed, out) -> bool:
+    """listed: one entry per TILE x TILE tile of out's cells, unit last stride; out as
+    `can_run` has it; the tiles and slabs within the launch grid."""
+    slabs, rows, keys = out.shape if out.dim() == 3 else (0, 0, 0)
+    return (listed.dim() == 3 and listed.stride(2) == 1 and 0 not in (slabs, rows, keys)
+            and keys % VECTOR == 0
             and tuple(listed.shape) == (slabs, -(-rows // TILE), -(-keys // TILE))
-            and cells_ok(sums, ("float32",) if sums is not out else OUT_DTYPES)
-            and cells_ok(out, OUT_DTYPES)
+            and _cells_ok(out, out.shape, OUT_DTYPES)
             and slabs <= MAX_GRID_YZ and listed.shape[1] <= MAX_GRID_YZ)
+
+
+def _cells_ok(x, shape, dtypes) -> bool:
+    return (str(x.dtype).removeprefix("torch.") in dtypes and x.dim() == 3
+            and tuple(x.shape) == tuple(shape) and x.stride(2) == 1
+            and x.stride(0) % VECTOR == 0 and x.stride(1) % VECTOR == 0
+            and x.data_ptr() % 16 == 0)
 
 
 def zero_listed(listed, sums) -> None:
@@ -179,6 +229,13 @@ def zero_unlisted(listed, out) -> None:
 def convert(listed, sums, out) -> None:
     """out = the sums in out's dtype in every listed tile, 0 in every other one."""
     _launch(DbiasTilesSpec("convert", str(out.dtype).removeprefix("torch.")), listed, sums, out)
+
+
+def convert_slots(slots, sums, out) -> None:
+    """out = the tiles' sums (slot slots[s, i, j] of sums for tile (i, j) of slab s) in out's
+    dtype where a tile has one, 0 in every other tile."""
+    _launch(DbiasTilesSpec("convert_slots", str(out.dtype).removeprefix("torch.")), slots,
+            sums, out)
 
 
 def _launch(spec, listed, sums, out) -> None:

@@ -34,9 +34,12 @@ _STAGED_CHUNK = 8
 # Keys of the staged tile each consumer warpgroup of the backward copies and reads (its half).
 _KEYS_PER_WARPGROUP = 64
 _WARPGROUP = 128
+# The tiles of the float32 dbias sums with `ScoreMods.dbias_tiles` (kernels.masked's tiles).
+SUMS_TILE = 128
 
 
-def score_mods_of(spec, mask, bias, slabs, softmax_scale, dbias=None, staged_bias=None):
+def score_mods_of(spec, mask, bias, slabs, softmax_scale, dbias=None, staged_bias=None,
+                  dbias_slots=None):
     """The kernel's `ScoreMods` for `spec` (`FwdSpec` or `BwdSpec`; None without score mods).
     An absent tensor's field holds the slab table: the DSL carries tensors, and the Constexpr
     flags keep it unread. Plain Python on compile-time values, called while a kernel traces."""
@@ -54,7 +57,10 @@ def score_mods_of(spec, mask, bias, slabs, softmax_scale, dbias=None, staged_bia
                      mask if spec.score_mask else slabs, bias if spec.score_bias else slabs,
                      slabs, Float32(1.0) / softmax_scale, bias_grad,
                      dbias if bias_grad else slabs, pairs=pairs, staged_bias=staged_bias,
-                     dbias_stores=getattr(spec, "score_dbias_stores", False))
+                     dbias_stores=getattr(spec, "score_dbias_stores", False),
+                     dbias_tiles=getattr(spec, "score_dbias_tiles", False),
+                     dbias_slots=dbias_slots if getattr(spec, "score_dbias_tiles", False)
+                     else slabs)
 
 
 @cute.jit
@@ -88,6 +94,10 @@ class ScoreMods:
     # dbias holds the gradient itself, in the bias's dtype, and each cell takes one dS (a slab
     # per batch entry and query head: nothing to sum): stores instead of float32 reductions.
     dbias_stores: cutlass.Constexpr[bool] = False
+    # The float32 sums hold the visited tiles alone: dbias is (slots, TILE, TILE) and
+    # dbias_slots[slab, tile row, tile column] the slot of a (TILE x TILE) tile of the cells.
+    dbias_tiles: cutlass.Constexpr[bool] = False
+    dbias_slots: cute.Tensor = None
 
     @cute.jit
     def for_tile(self, batch: Int32, head: Int32) -> "ScoreMods":
@@ -213,6 +223,16 @@ class ScoreMods:
             tensor, slab = self.bias, self.bias_slab
         elif const_expr(what == "dbias"):
             tensor, slab = self.dbias, self.bias_slab
+            if const_expr(self.dbias_tiles):
+                # The fragment lies in one TILE x TILE tile (a step's rows and a warpgroup's
+                # keys never cross one): its sums are a slot of their own, read at the
+                # coordinates (and the sequence's ends) taken from the tile's corner.
+                tile_row, tile_col = row_base // SUMS_TILE, key_base // SUMS_TILE
+                slab = self.dbias_slots[self.bias_slab, tile_row, tile_col]
+                row_base, seqlen_q = (row_base - tile_row * SUMS_TILE,
+                                      seqlen_q - tile_row * SUMS_TILE)
+                key_base, seqlen_k = (key_base - tile_col * SUMS_TILE,
+                                      seqlen_k - tile_col * SUMS_TILE)
         # The backward's lines are the query rows of its S^T fragment (16 or 32 per thread):
         # with 64-bit row strides each held a 64-bit address, 247 spill instructions per step
         # against 59 at 32-bit offsets (SASS, CPU compile, head dim 128, mask and bf16 bias

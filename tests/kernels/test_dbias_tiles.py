@@ -1,7 +1,8 @@
 """The bias gradient's tile passes (kernels/sm90/dbias_tiles.py, used by kernels/masked.py's
 sm90 backward): the float32 sums zeroed in the listed tiles only, and the gradient written
 whole from them, zeros in every tile no list visits; or, where the backward stores the gradient
-itself, zeros in the unlisted tiles alone.
+itself, zeros in the unlisted tiles alone; or, where the sums hold the visited tiles alone, the
+gradient written from each tile's slot.
 
 CPU: the sm_90a builds and what the launcher refuses. GPU (sm_90): both passes against torch on
 random listings, lengths that are no multiple of the tile, strided rows, and every output type.
@@ -17,7 +18,8 @@ from gpu_marks import requires_sm90
 TILE = 128
 SPECS = [("zero", "float32"), ("convert", "bfloat16"), ("convert", "float16"),
          ("convert", "float32"), ("zero_unlisted", "bfloat16"), ("zero_unlisted", "float16"),
-         ("zero_unlisted", "float32")]
+         ("zero_unlisted", "float32"), ("convert_slots", "bfloat16"),
+         ("convert_slots", "float16")]
 
 
 @pytest.mark.parametrize("mode, dtype", SPECS)
@@ -50,6 +52,21 @@ def test_the_launcher_refuses_what_the_kernel_cannot_write():
     assert not can_run(listed, sums, torch.zeros(2, 520, 300).transpose(1, 2))  # no unit stride
     assert not can_run(listed[..., :4], sums[..., 2:514], out[..., 2:514])  # rows off 16 bytes
     assert not can_run(listed[:, :0], sums[:, :0], out[:, :0])       # no rows
+
+
+def test_the_slots_launcher_refuses_what_the_kernel_cannot_read():
+    from kernels.sm90.dbias_tiles import can_run_slots
+
+    out = torch.zeros(2, 300, 520, dtype=torch.bfloat16)
+    slots = torch.full((2, 3, 5), -1, dtype=torch.int32)
+    sums = torch.zeros(4, TILE, TILE)
+    assert can_run_slots(slots, sums, out)
+    assert not can_run_slots(slots.to(torch.int8), sums, out)        # not int32
+    assert not can_run_slots(slots[:, :2], sums, out)                # tiles do not match
+    assert not can_run_slots(slots, sums[:, :64], out)               # slots not 128 x 128
+    assert not can_run_slots(slots, sums.double(), out)              # sums not float32
+    assert not can_run_slots(slots, sums.transpose(1, 2), out)       # not contiguous
+    assert not can_run_slots(slots[..., :4], sums, out[..., :518])   # keys not by 4
 
 
 def _listed(slabs, rows, keys, gen, device):
@@ -120,3 +137,31 @@ def test_zero_unlisted_zeroes_only_the_tiles_no_list_visits(dtype, shape):
     dbias_tiles.zero_unlisted(listed, out)
     cells = _per_cell(listed, *shape[1:])
     assert torch.equal(out, before.masked_fill(~cells, 0.0))
+
+
+@pytest.mark.gpu
+@requires_sm90
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", [(1, 1024, 2048), (3, 1000, 1300), (2, 129, 4)],
+                         ids=lambda s: "x".join(map(str, s)))
+def test_convert_slots_writes_each_tiles_slot_and_zeros_elsewhere(dtype, shape):
+    from kernels.sm90 import dbias_tiles
+
+    gen = torch.Generator(device="cuda").manual_seed(5 * sum(shape))
+    listed = _listed(*shape, gen, "cuda")
+    # Slots in a shuffled order: the kernel reads the map, not the tiles' order.
+    count = int(listed.sum())
+    order = torch.randperm(count, generator=torch.Generator().manual_seed(1)).to("cuda")
+    slots = torch.full(listed.shape, -1, dtype=torch.int32, device="cuda")
+    slots[listed.bool()] = order.to(torch.int32)
+    sums = torch.randn(count, TILE, TILE, generator=gen, device="cuda") * 100
+    out = torch.randn(shape, generator=gen, device="cuda").to(dtype)  # stale values
+    assert dbias_tiles.can_run_slots(slots, sums, out)
+    dbias_tiles.convert_slots(slots, sums, out)
+    expected = torch.zeros(shape, device="cuda")
+    slabs, rows, keys = shape
+    for s_, i, j in listed.nonzero().tolist():
+        r, c = min(TILE, rows - i * TILE), min(TILE, keys - j * TILE)
+        expected[s_, i * TILE:i * TILE + r, j * TILE:j * TILE + c] = \
+            sums[slots[s_, i, j], :r, :c]
+    assert torch.equal(out, expected.to(dtype))

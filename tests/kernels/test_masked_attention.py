@@ -381,14 +381,11 @@ def test_a_prepared_mask_is_refused_once_its_tensor_changes_and_checked_like_a_m
         flash_attn_func(q, k, v, attn_mask="causal")
 
 
-def test_the_kernel_backward_chunks_rows_past_its_sums_budget(monkeypatch):
+def test_the_kernel_backward_chunks_keys_past_its_sums_budget(monkeypatch):
     """The sm90 backward's float32 dbias sums stay under KERNEL_SUMS_BUDGET_BYTES: a shared
-    16-bit bias whose sums pass it is taken in whole tiles of query rows (one at least); a
-    float32 bias (its own sums) and a bias per batch entry and query head (stores) never
-    chunk. A chunk's lists are the rows of each batch entry's tiles, and its rule reads its
-    rows at their positions (a rule only: without one, positions change nothing)."""
+    16-bit bias whose sums pass it is taken in whole tiles of keys (one at least); a float32
+    bias (its own sums) and a bias per batch entry and query head (stores) never chunk."""
     from kernels.validate import validate_attention_forward
-    from sparsity.testing import dense_block_mask
 
     batch, seqlen, heads, kv_heads = 2, 600, 4, 2
     q = torch.randn(batch, seqlen, heads, 64)
@@ -396,51 +393,88 @@ def test_the_kernel_backward_chunks_rows_past_its_sums_budget(monkeypatch):
     problem = validate_attention_forward(q, k, k, causal=True)
     shared = torch.randn(1, 1, seqlen, seqlen, dtype=torch.bfloat16)
     cells = masked_module._broadcast_view(shared).reshape(-1, seqlen, seqlen)
-    rows = masked_module._rows_per_launch
-    assert rows(problem, shared, cells) == seqlen
+    keys = masked_module._keys_per_launch
+    assert keys(problem, shared, cells) == seqlen
     monkeypatch.setattr(masked_module, "KERNEL_SUMS_BUDGET_BYTES", 300 * seqlen * 4)
-    assert rows(problem, shared, cells) == 256  # 300 rows fit: two whole tiles
+    assert keys(problem, shared, cells) == 256  # 300 keys fit: two whole tiles
     monkeypatch.setattr(masked_module, "KERNEL_SUMS_BUDGET_BYTES", 10)
-    assert rows(problem, shared, cells) == 128
-    assert rows(problem, shared.float(), cells.float()) == seqlen
+    assert keys(problem, shared, cells) == 128
+    assert keys(problem, shared.float(), cells.float()) == seqlen
     per_head = torch.randn(batch, heads, seqlen, seqlen, dtype=torch.float16)
-    assert rows(problem, per_head, per_head.reshape(-1, seqlen, seqlen)) == seqlen
-
-    chunk = masked_module._row_chunk(problem, 256, 512)
-    assert (chunk.max_seqlen_q, chunk.cu_seqlens_q, chunk.q_start_positions) == \
-        (256, (0, 256, 512), (256, 256))
-    assert masked_module._row_chunk(problem, 0, 256).q_start_positions is None
-    plain = validate_attention_forward(q, k, k)
-    assert masked_module._row_chunk(plain, 256, 512).q_start_positions is None
-
-    mask = _random_mask((batch, 1, seqlen, seqlen), 0.5, seed=3)
-    lists = masked_module.tile_lists(problem, mask)
-    tiles, blocks = -(-seqlen // 128), -(-seqlen // 128)
-    whole = dense_block_mask(lists, blocks).view(batch, tiles, -1, blocks)
-    part = masked_module._list_rows(lists, batch, tiles, 2, 5)
-    assert part.row_block_offsets.tolist() == [0, 3, 6]
-    assert torch.equal(dense_block_mask(part, blocks).view(batch, 3, -1, blocks),
-                       whole[:, 2:5])
+    assert keys(problem, per_head, per_head.reshape(-1, seqlen, seqlen)) == seqlen
 
 
-def test_a_prepared_mask_keeps_row_chunks_apart():
-    """A backward's row chunks of one shape without a rule share their `AttentionProblem`:
-    the prepared mask keeps their lists apart by rows (one build each, then reused)."""
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_bias_gradient_of_column_chunks_is_the_one_launch_gradient(dtype, monkeypatch):
+    """_BiasGradient by column chunks (`_backward_by_columns`: one float32 buffer of the
+    chunk's width, each launch's columns zeroed, summed into, converted): the same gradient as
+    one launch over every key, the last chunk narrower; a float32 bias sums into its own
+    gradient. The launches' sums stand in for the kernel's reductions."""
+    from kernels.validate import validate_attention_forward
+
+    seqlen_q, seqlen_k = 200, 600
+    q = torch.randn(1, seqlen_q, 2, 64)
+    k = torch.randn(1, seqlen_k, 2, 64)
+    problem = validate_attention_forward(q, k, k)
+    bias = torch.randn(1, 1, seqlen_q, seqlen_k).to(dtype)
+    cells = masked_module._broadcast_view(bias).reshape(-1, seqlen_q, seqlen_k)
+    lists = masked_module.tile_lists(problem, None, bias)
+    ds = torch.randn(2, 1, seqlen_q, seqlen_k, generator=torch.Generator().manual_seed(2))
+
+    def gradient(budget):
+        monkeypatch.setattr(masked_module, "KERNEL_SUMS_BUDGET_BYTES", budget)
+        result = masked_module._BiasGradient(problem, bias, cells, lists, None)
+        keys = result.keys_per_launch
+        assert keys == (seqlen_k if budget > seqlen_q * seqlen_k * 4 or dtype == torch.float32
+                        else 256)
+        for c0 in range(0, seqlen_k, keys):
+            c1 = min(c0 + keys, seqlen_k)
+            sums = result.sums_for(c0, c1)
+            assert sums.shape == (1, seqlen_q, c1 - c0)
+            assert (sums == 0).all()  # zeroed for the launch
+            for head in ds:  # the kernel's reductions: every head's dS into the cells
+                sums += head[:, :, c0:c1].to(sums.dtype)
+            result.convert()
+        return result.result()
+
+    whole = gradient(1 << 30)
+    assert whole.shape == bias.shape and whole.dtype == dtype
+    assert torch.equal(whole, ds.sum(0, keepdim=True).view(bias.shape).to(dtype))
+    assert torch.equal(gradient(seqlen_q * 300 * 4), whole)  # 300 keys fit: 2 tiles a launch
+
+
+def test_a_prepared_mask_keeps_each_column_chunk_transpose():
+    """A prepared mask keeps the transpose of each column chunk of its lists (one build per
+    KV tile range, then reused), with those lists: lists it does not hold build each time."""
     from kernels import prepare_mask
     from kernels.validate import validate_attention_forward
 
     q = torch.randn(1, 512, 2, 64)
     prepared = prepare_mask(_random_mask((1, 1, 512, 512), 0.5, seed=4))
     problem = validate_attention_forward(q, q, q)
-    chunks = [masked_module._row_chunk(problem, r0, r0 + 256) for r0 in (0, 256)]
-    assert chunks[0] == chunks[1]  # no rule: the rows are not part of the call
+    lists = masked_module.tile_lists(problem, prepared)
     built = []
 
-    def build(r0):
-        built.append(r0)
+    def build(tiles):
+        built.append(tiles)
         return object()
-    first, second = (prepared.lists_for(chunk, 2, lambda r0=r0: build(r0), rows=(r0, r0 + 256))
-                     for chunk, r0 in zip(chunks, (0, 256)))
-    assert first is not second and built == [0, 256]
-    assert prepared.lists_for(chunks[1], 2, lambda: build(-1), rows=(256, 512)) is second
-    assert built == [0, 256]
+    first, second = (prepared.columns_for(lists, tiles, lambda tiles=tiles: build(tiles))
+                     for tiles in ((0, 2), (2, 4)))
+    assert first is not second and built == [(0, 2), (2, 4)]
+    assert prepared.columns_for(lists, (2, 4), lambda: build(None)) is second
+    assert built == [(0, 2), (2, 4)]
+    stranger = masked_module._tile_lists(problem, prepared.mask, None, 2)
+    prepared.columns_for(stranger, (0, 2), lambda: build("stranger"))
+    prepared.columns_for(stranger, (0, 2), lambda: build("stranger"))
+    assert built[2:] == ["stranger", "stranger"]
+
+
+def test_visited_tiles_count_their_slots_once():
+    """_VisitedTiles.slots: each visited tile's slot in the sums of the visited tiles alone
+    (0, 1, ... in the map's order), -1 elsewhere, and their count; counted once."""
+    visited = torch.tensor([[[1, 0, 1], [0, 0, 1]], [[0, 1, 0], [1, 1, 0]]], dtype=torch.int8)
+    tiles = masked_module._VisitedTiles(visited)
+    slots, count = tiles.slots()
+    assert count == 6 and slots.dtype == torch.int32
+    assert slots.tolist() == [[[0, -1, 1], [-1, -1, 2]], [[-1, 3, -1], [4, 5, -1]]]
+    assert tiles.slots()[0] is slots

@@ -270,6 +270,12 @@ def test_a_prepared_mask_on_the_kernels(name, monkeypatch):
         assert (results[-1][2][-1][unseen] == 0).all()
     (entry,) = prepared._lists.values()
     assert entry[1] is not None  # the backward's transpose, kept
+    if bias is not None:
+        problem = validate_attention_forward(q, k, v, **rule)
+        cells = masked._broadcast_view(bias).reshape(-1, *bias.shape[-2:])
+        if masked._sums_in_float32(problem, bias, cells):  # summed into the visited tiles alone
+            (visited,) = entry[2].values()
+            assert visited._slots is not None
 
 
 @pytest.mark.parametrize("name, prepared", [("mask-and-bias-window", False),
@@ -277,14 +283,15 @@ def test_a_prepared_mask_on_the_kernels(name, monkeypatch):
                                             ("bias-staged-d64", False),
                                             ("bias-odd-rows-and-keys", False),
                                             ("bias-odd-rows-and-keys", True)])
-def test_the_backward_in_row_chunks(name, prepared, monkeypatch):
+def test_the_backward_in_column_chunks(name, prepared, monkeypatch):
     """A shared 16-bit bias's gradient past KERNEL_SUMS_BUDGET_BYTES: the backward runs in
-    chunks of 256 query rows (the rule at the rows' positions: a causal window, causal, none;
-    keys a multiple of 4 or not, the dbias tile pass or the whole-tensor one), dq, dk, dv and
-    dbias equal to the torch path's and to the one-launch kernel's within the float32 sums'
-    rounding, dbias 0 where nothing is seen, and no float32 sums larger than the budget. A
-    prepared mask keeps each chunk's lists (chunks apart also where no rule tells their rows
-    apart: "bias-odd-rows-and-keys"): its second backward builds none."""
+    chunks of 256 keys (the rule's rows placed for the chunk's keys: a causal window, causal,
+    none; keys a multiple of 4 or not, the dbias tile pass or the whole-columns one), dq, dk,
+    dv and dbias equal to the torch path's and to the one-launch kernel's within the float32
+    sums' rounding, dbias 0 where nothing is seen, and no float32 sums larger than the budget.
+    A prepared mask keeps each chunk's transpose: its second backward builds none."""
+    import sparsity.csr
+
     q, k, v, mask, bias, rule = _call(name)
     problem = validate_attention_forward(q, k, v, **rule)
     out, lse = masked.forward(problem, q, k, v, mask, bias)
@@ -292,26 +299,27 @@ def test_the_backward_in_row_chunks(name, prepared, monkeypatch):
                        device="cuda").to(q.dtype)
     whole = masked.sm90_backward(problem, dout, q, k, v, out, lse, mask, bias, True)
     slabs = masked._broadcast_view(bias).shape[:2].numel()
-    budget = slabs * 256 * k.shape[1] * 4
+    budget = slabs * q.shape[1] * 256 * 4
     monkeypatch.setattr(masked, "KERNEL_SUMS_BUDGET_BYTES", budget)
     sums = []
-    original = masked._BiasGradient.__init__
+    original = masked._BiasGradient.sums_for
 
-    def recorded(self, *args, **kwargs):
-        original(self, *args, **kwargs)
-        sums.append(self.sums.numel() * self.sums.element_size())
-    monkeypatch.setattr(masked._BiasGradient, "__init__", recorded)
+    def recorded(self, c0, c1):
+        result = original(self, c0, c1)
+        sums.append(self._sums.numel() * self._sums.element_size())
+        return result
+    monkeypatch.setattr(masked._BiasGradient, "sums_for", recorded)
     attn_mask = prepare_mask(mask) if prepared else mask
     chunked = masked.sm90_backward(problem, dout, q, k, v, out, lse, attn_mask, bias, True)
-    chunks = -(-q.shape[1] // 256)
+    chunks = -(-k.shape[1] // 256)
     assert len(sums) == chunks and max(sums) <= budget
-    if prepared:  # the whole call's lists and each chunk's, each with its transpose
-        assert len(attn_mask._lists) == 1 + chunks
-        assert all(entry[1] is not None for entry in attn_mask._lists.values())
+    if prepared:  # the call's lists, their transpose and each chunk's
+        (entry,) = attn_mask._lists.values()
+        assert entry[1] is not None and len(entry[3]) == chunks
 
         def no_lists(*args, **kwargs):
             raise AssertionError("lists built for a prepared mask's chunk again")
-        monkeypatch.setattr(masked, "_list_rows", no_lists)
+        monkeypatch.setattr(sparsity.csr, "csr_rows", no_lists)
         monkeypatch.setattr(masked, "_visited_tiles", no_lists)
         again = masked.sm90_backward(problem, dout, q, k, v, out, lse, attn_mask, bias, True)
         for got, first in zip(again, chunked):
@@ -324,3 +332,48 @@ def test_the_backward_in_row_chunks(name, prepared, monkeypatch):
         assert _rel_err(got, one_launch) < 1e-2, what
     unseen = _unseen_cells(problem, mask, bias).view(chunked[3].shape)
     assert (chunked[3][unseen] == 0).all()
+
+
+@pytest.mark.parametrize("name", ["mask-and-bias-window", "bias-staged-d64"])
+def test_a_tensor_masks_bias_gradient_over_the_visited_tiles(name, monkeypatch):
+    """Where a shared 16-bit bias's float32 sums over its cells pass
+    KERNEL_SUMS_BUDGET_BYTES, the forward counts the tiles its lists visit (the backward
+    reads the count) and the backward sums into those tiles alone, in one launch: dq, dk, dv
+    and dbias equal to the torch path's and to the cells' one launch, through
+    flash_attn_func too."""
+    q, k, v, mask, bias, rule = _call(name)
+    problem = validate_attention_forward(q, k, v, **rule)
+    dout = torch.randn(q.shape, generator=torch.Generator(device="cuda").manual_seed(6),
+                       device="cuda").to(q.dtype)
+    out, lse, plain = masked.sm90_forward(problem, q, k, v, mask, bias, bias_gradient=True)
+    assert plain.visited is None  # the cells' sums fit the budget: nothing counted
+    whole = masked.sm90_backward(problem, dout, q, k, v, out, lse, mask, bias, True)
+    cells = masked._broadcast_view(bias).shape[:2].numel() * q.shape[1] * k.shape[1] * 4
+    monkeypatch.setattr(masked, "KERNEL_SUMS_BUDGET_BYTES", cells - 1)
+    out, lse, tiles = masked.sm90_forward(problem, q, k, v, mask, bias, bias_gradient=True)
+    assert tiles.visited is not None
+    launches = []
+    original = masked._BiasGradient.sums_for
+
+    def recorded(self, c0, c1):
+        launches.append(self.slots is not None)
+        return original(self, c0, c1)
+    monkeypatch.setattr(masked._BiasGradient, "sums_for", recorded)
+    counted = masked.sm90_backward(problem, dout, q, k, v, out, lse, mask, bias, True, tiles)
+    assert launches == [True]  # one launch, over the visited tiles' sums
+    _, count = tiles.visited.slots()
+    assert 0 < count * 128 * 128 * 4 < cells
+    expected = masked.backward(problem, dout, q, k, v, out, lse, mask, bias, True)
+    for got, one_launch, want, what in zip(counted, whole, expected, ("dq", "dk", "dv", "dbias")):
+        assert got.shape == want.shape and got.dtype == want.dtype, what
+        assert not got.isnan().any(), what
+        assert _rel_err(got, want) < TOLERANCE, what
+        assert _rel_err(got, one_launch) < 1e-2, what
+    unseen = _unseen_cells(problem, mask, bias).view(counted[3].shape)
+    assert (counted[3][unseen] == 0).all()
+
+    leaves = [x.detach().clone().requires_grad_() for x in (q, k, v, bias)]
+    flash_attn_func(*leaves[:3], attn_mask=mask, attn_bias=leaves[3], **rule).backward(dout)
+    assert launches == [True, True]
+    for leaf, want in zip(leaves, counted):
+        assert _rel_err(leaf.grad, want) < 1e-2

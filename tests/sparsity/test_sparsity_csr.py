@@ -286,6 +286,42 @@ def test_unchecked_transpose_reads_nothing_from_the_device(by, monkeypatch):
     assert trusted.equals(checked)
 
 
+@pytest.mark.parametrize("start, end", [(0, 4), (1, 3), (3, 4), (0, 1)])
+def test_csr_rows_is_the_transpose_of_those_kv_blocks_alone(start, end, monkeypatch):
+    """csr_rows (kernels.masked's column chunks): the transpose restricted to KV blocks
+    [start, end) of every sequence is the transpose of the lists of those blocks alone (the
+    forward's classes cut to those columns), the same capacity, built without a read."""
+    from sparsity.csr import csr_rows
+
+    sequences, tiles, blocks, heads = 3, 5, 4, 2
+    gen = torch.Generator().manual_seed(11)
+    classes = torch.randint(0, 3, (sequences * tiles, heads, blocks), generator=gen)
+    classes = classes.to(torch.int8)
+    row_offsets = [0, tiles, 2 * tiles, 3 * tiles]
+
+    def transpose(cut):
+        width = cut.shape[-1]
+        bs = from_dense_classes(cut.contiguous(), row_offsets, row_block_size=8,
+                                col_block_size=4)
+        return transpose_block_sparse_csr(
+            bs, torch.arange(0, sequences * width + 1, width, dtype=torch.int32))
+
+    full = transpose(classes)
+    with monkeypatch.context() as patch:
+        _raise_on_read(patch)
+        part = csr_rows(full, blocks, start, end)
+    validate_block_sparse_csr(part)
+    expected = transpose(classes[:, :, start:end])
+    assert part.capacity == full.capacity
+    assert csr_lists(part) == csr_lists(expected)
+    assert torch.equal(part.row_block_offsets, expected.row_block_offsets)
+    assert (part.index[int(part.offsets[-1]):] == -1).all()
+    with pytest.raises(ValueError, match="rows"):
+        csr_rows(full, blocks, 2, 2)
+    with pytest.raises(ValueError, match="rows"):
+        csr_rows(full, 5, 0, 1)  # 12 rows are not sequences of 5
+
+
 def test_transpose_layout_kept_by_its_key_serves_other_lists_of_the_packing():
     """layout_key: the per-tile geometry of one packing is built once (sparsity/host_cache.py)
     and reused for other lists over the same sequences; each transpose still equals the
