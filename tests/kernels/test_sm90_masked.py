@@ -139,8 +139,8 @@ def test_the_kernel_equals_the_torch_path(name):
     problem = validate_attention_forward(q, k, v, **rule)
     on_kernel = masked.sm90_forward(problem, q, k, v, mask, bias)
     assert on_kernel is not None, "the sm90 kernel did not take the call"
-    out, lse, lists = on_kernel
-    assert lists.row_block_size == masked.KERNEL_TILE
+    out, lse, tiles = on_kernel
+    assert tiles.lists.row_block_size == masked.KERNEL_TILE and tiles.visited is None
     expected_out, expected_lse = masked.forward(problem, q, k, v, mask, bias)
     assert _rel_err(out, expected_out) < TOLERANCE
     # Rows that see nothing: out 0 and lse -inf, as on the torch path.
