@@ -425,15 +425,12 @@ def sm90_backward(problem: AttentionProblem, dout, q, k, v, out, lse, attn_mask=
         return None
     gradient = _BiasGradient(problem, attn_bias, mods.bias, kwargs["block_sparse"],
                              prepared_of(attn_mask), tiles.visited) if bias_gradient else None
-    if gradient is not None and gradient.keys_per_launch < problem.max_seqlen_k:
+    if gradient is not None and len(gradient.chunks) > 1:
         return _backward_by_columns(gradient, problem, dout, q, k, v, out, lse, attn_mask,
                                     mods, kernel, kwargs)
     dq, dk, dv = kernel.run(dout, q, k, v, out, lse, **kwargs, score_mods=mods,
                             head_major_units=mods.head_major_units,
-                            dbias=None if gradient is None else gradient.sums_for(
-                                0, problem.max_seqlen_k),
-                            dbias_stores=gradient is not None and gradient.stores,
-                            dbias_slots=None if gradient is None else gradient.slots)
+                            **({} if gradient is None else gradient.launch(0)))
     if gradient is not None:
         gradient.convert()
     return dq, dk, dv, None if gradient is None else gradient.result()
@@ -455,8 +452,8 @@ def _keys_per_launch(problem: AttentionProblem, attn_bias: torch.Tensor,
 
 def _backward_by_columns(gradient: "_BiasGradient", problem: AttentionProblem, dout, q, k, v,
                          out, lse, attn_mask, mods, kernel, kwargs):
-    """`sm90_backward` with the bias's gradient, one launch per chunk of
-    `gradient.keys_per_launch` keys (a multiple of KERNEL_TILE). Each launch is the backward
+    """`sm90_backward` with the bias's gradient, one launch per chunk of keys
+    (`gradient.chunks`, whole KERNEL_TILE tiles). Each launch is the backward
     of its keys alone: k, v, the mask's and the bias's columns, the transpose of the call's
     lists restricted to its KV tiles (`sparsity.csr.csr_rows`), and where a rule reads
     positions, the rows placed so that the keys keep theirs (q_start_positions moved back by
@@ -469,13 +466,12 @@ def _backward_by_columns(gradient: "_BiasGradient", problem: AttentionProblem, d
 
     from .sm90.backward import DqSums, SharedRowStatistics
 
-    seqlen_k, tile, keys = problem.max_seqlen_k, KERNEL_TILE, gradient.keys_per_launch
+    seqlen_k, tile = problem.max_seqlen_k, KERNEL_TILE
     lists, transposed = kwargs["block_sparse"], kwargs["block_sparse_transposed"]
     prepared = prepared_of(attn_mask)
     dk, dv = torch.empty_like(k), torch.empty_like(v)
     dq_sums, statistics = DqSums(), SharedRowStatistics()
-    for c0 in range(0, seqlen_k, keys):
-        c1 = min(c0 + keys, seqlen_k)
+    for index, (c0, c1) in enumerate(gradient.chunks):
         tiles = (c0 // tile, -(-c1 // tile))
         build = functools.partial(csr_rows, transposed, -(-seqlen_k // tile), *tiles)
         part = dict(kwargs, max_seqlen_k=c1 - c0, block_sparse_transposed=(
@@ -489,7 +485,7 @@ def _backward_by_columns(gradient: "_BiasGradient", problem: AttentionProblem, d
         columns = (dk[:, c0:c1], dv[:, c0:c1])  # contiguous for one batch entry: written
         dq_part, *dkv_part = kernel.run(
             dout, q, k[:, c0:c1], v[:, c0:c1], out, lse, **part, score_mods=part_mods,
-            head_major_units=mods.head_major_units, dbias=gradient.sums_for(c0, c1),
+            head_major_units=mods.head_major_units, **gradient.launch(index),
             dq_sums=dq_sums, row_statistics=statistics, dkv_out=columns)
         gradient.convert()
         assert dq_part is None, "a chunk's dQ adds into the shared float32 sums"
@@ -500,19 +496,21 @@ def _backward_by_columns(gradient: "_BiasGradient", problem: AttentionProblem, d
 
 
 class _BiasGradient:
-    """The float32 sums the sm90 backward adds dS into and the bias's gradient made of them:
-    `sums_for(c0, c1)` gives the tensor a launch over keys [c0, c1) sums into, zeroed where it
-    will add, `convert()` turns the launch's sums into the gradient's columns after it, and
-    `result()` is the gradient. The sums take one of three forms, decided here:
+    """The float32 sums the sm90 backward adds dS into and the bias's gradient made of them,
+    over one launch or one launch per chunk of keys (`chunks`, `_backward_by_columns`):
+    `launch(i)` gives launch i's dbias arguments of the kernel, its sums zeroed where it
+    adds, `convert()` turns them into the gradient's columns after it, and `result()` is the
+    gradient. The sums take one of two forms, decided here:
 
     - the visited 128 x 128 tiles alone, (slots, 128, 128), each found through an int32 map
-      of the tiles (`slots`; `BwdSpec.score_dbias_tiles`), where their count is known on the
-      host and fits KERNEL_SUMS_BUDGET_BYTES: a prepared mask's, counted once at its first
-      backward, or a tensor mask's, counted by the forward (`counted`) where the cells' sums
-      would pass the budget (a window of 2048 keys at 16K visits 12% of the tiles);
-    - the bias's cells, (slabs, Nq, Nk), where they fit the budget (one launch);
-    - past it, one launch per chunk of `keys_per_launch` keys whose cells fit
-      (`_backward_by_columns`), the chunks' sums one buffer in turn.
+      of the tiles (`BwdSpec.score_dbias_tiles`), where they are counted on the host: a
+      prepared mask's, counted once at its first backward, or a tensor mask's, counted by the
+      forward (`counted`) where the cells' sums would pass KERNEL_SUMS_BUDGET_BYTES (a window
+      of 2048 keys at 16K visits 12% of the tiles). Past the budget, one launch per run of
+      tile columns whose visited tiles fit it;
+    - else the bias's cells, (slabs, Nq, Nk), one launch where they fit the budget, else one
+      per chunk of keys whose cells fit (`_keys_per_launch`), the chunks' sums one buffer in
+      turn.
 
     Only the tiles some list visits receive a sum. Where `kernels.sm90.dbias_tiles` runs, only
     those tiles of the cells' sums are zeroed before the backward and read after it; the
@@ -533,6 +531,7 @@ class _BiasGradient:
 
         self.shape = attn_bias.shape
         device = bias.device
+        keys = bias.shape[2]
         self.stores = _dbias_stores(problem, bias)
         self.out = torch.empty(bias.shape, dtype=attn_bias.dtype, device=device)
         self._tiles, _ = dispatch.sm90_module("dbias_tiles", device)
@@ -543,31 +542,43 @@ class _BiasGradient:
             visited = counted or (build() if prepared is None
                                   else prepared.visited_for(lists, form, build))
         self._map = None if visited is None else visited.map
-        self.slots = None  # the (slabs, Tq, Tk) int32 slot map of sums of the visited tiles
-        self.keys_per_launch = bias.shape[2]
+        self.chunks = [(0, keys)]  # the keys of each launch
+        self._slots = None  # the (slabs, Tq, Tk) int32 slot map of sums of the visited tiles
+        self._slot_runs = None  # per launch: (first tile column, end, first slot, slots)
         self._sums = None  # one launch's float32 sums, or None: the gradient's own cells
         if _sums_in_float32(problem, attn_bias, bias):
             if visited is not None and (prepared is not None or visited is counted):
-                slots, count = visited.slots()
-                sums = torch.empty(max(count, 1), KERNEL_TILE, KERNEL_TILE,
-                                   dtype=torch.float32, device=device)
-                if (sums.numel() * 4 <= KERNEL_SUMS_BUDGET_BYTES
-                        and self._tiles.can_run_slots(slots, sums, self.out)):
-                    self.slots, self._sums = slots, sums
+                slots, column_counts = visited.slots()
+                runs = _slot_runs(column_counts,
+                                  KERNEL_SUMS_BUDGET_BYTES // (4 * KERNEL_TILE * KERNEL_TILE))
+                sums = torch.empty(max(1, *(run[3] for run in runs)), KERNEL_TILE,
+                                   KERNEL_TILE, dtype=torch.float32, device=device)
+                if self._tiles.can_run_slots(slots, sums, self.out):
+                    self._slots, self._slot_runs, self._sums = slots, runs, sums
+                    self.chunks = [(t0 * KERNEL_TILE, min(t1 * KERNEL_TILE, keys))
+                                   for t0, t1, _, _ in runs]
             if self._sums is None:
-                self.keys_per_launch = _keys_per_launch(problem, attn_bias, bias)
-                self._sums = torch.empty((*bias.shape[:2], self.keys_per_launch),
-                                         dtype=torch.float32, device=device)
-        self._launch = None  # (visited tiles or None, sums, gradient cells) of the launch
+                width = _keys_per_launch(problem, attn_bias, bias)
+                self.chunks = [(c0, min(c0 + width, keys)) for c0 in range(0, keys, width)]
+                self._sums = torch.empty((*bias.shape[:2], width), dtype=torch.float32,
+                                         device=device)
+        self._launch = None  # (visited tiles or slots or None, sums, gradient cells)
 
-    def sums_for(self, c0: int, c1: int) -> torch.Tensor:
-        """The tensor a launch over keys [c0, c1) (whole tiles from c0) sums dS into, where it
-        adds zeroed (with stores: the gradient's tiles no list visits zeroed)."""
+    def launch(self, index: int) -> dict:
+        """The kernel's dbias arguments (`kernels.sm90.backward.run`) for launch `index`, over
+        keys chunks[index] (whole tiles from the first), its sums zeroed where it adds (with
+        stores: the gradient's tiles no list visits zeroed)."""
+        c0, c1 = self.chunks[index]
         out = self.out[..., c0:c1]
-        if self.slots is not None:  # every slot is a visited tile's
-            self._sums.zero_()
-            self._launch = (self.slots, self._sums, out)
-            return self._sums
+        if self._slots is not None:  # every slot is a visited tile's
+            t0, t1, first, count = self._slot_runs[index]
+            slots = self._slots
+            if (t0, t1) != (0, slots.shape[2]):  # the run's columns, its first slot 0 (a copy:
+                slots = slots[..., t0:t1] - first  # the kernel reads it 16-byte aligned)
+            sums = self._sums[:max(count, 1)]
+            sums.zero_()
+            self._launch = (slots, sums, out)
+            return dict(dbias=sums, dbias_slots=slots)
         sums = out if self._sums is None else self._sums[..., :c1 - c0]
         visited = None
         if self._map is not None:
@@ -581,14 +592,14 @@ class _BiasGradient:
         else:
             self._tiles.zero_listed(visited, sums)
         self._launch = (visited, sums, out)
-        return sums
+        return dict(dbias=sums, dbias_stores=self.stores)
 
     def convert(self) -> None:
         """The launch's columns of the gradient from its sums (0 in every tile no list
         visits)."""
         visited, sums, out = self._launch
-        if self.slots is not None:
-            self._tiles.convert_slots(self.slots, sums, out)
+        if self._slots is not None:
+            self._tiles.convert_slots(visited, sums, out)
         elif visited is not None and not self.stores:
             self._tiles.convert(visited, sums, out)
         elif out is not sums:
@@ -600,47 +611,65 @@ class _BiasGradient:
         return self.out.view(self.shape)
 
 
+def _slot_runs(column_counts: list[int], capacity: int) -> list[tuple[int, int, int, int]]:
+    """(first tile column, end, first slot, slots) of each launch: the longest runs of tile
+    columns whose visited tiles (`column_counts` per column, slots numbered column by column)
+    fit `capacity` slots, one column at least."""
+    runs, start, first, total = [], 0, 0, 0
+    for column, count in enumerate(column_counts):
+        if column > start and total + count > capacity:
+            runs.append((start, column, first, total))
+            start, first, total = column, first + total, 0
+        total += count
+    runs.append((start, len(column_counts), first, total))
+    return runs
+
+
 class _VisitedTiles:
     """The 128 x 128 tiles a call's lists visit per bias slab (`map`, `_visited_tiles`) and
-    each visited tile's slot in float32 sums of those tiles alone, with their count (`slots`).
-    A prepared mask keeps them with its lists and counts them once, at its first backward;
-    a tensor mask's are counted by the forward (`count_later`) and read by the backward."""
+    each visited tile's slot in float32 sums of those tiles alone, numbered tile column by
+    tile column, with the count of each column (`slots`). A prepared mask keeps them with
+    its lists and counts them once, at its first backward; a tensor mask's are counted by the
+    forward (`count_later`) and read by the backward."""
 
     def __init__(self, visited: torch.Tensor):
         self.map = visited
         self._slots = None
-        self._pending = None  # (slots, the count in pinned host memory, its copy's event)
+        self._pending = None  # (slots, the counts in pinned host memory, their copy's event)
 
     @classmethod
     def of(cls, problem: AttentionProblem, lists, bias_form) -> "_VisitedTiles":
         return cls(_visited_tiles(problem, lists, bias_form))
 
     def _slot_map(self) -> tuple[torch.Tensor, torch.Tensor]:
-        seen = self.map.flatten() != 0
-        order = torch.cumsum(seen, 0, dtype=torch.int32)
-        return torch.where(seen, order - 1, -1).view(self.map.shape), order[-1:]
+        by_column = self.map.permute(2, 0, 1) != 0  # (Tk, slabs, Tq)
+        order = torch.cumsum(by_column.flatten(), 0, dtype=torch.int32) - 1
+        slots = torch.where(by_column.flatten(), order, -1).view(by_column.shape)
+        counts = by_column.flatten(1).sum(1, dtype=torch.int32)
+        return slots.permute(1, 2, 0).contiguous(), counts
 
     def count_later(self) -> None:
-        """Count the slots now, on the device, and copy the count to the host without
+        """Count the slots now, on the device, and copy the counts to the host without
         waiting: `slots` then waits for this point of the stream alone (the forward's, long
         passed by the time its backward runs in a training step), not for all queued work."""
-        slots, count = self._slot_map()
-        host = torch.empty(1, dtype=torch.int32, pin_memory=True)
-        host.copy_(count, non_blocking=True)
+        slots, counts = self._slot_map()
+        host = torch.empty(counts.shape, dtype=torch.int32, pin_memory=True)
+        host.copy_(counts, non_blocking=True)
         copied = torch.cuda.Event()
         copied.record()
         self._pending = (slots, host, copied)
 
-    def slots(self) -> tuple[torch.Tensor, int]:
-        """((slabs, Tq, Tk) int32: a visited tile's slot, -1 elsewhere; the number of slots)."""
+    def slots(self) -> tuple[torch.Tensor, list[int]]:
+        """((slabs, Tq, Tk) int32: a visited tile's slot, -1 elsewhere; the visited tiles of
+        each tile column, whose slots follow those of the columns before it)."""
         if self._slots is None:
             if self._pending is not None:
                 slots, host, copied = self._pending
                 copied.synchronize()
-                self._slots, self._pending = (slots, int(host[0])), None
+                self._slots, self._pending = (slots, host.tolist()), None
             else:
-                slots, count = self._slot_map()
-                self._slots = (slots, int(count[0]) if count.numel() else 0)
+                slots, counts = self._slot_map()
+                self._slots = (slots, counts.tolist())
         return self._slots
 
 

@@ -424,12 +424,11 @@ def test_the_bias_gradient_of_column_chunks_is_the_one_launch_gradient(dtype, mo
     def gradient(budget):
         monkeypatch.setattr(masked_module, "KERNEL_SUMS_BUDGET_BYTES", budget)
         result = masked_module._BiasGradient(problem, bias, cells, lists, None)
-        keys = result.keys_per_launch
-        assert keys == (seqlen_k if budget > seqlen_q * seqlen_k * 4 or dtype == torch.float32
-                        else 256)
-        for c0 in range(0, seqlen_k, keys):
-            c1 = min(c0 + keys, seqlen_k)
-            sums = result.sums_for(c0, c1)
+        keys = seqlen_k if budget > seqlen_q * seqlen_k * 4 or dtype == torch.float32 else 256
+        assert result.chunks == [(c0, min(c0 + keys, seqlen_k))
+                                 for c0 in range(0, seqlen_k, keys)]
+        for index, (c0, c1) in enumerate(result.chunks):
+            sums = result.launch(index)["dbias"]
             assert sums.shape == (1, seqlen_q, c1 - c0)
             assert (sums == 0).all()  # zeroed for the launch
             for head in ds:  # the kernel's reductions: every head's dS into the cells
@@ -470,11 +469,17 @@ def test_a_prepared_mask_keeps_each_column_chunk_transpose():
 
 
 def test_visited_tiles_count_their_slots_once():
-    """_VisitedTiles.slots: each visited tile's slot in the sums of the visited tiles alone
-    (0, 1, ... in the map's order), -1 elsewhere, and their count; counted once."""
+    """_VisitedTiles.slots: each visited tile's slot in the sums of the visited tiles alone,
+    numbered tile column by tile column (slab, then tile row, inside one), -1 elsewhere, and
+    each column's count; counted once. _slot_runs: the launches' runs of columns whose slots
+    fit a capacity, one column at least."""
     visited = torch.tensor([[[1, 0, 1], [0, 0, 1]], [[0, 1, 0], [1, 1, 0]]], dtype=torch.int8)
     tiles = masked_module._VisitedTiles(visited)
-    slots, count = tiles.slots()
-    assert count == 6 and slots.dtype == torch.int32
-    assert slots.tolist() == [[[0, -1, 1], [-1, -1, 2]], [[-1, 3, -1], [4, 5, -1]]]
+    slots, counts = tiles.slots()
+    assert counts == [2, 2, 2] and slots.dtype == torch.int32 and slots.is_contiguous()
+    assert slots.tolist() == [[[0, -1, 4], [-1, -1, 5]], [[-1, 2, -1], [1, 3, -1]]]
     assert tiles.slots()[0] is slots
+    runs = masked_module._slot_runs
+    assert runs([2, 2, 2], 6) == [(0, 3, 0, 6)]
+    assert runs([2, 2, 2], 4) == [(0, 2, 0, 4), (2, 3, 4, 2)]
+    assert runs([5, 0, 1, 3], 2) == [(0, 1, 0, 5), (1, 3, 5, 1), (3, 4, 6, 3)]

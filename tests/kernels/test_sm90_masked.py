@@ -289,7 +289,8 @@ def test_the_backward_in_column_chunks(name, prepared, monkeypatch):
     none; keys a multiple of 4 or not, the dbias tile pass or the whole-columns one), dq, dk,
     dv and dbias equal to the torch path's and to the one-launch kernel's within the float32
     sums' rounding, dbias 0 where nothing is seen, and no float32 sums larger than the budget.
-    A prepared mask keeps each chunk's transpose: its second backward builds none."""
+    A prepared mask (its sums over its visited tiles alone, in runs of tile columns whose
+    tiles fit the budget) keeps each chunk's transpose: its second backward builds none."""
     import sparsity.csr
 
     q, k, v, mask, bias, rule = _call(name)
@@ -302,20 +303,23 @@ def test_the_backward_in_column_chunks(name, prepared, monkeypatch):
     budget = slabs * q.shape[1] * 256 * 4
     monkeypatch.setattr(masked, "KERNEL_SUMS_BUDGET_BYTES", budget)
     sums = []
-    original = masked._BiasGradient.sums_for
+    original = masked._BiasGradient.launch
 
-    def recorded(self, c0, c1):
-        result = original(self, c0, c1)
-        sums.append(self._sums.numel() * self._sums.element_size())
+    def recorded(self, index):
+        result = original(self, index)
+        sums.append((self._sums.numel() * self._sums.element_size(), "dbias_slots" in result))
         return result
-    monkeypatch.setattr(masked._BiasGradient, "sums_for", recorded)
+    monkeypatch.setattr(masked._BiasGradient, "launch", recorded)
     attn_mask = prepare_mask(mask) if prepared else mask
     chunked = masked.sm90_backward(problem, dout, q, k, v, out, lse, attn_mask, bias, True)
-    chunks = -(-k.shape[1] // 256)
-    assert len(sums) == chunks and max(sums) <= budget
-    if prepared:  # the call's lists, their transpose and each chunk's
+    assert max(size for size, _ in sums) <= budget
+    assert all(compact == prepared for _, compact in sums)
+    if not prepared:
+        assert len(sums) == -(-k.shape[1] // 256)
+    else:  # the call's lists, their transpose and each chunk's
+        assert len(sums) > 1
         (entry,) = attn_mask._lists.values()
-        assert entry[1] is not None and len(entry[3]) == chunks
+        assert entry[1] is not None and len(entry[3]) == len(sums)
 
         def no_lists(*args, **kwargs):
             raise AssertionError("lists built for a prepared mask's chunk again")
@@ -353,16 +357,17 @@ def test_a_tensor_masks_bias_gradient_over_the_visited_tiles(name, monkeypatch):
     out, lse, tiles = masked.sm90_forward(problem, q, k, v, mask, bias, bias_gradient=True)
     assert tiles.visited is not None
     launches = []
-    original = masked._BiasGradient.sums_for
+    original = masked._BiasGradient.launch
 
-    def recorded(self, c0, c1):
-        launches.append(self.slots is not None)
-        return original(self, c0, c1)
-    monkeypatch.setattr(masked._BiasGradient, "sums_for", recorded)
+    def recorded(self, index):
+        result = original(self, index)
+        launches.append("dbias_slots" in result)
+        return result
+    monkeypatch.setattr(masked._BiasGradient, "launch", recorded)
     counted = masked.sm90_backward(problem, dout, q, k, v, out, lse, mask, bias, True, tiles)
     assert launches == [True]  # one launch, over the visited tiles' sums
-    _, count = tiles.visited.slots()
-    assert 0 < count * 128 * 128 * 4 < cells
+    _, counts = tiles.visited.slots()
+    assert 0 < sum(counts) * 128 * 128 * 4 < cells
     expected = masked.backward(problem, dout, q, k, v, out, lse, mask, bias, True)
     for got, one_launch, want, what in zip(counted, whole, expected, ("dq", "dk", "dv", "dbias")):
         assert got.shape == want.shape and got.dtype == want.dtype, what
