@@ -409,8 +409,8 @@ def sm90_backward(problem: AttentionProblem, dout, q, k, v, out, lse, attn_mask=
     """(dq, dk, dv, dbias) of `backward` on the sm90 kernel (the KV-centric kernel with the
     fused dQ, dS summed into a float32 dbias by reductions), or None where it does not take
     the call. Its float32 sums (dQ, dbias) land in a run-dependent order: deterministic callers
-    take the torch path. lists: the forward's `tile_lists` of this call (None: built here).
-    attn_mask may be a `PreparedMask`."""
+    take the torch path. tiles: the forward's `ForwardTiles` of this call (None: the lists
+    built here). attn_mask may be a `PreparedMask`."""
     if bias_gradient and _broadcast_view(attn_bias).shape != _as_4d(attn_bias).shape:
         return None  # an expanded bias's gradient is per copy: its cells are not one slab
     tiles = tiles or ForwardTiles(None)
@@ -453,11 +453,11 @@ def _keys_per_launch(problem: AttentionProblem, attn_bias: torch.Tensor,
 def _backward_by_columns(gradient: "_BiasGradient", problem: AttentionProblem, dout, q, k, v,
                          out, lse, attn_mask, mods, kernel, kwargs):
     """`sm90_backward` with the bias's gradient, one launch per chunk of keys
-    (`gradient.chunks`, whole KERNEL_TILE tiles). Each launch is the backward
-    of its keys alone: k, v, the mask's and the bias's columns, the transpose of the call's
-    lists restricted to its KV tiles (`sparsity.csr.csr_rows`), and where a rule reads
-    positions, the rows placed so that the keys keep theirs (q_start_positions moved back by
-    the chunk's first key's position). So dK and dV of its keys are whole and written once,
+    (`gradient.chunks`, whole KERNEL_TILE tiles). Each launch is the backward of its keys
+    alone: k, v, the mask's and the bias's columns, the transpose of the call's lists
+    restricted to its KV tiles (`sparsity.csr.csr_rows`), and where a rule reads positions,
+    the rows placed so that the keys keep theirs (q_start_positions moved back by the chunk's
+    first key's position). So dK and dV of its keys are whole and written once,
     its float32 dbias sums cover its columns alone and are converted into them before the
     next launch reuses them, and every launch adds its dQ into one float32 accumulator
     (`DqSums`), converted once; the row statistics are computed once. A `PreparedMask` keeps
