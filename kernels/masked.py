@@ -502,15 +502,16 @@ class _BiasGradient:
     adds, `convert()` turns them into the gradient's columns after it, and `result()` is the
     gradient. The sums take one of two forms, decided here:
 
-    - the visited 128 x 128 tiles alone, (slots, 128, 128), each found through an int32 map
-      of the tiles (`BwdSpec.score_dbias_tiles`), where they are counted on the host: a
-      prepared mask's, counted once at its first backward, or a tensor mask's, counted by the
-      forward (`counted`) where the cells' sums would pass KERNEL_SUMS_BUDGET_BYTES (a window
-      of 2048 keys at 16K visits 12% of the tiles). Past the budget, one launch per run of
-      tile columns whose visited tiles fit it;
-    - else the bias's cells, (slabs, Nq, Nk), one launch where they fit the budget, else one
-      per chunk of keys whose cells fit (`_keys_per_launch`), the chunks' sums one buffer in
-      turn.
+    - the bias's cells, (slabs, Nq, Nk), in one launch where they fit
+      KERNEL_SUMS_BUDGET_BYTES;
+    - past it, the visited 128 x 128 tiles alone, (slots, 128, 128), each found through an
+      int32 map of the tiles (`BwdSpec.score_dbias_tiles`), where they are counted on the
+      host: a prepared mask's, counted once at its first backward that needs them, or a
+      tensor mask's, counted by the forward (`counted`) (a window of 2048 keys at 16K visits
+      12% of the tiles); one launch per run of tile columns whose visited tiles fit the
+      budget;
+    - else one launch per chunk of keys whose cells fit (`_keys_per_launch`), the chunks'
+      sums one buffer in turn.
 
     Only the tiles some list visits receive a sum. Where `kernels.sm90.dbias_tiles` runs, only
     those tiles of the cells' sums are zeroed before the backward and read after it; the
@@ -547,7 +548,12 @@ class _BiasGradient:
         self._slot_runs = None  # per launch: (first tile column, end, first slot, slots)
         self._sums = None  # one launch's float32 sums, or None: the gradient's own cells
         if _sums_in_float32(problem, attn_bias, bias):
-            if visited is not None and (prepared is not None or visited is counted):
+            width = _keys_per_launch(problem, attn_bias, bias)
+            # The cells where they fit: a step finds its tile's slot with one more dependent
+            # load (H200, 16K, prepared: window 2048 3.64 -> 3.77 ms, window 16384 in chunks
+            # 12.67 -> 13.45).
+            if width < keys and visited is not None and (prepared is not None
+                                                         or visited is counted):
                 slots, column_counts = visited.slots()
                 runs = _slot_runs(column_counts,
                                   KERNEL_SUMS_BUDGET_BYTES // (4 * KERNEL_TILE * KERNEL_TILE))
@@ -558,7 +564,6 @@ class _BiasGradient:
                     self.chunks = [(t0 * KERNEL_TILE, min(t1 * KERNEL_TILE, keys))
                                    for t0, t1, _, _ in runs]
             if self._sums is None:
-                width = _keys_per_launch(problem, attn_bias, bias)
                 self.chunks = [(c0, min(c0 + width, keys)) for c0 in range(0, keys, width)]
                 self._sums = torch.empty((*bias.shape[:2], width), dtype=torch.float32,
                                          device=device)
