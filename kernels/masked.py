@@ -86,7 +86,7 @@ class PreparedMask:
         self._version = None if mask.is_inference() else mask._version
         self._classes: torch.Tensor | None = None
         # (AttentionProblem, list heads) -> [lists, their transpose or None,
-        #     {bias form: visited tiles}, {KV tiles of a column chunk: their transpose}]
+        #     {bias form: visited tiles}, {KV tiles of a chunk of keys: their transpose}]
         self._lists: dict = {}
 
     def tensor(self) -> torch.Tensor:
@@ -129,7 +129,7 @@ class PreparedMask:
 
     def columns_for(self, lists, tiles: tuple[int, int], build):
         """build()'s transpose of `lists` (lists of this mask) restricted to the KV tiles
-        [first, end) `tiles` (a column chunk of `_backward_by_columns`), kept with them."""
+        [first, end) `tiles` (a chunk of keys of `_backward_by_columns`), kept with them."""
         entry = self._entry(lists)
         if entry is None:
             return build()

@@ -170,7 +170,7 @@ def run(
     UNITS_HEAD_MAJOR) or, False, KV block by KV block (tools/tune_sm90_backward.py compares).
     q_start_positions (host ints, one per sequence): the position of each sequence's first
     query row (`BwdSpec.q_positions`, and the dQ kernel's); negative where the keys given are
-    a later part of the sequence's (`kernels.masked`'s column chunks).
+    a later part of the sequence's (`kernels.masked`'s chunks of keys).
     score_mods (`kernels.sm90.forward.ScoreModTensors`, padded inputs with the lists of the
     mask, `kernels.masked.sm90_backward`): the forward's user mask and bias, on the fused dQ
     (`score_mod_spec`); dbias: a float32 (slabs, Nq, Nk) tensor that dS is summed into, zeroed
@@ -185,7 +185,7 @@ def run(
     runs the dQ kernel instead (packed inputs) and `dq_sums.consumes` says so, that kernel adds
     the sums into its dQ (`DqSpec.sums_block_cols`) and the sums are spent.
     row_statistics (a `SharedRowStatistics`): calls on the same rows (other keys of them:
-    `kernels.masked`'s column chunks) compute the row statistics once.
+    `kernels.masked`'s chunks of keys) compute the row statistics once.
     dkv_out: (dk, dv) tensors of k's and v's shape and dtype, contiguous, that dK and dV are
     written into and returned as where the units that own their KV tile store them
     (`owned_dkv_stores`; elsewhere new tensors are returned)."""
@@ -510,7 +510,7 @@ class QueryTiles:
 class SharedRowStatistics:
     """The row statistics (lse * log2 e and rowsum(dO O) in the query tile layout) of one set
     of rows, computed by the first of several backward calls on those rows and read by the
-    others (`kernels.masked`'s column chunks: each call walks other KV tiles of the same rows;
+    others (`kernels.masked`'s chunks of keys: each call walks other KV tiles of the same rows;
     `run(row_statistics=)`)."""
 
     def __init__(self):
@@ -526,7 +526,7 @@ class SharedRowStatistics:
 class DqSums:
     """One float32 dQ accumulator for several fused-dQ backward calls on the same q (nsa()'s
     compressed and window branches, both on the fused dQ from 128K tokens at H=32;
-    `kernels.masked`'s column chunks, each on some of the keys): the first
+    `kernels.masked`'s chunks of keys, each on some of the keys): the first
     call zeroes it, each call adds into it, and `finish` converts it once. On its own each
     call zeroes and converts an accumulator of 4 x T x H x D bytes (4 GiB at 256K tokens,
     H=32, D=128). H200, 2026-11-29, nsa() at 256K: the conversions 4.10 -> 2.49 ms and the

@@ -406,7 +406,7 @@ def test_the_kernel_backward_chunks_keys_past_its_sums_budget(monkeypatch):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_the_bias_gradient_of_column_chunks_is_the_one_launch_gradient(dtype, monkeypatch):
-    """_BiasGradient by column chunks (`_backward_by_columns`: one float32 buffer of the
+    """_BiasGradient by chunks of keys (`_backward_by_columns`: one float32 buffer of the
     chunk's width, each launch's columns zeroed, summed into, converted): the same gradient as
     one launch over every key, the last chunk narrower; a float32 bias sums into its own
     gradient. The launches' sums stand in for the kernel's reductions."""
@@ -443,7 +443,7 @@ def test_the_bias_gradient_of_column_chunks_is_the_one_launch_gradient(dtype, mo
 
 
 def test_a_prepared_mask_keeps_each_column_chunk_transpose():
-    """A prepared mask keeps the transpose of each column chunk of its lists (one build per
+    """A prepared mask keeps the transpose of each chunk of keys of its lists (one build per
     KV tile range, then reused), with those lists: lists it does not hold build each time."""
     from kernels import prepare_mask
     from kernels.validate import validate_attention_forward

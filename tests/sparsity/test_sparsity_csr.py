@@ -288,7 +288,7 @@ def test_unchecked_transpose_reads_nothing_from_the_device(by, monkeypatch):
 
 @pytest.mark.parametrize("start, end", [(0, 4), (1, 3), (3, 4), (0, 1)])
 def test_csr_rows_is_the_transpose_of_those_kv_blocks_alone(start, end, monkeypatch):
-    """csr_rows (kernels.masked's column chunks): the transpose restricted to KV blocks
+    """csr_rows (kernels.masked's chunks of keys): the transpose restricted to KV blocks
     [start, end) of every sequence is the transpose of the lists of those blocks alone (the
     forward's classes cut to those columns), the same capacity, built without a read."""
     from sparsity.csr import csr_rows
