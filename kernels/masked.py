@@ -385,8 +385,9 @@ def sm90_forward(problem: AttentionProblem, q, k, v, attn_mask=None, attn_bias=N
     kernel, kwargs = call
     mods = score_mod_tensors(problem, mask_tensor(attn_mask), attn_bias)
     lists, visited = kwargs["block_sparse"], None
+    # The cells' sums pass the budget (`_keys_per_launch` takes every key where there are
+    # no float32 sums): the rule `_BiasGradient` counts the visited tiles by.
     if (bias_gradient and prepared_of(attn_mask) is None
-            and _sums_in_float32(problem, attn_bias, mods.bias)
             and _keys_per_launch(problem, attn_bias, mods.bias) < problem.max_seqlen_k
             and not torch.cuda.is_current_stream_capturing()):
         visited = _VisitedTiles.of(problem, lists, _as_4d(attn_bias).shape[:2])
@@ -648,8 +649,9 @@ class _VisitedTiles:
 
     def _slot_map(self) -> tuple[torch.Tensor, torch.Tensor]:
         by_column = self.map.permute(2, 0, 1) != 0  # (Tk, slabs, Tq)
-        order = torch.cumsum(by_column.flatten(), 0, dtype=torch.int32) - 1
-        slots = torch.where(by_column.flatten(), order, -1).view(by_column.shape)
+        seen = by_column.flatten()
+        order = torch.cumsum(seen, 0, dtype=torch.int32) - 1
+        slots = torch.where(seen, order, -1).view(by_column.shape)
         counts = by_column.flatten(1).sum(1, dtype=torch.int32)
         return slots.permute(1, 2, 0).contiguous(), counts
 

@@ -275,6 +275,22 @@ def test_a_prepared_mask_on_the_kernels(name, monkeypatch):
         assert visited._slots is None
 
 
+def _assert_the_bias_gradients_agree(problem, dout, q, k, v, out, lse, mask, bias, got_grads,
+                                     one_launch_grads):
+    """(dq, dk, dv, dbias) of a backward whose bias gradient's sums took another form (chunks
+    of keys, the visited tiles') against the torch path's and the cells' one launch, dbias
+    exactly 0 where nothing is seen."""
+    expected = masked.backward(problem, dout, q, k, v, out, lse, mask, bias, True)
+    for got, one_launch, want, what in zip(got_grads, one_launch_grads, expected,
+                                           ("dq", "dk", "dv", "dbias")):
+        assert got.shape == want.shape and got.dtype == want.dtype, what
+        assert not got.isnan().any(), what
+        assert _rel_err(got, want) < TOLERANCE, what
+        assert _rel_err(got, one_launch) < 1e-2, what
+    unseen = _unseen_cells(problem, mask, bias).view(got_grads[3].shape)
+    assert (got_grads[3][unseen] == 0).all()
+
+
 @pytest.mark.parametrize("name, prepared", [("mask-and-bias-window", False),
                                             ("mask-and-bias-window", True),
                                             ("bias-staged-d64", False),
@@ -325,14 +341,7 @@ def test_the_backward_in_column_chunks(name, prepared, monkeypatch):
         again = masked.sm90_backward(problem, dout, q, k, v, out, lse, attn_mask, bias, True)
         for got, first in zip(again, chunked):
             assert _rel_err(got, first) < 1e-2
-    expected = masked.backward(problem, dout, q, k, v, out, lse, mask, bias, True)
-    for got, one_launch, want, what in zip(chunked, whole, expected, ("dq", "dk", "dv", "dbias")):
-        assert got.shape == want.shape and got.dtype == want.dtype, what
-        assert not got.isnan().any(), what
-        assert _rel_err(got, want) < TOLERANCE, what
-        assert _rel_err(got, one_launch) < 1e-2, what
-    unseen = _unseen_cells(problem, mask, bias).view(chunked[3].shape)
-    assert (chunked[3][unseen] == 0).all()
+    _assert_the_bias_gradients_agree(problem, dout, q, k, v, out, lse, mask, bias, chunked, whole)
 
 
 @pytest.mark.parametrize("name", ["mask-and-bias-window", "bias-staged-d64"])
@@ -365,14 +374,7 @@ def test_a_tensor_masks_bias_gradient_over_the_visited_tiles(name, monkeypatch):
     assert launches == [True]  # one launch, over the visited tiles' sums
     _, counts = tiles.visited.slots()
     assert 0 < sum(counts) * 128 * 128 * 4 < cells
-    expected = masked.backward(problem, dout, q, k, v, out, lse, mask, bias, True)
-    for got, one_launch, want, what in zip(counted, whole, expected, ("dq", "dk", "dv", "dbias")):
-        assert got.shape == want.shape and got.dtype == want.dtype, what
-        assert not got.isnan().any(), what
-        assert _rel_err(got, want) < TOLERANCE, what
-        assert _rel_err(got, one_launch) < 1e-2, what
-    unseen = _unseen_cells(problem, mask, bias).view(counted[3].shape)
-    assert (counted[3][unseen] == 0).all()
+    _assert_the_bias_gradients_agree(problem, dout, q, k, v, out, lse, mask, bias, counted, whole)
 
     leaves = [x.detach().clone().requires_grad_() for x in (q, k, v, bias)]
     flash_attn_func(*leaves[:3], attn_mask=mask, attn_bias=leaves[3], **rule).backward(dout)
