@@ -706,7 +706,8 @@ class FlashAttentionBackwardSm90:
         stages = self.spec.q_stages
         step_mods = None
         if const_expr(score_mods is not None):
-            step_mods = score_mods.for_tile(batch, head)
+            step_mods = score_mods.for_tile(batch, head).with_dbias_slot(
+                t_coord, m_block, n_block, self.tile_m, self.tile_n)
             if const_expr(self.spec.score_stage_bias):
                 # The bias tile's copies run under the step's first products.
                 step_mods = step_mods.stage_bias(tidx, _BIAS_STAGED_BARRIER, m_block, n_block,

@@ -98,12 +98,28 @@ class ScoreMods:
     # dbias_slots[slab, tile row, tile column] the slot of a (TILE x TILE) tile of the cells.
     dbias_tiles: cutlass.Constexpr[bool] = False
     dbias_slots: cute.Tensor = None
+    dbias_slot: Int32 = 0  # the step's slot (`with_dbias_slot`)
 
     @cute.jit
     def for_tile(self, batch: Int32, head: Int32) -> "ScoreMods":
         """The mods of the work tile of (batch, query head)."""
         return replace(self, mask_slab=self.slabs[batch, head, 0],
                        bias_slab=self.slabs[batch, head, 1])
+
+    @cute.jit
+    def with_dbias_slot(self, t_coord: cute.Tensor, m_block: Int32, n_block: Int32,
+                        tile_m: cutlass.Constexpr[int],
+                        tile_n: cutlass.Constexpr[int]) -> "ScoreMods":
+        """The mods with the slot of the visited tiles' sums that this thread's fragment of
+        the backward's step (m_block, n_block) adds into (`dbias_tiles`). Read at the step's
+        start: the load's latency runs under the products instead of on the dS path."""
+        mods = self
+        if const_expr(self.dbias_tiles):
+            c_mn = acc_mn_view(t_coord)
+            tile_row = (m_block * tile_m + self.row_of(c_mn, 0, True)) // SUMS_TILE
+            tile_col = (n_block * tile_n + self.key_of(c_mn, 0, True)) // SUMS_TILE
+            mods = replace(self, dbias_slot=self.dbias_slots[self.bias_slab, tile_row, tile_col])
+        return mods
 
     @cute.jit
     def apply(self, acc_s: cute.Tensor, t_coord: cute.Tensor, m_block: Int32, n_block: Int32,
@@ -225,10 +241,11 @@ class ScoreMods:
             tensor, slab = self.dbias, self.bias_slab
             if const_expr(self.dbias_tiles):
                 # The fragment lies in one TILE x TILE tile (a step's rows and a warpgroup's
-                # keys never cross one): its sums are a slot of their own, read at the
-                # coordinates (and the sequence's ends) taken from the tile's corner.
+                # keys never cross one): its sums are a slot of their own (read by
+                # `with_dbias_slot`), at the coordinates (and the sequence's ends) taken from
+                # the tile's corner.
                 tile_row, tile_col = row_base // SUMS_TILE, key_base // SUMS_TILE
-                slab = self.dbias_slots[self.bias_slab, tile_row, tile_col]
+                slab = self.dbias_slot
                 row_base, seqlen_q = (row_base - tile_row * SUMS_TILE,
                                       seqlen_q - tile_row * SUMS_TILE)
                 key_base, seqlen_k = (key_base - tile_col * SUMS_TILE,
