@@ -20,6 +20,11 @@ plans after the warm-up; `--capture off` times the eager path itself).
     python tools/profile_host.py                              # 8K tokens, H=32, Hkv=8, D=128
     python tools/profile_host.py --packed lognormal-2k        # a packed workload
     python tools/profile_host.py --seqlen 16384 --cprofile
+    python tools/profile_host.py --packed lognormal-2k --new-packing   # a training loop's calls
+
+`--new-packing` gives every call a packing of its own (the workload's lengths drawn with seed 1,
+2, ...; the same total tokens): a training loop over packed documents, whose packing changes
+every batch, so no layout, checked signature or captured plan of an earlier call applies.
 """
 from __future__ import annotations
 
@@ -50,11 +55,8 @@ def make_inputs(args, device: torch.device) -> tuple[dict, torch.Tensor]:
     generator = torch.Generator(device=device).manual_seed(0)
     call: dict = {}
     if args.packed:
-        lengths = list(build_workload(args.packed).lengths)
-        cu = cu_seqlens_of(lengths, device)
-        bounds = tuple(cu.tolist())  # read once here, before anything is timed
-        call.update(cu_seqlens=cu, max_seqlen=max(lengths), host_cu_seqlens=bounds)
-        rows = (bounds[-1],)
+        call.update(packing_arguments(args.packed, 0, device))
+        rows = (call["host_cu_seqlens"][-1],)
     else:
         rows = (1, args.seqlen)
 
@@ -67,6 +69,20 @@ def make_inputs(args, device: torch.device) -> tuple[dict, torch.Tensor]:
     if not args.mean_gates:
         call["W_gate"] = randn(args.heads, 3, head_dim, scale=head_dim ** -0.5).requires_grad_()
     return call, randn(*rows, args.heads, head_dim)
+
+
+def packing_arguments(workload: str, seed: int, device: torch.device) -> dict:
+    """nsa()'s packing arguments for `workload` drawn with `seed`: cu_seqlens on the device,
+    its host copy and max_seqlen, all made before anything is timed."""
+    lengths = list(build_workload(workload, seed=seed).lengths)
+    cu = cu_seqlens_of(lengths, device)
+    return dict(cu_seqlens=cu, max_seqlen=max(lengths), host_cu_seqlens=tuple(cu.tolist()))
+
+
+def new_packings(workload: str, calls: int, device: torch.device) -> list[dict]:
+    """Packing arguments of `workload` for `calls` calls, seeds 1, 2, ...: no two alike. Made
+    at once before any timing (each reads its bounds from the device)."""
+    return [packing_arguments(workload, seed, device) for seed in range(1, calls + 1)]
 
 
 def host_times(step, repeats: int) -> list[float]:
@@ -142,8 +158,13 @@ def main(argv=None) -> int:
                              "default)")
     parser.add_argument("--ops", action="store_true",
                         help="print torch.profiler's table of host time per op")
+    parser.add_argument("--new-packing", action="store_true",
+                        help="a packing of its own for every call (needs --packed): a training "
+                             "loop whose packing changes every batch")
     add_capture_argument(parser)
     args = parser.parse_args(argv)
+    if args.new_packing and not args.packed:
+        parser.error("--new-packing needs --packed (a workload whose lengths it redraws)")
     if not torch.cuda.is_available():
         print("profile_host: needs a CUDA GPU (it measures the host time of GPU calls)",
               file=sys.stderr)
@@ -153,7 +174,15 @@ def main(argv=None) -> int:
     call, dout = make_inputs(args, torch.device("cuda"))
     call.update(CAPTURE_OPTIONS[args.capture])
 
+    packings = None
+    if args.new_packing:  # every call below: warm-up and timed calls of both steps, the
+        # cProfile runs (5 steps each) and the profiler's one step
+        calls = 2 * (args.warmup + args.repeats) + 5 * (2 if args.cprofile else 1) + 1
+        packings = iter(new_packings(args.packed, calls, torch.device("cuda")))
+
     def forward():
+        if packings is not None:
+            call.update(next(packings))
         return nsa(**call)
 
     leaves = [x for x in call.values() if isinstance(x, torch.Tensor) and x.requires_grad]
@@ -164,6 +193,8 @@ def main(argv=None) -> int:
         torch.autograd.backward(nsa(**call), dout)
 
     workload = args.packed or f"{args.seqlen} tokens"
+    if args.new_packing:
+        workload += ", a new packing every call"
     print(f"{torch.cuda.get_device_name()}: {workload}, H={args.heads} Hkv={args.kv_heads} "
           f"D={args.head_dim} bf16, {'mean' if args.mean_gates else 'learned'} gates")
     for name, step in (("fwd", forward), ("fwd+bwd", forward_backward)):
