@@ -1,9 +1,10 @@
 """Train a causal LM with NSA and with dense attention on real long documents, side by side.
 
 The documents are the Python source files this machine already has (the standard library and
-torch's package: nsa/models/corpus.py), byte-level tokens, packed into batches of exactly
---seq-len tokens with cu_seqlens (documents never attend to each other; long ones are split).
-A fixed rule holds out ~5% of the files; held-out loss is measured on a fixed set of held-out
+torch's package: nsa/models/corpus.py), one per file or, with --documents package, one per
+directory (long documents), byte-level tokens, packed into batches of exactly --seq-len tokens
+with cu_seqlens (documents never attend to each other; long ones are split). A fixed rule
+holds out ~5% of the documents; held-out loss is measured on a fixed set of held-out
 batches every --eval-every steps.
 
 With --attention both, the NSA model and the dense model (nsa.models.CausalLM with
@@ -61,8 +62,8 @@ from _common import (add_layout_argument, positive_int, resolve_device,  # noqa:
                      resolve_layout)
 from nsa.distributed import choose_mode, shard_ranges, shard_sequence  # noqa: E402
 from nsa.distributed.sharding import chunks_per_rank  # noqa: E402
-from nsa.models.corpus import (DocumentPacker, find_documents, heldout_batches,  # noqa: E402
-                               source_roots, split_documents)
+from nsa.models.corpus import (DOCUMENT_UNITS, DocumentPacker, find_documents,  # noqa: E402
+                               heldout_batches, source_roots, split_documents)
 from nsa.models.lm import MODEL_PRESETS, CausalLM, LMConfig  # noqa: E402
 
 LR_DEFAULTS = {"tiny": 3e-3, "small": 6e-4, "base": 6e-4}
@@ -97,6 +98,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="held-out batches of --seq-len tokens per evaluation")
     parser.add_argument("--corpus", choices=["stdlib", "stdlib+torch"], default="stdlib+torch",
                         help="which installed sources make the documents")
+    parser.add_argument("--documents", choices=DOCUMENT_UNITS, default="file",
+                        help="one document per source file, or per directory of them "
+                             "(package: long documents, most longer than a 32K batch)")
     parser.add_argument("--max-documents", type=positive_int, default=None,
                         help="use only the first N training documents (and N/20 held-out)")
     parser.add_argument("--json", type=Path, help="write the results here")
@@ -453,7 +457,7 @@ def draw(summary: dict, path: Path) -> None:
 
 
 # What two single-attention runs must share to be compared (the batches follow from them).
-SHARED_SETTINGS = ("model", "seq_len", "seed", "lr", "corpus", "train_documents",
+SHARED_SETTINGS = ("model", "seq_len", "seed", "lr", "corpus", "documents", "train_documents",
                    "heldout_documents", "heldout_tokens")
 
 
@@ -509,7 +513,8 @@ def main(argv=None) -> int:
         report(combine(args.combine), args)
         return 0
     roots = source_roots(include_torch=args.corpus == "stdlib+torch")
-    train_documents, heldout_documents = split_documents(find_documents(roots))
+    train_documents, heldout_documents = split_documents(
+        find_documents(roots, unit=args.documents))
     if args.max_documents is not None:
         train_documents = train_documents[:args.max_documents]
         heldout_documents = heldout_documents[:max(1, args.max_documents // 20)]
@@ -517,8 +522,9 @@ def main(argv=None) -> int:
     ranks = Ranks(args.context_parallel, args.device, args.cp_layout)
     if ranks.first:
         print(f"corpus: {len(train_documents)} training and {len(heldout_documents)} held-out "
-              f"documents ({args.corpus}); held-out set {sum(b.num_tokens for b in eval_set):,} "
-              f"tokens in {len(eval_set)} batches of up to {args.seq_len:,}")
+              f"{args.documents} documents ({args.corpus}); held-out set "
+              f"{sum(b.num_tokens for b in eval_set):,} tokens in {len(eval_set)} batches of "
+              f"up to {args.seq_len:,}")
 
     attentions = ["nsa", "dense"] if args.attention == "both" else [args.attention]
     completed = False
@@ -537,7 +543,8 @@ def main(argv=None) -> int:
         device=(torch.cuda.get_device_name(args.device) if args.device.type == "cuda"
                 else f"cpu ({torch.get_num_threads()} threads)"),
         torch=torch.__version__, model=args.model, seq_len=args.seq_len, seed=args.seed,
-        lr=args.lr, corpus=args.corpus, train_documents=len(train_documents),
+        lr=args.lr, corpus=args.corpus, documents=args.documents,
+        train_documents=len(train_documents),
         heldout_documents=len(heldout_documents),
         heldout_tokens=sum(b.num_tokens for b in eval_set), context_parallel=args.context_parallel,
         cp_layout=args.cp_layout, runs=runs)

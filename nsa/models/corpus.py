@@ -1,10 +1,14 @@
 """Real long documents with no download: the Python source files this machine already has.
 
-Documents: every .py file of the Python standard library (site-packages excluded), and every
-.py file of the installed torch package when there is one; one document per file, named by its
-path relative to its root ("stdlib/json/decoder.py", "torch/nn/modules/linear.py"), sorted by
-name, so the corpus is the same on any machine with the same Python and torch versions.
-Tokens: the file's bytes (0..255), with BOS_ID before and EOS_ID after.
+Documents: the .py files of the Python standard library (site-packages excluded) and of the
+installed torch package when there is one, sorted by name, so the corpus is the same on any
+machine with the same Python and torch versions. `unit` says what one document is:
+- "file": one file, named by its path relative to its root ("stdlib/json/decoder.py",
+  "torch/nn/modules/linear.py"); most are a few thousand bytes;
+- "package": the files of one directory, joined in name order, named by the directory and a
+  slash ("stdlib/json/", "torch/nn/modules/"): long documents (a median in the tens of
+  thousands of bytes, the largest megabytes), as long-context training sees them.
+Tokens: the document's bytes (0..255), with BOS_ID before and EOS_ID after.
 
 Split, by a fixed rule on the name alone: a document is held out when
 sha256(name) mod 20 == 0 (about 5% of the documents); training never sees a held-out file.
@@ -36,14 +40,17 @@ from nsa.models.lm import BOS_ID, EOS_ID
 HELDOUT_MODULUS = 20
 
 
+DOCUMENT_UNITS = ("file", "package")
+
+
 @dataclass(frozen=True)
 class Document:
     name: str  # root/relative path: the identity the split rule hashes
-    path: Path
+    paths: tuple[Path, ...]  # its files, in name order
 
     def tokens(self) -> Tensor:
-        """(len + 2,) int64: BOS, the file's bytes, EOS."""
-        data = self.path.read_bytes()
+        """(len + 2,) int64: BOS, the files' bytes one after another, EOS."""
+        data = b"".join(path.read_bytes() for path in self.paths)
         body = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(torch.int64)
         return torch.cat([torch.tensor([BOS_ID]), body, torch.tensor([EOS_ID])])
 
@@ -61,19 +68,26 @@ def source_roots(include_torch: bool = True) -> dict[str, Path]:
     return roots
 
 
-def find_documents(roots: dict[str, Path] | None = None, *,
+def find_documents(roots: dict[str, Path] | None = None, *, unit: str = "file",
                    max_documents: int | None = None) -> list[Document]:
-    """Every non-empty .py file under the roots (site-packages skipped: its contents differ from
-    machine to machine), sorted by name; the first max_documents when given."""
+    """The documents of every non-empty .py file under the roots (site-packages skipped: its
+    contents differ from machine to machine), one per file or per directory (`unit`, see the
+    module docstring), sorted by name; the first max_documents when given."""
+    if unit not in DOCUMENT_UNITS:
+        raise ValueError(f"unit must be one of {DOCUMENT_UNITS}, got {unit!r}")
     roots = source_roots() if roots is None else roots
-    documents = []
+    files: dict[str, list[tuple[str, Path]]] = {}
     for root_name, root in sorted(roots.items()):
         for path in root.rglob("*.py"):
             relative = path.relative_to(root)
             if "site-packages" in relative.parts or "__pycache__" in relative.parts:
                 continue
             if path.is_file() and path.stat().st_size > 0:
-                documents.append(Document(f"{root_name}/{relative.as_posix()}", path))
+                name = f"{root_name}/{relative.as_posix()}"
+                key = name if unit == "file" else name[:name.rindex("/") + 1]
+                files.setdefault(key, []).append((name, path))
+    documents = [Document(key, tuple(path for _, path in sorted(members)))
+                 for key, members in files.items()]
     documents.sort(key=lambda d: d.name)
     return documents[:max_documents]
 

@@ -131,7 +131,27 @@ def test_corpus_is_sorted_and_split_by_a_fixed_rule(stdlib_documents):
     document = stdlib_documents[0]
     tokens = document.tokens()
     assert tokens[0] == BOS_ID and tokens[-1] == EOS_ID
-    assert bytes(tokens[1:-1].tolist()) == document.path.read_bytes()
+    assert document.paths == (document.paths[0],)
+    assert bytes(tokens[1:-1].tolist()) == document.paths[0].read_bytes()
+
+
+def test_package_documents_join_one_directory_s_files_in_name_order(stdlib_documents):
+    packages = find_documents(source_roots(include_torch=False), unit="package")
+    names = [d.name for d in packages]
+    assert names == sorted(names) and all(n.endswith("/") for n in names)
+    by_directory = {}
+    for d in stdlib_documents:  # the file documents, grouped by their directory
+        by_directory.setdefault(d.name[:d.name.rindex("/") + 1], []).append(d.paths[0])
+    assert {d.name: d.paths for d in packages} == {k: tuple(v) for k, v in by_directory.items()}
+    json = next(d for d in packages if d.name == "stdlib/json/")
+    assert len(json.paths) > 1
+    tokens = json.tokens()
+    assert tokens[0] == BOS_ID and tokens[-1] == EOS_ID
+    assert bytes(tokens[1:-1].tolist()) == b"".join(p.read_bytes() for p in json.paths)
+    lengths = sorted(len(d.tokens()) for d in packages[:60])
+    assert lengths[len(lengths) // 2] > 8192  # long documents, unlike most files
+    with pytest.raises(ValueError, match="unit must be one of"):
+        find_documents(source_roots(include_torch=False), unit="module")
 
 
 def test_packer_fills_batches_splits_documents_and_replays(stdlib_documents):

@@ -30,6 +30,7 @@ def test_tiny_run_writes_both_curves(tmp_path, capsys):
                "--json", str(out_json), "--png", str(out_png)])
     summary = json.loads(out_json.read_text())
     assert [run["attention"] for run in summary["runs"]] == ["nsa", "dense"]
+    assert summary["documents"] == "file"
     nsa_run, dense_run = summary["runs"]
     for run in summary["runs"]:
         assert run["steps"] == [1, 2]
