@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import nsa.layer as layer_module
+from gpu_marks import record_backward_launches, requires_sm90
 from nsa.layer import (NSAAttention, NSAAttentionReference, positions_in_sequences,
                        shard_positions)
 
@@ -28,12 +29,12 @@ def cu_seqlens_of(lengths):
 
 
 def make_layer(cls=NSAAttention, *, seed=0, num_heads=4, num_kv_heads=2, head_dim=8,
-               dtype=torch.float64, **options):
+               dtype=torch.float64, hidden=HIDDEN, geometry=SMALL_NSA, **options):
     """A layer whose every weight is random (W_k, W_v off the identity, W_gate of order 1), so
     no parameter sits at a value where its effect could vanish."""
-    options = {**SMALL_NSA, **options}
+    options = {**geometry, **options}
     torch.manual_seed(seed)
-    layer = cls(HIDDEN, num_heads, num_kv_heads, head_dim, **options).to(dtype)
+    layer = cls(hidden, num_heads, num_kv_heads, head_dim, **options).to(dtype)
     generator = torch.Generator().manual_seed(seed + 100)
     with torch.no_grad():
         for name, parameter in layer.named_parameters():
@@ -61,7 +62,7 @@ def outputs_and_grads(layer, x, **call):
     """Output, and gradients of <output, fixed random> in x and every parameter."""
     x = x.detach().clone().requires_grad_()
     out = layer(x, **call)
-    probe = random_hidden(out.shape, seed=7, dtype=out.dtype)
+    probe = random_hidden(out.shape, seed=7, dtype=out.dtype).to(out.device)
     names = [n for n, _ in layer.named_parameters()]
     grads = torch.autograd.grad((out * probe).sum(), [x, *layer.parameters()])
     return out, dict(zip(["input", *names], grads))
@@ -85,6 +86,30 @@ def test_layer_equals_reference_module_float64(attention, layout):
     assert grads.keys() == ref_grads.keys()
     for name in grads:
         assert rel_err(grads[name], ref_grads[name]) < 1e-10, name
+
+
+@requires_sm90
+@pytest.mark.gpu
+@pytest.mark.parametrize("attention", ["nsa", "dense"])
+def test_bfloat16_layer_on_the_kernels_close_to_float64_reference(attention, monkeypatch):
+    """The layer in bfloat16 on an sm_90 GPU, at nsa()'s default geometry (its branches on the
+    CuTe DSL kernels) or with the dense kernel, against the float64 reference module holding
+    the same weights: packed documents of several tiles and blocks, GQA, head dim 128."""
+    launched = record_backward_launches(monkeypatch)
+    shape = dict(num_heads=8, num_kv_heads=2, head_dim=128, hidden=256, geometry={},
+                 attention=attention)
+    layer = make_layer(dtype=torch.bfloat16, **shape).cuda()
+    reference = make_layer(NSAAttentionReference, **shape).cuda()
+    reference.load_state_dict({k: v.double() for k, v in layer.state_dict().items()})
+    lengths = [1500, 300, 77]
+    call = dict(cu_seqlens=cu_seqlens_of(lengths).cuda())
+    x = random_hidden((sum(lengths), 256)).cuda()
+    out, grads = outputs_and_grads(layer, x.bfloat16(), **call)
+    ref_out, ref_grads = outputs_and_grads(reference, x, **call)
+    assert launched, "the attention backward did not run on the sm90 kernels"
+    assert out.dtype == torch.bfloat16 and rel_err(out, ref_out) < 2e-2
+    for name in grads:
+        assert rel_err(grads[name], ref_grads[name]) < 3e-2, name
 
 
 def test_layer_float32_close_to_float64_reference():
