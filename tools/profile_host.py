@@ -8,6 +8,8 @@ this tool takes it apart, on one workload:
 - host ms of the forward and of forward+backward: median and minimum over --repeats calls,
   each queued behind a spin kernel of about 100 ms (torch.cuda._sleep), so no call waits for the
   device, and the GPU synchronised between calls;
+- step ms of forward+backward: from an idle GPU until it has run the call (host and device
+  together, what a loop of such calls waits for);
 - Python function calls per forward+backward (cProfile), and with --cprofile the functions
   with the most own time and the most cumulative time;
 - torch ops and kernel-launch calls of one forward+backward (torch.profiler), and the table of
@@ -42,8 +44,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import (CAPTURE_OPTIONS, add_capture_argument, cu_seqlens_of,  # noqa: E402
-                     positive_int)
+from _common import (CAPTURE_OPTIONS, add_capture_argument, add_switch_argument,  # noqa: E402
+                     cu_seqlens_of, parse_switches, positive_int)
 from packed_workloads import build_workload  # noqa: E402
 
 SPIN_CYCLES = 200_000_000  # about 100 ms of GPU clock: longer than any call's host time
@@ -95,6 +97,19 @@ def host_times(step, repeats: int) -> list[float]:
         step()
         times.append((time.perf_counter() - start) * 1e3)
     torch.cuda.synchronize()
+    return times
+
+
+def step_times(step, repeats: int) -> list[float]:
+    """Milliseconds of `step()` from an idle GPU until the GPU has run it (synchronised on both
+    sides): what a loop of such calls waits for per call, host and device together."""
+    times = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        step()
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - start) * 1e3)
     return times
 
 
@@ -162,7 +177,9 @@ def main(argv=None) -> int:
                         help="a packing of its own for every call (needs --packed): a training "
                              "loop whose packing changes every batch")
     add_capture_argument(parser)
+    add_switch_argument(parser)
     args = parser.parse_args(argv)
+    switched = parse_switches(parser, args)
     if args.new_packing and not args.packed:
         parser.error("--new-packing needs --packed (a workload whose lengths it redraws)")
     if not torch.cuda.is_available():
@@ -176,8 +193,9 @@ def main(argv=None) -> int:
 
     packings = None
     if args.new_packing:  # every call below: warm-up and timed calls of both steps, the
-        # cProfile runs (5 steps each) and the profiler's one step
-        calls = 2 * (args.warmup + args.repeats) + 5 * (2 if args.cprofile else 1) + 1
+        # synchronised steps, the cProfile runs (5 steps each) and the profiler's one step
+        calls = (2 * (args.warmup + args.repeats) + args.repeats
+                 + 5 * (2 if args.cprofile else 1) + 1)
         packings = iter(new_packings(args.packed, calls, torch.device("cuda")))
 
     def forward():
@@ -195,6 +213,8 @@ def main(argv=None) -> int:
     workload = args.packed or f"{args.seqlen} tokens"
     if args.new_packing:
         workload += ", a new packing every call"
+    if switched:
+        workload += f" ({', '.join(switched)})"
     print(f"{torch.cuda.get_device_name()}: {workload}, H={args.heads} Hkv={args.kv_heads} "
           f"D={args.head_dim} bf16, {'mean' if args.mean_gates else 'learned'} gates")
     for name, step in (("fwd", forward), ("fwd+bwd", forward_backward)):
@@ -202,6 +222,9 @@ def main(argv=None) -> int:
             step()
         times = host_times(step, args.repeats)
         print(f"host ms {name:8s} median {statistics.median(times):7.3f}  min {min(times):7.3f}")
+    steps = step_times(forward_backward, args.repeats)
+    print(f"step ms fwd+bwd  median {statistics.median(steps):7.3f}  min {min(steps):7.3f}  "
+          "(host and GPU, synchronised before and after)")
     if args.cprofile:  # the forward alone first: what the host does before the GPU starts
         _, text = python_calls(forward, 5, args.cprofile)
         print(text.replace("--- cProfile", "--- forward alone, cProfile"))
