@@ -320,8 +320,9 @@ class NSAAttentionReference(NSAAttention):
         position * base ** (-i / (D/2)), in float64."""
         half = self.head_dim // 2
         pairs = torch.complex(x[..., :half].double(), x[..., half:].double())
-        frequencies = self.rope_base ** (-torch.arange(half, dtype=torch.float64) / half)
-        angles = positions.to(torch.float64)[:, None, None] * frequencies
+        frequencies = self.rope_base ** (
+            -torch.arange(half, dtype=torch.float64, device=x.device) / half)
+        angles = positions.to(x.device, torch.float64)[:, None, None] * frequencies
         rotated = pairs * torch.exp(1j * angles)
         return torch.cat([rotated.real, rotated.imag], dim=-1).to(x.dtype)
 
@@ -331,7 +332,7 @@ class NSAAttentionReference(NSAAttention):
         scale = self.head_dim ** -0.5 if self.softmax_scale is None else self.softmax_scale
         scores = torch.einsum("ihd,jhd->hij", q, k) * scale
         n = len(q)
-        future = torch.ones(n, n, dtype=torch.bool).triu(1)
+        future = torch.ones(n, n, dtype=torch.bool, device=q.device).triu(1)
         weights = scores.masked_fill(future, float("-inf")).softmax(dim=-1)
         return torch.einsum("hij,jhd->ihd", weights, v)
 

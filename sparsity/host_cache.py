@@ -119,7 +119,7 @@ def to_device(value: T, device: torch.device) -> T:
     for t, offset in zip(tensors, offsets):
         if t.numel():
             nbytes = t.numel() * t.element_size()
-            staging[offset:offset + nbytes].copy_(t.reshape(-1).view(torch.uint8))
+            staging[offset:offset + nbytes].copy_(t.contiguous().view(-1).view(torch.uint8))
     moved = staging.to(device, non_blocking=pinned)
     copies = iter(
         moved[offset:offset + t.numel() * t.element_size()].view(t.dtype).view(t.shape)

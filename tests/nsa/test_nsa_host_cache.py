@@ -105,7 +105,8 @@ def test_to_device_keeps_the_structure_and_copies_every_tensor():
     from sparsity import QueryRows
 
     rows = QueryRows(torch.tensor([0, 5, 9], dtype=torch.int32), (0, 5, 9), (0, 16))
-    value = (torch.arange(5), None, 3, [torch.ones(2, 3, dtype=torch.bool)[:, 1]],
+    strided = torch.arange(15).view(3, 5)[:, 2]  # a column: 64-bit elements 5 apart
+    value = (strided, None, 3, [torch.ones(2, 3, dtype=torch.bool)[:, 1]],
              {"a": torch.empty(0, 4)}, _BlockRanges(torch.tensor([1, 2]),
                                                     torch.tensor([3.5]), float("inf")), rows)
     moved = host_cache.to_device(value, torch.device("cpu"))
