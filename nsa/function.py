@@ -43,7 +43,7 @@ from nsa.gating import NUM_BRANCHES, gate_backward, gate_weights
 from nsa.selection import select_blocks
 from nsa.validation import PackedSequences
 from sparsity import QueryRows
-from sparsity.host_cache import cached, host_tensor
+from sparsity.host_cache import cached
 
 # The branches on the fused dQ share one float32 accumulator (`DqSums`); False: each zeroes and
 # converts its own (a switch for the A/B, `tools/bench_nsa_vs_dense.py --switch`).
@@ -158,10 +158,9 @@ def compress_and_plan(q: Tensor, k: Tensor, v: Tensor | None, W_k: Tensor | None
     v None gives v_cmp None). Deterministic, so a later call plans the same branches
     (nsa/ops.py's backward)."""
     # A function of the host bounds and l: kept across calls (sparsity/host_cache.py)
-    l = config.compress_block_size
-    cu_seqlens_cmp = cached(("compressed cu_seqlens", sequences.cu_seqlens, l), cu_seqlens,
-                            lambda: compressed_cu_seqlens(cu_seqlens, l),
-                            lambda: host_tensor(sequences.compressed_cu_seqlens(l)))
+    cu_seqlens_cmp = cached(("compressed cu_seqlens", sequences.cu_seqlens,
+                             config.compress_block_size), cu_seqlens,
+                            lambda: compressed_cu_seqlens(cu_seqlens, config.compress_block_size))
     starts = compressed_starts(cu_seqlens, cu_seqlens_cmp, sequences, config)
     xs, weights = ((k,), (W_k,)) if v is None else ((k, v), (W_k, W_v))
     k_cmp, *v_cmp = compress_pair(xs, starts, config.compress_block_size, weights)
@@ -423,15 +422,7 @@ def compressed_starts(cu_seqlens: Tensor, cu_seqlens_cmp: Tensor, sequences: Pac
     l = config.compress_block_size
     num_compressed = sequences.compressed_cu_seqlens(l)[-1]
     return cached(("compressed block starts", sequences.cu_seqlens, l), cu_seqlens,
-                  lambda: compressed_block_starts(cu_seqlens, cu_seqlens_cmp, l, num_compressed),
-                  lambda: host_compressed_starts(sequences, l))
-
-
-def host_compressed_starts(sequences: PackedSequences, l: int) -> Tensor:
-    """`compressed_block_starts` on the CPU, from the host bounds (host_cache's CPU twin)."""
-    compressed = sequences.compressed_cu_seqlens(l)
-    return compressed_block_starts(host_tensor(sequences.cu_seqlens), host_tensor(compressed),
-                                   l, compressed[-1])
+                  lambda: compressed_block_starts(cu_seqlens, cu_seqlens_cmp, l, num_compressed))
 
 
 def _plan_branches(q: Tensor, k_cmp: Tensor, cu_seqlens: Tensor, cu_seqlens_cmp: Tensor,

@@ -39,7 +39,7 @@ from kernels.row_means import row_means
 from nsa.selection_rule import (CMP_KV_BLOCK, SELECTION_Q_TILE, BlockSelection,
                                 cmp_selection_width)
 from sparsity import QueryRows, selected_block_sparse_from_lists, selected_list_classes
-from sparsity.host_cache import cached, host_tensor
+from sparsity.host_cache import cached
 
 # Upper bound on one chunk's heads x tiles x (compressed tokens + D): the score tensor plus the
 # scoring queries it is computed from; a chunk holds at least one tile.
@@ -152,25 +152,24 @@ def select_blocks(q: Tensor, k_cmp: Tensor, cu_seqlens: Tensor, cu_seqlens_cmp: 
     if num_cmp_selected_blocks is not None:
         width = cmp_selection_width(q_tile, l, cmp_kv_block, num_cmp_selected_blocks)
 
-    def layout(cu: Tensor, cu_cmp: Tensor, rows: QueryRows | None):
-        offsets, tiles = _tile_layout(cu, cu_cmp, num_tiles, q_tile, l, causal, rows)
+    def layout():
+        offsets, tiles = _tile_layout(cu_seqlens, cu_seqlens_cmp, num_tiles, q_tile, l, causal,
+                                      queries)
         ranges = _selection_ranges(tiles, l_sel, q_tile, causal)
         cmp_ranges = None if width is None else _cmp_selection_ranges(tiles, l, cmp_kv_block,
                                                                       q_tile, causal)
         scoring = _scoring_rows(tiles, q_tile, causal)
-        classes = selected_list_classes(cu, cu_host, q_tile=q_tile, kv_block=l_sel,
-                                        causal=causal, queries=rows)
+        classes = selected_list_classes(cu_seqlens, cu_host, q_tile=q_tile, kv_block=l_sel,
+                                        causal=causal, queries=queries)
         return (offsets, tiles, ranges, cmp_ranges, scoring,
                 _kernel_tile_fields(tiles, ranges, classes[:2], cmp_ranges), classes[2])
 
-    # Functions of the host bounds and the rule's sizes only: kept across calls, built from
-    # them on the CPU for a GPU (sparsity/host_cache.py).
+    # Functions of the host bounds and the rule's sizes only: kept across calls
+    # (sparsity/host_cache.py).
     offsets, tiles, ranges, cmp_ranges, scoring, tile_fields, mask_width = cached(
         ("selection layout", tuple(cu_host), tuple(cu_cmp_host), q_tile, l, l_sel, causal,
          None if width is None else cmp_kv_block, None if queries is None else queries.key()),
-        cu_seqlens, lambda: layout(cu_seqlens, cu_seqlens_cmp, queries),
-        lambda: layout(host_tensor(cu_host), host_tensor(cu_cmp_host),
-                       None if queries is None else queries.on_host()))
+        cu_seqlens, layout)
     if num_tiles == 0:
         return _empty_selection(q.device, kv_heads, num_selected_blocks, width, offsets)
 

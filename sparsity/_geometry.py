@@ -6,7 +6,7 @@ thresholds instead.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
@@ -36,10 +36,6 @@ class QueryRows:
     def key(self) -> tuple:
         """The host values, for caches keyed by bounds."""
         return (self.host_cu_seqlens, self.start_positions)
-
-    def on_host(self) -> "QueryRows":
-        """These rows with their bounds in a CPU tensor (a host_cache build's input)."""
-        return replace(self, cu_seqlens=torch.tensor(self.host_cu_seqlens, dtype=torch.int32))
 
 
 @dataclass(frozen=True)

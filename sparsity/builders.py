@@ -25,7 +25,7 @@ from sparsity._geometry import (QueryRows, TileGeometry, ceil_div, diagonal_bloc
 from sparsity._lists import (compact_block_lists, compact_block_lists_below, padded_range,
                              range_lists)
 from sparsity.block_sparse import INDEX_DTYPE, BlockSparseTensors, uniform_cu_seqlens
-from sparsity.host_cache import cached, host_tensor
+from sparsity.host_cache import cached
 
 NOT_LISTED, MASK_BLOCK, FULL_BLOCK = 0, 1, 2  # tile classes of the dense-mask builder
 
@@ -124,23 +124,21 @@ def _selected_geometry(cu_seqlens: Tensor, host_cu_seqlens: Sequence[int], q_til
                        ) -> tuple[TileGeometry, tuple[Tensor, Tensor]]:
     """The tiles of attention over the keys cu_seqlens bounds, for the same rows as queries or
     for `queries`, and their visible block range."""
-    def geometry_and_range(cu_k: Tensor, rows: QueryRows | None):
-        cu = cu_k.to(torch.int64)
-        if rows is None:
+    def geometry_and_range():
+        cu = cu_seqlens.to(torch.int64)
+        if queries is None:
             geometry = tile_geometry(cu, cu, q_tile, host_cu_q=host_cu_seqlens)
         else:
-            geometry = tile_geometry(rows.cu_seqlens.to(torch.int64), cu, q_tile,
-                                     host_cu_q=rows.host_cu_seqlens,
-                                     start_positions=rows.start_positions)
+            geometry = tile_geometry(queries.cu_seqlens.to(torch.int64), cu, q_tile,
+                                     host_cu_q=queries.host_cu_seqlens,
+                                     start_positions=queries.start_positions)
         return geometry, visible_block_range(geometry, block_size=kv_block, causal=causal)
 
-    # Functions of the host bounds and the sizes only: kept across calls, built from them on
-    # the CPU for a GPU (sparsity/host_cache.py)
+    # Functions of the host bounds and the sizes only: kept across calls
+    # (sparsity/host_cache.py)
     return cached(("selected tile geometry", tuple(host_cu_seqlens), q_tile, kv_block, causal,
                    None if queries is None else queries.key()),
-                  cu_seqlens, lambda: geometry_and_range(cu_seqlens, queries),
-                  lambda: geometry_and_range(host_tensor(host_cu_seqlens),
-                                             None if queries is None else queries.on_host()))
+                  cu_seqlens, geometry_and_range)
 
 
 def _mask_width(q_tile: int, kv_block: int, causal: bool) -> int:

@@ -26,31 +26,17 @@ Rules that keep it correct:
 - callers never write into a returned tensor;
 - entries are built outside inference mode, so a training call may use what an evaluation
   call under torch.inference_mode() stored.
-
-A new packing (a training loop's every batch) misses every entry. Where the caller gives the
-build's twin on CPU tensors made from the host values (`cached`'s `on_host`), a GPU entry is
-built by it with torch on the CPU and its tensors reach the device in one pinned, non-blocking
-copy (`to_device`): a CPU op of a few hundred elements costs a few microseconds, a GPU one a
-launch (~15 us of host time in an nsa() forward) and its device time. Only entries the size of
-the tiles or the sequences have a twin: per-row ones (a row's query tile slot, its compressed
-token) cost the CPU more than their launches (a 64K-row `QueryTiles` 1.4 ms on a CPU core).
 """
 from __future__ import annotations
 
-import copy
-import dataclasses
 from collections import OrderedDict
 from contextlib import contextmanager
-from typing import Callable, Sequence, TypeVar
+from typing import Callable, TypeVar
 
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
 MAX_ENTRIES = 32  # a few packings at once (train and eval shapes), ~8 keys each
-# GPU entries with a CPU twin are built by it (see above); False: on the device, as entries
-# without one (the switch for the A/B, `tools/profile_host.py --switch`).
-HOST_BUILDS = True
-_COPY_ALIGNMENT = 16  # bytes: each tensor's offset in the one copy, a multiple of any dtype's
 
 T = TypeVar("T")
 _entries: OrderedDict = OrderedDict()  # least recently used first
@@ -58,11 +44,9 @@ _capture_pins: list | None = None  # the owner's list while a pinning capture ru
 _captured_entries: dict = {}  # entries a capture without an owner read: kept until clear()
 
 
-def cached(key: tuple, like: torch.Tensor, build: Callable[[], T],
-           on_host: Callable[[], T] | None = None) -> T:
+def cached(key: tuple, like: torch.Tensor, build: Callable[[], T]) -> T:
     """build()'s result for `key` on like's device: from the cache, or built and kept (on a
-    GPU only from the default stream, see the module's rules). on_host: the same build from
-    CPU tensors, by which a GPU entry is built (then copied over in one copy)."""
+    GPU only from the default stream, see the module's rules)."""
     device = like.device
     if device.type == "meta" or (not _plain_tensor(like) and is_fake(like)):
         return build()
@@ -79,73 +63,17 @@ def cached(key: tuple, like: torch.Tensor, build: Callable[[], T],
     if full_key in _entries:
         _entries.move_to_end(full_key)
         return _entries[full_key]
-    make = build
-    if HOST_BUILDS and on_host is not None and like.is_cuda:
-        def make():  # the same entry, by its CPU twin
-            return to_device(on_host(), device)
     if torch.is_inference_mode_enabled():
         # An inference tensor kept here could not be saved for backward by a later training
         # call (e.g. the first call ran under torch.inference_mode for evaluation).
         with torch.inference_mode(False):
-            value = make()
+            value = build()
     else:
-        value = make()
+        value = build()
     _entries[full_key] = value
     while len(_entries) > MAX_ENTRIES:
         _entries.popitem(last=False)
     return value
-
-
-def host_tensor(values: Sequence[int], dtype: torch.dtype = torch.int32) -> torch.Tensor:
-    """A CPU tensor of host values (an `on_host` build's input: the twin of a device tensor
-    such as cu_seqlens)."""
-    return torch.tensor(values, dtype=dtype)
-
-
-def to_device(value: T, device: torch.device) -> T:
-    """`value` with every CPU tensor in it (inside tuples, lists, dicts, dataclasses and plain
-    objects' attributes) replaced by a contiguous copy on `device`: all of them in one copy,
-    through pinned memory and non-blocking on a GPU (the current stream orders it before the
-    work that reads it; the pinned block is not reused until the copy is done). Other values
-    are kept as they are."""
-    tensors: list[torch.Tensor] = []
-    _map_tensors(value, lambda t: tensors.append(t) or t)
-    offsets, total = [], 0
-    for t in tensors:
-        offsets.append(total)
-        total += -(-t.numel() * t.element_size() // _COPY_ALIGNMENT) * _COPY_ALIGNMENT
-    pinned = device.type == "cuda"
-    staging = torch.empty(total, dtype=torch.uint8, pin_memory=pinned)
-    for t, offset in zip(tensors, offsets):
-        if t.numel():
-            nbytes = t.numel() * t.element_size()
-            staging[offset:offset + nbytes].copy_(t.contiguous().view(-1).view(torch.uint8))
-    moved = staging.to(device, non_blocking=pinned)
-    copies = iter(
-        moved[offset:offset + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
-        if t.numel() else torch.empty(t.shape, dtype=t.dtype, device=device)
-        for t, offset in zip(tensors, offsets))
-    return _map_tensors(value, lambda t: next(copies))
-
-
-def _map_tensors(value, fn):
-    """`value` with fn(t) in place of each tensor t, containers rebuilt (in a fixed order:
-    `to_device` walks it twice)."""
-    if isinstance(value, torch.Tensor):
-        return fn(value)
-    if isinstance(value, (tuple, list)):
-        items = [_map_tensors(v, fn) for v in value]
-        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
-    if isinstance(value, dict):
-        return {k: _map_tensors(v, fn) for k, v in value.items()}
-    fields = ([f.name for f in dataclasses.fields(value)] if dataclasses.is_dataclass(value)
-              and not isinstance(value, type) else list(getattr(value, "__dict__", {})))
-    if not fields:
-        return value
-    result = copy.copy(value)
-    for name in fields:
-        object.__setattr__(result, name, _map_tensors(getattr(value, name), fn))
-    return result
 
 
 def _plain_tensor(like: torch.Tensor) -> bool:

@@ -23,6 +23,7 @@ plans after the warm-up; `--capture off` times the eager path itself).
     python tools/profile_host.py --packed lognormal-2k        # a packed workload
     python tools/profile_host.py --seqlen 16384 --cprofile
     python tools/profile_host.py --packed lognormal-2k --new-packing   # a training loop's calls
+    python tools/profile_host.py --switch MODULE.NAME=VALUE           # a library switch set first
 
 `--new-packing` gives every call a packing of its own (the workload's lengths drawn with seed 1,
 2, ...; the same total tokens): a training loop over packed documents, whose packing changes
