@@ -11,7 +11,7 @@ machine with the same Python and torch versions. `unit` says what one document i
 Tokens: the document's bytes (0..255), with BOS_ID before and EOS_ID after.
 
 Split, by a fixed rule on the name alone: a document is held out when
-sha256(name) mod 20 == 0 (about 5% of the documents); training never sees a held-out file.
+sha256(name) mod 20 == 0 (about 5% of the documents); training never sees a held-out document.
 
 Packing (`DocumentPacker`): documents are streamed in an order shuffled per epoch from the seed,
 and cut into batches of exactly tokens_per_batch tokens. A document that does not fit in what is
