@@ -20,6 +20,10 @@ SPECS = [("zero", "float32"), ("convert", "bfloat16"), ("convert", "float16"),
          ("convert", "float32"), ("zero_unlisted", "bfloat16"), ("zero_unlisted", "float16"),
          ("zero_unlisted", "float32"), ("convert_slots", "bfloat16"),
          ("convert_slots", "float16")]
+# The GPU tests' (slabs, Nq, Nk): tiles whole and partial, keys no multiple of the tile, one
+# tile column.
+ON_SHAPES = pytest.mark.parametrize("shape", [(1, 1024, 2048), (3, 1000, 1300), (2, 129, 4)],
+                                    ids=lambda s: "x".join(map(str, s)))
 
 
 @pytest.mark.parametrize("mode, dtype", SPECS)
@@ -83,8 +87,7 @@ def _per_cell(listed, rows, keys):
 
 @pytest.mark.gpu
 @requires_sm90
-@pytest.mark.parametrize("shape", [(1, 1024, 2048), (3, 1000, 1300), (2, 129, 4)],
-                         ids=lambda s: "x".join(map(str, s)))
+@ON_SHAPES
 def test_zero_listed_touches_only_the_listed_tiles(shape):
     from kernels.sm90 import dbias_tiles
 
@@ -102,8 +105,7 @@ def test_zero_listed_touches_only_the_listed_tiles(shape):
 @pytest.mark.gpu
 @requires_sm90
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-@pytest.mark.parametrize("shape", [(1, 1024, 2048), (3, 1000, 1300), (2, 129, 4)],
-                         ids=lambda s: "x".join(map(str, s)))
+@ON_SHAPES
 def test_convert_writes_the_sums_where_listed_and_zeros_elsewhere(dtype, shape):
     from kernels.sm90 import dbias_tiles
 
@@ -124,8 +126,7 @@ def test_convert_writes_the_sums_where_listed_and_zeros_elsewhere(dtype, shape):
 @pytest.mark.gpu
 @requires_sm90
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("shape", [(1, 1024, 2048), (3, 1000, 1300), (2, 129, 4)],
-                         ids=lambda s: "x".join(map(str, s)))
+@ON_SHAPES
 def test_zero_unlisted_zeroes_only_the_tiles_no_list_visits(dtype, shape):
     from kernels.sm90 import dbias_tiles
 
@@ -142,8 +143,7 @@ def test_zero_unlisted_zeroes_only_the_tiles_no_list_visits(dtype, shape):
 @pytest.mark.gpu
 @requires_sm90
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("shape", [(1, 1024, 2048), (3, 1000, 1300), (2, 129, 4)],
-                         ids=lambda s: "x".join(map(str, s)))
+@ON_SHAPES
 def test_convert_slots_writes_each_tiles_slot_and_zeros_elsewhere(dtype, shape):
     from kernels.sm90 import dbias_tiles
 
