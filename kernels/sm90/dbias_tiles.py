@@ -104,14 +104,8 @@ class DbiasTilesSm90:
                            slot_vector: Int32):
         """"convert_slots": one lane's 4 cells of one row, from row `slot_row` of the tile's
         slot (its vector `slot_vector`), 0 where the tile has none."""
-        cells = cute.make_rmem_tensor((VECTOR,), _cutlass_dtype(self.spec.dtype))
-        cells.fill(0.0)
-        if visited:
-            summed = cute.make_rmem_tensor((VECTOR,), Float32)
-            summed.store(cute.local_tile(sums[slot, slot_row, None], (VECTOR,),
-                                         (slot_vector,)).load())
-            cells.store(summed.load().to(cells.element_type))
-        cute.local_tile(out[slab, row, None], (VECTOR,), (vector,)).store(cells.load())
+        self.convert_vector(visited, sums[slot, slot_row, None], slot_vector,
+                            out[slab, row, None], vector)
 
     @cute.jit
     def row_vector(self, visited, sums: cute.Tensor, out: cute.Tensor, slab: Int32, row: Int32,
@@ -128,13 +122,21 @@ class DbiasTilesSm90:
                 zeros.fill(0.0)
                 cute.local_tile(cells[slab, row, None], (VECTOR,), (vector,)).store(zeros.load())
         else:
-            cells = cute.make_rmem_tensor((VECTOR,), _cutlass_dtype(self.spec.dtype))
-            cells.fill(0.0)
-            if visited:
-                summed = cute.make_rmem_tensor((VECTOR,), Float32)
-                summed.store(cute.local_tile(sums[slab, row, None], (VECTOR,), (vector,)).load())
-                cells.store(summed.load().to(cells.element_type))
-            cute.local_tile(out[slab, row, None], (VECTOR,), (vector,)).store(cells.load())
+            self.convert_vector(visited, sums[slab, row, None], vector, out[slab, row, None],
+                                vector)
+
+    @cute.jit
+    def convert_vector(self, visited, source: cute.Tensor, source_vector: Int32,
+                       target: cute.Tensor, target_vector: Int32):
+        """Vector `target_vector` of the output row `target` = vector `source_vector` of the
+        float32 row `source` in the output's dtype where `visited`, else 0."""
+        cells = cute.make_rmem_tensor((VECTOR,), _cutlass_dtype(self.spec.dtype))
+        cells.fill(0.0)
+        if visited:
+            summed = cute.make_rmem_tensor((VECTOR,), Float32)
+            summed.store(cute.local_tile(source, (VECTOR,), (source_vector,)).load())
+            cells.store(summed.load().to(cells.element_type))
+        cute.local_tile(target, (VECTOR,), (target_vector,)).store(cells.load())
 
 
 def fake_arguments(spec: DbiasTilesSpec):
