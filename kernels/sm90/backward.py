@@ -60,10 +60,6 @@ UNITS_HEAD_MAJOR = True  # run()'s default
 # kernel's own (not the caller's sums); the other tiles' partials are zeroed and converted
 # tile by tile. A switch for the A/B and the GPU tests.
 OWNED_DKV_STORES = True
-# A bias gradient's float32 sums take dS by pairs of adjacent keys, one 8-byte reduction each
-# after a lane shuffle, where their rows allow it (`dbias_key_pairs_fit`); False: one
-# reduction per cell. A switch for the A/B and the GPU tests.
-DBIAS_KEY_PAIRS = True
 # Rows per chunk of the preprocess and postprocess (bounds their float32 temporaries).
 _CHUNK_ROWS = 32768
 
@@ -101,15 +97,13 @@ def _spec_for(q, k, causal, window_size, block_sparse, compress_factor, determin
 
 
 def score_mod_spec(spec, score_mods, bias_grad: bool, dbias_stores: bool = False,
-                   dbias_tiles: bool = False, dbias_key_pairs: bool = False):
+                   dbias_tiles: bool = False):
     """`spec` with a user mask and bias (`score_mods`) and dbias where `bias_grad` (stored,
     not summed, with `dbias_stores`: `BwdSpec.score_dbias_stores`; summed into sums of the
-    visited tiles alone with `dbias_tiles`: `BwdSpec.score_dbias_tiles`; summed by pairs of
-    keys with `dbias_key_pairs`, `dbias_key_pairs_fit` says where: `BwdSpec.
-    score_dbias_key_pairs`): on the fused dQ (the dQ kernel would recompute P without them);
-    None where it cannot fuse. A 16-bit bias whose rows start 16 bytes apart is staged in
-    smem (`score_stage_bias`) where its tile fits (H200, 16K, window 16K: backward 13.97 ->
-    11.69 ms, docs/history.md).
+    visited tiles alone with `dbias_tiles`: `BwdSpec.score_dbias_tiles`): on the
+    fused dQ (the dQ kernel would recompute P without them); None where it cannot fuse. A
+    16-bit bias whose rows start 16 bytes apart is staged in smem (`score_stage_bias`) where
+    its tile fits (H200, 16K, window 16K: backward 13.97 -> 11.69 ms, docs/history.md).
 
     dbias takes reductions (`red.global.add`) even where one CTA walks every head a bias cell
     serves: plain loads and adds there put the load's latency into every step (H200,
@@ -119,23 +113,11 @@ def score_mod_spec(spec, score_mods, bias_grad: bool, dbias_stores: bool = False
                                 score_mask=score_mods.mask is not None,
                                 score_bias=score_mods.bias_dtype, score_bias_grad=bias_grad,
                                 score_dbias_stores=bias_grad and dbias_stores,
-                                score_dbias_tiles=bias_grad and dbias_tiles,
-                                score_dbias_key_pairs=(bias_grad and dbias_key_pairs
-                                                       and not dbias_stores))
+                                score_dbias_tiles=bias_grad and dbias_tiles)
     if not (fused.can_fuse_dq and fused.fits_in_smem()):
         return None
     staged = dataclasses.replace(fused, score_stage_bias=True)
     return staged if _can_stage_bias(score_mods.bias) and staged.fits_in_smem() else fused
-
-
-def dbias_key_pairs_fit(dbias) -> bool:
-    """Whether the backward may add dS into these float32 dbias sums by pairs of adjacent keys
-    (`BwdSpec.score_dbias_key_pairs`): every row starts an even number of cells apart and the
-    start is 8-byte aligned, so an even key's pair is one aligned 8-byte reduction. Switch:
-    DBIAS_KEY_PAIRS."""
-    return (DBIAS_KEY_PAIRS and dbias is not None and dbias.dtype == torch.float32
-            and dbias.stride(-1) == 1 and not any(s % 2 for s in dbias.stride()[:-1])
-            and dbias.data_ptr() % 8 == 0)
 
 
 def _can_stage_bias(bias) -> bool:
@@ -249,7 +231,7 @@ def run(
     score_tensors = (None,) * 5
     if score_mods is not None:
         spec = score_mod_spec(spec, score_mods, dbias is not None, dbias_stores,
-                              dbias_slots is not None, dbias_key_pairs_fit(dbias))
+                              dbias_slots is not None)
         if spec is None:
             raise ValueError("score_mods: this call's backward cannot take the fused dQ "
                              "(kernels.masked sends it to the torch path)")

@@ -102,8 +102,6 @@ class FlashAttentionBackwardSm90:
         assert not spec.score_dbias_stores or spec.score_bias_grad
         assert not spec.score_dbias_tiles or (spec.score_bias_grad
                                               and not spec.score_dbias_stores)
-        assert not spec.score_dbias_key_pairs or (spec.score_bias_grad
-                                                  and not spec.score_dbias_stores)
         self.num_wg = spec.num_consumer_warpgroups
         self.key_wg = spec.key_warpgroups
         self.num_consumer_threads = _WARPGROUP * self.num_wg

@@ -84,16 +84,13 @@ SCORE_BIAS_DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16,
                      "float32": cutlass.Float32}
 
 
-def fake_score_cells(element, assumed_align: int | None = None):
+def fake_score_cells(element):
     """A fake (slabs, Nq, Nk) tensor of mask, bias or dbias cells: 64-bit strides (a per-head
     16K x 16K bias has 2**32 cells), aligned as the launcher passes them (`launch.as_cute`: 16
-    bytes for 16-bit elements, 4 otherwise) unless `assumed_align` says more (float32 dbias
-    sums summed by pairs of keys: 8)."""
-    if assumed_align is None:
-        assumed_align = 16 if element.width == 16 else 4
+    bytes for 16-bit elements, 4 otherwise)."""
     return make_fake_tensor(element, tuple(cute.sym_int() for _ in range(3)),
                             stride=(cute.sym_int64(), cute.sym_int64(), 1),
-                            assumed_align=assumed_align)
+                            assumed_align=16 if element.width == 16 else 4)
 
 
 def fake_score_mods(spec):
@@ -161,8 +158,7 @@ def fake_backward_arguments(spec):
         # float32 sums, or with `score_dbias_stores` the gradient in the bias's dtype; with
         # `score_dbias_tiles` (slots, 128, 128) sums and the (slabs, Tq, Tk) int32 slot map
         dbias = fake_score_cells(SCORE_BIAS_DTYPES[spec.score_bias]
-                                 if spec.score_dbias_stores else cutlass.Float32,
-                                 8 if spec.score_dbias_key_pairs else None)
+                                 if spec.score_dbias_stores else cutlass.Float32)
         if spec.score_dbias_tiles:
             dbias_slots = fake_score_cells(cutlass.Int32)
     # `owned_dkv_stores`: dK and dV of the units that own their tile, in the input dtype.

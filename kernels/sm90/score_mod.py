@@ -53,33 +53,24 @@ def score_mods_of(spec, mask, bias, slabs, softmax_scale, dbias=None, staged_bia
                       for t in (mask, bias))
     if getattr(spec, "score_stage_bias", False):  # its rows 16 bytes apart: 16-byte copies
         bias = with_row_strides_divisible(bias, _STAGED_CHUNK)
-    key_pairs = getattr(spec, "score_dbias_key_pairs", False)
-    if key_pairs:  # the launcher admits only even strides with the flag: an even key's pair of
-        # float32 sums is one aligned 8-byte reduction
-        dbias = with_row_strides_divisible(dbias, 2)
     return ScoreMods(spec.score_mask, bool(spec.score_bias),
                      mask if spec.score_mask else slabs, bias if spec.score_bias else slabs,
                      slabs, Float32(1.0) / softmax_scale, bias_grad,
                      dbias if bias_grad else slabs, pairs=pairs, staged_bias=staged_bias,
                      dbias_stores=getattr(spec, "score_dbias_stores", False),
-                     dbias_key_pairs=key_pairs,
                      dbias_tiles=getattr(spec, "score_dbias_tiles", False),
                      dbias_slots=dbias_slots if getattr(spec, "score_dbias_tiles", False)
                      else slabs)
 
 
 @cute.jit
-def slab_rows(cells: cute.Tensor, slab: Int32, divby: cutlass.Constexpr[int] = 1) -> cute.Tensor:
+def slab_rows(cells: cute.Tensor, slab: Int32) -> cute.Tensor:
     """Slab `slab` of (slabs, Nq, Nk) cells as an (Nq, Nk) view whose row stride is 32-bit: the
     slab's start is one 64-bit address (slabs of a per-head 16K x 16K bias span 2**32 cells),
-    each row's offset from it 32-bit (the launcher admits slabs of fewer than 2**31 cells).
-    `divby`: the row stride is a known multiple of it (kept through the 32-bit conversion)."""
+    each row's offset from it 32-bit (the launcher admits slabs of fewer than 2**31 cells)."""
     rows = cells[slab, None, None]
-    row_stride = Int32(rows.stride[0])
-    if const_expr(divby > 1):
-        row_stride = cute.assume(row_stride, divby=divby)
     return cute.make_tensor(rows.iterator, cute.make_layout(
-        rows.shape, stride=(row_stride, rows.stride[1])))
+        rows.shape, stride=(Int32(rows.stride[0]), rows.stride[1])))
 
 
 @dataclass(frozen=True)
@@ -103,9 +94,6 @@ class ScoreMods:
     # dbias holds the gradient itself, in the bias's dtype, and each cell takes one dS (a slab
     # per batch entry and query head: nothing to sum): stores instead of float32 reductions.
     dbias_stores: cutlass.Constexpr[bool] = False
-    # dS summed into dbias by pairs of adjacent keys, one 8-byte reduction each: the sums' rows
-    # start an even number of cells apart (`add_key_pairs`).
-    dbias_key_pairs: cutlass.Constexpr[bool] = False
     # The float32 sums hold the visited tiles alone: dbias is (slots, TILE, TILE) and
     # dbias_slots[slab, tile row, tile column] the slot of a (TILE x TILE) tile of the cells.
     dbias_tiles: cutlass.Constexpr[bool] = False
@@ -267,13 +255,8 @@ class ScoreMods:
         # against 59 at 32-bit offsets (SASS, CPU compile, head dim 128, mask and bf16 bias
         # with its gradient; H200, 16K: backward -2%, docs/history.md 2026-11-29). The
         # forward's are two rows: 64-bit offsets cost no spill there, 32-bit ones 86.
-        divby = 2 if const_expr(what == "dbias" and self.dbias_key_pairs) else 1
-        cells = (slab_rows(tensor, slab, divby) if const_expr(keys_as_rows)
-                 else tensor[slab, None, None])
-        if const_expr(what == "dbias" and self.dbias_key_pairs and not clamp_keys):
-            self.add_key_pairs(s_mn, c_mn, cells, num_lines, num_keys, row_base, first_row,
-                               key_base, first_key, seqlen_q)
-        elif const_expr(self.pairs and not keys_as_rows and not clamp_keys and what != "dbias"):
+        cells = slab_rows(tensor, slab) if const_expr(keys_as_rows) else tensor[slab, None, None]
+        if const_expr(self.pairs and not keys_as_rows and not clamp_keys and what != "dbias"):
             self.visit_pairs(s_mn, c_mn, cells, num_lines, num_keys, row_base, first_row,
                              key_base, first_key, seqlen_q, what)
         else:
@@ -329,36 +312,6 @@ class ScoreMods:
                         s_mn[r, c] = s_mn[r, c] + Float32(line[key]) * self.bias_scale
                     elif line[key] == 0:
                         s_mn[r, c] = -Float32.inf
-
-    @cute.jit
-    def add_key_pairs(self, d_mn: cute.Tensor, c_mn: cute.Tensor, cells: cute.Tensor,
-                      num_lines: cutlass.Constexpr[int], num_keys: cutlass.Constexpr[int],
-                      row_base: Int32, first_row: Int32, key_base: Int32, first_key: Int32,
-                      seqlen_q: Int32):
-        """"dbias" of the backward's dS^T fragment (keys as rows, every key inside the
-        sequence) by pairs of adjacent keys. A thread holds each of its keys' cells for two
-        adjacent query rows, 2p and 2p + 1; the lane four apart (lane ^ 4, the accumulator's
-        next row of keys) holds the other key of the pair (2k, 2k + 1) for the same rows. The
-        two swap one cell, so the even key's thread holds row 2p's pair and the odd key's row
-        2p + 1's, and each adds it by one `red.global.add.v2.f32`: half the reductions of one
-        per cell, for one shuffle per pair."""
-        odd_offset = first_key % 2  # 1: this thread holds the odd key of each pair
-        odd = odd_offset != 0
-        for p in cutlass.range_constexpr(num_lines // 2):
-            row = row_base + (self.row_of(c_mn, 2 * p, True) - first_row) + odd_offset
-            for j in cutlass.range_constexpr(num_keys):
-                even_row_cell, odd_row_cell = d_mn[j, 2 * p], d_mn[j, 2 * p + 1]
-                kept = Float32(cutlass.select_(odd, odd_row_cell, even_row_cell))
-                given = Float32(cutlass.select_(odd, even_row_cell, odd_row_cell))
-                taken = cute.arch.shuffle_sync_bfly(given, offset=4)
-                pair = cute.make_rmem_tensor((2,), Float32)
-                pair[0] = Float32(cutlass.select_(odd, taken, kept))
-                pair[1] = Float32(cutlass.select_(odd, kept, taken))
-                key = key_base + (self.key_of(c_mn, j, True) - first_key) - odd_offset
-                if row < seqlen_q:
-                    target = cute.local_tile(cells[row, None], (2,), (key // 2,))
-                    cute.arch.red(target.iterator, pair.load(), op="add", dtype="f32",
-                                  sem="relaxed", scope="gpu")
 
     @cute.jit
     def add_line(self, d_mn: cute.Tensor, line: cute.Tensor, i: cutlass.Constexpr[int],

@@ -311,9 +311,6 @@ class BwdSpec:
     score_dbias_tiles: bool = False  # with score_bias_grad, summed: the float32 sums hold the
                                      # visited 128 x 128 tiles alone, (slots, 128, 128), each
                                      # found through a (slabs, Tq, Tk) int32 slot map
-    score_dbias_key_pairs: bool = False  # with score_bias_grad, summed: dS added by pairs of
-                                         # adjacent keys, one 8-byte reduction each (the
-                                         # sums' rows an even number of cells apart)
     score_stage_bias: bool = False  # a 16-bit bias's tile copied to smem by cp.async at each
                                     # step (rows 16 bytes apart; KV tiles inside the keys) and
                                     # read there on S^T, instead of cell by cell from global

@@ -402,20 +402,18 @@ def test_list_layout_kernels_compile_for_sm90a(kernel, key_bits):
 # A user mask and bias on the 128 x 128 lists of kernels/masked.py (lists per KV group, split
 # into units, and per query head): the fused-dQ spec `score_mod_spec` makes, each bias dtype.
 # The 16-bit bias's tiles staged in smem where its rows start 16 bytes apart (`staged`); dbias
-# summed into float32 sums of every cell or of the visited tiles alone (`tiles`), by pairs of
-# keys (`pairs`) or cell by cell, or, a slab per batch entry and query head, stored (`stores`).
-@pytest.mark.parametrize("head_dim, list_heads, mask, bias, grad, staged, stores, tiles, pairs", [
-    (128, "kv", True, "bfloat16", True, True, False, False, False),
-    (128, "kv", True, "bfloat16", True, True, False, False, True),
-    (128, "kv", True, "bfloat16", True, True, False, True, True),
-    (128, "kv", True, "bfloat16", True, True, False, True, False),
-    (64, "kv", False, "float16", True, False, False, True, True),
-    (128, "kv", True, "bfloat16", True, False, True, False, False),
-    (64, "query", False, "float32", True, False, True, False, False),
-    (128, "query", False, "float16", False, True, False, False, False),
-    (128, "query", True, "", False, False, False, False, False)])
+# summed into float32 sums of every cell or of the visited tiles alone (`tiles`) or, a slab
+# per batch entry and query head, stored (`stores`).
+@pytest.mark.parametrize("head_dim, list_heads, mask, bias, grad, staged, stores, tiles", [
+    (128, "kv", True, "bfloat16", True, True, False, False),
+    (128, "kv", True, "bfloat16", True, True, False, True),
+    (64, "kv", False, "float16", True, False, False, True),
+    (128, "kv", True, "bfloat16", True, False, True, False),
+    (64, "query", False, "float32", True, False, True, False),
+    (128, "query", False, "float16", False, True, False, False),
+    (128, "query", True, "", False, False, False, False)])
 def test_score_mod_backward_variants_compile_for_sm90a(head_dim, list_heads, mask, bias, grad,
-                                                       staged, stores, tiles, pairs):
+                                                       staged, stores, tiles):
     import torch
 
     from kernels.sm90.backward import score_mod_spec
@@ -430,10 +428,9 @@ def test_score_mod_backward_variants_compile_for_sm90a(head_dim, list_heads, mas
     mods = ScoreModTensors(mask=cells.to(torch.uint8) if mask else None,
                            bias=cells.to(getattr(torch, bias)) if bias else None,
                            slabs=torch.zeros(1, 1, 2, dtype=torch.int32))
-    spec = score_mod_spec(base, mods, grad, stores, tiles, pairs)
+    spec = score_mod_spec(base, mods, grad, stores, tiles)
     assert spec is not None and spec.fuses_dq and spec.score_bias_grad == grad
     assert spec.score_dbias_stores == stores and spec.score_dbias_tiles == tiles
-    assert spec.score_dbias_key_pairs == pairs
     assert spec.score_stage_bias == staged
     compile_backward_on_fake_tensors(with_dkv_destination(spec, into_caller_sums=False))
 
