@@ -92,6 +92,11 @@ SHARED_BIAS_HEADS_TOGETHER = True
 # Same run: backward -10% to -14% (window 32 1.170 -> 1.035 ms, 16384 11.37 -> 9.75, 10%
 # tiles 3.096 -> 2.874).
 SHARED_BIAS_UNITS_KV_MAJOR = True
+# A 16-bit bias whose rows start 16 bytes apart is TMA-loaded tile by tile into the K stage
+# (`FwdSpec.score_bias_tma`), one CTA per query tile with the output staged in the Q buffer
+# (the bias's two stages take the output buffer's and the second Q buffer's room). False:
+# each thread reads its cells' pairs from global memory. A switch for the A/B.
+BIAS_TMA = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,13 +125,23 @@ class ScoreModTensors:
         tiles (the mods hook into the plain KV loops); the consumer warpgroups take turns
         issuing their products (`pingpong`, switch PINGPONG) so that one's bias and mask
         reads and softmax run under the other's products; a bias shared by query heads puts
-        their tiles side by side (`heads_fastest`, switch SHARED_BIAS_HEADS_TOGETHER)."""
-        return dataclasses.replace(spec, score_mask=self.mask is not None,
+        their tiles side by side (`heads_fastest`, switch SHARED_BIAS_HEADS_TOGETHER); a
+        16-bit bias with 16-byte aligned rows comes by TMA with K (`score_bias_tma`, switch
+        BIAS_TMA)."""
+        spec = dataclasses.replace(spec, score_mask=self.mask is not None,
                                    score_bias=self.bias_dtype, overlap_tiles=False,
                                    narrow_first_tile=False, score_pairs=self.even_strides,
                                    pingpong=spec.pingpong or (PINGPONG and spec.tile_m > 64),
                                    heads_fastest=spec.heads_fastest
                                    or (SHARED_BIAS_HEADS_TOGETHER and self.bias_shared))
+        if BIAS_TMA and self.bias is not None and self.bias.element_size() == 2 and (
+                has_aligned_rows(self.bias)):
+            staged = dataclasses.replace(spec, score_bias_tma=True, persistent=False,
+                                         q_stages=1, store_warp=False, defer_store=False,
+                                         o_in_q=True)
+            if staged.fits_in_smem():
+                return staged
+        return spec
 
     @property
     def even_strides(self) -> bool:

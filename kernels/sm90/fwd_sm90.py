@@ -174,9 +174,24 @@ class FlashAttentionForwardSm90(OverlapTiles):
             (64, self.head_dim))
         self.q_bytes = cute.size_in_bytes(dtype, sQ_one)
         self.kv_bytes = cute.size_in_bytes(dtype, sK_one)
+        # `score_bias_tma`: the bias's (tile_m, tile_n) tile of a step comes with its K, into a
+        # K-major swizzled buffer per K stage; the view is (Nq, Nk, slabs), the slab last.
+        tma_atom_bias, tma_bias, sBias_layout = None, None, None
+        self.bias_bytes = 0
+        if const_expr(self.spec.score_bias_tma):
+            bias = with_row_strides_divisible(mScoreBias, 8)
+            bias_t = cute.make_tensor(bias.iterator, cute.select(bias.layout, mode=[1, 2, 0]))
+            sBias_layout = sm90_utils.make_smem_layout_a(
+                utils.LayoutEnum.ROW_MAJOR, (self.tile_m, self.tile_n, self.tile_n),
+                mScoreBias.element_type, self.spec.num_stages)
+            sBias_one = cute.slice_(sBias_layout, (None, None, 0))
+            tma_atom_bias, tma_bias = cpasync.make_tiled_tma_atom(
+                load_op, bias_t, sBias_one, (self.tile_m, self.tile_n))
+            self.bias_bytes = cute.size_in_bytes(mScoreBias.element_type, sBias_one)
 
         self.shared_storage = self.shared_storage_struct(sQ_layout, sK_layout, sV_layout,
-                                                         sO_layout)
+                                                         sO_layout, sBias_layout,
+                                                         mScoreBias)
 
         tile_order = TileOrder(
             self.spec.heads_fastest, (max_seqlen_q + self.tile_m - 1) // self.tile_m,
@@ -195,17 +210,19 @@ class FlashAttentionForwardSm90(OverlapTiles):
             tma_atom_o, tma_o, mO, mLSE, mCuSeqlensQ, mCuSeqlensK, softmax_scale, scale_log2,
             compress_factor, window_left, window_right, tile_order,
             mFullCount, mFullIndex, mMaskCount, mMaskIndex, mRowBlockOffsets, mTrace, mScreen,
-            mQPositions, mScoreMask, mScoreBias, mScoreSlabs, sQ_layout, sK_layout, sV_layout,
-            sO_layout, tiled_mma_qk, tiled_mma_pv, tiled_mma_epilogue,
+            mQPositions, mScoreMask, mScoreBias, mScoreSlabs, tma_atom_bias, tma_bias,
+            sQ_layout, sK_layout, sV_layout, sO_layout, sBias_layout, tiled_mma_qk,
+            tiled_mma_pv, tiled_mma_epilogue,
         ).launch(grid=(num_ctas, 1, 1), block=[self.num_threads, 1, 1], stream=stream,
                         min_blocks_per_mp=self.ctas_per_sm,
                         preferred_smem_carveout=100 if self.ctas_per_sm > 1 else None)
 
-    def shared_storage_struct(self, sQ_layout, sK_layout, sV_layout, sO_layout):
+    def shared_storage_struct(self, sQ_layout, sK_layout, sV_layout, sO_layout,
+                              sBias_layout=None, mScoreBias=None):
         """The CTA's shared memory (`FwdSpec.smem_bytes` computes its size). A plain method, not
         traced: the optional output buffer needs a Python `if`, which the DSL rewrites inside
         jit functions. Without it (`o_in_q`) the output is staged in the Q buffer; with
-        `row_dot_output` nothing is staged."""
+        `row_dot_output` nothing is staged. `score_bias_tma` adds a bias tile per K stage."""
         dtype, stages, q_stages = self.dtype, self.spec.num_stages, self.spec.q_stages
         lse_rows = 64 * self.num_consumer_warpgroups
 
@@ -222,6 +239,9 @@ class FlashAttentionForwardSm90(OverlapTiles):
         )
         if not (self.spec.o_in_q or self.spec.row_dot_output):
             fields["sO"] = smem_buffer(dtype, cute.cosize(sO_layout), 1024)
+        if self.spec.score_bias_tma:
+            fields["sBias"] = smem_buffer(mScoreBias.element_type, cute.cosize(sBias_layout),
+                                          1024)
         return cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
 
     # ------------------------------------------------------------------ device side
@@ -240,9 +260,11 @@ class FlashAttentionForwardSm90(OverlapTiles):
         mRowBlockOffsets: Optional[cute.Tensor], mTrace: Optional[cute.Tensor],
         mScreen: Optional[cute.Tensor], mQPositions: Optional[cute.Tensor],
         mScoreMask: Optional[cute.Tensor], mScoreBias: Optional[cute.Tensor],
-        mScoreSlabs: Optional[cute.Tensor],
+        mScoreSlabs: Optional[cute.Tensor], tma_atom_bias: Optional[cute.CopyAtom],
+        mBias_tma: Optional[cute.Tensor],
         sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
         sV_layout: cute.ComposedLayout, sO_layout: cute.ComposedLayout,
+        sBias_layout: Optional[cute.ComposedLayout],
         tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma,
         tiled_mma_epilogue: cute.TiledMma,
     ):
@@ -256,13 +278,16 @@ class FlashAttentionForwardSm90(OverlapTiles):
         if warp_idx == 0:
             for atom in (tma_atom_q, tma_atom_k, tma_atom_v, tma_atom_o):
                 cpasync.prefetch_descriptor(atom)
+            if const_expr(spec.score_bias_tma):
+                cpasync.prefetch_descriptor(tma_atom_bias)
 
         storage = utils.SmemAllocator().allocate(self.shared_storage)
         consumer_warps = self.num_consumer_warpgroups * 4
         q_producer, q_consumer = tma_pipeline(storage.mbar_q.data_ptr(), spec.q_stages,
                                               self.q_bytes, consumer_warps)
+        # A K stage holds the step's bias tile too (`score_bias_tma`): one barrier for both.
         k_producer, k_consumer = tma_pipeline(storage.mbar_k.data_ptr(), spec.num_stages,
-                                              self.kv_bytes, consumer_warps)
+                                              self.kv_bytes + self.bias_bytes, consumer_warps)
         v_producer, v_consumer = tma_pipeline(storage.mbar_v.data_ptr(), spec.num_stages,
                                               self.kv_bytes, consumer_warps)
         cute.arch.mbarrier_init_fence()
@@ -271,6 +296,9 @@ class FlashAttentionForwardSm90(OverlapTiles):
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
+        sBias = None
+        if const_expr(spec.score_bias_tma):
+            sBias = storage.sBias.get_tensor(sBias_layout.outer, swizzle=sBias_layout.inner)
         # `o_in_q`: the tile's Q is dead once every consumer's last Q K^T is done (the
         # consumers meet at a barrier before staging), and no later Q comes (one tile per CTA).
         # `row_dot_output` stages nothing: the view only keeps OutputStore's fields typed.
@@ -296,7 +324,8 @@ class FlashAttentionForwardSm90(OverlapTiles):
         produce_tile = partial(
             self.produce_tile, tile_work=tile_work, tma_atom_q=tma_atom_q, mQ=mQ,
             tma_atom_k=tma_atom_k, mK=mK, tma_atom_v=tma_atom_v, mVt=mVt, sQ=sQ, sK=sK, sV=sV,
-            mFullIndex=mFullIndex, mMaskIndex=mMaskIndex, m_trace=mTrace)
+            mFullIndex=mFullIndex, mMaskIndex=mMaskIndex, m_trace=mTrace,
+            bias_load=(tma_atom_bias, mBias_tma, sBias))
         # What a consumer tile leaves for the next one: its output (`defer_store`) or its
         # unfinished accumulator (`overlap_tiles`).
         carried = None
@@ -313,7 +342,8 @@ class FlashAttentionForwardSm90(OverlapTiles):
             tiled_mma_qk=tiled_mma_qk, tiled_mma_pv=tiled_mma_pv,
             out_store=out_store, softmax_scale=softmax_scale,
             scale_log2=scale_log2, mFullIndex=mFullIndex,
-            mMaskIndex=mMaskIndex, m_trace=mTrace, carried=carried, screen=screen)
+            mMaskIndex=mMaskIndex, m_trace=mTrace, carried=carried, screen=screen,
+            sBias=sBias)
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(self.producer_regs)
             if warp_idx == 0:
@@ -370,12 +400,24 @@ class FlashAttentionForwardSm90(OverlapTiles):
     def produce_tile(
         self, coords, iteration, q_producer, k_producer, v_producer, tile_work, tma_atom_q, mQ,
         tma_atom_k, mK, tma_atom_v, mVt, sQ, sK, sV, mFullIndex, mMaskIndex, m_trace,
+        bias_load=None,
     ):
+        """`bias_load` (`score_bias_tma`): (TMA atom, (Nq, Nk, slabs) TMA view, smem buffers)
+        of the bias tiles, loaded with K."""
         mark = trace.marker(m_trace, 0, iteration, cute.arch.lane_idx() == 0,
                             trace.PRODUCER_EVENTS)
         mark("start")
         (m_block, head, _, offset_q, _, offset_k, _, head_kv, in_sequence, n_max,
-         num_iters, num_mask_blocks, sparse_row, sparse_head, _, _) = tile_work(coords)
+         num_iters, num_mask_blocks, sparse_row, sparse_head, _, tile_mods) = tile_work(coords)
+        bias_tiles = None
+        if const_expr(self.spec.score_bias_tma):
+            tma_atom_bias, mBias_tma, sBias = bias_load
+            g_bias = cute.local_tile(mBias_tma[None, None, tile_mods.bias_slab],
+                                     (self.tile_m, self.tile_n), (m_block, None))
+            t_s, t_g = cpasync.tma_partition(
+                tma_atom_bias, 0, cute.make_layout(1), cute.group_modes(sBias, 0, 2),
+                cute.group_modes(g_bias, 0, 2))
+            bias_tiles = (tma_atom_bias, t_g, t_s)
         mark("work")
         overlap = const_expr(self.spec.overlap_tiles)
         if const_expr(overlap):
@@ -389,7 +431,7 @@ class FlashAttentionForwardSm90(OverlapTiles):
                 q_producer, k_producer, v_producer,
                 offset_q, offset_k, head, head_kv, m_block, n_max, num_iters,
                 num_mask_blocks, mFullIndex, mMaskIndex, sparse_row, sparse_head, mark,
-                load_q=not overlap,
+                load_q=not overlap, bias_tiles=bias_tiles,
             )
         return q_producer, k_producer, v_producer
 
@@ -409,7 +451,7 @@ class FlashAttentionForwardSm90(OverlapTiles):
     def consume_tile(
         self, coords, iteration, q_consumer, k_consumer, v_consumer, tile_work, tidx: Int32, sQ,
         sK, sV, tiled_mma_qk, tiled_mma_pv, out_store, softmax_scale, scale_log2,
-        mFullIndex, mMaskIndex, m_trace, carried=None, screen=None,
+        mFullIndex, mMaskIndex, m_trace, carried=None, screen=None, sBias=None,
     ):
         mark = trace.marker(m_trace, 1 + tidx // _WARPGROUP, iteration,
                             tidx % _WARPGROUP == 0, trace.CONSUMER_EVENTS)
@@ -424,7 +466,7 @@ class FlashAttentionForwardSm90(OverlapTiles):
             tiled_mma_qk, tiled_mma_pv, out_store, softmax_scale, scale_log2,
             block_range, offset_q, seqlen_q, seqlen_k, head, m_block, n_max,
             num_iters, num_mask_blocks, mFullIndex, mMaskIndex, sparse_row,
-            sparse_head, mark, screen=screen, score_mods=score_mods)
+            sparse_head, mark, screen=screen, score_mods=score_mods, sBias=sBias)
         if const_expr(self.spec.overlap_tiles):
             q_consumer, k_consumer, v_consumer = self.consume_overlapped(
                 tidx, sQ, sK, sV, q_consumer, k_consumer, v_consumer, tiled_mma_qk,
@@ -510,8 +552,11 @@ class FlashAttentionForwardSm90(OverlapTiles):
         offset_q: Int32, offset_k: Int32, head: Int32, head_kv: Int32, m_block: Int32,
         n_max: Int32, num_iters: Int32, num_mask_blocks: Int32,
         mFullIndex, mMaskIndex, sparse_row: Int32, sparse_head: Int32, mark,
-        load_q: cutlass.Constexpr[bool] = True,
+        load_q: cutlass.Constexpr[bool] = True, bias_tiles=None,
     ):
+        """`bias_tiles` (`score_bias_tma`): (TMA atom, the query tile's row of bias tiles as
+        TMA partitions, the K stages' bias buffers), each step's tile loaded on its K stage's
+        barrier."""
         if const_expr(load_q):
             q_producer = self.load_q(tma_atom_q, mQ, sQ, q_producer, offset_q, head, m_block)
             mark("q_issued")
@@ -532,6 +577,10 @@ class FlashAttentionForwardSm90(OverlapTiles):
             k_handle = k_producer.acquire_and_advance()
             cute.copy(tma_atom_k, tKgK[(None, n_block)], tKsK[(None, k_handle.index)],
                       tma_bar_ptr=k_handle.barrier)
+            if const_expr(bias_tiles is not None):
+                tma_atom_bias, t_g_bias, t_s_bias = bias_tiles
+                cute.copy(tma_atom_bias, t_g_bias[(None, n_block)],
+                          t_s_bias[(None, k_handle.index)], tma_bar_ptr=k_handle.barrier)
             if it == 0:
                 mark("k0_issued")
             v_handle = v_producer.acquire_and_advance()
@@ -548,13 +597,16 @@ class FlashAttentionForwardSm90(OverlapTiles):
         block_range: BlockRange, offset_q: Int32, seqlen_q: Int32, seqlen_k: Int32,
         head: Int32, m_block: Int32, n_max: Int32, num_iters: Int32, num_mask_blocks: Int32,
         mFullIndex, mMaskIndex, sparse_row: Int32, sparse_head: Int32, mark, deferred,
-        screen=None, score_mods: Optional[ScoreMods] = None,
+        screen=None, score_mods: Optional[ScoreMods] = None, sBias=None,
     ):
         """One query tile: its KV tiles, then its output (stored now, or with `deferred` kept
         in registers and stored by the next tile, which also stores the one before it).
-        `screen` (`screen_masked_v`): reads the V stage of each masked KV tile before its P V."""
+        `screen` (`screen_masked_v`): reads the V stage of each masked KV tile before its P V.
+        `sBias` (`score_bias_tma`): the K stages' bias tiles."""
         thr_qk, thr_pv, tSrQ, tSrK, tOrV = self.operand_fragments(
             tidx, tiled_mma_qk, tiled_mma_pv, sQ, sK, sV)
+        if const_expr(self.spec.score_bias_tma):
+            score_mods = score_mods.with_bias_tiles(thr_qk.partition_C(sBias))
         acc_o = thr_pv.make_fragment_C(thr_pv.partition_shape_C((self.tile_m, self.head_dim)))
         acc_o.fill(0.0)
         s_shape = thr_qk.partition_shape_C((self.tile_m, self.tile_n))
@@ -836,12 +888,16 @@ class FlashAttentionForwardSm90(OverlapTiles):
         tiled_mma_pv = self.gemm_pv(tiled_mma_pv, acc_o, r_p, tOrV, v_handle)
         self.pass_turn(tidx)
         warpgroup.wait_group(1)
-        k_handle.release()
+        if const_expr(not self.spec.score_bias_tma):
+            k_handle.release()
         if const_expr(score_mods is not None):
             # Block-sparse lists of a user mask: its "mask" tiles come through the
             # "causal_window" loop, and only they read it.
             score_mods.apply(acc_s, t_coord, m_block, n_block, self.tile_m, self.tile_n,
-                             seqlen_q, seqlen_k, mask == "causal_window")
+                             seqlen_q, seqlen_k, mask == "causal_window",
+                             bias_stage=stage_index(k_handle, self.spec.num_stages))
+        if const_expr(self.spec.score_bias_tma):
+            k_handle.release()  # the stage's bias tile is read
         if const_expr(mask is not None):
             apply_mask(acc_s, t_coord, block_range, m_block, n_block, seqlen_k,
                        mask == "causal_window")
@@ -914,10 +970,14 @@ class FlashAttentionForwardSm90(OverlapTiles):
             mark("prev_stored")
         warpgroup.wait_group(0)
         mark("s0_done")
-        k_handle.release()
+        if const_expr(not self.spec.score_bias_tma):
+            k_handle.release()
         if const_expr(score_mods is not None):
             score_mods.apply(s, t_coord, m_block, n_block, self.tile_m, self.tile_n, seqlen_q,
-                             seqlen_k, is_mask_tile)
+                             seqlen_k, is_mask_tile,
+                             bias_stage=stage_index(k_handle, self.spec.num_stages))
+        if const_expr(self.spec.score_bias_tma):
+            k_handle.release()  # the stage's bias tile is read
         self.mask_scores(s, t_coord, block_range, m_block, n_block, is_mask_tile, seqlen_k,
                          unmasked_lo, unmasked_hi)
         softmax_step(s, row_max, row_sum, correction, scale_log2, is_first=True)

@@ -99,12 +99,22 @@ class ScoreMods:
     dbias_tiles: cutlass.Constexpr[bool] = False
     dbias_slots: cute.Tensor = None
     dbias_slot: Int32 = 0  # the step's slot (`with_dbias_slot`)
+    # The forward's bias tiles in smem, one per K stage (`FwdSpec.score_bias_tma`), as this
+    # thread's partition of them in the score accumulator's layout (`with_bias_tiles`).
+    bias_tiles: cute.Tensor = None
 
     @cute.jit
     def for_tile(self, batch: Int32, head: Int32) -> "ScoreMods":
         """The mods of the work tile of (batch, query head)."""
         return replace(self, mask_slab=self.slabs[batch, head, 0],
                        bias_slab=self.slabs[batch, head, 1])
+
+    @cute.jit
+    def with_bias_tiles(self, tiles: cute.Tensor) -> "ScoreMods":
+        """The mods reading the bias from `tiles` (the forward's TMA-loaded bias buffers as
+        the thread's partition of the score tile, the K stage last) instead of from global
+        memory."""
+        return replace(self, bias_tiles=tiles)
 
     @cute.jit
     def with_dbias_slot(self, t_coord: cute.Tensor, m_block: Int32, n_block: Int32,
@@ -124,17 +134,27 @@ class ScoreMods:
     @cute.jit
     def apply(self, acc_s: cute.Tensor, t_coord: cute.Tensor, m_block: Int32, n_block: Int32,
               tile_m: cutlass.Constexpr[int], tile_n: cutlass.Constexpr[int], seqlen_q: Int32,
-              seqlen_k: Int32, read_mask, keys_as_rows: cutlass.Constexpr[bool] = False):
+              seqlen_k: Int32, read_mask, keys_as_rows: cutlass.Constexpr[bool] = False,
+              bias_stage=None):
         """Add the bias to, and apply the mask (where `read_mask`, a Boolean or a Python bool)
         to, one thread's fragment of the score tile (m_block, n_block): S (rows x keys), or
         with `keys_as_rows` the backward's S^T. Rows past the sequence read its last row (their
-        scores are never stored), keys past it its last key (they are masked after)."""
+        scores are never stored), keys past it its last key (they are masked after). With
+        `bias_tiles` the bias comes from stage `bias_stage` of them (cells past the bias's
+        rows or keys are TMA's zeros: never stored, or masked after)."""
         s_mn = acc_mn_view(acc_s)
         c_mn = acc_mn_view(t_coord)
         # A tile inside the keys reads each query row's cells at constant offsets from one
         # address (no per-cell clamp): one load instruction per cell, no address arithmetic.
         inside = (n_block + 1) * tile_n <= seqlen_k
-        if const_expr(self.has_bias):
+        if const_expr(self.has_bias and self.bias_tiles is not None):
+            tile = cute.make_rmem_tensor(acc_s.layout, self.bias.element_type)
+            tile.store(self.bias_tiles[None, None, None, bias_stage].load())
+            b_mn = acc_mn_view(tile)
+            for i in cutlass.range_constexpr(cute.size(s_mn, mode=[0])):
+                for j in cutlass.range_constexpr(cute.size(s_mn, mode=[1])):
+                    s_mn[i, j] = s_mn[i, j] + Float32(b_mn[i, j]) * self.bias_scale
+        elif const_expr(self.has_bias):
             if inside:
                 if const_expr(self.staged_bias is not None and keys_as_rows):
                     # This thread's copies, then its warpgroup's: the half it reads is there.

@@ -57,6 +57,9 @@ class FwdSpec:
                                # ("" none; block_sparse only)
     score_pairs: bool = False  # the mask's and bias's slabs and rows start an even number of
                                # elements apart: adjacent key pairs read as one load
+    score_bias_tma: bool = False  # a 16-bit bias's (tile_m, tile_n) tile TMA-loaded into the K
+                                  # stage with K (its rows 16 bytes apart) and read from smem,
+                                  # instead of cell pairs from global memory
 
     @property
     def score_mods(self) -> bool:
@@ -78,9 +81,8 @@ class FwdSpec:
     @property
     def smem_bytes(self) -> int:
         """Shared memory of one CTA, laid out as the kernel's `SharedStorage`: mbarriers and
-        the lse staging, then Q, K, V and (unless `o_in_q` or `row_dot_output`) O buffers, each
-        1024-byte aligned
-        (16-bit elements)."""
+        the lse staging, then Q, K, V, (unless `o_in_q` or `row_dot_output`) O and (with
+        `score_bias_tma`) bias buffers, each 1024-byte aligned (16-bit elements)."""
         def aligned(size: int, to: int) -> int:
             return -(-size // to) * to
 
@@ -91,6 +93,8 @@ class FwdSpec:
                        [] if self.o_in_q or self.row_dot_output else [self.tile_m])
         for elements in buffers:
             size = aligned(size, 1024) + 2 * elements * self.head_dim
+        if self.score_bias_tma:  # one bias tile per K stage
+            size = aligned(size, 1024) + 2 * self.tile_m * self.tile_n * self.num_stages
         return size
 
     def fits_in_smem(self) -> bool:

@@ -275,15 +275,17 @@ SCORE_MODS = {"mask": (True, None), "bias-bf16": (False, "bfloat16"),
 
 
 # Each call and each mod at least once (compiles cost ~9 s each on CI's cores); the cells'
-# rows an even number of elements apart (read in key pairs) except for the last two; a bias
-# shared by query heads (heads side by side in the tile order) in both schedules.
-@pytest.mark.parametrize("call, mods, pairs, shared", [
-    ("long", "mask", True, False),
-    ("long", "bias-bf16", True, True),
-    ("long-causal-window", "mask-bias-fp16", True, False),
-    ("short-causal", "mask-bias-fp32", False, True),
-    ("short-causal", "mask", False, False)])
-def test_score_mod_variants_compile_for_sm90a(call, mods, pairs, shared):
+# rows an even number of elements apart (read in key pairs) except for the last two, or 16
+# bytes apart (`tma`: a 16-bit bias comes by TMA with K, one CTA per tile); a bias shared by
+# query heads (heads side by side in the tile order) in both schedules.
+@pytest.mark.parametrize("call, mods, pairs, shared, tma", [
+    ("long", "mask", True, False, False),
+    ("long", "bias-bf16", True, True, True),
+    ("long-causal-window", "mask-bias-fp16", True, False, False),
+    ("short-causal", "bias-bf16", True, True, True),
+    ("short-causal", "mask-bias-fp32", False, True, False),
+    ("short-causal", "mask", False, False, False)])
+def test_score_mod_variants_compile_for_sm90a(call, mods, pairs, shared, tma):
     import torch
 
     from kernels.sm90.forward import ScoreModTensors
@@ -294,7 +296,8 @@ def test_score_mod_variants_compile_for_sm90a(call, mods, pairs, shared):
     base = choose_spec(dtype="bfloat16", head_dim=128 if call != "short-causal" else 64,
                        causal=causal, window_size=window, sparse_block_size=128,
                        sparse_list_capacity=2 * blocks, max_seqlen_k=max_seqlen_k)
-    cells = torch.zeros(1, 2, 2) if pairs else torch.zeros(1, 3, 3)
+    cells = torch.zeros(1, 8, 8) if tma else torch.zeros(1, 2, 2) if pairs else torch.zeros(
+        1, 3, 3)
     spec = ScoreModTensors(
         mask=cells.to(torch.uint8) if with_mask else None,
         bias=None if bias_dtype is None else cells.to(getattr(torch, bias_dtype)),
@@ -303,4 +306,6 @@ def test_score_mod_variants_compile_for_sm90a(call, mods, pairs, shared):
     assert spec.score_pairs == pairs
     assert spec.heads_fastest == shared  # kernels.sm90.forward.SHARED_BIAS_HEADS_TOGETHER
     assert spec.pingpong  # the warpgroups take turns (kernels.sm90.forward.PINGPONG)
+    assert spec.score_bias_tma == tma  # kernels.sm90.forward.BIAS_TMA
+    assert not tma or (spec.o_in_q and not spec.persistent)
     assert callable(compile_forward_on_fake_tensors(spec))
