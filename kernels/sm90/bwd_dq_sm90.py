@@ -62,7 +62,6 @@ class DqBackwardSm90:
         self.tile_m, self.tile_n, self.head_dim = spec.tile_m, spec.tile_n, spec.head_dim
         assert self.tile_m == 128 and self.tile_n == 64
         assert spec.fits_in_smem(), f"{spec} needs {spec.smem_bytes} bytes of shared memory"
-        assert not spec.defer_dq_wait or spec.block_sparse  # one loop to peel (`consume`)
         self.num_wg = self.tile_m // 64
         self.num_consumer_threads = _WARPGROUP * self.num_wg
         self.num_threads = _WARPGROUP * (1 + self.num_wg)
@@ -319,19 +318,7 @@ class DqBackwardSm90:
             r_ds=r_ds, t_coord=t_coord, lse=lse, dpsum=dpsum, scale_log2=scale_log2,
             block_range=block_range, m_block=m_block, seqlen_k=seqlen_k)
         state = (kv_consumer, tiled_mma_sdp, tiled_mma_dq)
-        if const_expr(self.spec.defer_dq_wait):
-            # One step behind the waits: the step whose dQ product is known done releases
-            # the K/V stage it read. The first step has none before it (a loop of at most one
-            # step: the loops carry the pipeline states).
-            state = (*state, kv_consumer.clone())
-            for it in cutlass.range(cutlass.min(num_iters, 1), unroll=1):
-                state = step(it, "if_needed", *state, after_step=False)
-            for it in cutlass.range(1, num_iters, unroll=1):
-                state = step(it, "if_needed", *state, after_step=True)
-            warpgroup.wait_group(0)  # the last step's dQ
-            if num_iters > 0:
-                state[3].current_handle().release()
-        elif const_expr(self.spec.block_sparse):
+        if const_expr(self.spec.block_sparse):
             # One copy of the step with a runtime mask choice: a loop per mask kind tripled
             # the code and measured no faster on the H100's 64-key lists (2026-11-24).
             for it in cutlass.range(num_iters, unroll=1):
@@ -390,18 +377,13 @@ class DqBackwardSm90:
     @cute.jit
     def consume_tile(
         self, it: Int32, mask: cutlass.Constexpr, kv_consumer,
-        tiled_mma_sdp: cute.TiledMma, tiled_mma_dq: cute.TiledMma, kv_releaser=None, *,
-        tile_at, num_mask: Int32,
+        tiled_mma_sdp: cute.TiledMma, tiled_mma_dq: cute.TiledMma, tile_at, num_mask: Int32,
         tSrQ, tSrdO, tSrK, tSrV, tdQrK, acc_s, acc_dp, acc_dq, r_ds, t_coord, lse, dpsum,
         scale_log2: Float32, block_range: BlockRange, m_block: Int32, seqlen_k: Int32,
-        after_step: cutlass.Constexpr[bool] = False,
     ):
         """Visited KV tile `it`: S and dP, P, dS, dQ += dS K. `mask`: None, "causal_window",
         or "if_needed" (block-sparse: the causal/window mask on mask entries and on blocks
-        crossing the sequence end). With `defer_dq_wait` the dQ product is left running:
-        `kv_releaser` (the consumer state one step behind) releases the previous step's
-        stage once this step's S is done (`after_step`: there is a previous step), the
-        products completing in order."""
+        crossing the sequence end)."""
         n_block = tile_at(it)
         kv_handle = kv_consumer.wait_and_advance()
         stage = stage_index(kv_handle, self.spec.kv_stages)
@@ -409,10 +391,7 @@ class DqBackwardSm90:
                              tSrK[None, None, None, stage], zero_init=True)
         tiled_mma_sdp = gemm(tiled_mma_sdp, acc_dp, tSrdO[None, None, None, 0],
                              tSrV[None, None, None, stage], zero_init=True)
-        warpgroup.wait_group(1)  # S (with `defer_dq_wait`: and the previous step's dQ)
-        if const_expr(self.spec.defer_dq_wait and after_step):
-            kv_releaser.current_handle().release()
-            kv_releaser.advance()
+        warpgroup.wait_group(1)
         if const_expr(mask == "causal_window"):
             apply_mask(acc_s, t_coord, block_range, m_block, n_block, seqlen_k, True)
         elif const_expr(mask == "if_needed"):
@@ -435,8 +414,6 @@ class DqBackwardSm90:
         cute.make_tensor(r_ds.iterator, acc_dp.layout).store(acc_dp.load().to(self.dtype))
         tiled_mma_dq = gemm(tiled_mma_dq, acc_dq, r_ds, tdQrK[None, None, None, stage],
                             zero_init=False)
-        if const_expr(self.spec.defer_dq_wait):
-            return kv_consumer, tiled_mma_sdp, tiled_mma_dq, kv_releaser
         warpgroup.wait_group(0)
         kv_handle.release()
         return kv_consumer, tiled_mma_sdp, tiled_mma_dq

@@ -471,10 +471,6 @@ class DqSpec:
     # columns in the dQ product's register order) into dQ before it is written: nsa()'s last
     # branch takes the fused branches' `DqSums` so, instead of a conversion pass. 0: none.
     sums_block_cols: int = 0
-    # A step's dQ += dS K is waited for at the next step, after that step's S and dP are
-    # issued behind it, and its K/V stage released there (DEFER_DQ_WAIT): the tensor cores
-    # get the next products without the warpgroup's round trip in between.
-    defer_dq_wait: bool = False
 
     @property
     def tiles_per_list_block(self) -> int:
@@ -552,9 +548,6 @@ ROW_BANDS_FUSED_MAX_ACCUMULATOR_BYTES = 4 << 30
 # False keeps them on the dQ kernel. A switch for the A/B.
 FUSED_DQ_WINDOWS = True
 BACKWARD_DENSE_TILE_N = 128  # keys per backward CTA without block-sparse lists
-# The dQ kernel of block-sparse lists (NSA's selected branch) waits for a step's dQ product
-# at the next step (`DqSpec.defer_dq_wait`); False: at the step's end. A switch for the A/B.
-DEFER_DQ_WAIT = True
 H100_NUM_SMS = 132  # the SM count assumed where no GPU is asked (compile-only dispatch)
 
 
@@ -725,5 +718,4 @@ def dq_spec_for(spec: BwdSpec, accumulate: bool = False, sums_block_cols: int = 
                   has_window_left=spec.has_window_left, has_window_right=spec.has_window_right,
                   block_sparse=spec.block_sparse, compressed=spec.compressed,
                   list_block=spec.tile_n if spec.block_sparse else 64, accumulate=accumulate,
-                  q_positions=spec.q_positions, sums_block_cols=sums_block_cols,
-                  defer_dq_wait=DEFER_DQ_WAIT and spec.block_sparse)
+                  q_positions=spec.q_positions, sums_block_cols=sums_block_cols)

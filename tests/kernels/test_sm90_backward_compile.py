@@ -85,14 +85,13 @@ def test_deterministic_backward_variant_compiles_for_sm90a(head_dim, call):
 def test_dq_kernel_taking_fused_sums_compiles_for_sm90a(head_dim, cols):
     """The dQ kernel that adds a fused-dQ accumulator of `cols`-column blocks into its dQ
     (`DqSpec.sums_block_cols`: nsa()'s selected branch taking the `DqSums`), on 64-key lists
-    (the selected branch's), adding into a running dq and not, its dQ product waited for at
-    the next step (`defer_dq_wait`, dispatched) and at its own."""
+    (the selected branch's), adding into a running dq and not."""
     from kernels.sm90.spec import DqSpec
 
-    for accumulate, defer in ((False, True), (True, False)):
+    for accumulate in (False, True):
         spec = DqSpec("bfloat16", head_dim, causal=False, has_window_left=False,
                       has_window_right=False, block_sparse=True, accumulate=accumulate,
-                      sums_block_cols=cols, defer_dq_wait=defer)
+                      sums_block_cols=cols)
         assert callable(compile_dq_on_fake_tensors(spec))
 
 
