@@ -93,19 +93,11 @@ class DbiasTilesSm90:
                 row = tile_row * TILE + step * WARPS + warp
                 if row < seqlen_q:
                     if const_expr(self.spec.mode == "convert_slots"):
-                        self.row_vector_of_slot(visited, sums, out, slab, row, key // VECTOR,
-                                                entry, row - tile_row * TILE, lane)
+                        # The tile's slot (`entry`) holds the row at its own row and vector.
+                        self.convert_vector(visited, sums[entry, row - tile_row * TILE, None],
+                                            lane, out[slab, row, None], key // VECTOR)
                     else:
                         self.row_vector(visited, sums, out, slab, row, key // VECTOR)
-
-    @cute.jit
-    def row_vector_of_slot(self, visited, sums: cute.Tensor, out: cute.Tensor, slab: Int32,
-                           row: Int32, vector: Int32, slot: Int32, slot_row: Int32,
-                           slot_vector: Int32):
-        """"convert_slots": one lane's 4 cells of one row, from row `slot_row` of the tile's
-        slot (its vector `slot_vector`), 0 where the tile has none."""
-        self.convert_vector(visited, sums[slot, slot_row, None], slot_vector,
-                            out[slab, row, None], vector)
 
     @cute.jit
     def row_vector(self, visited, sums: cute.Tensor, out: cute.Tensor, slab: Int32, row: Int32,

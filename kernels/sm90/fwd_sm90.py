@@ -176,22 +176,22 @@ class FlashAttentionForwardSm90(OverlapTiles):
         self.kv_bytes = cute.size_in_bytes(dtype, sK_one)
         # `score_bias_tma`: the bias's (tile_m, tile_n) tile of a step comes with its K, into a
         # K-major swizzled buffer per K stage; the view is (Nq, Nk, slabs), the slab last.
-        tma_atom_bias, tma_bias, sBias_layout = None, None, None
+        tma_atom_bias, tma_bias, sBias_layout, bias_dtype = None, None, None, None
         self.bias_bytes = 0
         if const_expr(self.spec.score_bias_tma):
+            bias_dtype = mScoreBias.element_type
             bias = with_row_strides_divisible(mScoreBias, 8)
             bias_t = cute.make_tensor(bias.iterator, cute.select(bias.layout, mode=[1, 2, 0]))
             sBias_layout = sm90_utils.make_smem_layout_a(
                 utils.LayoutEnum.ROW_MAJOR, (self.tile_m, self.tile_n, self.tile_n),
-                mScoreBias.element_type, self.spec.num_stages)
+                bias_dtype, self.spec.num_stages)
             sBias_one = cute.slice_(sBias_layout, (None, None, 0))
             tma_atom_bias, tma_bias = cpasync.make_tiled_tma_atom(
                 load_op, bias_t, sBias_one, (self.tile_m, self.tile_n))
-            self.bias_bytes = cute.size_in_bytes(mScoreBias.element_type, sBias_one)
+            self.bias_bytes = cute.size_in_bytes(bias_dtype, sBias_one)
 
         self.shared_storage = self.shared_storage_struct(sQ_layout, sK_layout, sV_layout,
-                                                         sO_layout, sBias_layout,
-                                                         mScoreBias)
+                                                         sO_layout, sBias_layout, bias_dtype)
 
         tile_order = TileOrder(
             self.spec.heads_fastest, (max_seqlen_q + self.tile_m - 1) // self.tile_m,
@@ -218,7 +218,7 @@ class FlashAttentionForwardSm90(OverlapTiles):
                         preferred_smem_carveout=100 if self.ctas_per_sm > 1 else None)
 
     def shared_storage_struct(self, sQ_layout, sK_layout, sV_layout, sO_layout,
-                              sBias_layout=None, mScoreBias=None):
+                              sBias_layout=None, bias_dtype=None):
         """The CTA's shared memory (`FwdSpec.smem_bytes` computes its size). A plain method, not
         traced: the optional output buffer needs a Python `if`, which the DSL rewrites inside
         jit functions. Without it (`o_in_q`) the output is staged in the Q buffer; with
@@ -240,8 +240,7 @@ class FlashAttentionForwardSm90(OverlapTiles):
         if not (self.spec.o_in_q or self.spec.row_dot_output):
             fields["sO"] = smem_buffer(dtype, cute.cosize(sO_layout), 1024)
         if self.spec.score_bias_tma:
-            fields["sBias"] = smem_buffer(mScoreBias.element_type, cute.cosize(sBias_layout),
-                                          1024)
+            fields["sBias"] = smem_buffer(bias_dtype, cute.cosize(sBias_layout), 1024)
         return cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
 
     # ------------------------------------------------------------------ device side
