@@ -51,8 +51,10 @@ class IndexTensors:
         if (self.row_block_size, self.col_block_size) != (other.row_block_size,
                                                           other.col_block_size):
             return False
-        return all(a.shape == b.shape and a.device == b.device and torch.equal(a, b)
-                   for a, b in zip(self._tensors(), other._tensors()))
+        mine, theirs = self._tensors(), other._tensors()
+        return len(mine) == len(theirs) and all(
+            a.shape == b.shape and a.device == b.device and torch.equal(a, b)
+            for a, b in zip(mine, theirs))
 
     def _tensors(self) -> tuple[Tensor, ...]:
         return tuple(getattr(self, field.name) for field in dataclasses.fields(self)

@@ -50,6 +50,12 @@ class BlockSparseCSR(IndexTensors):
     row_block_size: int  # tokens per row block: the KV block (the forward's col_block_size)
     col_block_size: int  # tokens per column block: the q tile (the forward's row_block_size)
     row_block_offsets: Tensor  # (S+1,) int32: first global KV block of each sequence
+    # (capacity,) int32: where each entry sits in the forward lists, the flat index of its slot
+    # in (R, Hs, Kf + Km) with the full slots first (the sm90 backward's dS tiles are kept per
+    # forward slot: kernels/sm90/backward.py); entries past offsets[-1] hold the unlisted
+    # slots in no set order. None where a builder does not give it (`csr_rows`: its lists are
+    # not a forward call's).
+    slot: Tensor | None = None
 
     @property
     def num_rows(self) -> int:
@@ -138,7 +144,7 @@ def _transpose(bs: BlockSparseTensors, col_block_offsets, cu_seqlens_k, num_col_
         keys = sort_keys(bs, geometry, span, unlisted)
     else:
         keys = _sort_keys(bs, geometry, span, unlisted, check, bs_name)
-    keys = keys.sort().values
+    keys, order = keys.sort()
     # Entry p of the sorted keys belongs to the segment (group, kind) = key // span; the
     # capacity check above keeps every position an int32.
     starts = torch.searchsorted(keys, segment_keys.to(keys.dtype), out_int32=True)
@@ -148,7 +154,8 @@ def _transpose(bs: BlockSparseTensors, col_block_offsets, cu_seqlens_k, num_col_
     return BlockSparseCSR(
         offsets=offsets.contiguous(), index=index.to(INDEX_DTYPE),
         mask_count=mask_count.contiguous(), row_block_size=bs.col_block_size,
-        col_block_size=bs.row_block_size, row_block_offsets=col_offsets32)
+        col_block_size=bs.row_block_size, row_block_offsets=col_offsets32,
+        slot=order.to(INDEX_DTYPE))
 
 
 def csr_rows(csr: BlockSparseCSR, rows_per_sequence: int, start: int, end: int) -> BlockSparseCSR:
@@ -200,6 +207,8 @@ def validate_block_sparse_csr(csr, *, name: str = "block_sparse_transposed",
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
             raise ValueError(f"{name}.{field} must be a positive int, got {value!r}")
     fields = ("offsets", "index", "mask_count", "row_block_offsets")
+    if csr.slot is not None:
+        fields += ("slot",)
     for field in fields:
         tensor = getattr(csr, field)
         if not isinstance(tensor, Tensor):
@@ -226,6 +235,9 @@ def validate_block_sparse_csr(csr, *, name: str = "block_sparse_transposed",
                          f"got {tuple(csr.offsets.shape)}")
     if csr.index.dim() != 1:
         raise ValueError(f"{name}.index must be 1-D (capacity,), got {tuple(csr.index.shape)}")
+    if csr.slot is not None and csr.slot.shape != csr.index.shape:
+        raise ValueError(f"{name}.slot must have index's shape {tuple(csr.index.shape)}, "
+                         f"got {tuple(csr.slot.shape)}")
     if csr.row_block_offsets.dim() != 1 or csr.row_block_offsets.numel() < 1:
         raise ValueError(f"{name}.row_block_offsets must have shape (S+1,), "
                          f"got {tuple(csr.row_block_offsets.shape)}")

@@ -30,14 +30,14 @@ import math
 
 import torch
 
-from kernels.device import sm_count
+from kernels.device import sm_count, total_memory
 from kernels.dkv_sums import UnwrittenDkvSums
 from kernels.sm90.forward import SUPPORTED_DTYPES, unsupported_inputs
 from kernels.sm90.launch import (aligned_rows, as_cute, has_aligned_rows, launch_compiled,
                                  launch_on_current_stream, query_positions, uniform_cu_seqlens)
 from kernels.sm90.limits import require_int32_limits
 from kernels.sm90.spec import (BACKWARD_DENSE_TILE_N, H100_NUM_SMS, choose_backward_spec,
-                               dq_spec_for, list_shape)
+                               dq_spec_for, ds_tile_bytes, list_shape)
 from kernels.sm90.spec import QUERY_SLOT_ROWS as SLOT_ROWS  # `QueryTiles`' tile rows
 
 SUPPORTED_HEAD_DIMS = (64, 128)
@@ -62,6 +62,15 @@ UNITS_HEAD_MAJOR = True  # run()'s default
 OWNED_DKV_STORES = True
 # Rows per chunk of the preprocess and postprocess (bounds their float32 temporaries).
 _CHUNK_ROWS = 32768
+# 64-key lists beside the dQ kernel: the KV-centric kernel stores each step's dS^T and the dQ
+# kernel multiplies it (`BwdSpec.stores_ds`, kernels/sm90/bwd_dq_from_ds.py: one product per
+# step instead of recomputing S and dP) where the tiles (`ds_tile_bytes`: 16 KiB per forward
+# list slot and query head at 16 bits) take at most DS_TILES_MEMORY_FRACTION of the device's
+# memory; they live through this backward call alone. False: the dQ kernel always recomputes
+# (a switch for the A/B). NSA at H=32, 16 selected blocks: 4.8 GB at 64K tokens (within an
+# 80 GB H100's 5 GB), 1M tokens recompute.
+DS_TILES = True
+DS_TILES_MEMORY_FRACTION = 1 / 16
 
 
 def can_run(q, k, v, *, block_sparse=None, causal=False, window_size=(-1, -1),
@@ -295,6 +304,7 @@ def run(
                              bs.row_block_offsets)
         window = (max(window_size[0], 0), max(window_size[1], 0))  # the kernels' int32 scalars
         lists = (None,) * 4
+        ds_tiles = (None, None)  # `stores_ds`: each list entry's forward slot, the dS tiles
         units = None
         num_ctas = -(-max_seqlen_k // spec.tile_n)
         row_splits = 1
@@ -310,6 +320,11 @@ def run(
                 # A direct call (kernels.interface always passes one): the checked build.
                 csr = transpose_block_sparse_csr(block_sparse, cu_seqlens_k=cu_seqlens_k)
             lists = (csr.offsets, csr.index, csr.mask_count, csr.row_block_offsets)
+            if _stores_ds(spec, block_sparse, csr, num_heads, q):
+                spec = dataclasses.replace(spec, stores_ds=True)
+                ds_tiles = (csr.slot, torch.empty(
+                    ds_tile_bytes(block_sparse, num_heads, q.element_size()) // (64 * 2),
+                    64, dtype=q.dtype, device=q.device))
             if spec.split_lists:
                 chunk = list_chunk(csr, spec)
                 units = work_units(csr, chunk, head_major=head_major_units)
@@ -327,7 +342,7 @@ def run(
                        cu_seqlens_k, tiles.tile_offsets)
             scalars = (num_ctas, row_splits, softmax_scale, compress_factor, *window)
             _launch(spec, tensors, scalars,
-                    (*lists, units, positions, *score_tensors, *owned))
+                    (*lists, units, positions, *score_tensors, *owned, *ds_tiles))
             if tile_pass is not None:
                 tile_pass("finish")
         elif not adds_into_accumulators or spec.store_dkv_sums:  # nothing stores into them
@@ -345,7 +360,7 @@ def run(
                         tiles.tile_offsets),
                        (-(-max_seqlen_q // DQ_TILE_ROWS), softmax_scale, compress_factor,
                         *window),
-                       (*forward_lists, positions, sums))
+                       (*forward_lists, positions, sums, *ds_tiles[1:]))
         elif shared_sums is not None:  # converted by the caller's dq_sums.finish
             dq = dq_into
         else:
@@ -367,6 +382,19 @@ def run(
         dk = dk.view(batch, seqlen_k, *dk.shape[1:])
         dv = dv.view(batch, seqlen_k, *dv.shape[1:])
     return dq, dk, dv
+
+
+def _stores_ds(spec, block_sparse, csr, num_heads: int, q) -> bool:
+    """Whether this call's KV-centric kernel stores its dS tiles for the dQ kernel
+    (DS_TILES, `BwdSpec.stores_ds`): 64-key lists beside the dQ kernel, one step per 64 rows,
+    no score mods, a transpose that names each entry's forward slot, and the tiles within
+    DS_TILES_MEMORY_FRACTION of the device's memory (shapes and the device only: a CUDA
+    graph sees the same choice on every call)."""
+    if not (DS_TILES and spec.dq_separate and spec.tile_n == 64 and spec.tile_m == 64
+            and not spec.alternate_steps and not spec.score_mods and csr.slot is not None):
+        return False
+    budget = total_memory(q.device) * DS_TILES_MEMORY_FRACTION
+    return ds_tile_bytes(block_sparse, num_heads, q.element_size()) <= budget
 
 
 def with_dkv_destination(spec, into_caller_sums: bool, unwritten: bool = False):

@@ -55,7 +55,8 @@ from kernels.sm90.score_mod import ScoreMods, score_mods_of
 from kernels.sm90.mask import apply_mask_keys_as_rows
 from kernels.sm90.mma import gemm, warpgroup_slice
 from kernels.sm90.pipelines import load_seq_tile, smem_buffer, stage_index, tma_pipeline
-from kernels.sm90.register_store import reduce_rows_from_registers, store_rows_from_registers
+from kernels.sm90.register_store import (reduce_rows_from_registers, store_rows_from_registers,
+                                         store_tile_from_registers)
 from kernels.sm90.spec import QUERY_SLOT_ROWS, STAGED_BIAS_PAD, BwdSpec
 
 _WARPGROUP = 128
@@ -93,6 +94,10 @@ class FlashAttentionBackwardSm90:
         assert not (spec.split_rows and spec.block_sparse)
         assert not spec.alternate_steps or (self.tile_n == 64 and self.tile_m == 64
                                             and spec.dq_separate)
+        # dS tiles: one 64 x 64 tile per step of a 64-key list entry (`walk_list`).
+        assert not spec.stores_ds or (spec.block_sparse and spec.dq_separate
+                                      and self.tile_n == 64 and self.tile_m == 64
+                                      and not spec.alternate_steps and not spec.score_mods)
         assert not (spec.heavy_first and spec.block_sparse)
         assert not spec.row_bands or (spec.split_rows and not spec.heavy_first)
         # The score mods hook into the fused-dQ step of block-sparse lists (the dQ kernel
@@ -155,6 +160,10 @@ class FlashAttentionBackwardSm90:
         mdKOut: Optional[cute.Tensor],          # (Tk, Hkv, D) in the input dtype: dK and dV
         mdVOut: Optional[cute.Tensor],          # of the units that own their KV tile
                                                 # (`owned_dkv_stores`)
+        mListSlot: Optional[cute.Tensor],       # (capacity,) int32: each list entry's forward
+                                                # slot (`stores_ds`)
+        mDS: Optional[cute.Tensor],             # (tiles x 64, 64) in the input dtype: dS^T
+                                                # tiles, keys as rows (`stores_ds`)
         stream: cuda.CUstream,
     ):
         dtype = self.dtype
@@ -212,6 +221,8 @@ class FlashAttentionBackwardSm90:
         mdK, mdV = (with_row_strides_divisible(t, 8) for t in (mdK, mdV))
         if const_expr(self.spec.owned_dkv_stores):
             mdKOut, mdVOut = (with_row_strides_divisible(t, 8) for t in (mdKOut, mdVOut))
+        if const_expr(self.spec.stores_ds):
+            mDS = with_row_strides_divisible(mDS, 8)
         if const_expr(self.spec.compressed):
             compress_factor = cute.fast_divmod_create_divisor_v2(compress_factor)
         self.kernel(
@@ -221,7 +232,7 @@ class FlashAttentionBackwardSm90:
             softmax_scale * Float32(_LOG2_E), compress_factor, window_left, window_right,
             mListOffsets, mListIndex, mListMaskCount, mKvBlockOffsets, mUnits, mQPositions,
             mScoreMask, mScoreBias, mScoreSlabs, mDBias, mDBiasSlots, mdKOut, mdVOut,
-            sQ_layout, sK_layout, sdS_layout, sdQ_layout, tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq,
+            mListSlot, mDS, sQ_layout, sK_layout, sdS_layout, sdQ_layout, tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq,
         ).launch(grid=self.grid(num_kv_tiles, row_splits, mK, mCuSeqlensQ),
                  block=[self.num_threads, 1, 1], stream=stream,
                  min_blocks_per_mp=self.spec.ctas_per_sm,
@@ -286,6 +297,7 @@ class FlashAttentionBackwardSm90:
         mScoreSlabs: Optional[cute.Tensor], mDBias: Optional[cute.Tensor],
         mDBiasSlots: Optional[cute.Tensor],
         mdKOut: Optional[cute.Tensor], mdVOut: Optional[cute.Tensor],
+        mListSlot: Optional[cute.Tensor], mDS: Optional[cute.Tensor],
         sQ_layout: cute.ComposedLayout,
         sK_layout: cute.ComposedLayout, sdS_layout: cute.ComposedLayout,
         sdQ_layout: cute.Layout, tiled_mma_sdp: cute.TiledMma,
@@ -375,7 +387,7 @@ class FlashAttentionBackwardSm90:
             batch=batch, group=group, num_heads=num_heads, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
             mListOffsets=mListOffsets, mListIndex=mListIndex, mListMaskCount=mListMaskCount,
             mKvBlockOffsets=mKvBlockOffsets, list_head=list_head, entry_lo=entry_lo,
-            entry_hi=entry_hi, split=split, row_splits=row_splits)
+            entry_hi=entry_hi, split=split, row_splits=row_splits, mListSlot=mListSlot)
         q_tile_offset = mQTileOffsets[batch]
         staged_bias = None
         if const_expr(spec.score_stage_bias):
@@ -418,17 +430,18 @@ class FlashAttentionBackwardSm90:
                     tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, sQ, sdO, sK, sV, sdS, sLSE,
                     sDPsum, dq_accumulator, dkv_handover, (mdK, mdV, mdKOut, mdVOut, owns),
                     softmax_scale, scale_log2, block_range, n_block, head_kv, offset_k,
-                    seqlen_q, seqlen_k, score_mods, batch)
+                    seqlen_q, seqlen_k, score_mods, batch, mDS)
 
     @cute.jit
     def walk_steps(
         self, step_fn, state, block_range: BlockRange, n_block: Int32, head_kv: Int32,
         batch: Int32, group: Int32, num_heads: Int32, seqlen_q: Int32, seqlen_k: Int32,
         mListOffsets, mListIndex, mListMaskCount, mKvBlockOffsets, list_head: Int32,
-        entry_lo: Int32, entry_hi: Int32, split: Int32, row_splits: Int32,
+        entry_lo: Int32, entry_hi: Int32, split: Int32, row_splits: Int32, mListSlot=None,
     ):
         """Run step_fn(head, m_block, mask, needs_mask, *state) -> state over the (query head,
-        query step) pairs that see this CTA's KV tile, heads of the group outermost.
+        query step) pairs that see this CTA's KV tile, heads of the group outermost; with
+        `stores_ds` also given ds_tile=, the step's dS tile (`walk_list`).
         `mask` is the step's compile-time mask kind: None, "causal_window", or "if_needed"
         (the causal/window mask where the runtime `needs_mask` says so). The
         producer warp and the consumer warpgroups both walk through here, so they agree on
@@ -441,7 +454,8 @@ class FlashAttentionBackwardSm90:
             walk_list = partial(self.walk_list, step_fn=step_fn, mListOffsets=mListOffsets,
                                 mListIndex=mListIndex, mListMaskCount=mListMaskCount,
                                 kv_row=kv_row, list_heads=list_heads, n_block=n_block,
-                                seqlen_q=seqlen_q, seqlen_k=seqlen_k)
+                                seqlen_q=seqlen_q, seqlen_k=seqlen_k, mListSlot=mListSlot,
+                                heads_per_list=heads_per_list)
             if const_expr(self.spec.split_lists):
                 for head_in_list in cutlass.range(heads_per_list, unroll=1):
                     state = walk_list(state=state, head=list_head * heads_per_list + head_in_list,
@@ -500,8 +514,12 @@ class FlashAttentionBackwardSm90:
     @cute.jit
     def walk_list(self, step_fn, state, head: Int32, list_head: Int32, entry_lo: Int32,
                   entry_hi: Int32, mListOffsets, mListIndex, mListMaskCount, kv_row: Int32,
-                  list_heads: Int32, n_block: Int32, seqlen_q: Int32, seqlen_k: Int32):
-        """The steps of list entries [entry_lo, entry_hi) of (kv_row, list_head) for `head`."""
+                  list_heads: Int32, n_block: Int32, seqlen_q: Int32, seqlen_k: Int32,
+                  mListSlot=None, heads_per_list: Int32 = 1):
+        """The steps of list entries [entry_lo, entry_hi) of (kv_row, list_head) for `head`.
+        With `stores_ds` each step also gets its dS tile: 64-row half `half` of (forward slot,
+        head of the list) is tile (slot x heads_per_list + head - list_head x heads_per_list)
+        x 2 + half, the order kernels/sm90/bwd_dq_from_ds.py reads them in."""
         start = mListOffsets[kv_row * list_heads + list_head]
         num_mask = mListMaskCount[kv_row, list_head]
         # Full KV blocks crossing the sequence end still mask the keys past it.
@@ -517,7 +535,13 @@ class FlashAttentionBackwardSm90:
             for half in cutlass.range_constexpr(steps):
                 m_block = q_tile * steps + half
                 if m_block * self.tile_m < seqlen_q:
-                    state = step_fn(head, m_block, "if_needed", needs_mask, *state)
+                    if const_expr(self.spec.stores_ds):
+                        slot_head = (mListSlot[entry] * heads_per_list + head
+                                     - list_head * heads_per_list)
+                        state = step_fn(head, m_block, "if_needed", needs_mask, *state,
+                                        ds_tile=slot_head * steps + half)
+                    else:
+                        state = step_fn(head, m_block, "if_needed", needs_mask, *state)
         return state
 
     @cute.jit
@@ -548,7 +572,7 @@ class FlashAttentionBackwardSm90:
         self, head: Int32, m_block: Int32, mask: cutlass.Constexpr, needs_mask, q_producer,
         do_producer, tma_atom_q, mQ,
         tma_atom_do, mdO, tma_atom_lse, mLSE, tma_atom_dpsum, mDPsum, sQ, sdO, sLSE, sDPsum,
-        offset_q: Int32, q_tile_offset: Int32,
+        offset_q: Int32, q_tile_offset: Int32, ds_tile: Optional[Int32] = None,
     ):
         slot_row = q_tile_offset * QUERY_SLOT_ROWS + m_block * self.tile_m
         q_handle = q_producer.acquire_and_advance()
@@ -570,7 +594,7 @@ class FlashAttentionBackwardSm90:
         dkv_handover, dkv_out, softmax_scale: Float32, scale_log2: Float32,
         block_range: BlockRange, n_block: Int32, head_kv: Int32, offset_k: Int32,
         seqlen_q: Int32, seqlen_k: Int32, score_mods: Optional[ScoreMods] = None,
-        batch: Int32 = 0,
+        batch: Int32 = 0, mDS: Optional[cute.Tensor] = None,
     ):
         """The consumer warpgroups' whole CTA: every step, then dK and dV. dkv_out: (dK, dV,
         the owned tiles' dK and dV, whether this unit owns its tile: `store_keys`)."""
@@ -621,7 +645,7 @@ class FlashAttentionBackwardSm90:
             ds_store_atom=ds_store_atom, t_rdS=t_rdS, t_sdS=t_sdS, sLSE=sLSE, sDPsum=sDPsum,
             dq_accumulator=dq_accumulator, scale_log2=scale_log2, block_range=block_range,
             n_block=n_block, seqlen_q=seqlen_q, seqlen_k=seqlen_k, score_mods=score_mods,
-            batch=batch)
+            batch=batch, thr_sdp=thr_sdp, mDS=mDS)
         mmas = (tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq)
         if const_expr(self.spec.alternate_steps):
             wg = cute.arch.make_warp_uniform(tidx // _WARPGROUP)
@@ -697,7 +721,8 @@ class FlashAttentionBackwardSm90:
         acc_dk, acc_dv, acc_dq, r_p, r_ds, t_coord, ds_store_atom, t_rdS, t_sdS, sLSE, sDPsum,
         dq_accumulator: Optional[DqAccumulator], scale_log2: Float32, block_range: BlockRange,
         n_block: Int32, seqlen_q: Int32, seqlen_k: Int32,
-        score_mods: Optional[ScoreMods] = None, batch: Int32 = 0,
+        score_mods: Optional[ScoreMods] = None, batch: Int32 = 0, thr_sdp=None,
+        mDS: Optional[cute.Tensor] = None, ds_tile: Optional[Int32] = None,
     ):
         """One (query head, query step of tile_m rows) against this CTA's keys. `mask`: None,
         "causal_window", or "if_needed" (the causal/window mask where `needs_mask`). With
@@ -781,7 +806,13 @@ class FlashAttentionBackwardSm90:
             if const_expr(self.tile_m > 64):
                 r_dpsum[c] = sDPsum[c_mn[0, c][1], do_stage]
             for r in cutlass.range_constexpr(cute.size(dp_mn, mode=[0])):
-                dp_mn[r, c] = s_mn[r, c] * (dp_mn[r, c] - r_dpsum[c])
+                ds = s_mn[r, c] * (dp_mn[r, c] - r_dpsum[c])
+                if const_expr(self.spec.stores_ds):
+                    # Exactly 0 where P is, as the dQ kernel makes it: a masked key's dP may
+                    # be non-finite (a non-finite V in a later token), and the stored dS
+                    # reaches earlier rows' dQ.
+                    ds = ds if s_mn[r, c] != Float32(0.0) else Float32(0.0)
+                dp_mn[r, c] = ds
         if const_expr(self.spec.score_bias_grad):
             step_mods.add_bias_gradient(acc_dp, t_coord, m_block, n_block, self.tile_m,
                                         self.tile_n, seqlen_q, seqlen_k)
@@ -810,6 +841,12 @@ class FlashAttentionBackwardSm90:
         else:  # dQ is the query-centric kernel's (kernels/sm90/bwd_dq_sm90.py)
             tiled_mma_dkv = gemm(tiled_mma_dkv, acc_dk, r_ds, tdKrQ[None, None, None, q_stage],
                                  zero_init=False)
+            if const_expr(self.spec.stores_ds):
+                # dS^T for the dQ kernel (kernels/sm90/bwd_dq_from_ds.py), stored while dK
+                # runs: keys as rows, the query rows contiguous.
+                store_tile_from_registers(
+                    thr_sdp, r_ds_as_acc,
+                    cute.local_tile(mDS, (self.tile_n, self.tile_m), (ds_tile, 0)))
             warpgroup.wait_group(0)
             q_handle.release()
             do_handle.release()

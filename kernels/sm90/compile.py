@@ -164,8 +164,11 @@ def fake_backward_arguments(spec):
     # `owned_dkv_stores`: dK and dV of the units that own their tile, in the input dtype.
     owned = (tuple(fake_seq_head_dim(dtype) for _ in range(2)) if spec.owned_dkv_stores
              else (None, None))
+    # `stores_ds`: each list entry's forward slot and the dS^T tiles.
+    ds = (fake_int32_vector(), fake_ds_tiles(dtype)) if spec.stores_ds else (None, None)
     return ((q, k, v, dout, lse, dpsum, dq_acc, dk, dv, cu_q, cu_k, q_tiles),
-            (*lists, units, positions, *fake_score_mods(spec), dbias, dbias_slots, *owned))
+            (*lists, units, positions, *fake_score_mods(spec), dbias, dbias_slots, *owned,
+             *ds))
 
 
 def compiled_backward(spec, example_args, tvm_ffi: bool = False):
@@ -208,25 +211,39 @@ def fake_dq_arguments(spec):
     if spec.sums_block_cols:
         sums = make_fake_tensor(cutlass.Float32, tuple(cute.sym_int() for _ in range(3)),
                                 stride=(cute.sym_int(64), cute.sym_int(64), 1), assumed_align=16)
+    ds = (fake_ds_tiles(CUTLASS_DTYPES[spec.dtype]),) if spec.reads_ds else ()
     return (q, k, v, dout, lse, dpsum, dq, cu_q, cu_k, q_tiles), (*forward_lists, positions,
-                                                                   sums)
+                                                                   sums, *ds)
+
+
+def fake_ds_tiles(dtype):
+    """The dS^T tiles of `BwdSpec.stores_ds` / `DqSpec.reads_ds`: (tiles x 64, 64)."""
+    return make_fake_compact_tensor(dtype, (cute.sym_int(), 64), stride_order=(1, 0),
+                                    assumed_align=16)
+
+
+def dq_kernel_class(spec):
+    """The dQ kernel of `spec`: the query-centric recompute, or dQ from stored dS tiles."""
+    if spec.reads_ds:
+        from kernels.sm90.bwd_dq_from_ds import DqFromDsSm90
+
+        return DqFromDsSm90
+    from kernels.sm90.bwd_dq_sm90 import DqBackwardSm90
+
+    return DqBackwardSm90
 
 
 def compiled_dq(spec, example_args, tvm_ffi: bool = False):
-    """The query-centric dQ kernel for `spec` (`compiled_once`)."""
-    from kernels.sm90.bwd_dq_sm90 import DqBackwardSm90
-
-    return compiled_once(DqBackwardSm90, spec, example_args, tvm_ffi)
+    """The dQ kernel for `spec` (`compiled_once`)."""
+    return compiled_once(dq_kernel_class(spec), spec, example_args, tvm_ffi)
 
 
 @functools.lru_cache(maxsize=None)
 def compile_dq_on_fake_tensors(spec):
     """Compile dQ `spec` for sm_90a without a GPU (CUTE_DSL_ARCH=sm_90a)."""
-    from kernels.sm90.bwd_dq_sm90 import DqBackwardSm90
-
     tensors, optional = fake_dq_arguments(spec)
     return cute.compile(
-        DqBackwardSm90(spec), *tensors, cutlass.Int32(1), cutlass.Float32(1.0),
+        dq_kernel_class(spec)(spec), *tensors, cutlass.Int32(1), cutlass.Float32(1.0),
         cutlass.Int32(1), cutlass.Int32(0), cutlass.Int32(0), *optional,
         make_fake_stream())
 

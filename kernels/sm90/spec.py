@@ -318,6 +318,10 @@ class BwdSpec:
     score_stage_bias: bool = False  # a 16-bit bias's tile copied to smem by cp.async at each
                                     # step (rows 16 bytes apart; KV tiles inside the keys) and
                                     # read there on S^T, instead of cell by cell from global
+    stores_ds: bool = False    # 64-key lists beside the dQ kernel: each step's dS^T is stored
+                               # (input dtype, one 64 x 64 tile per forward-list slot, query
+                               # head and 64-row half) for the dQ kernel to read
+                               # (`DqSpec.reads_ds`) instead of recomputing S and dP
 
     @property
     def score_mods(self) -> bool:
@@ -471,6 +475,9 @@ class DqSpec:
     # columns in the dQ product's register order) into dQ before it is written: nsa()'s last
     # branch takes the fused branches' `DqSums` so, instead of a conversion pass. 0: none.
     sums_block_cols: int = 0
+    # dQ = dS K from the dS^T tiles the KV-centric kernel stored (`BwdSpec.stores_ds`):
+    # kernels/sm90/bwd_dq_from_ds.py, one product per step instead of three. 64-key lists only.
+    reads_ds: bool = False
 
     @property
     def tiles_per_list_block(self) -> int:
@@ -483,6 +490,10 @@ class DqSpec:
         def aligned(size: int, to: int) -> int:
             return -(-size // to) * to
 
+        if self.reads_ds:  # K and the two 64-row halves of dS per stage
+            size = aligned(8 * 2 * self.kv_stages, 16)
+            size = aligned(size, 1024) + 2 * self.tile_n * self.head_dim * self.kv_stages
+            return aligned(size, 1024) + 2 * self.tile_m * self.tile_n * self.kv_stages
         size = aligned(8 * 2 * (1 + self.kv_stages), 16)
         for rows in (self.tile_m, self.tile_m, self.tile_n * self.kv_stages,
                      self.tile_n * self.kv_stages):
@@ -712,10 +723,26 @@ def choose_backward_spec(
 def dq_spec_for(spec: BwdSpec, accumulate: bool = False, sums_block_cols: int = 0) -> DqSpec:
     """The dQ kernel that runs beside a `dq_separate` backward: the same features, the same
     list blocks (the KV-centric kernel's tile_n when block-sparse); `accumulate` adds dQ into
-    the given tensor's values, `sums_block_cols` a fused-dQ accumulator (`DqSpec`)."""
+    the given tensor's values, `sums_block_cols` a fused-dQ accumulator (`DqSpec`); reading the
+    dS tiles the backward stores (`stores_ds`), with DS_KV_STAGES of K and dS in flight."""
     assert spec.dq_separate
     return DqSpec(dtype=spec.dtype, head_dim=spec.head_dim, causal=spec.causal,
                   has_window_left=spec.has_window_left, has_window_right=spec.has_window_right,
                   block_sparse=spec.block_sparse, compressed=spec.compressed,
                   list_block=spec.tile_n if spec.block_sparse else 64, accumulate=accumulate,
-                  q_positions=spec.q_positions, sums_block_cols=sums_block_cols)
+                  q_positions=spec.q_positions, sums_block_cols=sums_block_cols,
+                  reads_ds=spec.stores_ds,
+                  kv_stages=DS_KV_STAGES if spec.stores_ds else DqSpec.kv_stages)
+
+
+# The dQ kernel reading dS tiles moves 32 KiB per step (K and two 8 KiB dS halves) for one
+# product: stages to keep the loads ahead (4 x 32 KiB: one CTA per SM).
+DS_KV_STAGES = 4
+
+
+def ds_tile_bytes(block_sparse, num_heads: int, element_size: int) -> int:
+    """Bytes of the dS tiles a `stores_ds` backward keeps: a 128 x 64 tile per forward-list
+    slot (full and mask, padded widths included) and query head of the list."""
+    slots = block_sparse.full_index.numel() + block_sparse.mask_index.numel()
+    heads_per_list = num_heads // block_sparse.full_count.shape[1]
+    return slots * heads_per_list * 128 * 64 * element_size

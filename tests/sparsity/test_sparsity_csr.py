@@ -76,8 +76,8 @@ def test_csr_by_hand():
     assert csr.row_block_offsets.tolist() == [0, 3, 5]
     assert all(t.dtype == torch.int32 and t.is_contiguous() for t in csr._tensors())
     assert (csr.num_rows, csr.num_heads, csr.num_sequences, csr.capacity) == (5, 1, 2, 9)
-    assert csr.nbytes == 4 * (6 + 9 + 5 + 3)
-    assert "rows=5" in repr(csr) and "nbytes=92" in repr(csr)
+    assert csr.nbytes == 4 * (6 + 9 + 5 + 3 + 9)  # offsets, index, mask_count, offsets, slot
+    assert "rows=5" in repr(csr) and "nbytes=128" in repr(csr)
     same = transpose_block_sparse_csr(bs, cu_seqlens_k=torch.tensor([0, 12, 17],
                                                                    dtype=torch.int32))
     assert same.equals(csr) and csr.to("cpu").equals(csr)
@@ -170,6 +170,7 @@ def test_csr_is_the_dense_transpose(case):
                                          check=False)
     assert trusted.equals(csr)
     check_csr_matches(csr, bs, num_col_blocks=col_offsets[-1], check_contents=True)
+    assert_slots_name_the_forward_entries(csr, bs, row_offsets, col_offsets)
 
     # The padded transpose holds the same entries per (KV block, head).
     padded = transpose_block_sparse(bs, col_block_offsets)
@@ -177,6 +178,31 @@ def test_csr_is_the_dense_transpose(case):
     full_count, mask_count = transposed_list_lengths(bs, col_block_offsets=col_block_offsets)
     assert torch.equal(csr.mask_count, mask_count)
     assert torch.equal(csr.offsets.diff().view_as(full_count) - csr.mask_count, full_count)
+
+
+def assert_slots_name_the_forward_entries(csr, bs, row_offsets, col_offsets):
+    """Each listed entry's `slot` is a forward slot of its own head, kind, q tile and KV block
+    (flat over (R, Hs, Kf + Km), full slots first), and no two entries share one."""
+    full_width = bs.full_index.shape[-1]
+    width = full_width + bs.mask_index.shape[-1]
+    seen = set()
+    for group in range(csr.num_rows * csr.num_heads):
+        kv_row, head = divmod(group, csr.num_heads)
+        sequence = max(s for s in range(len(col_offsets) - 1) if col_offsets[s] <= kv_row)
+        start, end = int(csr.offsets[group]), int(csr.offsets[group + 1])
+        for entry in range(start, end):
+            slot = int(csr.slot[entry])
+            assert slot not in seen
+            seen.add(slot)
+            row, rest = divmod(slot, bs.num_heads * width)
+            slot_head, j = divmod(rest, width)
+            is_mask = entry - start < int(csr.mask_count[kv_row, head])
+            assert slot_head == head and (j >= full_width) == is_mask
+            assert row - row_offsets[sequence] == int(csr.index[entry])
+            listed = bs.mask_index[row, head, j - full_width] if is_mask else (
+                bs.full_index[row, head, j])
+            assert int(listed) == kv_row - col_offsets[sequence]
+    assert len(seen) == int(csr.offsets[-1])
 
 
 @settings(max_examples=30, deadline=None)
@@ -229,14 +255,15 @@ def test_csr_memory_is_linear_in_the_entries_where_the_padded_transpose_is_quadr
     assert int(full_count[0].min()) == tiles - 1  # block 0's list: every tile but the diagonal
     entries = int(full_count.sum() + mask_count.sum())
     assert int(csr.offsets[-1]) == entries
-    # index: the forward's slots (<= 16 per tile and head); offsets and mask_count: 2 per group.
+    # index and slot: the forward's slots (<= 16 per tile and head); offsets and mask_count: 2
+    # per group.
     assert csr.capacity == bs.num_rows * heads * (bs.full_index.shape[-1]
                                                   + bs.mask_index.shape[-1])
     assert csr.capacity <= tiles * heads * SELECTED
-    assert csr.nbytes == 4 * (csr.capacity + 2 * blocks * heads + 1 + 2)
+    assert csr.nbytes == 4 * (2 * csr.capacity + 2 * blocks * heads + 1 + 2)
     padded_bytes = transpose_block_sparse(bs, cu_seqlens_k=cu).nbytes
     assert padded_bytes >= 4 * blocks * heads * (tiles - 1)  # O(blocks x tiles)
-    assert csr.nbytes * 40 < padded_bytes
+    assert csr.nbytes * 25 < padded_bytes
     # Doubling the sequence doubles the CSR, but quadruples the padded transpose.
     bs2, cu2 = nsa_like_lists(2 * seqlen, heads, seed=0)
     csr2 = transpose_block_sparse_csr(bs2, cu_seqlens_k=cu2)
@@ -416,6 +443,8 @@ F = r"^block_sparse_transposed\."  # every message names the field
     (lambda: _with("index", 1, -1), F + r"index entries before offsets\[-1\]"),
     (lambda: _with("index", 0, 2), F + r"index must be strictly ascending"),
     (lambda: _with("index", 3, 0), F + r"index lists a q tile as both mask and full"),
+    (lambda: _broken(slot=_csr().slot[:-1].clone()), F + r"slot must have index's shape"),
+    (lambda: _broken(slot=_csr().slot.long()), F + r"slot must be int32"),
 ])
 def test_validation_errors_name_the_field(make, message):
     with pytest.raises((ValueError, TypeError), match=message):
@@ -435,13 +464,15 @@ def test_validation_options():
                                   check_contents=False)
     # Contents are trusted without check_contents; a CSR cut to its entries is still valid.
     validate_block_sparse_csr(_with("index", 0, 2), check_contents=False)
-    validate_block_sparse_csr(dataclasses.replace(csr, index=csr.index[:6].contiguous()))
+    validate_block_sparse_csr(dataclasses.replace(csr, index=csr.index[:6].contiguous(),
+                                                  slot=csr.slot[:6].contiguous()))
 
 
 def test_check_csr_matches():
     bs = by_hand()
     csr = transpose_block_sparse_csr(bs, COL_OFFSETS)
-    check_csr_matches(dataclasses.replace(csr, index=csr.index[:6].contiguous()), bs,
+    check_csr_matches(dataclasses.replace(csr, index=csr.index[:6].contiguous(),
+                                          slot=csr.slot[:6].contiguous()), bs,
                       check_contents=True)
     with pytest.raises(ValueError, match="must swap the block sizes of block_sparse: expected "
                                          "row_block_size=4, col_block_size=8, got 8, 4"):
