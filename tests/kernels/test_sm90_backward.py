@@ -383,6 +383,7 @@ def test_heads_order_backward_matches_fallback(case: Case, monkeypatch):
 
 ALTERNATE_STEPS_CASES = [case for case in GRADIENT_CASES + DETERMINISTIC_CASES
                          if case.kv_block == 64]
+DS_TILE_CASES = ALTERNATE_STEPS_CASES  # every 64-key list case
 # 128-key lists per query head: the fused dQ in head-major work units, which the dispatcher
 # picks for long walks only (the lists here are short; the test lowers the bar).
 FUSED_LIST_CASES = [case for case in GRADIENT_CASES
@@ -397,6 +398,23 @@ ROW_BAND_CASES = [case for case in GRADIENT_CASES
     # Long enough for the fused dQ (FUSED_DQ_MIN_KEYS), few enough KV tiles for split rows.
     Case("bf16", 128, (4096, 4096), 16, causal=True, padded=True),
     Case("bf16", 64, (4096, 4096), 16, causal=True, padded=True)]
+
+
+@requires_sm90
+@pytest.mark.gpu
+@pytest.mark.parametrize("ds_tiles", [True, False], ids=["ds-tiles", "dq-recomputes"])
+@pytest.mark.parametrize("case", DS_TILE_CASES, ids=lambda case: case.id)
+def test_64_key_lists_backward_with_and_without_ds_tiles(case: Case, ds_tiles, monkeypatch):
+    """64-key lists' dQ both ways: multiplied from the dS tiles the KV-centric kernel stores
+    (`BwdSpec.stores_ds`, dispatched where they fit kernels.sm90.backward's memory share) and
+    recomputed by the dQ kernel; each matches the fallback, and the launches say which ran
+    (lists per query head and per KV head, odd and one-token sequences, padded, deterministic)."""
+    from kernels.sm90 import backward
+
+    monkeypatch.setattr(backward, "DS_TILES", ds_tiles)
+    launched = record_backward_launches(monkeypatch)
+    check_against_fallback(case)
+    assert launched and all(spec.stores_ds == ds_tiles for spec in launched)
 
 
 @requires_sm90

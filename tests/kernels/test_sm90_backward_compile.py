@@ -95,6 +95,36 @@ def test_dq_kernel_taking_fused_sums_compiles_for_sm90a(head_dim, cols):
         assert callable(compile_dq_on_fake_tensors(spec))
 
 
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_ds_tile_variants_compile_for_sm90a(dtype, head_dim):
+    """64-key lists with the dS tiles (kernels.sm90.backward.DS_TILES, chosen per call by
+    memory): the KV-centric kernel storing them (split units into nsa()'s float32 sums, and
+    the deterministic whole walk) and the dQ kernel reading them (kernels/sm90/bwd_dq_from_ds.py),
+    adding into a running dq or not, taking fused sums or not; its shared storage is what
+    `DqSpec.smem_bytes` says."""
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_fake_stream
+
+    from kernels.sm90.bwd_dq_from_ds import DqFromDsSm90
+    from kernels.sm90.compile import fake_dq_arguments
+
+    for deterministic in (False, True):
+        spec = dataclasses.replace(_spec_of(dtype, head_dim, "selected-sparse64/many-kv-tiles",
+                                            deterministic), stores_ds=True)
+        spec = with_dkv_destination(spec, into_caller_sums=not deterministic)
+        assert spec.fits_in_smem() and spec.split_lists != deterministic
+        assert callable(compile_backward_on_fake_tensors(spec))
+    for accumulate, cols in ((False, 0), (True, 64 if head_dim == 128 else 32)):
+        dq_spec = dq_spec_for(spec, accumulate, sums_block_cols=cols)
+        assert dq_spec.reads_ds and dq_spec.fits_in_smem()
+        kernel = DqFromDsSm90(dq_spec)
+        tensors, optional = fake_dq_arguments(dq_spec)
+        cute.compile(kernel, *tensors, cutlass.Int32(1), cutlass.Float32(1.0), cutlass.Int32(1),
+                     cutlass.Int32(0), cutlass.Int32(0), *optional, make_fake_stream())
+        assert kernel.shared_storage.size_in_bytes() == dq_spec.smem_bytes
+
+
 def test_query_positions_variant_compiles_for_sm90a():
     """`BwdSpec.q_positions` and the dQ kernel's (q_start_positions), on the window rule: the
     KV-centric walk's query-tile range and keys-as-rows mask, with the fused dQ (windows from
