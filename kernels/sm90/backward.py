@@ -360,7 +360,8 @@ def run(
                         tiles.tile_offsets),
                        (-(-max_seqlen_q // DQ_TILE_ROWS), softmax_scale, compress_factor,
                         *window),
-                       (*forward_lists, positions, sums, *ds_tiles[1:]))
+                       (*forward_lists, positions, sums,
+                        *((ds_tiles[1],) if spec.stores_ds else ())))
         elif shared_sums is not None:  # converted by the caller's dq_sums.finish
             dq = dq_into
         else:
