@@ -39,6 +39,7 @@ from kernels.sm90.limits import require_int32_limits
 from kernels.sm90.spec import (BACKWARD_DENSE_TILE_N, H100_NUM_SMS, choose_backward_spec,
                                dq_spec_for, ds_tile_bytes, list_shape)
 from kernels.sm90.spec import QUERY_SLOT_ROWS as SLOT_ROWS  # `QueryTiles`' tile rows
+DS_TILE_ELEMENTS = 64 * 64  # one dS tile (kernels/sm90/ds_tiles.py, which imports the DSL)
 
 SUPPORTED_HEAD_DIMS = (64, 128)
 DQ_TILE_ROWS = 128      # query rows per CTA of the query-centric dQ kernel (DqSpec.tile_m)
@@ -323,8 +324,9 @@ def run(
             if _stores_ds(spec, block_sparse, csr, num_heads, q):
                 spec = dataclasses.replace(spec, stores_ds=True)
                 ds_tiles = (csr.slot, torch.empty(
-                    ds_tile_bytes(block_sparse, num_heads, q.element_size()) // (64 * 2),
-                    64, dtype=q.dtype, device=q.device))
+                    ds_tile_bytes(block_sparse, num_heads, q.element_size())
+                    // (DS_TILE_ELEMENTS * q.element_size()), DS_TILE_ELEMENTS, dtype=q.dtype,
+                    device=q.device))
             if spec.split_lists:
                 chunk = list_chunk(csr, spec)
                 units = work_units(csr, chunk, head_major=head_major_units)

@@ -49,14 +49,14 @@ from kernels.sm90.dkv_tiles import unit_owns_tile
 from kernels.sm90.dtypes import CUTLASS_DTYPES
 from kernels.sm90.block_range import BlockRange
 from kernels.sm90.dq_accumulator import DqAccumulator, fragment_layout
+from kernels.sm90.ds_tiles import store_ds_tile
 from kernels.sm90.layouts import (acc_as_a_operand_layout, acc_mn_view, transposed,
                                   with_row_strides_divisible)
 from kernels.sm90.score_mod import ScoreMods, score_mods_of
 from kernels.sm90.mask import apply_mask_keys_as_rows
 from kernels.sm90.mma import gemm, warpgroup_slice
 from kernels.sm90.pipelines import load_seq_tile, smem_buffer, stage_index, tma_pipeline
-from kernels.sm90.register_store import (reduce_rows_from_registers, store_rows_from_registers,
-                                         store_tile_from_registers)
+from kernels.sm90.register_store import reduce_rows_from_registers, store_rows_from_registers
 from kernels.sm90.spec import QUERY_SLOT_ROWS, STAGED_BIAS_PAD, BwdSpec
 
 _WARPGROUP = 128
@@ -162,8 +162,8 @@ class FlashAttentionBackwardSm90:
                                                 # (`owned_dkv_stores`)
         mListSlot: Optional[cute.Tensor],       # (capacity,) int32: each list entry's forward
                                                 # slot (`stores_ds`)
-        mDS: Optional[cute.Tensor],             # (tiles x 64, 64) in the input dtype: dS^T
-                                                # tiles, keys as rows (`stores_ds`)
+        mDS: Optional[cute.Tensor],             # (tiles, 4096) in the input dtype: dS^T
+                                                # tiles (`stores_ds`, kernels/sm90/ds_tiles.py)
         stream: cuda.CUstream,
     ):
         dtype = self.dtype
@@ -843,10 +843,8 @@ class FlashAttentionBackwardSm90:
                                  zero_init=False)
             if const_expr(self.spec.stores_ds):
                 # dS^T for the dQ kernel (kernels/sm90/bwd_dq_from_ds.py), stored while dK
-                # runs: keys as rows, the query rows contiguous.
-                store_tile_from_registers(
-                    thr_sdp, r_ds_as_acc,
-                    cute.local_tile(mDS, (self.tile_n, self.tile_m), (ds_tile, 0)))
+                # runs: four 16-byte vectors in register order (kernels/sm90/ds_tiles.py).
+                store_ds_tile(r_ds_as_acc, mDS[ds_tile, None].iterator, tidx)
             warpgroup.wait_group(0)
             q_handle.release()
             do_handle.release()

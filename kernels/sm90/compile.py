@@ -217,9 +217,11 @@ def fake_dq_arguments(spec):
 
 
 def fake_ds_tiles(dtype):
-    """The dS^T tiles of `BwdSpec.stores_ds` / `DqSpec.reads_ds`: (tiles x 64, 64)."""
-    return make_fake_compact_tensor(dtype, (cute.sym_int(), 64), stride_order=(1, 0),
-                                    assumed_align=16)
+    """The dS tiles of `BwdSpec.stores_ds` / `DqSpec.reads_ds`: (tiles, 4096)."""
+    from kernels.sm90.ds_tiles import DS_TILE_ELEMENTS
+
+    return make_fake_compact_tensor(dtype, (cute.sym_int(), DS_TILE_ELEMENTS),
+                                    stride_order=(1, 0), assumed_align=16)
 
 
 def dq_kernel_class(spec):

@@ -79,19 +79,3 @@ def reduce_rows_from_registers(thr_mma, acc: cute.Tensor, m_out: cute.Tensor, of
                 cute.arch.red(g_mn[r, pair].iterator, a_mn[r, pair].load(), op="add",
                               dtype="f32", sem="relaxed", scope="gpu")
 
-
-@cute.jit
-def store_tile_from_registers(thr_mma, values: cute.Tensor, g_tile: cute.Tensor):
-    """values (this thread's fragment of a tile of `thr_mma`'s accumulator shape, already in
-    g_tile's dtype) written whole into g_tile (that tile in global memory, rows contiguous:
-    its row stride a known multiple of 8 elements): one 32-bit store per pair of adjacent
-    columns, no predicate (the backward's dS tiles, `BwdSpec.stores_ds`)."""
-    g_mn = acc_mn_view(thr_mma.partition_C(g_tile))
-    v_mn = acc_mn_view(values)
-    pair_store = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), values.element_type,
-                                     num_bits_per_copy=2 * values.element_type.width)
-    col_groups = cute.size(v_mn.shape[1][1])
-    for r in cutlass.range_constexpr(cute.size(v_mn, mode=[0])):
-        for c in cutlass.range_constexpr(cute.size(v_mn, mode=[1]) // 2):
-            pair = _column_pair(c, col_groups)
-            cute.copy(pair_store, v_mn[r, pair], g_mn[r, pair])

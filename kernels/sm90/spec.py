@@ -490,10 +490,9 @@ class DqSpec:
         def aligned(size: int, to: int) -> int:
             return -(-size // to) * to
 
-        if self.reads_ds:  # K and the two 64-row halves of dS per stage
+        if self.reads_ds:  # K alone (the consumers load dS into registers)
             size = aligned(8 * 2 * self.kv_stages, 16)
-            size = aligned(size, 1024) + 2 * self.tile_n * self.head_dim * self.kv_stages
-            return aligned(size, 1024) + 2 * self.tile_m * self.tile_n * self.kv_stages
+            return aligned(size, 1024) + 2 * self.tile_n * self.head_dim * self.kv_stages
         size = aligned(8 * 2 * (1 + self.kv_stages), 16)
         for rows in (self.tile_m, self.tile_m, self.tile_n * self.kv_stages,
                      self.tile_n * self.kv_stages):
@@ -736,13 +735,14 @@ def dq_spec_for(spec: BwdSpec, accumulate: bool = False, sums_block_cols: int = 
 
 
 # The dQ kernel reading dS tiles moves 32 KiB per step (K and two 8 KiB dS halves) for one
-# product: stages to keep the loads ahead (4 x 32 KiB: one CTA per SM).
+# product: K stages to keep its loads ahead (the consumers load dS one entry ahead).
 DS_KV_STAGES = 4
 
 
 def ds_tile_bytes(block_sparse, num_heads: int, element_size: int) -> int:
-    """Bytes of the dS tiles a `stores_ds` backward keeps: a 128 x 64 tile per forward-list
-    slot (full and mask, padded widths included) and query head of the list."""
+    """Bytes of the dS tiles a `stores_ds` backward keeps: two 64 x 64 tiles per forward-list
+    slot (full and mask, padded widths included) and query head of the list
+    (kernels/sm90/ds_tiles.py)."""
     slots = block_sparse.full_index.numel() + block_sparse.mask_index.numel()
     heads_per_list = num_heads // block_sparse.full_count.shape[1]
     return slots * heads_per_list * 128 * 64 * element_size
