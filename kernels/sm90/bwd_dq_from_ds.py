@@ -35,13 +35,16 @@ from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from kernels.sm90.bwd_dq_sm90 import DqBackwardSm90
-from kernels.sm90.ds_tiles import DS_TILE_ROWS, ds_words_as_a_operand, load_ds_words
+from kernels.sm90.ds_tiles import (DS_TILE_ELEMENTS, DS_TILE_ROWS, ds_words_as_a_operand,
+                                   load_ds_words)
 from kernels.sm90.layouts import acc_as_a_operand_layout, transposed, with_row_strides_divisible
 from kernels.sm90.mma import gemm
 from kernels.sm90.pipelines import load_seq_tile, smem_buffer, stage_index, tma_pipeline
 from kernels.sm90.register_store import store_rows_from_registers
 
 _WARPGROUP = 128
+# Elements per row of the dS box (TMA's widest box extent).
+_DS_BOX_COLS = 256
 
 
 class DqFromDsSm90(DqBackwardSm90):
@@ -93,39 +96,52 @@ class DqFromDsSm90(DqBackwardSm90):
                                                   (tn, DS_TILE_ROWS, d), dtype,
                                                   self.spec.kv_stages)
         sK_one = cute.slice_(sK_layout, (None, None, 0))
-        tma_atom_k, tma_k = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(),
-                                                        mK_t, sK_one, (tn, d))
-        self.kv_bytes = cute.size_in_bytes(dtype, sK_one)
-        self.shared_storage = self.ds_shared_storage_struct(sK_layout)
+        load_op = cpasync.CopyBulkTensorTileG2SOp()
+        tma_atom_k, tma_k = cpasync.make_tiled_tma_atom(load_op, mK_t, sK_one, (tn, d))
+        # An entry's two dS tiles lie side by side: one TMA box of rows of _DS_BOX_COLS
+        # elements, copied as they are (the consumers read them in register order).
+        box_rows = self.num_wg * DS_TILE_ELEMENTS // _DS_BOX_COLS
+        mDS_rows = cute.make_tensor(mDS.iterator, cute.make_layout(
+            (_DS_BOX_COLS, cute.size(mDS.shape[0]) * (DS_TILE_ELEMENTS // _DS_BOX_COLS)),
+            stride=(1, _DS_BOX_COLS)))
+        sDS_layout = cute.make_layout((_DS_BOX_COLS, box_rows, self.spec.kv_stages),
+                                      stride=(1, _DS_BOX_COLS, _DS_BOX_COLS * box_rows))
+        tma_atom_ds, tma_ds = cpasync.make_tiled_tma_atom(
+            load_op, mDS_rows, cute.slice_(sDS_layout, (None, None, 0)),
+            (_DS_BOX_COLS, box_rows))
+        self.kv_bytes = (cute.size_in_bytes(dtype, sK_one)
+                         + self.num_wg * DS_TILE_ELEMENTS * dtype.width // 8)
+        self.shared_storage = self.ds_shared_storage_struct(sK_layout, sDS_layout)
 
         mdQ = with_row_strides_divisible(mdQ, 8)  # proves the 32-bit stores of column pairs
         if const_expr(mdQSums is not None):
             mdQSums = with_row_strides_divisible(mdQSums, 4)  # and the sums' 16-byte loads
         self.kernel(
-            mQ, tma_atom_k, tma_k, mDS, mdQ, mCuSeqlensQ, mCuSeqlensK, mQTileOffsets,
-            num_m_blocks, softmax_scale, mFullCount, mFullIndex, mMaskCount, mMaskIndex,
-            mRowBlockOffsets, mdQSums, sK_layout, tiled_mma_dq,
+            mQ, tma_atom_k, tma_k, tma_atom_ds, tma_ds, mdQ, mCuSeqlensQ, mCuSeqlensK,
+            mQTileOffsets, num_m_blocks, softmax_scale, mFullCount, mFullIndex, mMaskCount,
+            mMaskIndex, mRowBlockOffsets, mdQSums, sK_layout, sDS_layout, tiled_mma_dq,
         ).launch(grid=(cute.size(mQ.shape[1]), num_m_blocks, cute.size(mCuSeqlensQ.shape[0]) - 1),
                  block=[self.num_threads, 1, 1], stream=stream)
 
-    def ds_shared_storage_struct(self, sK_layout):
+    def ds_shared_storage_struct(self, sK_layout, sDS_layout):
         """The CTA's shared memory (`DqSpec.smem_bytes` computes its size)."""
         fields = dict(
             mbar_kv=cute.struct.MemRange[cutlass.Int64, 2 * self.spec.kv_stages],
             sK=smem_buffer(self.dtype, cute.cosize(sK_layout), 1024),
+            sDS=smem_buffer(self.dtype, cute.cosize(sDS_layout), 1024),
         )
         return cute.struct(type("DqFromDsSharedStorage", (), {"__annotations__": fields}))
 
     # ------------------------------------------------------------------ device side
     @cute.kernel
     def kernel(
-        self, mQ: cute.Tensor, tma_atom_k: cute.CopyAtom, mK: cute.Tensor, mDS: cute.Tensor,
-        mdQ: cute.Tensor,
+        self, mQ: cute.Tensor, tma_atom_k: cute.CopyAtom, mK: cute.Tensor,
+        tma_atom_ds: cute.CopyAtom, mDS: cute.Tensor, mdQ: cute.Tensor,
         mCuSeqlensQ: cute.Tensor, mCuSeqlensK: cute.Tensor, mQTileOffsets: cute.Tensor,
         num_m_blocks: Int32, softmax_scale: Float32, mFullCount: cute.Tensor,
         mFullIndex: cute.Tensor, mMaskCount: cute.Tensor, mMaskIndex: cute.Tensor,
         mRowBlockOffsets: cute.Tensor, mdQSums: Optional[cute.Tensor],
-        sK_layout: cute.ComposedLayout, tiled_mma_dq: cute.TiledMma,
+        sK_layout: cute.ComposedLayout, sDS_layout: cute.Layout, tiled_mma_dq: cute.TiledMma,
     ):
         spec = self.spec
         tidx, _, _ = cute.arch.thread_idx()
@@ -136,7 +152,8 @@ class DqFromDsSm90(DqBackwardSm90):
         head_kv = head // (num_heads // cute.size(mK.shape[2]))
 
         if warp_idx == 0:
-            cpasync.prefetch_descriptor(tma_atom_k)
+            for atom in (tma_atom_k, tma_atom_ds):
+                cpasync.prefetch_descriptor(atom)
 
         storage = utils.SmemAllocator().allocate(self.shared_storage)
         kv_producer, kv_consumer = tma_pipeline(storage.mbar_kv.data_ptr(), spec.kv_stages,
@@ -144,6 +161,11 @@ class DqFromDsSm90(DqBackwardSm90):
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
+        sDS = storage.sDS.get_tensor(sDS_layout)
+        # The same stages as (tile, warpgroup, stage): each consumer warpgroup's tile.
+        sDS_tiles = storage.sDS.get_tensor(cute.make_layout(
+            (DS_TILE_ELEMENTS, self.num_wg, spec.kv_stages),
+            stride=(1, DS_TILE_ELEMENTS, DS_TILE_ELEMENTS * self.num_wg)))
 
         offset_q = mCuSeqlensQ[batch]
         seqlen_q = mCuSeqlensQ[batch + 1] - offset_q
@@ -175,12 +197,20 @@ class DqFromDsSm90(DqBackwardSm90):
                     kv_handle = kv_producer.acquire_and_advance()
                     load_seq_tile(tma_atom_k, mK, sK, kv_handle, offset_k, head_kv, n_block,
                                   self.tile_n, self.head_dim, kv_handle.index)
+                    # Box b holds tiles 2b and 2b + 1: the entry's first tile is even.
+                    box = first_tile(it) // self.num_wg
+                    g_box = cute.local_tile(mDS, (_DS_BOX_COLS, sDS_layout.shape[1]), (0, box))
+                    t_s, t_g = cpasync.tma_partition(tma_atom_ds, 0, cute.make_layout(1),
+                                                     cute.group_modes(sDS, 0, 2),
+                                                     cute.group_modes(g_box, 0, 2))
+                    cute.copy(tma_atom_ds, t_g, t_s[(None, kv_handle.index)],
+                              tma_bar_ptr=kv_handle.barrier)
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
             if m_block * self.tile_m < seqlen_q:
-                self.consume_ds(tidx - _WARPGROUP, num_iters, first_tile, kv_consumer,
-                                tiled_mma_dq, sK, mDS, mdQ, mQTileOffsets, mdQSums,
-                                softmax_scale, m_block, head, batch, offset_q, seqlen_q)
+                self.consume_ds(tidx - _WARPGROUP, num_iters, kv_consumer, tiled_mma_dq, sK,
+                                sDS_tiles, mdQ, mQTileOffsets, mdQSums, softmax_scale, m_block,
+                                head, batch, offset_q, seqlen_q)
 
     @cute.jit
     def first_ds_tile(self, it: Int32, num_mask: Int32, row_slots: Int32, full_width: Int32,
@@ -194,13 +224,13 @@ class DqFromDsSm90(DqBackwardSm90):
 
     @cute.jit
     def consume_ds(
-        self, tidx: Int32, num_iters: Int32, first_tile, kv_consumer,
-        tiled_mma_dq: cute.TiledMma, sK, mDS: cute.Tensor, mdQ: cute.Tensor,
-        mQTileOffsets: cute.Tensor, mdQSums: Optional[cute.Tensor], softmax_scale: Float32,
-        m_block: Int32, head: Int32, batch: Int32, offset_q: Int32, seqlen_q: Int32,
+        self, tidx: Int32, num_iters: Int32, kv_consumer, tiled_mma_dq: cute.TiledMma, sK,
+        sDS_tiles, mdQ: cute.Tensor, mQTileOffsets: cute.Tensor, mdQSums: Optional[cute.Tensor],
+        softmax_scale: Float32, m_block: Int32, head: Int32, batch: Int32, offset_q: Int32,
+        seqlen_q: Int32,
     ):
-        """A consumer warpgroup's 64 rows: dQ += dS K over the visited tiles (each entry's dS
-        loaded into registers one entry ahead), then dQ (plus the fused branches' sums)
+        """A consumer warpgroup's 64 rows: dQ += dS K over the visited tiles (dS read from the
+        stage into registers and transposed there), then dQ (plus the fused branches' sums)
         scaled and stored from registers."""
         wg = cute.arch.make_warp_uniform(tidx // _WARPGROUP)
         thr_dq = tiled_mma_dq.get_slice(tidx % _WARPGROUP)
@@ -216,18 +246,11 @@ class DqFromDsSm90(DqBackwardSm90):
                                                       cute.make_layout(cute.size(r_ds))),
                                      Int32)
         words = cute.make_rmem_tensor(cute.make_layout(cute.size(a_words)), Int32)
-        ahead = cute.make_rmem_tensor(cute.make_layout(cute.size(a_words)), Int32)
-        tile_ptr = lambda it: mDS[first_tile(it) + wg, None].iterator  # noqa: E731
-        if num_iters > 0:
-            load_ds_words(tile_ptr(Int32(0)), tidx, ahead)
-        for it in cutlass.range(num_iters, unroll=1):
-            for i in cutlass.range_constexpr(cute.size(words)):
-                words[i] = ahead[i]
-            # The next entry's tile (this one again at the last: the loads stay unconditional).
-            load_ds_words(tile_ptr(cutlass.min(it + 1, num_iters - 1)), tidx, ahead)
-            ds_words_as_a_operand(words, a_words)
+        for _ in cutlass.range(num_iters, unroll=1):
             kv_handle = kv_consumer.wait_and_advance()
             stage = stage_index(kv_handle, self.spec.kv_stages)
+            load_ds_words(sDS_tiles[None, wg, stage].iterator, tidx, words)
+            ds_words_as_a_operand(words, a_words)
             tiled_mma_dq = gemm(tiled_mma_dq, acc_dq, r_ds, tdQrK[None, None, None, stage],
                                 zero_init=False)
             warpgroup.wait_group(0)

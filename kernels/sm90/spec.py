@@ -490,9 +490,10 @@ class DqSpec:
         def aligned(size: int, to: int) -> int:
             return -(-size // to) * to
 
-        if self.reads_ds:  # K alone (the consumers load dS into registers)
+        if self.reads_ds:  # K and the entry's two 64 x 64 dS tiles per stage
             size = aligned(8 * 2 * self.kv_stages, 16)
-            return aligned(size, 1024) + 2 * self.tile_n * self.head_dim * self.kv_stages
+            size = aligned(size, 1024) + 2 * self.tile_n * self.head_dim * self.kv_stages
+            return aligned(size, 1024) + 2 * self.tile_m * self.tile_n * self.kv_stages
         size = aligned(8 * 2 * (1 + self.kv_stages), 16)
         for rows in (self.tile_m, self.tile_m, self.tile_n * self.kv_stages,
                      self.tile_n * self.kv_stages):
