@@ -35,14 +35,13 @@ from kernels.dkv_sums import UnwrittenDkvSums
 from kernels.sm90.forward import SUPPORTED_DTYPES, unsupported_inputs
 from kernels.sm90.launch import (aligned_rows, as_cute, has_aligned_rows, launch_compiled,
                                  launch_on_current_stream, query_positions, uniform_cu_seqlens)
-from kernels.sm90.limits import require_int32_limits
+from kernels.sm90.limits import GRID_YZ_MAX, require_int32_limits
 from kernels.sm90.spec import (BACKWARD_DENSE_TILE_N, H100_NUM_SMS, choose_backward_spec,
                                dq_spec_for, ds_tile_bytes, list_shape)
 from kernels.sm90.spec import QUERY_SLOT_ROWS as SLOT_ROWS  # `QueryTiles`' tile rows
 DS_TILE_ELEMENTS = 64 * 64  # one dS tile (kernels/sm90/ds_tiles.py, which imports the DSL)
 
 SUPPORTED_HEAD_DIMS = (64, 128)
-DQ_TILE_ROWS = 128      # query rows per CTA of the query-centric dQ kernel (DqSpec.tile_m)
 LIST_Q_TILE = 128       # block-sparse lists name query tiles of this many rows
 SPARSE_KV_BLOCKS = (64, 128)
 _LOG2_E = 1.4426950408889634
@@ -321,7 +320,7 @@ def run(
                 # A direct call (kernels.interface always passes one): the checked build.
                 csr = transpose_block_sparse_csr(block_sparse, cu_seqlens_k=cu_seqlens_k)
             lists = (csr.offsets, csr.index, csr.mask_count, csr.row_block_offsets)
-            if _stores_ds(spec, block_sparse, csr, num_heads, q):
+            if _stores_ds(spec, block_sparse, csr, num_heads, q, max_seqlen_q):
                 spec = dataclasses.replace(spec, stores_ds=True)
                 ds_tiles = (csr.slot, torch.empty(
                     ds_tile_bytes(block_sparse, num_heads, q.element_size())
@@ -356,11 +355,12 @@ def run(
             sums, sums_cols = (None, 0)
             if dq_sums is not None and not padded:
                 sums, sums_cols = dq_sums.consume(tiles, softmax_scale, q.dtype)
-            _launch_dq(dq_spec_for(spec, accumulate=dq_into is not None,
-                                   sums_block_cols=sums_cols),
+            dq_spec = dq_spec_for(spec, accumulate=dq_into is not None,
+                                  sums_block_cols=sums_cols)
+            _launch_dq(dq_spec,
                        (q, k, v, dout, lse_log2, dpsum, dq, cu_seqlens_q, cu_seqlens_k,
                         tiles.tile_offsets),
-                       (-(-max_seqlen_q // DQ_TILE_ROWS), softmax_scale, compress_factor,
+                       (-(-max_seqlen_q // dq_spec.tile_m), softmax_scale, compress_factor,
                         *window),
                        (*forward_lists, positions, sums,
                         *((ds_tiles[1],) if spec.stores_ds else ())))
@@ -387,14 +387,15 @@ def run(
     return dq, dk, dv
 
 
-def _stores_ds(spec, block_sparse, csr, num_heads: int, q) -> bool:
+def _stores_ds(spec, block_sparse, csr, num_heads: int, q, max_seqlen_q: int) -> bool:
     """Whether this call's KV-centric kernel stores its dS tiles for the dQ kernel
     (DS_TILES, `BwdSpec.stores_ds`): 64-key lists beside the dQ kernel, one step per 64 rows,
-    no score mods, a transpose that names each entry's forward slot, and the tiles within
-    DS_TILES_MEMORY_FRACTION of the device's memory (shapes and the device only: a CUDA
-    graph sees the same choice on every call)."""
+    no score mods, a transpose that names each entry's forward slot, a grid of 64-row dQ CTAs
+    within CUDA's y extent, and the tiles within DS_TILES_MEMORY_FRACTION of the device's
+    memory (shapes and the device only: a CUDA graph sees the same choice on every call)."""
     if not (DS_TILES and spec.dq_separate and spec.tile_n == 64 and spec.tile_m == 64
-            and not spec.alternate_steps and not spec.score_mods and csr.slot is not None):
+            and not spec.alternate_steps and not spec.score_mods and csr.slot is not None
+            and -(-max_seqlen_q // 64) <= GRID_YZ_MAX):
         return False
     budget = total_memory(q.device) * DS_TILES_MEMORY_FRACTION
     return ds_tile_bytes(block_sparse, num_heads, q.element_size()) <= budget

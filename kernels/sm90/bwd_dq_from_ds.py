@@ -35,6 +35,7 @@ from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from kernels.sm90.bwd_dq_sm90 import DqBackwardSm90
+from kernels.sm90.dtypes import CUTLASS_DTYPES
 from kernels.sm90.ds_tiles import (DS_TILE_ELEMENTS, DS_TILE_ROWS, ds_words_as_a_operand,
                                    load_ds_words)
 from kernels.sm90.layouts import acc_as_a_operand_layout, transposed, with_row_strides_divisible
@@ -43,6 +44,7 @@ from kernels.sm90.pipelines import load_seq_tile, smem_buffer, stage_index, tma_
 from kernels.sm90.register_store import store_rows_from_registers
 
 _WARPGROUP = 128
+_LIST_TILE_ROWS = 128  # the forward lists' query tiles
 # Elements per row of the dS box (TMA's widest box extent).
 _DS_BOX_COLS = 256
 
@@ -51,8 +53,19 @@ class DqFromDsSm90(DqBackwardSm90):
     """`DqSpec.reads_ds`: the dQ kernel's grid and list walk, one product per visited tile."""
 
     def __init__(self, spec):
-        super().__init__(spec)
+        # Not the dQ kernel's __init__: CTAs of one consumer warpgroup (64 rows) here too.
+        self.spec = spec
+        self.dtype = CUTLASS_DTYPES[spec.dtype]
+        self.tile_m, self.tile_n, self.head_dim = spec.tile_m, spec.tile_n, spec.head_dim
         assert spec.reads_ds and spec.block_sparse and spec.tiles_per_list_block == 1
+        assert self.tile_m in (DS_TILE_ROWS, 2 * DS_TILE_ROWS) and self.tile_n == 64
+        assert spec.fits_in_smem(), f"{spec} needs {spec.smem_bytes} bytes of shared memory"
+        self.num_wg = self.tile_m // DS_TILE_ROWS
+        self.num_consumer_threads = _WARPGROUP * self.num_wg
+        self.num_threads = _WARPGROUP * (1 + self.num_wg)
+        per_cta = 65536 // spec.ctas_per_sm
+        self.consumer_regs = min(240, (per_cta - _WARPGROUP * self.producer_regs)
+                                 // self.num_consumer_threads // 8 * 8)
 
     # ------------------------------------------------------------------ host side
     @cute.jit
@@ -121,7 +134,9 @@ class DqFromDsSm90(DqBackwardSm90):
             mQTileOffsets, num_m_blocks, softmax_scale, mFullCount, mFullIndex, mMaskCount,
             mMaskIndex, mRowBlockOffsets, mdQSums, sK_layout, sDS_layout, tiled_mma_dq,
         ).launch(grid=(cute.size(mQ.shape[1]), num_m_blocks, cute.size(mCuSeqlensQ.shape[0]) - 1),
-                 block=[self.num_threads, 1, 1], stream=stream)
+                 block=[self.num_threads, 1, 1], stream=stream,
+                 min_blocks_per_mp=self.spec.ctas_per_sm,
+                 preferred_smem_carveout=100 if self.spec.ctas_per_sm > 1 else None)
 
     def ds_shared_storage_struct(self, sK_layout, sDS_layout):
         """The CTA's shared memory (`DqSpec.smem_bytes` computes its size)."""
@@ -172,7 +187,10 @@ class DqFromDsSm90(DqBackwardSm90):
         offset_k = mCuSeqlensK[batch]
         list_heads = cute.size(mFullCount.shape[1])
         heads_per_list = num_heads // list_heads
-        sparse_row = mRowBlockOffsets[batch] + m_block
+        # The lists name 128-row query tiles; a 64-row CTA is one of its tile's halves.
+        lists_tile = m_block * self.tile_m // _LIST_TILE_ROWS
+        first_half = m_block * self.tile_m // DS_TILE_ROWS - lists_tile * 2
+        sparse_row = mRowBlockOffsets[batch] + lists_tile
         sparse_head = head // heads_per_list
         num_iters = Int32(0)
         num_mask = Int32(0)
@@ -186,7 +204,8 @@ class DqFromDsSm90(DqBackwardSm90):
             full_width + cute.size(mMaskIndex.shape[2]))
         first_tile = partial(self.first_ds_tile, num_mask=num_mask, row_slots=row_slots,
                              full_width=full_width, heads_per_list=heads_per_list,
-                             head_in_list=head - sparse_head * heads_per_list)
+                             head_in_list=head - sparse_head * heads_per_list,
+                             first_half=first_half)
 
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(self.producer_regs)
@@ -197,7 +216,7 @@ class DqFromDsSm90(DqBackwardSm90):
                     kv_handle = kv_producer.acquire_and_advance()
                     load_seq_tile(tma_atom_k, mK, sK, kv_handle, offset_k, head_kv, n_block,
                                   self.tile_n, self.head_dim, kv_handle.index)
-                    # Box b holds tiles 2b and 2b + 1: the entry's first tile is even.
+                    # Box b holds tiles num_wg b, ...: the CTA's first tile is a multiple.
                     box = first_tile(it) // self.num_wg
                     g_box = cute.local_tile(mDS, (_DS_BOX_COLS, sDS_layout.shape[1]), (0, box))
                     t_s, t_g = cpasync.tma_partition(tma_atom_ds, 0, cute.make_layout(1),
@@ -214,13 +233,13 @@ class DqFromDsSm90(DqBackwardSm90):
 
     @cute.jit
     def first_ds_tile(self, it: Int32, num_mask: Int32, row_slots: Int32, full_width: Int32,
-                      heads_per_list: Int32, head_in_list: Int32) -> Int32:
-        """The first of visited entry `it`'s two dS tiles (its 64-row halves): mask entries
-        come first in the walk, full ones first in the slots."""
+                      heads_per_list: Int32, head_in_list: Int32, first_half: Int32) -> Int32:
+        """The CTA's first dS tile of visited entry `it` (its 64-row halves are tiles 2 t and
+        2 t + 1): mask entries come first in the walk, full ones first in the slots."""
         slot = row_slots + it - num_mask
         if it < num_mask:
             slot = row_slots + full_width + it
-        return (slot * heads_per_list + head_in_list) * self.num_wg
+        return (slot * heads_per_list + head_in_list) * 2 + first_half
 
     @cute.jit
     def consume_ds(

@@ -478,6 +478,8 @@ class DqSpec:
     # dQ = dS K from the dS^T tiles the KV-centric kernel stored (`BwdSpec.stores_ds`):
     # kernels/sm90/bwd_dq_from_ds.py, one product per step instead of three. 64-key lists only.
     reads_ds: bool = False
+    ctas_per_sm: int = 1       # `reads_ds`: CTAs sized to share an SM (registers and smem;
+                               # tile_m 64 at two)
 
     @property
     def tiles_per_list_block(self) -> int:
@@ -501,7 +503,8 @@ class DqSpec:
         return size
 
     def fits_in_smem(self) -> bool:
-        return self.smem_bytes <= SMEM_PER_CTA
+        return (self.smem_bytes <= SMEM_PER_CTA
+                and self.ctas_per_sm * (self.smem_bytes + SMEM_RESERVED_PER_CTA) <= SMEM_PER_SM)
 
 
 BACKWARD_HEAD_DIMS = (64, 128)
@@ -731,12 +734,16 @@ def dq_spec_for(spec: BwdSpec, accumulate: bool = False, sums_block_cols: int = 
                   block_sparse=spec.block_sparse, compressed=spec.compressed,
                   list_block=spec.tile_n if spec.block_sparse else 64, accumulate=accumulate,
                   q_positions=spec.q_positions, sums_block_cols=sums_block_cols,
-                  reads_ds=spec.stores_ds,
-                  kv_stages=DS_KV_STAGES if spec.stores_ds else DqSpec.kv_stages)
+                  **(dict(reads_ds=True, kv_stages=DS_KV_STAGES, ctas_per_sm=DS_CTAS_PER_SM,
+                          tile_m=128 // DS_CTAS_PER_SM) if spec.stores_ds else {}))
 
 
-# The dQ kernel reading dS tiles moves 32 KiB per step (K and two 8 KiB dS halves) for one
-# product: K stages to keep its loads ahead (the consumers load dS one entry ahead).
+# The dQ kernel reading dS tiles moves 16 KiB of K and 8 KiB of dS per 64 rows and product:
+# it runs on memory, so its stages keep the loads ahead, and two CTAs per SM of one 64-row
+# consumer warpgroup each (two 128-row CTAs of two do not fit: every instruction must fit
+# 65536 / (2 x 384) = 80 registers and the dQ product needs 94) let one's list run while the
+# other fills its pipeline or stores its dQ. 1: one 128-row CTA per SM.
+DS_CTAS_PER_SM = 2
 DS_KV_STAGES = 4
 
 
