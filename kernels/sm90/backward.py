@@ -67,8 +67,8 @@ _CHUNK_ROWS = 32768
 # step instead of recomputing S and dP) where the tiles (`ds_tile_bytes`: 16 KiB per forward
 # list slot and query head at 16 bits) take at most DS_TILES_MEMORY_FRACTION of the device's
 # memory; they live through this backward call alone. False: the dQ kernel always recomputes
-# (a switch for the A/B). NSA at H=32, 16 selected blocks: 4.8 GB at 64K tokens (within an
-# 80 GB H100's 5 GB), 1M tokens recompute.
+# (a switch for the A/B). NSA at H=32, 16 selected blocks: 5.1 GB at 64K tokens (within an
+# 80 GB H100's 5.3 GB), 1M tokens recompute.
 DS_TILES = True
 DS_TILES_MEMORY_FRACTION = 1 / 16
 

@@ -5,8 +5,9 @@ KV-centric kernel holds it as a wgmma accumulator fragment with keys as rows; th
 needs dS with query rows as rows, as the register A operand of dQ = dS K. Both fragments are
 made of 8 x 8 matrices in the ldmatrix lane layout (lane l: row l / 4, columns 2 (l % 4) and
 +1, one 32-bit register), so the tile is stored as those registers and each matrix is
-transposed in registers by `movmatrix.trans` on the way in. Neither kernel touches shared
-memory for it, and every access is a 16-byte vector of a warp's 512 contiguous bytes:
+transposed in registers by `movmatrix.trans` on the way in. Neither kernel transposes
+through shared memory (the dQ kernel stages the stored bytes as they are), and every access is
+a 16-byte vector of a warp's 512 contiguous bytes:
 
 - KV side, thread t = 32 w' + l of the consumer warpgroup (keys 16 w' + l / 4 + 8 r2', query
   rows 8 g' + 2 (l % 4) + c2, register order c2 + 2 r2' + 4 g'): its values [8 p, 8 p + 8), the
@@ -59,7 +60,8 @@ def store_ds_tile(values: cute.Tensor, tile: cute.Pointer, tidx: Int32):
 @cute.jit
 def load_ds_words(tile: cute.Pointer, tidx: Int32, words: cute.Tensor):
     """The dQ side, first half: this thread's 16 32-bit words of the tile at `tile` (16-byte
-    aligned) into `words` (Int32 registers): four 16-byte loads, issued ahead of their use."""
+    aligned; the dQ kernel's stage in shared memory) into `words` (Int32 registers): four
+    16-byte loads."""
     g = cute.make_tensor(cute.recast_ptr(tile, dtype=Int32), _dq_side_layout())
     cute.autovec_copy(g[None, tidx % _WARPGROUP], words)
 

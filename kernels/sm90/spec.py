@@ -739,10 +739,10 @@ def dq_spec_for(spec: BwdSpec, accumulate: bool = False, sums_block_cols: int = 
 
 
 # The dQ kernel reading dS tiles moves 16 KiB of K and 8 KiB of dS per 64 rows and product:
-# it runs on memory, so its stages keep the loads ahead, and two CTAs per SM of one 64-row
-# consumer warpgroup each (two 128-row CTAs of two do not fit: every instruction must fit
-# 65536 / (2 x 384) = 80 registers and the dQ product needs 94) let one's list run while the
-# other fills its pipeline or stores its dQ. 1: one 128-row CTA per SM.
+# it runs on memory, so its stages keep the loads ahead. Two CTAs per SM of one 64-row
+# consumer warpgroup each (two 128-row CTAs of two do not build: every instruction must fit
+# 65536 / (2 x 384) = 80 registers and the dQ product needs 94), or 1: one 128-row CTA per SM;
+# H200, 2026-11-30, nsa()'s selected dQ two / one: 8K 0.238 / 0.244 ms, 64K 1.984 / 1.966.
 DS_CTAS_PER_SM = 2
 DS_KV_STAGES = 4
 
