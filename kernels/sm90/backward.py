@@ -36,10 +36,9 @@ from kernels.sm90.forward import SUPPORTED_DTYPES, unsupported_inputs
 from kernels.sm90.launch import (aligned_rows, as_cute, has_aligned_rows, launch_compiled,
                                  launch_on_current_stream, query_positions, uniform_cu_seqlens)
 from kernels.sm90.limits import GRID_YZ_MAX, require_int32_limits
-from kernels.sm90.spec import (BACKWARD_DENSE_TILE_N, H100_NUM_SMS, choose_backward_spec,
-                               dq_spec_for, ds_tile_bytes, list_shape)
+from kernels.sm90.spec import (BACKWARD_DENSE_TILE_N, DS_TILE_ELEMENTS, H100_NUM_SMS,
+                               choose_backward_spec, dq_spec_for, ds_tile_bytes, list_shape)
 from kernels.sm90.spec import QUERY_SLOT_ROWS as SLOT_ROWS  # `QueryTiles`' tile rows
-DS_TILE_ELEMENTS = 64 * 64  # one dS tile (kernels/sm90/ds_tiles.py, which imports the DSL)
 
 SUPPORTED_HEAD_DIMS = (64, 128)
 LIST_Q_TILE = 128       # block-sparse lists name query tiles of this many rows

@@ -39,12 +39,12 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from kernels.sm90.bwd_dq_sm90 import DqBackwardSm90
 from kernels.sm90.dtypes import CUTLASS_DTYPES
-from kernels.sm90.ds_tiles import (DS_TILE_ELEMENTS, DS_TILE_ROWS, ds_words_as_a_operand,
-                                   load_ds_words)
+from kernels.sm90.ds_tiles import ds_words_as_a_operand, load_ds_words
 from kernels.sm90.layouts import acc_as_a_operand_layout, transposed, with_row_strides_divisible
 from kernels.sm90.mma import gemm
 from kernels.sm90.pipelines import load_seq_tile, smem_buffer, stage_index, tma_pipeline
 from kernels.sm90.register_store import store_rows_from_registers
+from kernels.sm90.spec import DS_TILE_ELEMENTS, DS_TILE_ROWS
 
 _WARPGROUP = 128
 _LIST_TILE_ROWS = 128  # the forward lists' query tiles

@@ -575,6 +575,7 @@ class FlashAttentionBackwardSm90:
         tma_atom_do, mdO, tma_atom_lse, mLSE, tma_atom_dpsum, mDPsum, sQ, sdO, sLSE, sDPsum,
         offset_q: Int32, q_tile_offset: Int32, ds_tile: Optional[Int32] = None,
     ):
+        # ds_tile (`stores_ds`): the consumers' store, not the producer's.
         slot_row = q_tile_offset * QUERY_SLOT_ROWS + m_block * self.tile_m
         q_handle = q_producer.acquire_and_advance()
         load_seq_tile(tma_atom_q, mQ, sQ, q_handle, offset_q, head, m_block, self.tile_m,
@@ -646,7 +647,7 @@ class FlashAttentionBackwardSm90:
             ds_store_atom=ds_store_atom, t_rdS=t_rdS, t_sdS=t_sdS, sLSE=sLSE, sDPsum=sDPsum,
             dq_accumulator=dq_accumulator, scale_log2=scale_log2, block_range=block_range,
             n_block=n_block, seqlen_q=seqlen_q, seqlen_k=seqlen_k, score_mods=score_mods,
-            batch=batch, thr_sdp=thr_sdp, mDS=mDS)
+            batch=batch, mDS=mDS)
         mmas = (tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq)
         if const_expr(self.spec.alternate_steps):
             wg = cute.arch.make_warp_uniform(tidx // _WARPGROUP)
@@ -722,7 +723,7 @@ class FlashAttentionBackwardSm90:
         acc_dk, acc_dv, acc_dq, r_p, r_ds, t_coord, ds_store_atom, t_rdS, t_sdS, sLSE, sDPsum,
         dq_accumulator: Optional[DqAccumulator], scale_log2: Float32, block_range: BlockRange,
         n_block: Int32, seqlen_q: Int32, seqlen_k: Int32,
-        score_mods: Optional[ScoreMods] = None, batch: Int32 = 0, thr_sdp=None,
+        score_mods: Optional[ScoreMods] = None, batch: Int32 = 0,
         mDS: Optional[cute.Tensor] = None, ds_tile: Optional[Int32] = None,
     ):
         """One (query head, query step of tile_m rows) against this CTA's keys. `mask`: None,

@@ -218,7 +218,7 @@ def fake_dq_arguments(spec):
 
 def fake_ds_tiles(dtype):
     """The dS tiles of `BwdSpec.stores_ds` / `DqSpec.reads_ds`: (tiles, 4096)."""
-    from kernels.sm90.ds_tiles import DS_TILE_ELEMENTS
+    from kernels.sm90.spec import DS_TILE_ELEMENTS
 
     return make_fake_compact_tensor(dtype, (cute.sym_int(), DS_TILE_ELEMENTS),
                                     stride_order=(1, 0), assumed_align=16)

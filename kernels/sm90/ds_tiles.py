@@ -27,9 +27,8 @@ from cutlass import Int32
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
-DS_TILE_ROWS = 64  # query rows of a tile (one warpgroup's, one step's)
-DS_TILE_KEYS = 64
-DS_TILE_ELEMENTS = DS_TILE_ROWS * DS_TILE_KEYS
+from kernels.sm90.spec import DS_TILE_ELEMENTS
+
 _WARPGROUP = 128
 _VECTOR = 8  # 16-bit values per 16-byte vector
 _VECTORS = DS_TILE_ELEMENTS // _WARPGROUP // _VECTOR  # per thread: 4

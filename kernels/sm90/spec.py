@@ -511,6 +511,9 @@ BACKWARD_HEAD_DIMS = (64, 128)
 # Rows per query tile of the backward's row statistics and fused-dQ accumulator layout
 # (kernels/sm90/backward.py `QueryTiles`); a backward step (`BwdSpec.tile_m`) is one or two.
 QUERY_SLOT_ROWS = 64
+# A dS tile (`BwdSpec.stores_ds`, kernels/sm90/ds_tiles.py): one 64-row, 64-key step.
+DS_TILE_ROWS = 64
+DS_TILE_ELEMENTS = DS_TILE_ROWS * 64
 FUSED_DQ_MIN_KEYS = 4096  # the fused dQ from this longest sequence (keys) on
 # 128-key block-sparse lists per query head take the fused dQ (64-key tiles cannot:
 # `can_fuse_dq`) where the lists are at least FUSED_DQ_MIN_LIST_WIDTH[head_dim] query tiles
@@ -753,4 +756,4 @@ def ds_tile_bytes(block_sparse, num_heads: int, element_size: int) -> int:
     (kernels/sm90/ds_tiles.py)."""
     slots = block_sparse.full_index.numel() + block_sparse.mask_index.numel()
     heads_per_list = num_heads // block_sparse.full_count.shape[1]
-    return slots * heads_per_list * 128 * 64 * element_size
+    return slots * heads_per_list * 2 * DS_TILE_ELEMENTS * element_size
