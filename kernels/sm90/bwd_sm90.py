@@ -34,7 +34,7 @@ Tensors as the kernel sees them: q, dO (T, H, D); k, v, dK, dV (Tk, Hkv, D); lse
 from __future__ import annotations
 
 from functools import partial
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import cuda.bindings.driver as cuda
 
@@ -74,6 +74,35 @@ _BIAS_STAGED_BARRIER = 4
 _P_EXCHANGED_BARRIER = 10
 _DS_EXCHANGED_BARRIER = 11
 _LOG2_E = 1.4426950408889634
+
+
+class SplitStepTensors(NamedTuple):
+    """`split_head_dim`: what both warpgroups' steps read (`split_step_scores`,
+    `split_step_grads`): operand fragments, accumulators, the step's row statistics, the
+    exchange buffers (P^T in float32, dS^T) and the walk's bounds."""
+    tidx: Int32
+    tSrK: cute.Tensor
+    tSrV: cute.Tensor
+    tSrQ: cute.Tensor
+    tSrdO: cute.Tensor
+    tdKrQ: cute.Tensor
+    tdVrdO: cute.Tensor
+    acc_s: cute.Tensor     # S^T (warpgroup 0) or dP^T (warpgroup 1)
+    acc_dk: cute.Tensor    # this warpgroup's half of dK's columns
+    acc_dv: cute.Tensor
+    r_p: cute.Tensor       # P^T, 16-bit: the dV product's A operand
+    r_ds: cute.Tensor      # dS^T, 16-bit: the dK product's A operand
+    t_coord: cute.Tensor
+    sLSE: cute.Tensor
+    sDPsum: cute.Tensor
+    sP: cute.Tensor        # (values, 2): two steps' float32 P^T in register order
+    sdS: cute.Tensor       # (values, 2): two steps' dS^T (kernels/sm90/ds_tiles.py)
+    scale_log2: Float32
+    block_range: BlockRange
+    n_block: Int32
+    seqlen_q: Int32
+    seqlen_k: Int32
+    mDS: Optional[cute.Tensor]
 
 
 class FlashAttentionBackwardSm90:
@@ -732,20 +761,20 @@ class FlashAttentionBackwardSm90:
         acc_dv = thr_dkv.make_fragment_C(thr_dkv.partition_shape_C((self.tile_n, self.head_dim)))
         acc_dk.fill(0.0)
         acc_dv.fill(0.0)
-        common = dict(
+        tensors = SplitStepTensors(
             tidx=tidx, acc_s=acc_s, acc_dk=acc_dk, acc_dv=acc_dv,
             r_p=cute.make_rmem_tensor(acc_as_a_operand_layout(acc_s.layout), self.dtype),
             r_ds=cute.make_rmem_tensor(acc_as_a_operand_layout(acc_s.layout), self.dtype),
             t_coord=thr_sdp.partition_C(cute.make_identity_tensor((self.tile_n, self.tile_m))),
-            sLSE=sLSE, sDPsum=sDPsum, exchange=exchange, scale_log2=scale_log2,
+            sLSE=sLSE, sDPsum=sDPsum, sP=exchange[0], sdS=exchange[1], scale_log2=scale_log2,
             block_range=block_range, n_block=n_block, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
             mDS=mDS, **operands)
         kv_handle = kv_consumer.wait_and_advance()
         state = (q_consumer, do_consumer, tiled_mma_sdp, tiled_mma_dkv, Int32(0))
         if wg == 0:
-            walk(partial(self.split_step_scores, **common), state)
+            walk(partial(self.split_step_scores, t=tensors), state)
         else:
-            walk(partial(self.split_step_grads, **common), state)
+            walk(partial(self.split_step_grads, t=tensors), state)
         kv_handle.release()
         acc_dk.store(acc_dk.load() * softmax_scale)
         for acc, m_out, m_owned in ((acc_dk, mdK, mdKOut), (acc_dv, mdV, mdVOut)):
@@ -756,48 +785,42 @@ class FlashAttentionBackwardSm90:
     def split_step_scores(
         self, head: Int32, m_block: Int32, mask: cutlass.Constexpr, needs_mask, q_consumer,
         do_consumer, tiled_mma_sdp: cute.TiledMma, tiled_mma_dkv: cute.TiledMma, step: Int32,
-        tidx: Int32, tSrK, tSrV, tSrQ, tSrdO, tdKrQ, tdVrdO, acc_s, acc_dk, acc_dv, r_p, r_ds,
-        t_coord, sLSE, sDPsum, exchange, scale_log2: Float32, block_range: BlockRange,
-        n_block: Int32, seqlen_q: Int32, seqlen_k: Int32, mDS=None,
-        ds_tile: Optional[Int32] = None,
+        t: SplitStepTensors, ds_tile: Optional[Int32] = None,
     ):
         """`split_head_dim`, warpgroup 0's step: S^T = K Q^T, P^T, handed over in float32;
         dV += P^T dO on its columns; then dK += dS^T Q once warpgroup 1 has handed dS^T over."""
         stages = self.spec.q_stages
-        sP, sdS = exchange
         buffer = step % 2
         q_handle = q_consumer.wait_and_advance()
         q_stage = stage_index(q_handle, stages)
-        tiled_mma_sdp = gemm(tiled_mma_sdp, acc_s, tSrK[None, None, None, 0],
-                             tSrQ[None, None, None, q_stage], zero_init=True)
-        s_mn = acc_mn_view(acc_s)
-        c_mn = acc_mn_view(t_coord)
+        tiled_mma_sdp = gemm(tiled_mma_sdp, t.acc_s, t.tSrK[None, None, None, 0],
+                             t.tSrQ[None, None, None, q_stage], zero_init=True)
+        s_mn = acc_mn_view(t.acc_s)
+        c_mn = acc_mn_view(t.t_coord)
         num_cols = cute.size(s_mn, mode=[1])
         r_lse = cute.make_rmem_tensor(cute.make_layout(num_cols), Float32)
         for c in cutlass.range_constexpr(num_cols):
-            r_lse[c] = sLSE[c_mn[0, c][1], q_stage]
+            r_lse[c] = t.sLSE[c_mn[0, c][1], q_stage]
         do_handle = do_consumer.wait_and_advance()
         do_stage = stage_index(do_handle, stages)
         warpgroup.wait_group(0)
         if needs_mask:
-            apply_mask_keys_as_rows(acc_s, t_coord, block_range, n_block, m_block, seqlen_q,
-                                    seqlen_k, True)
+            apply_mask_keys_as_rows(t.acc_s, t.t_coord, t.block_range, t.n_block, m_block,
+                                    t.seqlen_q, t.seqlen_k, True)
         for c in cutlass.range_constexpr(num_cols):
             for r in cutlass.range_constexpr(cute.size(s_mn, mode=[0])):
-                s_mn[r, c] = cute.math.exp2(s_mn[r, c] * scale_log2 - r_lse[c], fastmath=True)
-        handed = cute.make_tensor(sP[None, buffer].iterator,
-                                  fragment_layout(self.tile_n * self.tile_m))
-        cute.autovec_copy(cute.make_tensor(acc_s.iterator, cute.make_layout(cute.size(acc_s))),
-                          handed[None, tidx % _WARPGROUP])
+                s_mn[r, c] = cute.math.exp2(s_mn[r, c] * t.scale_log2 - r_lse[c], fastmath=True)
+        cute.autovec_copy(cute.make_tensor(t.acc_s.iterator, cute.make_layout(cute.size(t.acc_s))),
+                          self.exchanged_p(t, buffer))
         cute.arch.barrier_arrive(barrier_id=_P_EXCHANGED_BARRIER,
                                  number_of_threads=2 * _WARPGROUP)
-        cute.make_tensor(r_p.iterator, acc_s.layout).store(acc_s.load().to(self.dtype))
-        tiled_mma_dkv = gemm(tiled_mma_dkv, acc_dv, r_p, tdVrdO[None, None, None, do_stage],
+        cute.make_tensor(t.r_p.iterator, t.acc_s.layout).store(t.acc_s.load().to(self.dtype))
+        tiled_mma_dkv = gemm(tiled_mma_dkv, t.acc_dv, t.r_p, t.tdVrdO[None, None, None, do_stage],
                              zero_init=False)
         cute.arch.barrier(barrier_id=_DS_EXCHANGED_BARRIER, number_of_threads=2 * _WARPGROUP)
-        load_ds_tile(sdS[None, buffer].iterator, tidx,
-                     cute.make_tensor(r_ds.iterator, acc_s.layout))
-        tiled_mma_dkv = gemm(tiled_mma_dkv, acc_dk, r_ds, tdKrQ[None, None, None, q_stage],
+        load_ds_tile(t.sdS[None, buffer].iterator, t.tidx,
+                     cute.make_tensor(t.r_ds.iterator, t.acc_s.layout))
+        tiled_mma_dkv = gemm(tiled_mma_dkv, t.acc_dk, t.r_ds, t.tdKrQ[None, None, None, q_stage],
                              zero_init=False)
         warpgroup.wait_group(0)
         q_handle.release()
@@ -808,57 +831,58 @@ class FlashAttentionBackwardSm90:
     def split_step_grads(
         self, head: Int32, m_block: Int32, mask: cutlass.Constexpr, needs_mask, q_consumer,
         do_consumer, tiled_mma_sdp: cute.TiledMma, tiled_mma_dkv: cute.TiledMma, step: Int32,
-        tidx: Int32, tSrK, tSrV, tSrQ, tSrdO, tdKrQ, tdVrdO, acc_s, acc_dk, acc_dv, r_p, r_ds,
-        t_coord, sLSE, sDPsum, exchange, scale_log2: Float32, block_range: BlockRange,
-        n_block: Int32, seqlen_q: Int32, seqlen_k: Int32, mDS=None,
-        ds_tile: Optional[Int32] = None,
+        t: SplitStepTensors, ds_tile: Optional[Int32] = None,
     ):
         """`split_head_dim`, warpgroup 1's step: dP^T = V dO^T; with warpgroup 0's P^T,
         dS^T = P^T (dP^T - dO.O) (exactly 0 where P is), handed over (and stored for the dQ
         kernel with `stores_ds`); dV += P^T dO and dK += dS^T Q on its columns."""
         stages = self.spec.q_stages
-        sP, sdS = exchange
         buffer = step % 2
         do_handle = do_consumer.wait_and_advance()
         do_stage = stage_index(do_handle, stages)
-        tiled_mma_sdp = gemm(tiled_mma_sdp, acc_s, tSrV[None, None, None, 0],
-                             tSrdO[None, None, None, do_stage], zero_init=True)
-        dp_mn = acc_mn_view(acc_s)
-        c_mn = acc_mn_view(t_coord)
+        tiled_mma_sdp = gemm(tiled_mma_sdp, t.acc_s, t.tSrV[None, None, None, 0],
+                             t.tSrdO[None, None, None, do_stage], zero_init=True)
+        dp_mn = acc_mn_view(t.acc_s)
+        c_mn = acc_mn_view(t.t_coord)
         num_cols = cute.size(dp_mn, mode=[1])
         r_dpsum = cute.make_rmem_tensor(cute.make_layout(num_cols), Float32)
         for c in cutlass.range_constexpr(num_cols):
-            r_dpsum[c] = sDPsum[c_mn[0, c][1], do_stage]
+            r_dpsum[c] = t.sDPsum[c_mn[0, c][1], do_stage]
         q_handle = q_consumer.wait_and_advance()
         q_stage = stage_index(q_handle, stages)
-        p = cute.make_rmem_tensor(acc_s.layout, Float32)
+        p = cute.make_rmem_tensor(t.acc_s.layout, Float32)
         warpgroup.wait_group(0)
         cute.arch.barrier(barrier_id=_P_EXCHANGED_BARRIER, number_of_threads=2 * _WARPGROUP)
-        handed = cute.make_tensor(sP[None, buffer].iterator,
-                                  fragment_layout(self.tile_n * self.tile_m))
-        cute.autovec_copy(handed[None, tidx % _WARPGROUP],
+        cute.autovec_copy(self.exchanged_p(t, buffer),
                           cute.make_tensor(p.iterator, cute.make_layout(cute.size(p))))
         p_mn = acc_mn_view(p)
         for c in cutlass.range_constexpr(num_cols):
             for r in cutlass.range_constexpr(cute.size(dp_mn, mode=[0])):
                 ds = p_mn[r, c] * (dp_mn[r, c] - r_dpsum[c])
                 dp_mn[r, c] = ds if p_mn[r, c] != Float32(0.0) else Float32(0.0)
-        r_ds_as_acc = cute.make_tensor(r_ds.iterator, acc_s.layout)
-        r_ds_as_acc.store(acc_s.load().to(self.dtype))
-        store_ds_tile(r_ds_as_acc, sdS[None, buffer].iterator, tidx)
+        r_ds_as_acc = cute.make_tensor(t.r_ds.iterator, t.acc_s.layout)
+        r_ds_as_acc.store(t.acc_s.load().to(self.dtype))
+        store_ds_tile(r_ds_as_acc, t.sdS[None, buffer].iterator, t.tidx)
         cute.arch.barrier_arrive(barrier_id=_DS_EXCHANGED_BARRIER,
                                  number_of_threads=2 * _WARPGROUP)
-        cute.make_tensor(r_p.iterator, acc_s.layout).store(p.load().to(self.dtype))
-        tiled_mma_dkv = gemm(tiled_mma_dkv, acc_dv, r_p, tdVrdO[None, None, None, do_stage],
+        cute.make_tensor(t.r_p.iterator, t.acc_s.layout).store(p.load().to(self.dtype))
+        tiled_mma_dkv = gemm(tiled_mma_dkv, t.acc_dv, t.r_p, t.tdVrdO[None, None, None, do_stage],
                              zero_init=False)
-        tiled_mma_dkv = gemm(tiled_mma_dkv, acc_dk, r_ds, tdKrQ[None, None, None, q_stage],
+        tiled_mma_dkv = gemm(tiled_mma_dkv, t.acc_dk, t.r_ds, t.tdKrQ[None, None, None, q_stage],
                              zero_init=False)
         if const_expr(self.spec.stores_ds):
-            store_ds_tile(r_ds_as_acc, mDS[ds_tile, None].iterator, tidx)
+            store_ds_tile(r_ds_as_acc, t.mDS[ds_tile, None].iterator, t.tidx)
         warpgroup.wait_group(0)
         q_handle.release()
         do_handle.release()
         return q_consumer, do_consumer, tiled_mma_sdp, tiled_mma_dkv, step + 1
+
+    def exchanged_p(self, t: SplitStepTensors, buffer: Int32) -> cute.Tensor:
+        """This thread's values of step buffer `buffer`'s float32 P^T (register order, 16-byte
+        vectors: kernels/sm90/dq_accumulator.py `fragment_layout`)."""
+        handed = cute.make_tensor(t.sP[None, buffer].iterator,
+                                  fragment_layout(self.tile_n * self.tile_m))
+        return handed[None, t.tidx % _WARPGROUP]
 
     @cute.jit
     def consume_turn(self, head: Int32, m_block: Int32, mask: cutlass.Constexpr, needs_mask,
