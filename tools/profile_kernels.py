@@ -17,6 +17,13 @@ times (at 256K a forward varied by 2-3 ms between runs of the same code, FINDING
     python tools/profile_kernels.py --seqlens 262144 --warmup 1 --repeats 1 --top 30
     python tools/profile_kernels.py --packed lognormal-2k \\
         --switch nsa.function.SELECTED_CONSUMES_DQ_SUMS=False
+    python tools/profile_kernels.py --packed docs-8k --gaps
+
+`--gaps` also reports where the GPU sat idle during the profiled steps: the span from the
+first kernel's start to the last one's end against the time kernels ran (their union), per
+step, and the longest idle stretches with the kernels on either side. An eager step whose
+device time exceeds its kernel time by more than a graph's launch gaps waits on its host
+(a synchronisation, or host work longer than the kernels queued before it).
 """
 from __future__ import annotations
 
@@ -81,9 +88,11 @@ def make_step(args, packing: PackedWorkload | None, tokens: int):
     return step
 
 
-def kernel_times(step, steps: int, device: torch.device) -> collections.Counter:
+def kernel_times(step, steps: int, device: torch.device,
+                 intervals: list | None = None) -> collections.Counter:
     """name -> (ms per step, launches per step) over `steps` profiled steps: the GPU's
-    kernels (and copies) by device time, or on the CPU the ops by their own CPU time."""
+    kernels (and copies) by device time, or on the CPU the ops by their own CPU time.
+    intervals (a list, on a GPU): gets (start us, end us, name) of every kernel and copy."""
     from torch.profiler import ProfilerActivity, profile
 
     activity = ProfilerActivity.CUDA if device.type == "cuda" else ProfilerActivity.CPU
@@ -99,12 +108,40 @@ def kernel_times(step, steps: int, device: torch.device) -> collections.Counter:
             if event.device_type != torch.autograd.DeviceType.CUDA:
                 continue
             microseconds = event.device_time_total
+            if intervals is not None:
+                intervals.append((event.time_range.start, event.time_range.end, event.name))
         else:
             microseconds = event.self_cpu_time_total
         times[event.name] += microseconds / 1e3 / steps
         launches[event.name] += 1
     return collections.Counter({shown: (times[name], launches[name] / steps)
                                 for name, shown in zip(times, shown_names(times))})
+
+
+def idle_report(intervals: list, steps: int, top: int) -> str:
+    """Device span against kernel time (their union) per step, and the `top` longest idle
+    stretches between kernels with the kernels on either side (names cut to 60 characters)."""
+    if not intervals:
+        return "  no kernels recorded"
+    intervals = sorted(intervals)
+    busy, gaps = 0.0, []
+    current_start, current_end, current_name = intervals[0]
+    for start, end, name in intervals[1:]:
+        if start > current_end:
+            busy += current_end - current_start
+            gaps.append((start - current_end, current_name, name))
+            current_start, current_end, current_name = start, end, name
+        elif end > current_end:
+            current_end, current_name = end, name
+    busy += current_end - current_start
+    span = current_end - intervals[0][0]
+    lines = [f"  span {span / 1e3 / steps:.3f} ms per step, kernels {busy / 1e3 / steps:.3f}, "
+             f"idle {(span - busy) / 1e3 / steps:.3f} in {len(gaps) / steps:.1f} gaps "
+             f"(the idle between the profiled steps included)",
+             f"  {'idle us':>9}  after -> before"]
+    for gap, before, after in sorted(gaps, reverse=True)[:top]:
+        lines.append(f"  {gap:9.1f}  {before[:60]} -> {after[:60]}")
+    return "\n".join(lines)
 
 
 def shown_names(full_names) -> list[str]:
@@ -166,10 +203,14 @@ def profile_workload(args, label: str, packing, tokens: int) -> None:
     step = make_step(args, packing, tokens)
     if not args.switch:
         warm(step, args.warmup, args.device)
-        table = kernel_times(step, args.repeats, args.device)
+        intervals = [] if args.gaps and args.device.type == "cuda" else None
+        table = kernel_times(step, args.repeats, args.device, intervals)
         print(f"\n{label}: {total_ms(table):.3f} ms of {time_kind(args.device)} per "
               f"forward+backward")
         print(format_table(table, args.top))
+        if intervals is not None:
+            print(f"\n{label}: where the GPU was idle, {args.repeats} steps")
+            print(idle_report(intervals, args.repeats, args.top))
         return
     tables = {"A": [], "B": []}
     for round_index in range(args.rounds):
@@ -199,10 +240,15 @@ def parse_arguments(argv=None) -> argparse.Namespace:
                         help="kernels listed (default 25)")
     parser.add_argument("--rounds", type=positive_int, default=4,
                         help="A/B rounds with --switch (default 4: A, B, A, B)")
+    parser.add_argument("--gaps", action="store_true",
+                        help="also report the GPU's idle time and longest gaps (GPU only; "
+                             "not with --switch)")
     add_capture_argument(parser)
     add_switch_argument(parser)
     args = parser.parse_args(argv)
     resolve_problem_arguments(args, parser)
+    if args.gaps and args.switch:
+        parser.error("--gaps: reports one setting's steps; leave out --switch")
     if args.rounds < 2 and args.switch:
         parser.error(f"--rounds: an A/B needs at least 2, got {args.rounds}")
     for name in args.packed:

@@ -353,6 +353,24 @@ def test_profile_kernels_lists_the_step_and_runs_an_ab(capsys, monkeypatch):
             tool.main([*tiny, *bad])
 
 
+def test_profile_kernels_idle_report_finds_the_gaps_between_kernels():
+    """--gaps: overlapping kernels count once, each idle stretch is named by the kernel that
+    ended last before it and the one that starts it, longest first; --gaps with --switch is
+    refused."""
+    tool = load_tool("profile_kernels")
+    # Two steps of 100 us: a (0-40) overlapped by b (30-50), idle 50-60, c (60-100); then d
+    # (130-200), e (200-230) back to back: idle 30 us between the steps.
+    intervals = [(60, 100, "c"), (0, 40, "a"), (30, 50, "b"), (130, 200, "d"),
+                 (200, 230, "e")]
+    report = tool.idle_report(intervals, steps=2, top=5)
+    assert "span 0.115 ms per step, kernels 0.095, idle 0.020 in 1.0 gaps" in report
+    rows = [line.split() for line in report.splitlines()[2:]]
+    assert rows == [["30.0", "c", "->", "d"], ["10.0", "b", "->", "c"]]
+    with pytest.raises(SystemExit):
+        tool.main(["--device", "cpu", "--seqlens", "200", "--gaps", "--switch",
+                   "nsa.function.SHARED_GATE_PASS=False"])
+
+
 def test_profile_kernels_keeps_kernels_that_share_a_long_prefix_apart():
     """The three branches' backward kernels differ only past the table's name width: each
     keeps a row of its own (numbered by first launch), names that fit stay as they are."""
