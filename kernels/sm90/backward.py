@@ -37,8 +37,7 @@ from kernels.sm90.launch import (aligned_rows, as_cute, has_aligned_rows, launch
                                  launch_on_current_stream, query_positions, uniform_cu_seqlens)
 from kernels.sm90.limits import GRID_YZ_MAX, require_int32_limits
 from kernels.sm90.spec import (BACKWARD_DENSE_TILE_N, DS_TILE_ELEMENTS, H100_NUM_SMS,
-                               choose_backward_spec, dq_spec_for, ds_tile_bytes, list_shape,
-                               with_ds_tiles)
+                               choose_backward_spec, dq_spec_for, ds_tile_bytes, list_shape)
 from kernels.sm90.spec import QUERY_SLOT_ROWS as SLOT_ROWS  # `QueryTiles`' tile rows
 
 SUPPORTED_HEAD_DIMS = (64, 128)
@@ -321,7 +320,7 @@ def run(
                 csr = transpose_block_sparse_csr(block_sparse, cu_seqlens_k=cu_seqlens_k)
             lists = (csr.offsets, csr.index, csr.mask_count, csr.row_block_offsets)
             if _stores_ds(spec, block_sparse, csr, num_heads, q, max_seqlen_q):
-                spec = with_ds_tiles(spec)
+                spec = dataclasses.replace(spec, stores_ds=True)
                 ds_tiles = (csr.slot, torch.empty(
                     ds_tile_bytes(block_sparse, num_heads, q.element_size())
                     // (DS_TILE_ELEMENTS * q.element_size()), DS_TILE_ELEMENTS, dtype=q.dtype,

@@ -39,12 +39,10 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from kernels.sm90.bwd_dq_sm90 import DqBackwardSm90
 from kernels.sm90.dtypes import CUTLASS_DTYPES
-from kernels.sm90.ds_tiles import (L2_EVICT_FIRST, L2_EVICT_LAST, ds_words_as_a_operand,
-                                   load_ds_words)
+from kernels.sm90.ds_tiles import ds_words_as_a_operand, load_ds_words
 from kernels.sm90.layouts import acc_as_a_operand_layout, transposed, with_row_strides_divisible
 from kernels.sm90.mma import gemm
-from kernels.sm90.pipelines import (cache_policy_argument, load_seq_tile, smem_buffer,
-                                    stage_index, tma_pipeline)
+from kernels.sm90.pipelines import load_seq_tile, smem_buffer, stage_index, tma_pipeline
 from kernels.sm90.register_store import store_rows_from_registers
 from kernels.sm90.spec import DS_TILE_ELEMENTS, DS_TILE_ROWS
 
@@ -220,8 +218,7 @@ class DqFromDsSm90(DqBackwardSm90):
                                               sparse_row, sparse_head)
                     kv_handle = kv_producer.acquire_and_advance()
                     load_seq_tile(tma_atom_k, mK, sK, kv_handle, offset_k, head_kv, n_block,
-                                  self.tile_n, self.head_dim, kv_handle.index,
-                                  self.l2_policy(L2_EVICT_LAST))
+                                  self.tile_n, self.head_dim, kv_handle.index)
                     # Box b holds tiles num_wg b, ...: the CTA's first tile is a multiple.
                     box = first_tile(it) // self.num_wg
                     g_box = cute.local_tile(mDS, (_DS_BOX_COLS, sDS_layout.shape[1]), (0, box))
@@ -229,18 +226,13 @@ class DqFromDsSm90(DqBackwardSm90):
                                                      cute.group_modes(sDS, 0, 2),
                                                      cute.group_modes(g_box, 0, 2))
                     cute.copy(tma_atom_ds, t_g, t_s[(None, kv_handle.index)],
-                              tma_bar_ptr=kv_handle.barrier,
-                              **cache_policy_argument(self.l2_policy(L2_EVICT_FIRST)))
+                              tma_bar_ptr=kv_handle.barrier)
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
             if m_block * self.tile_m < seqlen_q:
                 self.consume_ds(tidx - _WARPGROUP, num_iters, kv_consumer, tiled_mma_dq, sK,
                                 sDS_tiles, mdQ, mQTileOffsets, mdQSums, softmax_scale, m_block,
                                 head, batch, offset_q, seqlen_q)
-
-    def l2_policy(self, policy: int) -> Optional[cutlass.Int64]:
-        """A load's L2 policy with `DqSpec.l2_hints`, else None (the default)."""
-        return cutlass.Int64(policy) if self.spec.l2_hints else None
 
     @cute.jit
     def first_ds_tile(self, it: Int32, num_mask: Int32, row_slots: Int32, full_width: Int32,

@@ -871,8 +871,7 @@ class FlashAttentionBackwardSm90:
         tiled_mma_dkv = gemm(tiled_mma_dkv, t.acc_dk, t.r_ds, t.tdKrQ[None, None, None, q_stage],
                              zero_init=False)
         if const_expr(self.spec.stores_ds):
-            store_ds_tile(r_ds_as_acc, t.mDS[ds_tile, None].iterator, t.tidx,
-                          self.spec.ds_l2_hints)
+            store_ds_tile(r_ds_as_acc, t.mDS[ds_tile, None].iterator, t.tidx)
         warpgroup.wait_group(0)
         q_handle.release()
         do_handle.release()
@@ -1059,8 +1058,7 @@ class FlashAttentionBackwardSm90:
             if const_expr(self.spec.stores_ds):
                 # dS^T for the dQ kernel (kernels/sm90/bwd_dq_from_ds.py), stored while dK
                 # runs: four 16-byte vectors in register order (kernels/sm90/ds_tiles.py).
-                store_ds_tile(r_ds_as_acc, mDS[ds_tile, None].iterator, tidx,
-                              self.spec.ds_l2_hints)
+                store_ds_tile(r_ds_as_acc, mDS[ds_tile, None].iterator, tidx)
             warpgroup.wait_group(0)
             q_handle.release()
             do_handle.release()

@@ -23,7 +23,7 @@ Tile t of a call = (forward-list slot x heads per list + head in the list) x 2 +
 """
 import cutlass
 import cutlass.cute as cute
-from cutlass import Int32, const_expr
+from cutlass import Int32
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
@@ -32,9 +32,6 @@ from kernels.sm90.spec import DS_TILE_ELEMENTS
 _WARPGROUP = 128
 _VECTOR = 8  # 16-bit values per 16-byte vector
 _VECTORS = DS_TILE_ELEMENTS // _WARPGROUP // _VECTOR  # per thread: 4
-# L2 cache policies of a TMA load (`cache_policy`; the values CUTLASS's CacheHintSm90 names).
-L2_EVICT_FIRST = 0x12F0000000000000
-L2_EVICT_LAST = 0x14F0000000000000
 
 
 def _kv_side_layout() -> cute.Layout:
@@ -52,32 +49,11 @@ def _dq_side_layout() -> cute.Layout:
 
 
 @cute.jit
-def store_ds_tile(values: cute.Tensor, tile: cute.Pointer, tidx: Int32,
-                  streaming: cutlass.Constexpr[bool] = False):
+def store_ds_tile(values: cute.Tensor, tile: cute.Pointer, tidx: Int32):
     """The KV-centric side: `values` (this thread's 32 16-bit dS^T values in the accumulator's
-    register order) into the tile at `tile` (16-byte aligned): four 16-byte stores, with
-    `streaming` as `st.global.cs` (allocated evict-first in L2: `BwdSpec.ds_l2_hints`)."""
+    register order) into the tile at `tile` (16-byte aligned): four 16-byte stores."""
     mine = cute.make_tensor(tile, _kv_side_layout())[None, tidx % _WARPGROUP]
-    flat = cute.make_tensor(values.iterator, cute.make_layout(cute.size(mine)))
-    if const_expr(streaming):
-        words = cute.recast_tensor(flat, Int32)
-        per_vector = _VECTOR // 2
-        for p in cutlass.range_constexpr(_VECTORS):
-            _store_streaming_v4(mine.iterator + p * _VECTOR * _WARPGROUP,
-                                *(words[p * per_vector + i] for i in range(per_vector)))
-    else:
-        cute.autovec_copy(flat, mine)
-
-
-@dsl_user_op
-def _store_streaming_v4(address: cute.Pointer, w0: Int32, w1: Int32, w2: Int32, w3: Int32, *,
-                        loc=None, ip=None):
-    """One 16-byte global store of four 32-bit words, cache-streaming (`st.global.cs`)."""
-    llvm.inline_asm(
-        None, [address.toint(loc=loc, ip=ip).ir_value(),
-               *(Int32(w).ir_value(loc=loc, ip=ip) for w in (w0, w1, w2, w3))],
-        "st.global.cs.v4.b32 [$0], {$1, $2, $3, $4};", "l,r,r,r,r",
-        has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
+    cute.autovec_copy(cute.make_tensor(values.iterator, cute.make_layout(cute.size(mine))), mine)
 
 
 @cute.jit

@@ -1,8 +1,6 @@
 """The TMA-fed shared-memory pipelines of the sm90 kernels (forward and backward): creating
 them, naming a stage, loading one sequence's tile into a stage, and the aligned buffers of the
 kernels' shared-storage structs."""
-from typing import Optional
-
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
@@ -42,20 +40,13 @@ def stage_index(handle, num_stages: int):
 
 @cute.jit
 def load_seq_tile(tma_atom, m_src, s_dst, handle, offset: Int32, head: Int32, block: Int32,
-                  rows: cutlass.Constexpr[int], head_dim: cutlass.Constexpr[int], stage,
-                  cache_policy: Optional[cutlass.Int64] = None):
+                  rows: cutlass.Constexpr[int], head_dim: cutlass.Constexpr[int], stage):
     """TMA-load rows [block * rows, +rows) of the sequence starting at row `offset` of m_src
     (viewed (rows, head_dim, heads)), one head, into stage `stage` of s_dst, on the barrier of
-    the pipeline `handle`; `cache_policy`: the load's L2 policy (kernels/sm90/ds_tiles.py)."""
+    the pipeline `handle`."""
     m_seq = cute.domain_offset((offset, 0), m_src[None, None, head])
     g_tile = cute.local_tile(m_seq, (rows, head_dim), (block, 0))
     t_s, t_g = cpasync.tma_partition(
         tma_atom, 0, cute.make_layout(1), cute.group_modes(s_dst, 0, 2),
         cute.group_modes(g_tile, 0, 2))
-    cute.copy(tma_atom, t_g, t_s[(None, stage)], tma_bar_ptr=handle.barrier,
-              **cache_policy_argument(cache_policy))
-
-
-def cache_policy_argument(cache_policy: Optional[cutlass.Int64]) -> dict:
-    """A TMA load's keyword for its L2 policy: none where it keeps the default."""
-    return {} if cache_policy is None else dict(cache_policy=cache_policy)
+    cute.copy(tma_atom, t_g, t_s[(None, stage)], tma_bar_ptr=handle.barrier)

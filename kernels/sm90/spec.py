@@ -326,8 +326,6 @@ class BwdSpec:
                                # (input dtype, one 64 x 64 tile per forward-list slot, query
                                # head and 64-row half) for the dQ kernel to read
                                # (`DqSpec.reads_ds`) instead of recomputing S and dP
-    ds_l2_hints: bool = False  # `stores_ds`: the tiles stored with L2 evict-first (streaming,
-                               # `DS_L2_HINTS`), so they do not push Q and dO out of L2
 
     @property
     def score_mods(self) -> bool:
@@ -490,8 +488,6 @@ class DqSpec:
     reads_ds: bool = False
     ctas_per_sm: int = 1       # `reads_ds`: CTAs sized to share an SM (registers and smem;
                                # tile_m 64 at two)
-    l2_hints: bool = False     # `reads_ds`: K loaded L2 evict-last, the dS tiles (read once)
-                               # evict-first (`DS_L2_HINTS`)
 
     @property
     def tiles_per_list_block(self) -> int:
@@ -757,14 +753,7 @@ def dq_spec_for(spec: BwdSpec, accumulate: bool = False, sums_block_cols: int = 
                   list_block=spec.tile_n if spec.block_sparse else 64, accumulate=accumulate,
                   q_positions=spec.q_positions, sums_block_cols=sums_block_cols,
                   **(dict(reads_ds=True, kv_stages=DS_KV_STAGES, ctas_per_sm=DS_CTAS_PER_SM,
-                          tile_m=128 // DS_CTAS_PER_SM, l2_hints=spec.ds_l2_hints)
-                     if spec.stores_ds else {}))
-
-
-def with_ds_tiles(spec: BwdSpec) -> BwdSpec:
-    """`spec` storing its dS tiles for the dQ kernel (`stores_ds`), with the L2 hints as
-    DS_L2_HINTS has them."""
-    return dataclasses.replace(spec, stores_ds=True, ds_l2_hints=DS_L2_HINTS)
+                          tile_m=128 // DS_CTAS_PER_SM) if spec.stores_ds else {}))
 
 
 # The dQ kernel reading dS tiles moves 16 KiB of K and 8 KiB of dS per 64 rows and product:
@@ -774,11 +763,6 @@ def with_ds_tiles(spec: BwdSpec) -> BwdSpec:
 # H200, 2026-11-30, nsa()'s selected dQ two / one: 8K 0.238 / 0.244 ms, 64K 1.984 / 1.966.
 DS_CTAS_PER_SM = 2
 DS_KV_STAGES = 4
-# The dS tiles go through L2 once each way (4.3 GB at 64K tokens, H=32), far more than it
-# holds: stored and loaded evict-first, and the dQ kernel's K tiles (re-read by every query
-# tile that lists them) evict-last. ncu, H200, 64K without hints: the dQ kernel at 81% of
-# DRAM bandwidth and 96% of L2's, an L2 hit rate of 42%.
-DS_L2_HINTS = False
 
 
 def ds_tile_bytes(block_sparse, num_heads: int, element_size: int) -> int:

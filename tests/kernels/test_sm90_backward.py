@@ -402,25 +402,19 @@ ROW_BAND_CASES = [case for case in GRADIENT_CASES
 
 @requires_sm90
 @pytest.mark.gpu
-@pytest.mark.parametrize("ds_tiles,l2_hints", [(True, False), (True, True), (False, False)],
-                         ids=["ds-tiles", "ds-tiles-l2-hints", "dq-recomputes"])
+@pytest.mark.parametrize("ds_tiles", [True, False], ids=["ds-tiles", "dq-recomputes"])
 @pytest.mark.parametrize("case", DS_TILE_CASES, ids=lambda case: case.id)
-def test_64_key_lists_backward_with_and_without_ds_tiles(case: Case, ds_tiles, l2_hints,
-                                                          monkeypatch):
+def test_64_key_lists_backward_with_and_without_ds_tiles(case: Case, ds_tiles, monkeypatch):
     """64-key lists' dQ both ways: multiplied from the dS tiles the KV-centric kernel stores
-    (`BwdSpec.stores_ds`, dispatched where they fit kernels.sm90.backward's memory share; with
-    and without their L2 hints, `DS_L2_HINTS`) and recomputed by the dQ kernel; each matches
-    the fallback, and the launches say which ran (lists per query head and per KV head, odd and
-    one-token sequences, padded, deterministic)."""
+    (`BwdSpec.stores_ds`, dispatched where they fit kernels.sm90.backward's memory share) and
+    recomputed by the dQ kernel; each matches the fallback, and the launches say which ran
+    (lists per query head and per KV head, odd and one-token sequences, padded, deterministic)."""
     from kernels.sm90 import backward
-    from kernels.sm90 import spec as sm90_spec
 
     monkeypatch.setattr(backward, "DS_TILES", ds_tiles)
-    monkeypatch.setattr(sm90_spec, "DS_L2_HINTS", l2_hints)
     launched = record_backward_launches(monkeypatch)
     check_against_fallback(case)
-    assert launched and all(spec.stores_ds == ds_tiles and spec.ds_l2_hints == l2_hints
-                            for spec in launched)
+    assert launched and all(spec.stores_ds == ds_tiles for spec in launched)
 
 
 @requires_sm90

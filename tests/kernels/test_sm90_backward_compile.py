@@ -101,8 +101,7 @@ def test_ds_tile_variants_compile_for_sm90a(dtype, head_dim):
     """64-key lists with the dS tiles (kernels.sm90.backward.DS_TILES, chosen per call by
     memory): the KV-centric kernel storing them (split units into nsa()'s float32 sums, and
     the deterministic whole walk) and the dQ kernel reading them (kernels/sm90/bwd_dq_from_ds.py),
-    adding into a running dq or not, taking fused sums or not, with the L2 hints
-    (`DS_L2_HINTS`: streaming stores, TMA cache policies) or not; its shared storage is what
+    adding into a running dq or not, taking fused sums or not; its shared storage is what
     `DqSpec.smem_bytes` says."""
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_fake_stream
@@ -110,18 +109,17 @@ def test_ds_tile_variants_compile_for_sm90a(dtype, head_dim):
     from kernels.sm90.bwd_dq_from_ds import DqFromDsSm90
     from kernels.sm90.compile import fake_dq_arguments
 
-    for deterministic, hints in ((False, False), (True, False), (False, True)):
+    for deterministic in (False, True):
         spec = dataclasses.replace(_spec_of(dtype, head_dim, "selected-sparse64/many-kv-tiles",
-                                            deterministic), stores_ds=True, ds_l2_hints=hints)
+                                            deterministic), stores_ds=True)
         spec = with_dkv_destination(spec, into_caller_sums=not deterministic)
         assert spec.fits_in_smem() and spec.split_lists != deterministic
         assert callable(compile_backward_on_fake_tensors(spec))
-    for accumulate, cols, ctas, hints in ((False, 0, 2, False),
-                                          (True, 64 if head_dim == 128 else 32, 2, True),
-                                          (True, 0, 1, False)):
+    for accumulate, cols, ctas in ((False, 0, 2), (True, 64 if head_dim == 128 else 32, 2),
+                                   (True, 0, 1)):
         # Two 64-row CTAs per SM (dispatched) or one 128-row CTA (DS_CTAS_PER_SM = 1).
         dq_spec = dataclasses.replace(dq_spec_for(spec, accumulate, sums_block_cols=cols),
-                                      ctas_per_sm=ctas, tile_m=128 // ctas, l2_hints=hints)
+                                      ctas_per_sm=ctas, tile_m=128 // ctas)
         assert dq_spec.reads_ds and dq_spec.fits_in_smem()
         kernel = DqFromDsSm90(dq_spec)
         tensors, optional = fake_dq_arguments(dq_spec)
