@@ -63,9 +63,6 @@ VARIANTS = {
     "row bands": dict(split_rows=True, row_bands=True, heavy_first=False),
     # 64-key tiles: two consumer warpgroups on alternate query steps, one CTA per SM.
     "alternate steps": dict(alternate_steps=True),
-    # 64-key tiles: one tile's products split between two consumer warpgroups (S^T and P^T /
-    # dP^T and dS^T, each half of dK's and dV's columns), one CTA per SM.
-    "split head dim": dict(split_head_dim=True),
     # Query rows per step (128 is dispatched at head dim 64 with 128-key tiles).
     "tile_m 64": dict(tile_m=64),
     "tile_m 128": dict(tile_m=128),
@@ -180,7 +177,7 @@ def main(argv=None):
                     continue  # two dQ products per step: not fused (`BwdSpec.can_fuse_dq`)
                 if variant == "tile_m 128" and (args.head_dim == 128 or block == 64):
                     continue  # 128-row steps: head dim 64 with two key warpgroups only
-                if variant in ("alternate steps", "split head dim") and block != 64:
+                if variant == "alternate steps" and block != 64:
                     continue  # 64-key tiles only
                 if variant.startswith("heavy first") and sparse:
                     continue  # dense walks only

@@ -117,7 +117,7 @@ def score_mod_spec(spec, score_mods, bias_grad: bool, dbias_stores: bool = False
     serves: plain loads and adds there put the load's latency into every step (H200,
     2026-11-28, window masks at 16K with one bias for 16 heads: backward 30.4 / 57.5 ms at
     windows 8192 / 16384 against 23.8 / 41.8 with reductions, docs/history.md)."""
-    fused = dataclasses.replace(spec, dq_separate=False, split_head_dim=False,
+    fused = dataclasses.replace(spec, dq_separate=False,
                                 score_mask=score_mods.mask is not None,
                                 score_bias=score_mods.bias_dtype, score_bias_grad=bias_grad,
                                 score_dbias_stores=bias_grad and dbias_stores,

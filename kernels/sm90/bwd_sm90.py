@@ -34,7 +34,7 @@ Tensors as the kernel sees them: q, dO (T, H, D); k, v, dK, dV (Tk, Hkv, D); lse
 from __future__ import annotations
 
 from functools import partial
-from typing import NamedTuple, Optional
+from typing import Optional
 
 import cuda.bindings.driver as cuda
 
@@ -49,7 +49,7 @@ from kernels.sm90.dkv_tiles import unit_owns_tile
 from kernels.sm90.dtypes import CUTLASS_DTYPES
 from kernels.sm90.block_range import BlockRange
 from kernels.sm90.dq_accumulator import DqAccumulator, fragment_layout
-from kernels.sm90.ds_tiles import load_ds_tile, store_ds_tile
+from kernels.sm90.ds_tiles import store_ds_tile
 from kernels.sm90.layouts import (acc_as_a_operand_layout, acc_mn_view, transposed,
                                   with_row_strides_divisible)
 from kernels.sm90.score_mod import ScoreMods, score_mods_of
@@ -69,40 +69,7 @@ _WALKS_DONE_BARRIER = 2
 _DKV_STAGED_BARRIER = 3
 # `score_stage_bias`: warpgroup w's half of the step's bias tile is in smem (4 + w).
 _BIAS_STAGED_BARRIER = 4
-# `split_head_dim`: the step's P^T (from warpgroup 0), then its dS^T (from warpgroup 1), is in
-# the exchange buffers (6-9 belong to kernels/sm90/dq_accumulator.py).
-_P_EXCHANGED_BARRIER = 10
-_DS_EXCHANGED_BARRIER = 11
 _LOG2_E = 1.4426950408889634
-
-
-class SplitStepTensors(NamedTuple):
-    """`split_head_dim`: what both warpgroups' steps read (`split_step_scores`,
-    `split_step_grads`): operand fragments, accumulators, the step's row statistics, the
-    exchange buffers (P^T in float32, dS^T) and the walk's bounds."""
-    tidx: Int32
-    tSrK: cute.Tensor
-    tSrV: cute.Tensor
-    tSrQ: cute.Tensor
-    tSrdO: cute.Tensor
-    tdKrQ: cute.Tensor
-    tdVrdO: cute.Tensor
-    acc_s: cute.Tensor     # S^T (warpgroup 0) or dP^T (warpgroup 1)
-    acc_dk: cute.Tensor    # this warpgroup's half of dK's columns
-    acc_dv: cute.Tensor
-    r_p: cute.Tensor       # P^T, 16-bit: the dV product's A operand
-    r_ds: cute.Tensor      # dS^T, 16-bit: the dK product's A operand
-    t_coord: cute.Tensor
-    sLSE: cute.Tensor
-    sDPsum: cute.Tensor
-    sP: cute.Tensor        # (values, 2): two steps' float32 P^T in register order
-    sdS: cute.Tensor       # (values, 2): two steps' dS^T (kernels/sm90/ds_tiles.py)
-    scale_log2: Float32
-    block_range: BlockRange
-    n_block: Int32
-    seqlen_q: Int32
-    seqlen_k: Int32
-    mDS: Optional[cute.Tensor]
 
 
 class FlashAttentionBackwardSm90:
@@ -131,12 +98,6 @@ class FlashAttentionBackwardSm90:
         assert not spec.stores_ds or (spec.block_sparse and spec.dq_separate
                                       and self.tile_n == 64 and self.tile_m == 64
                                       and not spec.alternate_steps and not spec.score_mods)
-        # Split head dim: one 64-key tile's products shared by two warpgroups, 64-row steps of
-        # block-sparse lists beside the dQ kernel.
-        assert not spec.split_head_dim or (spec.block_sparse and spec.dq_separate
-                                           and self.tile_n == 64 and self.tile_m == 64
-                                           and not spec.alternate_steps
-                                           and not spec.score_mods)
         assert not (spec.heavy_first and spec.block_sparse)
         assert not spec.row_bands or (spec.split_rows and not spec.heavy_first)
         # The score mods hook into the fused-dQ step of block-sparse lists (the dQ kernel
@@ -219,12 +180,10 @@ class FlashAttentionBackwardSm90:
             dtype, dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K,
             Float32, (self.key_wg, 1, 1), (64, tm))
         # dV += P^T dO and dK += dS^T Q: A (P^T, dS^T) from registers, B = dO / Q read
-        # head-dim-major from the same smem. `split_head_dim`: the two warpgroups split the
-        # head dim (columns) of one 64-key tile's dK and dV.
-        dkv_atoms = (1, 2, 1) if const_expr(self.spec.split_head_dim) else (self.key_wg, 1, 1)
+        # head-dim-major from the same smem.
         tiled_mma_dkv = sm90_utils.make_trivial_tiled_mma(
             dtype, dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN,
-            Float32, dkv_atoms, (64, d), warpgroup.OperandSource.RMEM)
+            Float32, (self.key_wg, 1, 1), (64, d), warpgroup.OperandSource.RMEM)
         # dQ = dS K: the warpgroups split the step's rows (128-row steps) or its columns.
         dq_atoms = (self.num_wg, 1, 1) if const_expr(self.spec.dq_rows_per_warpgroup) else (
             1, self.num_wg, 1)
@@ -318,9 +277,6 @@ class FlashAttentionBackwardSm90:
         if self.spec.score_stage_bias:
             fields["sBias"] = smem_buffer(
                 bias_dtype, self.tile_m * (self.tile_n + STAGED_BIAS_PAD), 128)
-        if self.spec.split_head_dim:  # two steps' P^T (float32) and dS^T, register order
-            fields["sPx"] = smem_buffer(Float32, 2 * self.tile_n * self.tile_m, 1024)
-            fields["sdSx"] = smem_buffer(dtype, 2 * self.tile_n * self.tile_m, 1024)
         return cute.struct(type("BackwardSharedStorage", (), {"__annotations__": fields}))
 
     # ------------------------------------------------------------------ device side
@@ -406,11 +362,6 @@ class FlashAttentionBackwardSm90:
             dq_accumulator = DqAccumulator(self.dq_cols_per_wg, self.num_wg,
                                            spec.dq_rows_per_warpgroup, mdQacc,
                                            storage.sdQ.get_tensor(sdQ_layout))
-        exchange = None
-        if const_expr(spec.split_head_dim):
-            step_values = self.tile_n * self.tile_m
-            exchange = tuple(buf.get_tensor(cute.make_layout((step_values, 2)))
-                             for buf in (storage.sPx, storage.sdSx))
         dkv_handover = None
         if const_expr(spec.alternate_steps):
             # float32 dK (in sQ's storage) and dV (in sdO's) in register order, once the walks
@@ -475,19 +426,12 @@ class FlashAttentionBackwardSm90:
                         dq_accumulator.finish()
             else:
                 cute.arch.setmaxregister_increase(self.consumer_regs)
-                if const_expr(spec.split_head_dim):
-                    self.consume_split(
-                        tidx - _WARPGROUP, walk, kv_consumer, q_consumer, do_consumer,
-                        tiled_mma_sdp, tiled_mma_dkv, sQ, sdO, sK, sV, sLSE, sDPsum, exchange,
-                        (mdK, mdV, mdKOut, mdVOut, owns), softmax_scale, scale_log2,
-                        block_range, n_block, head_kv, offset_k, seqlen_q, seqlen_k, mDS)
-                else:
-                    self.consume(
-                        tidx - _WARPGROUP, walk, kv_consumer, q_consumer, do_consumer,
-                        tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, sQ, sdO, sK, sV, sdS, sLSE,
-                        sDPsum, dq_accumulator, dkv_handover, (mdK, mdV, mdKOut, mdVOut, owns),
-                        softmax_scale, scale_log2, block_range, n_block, head_kv, offset_k,
-                        seqlen_q, seqlen_k, score_mods, batch, mDS)
+                self.consume(
+                    tidx - _WARPGROUP, walk, kv_consumer, q_consumer, do_consumer,
+                    tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, sQ, sdO, sK, sV, sdS, sLSE,
+                    sDPsum, dq_accumulator, dkv_handover, (mdK, mdV, mdKOut, mdVOut, owns),
+                    softmax_scale, scale_log2, block_range, n_block, head_kv, offset_k,
+                    seqlen_q, seqlen_k, score_mods, batch, mDS)
 
     @cute.jit
     def walk_steps(
@@ -727,162 +671,6 @@ class FlashAttentionBackwardSm90:
             for acc, m_out, m_owned in ((acc_dk, mdK, mdKOut), (acc_dv, mdV, mdVOut)):
                 self.store_keys(thr_dkv, acc, m_out, m_owned, owns, offset_k, head_kv, n_block,
                                 seqlen_k)
-
-    @cute.jit
-    def consume_split(
-        self, tidx: Int32, walk, kv_consumer, q_consumer, do_consumer,
-        tiled_mma_sdp: cute.TiledMma, tiled_mma_dkv: cute.TiledMma, sQ, sdO, sK, sV, sLSE,
-        sDPsum, exchange, dkv_out, softmax_scale: Float32, scale_log2: Float32,
-        block_range: BlockRange, n_block: Int32, head_kv: Int32, offset_k: Int32,
-        seqlen_q: Int32, seqlen_k: Int32, mDS: Optional[cute.Tensor] = None,
-    ):
-        """`split_head_dim`: the consumer warpgroups' whole CTA. Warpgroup 0 walks the steps
-        computing S^T and P^T (`split_step_scores`), warpgroup 1 dP^T and dS^T
-        (`split_step_grads`); they hand each other P^T and dS^T through the exchange buffers
-        (two steps deep, by step parity), and each adds dV += P^T dO and dK += dS^T Q into its
-        half of the head dim. Then both store their halves of dK and dV."""
-        mdK, mdV, mdKOut, mdVOut, owns = dkv_out
-        wg = cute.arch.make_warp_uniform(tidx // _WARPGROUP)
-        # S^T / dP^T: one warpgroup's MMA, each warpgroup its own tile of products.
-        thr_sdp = tiled_mma_sdp.get_slice(tidx % _WARPGROUP)
-        wg_sdp = warpgroup_slice(tiled_mma_sdp, Int32(0))
-        # dK, dV: the two warpgroups' halves of the columns.
-        thr_dkv = tiled_mma_dkv.get_slice(tidx)
-        wg_dkv = warpgroup_slice(tiled_mma_dkv, tidx)
-        operands = dict(
-            tSrK=wg_sdp.make_fragment_A(wg_sdp.partition_A(sK)),
-            tSrV=wg_sdp.make_fragment_A(wg_sdp.partition_A(sV)),
-            tSrQ=wg_sdp.make_fragment_B(wg_sdp.partition_B(sQ)),
-            tSrdO=wg_sdp.make_fragment_B(wg_sdp.partition_B(sdO)),
-            tdKrQ=wg_dkv.make_fragment_B(wg_dkv.partition_B(transposed(sQ))),
-            tdVrdO=wg_dkv.make_fragment_B(wg_dkv.partition_B(transposed(sdO))))
-        acc_s = thr_sdp.make_fragment_C(thr_sdp.partition_shape_C((self.tile_n, self.tile_m)))
-        acc_dk = thr_dkv.make_fragment_C(thr_dkv.partition_shape_C((self.tile_n, self.head_dim)))
-        acc_dv = thr_dkv.make_fragment_C(thr_dkv.partition_shape_C((self.tile_n, self.head_dim)))
-        acc_dk.fill(0.0)
-        acc_dv.fill(0.0)
-        tensors = SplitStepTensors(
-            tidx=tidx, acc_s=acc_s, acc_dk=acc_dk, acc_dv=acc_dv,
-            r_p=cute.make_rmem_tensor(acc_as_a_operand_layout(acc_s.layout), self.dtype),
-            r_ds=cute.make_rmem_tensor(acc_as_a_operand_layout(acc_s.layout), self.dtype),
-            t_coord=thr_sdp.partition_C(cute.make_identity_tensor((self.tile_n, self.tile_m))),
-            sLSE=sLSE, sDPsum=sDPsum, sP=exchange[0], sdS=exchange[1], scale_log2=scale_log2,
-            block_range=block_range, n_block=n_block, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
-            mDS=mDS, **operands)
-        kv_handle = kv_consumer.wait_and_advance()
-        state = (q_consumer, do_consumer, tiled_mma_sdp, tiled_mma_dkv, Int32(0))
-        if wg == 0:
-            walk(partial(self.split_step_scores, t=tensors), state)
-        else:
-            walk(partial(self.split_step_grads, t=tensors), state)
-        kv_handle.release()
-        acc_dk.store(acc_dk.load() * softmax_scale)
-        for acc, m_out, m_owned in ((acc_dk, mdK, mdKOut), (acc_dv, mdV, mdVOut)):
-            self.store_keys(thr_dkv, acc, m_out, m_owned, owns, offset_k, head_kv, n_block,
-                            seqlen_k)
-
-    @cute.jit
-    def split_step_scores(
-        self, head: Int32, m_block: Int32, mask: cutlass.Constexpr, needs_mask, q_consumer,
-        do_consumer, tiled_mma_sdp: cute.TiledMma, tiled_mma_dkv: cute.TiledMma, step: Int32,
-        t: SplitStepTensors, ds_tile: Optional[Int32] = None,
-    ):
-        """`split_head_dim`, warpgroup 0's step: S^T = K Q^T, P^T, handed over in float32;
-        dV += P^T dO on its columns; then dK += dS^T Q once warpgroup 1 has handed dS^T over."""
-        stages = self.spec.q_stages
-        buffer = step % 2
-        q_handle = q_consumer.wait_and_advance()
-        q_stage = stage_index(q_handle, stages)
-        tiled_mma_sdp = gemm(tiled_mma_sdp, t.acc_s, t.tSrK[None, None, None, 0],
-                             t.tSrQ[None, None, None, q_stage], zero_init=True)
-        s_mn = acc_mn_view(t.acc_s)
-        c_mn = acc_mn_view(t.t_coord)
-        num_cols = cute.size(s_mn, mode=[1])
-        r_lse = cute.make_rmem_tensor(cute.make_layout(num_cols), Float32)
-        for c in cutlass.range_constexpr(num_cols):
-            r_lse[c] = t.sLSE[c_mn[0, c][1], q_stage]
-        do_handle = do_consumer.wait_and_advance()
-        do_stage = stage_index(do_handle, stages)
-        warpgroup.wait_group(0)
-        if needs_mask:
-            apply_mask_keys_as_rows(t.acc_s, t.t_coord, t.block_range, t.n_block, m_block,
-                                    t.seqlen_q, t.seqlen_k, True)
-        for c in cutlass.range_constexpr(num_cols):
-            for r in cutlass.range_constexpr(cute.size(s_mn, mode=[0])):
-                s_mn[r, c] = cute.math.exp2(s_mn[r, c] * t.scale_log2 - r_lse[c], fastmath=True)
-        cute.autovec_copy(cute.make_tensor(t.acc_s.iterator, cute.make_layout(cute.size(t.acc_s))),
-                          self.exchanged_p(t, buffer))
-        cute.arch.barrier_arrive(barrier_id=_P_EXCHANGED_BARRIER,
-                                 number_of_threads=2 * _WARPGROUP)
-        cute.make_tensor(t.r_p.iterator, t.acc_s.layout).store(t.acc_s.load().to(self.dtype))
-        tiled_mma_dkv = gemm(tiled_mma_dkv, t.acc_dv, t.r_p, t.tdVrdO[None, None, None, do_stage],
-                             zero_init=False)
-        cute.arch.barrier(barrier_id=_DS_EXCHANGED_BARRIER, number_of_threads=2 * _WARPGROUP)
-        load_ds_tile(t.sdS[None, buffer].iterator, t.tidx,
-                     cute.make_tensor(t.r_ds.iterator, t.acc_s.layout))
-        tiled_mma_dkv = gemm(tiled_mma_dkv, t.acc_dk, t.r_ds, t.tdKrQ[None, None, None, q_stage],
-                             zero_init=False)
-        warpgroup.wait_group(0)
-        q_handle.release()
-        do_handle.release()
-        return q_consumer, do_consumer, tiled_mma_sdp, tiled_mma_dkv, step + 1
-
-    @cute.jit
-    def split_step_grads(
-        self, head: Int32, m_block: Int32, mask: cutlass.Constexpr, needs_mask, q_consumer,
-        do_consumer, tiled_mma_sdp: cute.TiledMma, tiled_mma_dkv: cute.TiledMma, step: Int32,
-        t: SplitStepTensors, ds_tile: Optional[Int32] = None,
-    ):
-        """`split_head_dim`, warpgroup 1's step: dP^T = V dO^T; with warpgroup 0's P^T,
-        dS^T = P^T (dP^T - dO.O) (exactly 0 where P is), handed over (and stored for the dQ
-        kernel with `stores_ds`); dV += P^T dO and dK += dS^T Q on its columns."""
-        stages = self.spec.q_stages
-        buffer = step % 2
-        do_handle = do_consumer.wait_and_advance()
-        do_stage = stage_index(do_handle, stages)
-        tiled_mma_sdp = gemm(tiled_mma_sdp, t.acc_s, t.tSrV[None, None, None, 0],
-                             t.tSrdO[None, None, None, do_stage], zero_init=True)
-        dp_mn = acc_mn_view(t.acc_s)
-        c_mn = acc_mn_view(t.t_coord)
-        num_cols = cute.size(dp_mn, mode=[1])
-        r_dpsum = cute.make_rmem_tensor(cute.make_layout(num_cols), Float32)
-        for c in cutlass.range_constexpr(num_cols):
-            r_dpsum[c] = t.sDPsum[c_mn[0, c][1], do_stage]
-        q_handle = q_consumer.wait_and_advance()
-        q_stage = stage_index(q_handle, stages)
-        p = cute.make_rmem_tensor(t.acc_s.layout, Float32)
-        warpgroup.wait_group(0)
-        cute.arch.barrier(barrier_id=_P_EXCHANGED_BARRIER, number_of_threads=2 * _WARPGROUP)
-        cute.autovec_copy(self.exchanged_p(t, buffer),
-                          cute.make_tensor(p.iterator, cute.make_layout(cute.size(p))))
-        p_mn = acc_mn_view(p)
-        for c in cutlass.range_constexpr(num_cols):
-            for r in cutlass.range_constexpr(cute.size(dp_mn, mode=[0])):
-                ds = p_mn[r, c] * (dp_mn[r, c] - r_dpsum[c])
-                dp_mn[r, c] = ds if p_mn[r, c] != Float32(0.0) else Float32(0.0)
-        r_ds_as_acc = cute.make_tensor(t.r_ds.iterator, t.acc_s.layout)
-        r_ds_as_acc.store(t.acc_s.load().to(self.dtype))
-        store_ds_tile(r_ds_as_acc, t.sdS[None, buffer].iterator, t.tidx)
-        cute.arch.barrier_arrive(barrier_id=_DS_EXCHANGED_BARRIER,
-                                 number_of_threads=2 * _WARPGROUP)
-        cute.make_tensor(t.r_p.iterator, t.acc_s.layout).store(p.load().to(self.dtype))
-        tiled_mma_dkv = gemm(tiled_mma_dkv, t.acc_dv, t.r_p, t.tdVrdO[None, None, None, do_stage],
-                             zero_init=False)
-        tiled_mma_dkv = gemm(tiled_mma_dkv, t.acc_dk, t.r_ds, t.tdKrQ[None, None, None, q_stage],
-                             zero_init=False)
-        if const_expr(self.spec.stores_ds):
-            store_ds_tile(r_ds_as_acc, t.mDS[ds_tile, None].iterator, t.tidx)
-        warpgroup.wait_group(0)
-        q_handle.release()
-        do_handle.release()
-        return q_consumer, do_consumer, tiled_mma_sdp, tiled_mma_dkv, step + 1
-
-    def exchanged_p(self, t: SplitStepTensors, buffer: Int32) -> cute.Tensor:
-        """This thread's values of step buffer `buffer`'s float32 P^T (register order, 16-byte
-        vectors: kernels/sm90/dq_accumulator.py `fragment_layout`)."""
-        handed = cute.make_tensor(t.sP[None, buffer].iterator,
-                                  fragment_layout(self.tile_n * self.tile_m))
-        return handed[None, t.tidx % _WARPGROUP]
 
     @cute.jit
     def consume_turn(self, head: Int32, m_block: Int32, mask: cutlass.Constexpr, needs_mask,

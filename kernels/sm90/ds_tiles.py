@@ -82,13 +82,3 @@ def transpose_8x8(word: Int32, *, loc=None, ip=None) -> Int32:
         T.i32(), [Int32(word).ir_value(loc=loc, ip=ip)],
         "movmatrix.sync.aligned.m8n8.trans.b16 $0, $1;", "=r,r",
         has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
-
-
-@cute.jit
-def load_ds_tile(tile: cute.Pointer, tidx: Int32, values: cute.Tensor):
-    """The inverse of `store_ds_tile`: this thread's 32 16-bit values of the tile at `tile`
-    back into `values`, in the same register order (four 16-byte loads). The split-head-dim
-    backward hands dS^T from one consumer warpgroup to the other so, through shared memory
-    (`BwdSpec.split_head_dim`: the two warpgroups' fragments match value for value)."""
-    mine = cute.make_tensor(tile, _kv_side_layout())[None, tidx % _WARPGROUP]
-    cute.autovec_copy(mine, cute.make_tensor(values.iterator, cute.make_layout(cute.size(mine))))

@@ -318,10 +318,6 @@ class BwdSpec:
     score_stage_bias: bool = False  # a 16-bit bias's tile copied to smem by cp.async at each
                                     # step (rows 16 bytes apart; KV tiles inside the keys) and
                                     # read there on S^T, instead of cell by cell from global
-    split_head_dim: bool = False  # 64-key tiles beside the dQ kernel: two consumer warpgroups
-                                  # on the tile, one CTA per SM; warpgroup 0 computes S^T and
-                                  # P^T, warpgroup 1 dP^T and dS^T, exchanged through smem, and
-                                  # each keeps half of dK's and dV's columns
     stores_ds: bool = False    # 64-key lists beside the dQ kernel: each step's dS^T is stored
                                # (input dtype, one 64 x 64 tile per forward-list slot, query
                                # head and 64-row half) for the dQ kernel to read
@@ -342,7 +338,7 @@ class BwdSpec:
         each takes every other step of the walk, so one's exponentials run while the other's
         products do, at 240 registers per thread (two 64-key CTAs per SM have 232, and ptxas
         serialises every wgmma there)."""
-        return 2 if self.alternate_steps or self.split_head_dim else self.key_warpgroups
+        return 2 if self.alternate_steps else self.key_warpgroups
 
     @property
     def warpgroups_per_step(self) -> int:
@@ -355,8 +351,7 @@ class BwdSpec:
         At head dim 128 two CTAs leave 232 registers per consumer thread, and ptxas then
         serialises every wgmma of the kernel (SASS: a wait after each of the 48 HGMMAs);
         `one_cta_per_sm` gives it 240, where the products overlap the softmax again."""
-        return 2 if self.tile_n == 64 and not (self.one_cta_per_sm or self.alternate_steps
-                                                or self.split_head_dim) else 1
+        return 2 if self.tile_n == 64 and not (self.one_cta_per_sm or self.alternate_steps) else 1
 
     @property
     def dv_before_ds(self) -> bool:
@@ -385,7 +380,7 @@ class BwdSpec:
         share of the columns, or with 128-row steps its own rows; not 64-key tiles at head dim
         128) and two Q stages; its float32 sums land in any order, so not in the
         deterministic mode."""
-        if self.alternate_steps or self.split_head_dim:
+        if self.alternate_steps:
             return False  # dQ staging would need a buffer per warpgroup and step
         if self.dq_rows_per_warpgroup:
             one_pass = self.num_consumer_warpgroups * 64 == self.tile_m
@@ -446,9 +441,6 @@ class BwdSpec:
                 self.num_consumer_warpgroups)
         if self.score_stage_bias:
             size = aligned(size, 128) + 2 * self.tile_m * (self.tile_n + STAGED_BIAS_PAD)
-        if self.split_head_dim:  # two buffers each of float32 P^T and 16-bit dS^T
-            size = aligned(size, 1024) + 2 * 4 * self.tile_n * self.tile_m
-            size = aligned(size, 1024) + 2 * 2 * self.tile_n * self.tile_m
         return size
 
     def fits_in_smem(self) -> bool:
@@ -546,11 +538,6 @@ FUSED_DQ_MIN_LIST_WIDTH = {64: 16, 128: 32}
 # 64-key lists 5.70 -> 5.84 ms at 16K, 100.4 -> 114.3 at 64K; NSA-like 16 x 64 per group
 # 2.65 -> 2.69 at 16K): kept as a tuner variant, not dispatched.
 ALTERNATE_STEPS_AT_64_KEYS = False
-# 64-key tiles beside the dQ kernel with the tile's products split between two consumer
-# warpgroups (`BwdSpec.split_head_dim`, 2026-11-30): S^T and P^T on one, dP^T and dS^T on the
-# other, each half of dK's and dV's columns (about 130 registers a thread, so no serialised
-# wgmma). Built and compiled for sm_90a on the CPU; not yet run on a GPU, so not dispatched.
-SPLIT_HEAD_DIM_AT_64_KEYS = False
 # Causal compressed keys: CTAs in order of decreasing work (`BwdSpec.heavy_first`). KV tile n
 # of a compressed causal call walks the query tiles from n * 128 * cf on, so its work falls
 # linearly with n; launched head by head, the heavy tiles of the last heads start late (a
@@ -681,8 +668,6 @@ def choose_backward_spec(
         compressed=compress_factor != 1, deterministic=bool(deterministic), tile_n=tile_n,
         tile_m=tile_m, q_stages=q_stages,
         alternate_steps=ALTERNATE_STEPS_AT_64_KEYS and tile_n == 64,
-        split_head_dim=(SPLIT_HEAD_DIM_AT_64_KEYS and tile_n == 64 and tile_m == 64
-                        and not ALTERNATE_STEPS_AT_64_KEYS),
         heavy_first=(HEAVY_FIRST_COMPRESSED_CAUSAL and compress_factor != 1 and bool(causal)
                      and sparse_block_size is None),
         # NSA lists block 0 in every query tile: one work unit per KV block would run N/128

@@ -577,26 +577,6 @@ def test_fused_dq_list_units_backward_matches_fallback(case: Case, chunk, monkey
 
 @requires_sm90
 @pytest.mark.gpu
-@pytest.mark.parametrize("ds_tiles", [True, False], ids=["ds-tiles", "dq-recomputes"])
-@pytest.mark.parametrize("case", DS_TILE_CASES, ids=lambda case: case.id)
-def test_split_head_dim_backward_matches_fallback(case: Case, ds_tiles, monkeypatch):
-    """The 64-key list cases with one tile's products shared by two consumer warpgroups
-    (`BwdSpec.split_head_dim`: P^T and dS^T handed over through smem, each warpgroup half of
-    dK's and dV's columns), beside the dQ kernel reading the dS tiles or recomputing; the
-    launches checked for the variant."""
-    from kernels.sm90 import backward
-    from kernels.sm90 import spec as sm90_spec
-
-    monkeypatch.setattr(sm90_spec, "SPLIT_HEAD_DIM_AT_64_KEYS", True)
-    monkeypatch.setattr(backward, "DS_TILES", ds_tiles)
-    launched = record_backward_launches(monkeypatch)
-    check_against_fallback(case)
-    assert launched and all(spec.split_head_dim and spec.stores_ds == ds_tiles
-                            for spec in launched)
-
-
-@requires_sm90
-@pytest.mark.gpu
 @pytest.mark.parametrize("case", ALTERNATE_STEPS_CASES, ids=lambda case: case.id)
 def test_alternate_steps_backward_matches_fallback(case: Case, monkeypatch):
     """The 64-key list cases with two consumer warpgroups taking alternate query steps of one

@@ -259,32 +259,6 @@ def test_backward_issues_dv_before_ds_except_where_the_wgmmas_are_serialised():
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])
-def test_split_head_dim_backward_variants_compile_for_sm90a(head_dim):
-    """One 64-key tile's products shared by two consumer warpgroups (`BwdSpec.split_head_dim`:
-    S^T and P^T on one, dP^T and dS^T on the other, each half of dK's and dV's columns; a
-    switch, dispatched only when `SPLIT_HEAD_DIM_AT_64_KEYS` is set): split lists into given
-    float32 sums, with and without the dS tiles, a whole group's walk, and the deterministic
-    mode compile, one CTA per SM, with the shared storage `BwdSpec.smem_bytes` says."""
-    from kernels.sm90.bwd_sm90 import FlashAttentionBackwardSm90
-    from kernels.sm90.spec import SPLIT_HEAD_DIM_AT_64_KEYS
-
-    base = _backward_spec("bfloat16", head_dim, "selected-sparse64")
-    assert base.split_head_dim == SPLIT_HEAD_DIM_AT_64_KEYS
-    deterministic = _backward_spec("bfloat16", head_dim, "selected-sparse64", deterministic=True)
-    into_sums = with_dkv_destination(dataclasses.replace(base, split_head_dim=True), True)
-    variants = [into_sums, dataclasses.replace(into_sums, stores_ds=True),
-                dataclasses.replace(base, split_head_dim=True, split_lists=False),
-                dataclasses.replace(deterministic, split_head_dim=True, stores_ds=True)]
-    for spec in variants:
-        assert spec.ctas_per_sm == 1 and spec.num_consumer_warpgroups == 2
-        assert spec.warpgroups_per_step == 2 and spec.key_warpgroups == 1
-        assert not spec.can_fuse_dq and spec.fits_in_smem()
-        kernel = FlashAttentionBackwardSm90(spec)
-        compile_backward_kernel_on_fake_tensors(kernel)
-        assert kernel.shared_storage.size_in_bytes() == spec.smem_bytes
-
-
-@pytest.mark.parametrize("head_dim", [64, 128])
 def test_alternate_steps_backward_variants_compile_for_sm90a(head_dim):
     """Two consumer warpgroups on alternate query steps of one 64-key tile
     (`BwdSpec.alternate_steps`; a tuner and GPU-test switch, dispatched only when
