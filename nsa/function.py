@@ -59,9 +59,6 @@ SHARED_GATE_PASS = True
 # reads them row by row (`KeyValueGradients.finish`); False: expanded to the keys' rows in
 # float32 at once and added into (the switch for the A/B).
 FINISH_COMPRESSED_DKV = True
-# The window branch's forward launched before compression and selection (`packed_forward`);
-# False: after them, in the branches' order (the switch for the A/B).
-WINDOW_FIRST = True
 
 
 class NSAFunction(torch.autograd.Function):
@@ -129,29 +126,19 @@ def packed_forward(q: Tensor, k: Tensor, v: Tensor, W_k: Tensor | None, W_v: Ten
     combine=False (with keep_outputs): out is the `GatedSum` of the kept outputs, not yet
     summed; each `sum_copy()` writes the sum into a new tensor (nsa/captured.py sums outside
     its graph, straight into the tensor it returns)."""
-    if not combine and not keep_outputs:
-        raise ValueError("combine=False needs keep_outputs=True (the sum reads the outputs)")
-    # The window branch reads q, k and v alone, so its forward is launched first: the GPU runs
-    # it while the host compresses, selects and plans the other two (an eager call on an idle
-    # GPU otherwise waits for that host work before its first attention kernel). The sum and
-    # the branches' order are as before.
-    window = planned_window_branch(cu_seqlens, sequences, config, queries) \
-        if WINDOW_FIRST else None
-    window_result = window.forward(q, k, v) if window is not None else None
     branches, cu_seqlens_cmp, k_cmp, v_cmp = compress_and_plan(q, k, v, W_k, W_v, cu_seqlens,
-                                                               sequences, config, queries, window)
+                                                               sequences, config, queries)
     k_cmp, v_cmp = k_cmp.to(k.dtype), v_cmp.to(v.dtype)
 
     # One pass over the branch outputs on sm90; elsewhere a float32 sum that frees each
     # output as it is added (kernels/gated_sum.py), unless they are kept.
+    if not combine and not keep_outputs:
+        raise ValueError("combine=False needs keep_outputs=True (the sum reads the outputs)")
     out = GatedSum(gate_weights(q, W_gate, config.branches), like=q, keep_terms=keep_outputs)
     lses, outputs = [], []
     for branch in branches:
         keys, values = (k_cmp, v_cmp) if branch.reads_compressed else (k, v)
-        if branch is window:
-            (branch_out, lse), window_result = window_result, None
-        else:
-            branch_out, lse = branch.forward(q, keys, values)
+        branch_out, lse = branch.forward(q, keys, values)
         out.add(branch.index, branch_out)
         lses.append(lse)
         if keep_outputs:
@@ -164,14 +151,12 @@ def packed_forward(q: Tensor, k: Tensor, v: Tensor, W_k: Tensor | None, W_v: Ten
 
 def compress_and_plan(q: Tensor, k: Tensor, v: Tensor | None, W_k: Tensor | None,
                       W_v: Tensor | None, cu_seqlens: Tensor, sequences: PackedSequences,
-                      config: NSAConfig, queries: QueryRows | None = None,
-                      window: Branch | None = None
+                      config: NSAConfig, queries: QueryRows | None = None
                       ) -> tuple[list[Branch], Tensor, Tensor, Tensor | None]:
     """Compressed keys and values, selection and the branches: (branches, the compressed
     cu_seqlens, k_cmp and v_cmp in the compute dtype, k_cmp the one the selection scores read;
     v None gives v_cmp None). Deterministic, so a later call plans the same branches
-    (nsa/ops.py's backward). window: the window branch `planned_window_branch` gave, taken
-    into the list as it is (else planned here)."""
+    (nsa/ops.py's backward)."""
     # A function of the host bounds and l: kept across calls (sparsity/host_cache.py)
     cu_seqlens_cmp = cached(("compressed cu_seqlens", sequences.cu_seqlens,
                              config.compress_block_size), cu_seqlens,
@@ -179,8 +164,7 @@ def compress_and_plan(q: Tensor, k: Tensor, v: Tensor | None, W_k: Tensor | None
     starts = compressed_starts(cu_seqlens, cu_seqlens_cmp, sequences, config)
     xs, weights = ((k,), (W_k,)) if v is None else ((k, v), (W_k, W_v))
     k_cmp, *v_cmp = compress_pair(xs, starts, config.compress_block_size, weights)
-    branches = _plan_branches(q, k_cmp, cu_seqlens, cu_seqlens_cmp, sequences, config, queries,
-                              window)
+    branches = _plan_branches(q, k_cmp, cu_seqlens, cu_seqlens_cmp, sequences, config, queries)
     return branches, cu_seqlens_cmp, k_cmp, v_cmp[0] if v_cmp else None
 
 
@@ -443,13 +427,11 @@ def compressed_starts(cu_seqlens: Tensor, cu_seqlens_cmp: Tensor, sequences: Pac
 
 def _plan_branches(q: Tensor, k_cmp: Tensor, cu_seqlens: Tensor, cu_seqlens_cmp: Tensor,
                    sequences: PackedSequences, config: NSAConfig,
-                   queries: QueryRows | None = None, window: Branch | None = None
-                   ) -> list[Branch]:
+                   queries: QueryRows | None = None) -> list[Branch]:
     """Select blocks (scored against k_cmp in the compute dtype); describe the branches that run."""
     selection = select_for_branches(q, k_cmp, cu_seqlens, cu_seqlens_cmp, sequences, config,
                                     queries)
-    return describe_branches(selection, cu_seqlens, cu_seqlens_cmp, sequences, config, queries,
-                             window)
+    return describe_branches(selection, cu_seqlens, cu_seqlens_cmp, sequences, config, queries)
 
 
 def select_for_branches(q: Tensor, k_cmp: Tensor, cu_seqlens: Tensor, cu_seqlens_cmp: Tensor,
@@ -466,12 +448,9 @@ def select_for_branches(q: Tensor, k_cmp: Tensor, cu_seqlens: Tensor, cu_seqlens
 
 def describe_branches(selection, cu_seqlens: Tensor, cu_seqlens_cmp: Tensor,
                       sequences: PackedSequences, config: NSAConfig,
-                      queries: QueryRows | None = None, window: Branch | None = None
-                      ) -> list[Branch]:
+                      queries: QueryRows | None = None) -> list[Branch]:
     """The branches that run, their block-sparse lists built from `selection`
-    (`select_blocks`' result); `window`: the window branch already planned
-    (`planned_window_branch`). tools/profile_nsa_forward.py times the stages as they run
-    here."""
+    (`select_blocks`' result). tools/profile_nsa_forward.py times the stages as they run here."""
     scale, max_seqlen, host = config.softmax_scale, sequences.max_seqlen, sequences.cu_seqlens
     host_cmp = sequences.compressed_cu_seqlens(config.compress_block_size)
     branches = [
@@ -487,19 +466,8 @@ def describe_branches(selection, cu_seqlens: Tensor, cu_seqlens_cmp: Tensor,
                         host_cu_seqlens=host, block_sparse=selection.selected_lists,
                         queries=queries),
     ]
-    if window is None:
-        window = planned_window_branch(cu_seqlens, sequences, config, queries)
-    if window is not None:
-        branches.append(window)
+    if config.window_size > 0:
+        branches.append(window_branch(cu_seqlens, window_size=config.window_size,
+                                      softmax_scale=scale, max_seqlen=max_seqlen,
+                                      host_cu_seqlens=host, queries=queries))
     return branches
-
-
-def planned_window_branch(cu_seqlens: Tensor, sequences: PackedSequences, config: NSAConfig,
-                          queries: QueryRows | None = None) -> Branch | None:
-    """The window branch of this call (None without a window): it needs neither the
-    compressed keys nor the selection."""
-    if config.window_size <= 0:
-        return None
-    return window_branch(cu_seqlens, window_size=config.window_size,
-                         softmax_scale=config.softmax_scale, max_seqlen=sequences.max_seqlen,
-                         host_cu_seqlens=sequences.cu_seqlens, queries=queries)

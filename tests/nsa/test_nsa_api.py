@@ -227,31 +227,3 @@ def test_activation_checkpointing_gives_the_plain_gradients(reentrant):
     (out, grads), (plain_out, plain_grads) = run(True), run(False)
     assert torch.equal(out, plain_out)
     assert all(torch.equal(g, p) for g, p in zip(grads, plain_grads))
-
-
-@pytest.mark.parametrize("window_size", [0, 16])
-def test_window_branch_runs_before_compression(window_size, monkeypatch):
-    """The window branch needs neither the compressed keys nor the selection, so its forward
-    is launched first (an eager call's GPU runs it while the host compresses and selects);
-    the other branches follow in their order, and the result is the reference's."""
-    import nsa.function as function
-    from nsa.branches import COMPRESSED, SELECTED, WINDOW, Branch
-
-    calls = []
-    compress_pair, branch_forward = function.compress_pair, Branch.forward
-
-    def recorded_compress(*args, **kwargs):
-        calls.append("compress")
-        return compress_pair(*args, **kwargs)
-
-    def recorded_forward(self, *args, **kwargs):
-        calls.append(self.index)
-        return branch_forward(self, *args, **kwargs)
-
-    monkeypatch.setattr(function, "compress_pair", recorded_compress)
-    monkeypatch.setattr(Branch, "forward", recorded_forward)
-    x = random_inputs([70, 45], 4, 2, 16, seed=3)
-    out, ref, _, _ = _nsa_and_reference(x, torch.float64, window_size=window_size)
-    first = [WINDOW] if window_size else []
-    assert calls == [*first, "compress", COMPRESSED, SELECTED]
-    assert rel_err(out, ref) < 1e-10
