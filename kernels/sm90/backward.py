@@ -37,7 +37,7 @@ from kernels.sm90.launch import (aligned_rows, as_cute, has_aligned_rows, launch
                                  launch_on_current_stream, query_positions, uniform_cu_seqlens)
 from kernels.sm90.limits import GRID_YZ_MAX, require_int32_limits
 from kernels.sm90.spec import (BACKWARD_DENSE_TILE_N, DS_TILE_ELEMENTS, H100_NUM_SMS,
-                               choose_backward_spec, dq_spec_for, ds_tile_bytes, list_shape)
+                               choose_backward_spec, dq_spec_for, ds_tile_count, list_shape)
 from kernels.sm90.spec import QUERY_SLOT_ROWS as SLOT_ROWS  # `QueryTiles`' tile rows
 
 SUPPORTED_HEAD_DIMS = (64, 128)
@@ -63,7 +63,7 @@ OWNED_DKV_STORES = True
 _CHUNK_ROWS = 32768
 # 64-key lists beside the dQ kernel: the KV-centric kernel stores each step's dS^T and the dQ
 # kernel multiplies it (`BwdSpec.stores_ds`, kernels/sm90/bwd_dq_from_ds.py: one product per
-# step instead of recomputing S and dP) where the tiles (`ds_tile_bytes`: 16 KiB per forward
+# step instead of recomputing S and dP) where the tiles (`ds_tile_count`: 16 KiB per forward
 # list slot and query head at 16 bits) take at most DS_TILES_MEMORY_FRACTION of the device's
 # memory; they live through this backward call alone. False: the dQ kernel always recomputes
 # (a switch for the A/B). NSA at H=32, 16 selected blocks: 5.1 GB at 64K tokens (within an
@@ -321,10 +321,9 @@ def run(
             lists = (csr.offsets, csr.index, csr.mask_count, csr.row_block_offsets)
             if _stores_ds(spec, block_sparse, csr, num_heads, q, max_seqlen_q):
                 spec = dataclasses.replace(spec, stores_ds=True)
-                ds_tiles = (csr.slot, torch.empty(
-                    ds_tile_bytes(block_sparse, num_heads, q.element_size())
-                    // (DS_TILE_ELEMENTS * q.element_size()), DS_TILE_ELEMENTS, dtype=q.dtype,
-                    device=q.device))
+                ds_tiles = (csr.slot, torch.empty(ds_tile_count(block_sparse, num_heads),
+                                                  DS_TILE_ELEMENTS, dtype=q.dtype,
+                                                  device=q.device))
             if spec.split_lists:
                 chunk = list_chunk(csr, spec)
                 units = work_units(csr, chunk, head_major=head_major_units)
@@ -397,7 +396,8 @@ def _stores_ds(spec, block_sparse, csr, num_heads: int, q, max_seqlen_q: int) ->
             and -(-max_seqlen_q // 64) <= GRID_YZ_MAX):
         return False
     budget = total_memory(q.device) * DS_TILES_MEMORY_FRACTION
-    return ds_tile_bytes(block_sparse, num_heads, q.element_size()) <= budget
+    tile_bytes = DS_TILE_ELEMENTS * q.element_size()
+    return ds_tile_count(block_sparse, num_heads) * tile_bytes <= budget
 
 
 def with_dkv_destination(spec, into_caller_sums: bool, unwritten: bool = False):

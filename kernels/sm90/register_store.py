@@ -78,4 +78,3 @@ def reduce_rows_from_registers(thr_mma, acc: cute.Tensor, m_out: cute.Tensor, of
                 pair = _column_pair(c, col_groups)
                 cute.arch.red(g_mn[r, pair].iterator, a_mn[r, pair].load(), op="add",
                               dtype="f32", sem="relaxed", scope="gpu")
-

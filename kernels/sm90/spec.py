@@ -750,10 +750,10 @@ DS_CTAS_PER_SM = 2
 DS_KV_STAGES = 4
 
 
-def ds_tile_bytes(block_sparse, num_heads: int, element_size: int) -> int:
-    """Bytes of the dS tiles a `stores_ds` backward keeps: two 64 x 64 tiles per forward-list
-    slot (full and mask, padded widths included) and query head of the list
+def ds_tile_count(block_sparse, num_heads: int) -> int:
+    """The dS tiles a `stores_ds` backward keeps, of DS_TILE_ELEMENTS each: two 64 x 64 tiles
+    per forward-list slot (full and mask, padded widths included) and query head of the list
     (kernels/sm90/ds_tiles.py)."""
     slots = block_sparse.full_index.numel() + block_sparse.mask_index.numel()
     heads_per_list = num_heads // block_sparse.full_count.shape[1]
-    return slots * heads_per_list * 2 * DS_TILE_ELEMENTS * element_size
+    return slots * heads_per_list * 2
