@@ -350,6 +350,12 @@ class KernelBackward:
                           **self._forward_kwargs)
         return True
 
+    @property
+    def fuses_dq(self) -> bool:
+        """Whether the planned backward adds its dQ into float32 sums (a ``DqSums`` given to
+        ``backward`` takes it, unconverted) rather than writing dq from its dQ kernel."""
+        return self._backward.fuses_dq(self.q, self.k, **self._backward_kwargs)
+
     def backward(self, dout, lse, *, dout_dot_out, lse_gate=None, dq_accumulator=None,
                  dkv_accumulators=None, dq_sums=None):
         """``attention_backward_trusted`` of the planned call with ``dout_dot_out`` (out not

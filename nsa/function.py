@@ -52,6 +52,11 @@ SHARED_DQ_SUMS = True
 # the fused branches' `DqSums` into its dQ (no conversion pass); False: the sums are converted
 # at the end (the switch for the A/B).
 SELECTED_CONSUMES_DQ_SUMS = True
+# Where the selected branch consumes the sums and a later branch fuses dQ into them, the first
+# branch on the dQ kernel (the compressed one) stores its dQ as the sums' first values instead
+# of writing dq (`DqSums.stores_first`): the sums are never zeroed and the consuming call reads
+# no 16-bit dq back; False: it writes dq (the switch for the A/B).
+DQ_KERNEL_OPENS_SUMS = True
 # With the branch outputs kept, one pass over dO writes every branch's gate gradient
 # (`branches_gate_gradients`); False: a pass per branch (the switch for the A/B).
 SHARED_GATE_PASS = True
@@ -225,11 +230,21 @@ def packed_gradients(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, W_k: Tensor 
     # kept and recomputed outputs give the same bits there.
     consumes = (kept_all and SELECTED_CONSUMES_DQ_SUMS and SHARED_DQ_SUMS
                 and not config.deterministic and not kernels_unavailable(q.device))
-    dq_sums = DqSums(consumes=consumes) if SHARED_DQ_SUMS else None
+    order = backward_order(branches, selected_last=consumes)
+    options = {branch.index: dict(deterministic=config.deterministic,
+                                  block_sparse_transposed=transposed[branch.index])
+               for branch in branches}
+    # The plans of the branches on k and v (the compressed keys come in the loop): whether one
+    # of them fuses dQ decides whether the first call on the dQ kernel opens the sums.
+    plans = {position: _plan_backward(branches[position], q, k, v, options)
+             for position in order if not branches[position].reads_compressed}
+    stores_first = (consumes and DQ_KERNEL_OPENS_SUMS
+                    and any(plan is not None and plan.fuses_dq for plan in plans.values()))
+    dq_sums = DqSums(consumes=consumes, stores_first=stores_first) if SHARED_DQ_SUMS else None
     # With every branch's output kept, their gate gradients come from one pass over dO.
     gates_written = kept_all and branches_gate_gradients(dout, outputs, branches, d_gates)
     branch: Branch
-    for position in backward_order(branches, selected_last=consumes):
+    for position in order:
         branch, lse = branches[position], lses[position]
         if branch.reads_compressed:
             starts = compressed_starts(cu_seqlens, cu_seqlens_cmp, sequences, config)
@@ -246,11 +261,8 @@ def packed_gradients(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, W_k: Tensor 
             if dk is None:  # this branch writes them first: no zeroing where it stores
                 dk, dv = (torch.empty(x.shape, dtype=dtype, device=x.device) for x in (k, v))
                 accumulators = UnwrittenDkvSums((dk, dv))
-        options = dict(deterministic=config.deterministic,
-                       block_sparse_transposed=transposed[branch.index])
-        # (No rows: the kernel path's checks would stand dO in for the absent output, and an
-        # empty dO may have any strides.)
-        plan = branch.plan_backward(q, keys, values, **options) if q.shape[0] > 0 else None
+        plan = (plans[position] if position in plans
+                else _plan_backward(branch, q, keys, values, options))
         on_kernel = plan is not None
         step = None
         if position < len(outputs):
@@ -267,7 +279,8 @@ def packed_gradients(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, W_k: Tensor 
         dq, dk_b, dv_b = branch.backward(step.dout, q, keys, values, step.out, step.lse,
                                          dout_dot_out=step.dout_dot_out, lse_gate=step.lse_gate,
                                          dq_accumulator=dq, dkv_accumulators=accumulators,
-                                         plan=plan, dq_sums=dq_sums, **options)
+                                         plan=plan, dq_sums=dq_sums,
+                                         **options[branch.index])
         del step, keys, values
         if branch.reads_compressed:
             # dk_cmp, dv_cmp flow back through the projection and the mean pooling.
@@ -325,6 +338,14 @@ class KeyValueGradients:
         if self.sums is None:
             return tuple(r.index_select(0, row_tokens).to(x.dtype) for r, x in zip(rows, (k, v)))
         return finish_dkv(self.sums, tuple(rows), row_tokens, k.dtype)
+
+
+def _plan_backward(branch: Branch, q: Tensor, keys: Tensor, values: Tensor, options: dict):
+    """The branch's `Branch.plan_backward` with its options (`packed_gradients`); None without
+    rows (the kernel path's checks would stand dO in for the absent output, and an empty dO
+    may have any strides)."""
+    return branch.plan_backward(q, keys, values, **options[branch.index]) \
+        if q.shape[0] > 0 else None
 
 
 def backward_order(branches: list[Branch], selected_last: bool) -> list[int]:

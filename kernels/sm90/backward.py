@@ -37,7 +37,8 @@ from kernels.sm90.launch import (aligned_rows, as_cute, has_aligned_rows, launch
                                  launch_on_current_stream, query_positions, uniform_cu_seqlens)
 from kernels.sm90.limits import GRID_YZ_MAX, require_int32_limits
 from kernels.sm90.spec import (BACKWARD_DENSE_TILE_N, DS_TILE_ELEMENTS, H100_NUM_SMS,
-                               choose_backward_spec, dq_spec_for, ds_tile_count, list_shape)
+                               choose_backward_spec, dq_spec_for, ds_tile_count,
+                               fused_dq_block_cols, list_shape)
 from kernels.sm90.spec import QUERY_SLOT_ROWS as SLOT_ROWS  # `QueryTiles`' tile rows
 
 SUPPORTED_HEAD_DIMS = (64, 128)
@@ -102,6 +103,25 @@ def _spec_for(q, k, causal, window_size, block_sparse, compress_factor, determin
         num_sms=_sm_count(q.device), dq_accumulator_bytes=dq_accumulator_bytes,
         lists=None if block_sparse is None else list_shape(block_sparse, q.shape[-2],
                                                             k.shape[-2]))
+
+
+def _call_spec(q, k, cu_seqlens_q, max_seqlen_k, causal, window_size, block_sparse,
+               compress_factor, deterministic):
+    """`run`'s spec for packed (T, H, D) inputs, before its overrides and score mods."""
+    # CTAs of the grid without block-sparse lists: KV tiles x KV heads x sequences.
+    kv_tile_ctas = (-(-(max_seqlen_k or 0) // BACKWARD_DENSE_TILE_N) * k.shape[1]
+                    * (cu_seqlens_q.numel() - 1))
+    return _spec_for(q, k, causal, window_size, block_sparse, compress_factor, deterministic,
+                     kv_tile_ctas, max_seqlen_k, dq_accumulator_bytes=4 * q.numel())
+
+
+def fuses_dq(q, k, *, cu_seqlens_q, max_seqlen_k, causal=False, window_size=(-1, -1),
+             block_sparse=None, compress_factor=1, deterministic=False, **_) -> bool:
+    """Whether `run` on these packed inputs adds its dQ into float32 sums (`BwdSpec.fuses_dq`,
+    without spec overrides or score mods): nsa()'s backward asks it of its later branches
+    before the first opens its `DqSums` (`DqSums.stores_first`). Reads no device value."""
+    return _call_spec(q, k, cu_seqlens_q, max_seqlen_k, causal, window_size, block_sparse,
+                      compress_factor, deterministic).fuses_dq
 
 
 def score_mod_spec(spec, score_mods, bias_grad: bool, dbias_stores: bool = False,
@@ -229,11 +249,8 @@ def run(
     out = None if out is None else aligned_rows(out)
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(head_dim)
-    # CTAs of the grid without block-sparse lists: KV tiles x KV heads x sequences.
-    kv_tile_ctas = (-(-(max_seqlen_k or 0) // BACKWARD_DENSE_TILE_N) * k.shape[1]
-                    * (cu_seqlens_q.numel() - 1))
-    spec = _spec_for(q, k, causal, window_size, block_sparse, compress_factor, deterministic,
-                     kv_tile_ctas, max_seqlen_k, dq_accumulator_bytes=4 * q.numel())
+    spec = _call_spec(q, k, cu_seqlens_q, max_seqlen_k, causal, window_size, block_sparse,
+                      compress_factor, deterministic)
     if spec_overrides:
         spec = dataclasses.replace(spec, **spec_overrides)
     score_tensors = (None,) * 5
@@ -348,13 +365,23 @@ def run(
             for t in returned:
                 t.zero_()
         if spec.dq_separate:
-            dq = torch.empty_like(q) if dq_into is None else dq_into
-            # The fused branches' sums, when this call can take them, go into its dQ.
-            sums, sums_cols = (None, 0)
+            # The first call on the sums may open them with its dQ (no zeroing, no dq
+            # written); else the fused branches' sums, when this call can take them, go into
+            # its dQ.
+            sums, sums_cols, stores = None, 0, False
             if dq_sums is not None and not padded:
-                sums, sums_cols = dq_sums.consume(tiles, softmax_scale, q.dtype)
+                if dq_accumulator is None and not spec.stores_ds:
+                    stores_cols = fused_dq_block_cols(head_dim)
+                    sums = dq_sums.open_for_store(
+                        tiles, (num_heads, tiles.num_slots, head_dim), stores_cols,
+                        softmax_scale, q.dtype, q.device)
+                    stores = sums is not None
+                    sums_cols = stores_cols if stores else 0
+                if not stores:
+                    sums, sums_cols = dq_sums.consume(tiles, softmax_scale, q.dtype)
+            dq = None if stores else torch.empty_like(q) if dq_into is None else dq_into
             dq_spec = dq_spec_for(spec, accumulate=dq_into is not None,
-                                  sums_block_cols=sums_cols)
+                                  sums_block_cols=sums_cols, stores_sums=stores)
             _launch_dq(dq_spec,
                        (q, k, v, dout, lse_log2, dpsum, dq, cu_seqlens_q, cu_seqlens_k,
                         tiles.tile_offsets),
@@ -568,12 +595,29 @@ class DqSums:
     kernel adds the sums into the dQ it writes (`consume`: nsa()'s selected branch, run last
     where its outputs are kept), so no conversion pass reads them and dq is rounded once."""
 
-    def __init__(self, consumes: bool = False):
+    def __init__(self, consumes: bool = False, stores_first: bool = False):
         self._sums = None
         self._layout = None  # (QueryTiles, block columns, softmax scale, dtype)
         # A dQ-kernel call may take the sums into its dQ (`consume`): only where the caller
         # makes that call the last to see them.
         self.consumes = consumes
+        # The first call, on the dQ kernel without a running dq, may store its dQ as the sums'
+        # first values (`open_for_store`): where the caller knows a later call fuses dQ into
+        # them, which then needs no zeroed sums.
+        self.stores_first = stores_first
+
+    def open_for_store(self, tiles: QueryTiles, shape, block_cols: int, softmax_scale: float,
+                       dtype, device) -> torch.Tensor | None:
+        """Unwritten float32 sums of this layout for a dQ-kernel call to store its whole dQ
+        into (`DqSpec.stores_sums`: every slot tile of every sequence is written, so nothing
+        is zeroed; later calls of the layout `take` and add into them), where `stores_first`
+        is on and no call opened the sums yet; else None. At 64K tokens, H=32, D=128 this
+        saves zeroing 1 GiB of sums and reading a 16-bit dq back in the consuming call."""
+        if not self.stores_first or self._sums is not None:
+            return None
+        self._sums = torch.empty(shape, dtype=torch.float32, device=device)
+        self._layout = (tiles, block_cols, softmax_scale, dtype)
+        return self._sums
 
     def take(self, tiles: QueryTiles, shape, block_cols: int, softmax_scale: float, dtype,
              device) -> torch.Tensor | None:

@@ -76,7 +76,7 @@ class DqBackwardSm90:
         mdO: cute.Tensor,       # (T, H, D)
         mLSE: cute.Tensor,      # (H, P) float32: lse * log2(e) per 64-row query tile, +inf pad
         mDPsum: cute.Tensor,    # (H, P) float32: rowsum(dO * O), 0 pad
-        mdQ: cute.Tensor,       # (T, H, D) in the input type
+        mdQ: Optional[cute.Tensor],  # (T, H, D) in the input type; None with `stores_sums`
         mCuSeqlensQ: cute.Tensor,   # (S+1,) int32
         mCuSeqlensK: cute.Tensor,   # (S+1,) int32
         mQTileOffsets: cute.Tensor,  # (S+1,) int32: first 64-row tile of each sequence in P
@@ -124,7 +124,8 @@ class DqBackwardSm90:
         self.kv_bytes = 2 * cute.size_in_bytes(dtype, sK_one)
         self.shared_storage = self.shared_storage_struct(sQ_layout, sK_layout)
 
-        mdQ = with_row_strides_divisible(mdQ, 8)  # proves the 32-bit stores of column pairs
+        if const_expr(mdQ is not None):
+            mdQ = with_row_strides_divisible(mdQ, 8)  # proves the 32-bit stores of column pairs
         if const_expr(mdQSums is not None):
             mdQSums = with_row_strides_divisible(mdQSums, 4)  # and the sums' 16-byte loads
         if const_expr(self.spec.compressed):
@@ -158,8 +159,8 @@ class DqBackwardSm90:
         self,
         tma_atom_q: cute.CopyAtom, mQ: cute.Tensor, tma_atom_do: cute.CopyAtom, mdO: cute.Tensor,
         tma_atom_k: cute.CopyAtom, mK: cute.Tensor, tma_atom_v: cute.CopyAtom, mV: cute.Tensor,
-        mLSE: cute.Tensor, mDPsum: cute.Tensor, mdQ: cute.Tensor, mCuSeqlensQ: cute.Tensor,
-        mCuSeqlensK: cute.Tensor, mQTileOffsets: cute.Tensor, num_m_blocks: Int32,
+        mLSE: cute.Tensor, mDPsum: cute.Tensor, mdQ: Optional[cute.Tensor],
+        mCuSeqlensQ: cute.Tensor, mCuSeqlensK: cute.Tensor, mQTileOffsets: cute.Tensor, num_m_blocks: Int32,
         softmax_scale: Float32, scale_log2: Float32, compress_factor, window_left: Int32,
         window_right: Int32, mFullCount: Optional[cute.Tensor],
         mFullIndex: Optional[cute.Tensor], mMaskCount: Optional[cute.Tensor],
@@ -270,8 +271,8 @@ class DqBackwardSm90:
         self, tidx: Int32, tile_at, num_iters: Int32, n_max: Int32, num_mask: Int32,
         q_consumer, kv_consumer,
         tiled_mma_sdp: cute.TiledMma, tiled_mma_dq: cute.TiledMma, sQ, sdO, sK, sV,
-        mLSE: cute.Tensor, mDPsum: cute.Tensor, mdQ: cute.Tensor, mQTileOffsets: cute.Tensor,
-        softmax_scale: Float32, scale_log2: Float32, block_range: BlockRange, m_block: Int32,
+        mLSE: cute.Tensor, mDPsum: cute.Tensor, mdQ: Optional[cute.Tensor],
+        mQTileOffsets: cute.Tensor, softmax_scale: Float32, scale_log2: Float32, block_range: BlockRange, m_block: Int32,
         head: Int32, batch: Int32, offset_q: Int32, seqlen_q: Int32, seqlen_k: Int32,
         mdQSums: Optional[cute.Tensor] = None,
     ):
@@ -341,24 +342,33 @@ class DqBackwardSm90:
                 for it in cutlass.range(it_masked_left, num_iters, unroll=1):
                     state = step(it, "causal_window", *state)
 
-        if const_expr(self.spec.sums_block_cols > 0):
-            self.add_fused_sums(acc_dq, mdQSums, mQTileOffsets[batch] + m_block * self.num_wg,
-                                head, tidx, m_block, seqlen_q)
-        acc_dq.store(acc_dq.load() * softmax_scale)
-        store_rows_from_registers(thr_dq, acc_dq, mdQ, offset_q, head, m_block, self.tile_m,
-                                  self.head_dim, seqlen_q, self.dtype, self.spec.accumulate)
+        first_slot_tile = mQTileOffsets[batch] + m_block * self.num_wg
+        if const_expr(self.spec.stores_sums):  # unscaled, as the fused calls add theirs
+            self.exchange_fused_sums(acc_dq, mdQSums, first_slot_tile, head, tidx, m_block,
+                                     seqlen_q, True)
+        else:
+            if const_expr(self.spec.sums_block_cols > 0):
+                self.exchange_fused_sums(acc_dq, mdQSums, first_slot_tile, head, tidx,
+                                         m_block, seqlen_q, False)
+            acc_dq.store(acc_dq.load() * softmax_scale)
+            store_rows_from_registers(thr_dq, acc_dq, mdQ, offset_q, head, m_block,
+                                      self.tile_m, self.head_dim, seqlen_q, self.dtype,
+                                      self.spec.accumulate)
 
     @cute.jit
-    def add_fused_sums(self, acc_dq: cute.Tensor, mdQSums: cute.Tensor, first_slot_tile: Int32,
-                       head: Int32, tidx: Int32, m_block: Int32, seqlen_q: Int32):
+    def exchange_fused_sums(self, acc_dq: cute.Tensor, mdQSums: cute.Tensor,
+                            first_slot_tile: Int32, head: Int32, tidx: Int32, m_block: Int32,
+                            seqlen_q: Int32, store: cutlass.Constexpr[bool]):
         """acc_dq += this thread's values of the fused branches' float32 dQ sums (unscaled, as
-        acc_dq). Each warpgroup's 64 rows are one 64-row slot tile of the sums; its blocks of
+        acc_dq), or with `store` acc_dq stored as the sums' first values (`stores_sums`).
+        Each warpgroup's 64 rows are one 64-row slot tile of the sums; its blocks of
         `sums_block_cols` columns hold the values in the dQ product's register order
         (kernels/sm90/dq_accumulator.py), the same wgmma fragment as acc_dq's, so value v of
-        thread t is value v % (cols / 2) of thread t in block v // (cols / 2): 16-byte loads
-        in register order, a warp's one contiguous 512-byte run. A warpgroup whose rows start
-        past the sequence reads nothing (its slot tile is another sequence's or past the end;
-        its rows are never stored)."""
+        thread t is value v % (cols / 2) of thread t in block v // (cols / 2): 16-byte
+        accesses in register order, a warp's one contiguous 512-byte run. A warpgroup whose
+        rows start past the sequence touches nothing (its slot tile is another sequence's or
+        past the end; its rows are never stored); each slot tile of a sequence is one
+        warpgroup's, so a store writes every value that a later call adds into or reads."""
         wg, thread = tidx // _WARPGROUP, tidx % _WARPGROUP
         if m_block * self.tile_m + wg * 64 < seqlen_q:
             cols = self.spec.sums_block_cols
@@ -370,9 +380,14 @@ class DqBackwardSm90:
                 block = cute.make_tensor(tile_start + b * block_values,
                                          fragment_layout(block_values))
                 sums = cute.make_rmem_tensor(cute.make_layout(per_block), Float32)
-                cute.autovec_copy(block[None, thread], sums)
-                for i in cutlass.range_constexpr(per_block):
-                    values[b * per_block + i] = values[b * per_block + i] + sums[i]
+                if const_expr(store):
+                    for i in cutlass.range_constexpr(per_block):
+                        sums[i] = values[b * per_block + i]
+                    cute.autovec_copy(sums, block[None, thread])
+                else:
+                    cute.autovec_copy(block[None, thread], sums)
+                    for i in cutlass.range_constexpr(per_block):
+                        values[b * per_block + i] = values[b * per_block + i] + sums[i]
 
     @cute.jit
     def consume_tile(

@@ -201,8 +201,10 @@ def fake_dq_arguments(spec):
     """Fake tensors standing for the dQ kernel's arguments, in order (the scalars and the
     stream excluded): (q, k, v, dO, lse, dO.O, dQ, cu_q, cu_k, q tile offsets), (the forward's
     full count, full index, mask count, mask index, row offsets, first query positions, the
-    fused dQ sums)."""
+    fused dQ sums); dQ None where the kernel stores the sums instead (`stores_sums`)."""
     q, k, v, dout, dq = (fake_seq_head_dim(CUTLASS_DTYPES[spec.dtype]) for _ in range(5))
+    if spec.stores_sums:
+        dq = None
     lse, dpsum = fake_row_statistics(), fake_row_statistics()
     cu_q, cu_k, q_tiles = (fake_int32_vector() for _ in range(3))
     forward_lists = fake_forward_lists() if spec.block_sparse else (None,) * 5

@@ -475,11 +475,21 @@ class DqSpec:
     # columns in the dQ product's register order) into dQ before it is written: nsa()'s last
     # branch takes the fused branches' `DqSums` so, instead of a conversion pass. 0: none.
     sums_block_cols: int = 0
+    # Store dQ, unscaled, into that accumulator instead of writing dq (`sums_block_cols` > 0,
+    # not `accumulate`): the first of nsa()'s branches on this kernel opens the `DqSums` that
+    # later fused-dQ calls add into, so the sums are never zeroed (and dq is written once, by
+    # the call that consumes them).
+    stores_sums: bool = False
     # dQ = dS K from the dS^T tiles the KV-centric kernel stored (`BwdSpec.stores_ds`):
     # kernels/sm90/bwd_dq_from_ds.py, one product per step instead of three. 64-key lists only.
     reads_ds: bool = False
     ctas_per_sm: int = 1       # `reads_ds`: CTAs sized to share an SM (registers and smem;
                                # tile_m 64 at two)
+
+    def __post_init__(self):
+        if self.stores_sums and (self.sums_block_cols <= 0 or self.accumulate or self.reads_ds):
+            raise ValueError("DqSpec.stores_sums: needs sums_block_cols, and neither accumulate "
+                             "nor reads_ds (it writes no dq)")
 
     @property
     def tiles_per_list_block(self) -> int:
@@ -726,18 +736,28 @@ def choose_backward_spec(
     return spec
 
 
-def dq_spec_for(spec: BwdSpec, accumulate: bool = False, sums_block_cols: int = 0) -> DqSpec:
+def fused_dq_block_cols(head_dim: int) -> int:
+    """Columns per block of the float32 dQ accumulator of dense keys' fused dQ (causal, window:
+    nsa()'s window branch), the layout a dQ kernel storing `DqSums` first writes
+    (`DqSpec.stores_sums`)."""
+    return choose_backward_spec(dtype="bfloat16", head_dim=head_dim, causal=True,
+                                window_size=(-1, 0)).dq_cols_per_warpgroup
+
+
+def dq_spec_for(spec: BwdSpec, accumulate: bool = False, sums_block_cols: int = 0,
+                stores_sums: bool = False) -> DqSpec:
     """The dQ kernel that runs beside a `dq_separate` backward: the same features, the same
     list blocks (the KV-centric kernel's tile_n when block-sparse); `accumulate` adds dQ into
-    the given tensor's values, `sums_block_cols` a fused-dQ accumulator (`DqSpec`); reading the
-    dS tiles the backward stores (`stores_ds`), with DS_KV_STAGES of K and dS in flight."""
+    the given tensor's values, `sums_block_cols` a fused-dQ accumulator (`DqSpec`), or with
+    `stores_sums` is stored into it; reading the dS tiles the backward stores (`stores_ds`),
+    with DS_KV_STAGES of K and dS in flight."""
     assert spec.dq_separate
     return DqSpec(dtype=spec.dtype, head_dim=spec.head_dim, causal=spec.causal,
                   has_window_left=spec.has_window_left, has_window_right=spec.has_window_right,
                   block_sparse=spec.block_sparse, compressed=spec.compressed,
                   list_block=spec.tile_n if spec.block_sparse else 64, accumulate=accumulate,
                   q_positions=spec.q_positions, sums_block_cols=sums_block_cols,
-                  **(dict(reads_ds=True, kv_stages=DS_KV_STAGES, ctas_per_sm=DS_CTAS_PER_SM,
+                  stores_sums=stores_sums, **(dict(reads_ds=True, kv_stages=DS_KV_STAGES, ctas_per_sm=DS_CTAS_PER_SM,
                           tile_m=128 // DS_CTAS_PER_SM) if spec.stores_ds else {}))
 
 

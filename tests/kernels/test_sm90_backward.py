@@ -526,6 +526,59 @@ def test_dq_kernel_consumes_the_fused_calls_dq_sums(monkeypatch):
     assert rel_err(shared.float() - running.float(), dq_total) < 2e-2
 
 
+@requires_sm90
+@pytest.mark.gpu
+def test_dq_kernel_opens_the_dq_sums_that_fused_calls_add_into(monkeypatch):
+    """nsa()'s order with `DqSums.stores_first`: a first call on the dQ kernel (a deterministic
+    window: the compressed branch in nsa()) stores its dQ as the sums' first values and
+    returns no dq, two fused-dQ calls add into those unzeroed sums, and a last call on the dQ
+    kernel consumes them into the dq it writes: that dq equals the four calls' own dq summed
+    (within bf16 rounding). The opened sums are filled with NaN first, so a value the first
+    call did not store would show."""
+    from kernels.interface import plan_backward_trusted
+    from kernels.sm90.backward import DqSums
+
+    opened = DqSums.open_for_store
+
+    def poisoned(self, *args):
+        sums = opened(self, *args)
+        return None if sums is None else sums.fill_(float("nan"))
+
+    monkeypatch.setattr(DqSums, "open_for_store", poisoned)
+    case = Case("bf16", 128, VARLEN_LONG, 4)
+    q, k, v, dout, kwargs = make_inputs(case)
+    lengths = tuple(itertools.accumulate(case.lengths, initial=0))
+    host = (lengths, lengths)
+    calls = [dict(kwargs, window_size=(256, 0), deterministic=True), dict(kwargs),
+             dict(kwargs, window_size=(512, 0)),
+             dict(kwargs, window_size=(128, 0), deterministic=True)]
+    launched = record_backward_launches(monkeypatch)
+    plans, statistics, alone = [], [], []
+    for call in calls:
+        forward = {name: value for name, value in call.items() if name != "deterministic"}
+        out, lse = kernels.attention_forward(q, k, v, **forward)
+        plan = plan_backward_trusted(q, k, v, host_cu_seqlens=host, **call)
+        plans.append(plan)
+        statistics.append((lse, (dout.float() * out.float()).sum(-1)))
+        alone.append([t.clone() for t in plan.backward(dout, lse,
+                                                       dout_dot_out=statistics[-1][1])])
+    fused = [spec.fuses_dq for spec in launched]
+    assert fused == [False, True, True, False], launched
+    assert [plan.fuses_dq for plan in plans] == fused
+    dq_total = sum(dq.float() for dq, _, _ in alone)
+    sums = DqSums(consumes=True, stores_first=True)
+    results = []
+    for plan, (lse, row_dots), (_, dk_alone, dv_alone) in zip(plans, statistics, alone):
+        dq, dk, dv = plan.backward(dout, lse, dout_dot_out=row_dots, dq_sums=sums)
+        assert torch.equal(dk, dk_alone) and torch.equal(dv, dv_alone)
+        results.append(dq)
+    assert results[:3] == [None, None, None], "dq written before the consuming call"
+    assert sums.finish() is None, "the consuming call left sums to convert"
+    torch.cuda.synchronize()
+    assert torch.isfinite(results[3]).all()
+    assert rel_err(results[3], dq_total) < 1e-2
+
+
 COMPRESSED_CASES = [case for case in GRADIENT_CASES
                     if case.compress_factor > 1 and case.kv_block is None]
 

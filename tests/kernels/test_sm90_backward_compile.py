@@ -96,6 +96,27 @@ def test_dq_kernel_taking_fused_sums_compiles_for_sm90a(head_dim, cols):
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])
+def test_dq_kernel_storing_fused_sums_compiles_for_sm90a(head_dim):
+    """The dQ kernel that stores its dQ as the first values of the fused-dQ sums instead of
+    writing dq (`DqSpec.stores_sums`: nsa()'s compressed branch opening the `DqSums`), in the
+    layout of dense keys' fused dQ, on compressed causal keys (that branch's call); a spec
+    that would also write or add dq is refused."""
+    from kernels.sm90.spec import DqSpec, fused_dq_block_cols
+
+    cols = fused_dq_block_cols(head_dim)
+    assert cols == _backward_spec("bfloat16", head_dim, "window-causal").dq_cols_per_warpgroup
+    spec = DqSpec("bfloat16", head_dim, causal=True, has_window_left=False,
+                  has_window_right=False, block_sparse=False, compressed=True,
+                  sums_block_cols=cols, stores_sums=True)
+    assert callable(compile_dq_on_fake_tensors(spec))
+    for refused in (dict(sums_block_cols=0), dict(accumulate=True), dict(reads_ds=True)):
+        with pytest.raises(ValueError, match="stores_sums"):
+            DqSpec("bfloat16", head_dim, causal=True, has_window_left=False,
+                   has_window_right=False, block_sparse=False,
+                   **dict(dict(sums_block_cols=cols, stores_sums=True), **refused))
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_ds_tile_variants_compile_for_sm90a(dtype, head_dim):
     """64-key lists with the dS tiles (kernels.sm90.backward.DS_TILES, chosen per call by

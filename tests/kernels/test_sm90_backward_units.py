@@ -225,6 +225,28 @@ def test_dq_sums_are_consumed_by_one_call_of_their_layout_when_allowed():
             assert torch.count_nonzero(sums.finish(into=running)) > 0
 
 
+def test_dq_sums_are_opened_for_a_store_once_where_asked():
+    """DqSums.open_for_store: unwritten sums of the call's layout (never zeroed: the caller's
+    dQ kernel stores every value) only with `stores_first` and only before any call opened
+    them; later calls of the layout `take` them and the consuming call gets them; a second
+    open, or an open after `take`, gets None."""
+    cu = torch.tensor([0, 70, 300], dtype=torch.int32)
+    tiles = QueryTiles(cu, 300)
+    shape, cols = (2, tiles.num_slots, 32), 16
+    assert DqSums(consumes=True).open_for_store(tiles, shape, cols, 0.5, torch.bfloat16,
+                                                "cpu") is None
+    sums = DqSums(consumes=True, stores_first=True)
+    opened = sums.open_for_store(tiles, shape, cols, 0.5, torch.bfloat16, "cpu")
+    assert opened is not None and opened.shape == shape and opened.dtype == torch.float32
+    assert sums.open_for_store(tiles, shape, cols, 0.5, torch.bfloat16, "cpu") is None
+    assert sums.take(tiles, shape, cols, 0.5, torch.bfloat16, "cpu") is opened
+    taken, taken_cols = sums.consume(tiles, 0.5, torch.bfloat16)
+    assert taken is opened and taken_cols == cols and sums.finish() is None
+    later = DqSums(stores_first=True)
+    assert later.take(tiles, shape, cols, 0.5, torch.bfloat16, "cpu") is not None
+    assert later.open_for_store(tiles, shape, cols, 0.5, torch.bfloat16, "cpu") is None
+
+
 @pytest.mark.gpu
 @requires_sm90
 @pytest.mark.parametrize("cols", [32, 64])

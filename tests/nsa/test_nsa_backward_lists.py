@@ -41,6 +41,9 @@ class RecordingBackward(types.ModuleType):
     def can_run(self, q, k, v, **kwargs):
         return True, "recording stand-in"
 
+    def fuses_dq(self, q, k, **kwargs):
+        return False  # it computes dq itself, as a kernel without the fused dQ does
+
     def run(self, dout, q, k, v, out, lse, dout_dot_out=None, dq_accumulator=None,
             dkv_accumulators=None, lse_gate=None, host_cu_seqlens_q=None, dq_sums=None,
             **kwargs):

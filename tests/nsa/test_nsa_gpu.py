@@ -245,3 +245,47 @@ def test_nsa_shared_gate_pass_gives_the_per_branch_passes_bits(monkeypatch, bran
     assert shared_calls == [3], shared_calls  # the shared run's one pass of three terms
     for name, grad in runs[True].items():
         assert torch.equal(grad, runs[False][name]), f"{name} differs with the shared pass"
+
+
+@requires_sm90
+def test_nsa_compressed_dq_opens_the_sums_the_window_adds_into(monkeypatch, branch_backends):
+    """From FUSED_DQ_MIN_KEYS keys the window branch fuses its dQ: with the outputs kept, the
+    compressed branch's dQ kernel stores its dQ as the first values of the shared `DqSums`
+    (`nsa.function.DQ_KERNEL_OPENS_SUMS`, filled with NaN here first so a value it did not
+    store would show), the window adds into them and the selected branch's dQ kernel consumes
+    them: every gradient matches the reference, and dq matches the run that writes dq from
+    the compressed branch (the switch off) within bf16 rounding (dk, dv: float32 partials in
+    any order, so neither run is bitwise repeatable)."""
+    import nsa.function as function
+    from kernels.sm90.backward import DqSums
+    from kernels.sm90.spec import FUSED_DQ_MIN_KEYS
+
+    opened, open_for_store = [], DqSums.open_for_store
+
+    def poisoned(self, *args):
+        sums = open_for_store(self, *args)
+        opened.append(sums is not None)
+        return None if sums is None else sums.fill_(float("nan"))
+
+    monkeypatch.setattr(DqSums, "open_for_store", poisoned)
+    lengths, heads, heads_kv, dim = [FUSED_DQ_MIN_KEYS + 403, 300], 8, 2, 128
+    x = _gpu_inputs(lengths, heads, heads_kv, dim, seed=14)
+    fast_in = differentiable(x, torch.bfloat16)
+    dout = _random_dout(x["q"].shape, x["q"].device, seed=8)
+    runs = {}
+    for opens in (True, False):
+        monkeypatch.setattr(function, "DQ_KERNEL_OPENS_SUMS", opens)
+        opened.clear()
+        out = nsa(**fast_in, max_seqlen=max(lengths), recompute=False, capture=False)
+        runs[opens] = grads_of(out, fast_in, dout)
+        assert opened == ([True] if opens else []), opened
+    torch.cuda.synchronize()
+    _assert_backward_on_kernels(branch_backends)
+    ref_in = _reference_inputs(x)
+    ref = nsa_reference(**ref_in, max_seqlen=max(lengths))
+    ref_grads = grads_of(ref, ref_in, dout)
+    for name, grad in runs[True].items():
+        assert torch.isfinite(grad).all(), f"{name} has NaN/inf"
+        err = rel_err(grad, ref_grads[name])
+        assert err < GRAD_TOLERANCE, f"{name}: relative error {err:.3e}"
+    assert rel_err(runs[True]["q"], runs[False]["q"]) < 1e-2
