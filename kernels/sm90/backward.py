@@ -108,11 +108,15 @@ def _spec_for(q, k, causal, window_size, block_sparse, compress_factor, determin
 def _call_spec(q, k, cu_seqlens_q, max_seqlen_k, causal, window_size, block_sparse,
                compress_factor, deterministic):
     """`run`'s spec for packed (T, H, D) inputs, before its overrides and score mods."""
-    # CTAs of the grid without block-sparse lists: KV tiles x KV heads x sequences.
-    kv_tile_ctas = (-(-(max_seqlen_k or 0) // BACKWARD_DENSE_TILE_N) * k.shape[1]
-                    * (cu_seqlens_q.numel() - 1))
+    kv_tile_ctas = _kv_tile_ctas(k, cu_seqlens_q, max_seqlen_k)
     return _spec_for(q, k, causal, window_size, block_sparse, compress_factor, deterministic,
                      kv_tile_ctas, max_seqlen_k, dq_accumulator_bytes=4 * q.numel())
+
+
+def _kv_tile_ctas(k, cu_seqlens_q, max_seqlen_k) -> int:
+    """CTAs of the grid without block-sparse lists: KV tiles x KV heads x sequences."""
+    return (-(-(max_seqlen_k or 0) // BACKWARD_DENSE_TILE_N) * k.shape[1]
+            * (cu_seqlens_q.numel() - 1))
 
 
 def fuses_dq(q, k, *, cu_seqlens_q, max_seqlen_k, causal=False, window_size=(-1, -1),
@@ -327,7 +331,8 @@ def run(
         if spec.row_bands:  # bands of rows whose fused dQ sums L2 holds
             row_splits = _row_bands(max_seqlen_q, num_heads, head_dim, spec.tile_m)
         elif spec.split_rows:  # dense only: num_ctas KV tiles of BACKWARD_DENSE_TILE_N keys
-            row_splits = _row_splits(kv_tile_ctas, -(-max_seqlen_q // spec.tile_m), q.device)
+            row_splits = _row_splits(_kv_tile_ctas(k, cu_seqlens_q, max_seqlen_k),
+                                     -(-max_seqlen_q // spec.tile_m), q.device)
         if spec.block_sparse:
             csr = block_sparse_transposed
             if csr is None:
