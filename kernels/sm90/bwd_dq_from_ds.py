@@ -278,8 +278,9 @@ class DqFromDsSm90(DqBackwardSm90):
             warpgroup.wait_group(0)
             kv_handle.release()
         if const_expr(self.spec.sums_block_cols > 0):
-            self.add_fused_sums(acc_dq, mdQSums, mQTileOffsets[batch] + m_block * self.num_wg,
-                                head, tidx, m_block, seqlen_q)
+            self.exchange_fused_sums(acc_dq, mdQSums,
+                                     mQTileOffsets[batch] + m_block * self.num_wg, head, tidx,
+                                     m_block, seqlen_q, False)
         acc_dq.store(acc_dq.load() * softmax_scale)
         store_rows_from_registers(thr_dq, acc_dq, mdQ, offset_q, head,
                                   m_block * self.num_wg + wg, DS_TILE_ROWS, self.head_dim,
