@@ -19,7 +19,10 @@ computes dQ the forward's way round instead, and the KV-centric kernel then skip
   from registers to (T, H, D) with rows past the sequence end predicated off: no float32
   accumulator, no atomics (so it is deterministic) and no postprocess. With `accumulate`
   each row adds the values dQ held before (nsa() sums its branches' dQ so, without a pass of
-  its own per branch: 0.55 ms per branch at 64K tokens, H=32, on an H100).
+  its own per branch: 0.55 ms per branch at 64K tokens, H=32, on an H100). With
+  `sums_block_cols` it adds the fused branches' float32 sums into dQ first, or with
+  `stores_sums` stores its unscaled dQ as those sums' first values and writes no dq (nsa()'s
+  `DqSums`, kernels/sm90/backward.py).
 - lse log2(e) and dO.O come from the KV-centric kernel's 64-row tile layout
   (kernels/sm90/backward.py `QueryTiles`), read per row from global memory.
 """
