@@ -757,7 +757,8 @@ def dq_spec_for(spec: BwdSpec, accumulate: bool = False, sums_block_cols: int = 
                   block_sparse=spec.block_sparse, compressed=spec.compressed,
                   list_block=spec.tile_n if spec.block_sparse else 64, accumulate=accumulate,
                   q_positions=spec.q_positions, sums_block_cols=sums_block_cols,
-                  stores_sums=stores_sums, **(dict(reads_ds=True, kv_stages=DS_KV_STAGES, ctas_per_sm=DS_CTAS_PER_SM,
+                  stores_sums=stores_sums,
+                  **(dict(reads_ds=True, kv_stages=DS_KV_STAGES, ctas_per_sm=DS_CTAS_PER_SM,
                           tile_m=128 // DS_CTAS_PER_SM) if spec.stores_ds else {}))
 
 
