@@ -598,7 +598,9 @@ class DqSums:
     A call of another layout (tile layout, the dQ blocks' columns, softmax scale, dtype)
     keeps its own accumulator, as without sums. With `consumes`, a later call on the dQ
     kernel adds the sums into the dQ it writes (`consume`: nsa()'s selected branch, run last
-    where its outputs are kept), so no conversion pass reads them and dq is rounded once."""
+    where its outputs are kept), so no conversion pass reads them and dq is rounded once.
+    With `stores_first`, a first call on the dQ kernel stores its dQ as the sums' first values
+    (`open_for_store`: nsa()'s compressed branch below 128K tokens), so nothing is zeroed."""
 
     def __init__(self, consumes: bool = False, stores_first: bool = False):
         self._sums = None
