@@ -437,6 +437,24 @@ def test_row_band_backward_matches_fallback(case: Case, monkeypatch):
         assert all(spec.fuses_dq for spec in launched)
 
 
+def _planned_calls(q, k, v, dout, host, calls):
+    """(plans, (lse, row dots) per call, each call's (dq, dk, dv) alone, cloned) of planned
+    backward calls on the same q, k, v, dout: `calls` are the calls' keyword arguments
+    (`deterministic` goes to the backward alone); host: the host bounds (q's, k's)."""
+    from kernels.interface import plan_backward_trusted
+
+    plans, statistics, alone = [], [], []
+    for call in calls:
+        forward = {name: value for name, value in call.items() if name != "deterministic"}
+        out, lse = kernels.attention_forward(q, k, v, **forward)
+        plan = plan_backward_trusted(q, k, v, host_cu_seqlens=host, **call)
+        row_dots = (dout.float() * out.float()).sum(-1)
+        plans.append(plan)
+        statistics.append((lse, row_dots))
+        alone.append([t.clone() for t in plan.backward(dout, lse, dout_dot_out=row_dots)])
+    return plans, statistics, alone
+
+
 @requires_sm90
 @pytest.mark.gpu
 def test_dq_sums_shared_by_two_fused_calls(monkeypatch):
@@ -445,7 +463,6 @@ def test_dq_sums_shared_by_two_fused_calls(monkeypatch):
     one `DqSums`, converted once into a running dq: the result equals the running dq plus the
     two calls' own dq (within a bf16 rounding of the sum), nothing is written into the
     running dq before `finish`, and dk, dv are those of the calls alone."""
-    from kernels.interface import plan_backward_trusted
     from kernels.sm90.backward import DqSums
 
     case = Case("bf16", 128, VARLEN_LONG, 4)
@@ -454,14 +471,7 @@ def test_dq_sums_shared_by_two_fused_calls(monkeypatch):
     host = (lengths, lengths)
     calls = [dict(kwargs), dict(kwargs, window_size=(512, 0))]
     launched = record_backward_launches(monkeypatch)
-    plans, statistics, alone = [], [], []
-    for call in calls:
-        out, lse = kernels.attention_forward(q, k, v, **call)
-        plan = plan_backward_trusted(q, k, v, host_cu_seqlens=host, **call)
-        row_dots = (dout.float() * out.float()).sum(-1)
-        plans.append(plan)
-        statistics.append((lse, row_dots))
-        alone.append([t.clone() for t in plan.backward(dout, lse, dout_dot_out=row_dots)])
+    plans, statistics, alone = _planned_calls(q, k, v, dout, host, calls)
     assert len(launched) == 2 and all(spec.fuses_dq for spec in launched), launched
     dq_total = alone[0][0].float() + alone[1][0].float()
     # A running dq of the increments' size, so that its bf16 rounding does not hide them.
@@ -488,7 +498,6 @@ def test_dq_kernel_consumes_the_fused_calls_dq_sums(monkeypatch):
     (`DqSpec.sums_block_cols`), so `finish` has nothing left: the running dq ends as itself
     plus the three calls' own dq (one bf16 rounding), and dk, dv are those of the calls
     alone."""
-    from kernels.interface import plan_backward_trusted
     from kernels.sm90.backward import DqSums
 
     case = Case("bf16", 128, VARLEN_LONG, 4)
@@ -498,15 +507,7 @@ def test_dq_kernel_consumes_the_fused_calls_dq_sums(monkeypatch):
     calls = [dict(kwargs), dict(kwargs, window_size=(512, 0)),
              dict(kwargs, window_size=(256, 0), deterministic=True)]
     launched = record_backward_launches(monkeypatch)
-    plans, statistics, alone = [], [], []
-    for call in calls:
-        forward = {name: value for name, value in call.items() if name != "deterministic"}
-        out, lse = kernels.attention_forward(q, k, v, **forward)
-        plan = plan_backward_trusted(q, k, v, host_cu_seqlens=host, **call)
-        plans.append(plan)
-        statistics.append((lse, (dout.float() * out.float()).sum(-1)))
-        alone.append([t.clone() for t in plan.backward(dout, lse,
-                                                       dout_dot_out=statistics[-1][1])])
+    plans, statistics, alone = _planned_calls(q, k, v, dout, host, calls)
     assert [spec.fuses_dq for spec in launched] == [True, True, False], launched
     dq_total = sum(dq.float() for dq, _, _ in alone)
     running = (torch.randn(q.shape, generator=torch.Generator().manual_seed(6))
@@ -535,7 +536,6 @@ def test_dq_kernel_opens_the_dq_sums_that_fused_calls_add_into(monkeypatch):
     kernel consumes them into the dq it writes: that dq equals the four calls' own dq summed
     (within bf16 rounding). The opened sums are filled with NaN first, so a value the first
     call did not store would show."""
-    from kernels.interface import plan_backward_trusted
     from kernels.sm90.backward import DqSums
 
     opened = DqSums.open_for_store
@@ -553,15 +553,7 @@ def test_dq_kernel_opens_the_dq_sums_that_fused_calls_add_into(monkeypatch):
              dict(kwargs, window_size=(512, 0)),
              dict(kwargs, window_size=(128, 0), deterministic=True)]
     launched = record_backward_launches(monkeypatch)
-    plans, statistics, alone = [], [], []
-    for call in calls:
-        forward = {name: value for name, value in call.items() if name != "deterministic"}
-        out, lse = kernels.attention_forward(q, k, v, **forward)
-        plan = plan_backward_trusted(q, k, v, host_cu_seqlens=host, **call)
-        plans.append(plan)
-        statistics.append((lse, (dout.float() * out.float()).sum(-1)))
-        alone.append([t.clone() for t in plan.backward(dout, lse,
-                                                       dout_dot_out=statistics[-1][1])])
+    plans, statistics, alone = _planned_calls(q, k, v, dout, host, calls)
     fused = [spec.fuses_dq for spec in launched]
     assert fused == [False, True, True, False], launched
     assert [plan.fuses_dq for plan in plans] == fused
