@@ -60,12 +60,6 @@ UNITS_HEAD_MAJOR = True  # run()'s default
 # kernel's own (not the caller's sums); the other tiles' partials are zeroed and converted
 # tile by tile. A switch for the A/B and the GPU tests.
 OWNED_DKV_STORES = True
-# Split-list units (beside the dQ kernel, into the caller's sums) also cut where a list's query
-# tiles cross a band of this many 128-row tiles, and taken band by band within a list head
-# (`band_cut_units`): the CTAs running together then read one band's Q and dO (4 heads x 128
-# tiles x 128 rows x D=128 x 2 tensors: 32 MiB) instead of every tile after their KV blocks.
-# 0: off.
-UNIT_BAND_TILES = 0
 # Rows per chunk of the preprocess and postprocess (bounds their float32 temporaries).
 _CHUNK_ROWS = 32768
 # 64-key lists beside the dQ kernel: the KV-centric kernel stores each step's dS^T and the dQ
@@ -354,9 +348,7 @@ def run(
                                                   device=q.device))
             if spec.split_lists:
                 chunk = list_chunk(csr, spec)
-                band = unit_band_tiles(spec, max_seqlen_q)
-                units = (band_cut_units(csr, chunk, band, max_seqlen_q, head_major_units)
-                         if band else work_units(csr, chunk, head_major=head_major_units))
+                units = work_units(csr, chunk, head_major=head_major_units)
                 num_ctas = units.shape[0]
         if max_seqlen_k > 0 and num_ctas > 0:
             tile_pass = None
@@ -740,16 +732,6 @@ def list_chunk(csr, spec) -> int:
     return max(LIST_CHUNK, 2 * -(-csr.index.numel() // lists))
 
 
-def unit_band_tiles(spec, max_seqlen_q: int) -> int:
-    """The query-tile band `run` cuts this call's split-list units at (UNIT_BAND_TILES), or 0:
-    only beside the dQ kernel, where the units add into the caller's sums (a unit that owns
-    its tile, `owned_dkv_stores`, is a whole list: kernels/sm90/dkv_tiles.py), and only where a
-    sequence spans more than one band."""
-    if not (UNIT_BAND_TILES and spec.dq_separate and not spec.owned_dkv_stores):
-        return 0
-    return UNIT_BAND_TILES if max_seqlen_q > UNIT_BAND_TILES * LIST_Q_TILE else 0
-
-
 def work_units(csr, chunk: int, head_major: bool = False) -> torch.Tensor:
     """(U, 5) int32 work units of `split_lists`: (sequence, KV block in it, list head, first
     entry, end entry), each list cut into chunks of at most `chunk` entries, in CSR order (KV
@@ -799,53 +781,6 @@ def work_units_torch(csr, chunk: int, head_major: bool = False) -> torch.Tensor:
     sequence = torch.searchsorted(block_offsets[1:], kv_row, right=True)
     sequence = sequence.clamp(max=block_offsets.numel() - 2)
     return torch.stack([sequence, kv_row - block_offsets[sequence], list_head, first, end],
-                       dim=1).to(torch.int32).contiguous()
-
-
-def band_cut_units(csr, chunk: int, band_tiles: int, max_seqlen_q: int,
-                   head_major: bool = True) -> torch.Tensor:
-    """`work_units` whose units also end where a list's query tiles cross a band of
-    `band_tiles` tiles of their sequence, taken band by band within each list head (with
-    `head_major`; else KV block by KV block, the bands of a block in turn): the CTAs running
-    together then read one band's Q and dO, which L2 holds, instead of every query tile after
-    their KV blocks (UNIT_BAND_TILES). Torch ops, no host read; U is bounded from shapes:
-    2 x lists x bands (a list's mask entries, then its full entries, each cross every band at
-    most once) + capacity / chunk."""
-    offsets = csr.offsets.to(torch.int64)
-    num_lists, capacity = offsets.numel() - 1, csr.index.numel()
-    num_bands = max(-(-max_seqlen_q // (LIST_Q_TILE * band_tiles)), 1)
-    bound = 2 * num_lists * num_bands + capacity // chunk
-    if num_lists == 0 or capacity == 0:
-        return torch.zeros(max(bound, 1), 5, dtype=torch.int32, device=offsets.device)
-    entry = torch.arange(capacity, device=offsets.device)
-    real = entry < offsets[-1]
-    group = torch.searchsorted(offsets[1:], entry, right=True).clamp(max=num_lists - 1)
-    band = csr.index.to(torch.int64).clamp(min=0) // band_tiles
-    # A run: consecutive entries of one list in one band; a unit: at most `chunk` of a run.
-    run_first = (entry == offsets[group]) | (band != torch.roll(band, 1))
-    run_start = torch.where(run_first, entry, 0).cummax(0).values
-    unit_first = real & ((entry - run_start) % chunk == 0)
-    # Each unit ends where the next one starts (lists are contiguous), the last at the end.
-    starts = torch.where(unit_first, entry, capacity)
-    next_start = torch.flip(torch.flip(starts, (0,)).cummin(0).values, (0,))
-    next_start = torch.cat([next_start[1:], offsets[-1:]]).minimum(offsets[-1])
-    kv_row, list_head = group // csr.num_heads, group % csr.num_heads
-    num_kv_rows = num_lists // csr.num_heads
-    outer, inner = (list_head, kv_row) if head_major else (kv_row, list_head)
-    inner_count = num_kv_rows if head_major else csr.num_heads
-    order_key = ((outer * num_bands + band) * inner_count + inner) * capacity + entry
-    order_key = torch.where(unit_first, order_key, torch.iinfo(torch.int64).max)
-    taken = torch.sort(order_key).indices[:bound]
-    if taken.numel() < bound:
-        taken = torch.cat([taken, taken.new_zeros(bound - taken.numel())])
-    live = unit_first[taken] & (torch.arange(bound, device=offsets.device) < capacity)
-    first, end = entry[taken], next_start[taken]
-    kv_row, list_head = kv_row[taken], list_head[taken]
-    block_offsets = csr.row_block_offsets.to(torch.int64)
-    sequence = torch.searchsorted(block_offsets[1:], kv_row, right=True)
-    sequence = sequence.clamp(max=block_offsets.numel() - 2)
-    columns = [sequence, kv_row - block_offsets[sequence], list_head, first, end]
-    return torch.stack([torch.where(live, c, 0) for c in columns],
                        dim=1).to(torch.int32).contiguous()
 
 
