@@ -409,7 +409,8 @@ def _given_to_kernel(problem: AttentionProblem, dout_dot_out, dq_accumulator, dk
                      lse_gate) -> dict:
     """The internal arguments of the sm90 backward's run() that a call gives (only those, so
     that run() sees what can_run() saw), and for packed inputs the host bounds the checks read:
-    run() keeps its query tile layout by them."""
+    run() keeps its query tile layout by them and reads where each query tile meets one KV
+    tile."""
     given = {name: value for name, value in (("dout_dot_out", dout_dot_out),
                                              ("dq_accumulator", dq_accumulator),
                                              ("dkv_accumulators", dkv_accumulators),
@@ -417,6 +418,7 @@ def _given_to_kernel(problem: AttentionProblem, dout_dot_out, dq_accumulator, dk
              if value is not None}
     if problem.varlen:
         given["host_cu_seqlens_q"] = problem.cu_seqlens_q
+        given["host_cu_seqlens_k"] = problem.cu_seqlens_k
     return given
 
 

@@ -177,7 +177,7 @@ def run(
     dout_dot_out=None, dq_accumulator=None, dkv_accumulators=None, lse_gate=None,
     host_cu_seqlens_q=None, head_major_units=UNITS_HEAD_MAJOR, q_start_positions=None,
     score_mods=None, dbias=None, dbias_stores=False, dbias_slots=None, dq_sums=None,
-    row_statistics=None, dkv_out=None,
+    row_statistics=None, dkv_out=None, host_cu_seqlens_k=None,
 ):
     """(dq, dk, dv) of the sm90 backward kernel; dk and dv summed over each KV group.
 
@@ -197,7 +197,9 @@ def run(
     launch, `GateFoldedStatistics`). nsa()'s backward passes it instead of folding in torch.
     host_cu_seqlens_q: the values of cu_seqlens_q (packed inputs), when the caller holds them:
     the query tile layout is then kept across calls (sparsity/host_cache.py) instead of being
-    rebuilt on the device (about 20 small launches) by every call.
+    rebuilt on the device (about 20 small launches) by every call. host_cu_seqlens_k: those of
+    cu_seqlens_k: with both, a call whose every query tile meets one KV tile may open
+    `dq_sums` with its fused dQ (`dq_store_opens_sums`).
     head_major_units: split-list work units taken list head by list head (the default,
     UNITS_HEAD_MAJOR) or, False, KV block by KV block (tools/tune_sm90_backward.py compares).
     q_start_positions (host ints, one per sequence): the position of each sequence's first
@@ -310,7 +312,18 @@ def run(
         lse_log2, dpsum = statistics() if row_statistics is None else row_statistics.of(
             tiles, statistics)
         dq_acc = shared_sums = None
-        if spec.fuses_dq:
+        if (dq_sums is not None and dq_accumulator is None and not padded
+                and dq_store_opens_sums(spec, host_cu_seqlens_q, host_cu_seqlens_k,
+                                        compress_factor, positions is not None)):
+            stored = dataclasses.replace(spec, dq_separate=False, dq_stores=True,
+                                         heavy_first=False)
+            if stored.fits_in_smem():
+                shared_sums = dq_sums.open_for_store(
+                    tiles, (num_heads, tiles.num_slots, head_dim), stored.dq_cols_per_warpgroup,
+                    softmax_scale, q.dtype, q.device)
+            if shared_sums is not None:
+                spec, dq_acc = stored, shared_sums
+        if spec.fuses_dq and dq_acc is None:
             shape = (num_heads, tiles.num_slots, head_dim)
             if dq_sums is not None:
                 shared_sums = dq_sums.take(tiles, shape, spec.dq_cols_per_warpgroup,
@@ -430,6 +443,30 @@ def _stores_ds(spec, block_sparse, csr, num_heads: int, q, max_seqlen_q: int) ->
     budget = total_memory(q.device) * DS_TILES_MEMORY_FRACTION
     tile_bytes = DS_TILE_ELEMENTS * q.element_size()
     return ds_tile_count(block_sparse, num_heads) * tile_bytes <= budget
+
+
+def dq_store_opens_sums(spec, host_cu_seqlens_q, host_cu_seqlens_k, compress_factor: int,
+                        q_positions: bool) -> bool:
+    """Whether this call's backward may store its fused dQ as the first values of a `DqSums`
+    (`BwdSpec.dq_stores`) instead of running the dQ kernel: every (query head, 64-row tile) of
+    every sequence must then be written by exactly one CTA. So: dense causal keys without a
+    window (compressed ones: nsa()'s compressed branch up to 8K tokens a document), each
+    sequence with rows holding 1 to tile_n keys (one KV tile, which with a compress factor up
+    to the 64-row step sees from the first query tile on: key 0 stands for rows up to
+    cf - 1), its rows cut into disjoint runs by split rows, not bands; from the host bounds."""
+    if (host_cu_seqlens_q is None or host_cu_seqlens_k is None or not spec.dq_separate
+            or spec.block_sparse or not spec.causal or spec.has_window_left
+            or spec.has_window_right or spec.row_bands or q_positions or spec.score_mods
+            or spec.deterministic or compress_factor > spec.tile_m):
+        return False
+    if not dataclasses.replace(spec, dq_separate=False).can_fuse_dq:
+        return False
+    lengths = zip(_diffs(host_cu_seqlens_q), _diffs(host_cu_seqlens_k))
+    return all(rows == 0 or 1 <= keys <= spec.tile_n for rows, keys in lengths)
+
+
+def _diffs(bounds) -> list[int]:
+    return [b - a for a, b in zip(bounds, bounds[1:])]
 
 
 def with_dkv_destination(spec, into_caller_sums: bool, unwritten: bool = False):
@@ -600,7 +637,9 @@ class DqSums:
     kernel adds the sums into the dQ it writes (`consume`: nsa()'s selected branch, run last
     where its outputs are kept), so no conversion pass reads them and dq is rounded once.
     With `stores_first`, a first call on the dQ kernel stores its dQ as the sums' first values
-    (`open_for_store`: nsa()'s compressed branch below 128K tokens), so nothing is zeroed."""
+    (`open_for_store`: nsa()'s compressed branch below 128K tokens), so nothing is zeroed; or,
+    where each of its query tiles meets one KV tile (`dq_store_opens_sums`: the compressed
+    branch on documents up to 8K tokens), its fused dQ does, and no dQ kernel runs."""
 
     def __init__(self, consumes: bool = False, stores_first: bool = False):
         self._sums = None
@@ -615,9 +654,10 @@ class DqSums:
 
     def open_for_store(self, tiles: QueryTiles, shape, block_cols: int, softmax_scale: float,
                        dtype, device) -> torch.Tensor | None:
-        """Unwritten float32 sums of this layout for a dQ-kernel call to store its whole dQ
-        into (`DqSpec.stores_sums`: every slot tile of every sequence is written, so nothing
-        is zeroed; later calls of the layout `take` and add into them), where `stores_first`
+        """Unwritten float32 sums of this layout for a call to store its whole dQ into (a dQ
+        kernel's `DqSpec.stores_sums` or a fused dQ's `BwdSpec.dq_stores`: every slot tile of
+        every sequence is written, so nothing is zeroed; later calls of the layout `take` and
+        add into them), where `stores_first`
         is on and no call opened the sums yet; else None. At 64K tokens, H=32, D=128 this
         saves zeroing 1 GiB of sums and reading a 16-bit dq back in the consuming call."""
         if not self.stores_first or self._sums is not None:

@@ -90,6 +90,9 @@ class FlashAttentionBackwardSm90:
         assert not (spec.add_dkv and spec.partial_dkv)
         assert not (spec.store_dkv_sums and (spec.add_dkv or spec.partial_dkv))
         assert not spec.owned_dkv_stores or spec.split_lists
+        # Stored dQ blocks: one CTA per (head, query tile), dense keys, one KV tile a sequence.
+        assert not spec.dq_stores or (spec.fuses_dq and not spec.block_sparse
+                                      and not spec.row_bands)
         assert not (spec.split_lists and not spec.block_sparse)
         assert not (spec.split_rows and spec.block_sparse)
         assert not spec.alternate_steps or (self.tile_n == 64 and self.tile_m == 64
@@ -361,7 +364,7 @@ class FlashAttentionBackwardSm90:
             sdS = storage.sdS.get_tensor(sdS_layout.outer, swizzle=sdS_layout.inner)
             dq_accumulator = DqAccumulator(self.dq_cols_per_wg, self.num_wg,
                                            spec.dq_rows_per_warpgroup, mdQacc,
-                                           storage.sdQ.get_tensor(sdQ_layout))
+                                           storage.sdQ.get_tensor(sdQ_layout), spec.dq_stores)
         dkv_handover = None
         if const_expr(spec.alternate_steps):
             # float32 dK (in sQ's storage) and dV (in sdO's) in register order, once the walks

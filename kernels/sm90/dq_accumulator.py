@@ -5,7 +5,8 @@ tile adds into.
 Each consumer warpgroup stages its 64 x cols block of dQ (its wgmma accumulator: a share of a
 64-row step's columns, or every column of its own 64 rows of a 128-row step) in smem, and a
 warp of the producer warpgroup, the dQ writer, adds the block into global memory with one bulk
-reduce-add (`cp.reduce.async.bulk.global.shared::cta.add.f32`). The two sides hand the buffer
+reduce-add (`cp.reduce.async.bulk.global.shared::cta.add.f32`), or, where each block is the
+only one of its rows (`BwdSpec.dq_stores`), one bulk store (`cp.async.bulk.global.shared::cta`). The two sides hand the buffer
 over through a pair of named barriers per warpgroup (empty: the writer's previous reduce has
 read it; full: the block is staged), so the consumers never wait on the bulk copy themselves
 (FA3/FA4's scheme).
@@ -55,6 +56,9 @@ class DqAccumulator:
                                           # (128-row steps), else a share of the columns
     mdQacc: cute.Tensor                   # (H, P, D) float32
     sdQ: cute.Tensor                      # (64 * cols_per_wg, num_wg) float32 staging
+    stores: cutlass.Constexpr[bool] = False  # each block is the only one of its rows and
+                                             # columns: a bulk store instead of a reduce-add
+                                             # (`BwdSpec.dq_stores`)
 
     @cute.jit
     def hand_to_writer(self, tidx: Int32, acc_dq: cute.Tensor):
@@ -92,9 +96,15 @@ class DqAccumulator:
                 inside = wg * _BLOCK_ROWS < rows_in_step
             if inside:
                 with cute.arch.elect_one():
-                    primitives.cp_reduce_async_bulk_global_shared_cta(
-                        tile + wg * block_values, self.sdQ[None, wg].iterator, block_values * 4,
-                        op=primitives.CpReduceOp.ADD, type=primitives.CpReduceType.F32)
+                    if const_expr(self.stores):
+                        primitives.cp_async_bulk_global_shared_cta(
+                            tile + wg * block_values, self.sdQ[None, wg].iterator,
+                            block_values * 4)
+                    else:
+                        primitives.cp_reduce_async_bulk_global_shared_cta(
+                            tile + wg * block_values, self.sdQ[None, wg].iterator,
+                            block_values * 4, op=primitives.CpReduceOp.ADD,
+                            type=primitives.CpReduceType.F32)
         cute.arch.cp_async_bulk_commit_group()
 
     @cute.jit

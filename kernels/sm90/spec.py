@@ -318,6 +318,10 @@ class BwdSpec:
     score_stage_bias: bool = False  # a 16-bit bias's tile copied to smem by cp.async at each
                                     # step (rows 16 bytes apart; KV tiles inside the keys) and
                                     # read there on S^T, instead of cell by cell from global
+    dq_stores: bool = False    # the fused dQ stores each 64-row block instead of adding it:
+                               # every (query head, 64-row tile) is one CTA's (one KV tile per
+                               # sequence, split rows disjoint; kernels/sm90/backward.py
+                               # `dq_store_opens_sums`), so it opens `DqSums` unzeroed
     stores_ds: bool = False    # 64-key lists beside the dQ kernel: each step's dS^T is stored
                                # (input dtype, one 64 x 64 tile per forward-list slot, query
                                # head and 64-row half) for the dQ kernel to read

@@ -571,6 +571,79 @@ def test_dq_kernel_opens_the_dq_sums_that_fused_calls_add_into(monkeypatch):
     assert rel_err(results[3], dq_total) < 1e-2
 
 
+@requires_sm90
+@pytest.mark.gpu
+def test_compressed_fused_dq_opens_the_sums_the_window_adds_into(monkeypatch):
+    """nsa()'s compressed branch on documents up to 8K tokens: each query tile meets the one KV
+    tile of its sequence's compressed keys, so its backward stores its fused dQ as the sums'
+    first values (`BwdSpec.dq_stores`, no dQ kernel, nothing zeroed; sums filled with NaN so a
+    value it did not store would show); a window call on the original keys adds into them and a
+    last call on the dQ kernel consumes them: that dq equals the three calls' own dq (each
+    alone on its usual path: the compressed one on the dQ kernel) summed. The sequences hold 70,
+    4, 1 and 31 compressed keys; a sequence without one (under 64 tokens) keeps the dQ kernel."""
+    from kernels.interface import plan_backward_trusted
+    from kernels.sm90.backward import DqSums
+
+    opened = DqSums.open_for_store
+
+    def poisoned(self, *args):
+        sums = opened(self, *args)
+        return None if sums is None else sums.fill_(float("nan"))
+
+    monkeypatch.setattr(DqSums, "open_for_store", poisoned)
+
+    def run(lengths):
+        generator = torch.Generator().manual_seed(11)
+        rows = tuple(itertools.accumulate(lengths, initial=0))
+        keys = tuple(itertools.accumulate((n // 64 for n in lengths), initial=0))
+
+        def randn(count, heads):
+            return torch.randn(count, heads, 128, generator=generator).to("cuda", torch.bfloat16)
+
+        q, dout = randn(rows[-1], 8), randn(rows[-1], 8)
+        k, v = randn(rows[-1], 2), randn(rows[-1], 2)
+        k_cmp, v_cmp = randn(keys[-1], 2), randn(keys[-1], 2)
+        cu_rows, cu_keys = (torch.tensor(b, dtype=torch.int32, device="cuda")
+                            for b in (rows, keys))
+        on_rows = dict(cu_seqlens_q=cu_rows, cu_seqlens_k=cu_rows, max_seqlen_q=max(lengths),
+                       max_seqlen_k=max(lengths), causal=True)
+        most_keys = max(b - a for a, b in zip(keys, keys[1:]))
+        calls = [((q, k_cmp, v_cmp), (rows, keys),
+                  dict(on_rows, cu_seqlens_k=cu_keys, max_seqlen_k=most_keys,
+                       compress_factor=64)),
+                 ((q, k, v), (rows, rows), dict(on_rows, window_size=(512, 0))),
+                 ((q, k, v), (rows, rows), dict(on_rows, window_size=(128, 0),
+                                                deterministic=True))]
+        launched = record_backward_launches(monkeypatch)
+        plans, alone = [], []
+        for tensors, host, call in calls:
+            forward = {name: value for name, value in call.items() if name != "deterministic"}
+            out, lse = kernels.attention_forward(*tensors, **forward)
+            plan = plan_backward_trusted(*tensors, host_cu_seqlens=host, **call)
+            row_dots = (dout.float() * out.float()).sum(-1)
+            plans.append((plan, lse, row_dots))
+            alone.append([t.clone() for t in plan.backward(dout, lse, dout_dot_out=row_dots)])
+        assert not any(spec.dq_stores for spec in launched), launched
+        launched.clear()
+        sums = DqSums(consumes=True, stores_first=True)
+        results = []
+        for (plan, lse, row_dots), (_, dk_alone, dv_alone) in zip(plans, alone):
+            dq, dk, dv = plan.backward(dout, lse, dout_dot_out=row_dots, dq_sums=sums)
+            torch.testing.assert_close(dk, dk_alone, rtol=2e-2, atol=2e-2)
+            torch.testing.assert_close(dv, dv_alone, rtol=2e-2, atol=2e-2)
+            results.append(dq)
+        torch.cuda.synchronize()
+        assert results[:2] == [None, None] and sums.finish() is None
+        assert torch.isfinite(results[2]).all()
+        assert rel_err(results[2], sum(dq.float() for dq, _, _ in alone)) < 1e-2
+        return launched[0]
+
+    first = run((4500, 300, 64, 2000))
+    assert first.dq_stores and first.fuses_dq, first
+    first = run((4500, 300, 63, 2000))  # a sequence without compressed keys
+    assert first.dq_separate and not first.dq_stores, first
+
+
 COMPRESSED_CASES = [case for case in GRADIENT_CASES
                     if case.compress_factor > 1 and case.kv_block is None]
 

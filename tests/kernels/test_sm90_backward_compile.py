@@ -426,6 +426,39 @@ def test_compressed_fused_row_band_variant_compiles_for_sm90a(dtype, head_dim):
         assert other_spec.dq_separate and not other_spec.row_bands, other
 
 
+@pytest.mark.parametrize("grid", list(GRID_SIZES))
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_compressed_dq_store_variant_compiles_for_sm90a(head_dim, grid):
+    """Compressed causal keys of at most one KV tile a sequence (nsa()'s compressed branch on
+    documents up to 8K tokens) may store their fused dQ as the first values of the shared sums
+    (`dq_store_opens_sums`, `BwdSpec.dq_stores`): every query tile meets that one tile. Not
+    where a sequence has no key or more than a tile of them, a compress factor beyond the
+    step, a window, lists, query positions, the deterministic mode, or no host bounds."""
+    from kernels.sm90.backward import dq_store_opens_sums
+
+    def spec_for(**options):
+        call = dict(dtype="bfloat16", head_dim=head_dim, causal=True, window_size=(-1, -1),
+                    compress_factor=64, kv_tile_ctas=GRID_SIZES[grid], max_seqlen_k=128)
+        return choose_backward_spec(**(call | options))
+
+    spec = spec_for()
+    assert spec.dq_separate and spec.split_rows == (grid == "few-kv-tiles")
+    rows, keys = (0, 8192, 8192, 8256, 9000), (0, 128, 128, 129, 139)  # a sequence of no rows
+    assert dq_store_opens_sums(spec, rows, keys, 64, False)
+    assert not dq_store_opens_sums(spec, rows, (0, 129, 129, 130, 140), 64, False)  # 129 keys
+    assert not dq_store_opens_sums(spec, rows, (0, 128, 128, 128, 138), 64, False)  # 64 rows, 0
+    assert not dq_store_opens_sums(spec, rows, keys, spec.tile_m + 1, False)
+    assert not dq_store_opens_sums(spec, rows, keys, 64, True)
+    assert not dq_store_opens_sums(spec, None, keys, 64, False)
+    assert not dq_store_opens_sums(spec, rows, None, 64, False)
+    for other in (dict(window_size=(1023, 0)), dict(deterministic=True), dict(causal=False),
+                  dict(sparse_block_size=64)):
+        assert not dq_store_opens_sums(spec_for(**other), rows, keys, 64, False), other
+    stored = dataclasses.replace(spec, dq_separate=False, dq_stores=True, heavy_first=False)
+    assert stored.fuses_dq and stored.fits_in_smem()
+    assert callable(compile_backward_on_fake_tensors(stored))
+
+
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_backward_row_statistics_kernel_compiles_for_sm90a(dtype, head_dim):

@@ -45,7 +45,8 @@ class RecordingBackward(types.ModuleType):
         return False  # it computes dq itself, as a kernel without the fused dQ does
 
     def run(self, dout, q, k, v, out, lse, dout_dot_out=None, dq_accumulator=None,
-            dkv_accumulators=None, lse_gate=None, host_cu_seqlens_q=None, dq_sums=None,
+            dkv_accumulators=None, lse_gate=None, host_cu_seqlens_q=None,
+            host_cu_seqlens_k=None, dq_sums=None,
             **kwargs):
         # dq_sums: this fake computes dq itself, as a kernel without the fused dQ does.
         self.calls.append(kwargs)

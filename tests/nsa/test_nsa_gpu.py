@@ -248,11 +248,15 @@ def test_nsa_shared_gate_pass_gives_the_per_branch_passes_bits(monkeypatch, bran
 
 
 @requires_sm90
-def test_nsa_compressed_dq_opens_the_sums_the_window_adds_into(monkeypatch, branch_backends):
+@pytest.mark.parametrize("short", [[], [40]], ids=["fused-dq-stores", "dq-kernel-stores"])
+def test_nsa_compressed_dq_opens_the_sums_the_window_adds_into(monkeypatch, branch_backends,
+                                                               short):
     """From FUSED_DQ_MIN_KEYS keys the window branch fuses its dQ: with the outputs kept, the
-    compressed branch's dQ kernel stores its dQ as the first values of the shared `DqSums`
+    compressed branch stores its dQ as the first values of the shared `DqSums`
     (`nsa.function.DQ_KERNEL_OPENS_SUMS`, filled with NaN here first so a value it did not
-    store would show), the window adds into them and the selected branch's dQ kernel consumes
+    store would show): from its fused dQ where every document has 1 to 128 compressed keys
+    (`BwdSpec.dq_stores`), else (a 40-token document: none) from its dQ kernel; the window
+    adds into them and the selected branch's dQ kernel consumes
     them: every gradient matches the reference, and dq matches the run that writes dq from
     the compressed branch (the switch off) within bf16 rounding (dk, dv: float32 partials in
     any order, so neither run is bitwise repeatable)."""
@@ -268,17 +272,20 @@ def test_nsa_compressed_dq_opens_the_sums_the_window_adds_into(monkeypatch, bran
         return None if sums is None else sums.fill_(float("nan"))
 
     monkeypatch.setattr(DqSums, "open_for_store", poisoned)
-    lengths, heads, heads_kv, dim = [FUSED_DQ_MIN_KEYS + 403, 300], 8, 2, 128
+    lengths, heads, heads_kv, dim = [FUSED_DQ_MIN_KEYS + 403, 300, *short], 8, 2, 128
     x = _gpu_inputs(lengths, heads, heads_kv, dim, seed=14)
     fast_in = differentiable(x, torch.bfloat16)
     dout = _random_dout(x["q"].shape, x["q"].device, seed=8)
     runs = {}
+    launched = record_backward_launches(monkeypatch)
     for opens in (True, False):
         monkeypatch.setattr(function, "DQ_KERNEL_OPENS_SUMS", opens)
         opened.clear()
+        launched.clear()
         out = nsa(**fast_in, max_seqlen=max(lengths), recompute=False, capture=False)
         runs[opens] = grads_of(out, fast_in, dout)
-        assert opened == [opens], opened  # one dQ-kernel call before the fused window
+        assert opened == [opens], opened  # the compressed branch's, before the fused window
+        assert any(spec.dq_stores for spec in launched) == (opens and not short), launched
     torch.cuda.synchronize()
     _assert_backward_on_kernels(branch_backends)
     ref_in = _reference_inputs(x)
