@@ -71,6 +71,10 @@ _CHUNK_ROWS = 32768
 # 80 GB H100's 5.3 GB), 1M tokens recompute.
 DS_TILES = True
 DS_TILES_MEMORY_FRACTION = 1 / 16
+# A call whose every query tile meets one KV tile (`dq_store_opens_sums`: nsa()'s compressed
+# branch on documents up to 8K tokens) opens the caller's `DqSums` with its fused dQ instead
+# of running the dQ kernel. False: the dQ kernel (a switch for the A/B).
+DQ_STORES = True
 
 
 def can_run(q, k, v, *, block_sparse=None, causal=False, window_size=(-1, -1),
@@ -454,7 +458,8 @@ def dq_store_opens_sums(spec, host_cu_seqlens_q, host_cu_seqlens_k, compress_fac
     sequence with rows holding 1 to tile_n keys (one KV tile, which with a compress factor up
     to the 64-row step sees from the first query tile on: key 0 stands for rows up to
     cf - 1), its rows cut into disjoint runs by split rows, not bands; from the host bounds."""
-    if (host_cu_seqlens_q is None or host_cu_seqlens_k is None or not spec.dq_separate
+    if (not DQ_STORES or host_cu_seqlens_q is None or host_cu_seqlens_k is None
+            or not spec.dq_separate
             or spec.block_sparse or not spec.causal or spec.has_window_left
             or spec.has_window_right or spec.row_bands or q_positions or spec.score_mods
             or spec.deterministic or compress_factor > spec.tile_m):
