@@ -284,7 +284,8 @@ def test_nsa_compressed_dq_opens_the_sums_the_window_adds_into(monkeypatch, bran
         launched.clear()
         out = nsa(**fast_in, max_seqlen=max(lengths), recompute=False, capture=False)
         runs[opens] = grads_of(out, fast_in, dout)
-        assert opened == [opens], opened  # the compressed branch's, before the fused window
+        # Opened once, by the compressed branch (before the fused window), or never.
+        assert opened.count(True) == int(opens) and opened[:1] == [opens], opened
         assert any(spec.dq_stores for spec in launched) == (opens and not short), launched
     torch.cuda.synchronize()
     _assert_backward_on_kernels(branch_backends)
