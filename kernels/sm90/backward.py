@@ -127,7 +127,9 @@ def fuses_dq(q, k, *, cu_seqlens_q, max_seqlen_k, causal=False, window_size=(-1,
              block_sparse=None, compress_factor=1, deterministic=False, **_) -> bool:
     """Whether `run` on these packed inputs adds its dQ into float32 sums (`BwdSpec.fuses_dq`,
     without spec overrides or score mods): nsa()'s backward asks it of its later branches
-    before the first opens its `DqSums` (`DqSums.stores_first`). Reads no device value."""
+    before the first opens its `DqSums` (`DqSums.stores_first`). A call that may open the
+    sums with a stored fused dQ (`dq_store_opens_sums`) counts as not fusing: it adds nothing
+    into sums another call opened. Reads no device value."""
     return _call_spec(q, k, cu_seqlens_q, max_seqlen_k, causal, window_size, block_sparse,
                       compress_factor, deterministic).fuses_dq
 
@@ -316,8 +318,8 @@ def run(
         lse_log2, dpsum = statistics() if row_statistics is None else row_statistics.of(
             tiles, statistics)
         dq_acc = shared_sums = None
-        if (dq_sums is not None and dq_accumulator is None and not padded
-                and dq_store_opens_sums(spec, host_cu_seqlens_q, host_cu_seqlens_k,
+        if (dq_sums is not None and dq_sums.awaits_store and dq_accumulator is None
+                and not padded and dq_store_opens_sums(spec, host_cu_seqlens_q, host_cu_seqlens_k,
                                         compress_factor, positions is not None)):
             stored = dataclasses.replace(spec, dq_separate=False, dq_stores=True,
                                          heavy_first=False)
@@ -657,6 +659,11 @@ class DqSums:
         # them, which then needs no zeroed sums.
         self.stores_first = stores_first
 
+    @property
+    def awaits_store(self) -> bool:
+        """Whether a call may still open the sums by storing into them (`open_for_store`)."""
+        return self.stores_first and self._sums is None
+
     def open_for_store(self, tiles: QueryTiles, shape, block_cols: int, softmax_scale: float,
                        dtype, device) -> torch.Tensor | None:
         """Unwritten float32 sums of this layout for a call to store its whole dQ into (a dQ
@@ -665,7 +672,7 @@ class DqSums:
         add into them), where `stores_first`
         is on and no call opened the sums yet; else None. At 64K tokens, H=32, D=128 this
         saves zeroing 1 GiB of sums and reading a 16-bit dq back in the consuming call."""
-        if not self.stores_first or self._sums is not None:
+        if not self.awaits_store:
             return None
         self._sums = torch.empty(shape, dtype=torch.float32, device=device)
         self._layout = (tiles, block_cols, softmax_scale, dtype)

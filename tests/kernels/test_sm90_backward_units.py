@@ -236,14 +236,17 @@ def test_dq_sums_are_opened_for_a_store_once_where_asked():
     assert DqSums(consumes=True).open_for_store(tiles, shape, cols, 0.5, torch.bfloat16,
                                                 "cpu") is None
     sums = DqSums(consumes=True, stores_first=True)
+    assert sums.awaits_store and not DqSums(consumes=True).awaits_store
     opened = sums.open_for_store(tiles, shape, cols, 0.5, torch.bfloat16, "cpu")
     assert opened is not None and opened.shape == shape and opened.dtype == torch.float32
+    assert not sums.awaits_store
     assert sums.open_for_store(tiles, shape, cols, 0.5, torch.bfloat16, "cpu") is None
     assert sums.take(tiles, shape, cols, 0.5, torch.bfloat16, "cpu") is opened
     taken, taken_cols = sums.consume(tiles, 0.5, torch.bfloat16)
     assert taken is opened and taken_cols == cols and sums.finish() is None
     later = DqSums(stores_first=True)
     assert later.take(tiles, shape, cols, 0.5, torch.bfloat16, "cpu") is not None
+    assert not later.awaits_store
     assert later.open_for_store(tiles, shape, cols, 0.5, torch.bfloat16, "cpu") is None
 
 
