@@ -319,7 +319,8 @@ def run(
             tiles, statistics)
         dq_acc = shared_sums = None
         if (dq_sums is not None and dq_sums.awaits_store and dq_accumulator is None
-                and not padded and dq_store_opens_sums(spec, host_cu_seqlens_q, host_cu_seqlens_k,
+                and not padded
+                and dq_store_opens_sums(spec, host_cu_seqlens_q, host_cu_seqlens_k,
                                         compress_factor, positions is not None)):
             stored = dataclasses.replace(spec, dq_separate=False, dq_stores=True,
                                          heavy_first=False)
@@ -461,10 +462,9 @@ def dq_store_opens_sums(spec, host_cu_seqlens_q, host_cu_seqlens_k, compress_fac
     to the 64-row step sees from the first query tile on: key 0 stands for rows up to
     cf - 1), its rows cut into disjoint runs by split rows, not bands; from the host bounds."""
     if (not DQ_STORES or host_cu_seqlens_q is None or host_cu_seqlens_k is None
-            or not spec.dq_separate
-            or spec.block_sparse or not spec.causal or spec.has_window_left
-            or spec.has_window_right or spec.row_bands or q_positions or spec.score_mods
-            or spec.deterministic or compress_factor > spec.tile_m):
+            or not spec.dq_separate or spec.block_sparse or not spec.causal
+            or spec.has_window_left or spec.has_window_right or spec.row_bands or q_positions
+            or spec.score_mods or spec.deterministic or compress_factor > spec.tile_m):
         return False
     if not dataclasses.replace(spec, dq_separate=False).can_fuse_dq:
         return False
@@ -669,9 +669,9 @@ class DqSums:
         """Unwritten float32 sums of this layout for a call to store its whole dQ into (a dQ
         kernel's `DqSpec.stores_sums` or a fused dQ's `BwdSpec.dq_stores`: every slot tile of
         every sequence is written, so nothing is zeroed; later calls of the layout `take` and
-        add into them), where `stores_first`
-        is on and no call opened the sums yet; else None. At 64K tokens, H=32, D=128 this
-        saves zeroing 1 GiB of sums and reading a 16-bit dq back in the consuming call."""
+        add into them), where `stores_first` is on and no call opened the sums yet; else None.
+        At 64K tokens, H=32, D=128 this saves zeroing 1 GiB of sums and reading a 16-bit dq
+        back in the consuming call."""
         if not self.awaits_store:
             return None
         self._sums = torch.empty(shape, dtype=torch.float32, device=device)

@@ -6,10 +6,10 @@ Each consumer warpgroup stages its 64 x cols block of dQ (its wgmma accumulator:
 64-row step's columns, or every column of its own 64 rows of a 128-row step) in smem, and a
 warp of the producer warpgroup, the dQ writer, adds the block into global memory with one bulk
 reduce-add (`cp.reduce.async.bulk.global.shared::cta.add.f32`), or, where each block is the
-only one of its rows (`BwdSpec.dq_stores`), one bulk store (`cp.async.bulk.global.shared::cta`). The two sides hand the buffer
-over through a pair of named barriers per warpgroup (empty: the writer's previous reduce has
-read it; full: the block is staged), so the consumers never wait on the bulk copy themselves
-(FA3/FA4's scheme).
+only one of its rows (`BwdSpec.dq_stores`), one bulk store (`cp.async.bulk.global.shared::cta`).
+The two sides hand the buffer over through a pair of named barriers per warpgroup (empty: the
+writer's previous reduce has read it; full: the block is staged), so the consumers never wait
+on the bulk copy themselves (FA3/FA4's scheme).
 
 The block keeps the accumulator's register order, in smem and in global memory: value v of
 thread t sits at float ((v // 4) * 128 + t) * 4 + v % 4 of the block, so each thread stores
