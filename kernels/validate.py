@@ -356,7 +356,8 @@ def _check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, q, k,
     return cu_q, cu_k
 
 
-def _lengths(cu: Sequence[int]) -> list[int]:
+def sequence_lengths(cu: Sequence[int]) -> list[int]:
+    """Host values of sequence boundaries ``cu`` -> each sequence's length."""
     return [b - a for a, b in zip(cu, cu[1:])]
 
 
@@ -364,13 +365,13 @@ def block_offsets(cu: Sequence[int], block_size: int) -> tuple[int, ...]:
     """Host values of sequence boundaries ``cu`` -> the first global block of each sequence when
     every sequence is cut into blocks of ``block_size`` (the last one may be partial)."""
     offsets = [0]
-    for length in _lengths(cu):
+    for length in sequence_lengths(cu):
         offsets.append(offsets[-1] + -(-length // block_size))
     return tuple(offsets)
 
 
 def _check_max_seqlen(name: str, value, cu: tuple[int, ...], cu_name: str) -> int:
-    longest = max(_lengths(cu))
+    longest = max(sequence_lengths(cu))
     if value is None:
         return longest
     value = _check_int(name, value)

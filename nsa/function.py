@@ -53,9 +53,10 @@ SHARED_DQ_SUMS = True
 # at the end (the switch for the A/B).
 SELECTED_CONSUMES_DQ_SUMS = True
 # Where the selected branch consumes the sums and a later branch fuses dQ into them, the first
-# branch on the dQ kernel (the compressed one) stores its dQ as the sums' first values instead
-# of writing dq (`DqSums.stores_first`): the sums are never zeroed and the consuming call reads
-# no 16-bit dq back; False: it writes dq (the switch for the A/B).
+# branch (the compressed one) stores its dQ as the sums' first values instead of writing dq
+# (`DqSums.stores_first`; from its dQ kernel, or on documents up to 8K tokens from its fused dQ:
+# `kernels.sm90.backward.dq_store_opens_sums`): the sums are never zeroed and the consuming
+# call reads no 16-bit dq back; False: it writes dq (the switch for the A/B).
 DQ_KERNEL_OPENS_SUMS = True
 # With the branch outputs kept, one pass over dO writes every branch's gate gradient
 # (`branches_gate_gradients`); False: a pass per branch (the switch for the A/B).
@@ -344,8 +345,9 @@ def _plan_backward(branch: Branch, q: Tensor, keys: Tensor, values: Tensor, opti
     """The branch's `Branch.plan_backward` with its options (`packed_gradients`); None without
     rows (the kernel path's checks would stand dO in for the absent output, and an empty dO
     may have any strides)."""
-    return branch.plan_backward(q, keys, values, **options[branch.index]) \
-        if q.shape[0] > 0 else None
+    if q.shape[0] == 0:
+        return None
+    return branch.plan_backward(q, keys, values, **options[branch.index])
 
 
 def backward_order(branches: list[Branch], selected_last: bool) -> list[int]:

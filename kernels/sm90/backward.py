@@ -40,6 +40,7 @@ from kernels.sm90.spec import (BACKWARD_DENSE_TILE_N, DS_TILE_ELEMENTS, H100_NUM
                                choose_backward_spec, dq_spec_for, ds_tile_count,
                                fused_dq_block_cols, list_shape)
 from kernels.sm90.spec import QUERY_SLOT_ROWS as SLOT_ROWS  # `QueryTiles`' tile rows
+from kernels.validate import sequence_lengths
 
 SUPPORTED_HEAD_DIMS = (64, 128)
 LIST_Q_TILE = 128       # block-sparse lists name query tiles of this many rows
@@ -318,6 +319,7 @@ def run(
         lse_log2, dpsum = statistics() if row_statistics is None else row_statistics.of(
             tiles, statistics)
         dq_acc = shared_sums = None
+        sums_shape = (num_heads, tiles.num_slots, head_dim)  # a fused dQ's float32 sums
         if (dq_sums is not None and dq_sums.awaits_store and dq_accumulator is None
                 and not padded
                 and dq_store_opens_sums(spec, host_cu_seqlens_q, host_cu_seqlens_k,
@@ -325,18 +327,17 @@ def run(
             stored = dataclasses.replace(spec, dq_separate=False, dq_stores=True,
                                          heavy_first=False)
             if stored.fits_in_smem():
-                shared_sums = dq_sums.open_for_store(
-                    tiles, (num_heads, tiles.num_slots, head_dim), stored.dq_cols_per_warpgroup,
-                    softmax_scale, q.dtype, q.device)
+                shared_sums = dq_sums.open_for_store(tiles, sums_shape,
+                                                     stored.dq_cols_per_warpgroup,
+                                                     softmax_scale, q.dtype, q.device)
             if shared_sums is not None:
                 spec, dq_acc = stored, shared_sums
         if spec.fuses_dq and dq_acc is None:
-            shape = (num_heads, tiles.num_slots, head_dim)
             if dq_sums is not None:
-                shared_sums = dq_sums.take(tiles, shape, spec.dq_cols_per_warpgroup,
+                shared_sums = dq_sums.take(tiles, sums_shape, spec.dq_cols_per_warpgroup,
                                            softmax_scale, q.dtype, q.device)
             dq_acc = shared_sums if shared_sums is not None else torch.zeros(
-                shape, dtype=torch.float32, device=q.device)
+                sums_shape, dtype=torch.float32, device=q.device)
         forward_lists = (None,) * 5  # read by the dQ kernel
         if block_sparse is not None:
             bs = block_sparse
@@ -397,9 +398,8 @@ def run(
             if dq_sums is not None and not padded:
                 if dq_accumulator is None and not spec.stores_ds:
                     stores_cols = fused_dq_block_cols(head_dim)
-                    sums = dq_sums.open_for_store(
-                        tiles, (num_heads, tiles.num_slots, head_dim), stores_cols,
-                        softmax_scale, q.dtype, q.device)
+                    sums = dq_sums.open_for_store(tiles, sums_shape, stores_cols,
+                                                  softmax_scale, q.dtype, q.device)
                     stores = sums is not None
                     sums_cols = stores_cols if stores else 0
                 if not stores:
@@ -468,12 +468,8 @@ def dq_store_opens_sums(spec, host_cu_seqlens_q, host_cu_seqlens_k, compress_fac
         return False
     if not dataclasses.replace(spec, dq_separate=False).can_fuse_dq:
         return False
-    lengths = zip(_diffs(host_cu_seqlens_q), _diffs(host_cu_seqlens_k))
+    lengths = zip(sequence_lengths(host_cu_seqlens_q), sequence_lengths(host_cu_seqlens_k))
     return all(rows == 0 or 1 <= keys <= spec.tile_n for rows, keys in lengths)
-
-
-def _diffs(bounds) -> list[int]:
-    return [b - a for a, b in zip(bounds, bounds[1:])]
 
 
 def with_dkv_destination(spec, into_caller_sums: bool, unwritten: bool = False):
@@ -654,9 +650,10 @@ class DqSums:
         # A dQ-kernel call may take the sums into its dQ (`consume`): only where the caller
         # makes that call the last to see them.
         self.consumes = consumes
-        # The first call, on the dQ kernel without a running dq, may store its dQ as the sums'
-        # first values (`open_for_store`): where the caller knows a later call fuses dQ into
-        # them, which then needs no zeroed sums.
+        # The first call, without a running dq, may store its dQ as the sums' first values
+        # (`open_for_store`: from the dQ kernel, or a fused dQ where `dq_store_opens_sums`):
+        # where the caller knows a later call fuses dQ into them, which then needs no zeroed
+        # sums.
         self.stores_first = stores_first
 
     @property

@@ -437,22 +437,25 @@ def test_row_band_backward_matches_fallback(case: Case, monkeypatch):
         assert all(spec.fuses_dq for spec in launched)
 
 
-def _planned_calls(q, k, v, dout, host, calls):
-    """(plans, (lse, row dots) per call, each call's (dq, dk, dv) alone, cloned) of planned
-    backward calls on the same q, k, v, dout: `calls` are the calls' keyword arguments
-    (`deterministic` goes to the backward alone); host: the host bounds (q's, k's)."""
+def _planned_call(tensors, dout, host, call):
+    """(plan, (lse, row dots), its (dq, dk, dv) alone, cloned) of one planned backward call
+    on (q, k, v) = tensors: `call` its keyword arguments (`deterministic` goes to the backward
+    alone); host: the host bounds (q's, k's)."""
     from kernels.interface import plan_backward_trusted
 
-    plans, statistics, alone = [], [], []
-    for call in calls:
-        forward = {name: value for name, value in call.items() if name != "deterministic"}
-        out, lse = kernels.attention_forward(q, k, v, **forward)
-        plan = plan_backward_trusted(q, k, v, host_cu_seqlens=host, **call)
-        row_dots = (dout.float() * out.float()).sum(-1)
-        plans.append(plan)
-        statistics.append((lse, row_dots))
-        alone.append([t.clone() for t in plan.backward(dout, lse, dout_dot_out=row_dots)])
-    return plans, statistics, alone
+    forward = {name: value for name, value in call.items() if name != "deterministic"}
+    out, lse = kernels.attention_forward(*tensors, **forward)
+    plan = plan_backward_trusted(*tensors, host_cu_seqlens=host, **call)
+    row_dots = (dout.float() * out.float()).sum(-1)
+    alone = [t.clone() for t in plan.backward(dout, lse, dout_dot_out=row_dots)]
+    return plan, (lse, row_dots), alone
+
+
+def _planned_calls(q, k, v, dout, host, calls):
+    """(plans, (lse, row dots) per call, each call's (dq, dk, dv) alone) of `_planned_call`s
+    on the same q, k, v, dout and host bounds."""
+    planned = [_planned_call((q, k, v), dout, host, call) for call in calls]
+    return tuple(list(column) for column in zip(*planned))
 
 
 @requires_sm90
@@ -581,7 +584,6 @@ def test_compressed_fused_dq_opens_the_sums_the_window_adds_into(monkeypatch):
     last call on the dQ kernel consumes them: that dq equals the three calls' own dq (each
     alone on its usual path: the compressed one on the dQ kernel) summed. The sequences hold 70,
     4, 1 and 31 compressed keys; a sequence without one (under 64 tokens) keeps the dQ kernel."""
-    from kernels.interface import plan_backward_trusted
     from kernels.sm90.backward import DqSums
 
     opened = DqSums.open_for_store
@@ -615,19 +617,12 @@ def test_compressed_fused_dq_opens_the_sums_the_window_adds_into(monkeypatch):
                  ((q, k, v), (rows, rows), dict(on_rows, window_size=(128, 0),
                                                 deterministic=True))]
         launched = record_backward_launches(monkeypatch)
-        plans, alone = [], []
-        for tensors, host, call in calls:
-            forward = {name: value for name, value in call.items() if name != "deterministic"}
-            out, lse = kernels.attention_forward(*tensors, **forward)
-            plan = plan_backward_trusted(*tensors, host_cu_seqlens=host, **call)
-            row_dots = (dout.float() * out.float()).sum(-1)
-            plans.append((plan, lse, row_dots))
-            alone.append([t.clone() for t in plan.backward(dout, lse, dout_dot_out=row_dots)])
+        planned = [_planned_call(tensors, dout, host, call) for tensors, host, call in calls]
         assert not any(spec.dq_stores for spec in launched), launched
         launched.clear()
         sums = DqSums(consumes=True, stores_first=True)
         results = []
-        for (plan, lse, row_dots), (_, dk_alone, dv_alone) in zip(plans, alone):
+        for plan, (lse, row_dots), (_, dk_alone, dv_alone) in planned:
             dq, dk, dv = plan.backward(dout, lse, dout_dot_out=row_dots, dq_sums=sums)
             torch.testing.assert_close(dk, dk_alone, rtol=2e-2, atol=2e-2)
             torch.testing.assert_close(dv, dv_alone, rtol=2e-2, atol=2e-2)
@@ -635,7 +630,7 @@ def test_compressed_fused_dq_opens_the_sums_the_window_adds_into(monkeypatch):
         torch.cuda.synchronize()
         assert results[:2] == [None, None] and sums.finish() is None
         assert torch.isfinite(results[2]).all()
-        assert rel_err(results[2], sum(dq.float() for dq, _, _ in alone)) < 1e-2
+        assert rel_err(results[2], sum(alone[0].float() for _, _, alone in planned)) < 1e-2
         return launched[0]
 
     first = run((4500, 300, 64, 2000))
