@@ -268,39 +268,15 @@ class DqFromDsSm90(DqBackwardSm90):
                                                       cute.make_layout(cute.size(r_ds))),
                                      Int32)
         words = cute.make_rmem_tensor(cute.make_layout(cute.size(a_words)), Int32)
-        if const_expr(self.spec.ds_under_product):
-            # Entry i + 1's stage wait and dS loads (into `words`, not the A registers) run
-            # while entry i's product is in flight; `released` trails the waits by one entry.
-            released = kv_consumer.clone()
-            if num_iters > 0:
-                kv_handle = kv_consumer.wait_and_advance()
-                stage = stage_index(kv_handle, self.spec.kv_stages)
-                load_ds_words(sDS_tiles[None, wg, stage].iterator, tidx, words)
-                ds_words_as_a_operand(words, a_words)
-                tiled_mma_dq = gemm(tiled_mma_dq, acc_dq, r_ds, tdQrK[None, None, None, stage],
-                                    zero_init=False)
-                for _ in cutlass.range(1, num_iters, unroll=1):
-                    kv_handle = kv_consumer.wait_and_advance()
-                    stage = stage_index(kv_handle, self.spec.kv_stages)
-                    load_ds_words(sDS_tiles[None, wg, stage].iterator, tidx, words)
-                    warpgroup.wait_group(0)
-                    released.current_handle().release()
-                    released.advance()
-                    ds_words_as_a_operand(words, a_words)
-                    tiled_mma_dq = gemm(tiled_mma_dq, acc_dq, r_ds,
-                                        tdQrK[None, None, None, stage], zero_init=False)
-                warpgroup.wait_group(0)
-                released.current_handle().release()
-        else:
-            for _ in cutlass.range(num_iters, unroll=1):
-                kv_handle = kv_consumer.wait_and_advance()
-                stage = stage_index(kv_handle, self.spec.kv_stages)
-                load_ds_words(sDS_tiles[None, wg, stage].iterator, tidx, words)
-                ds_words_as_a_operand(words, a_words)
-                tiled_mma_dq = gemm(tiled_mma_dq, acc_dq, r_ds, tdQrK[None, None, None, stage],
-                                    zero_init=False)
-                warpgroup.wait_group(0)
-                kv_handle.release()
+        for _ in cutlass.range(num_iters, unroll=1):
+            kv_handle = kv_consumer.wait_and_advance()
+            stage = stage_index(kv_handle, self.spec.kv_stages)
+            load_ds_words(sDS_tiles[None, wg, stage].iterator, tidx, words)
+            ds_words_as_a_operand(words, a_words)
+            tiled_mma_dq = gemm(tiled_mma_dq, acc_dq, r_ds, tdQrK[None, None, None, stage],
+                                zero_init=False)
+            warpgroup.wait_group(0)
+            kv_handle.release()
         if const_expr(self.spec.sums_block_cols > 0):
             self.exchange_fused_sums(acc_dq, mdQSums,
                                      mQTileOffsets[batch] + m_block * self.num_wg, head, tidx,

@@ -489,8 +489,6 @@ class DqSpec:
     reads_ds: bool = False
     ctas_per_sm: int = 1       # `reads_ds`: CTAs sized to share an SM (registers and smem;
                                # tile_m 64 at two)
-    ds_under_product: bool = False  # `reads_ds`: an entry's stage wait and dS loads run while
-                                    # the previous entry's product is in flight
 
     def __post_init__(self):
         if self.stores_sums and (self.sums_block_cols <= 0 or self.accumulate or self.reads_ds):
@@ -765,8 +763,7 @@ def dq_spec_for(spec: BwdSpec, accumulate: bool = False, sums_block_cols: int = 
                   q_positions=spec.q_positions, sums_block_cols=sums_block_cols,
                   stores_sums=stores_sums,
                   **(dict(reads_ds=True, kv_stages=DS_KV_STAGES, ctas_per_sm=DS_CTAS_PER_SM,
-                          tile_m=128 // DS_CTAS_PER_SM, ds_under_product=DS_UNDER_PRODUCT)
-                     if spec.stores_ds else {}))
+                          tile_m=128 // DS_CTAS_PER_SM) if spec.stores_ds else {}))
 
 
 # The dQ kernel reading dS tiles moves 16 KiB of K and 8 KiB of dS per 64 rows and product:
@@ -776,9 +773,6 @@ def dq_spec_for(spec: BwdSpec, accumulate: bool = False, sums_block_cols: int = 
 # H200, 2026-11-30, nsa()'s selected dQ two / one: 8K 0.238 / 0.244 ms, 64K 1.984 / 1.966.
 DS_CTAS_PER_SM = 2
 DS_KV_STAGES = 4
-# `DqSpec.ds_under_product`: each consumer waits for entry i + 1's stage and loads its dS
-# while the product of entry i runs, instead of after it.
-DS_UNDER_PRODUCT = True
 
 
 def ds_tile_count(block_sparse, num_heads: int) -> int:
