@@ -7,6 +7,10 @@ sequence's rows are touched. Registers are not the fast path for whole halves: e
 instruction then writes 16 bytes into each of 8 rows, and a compressed tile's store phase took
 3,500 cycles instead of 550-960 (2026-11-23, docs/history.md).
 
+With `FwdSpec.gated_sum` a second tile goes the same way beside O: NSA's gated sum of the
+branch outputs (kernels/sm90/gated_epilogue.py computes it in registers), staged in its own
+buffer and stored by the storer warp with O.
+
 Two ways to finish the smem path (`FwdSpec.store_warp`):
 - the consumer warpgroup itself issues the TMA store and writes lse from registers;
 - a storer warp of the producer warpgroup does both (`drain`): the consumers stage O and lse in
@@ -17,6 +21,7 @@ Two ways to finish the smem path (`FwdSpec.store_warp`):
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import cutlass
 import cutlass.cute as cute
@@ -54,6 +59,11 @@ class OutputStore:
     mO_tma: cute.Tensor       # (T, D, H) view for the TMA store
     mO: cute.Tensor           # (T, H, D)
     mLSE: cute.Tensor         # (H, T)
+    # `FwdSpec.gated_sum`: the sum's staging (like sO), TMA atom, (T, D, H) and (T, H, D) views.
+    sSum: Optional[cute.Tensor] = None
+    tma_atom_sum: Optional[cute.CopyAtom] = None
+    mSum_tma: Optional[cute.Tensor] = None
+    mSum: Optional[cute.Tensor] = None
 
     @cute.jit
     def begin(self):
@@ -65,9 +75,10 @@ class OutputStore:
 
     @cute.jit
     def write(self, r_o: cute.Tensor, lse: cute.Tensor, offset_q: Int32, seqlen_q: Int32,
-              head: Int32, m_block: Int32, tidx: Int32):
+              head: Int32, m_block: Int32, tidx: Int32, r_sum: Optional[cute.Tensor] = None):
         """Consumer warpgroup side: write (or stage) this warpgroup's 64 rows of O and lse.
-        `tidx` counts the consumer threads from 0; r_o is O in the output type."""
+        `tidx` counts the consumer threads from 0; r_o is O in the output type, r_sum the gated
+        sum (`FwdSpec.gated_sum`, with the storer warp) in the same layout."""
         wg = tidx // _WARPGROUP
         thr, half, first_row, co_mn = self.warpgroup_rows(m_block, tidx)
         if first_row + _ROWS <= seqlen_q:
@@ -86,6 +97,9 @@ class OutputStore:
                 tidx % _WARPGROUP)
             cute.copy(store_atom, thr_store.retile(r_o),
                       thr_store.partition_D(self.sO[None, None, wg]))
+            if const_expr(r_sum is not None):
+                cute.copy(store_atom, thr_store.retile(r_sum),
+                          thr_store.partition_D(self.sSum[None, None, wg]))
             cute.arch.fence_proxy("async.shared", space="cta")
             if const_expr(self.store_warp):
                 for r in cutlass.range_constexpr(cute.size(co_mn, mode=[0])):
@@ -100,17 +114,21 @@ class OutputStore:
                     self.issue_tma_store(offset_q, head, half, wg)
                 self.write_lse(lse, co_mn, offset_q, seqlen_q, head, first_row)
         else:
-            self.store_from_registers(thr, r_o, co_mn, lse, offset_q, seqlen_q, head, half,
+            self.store_from_registers(thr, r_o, self.mO, co_mn, offset_q, seqlen_q, head, half,
                                       first_row)
+            if const_expr(r_sum is not None):
+                self.store_from_registers(thr, r_sum, self.mSum, co_mn, offset_q, seqlen_q,
+                                          head, half, first_row)
+            self.write_lse(lse, co_mn, offset_q, seqlen_q, head, first_row)
 
     @cute.jit
-    def store_from_registers(self, thr, r_o: cute.Tensor, co_mn: cute.Tensor, lse: cute.Tensor,
-                             offset_q: Int32, seqlen_q: Int32, head: Int32, half: Int32,
-                             first_row: Int32):
-        """This thread's rows of O that lie inside the sequence, straight from registers: one
-        32-bit store per pair of adjacent columns (the accumulator holds columns in pairs),
-        then lse."""
-        mO_seq = cute.domain_offset((offset_q, 0), self.mO[None, head, None])
+    def store_from_registers(self, thr, r_o: cute.Tensor, m_dest: cute.Tensor,
+                             co_mn: cute.Tensor, offset_q: Int32, seqlen_q: Int32, head: Int32,
+                             half: Int32, first_row: Int32):
+        """This thread's rows of r_o that lie inside the sequence into m_dest (T, H, D),
+        straight from registers: one 32-bit store per pair of adjacent columns (the
+        accumulator holds columns in pairs)."""
+        mO_seq = cute.domain_offset((offset_q, 0), m_dest[None, head, None])
         go_mn = acc_mn_view(thr.partition_C(
             cute.local_tile(mO_seq, (_ROWS, self.head_dim), (half, 0))))
         o_mn = acc_mn_view(r_o)
@@ -122,7 +140,6 @@ class OutputStore:
                 for c in cutlass.range_constexpr(num_pairs):
                     cute.copy(pair_store, self.column_pair(o_mn, r, c),
                               self.column_pair(go_mn, r, c))
-        self.write_lse(lse, co_mn, offset_q, seqlen_q, head, first_row)
 
     @staticmethod
     def column_pair(t_mn: cute.Tensor, row: int, pair: int) -> cute.Tensor:
@@ -153,24 +170,32 @@ class OutputStore:
     def load_row_dot_operand(self, offset_q: Int32, seqlen_q: Int32, head: Int32,
                              m_block: Int32, tidx: Int32) -> cute.Tensor:
         """`FwdSpec.row_dot_output`: this thread's elements of dO (mO holds dO here), in the
-        accumulator's layout, as (2, column pairs, rows) registers. Issued before the tile's
-        last P V, so the loads' latency hides under it; rows past the sequence read its last
-        row (they are dropped in `write_row_dot`)."""
+        accumulator's layout (`load_rows`). Issued before the tile's last P V, so the loads'
+        latency hides under it."""
+        return self.load_rows(self.mO, offset_q, seqlen_q, head, m_block, tidx)
+
+    @cute.jit
+    def load_rows(self, m_src: cute.Tensor, offset_q: Int32, seqlen_q: Int32, head: Int32,
+                  m_block: Int32, tidx: Int32) -> cute.Tensor:
+        """This thread's elements of m_src (T, H, D; rows 8 elements apart) in the output
+        accumulator's layout, as (2, column pairs, rows) registers: one 32-bit load per pair of
+        adjacent columns. Rows past the sequence read its last row (their results are never
+        stored)."""
         _, _, first_row, co_mn = self.warpgroup_rows(m_block, tidx)
-        mdO_seq = cute.domain_offset((offset_q, 0), self.mO[None, head, None])
+        m_seq = cute.domain_offset((offset_q, 0), m_src[None, head, None])
         num_rows = cute.size(co_mn, mode=[0])
         num_pairs = cute.size(co_mn, mode=[1]) // 2
-        pair_load = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.mO.element_type,
+        pair_load = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), m_src.element_type,
                                         num_bits_per_copy=32)
-        dout = cute.make_rmem_tensor(cute.make_layout((2, num_pairs, num_rows)),
-                                     self.mO.element_type)
+        values = cute.make_rmem_tensor(cute.make_layout((2, num_pairs, num_rows)),
+                                       m_src.element_type)
         for r in cutlass.range_constexpr(num_rows):
-            g_row = mdO_seq[cutlass.min(first_row + co_mn[r, 0][0], seqlen_q - 1), None]
+            g_row = m_seq[cutlass.min(first_row + co_mn[r, 0][0], seqlen_q - 1), None]
             for c in cutlass.range_constexpr(num_pairs):
                 col = self.column_pair(co_mn, r, c)[0][1]
                 cute.copy(pair_load, cute.local_tile(g_row, (2,), (col // 2,)),
-                          dout[None, c, r])
-        return dout
+                          values[None, c, r])
+        return values
 
     @cute.jit
     def write_row_dot(self, acc_o: cute.Tensor, dout: cute.Tensor, offset_q: Int32,
@@ -206,6 +231,9 @@ class OutputStore:
                                       number_of_threads=_WITH_STORER)
                     if lane == 0:
                         self.issue_tma_store(offset_q, head, half, wg)
+                        if const_expr(self.sSum is not None):
+                            self.issue_tma_store(offset_q, head, half, wg, self.tma_atom_sum,
+                                                 self.mSum_tma, self.sSum)
                     for i in cutlass.range_constexpr(_ROWS // 32):
                         row = lane + 32 * i
                         self.mLSE[head, offset_q + half * _ROWS + row] = self.sLSE[row, wg]
@@ -216,13 +244,17 @@ class OutputStore:
                                              number_of_threads=_WITH_STORER)
 
     @cute.jit
-    def issue_tma_store(self, offset_q: Int32, head: Int32, half: Int32, wg):
-        mO_seq = cute.domain_offset((offset_q, 0), self.mO_tma[None, None, head])
+    def issue_tma_store(self, offset_q: Int32, head: Int32, half: Int32, wg, tma_atom=None,
+                        m_tma=None, s_staged=None):
+        """TMA-store warpgroup wg's staged 64 rows: O, or (the three given) another tile."""
+        if const_expr(tma_atom is None):
+            tma_atom, m_tma, s_staged = self.tma_atom, self.mO_tma, self.sO
+        mO_seq = cute.domain_offset((offset_q, 0), m_tma[None, None, head])
         gO = cute.local_tile(mO_seq, (_ROWS, self.head_dim), (half, 0))
         tOsO, tOgO = cpasync.tma_partition(
-            self.tma_atom, 0, cute.make_layout(1),
-            cute.group_modes(self.sO, 0, 2), cute.group_modes(gO, 0, 2))
-        cute.copy(self.tma_atom, tOsO[(None, wg)], tOgO)
+            tma_atom, 0, cute.make_layout(1),
+            cute.group_modes(s_staged, 0, 2), cute.group_modes(gO, 0, 2))
+        cute.copy(tma_atom, tOsO[(None, wg)], tOgO)
         cute.arch.cp_async_bulk_commit_group()
 
     @cute.jit

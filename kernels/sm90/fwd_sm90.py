@@ -37,6 +37,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from kernels.sm90.dtypes import CUTLASS_DTYPES
 from kernels.sm90.block_range import BlockRange
 from kernels.sm90.epilogue import OutputStore
+from kernels.sm90.gated_epilogue import GatedTerms
 from kernels.sm90.layouts import (
     acc_as_a_operand_layout, acc_columns, acc_mn_view, with_row_strides_divisible,
 )
@@ -94,6 +95,7 @@ class FlashAttentionForwardSm90(OverlapTiles):
             spec.block_sparse and not spec.overlap_tiles and not spec.narrow_first_tile)
         assert not (spec.row_dot_output and (spec.store_warp or spec.defer_store
                                              or spec.overlap_tiles or spec.o_in_q))
+        assert not spec.gated_sum or spec.with_gated_sum(spec.gated_sum, spec.gate_width)
 
     # ------------------------------------------------------------------ host side
     @cute.jit
@@ -123,6 +125,10 @@ class FlashAttentionForwardSm90(OverlapTiles):
         mScoreMask: Optional[cute.Tensor],  # (slabs, Nq, Nk) uint8 (score_mask)
         mScoreBias: Optional[cute.Tensor],  # (slabs, Nq, Nk) (score_bias)
         mScoreSlabs: Optional[cute.Tensor],  # (B, H, 2) int32 (either), kernels/sm90/score_mod.py
+        mGates: Optional[cute.Tensor],  # (T, H, G) float32 (gated_sum)
+        mTerm0: Optional[cute.Tensor],  # (T, H, D): the earlier branch outputs (gated_sum)
+        mTerm1: Optional[cute.Tensor],
+        mSum: Optional[cute.Tensor],    # (T, H, D): their gated sum with out (gated_sum)
         stream: cuda.CUstream,
     ):
         dtype = self.dtype
@@ -172,6 +178,18 @@ class FlashAttentionForwardSm90(OverlapTiles):
         tma_atom_o, tma_o = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileS2GOp(), mO_t, cute.slice_(sO_layout, (None, None, 0)),
             (64, self.head_dim))
+        # `gated_sum`: the sum goes out as O does, from its own staging buffer.
+        tma_atom_sum, tma_sum, gated_terms = None, None, None
+        if const_expr(len(self.spec.gated_sum) > 0):
+            mSum = with_row_strides_divisible(mSum, 8)
+            tma_atom_sum, tma_sum = cpasync.make_tiled_tma_atom(
+                cpasync.CopyBulkTensorTileS2GOp(),
+                cute.make_tensor(mSum.iterator, cute.select(mSum.layout, mode=[0, 2, 1])),
+                cute.slice_(sO_layout, (None, None, 0)), (64, self.head_dim))
+            terms = [with_row_strides_divisible(mTerm0, 8)]
+            if const_expr(len(self.spec.gated_sum) > 2):
+                terms.append(with_row_strides_divisible(mTerm1, 8))
+            gated_terms = GatedTerms(mGates, tuple(terms), self.spec.gated_sum)
         self.q_bytes = cute.size_in_bytes(dtype, sQ_one)
         self.kv_bytes = cute.size_in_bytes(dtype, sK_one)
         # `score_bias_tma`: the bias's (tile_m, tile_n) tile of a step comes with its K, into a
@@ -212,7 +230,7 @@ class FlashAttentionForwardSm90(OverlapTiles):
             mFullCount, mFullIndex, mMaskCount, mMaskIndex, mRowBlockOffsets, mTrace, mScreen,
             mQPositions, mScoreMask, mScoreBias, mScoreSlabs, tma_atom_bias, tma_bias,
             sQ_layout, sK_layout, sV_layout, sO_layout, sBias_layout, tiled_mma_qk,
-            tiled_mma_pv, tiled_mma_epilogue,
+            tiled_mma_pv, tiled_mma_epilogue, gated_terms, tma_atom_sum, tma_sum, mSum,
         ).launch(grid=(num_ctas, 1, 1), block=[self.num_threads, 1, 1], stream=stream,
                         min_blocks_per_mp=self.ctas_per_sm,
                         preferred_smem_carveout=100 if self.ctas_per_sm > 1 else None)
@@ -241,6 +259,8 @@ class FlashAttentionForwardSm90(OverlapTiles):
             fields["sO"] = smem_buffer(dtype, cute.cosize(sO_layout), 1024)
         if self.spec.score_bias_tma:
             fields["sBias"] = smem_buffer(bias_dtype, cute.cosize(sBias_layout), 1024)
+        if self.spec.gated_sum:
+            fields["sSum"] = smem_buffer(dtype, cute.cosize(sO_layout), 1024)
         return cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
 
     # ------------------------------------------------------------------ device side
@@ -265,7 +285,9 @@ class FlashAttentionForwardSm90(OverlapTiles):
         sV_layout: cute.ComposedLayout, sO_layout: cute.ComposedLayout,
         sBias_layout: Optional[cute.ComposedLayout],
         tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma,
-        tiled_mma_epilogue: cute.TiledMma,
+        tiled_mma_epilogue: cute.TiledMma, gated_terms: Optional[GatedTerms],
+        tma_atom_sum: Optional[cute.CopyAtom], mSum_tma: Optional[cute.Tensor],
+        mSum: Optional[cute.Tensor],
     ):
         spec = self.spec
         tidx, _, _ = cute.arch.thread_idx()
@@ -279,6 +301,8 @@ class FlashAttentionForwardSm90(OverlapTiles):
                 cpasync.prefetch_descriptor(atom)
             if const_expr(spec.score_bias_tma):
                 cpasync.prefetch_descriptor(tma_atom_bias)
+            if const_expr(gated_terms is not None):
+                cpasync.prefetch_descriptor(tma_atom_sum)
 
         storage = utils.SmemAllocator().allocate(self.shared_storage)
         consumer_warps = self.num_consumer_warpgroups * 4
@@ -304,11 +328,14 @@ class FlashAttentionForwardSm90(OverlapTiles):
         sO = (storage.sQ if const_expr(spec.o_in_q or spec.row_dot_output)
               else storage.sO).get_tensor(
             sO_layout.outer, swizzle=sO_layout.inner)
+        sSum = None
+        if const_expr(gated_terms is not None):
+            sSum = storage.sSum.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
         out_store = OutputStore(
             self.head_dim, self.num_consumer_warpgroups, spec.persistent,
             spec.store_warp, tiled_mma_epilogue, sO,
             storage.sLSE.get_tensor(cute.make_layout((64, self.num_consumer_warpgroups))),
-            tma_atom_o, mO_tma, mO, mLSE)
+            tma_atom_o, mO_tma, mO, mLSE, sSum, tma_atom_sum, mSum_tma, mSum)
         block_range = BlockRange(
             self.tile_m, self.tile_n, spec.causal, spec.has_window_left, spec.has_window_right,
             spec.compressed, compress_factor, window_left, window_right,
@@ -342,7 +369,7 @@ class FlashAttentionForwardSm90(OverlapTiles):
             out_store=out_store, softmax_scale=softmax_scale,
             scale_log2=scale_log2, mFullIndex=mFullIndex,
             mMaskIndex=mMaskIndex, m_trace=mTrace, carried=carried, screen=screen,
-            sBias=sBias)
+            sBias=sBias, gated_terms=gated_terms)
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(self.producer_regs)
             if warp_idx == 0:
@@ -451,6 +478,7 @@ class FlashAttentionForwardSm90(OverlapTiles):
         self, coords, iteration, q_consumer, k_consumer, v_consumer, tile_work, tidx: Int32, sQ,
         sK, sV, tiled_mma_qk, tiled_mma_pv, out_store, softmax_scale, scale_log2,
         mFullIndex, mMaskIndex, m_trace, carried=None, screen=None, sBias=None,
+        gated_terms=None,
     ):
         mark = trace.marker(m_trace, 1 + tidx // _WARPGROUP, iteration,
                             tidx % _WARPGROUP == 0, trace.CONSUMER_EVENTS)
@@ -465,7 +493,8 @@ class FlashAttentionForwardSm90(OverlapTiles):
             tiled_mma_qk, tiled_mma_pv, out_store, softmax_scale, scale_log2,
             block_range, offset_q, seqlen_q, seqlen_k, head, m_block, n_max,
             num_iters, num_mask_blocks, mFullIndex, mMaskIndex, sparse_row,
-            sparse_head, mark, screen=screen, score_mods=score_mods, sBias=sBias)
+            sparse_head, mark, screen=screen, score_mods=score_mods, sBias=sBias,
+            gated_terms=gated_terms)
         if const_expr(self.spec.overlap_tiles):
             q_consumer, k_consumer, v_consumer = self.consume_overlapped(
                 tidx, sQ, sK, sV, q_consumer, k_consumer, v_consumer, tiled_mma_qk,
@@ -597,9 +626,12 @@ class FlashAttentionForwardSm90(OverlapTiles):
         head: Int32, m_block: Int32, n_max: Int32, num_iters: Int32, num_mask_blocks: Int32,
         mFullIndex, mMaskIndex, sparse_row: Int32, sparse_head: Int32, mark, deferred,
         screen=None, score_mods: Optional[ScoreMods] = None, sBias=None,
+        gated_terms: Optional[GatedTerms] = None,
     ):
         """One query tile: its KV tiles, then its output (stored now, or with `deferred` kept
         in registers and stored by the next tile, which also stores the one before it).
+        `gated_terms` (`gated_sum`): the output is also added to the earlier branches' into
+        their gated sum.
         `screen` (`screen_masked_v`): reads the V stage of each masked KV tile before its P V.
         `sBias` (`score_bias_tma`): the K stages' bias tiles."""
         thr_qk, thr_pv, tSrQ, tSrK, tOrV = self.operand_fragments(
@@ -664,9 +696,11 @@ class FlashAttentionForwardSm90(OverlapTiles):
         mark("loop_done")
         # Every Q K^T product of this tile is done: the producer may load the next tile's Q.
         q_handle.release()
-        dout_rows = None
+        dout_rows, gated_loaded = None, None
         if const_expr(self.spec.row_dot_output):
             dout_rows = out_store.load_row_dot_operand(offset_q, seqlen_q, head, m_block, tidx)
+        if const_expr(gated_terms is not None):
+            gated_loaded = gated_terms.load(out_store, offset_q, seqlen_q, head, m_block, tidx)
         if num_iters > 0:
             last_chunks = Int32(self.tile_n // 32)
             if const_expr(self.spec.narrow_first_tile):
@@ -702,7 +736,10 @@ class FlashAttentionForwardSm90(OverlapTiles):
                 # The output goes into the Q buffer: every consumer's products with Q are done.
                 cute.arch.barrier(barrier_id=_Q_DEAD_BARRIER,
                                   number_of_threads=_WARPGROUP * self.num_consumer_warpgroups)
-            out_store.write(r_o, lse, offset_q, seqlen_q, head, m_block, tidx)
+            r_sum = None
+            if const_expr(gated_terms is not None):
+                r_sum = gated_terms.combine(out_store, gated_loaded, r_o)
+            out_store.write(r_o, lse, offset_q, seqlen_q, head, m_block, tidx, r_sum)
             mark("stored")
         return q_consumer, k_consumer, v_consumer
 
