@@ -8,8 +8,11 @@ instruction then writes 16 bytes into each of 8 rows, and a compressed tile's st
 3,500 cycles instead of 550-960 (2026-11-23, docs/history.md).
 
 With `FwdSpec.gated_sum` a second tile goes the same way beside O: NSA's gated sum of the
-branch outputs (kernels/sm90/gated_epilogue.py computes it in registers), staged in its own
-buffer and stored by the storer warp with O.
+branch outputs (kernels/sm90/gated_epilogue.py: the storer warp loads the earlier outputs at
+each tile's start, the consumers add them in registers), staged over the first earlier
+output's buffer and stored by the storer warp with O. Then the storer also waits for the
+halves that cross the sequence's end (their consumers read the loaded rows) before it loads
+the next tile's.
 
 Two ways to finish the smem path (`FwdSpec.store_warp`):
 - the consumer warpgroup itself issues the TMA store and writes lse from registers;
@@ -59,11 +62,7 @@ class OutputStore:
     mO_tma: cute.Tensor       # (T, D, H) view for the TMA store
     mO: cute.Tensor           # (T, H, D)
     mLSE: cute.Tensor         # (H, T)
-    # `FwdSpec.gated_sum`: the sum's staging (like sO), TMA atom, (T, D, H) and (T, H, D) views.
-    sSum: Optional[cute.Tensor] = None
-    tma_atom_sum: Optional[cute.CopyAtom] = None
-    mSum_tma: Optional[cute.Tensor] = None
-    mSum: Optional[cute.Tensor] = None
+    gated: Optional[object] = None  # `FwdSpec.gated_sum`: kernels.sm90.gated_epilogue.GatedTerms
 
     @cute.jit
     def begin(self):
@@ -99,7 +98,7 @@ class OutputStore:
                       thr_store.partition_D(self.sO[None, None, wg]))
             if const_expr(r_sum is not None):
                 cute.copy(store_atom, thr_store.retile(r_sum),
-                          thr_store.partition_D(self.sSum[None, None, wg]))
+                          thr_store.partition_D(self.gated.staged[0][None, None, wg]))
             cute.arch.fence_proxy("async.shared", space="cta")
             if const_expr(self.store_warp):
                 for r in cutlass.range_constexpr(cute.size(co_mn, mode=[0])):
@@ -117,9 +116,14 @@ class OutputStore:
             self.store_from_registers(thr, r_o, self.mO, co_mn, offset_q, seqlen_q, head, half,
                                       first_row)
             if const_expr(r_sum is not None):
-                self.store_from_registers(thr, r_sum, self.mSum, co_mn, offset_q, seqlen_q,
-                                          head, half, first_row)
+                self.store_from_registers(thr, r_sum, self.gated.sum_rows, co_mn, offset_q,
+                                          seqlen_q, head, half, first_row)
             self.write_lse(lse, co_mn, offset_q, seqlen_q, head, first_row)
+            if const_expr(r_sum is not None):
+                # The loaded rows are read: the storer may load the next tile's.
+                cute.arch.fence_proxy("async.shared", space="cta")
+                cute.arch.barrier_arrive(barrier_id=_STAGED_BARRIER + wg,
+                                         number_of_threads=_WITH_STORER)
 
     @cute.jit
     def store_from_registers(self, thr, r_o: cute.Tensor, m_dest: cute.Tensor,
@@ -224,6 +228,9 @@ class OutputStore:
         until they are staged, TMA-store O, write lse, and free the buffer once the store has
         read it."""
         if in_sequence:
+            if const_expr(self.gated is not None):
+                if lane == 0:
+                    self.gated.issue_loads(offset_q, head, m_block)
             for wg in cutlass.range_constexpr(self.num_warpgroups):
                 half = m_block * self.num_warpgroups + wg
                 if half * _ROWS + _ROWS <= seqlen_q:
@@ -231,9 +238,10 @@ class OutputStore:
                                       number_of_threads=_WITH_STORER)
                     if lane == 0:
                         self.issue_tma_store(offset_q, head, half, wg)
-                        if const_expr(self.sSum is not None):
-                            self.issue_tma_store(offset_q, head, half, wg, self.tma_atom_sum,
-                                                 self.mSum_tma, self.sSum)
+                        if const_expr(self.gated is not None):
+                            self.issue_tma_store(offset_q, head, half, wg,
+                                                 self.gated.sum_atom, self.gated.sum_view,
+                                                 self.gated.staged[0])
                     for i in cutlass.range_constexpr(_ROWS // 32):
                         row = lane + 32 * i
                         self.mLSE[head, offset_q + half * _ROWS + row] = self.sLSE[row, wg]
@@ -242,6 +250,12 @@ class OutputStore:
                     cute.arch.sync_warp()
                     cute.arch.barrier_arrive(barrier_id=_FREE_BARRIER + wg,
                                              number_of_threads=_WITH_STORER)
+                elif const_expr(self.gated is not None):
+                    cute.arch.barrier(barrier_id=_STAGED_BARRIER + wg,
+                                      number_of_threads=_WITH_STORER)
+        elif const_expr(self.gated is not None):
+            if lane == 0:
+                self.gated.skip()
 
     @cute.jit
     def issue_tma_store(self, offset_q: Int32, head: Int32, half: Int32, wg, tma_atom=None,

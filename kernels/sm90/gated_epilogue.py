@@ -4,12 +4,23 @@ nsa() combines its branch outputs as out = sum_b g[:, :, c_b] * o_b, in float32 
 once. Standing alone (kernels/sm90/gated_sum.py) that pass reads every branch output back from
 memory and writes the sum: at 64K tokens, H=32, D=128, 2 GiB and about 0.49 ms of an H200's
 bandwidth, with the tensor cores idle. Here the branch that runs last adds the earlier
-branches' outputs to its own while its tile is still in registers: each consumer thread loads
-its elements of the earlier outputs and its rows' gates (`load`, issued before the tile's last
-P V so that the loads run under it, as the row dots' dO does), and `combine` forms the sum in
-the order the standalone kernel does (o_0 g_0, then + o_1 g_1, ..., this kernel's rounded
-output last), so the result is the same bits. The output store (kernels/sm90/epilogue.py)
-stages it beside O and the storer warp stores both.
+branches' outputs to its own while its tile is still in registers:
+
+- the storer warp TMA-loads each warpgroup's 64 rows of every earlier output into a staging
+  buffer laid out (and swizzled) as the output's own (`issue_loads`), as soon as the previous
+  tile's stores have read the buffers, so the loads run under the tile's products;
+- each consumer thread waits for its warpgroup's rows, reads its elements in the accumulator's
+  layout (`ldmatrix`, the inverse of the output's `stmatrix` staging), and forms the sum in the
+  order the standalone kernel does (o_0 g_0, then + o_1 g_1, ..., this kernel's rounded output
+  last), so the result is the same bits (`combine`);
+- the sum is staged over the first earlier output's buffer and TMA-stored with O by the storer
+  warp (kernels/sm90/epilogue.py), or for a 64-row half that crosses the sequence's end stored
+  from registers row by row.
+
+Loading the earlier outputs from global memory in the accumulator's layout instead (a 32-bit
+load per column pair, before the tile's last P V) measured slower than the standalone pass:
+the selected branch's forward +0.60-0.74 ms on 64K-token packings (H200, 2026-11-30,
+docs/history.md).
 """
 from __future__ import annotations
 
@@ -18,24 +29,60 @@ from dataclasses import dataclass
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
+from cutlass.cute.nvgpu import cpasync
 
 from kernels.sm90.layouts import acc_mn_view
+
+_ROWS = 64  # rows of one consumer warpgroup
 
 
 @dataclass(frozen=True)
 class GatedTerms:
-    """The earlier branch outputs and the gates of a `FwdSpec.gated_sum` kernel."""
-    gates: cute.Tensor                # (T, H, G) float32
-    terms: tuple                      # 1 or 2 (T, H, D) earlier branch outputs, in sum order
-    columns: cutlass.Constexpr[tuple]  # their gate columns, then this kernel's output's
+    """What a `FwdSpec.gated_sum` kernel reads and writes beside its output."""
+    gates: cute.Tensor                 # (T, H, G) float32
+    columns: cutlass.Constexpr[tuple]  # the earlier outputs' gate columns, then this output's
+    staged: tuple                      # per earlier output: (64, D, warpgroup) smem like sO; the
+                                       # first one receives the sum
+    load_atoms: tuple                  # per earlier output: its TMA load atom
+    term_views: tuple                  # per earlier output: its (T, D, H) TMA view
+    landed: cute.Pointer               # one mbarrier per warpgroup: its rows have landed
+    sum_atom: cute.CopyAtom            # the sum's TMA store atom
+    sum_view: cute.Tensor              # (T, D, H) TMA view of the sum
+    sum_rows: cute.Tensor              # (T, H, D) the sum, for halves stored from registers
+    head_dim: cutlass.Constexpr[int]
+    num_warpgroups: cutlass.Constexpr[int]
 
     @cute.jit
-    def load(self, out_store, offset_q: Int32, seqlen_q: Int32, head: Int32, m_block: Int32,
-             tidx: Int32):
-        """(this thread's elements of each earlier output, its rows' gates (G', rows)) for
-        `combine`; rows past the sequence read its last row."""
-        values = [out_store.load_rows(term, offset_q, seqlen_q, head, m_block, tidx)
-                  for term in self.terms]
+    def issue_loads(self, offset_q: Int32, head: Int32, m_block: Int32):
+        """Storer warp, one lane, at the start of a tile of the sequence: every warpgroup's 64
+        rows of every earlier output (rows past the tensor come as zeros, rows past the
+        sequence are never stored)."""
+        num_bytes = len(self.staged) * _ROWS * self.head_dim * 2
+        for wg in cutlass.range_constexpr(self.num_warpgroups):
+            barrier = self.landed + wg
+            cute.arch.mbarrier_arrive_and_expect_tx(barrier, num_bytes)
+            half = m_block * self.num_warpgroups + wg
+            for j in cutlass.range_constexpr(len(self.staged)):
+                view = cute.domain_offset((offset_q, 0), self.term_views[j][None, None, head])
+                g_rows = cute.local_tile(view, (_ROWS, self.head_dim), (half, 0))
+                t_s, t_g = cpasync.tma_partition(
+                    self.load_atoms[j], 0, cute.make_layout(1),
+                    cute.group_modes(self.staged[j], 0, 2), cute.group_modes(g_rows, 0, 2))
+                cute.copy(self.load_atoms[j], t_g, t_s[(None, wg)], tma_bar_ptr=barrier)
+
+    @cute.jit
+    def skip(self):
+        """Storer warp, one lane, for a tile past every sequence: complete its phase anyway, so
+        the consumers' phase of each tile stays the tile's iteration parity."""
+        for wg in cutlass.range_constexpr(self.num_warpgroups):
+            cute.arch.mbarrier_arrive(self.landed + wg)
+
+    @cute.jit
+    def load(self, out_store, r_o: cute.Tensor, offset_q: Int32, seqlen_q: Int32, head: Int32,
+             m_block: Int32, iteration: Int32, tidx: Int32):
+        """Consumer side: (this thread's elements of each earlier output, in r_o's layout; its
+        rows' gates (G', rows)) once its warpgroup's rows have landed."""
+        wg = tidx // 128
         _, _, first_row, co_mn = out_store.warpgroup_rows(m_block, tidx)
         num_rows = cute.size(co_mn, mode=[0])
         gates = cute.make_rmem_tensor(cute.make_layout((len(self.columns), num_rows)), Float32)
@@ -43,6 +90,16 @@ class GatedTerms:
             row = offset_q + cutlass.min(first_row + co_mn[r, 0][0], seqlen_q - 1)
             for j in cutlass.range_constexpr(len(self.columns)):
                 gates[j, r] = self.gates[row, head, self.columns[j]]
+        load_atom = cute.make_copy_atom(cute.nvgpu.warp.LdMatrix8x8x16bOp(False, 4),
+                                        r_o.element_type)
+        thr_load = cute.make_tiled_copy_C(load_atom, out_store.tiled_mma).get_slice(tidx % 128)
+        cute.arch.mbarrier_wait(self.landed + wg, iteration % 2)
+        values = []
+        for j in cutlass.range_constexpr(len(self.staged)):
+            value = cute.make_rmem_tensor_like(r_o)
+            cute.copy(load_atom, thr_load.partition_S(self.staged[j][None, None, wg]),
+                      thr_load.retile(value))
+            values.append(value)
         return values, gates
 
     @cute.jit
@@ -52,13 +109,14 @@ class GatedTerms:
         values, gates = loaded
         r_sum = cute.make_rmem_tensor_like(r_o)
         o_mn, sum_mn = acc_mn_view(r_o), acc_mn_view(r_sum)
-        own = len(self.terms)
+        terms_mn = [acc_mn_view(value) for value in values]
+        own = len(values)
+        pair = out_store.column_pair
         for r in cutlass.range_constexpr(cute.size(o_mn, mode=[0])):
             for c in cutlass.range_constexpr(cute.size(o_mn, mode=[1]) // 2):
-                total = values[0][None, c, r].load().to(Float32) * gates[0, r]
+                total = pair(terms_mn[0], r, c).load().to(Float32) * gates[0, r]
                 for j in cutlass.range_constexpr(1, own):
-                    total = total + values[j][None, c, r].load().to(Float32) * gates[j, r]
-                total = (total + out_store.column_pair(o_mn, r, c).load().to(Float32)
-                         * gates[own, r])
-                out_store.column_pair(sum_mn, r, c).store(total.to(r_o.element_type))
+                    total = total + pair(terms_mn[j], r, c).load().to(Float32) * gates[j, r]
+                total = total + pair(o_mn, r, c).load().to(Float32) * gates[own, r]
+                pair(sum_mn, r, c).store(total.to(r_o.element_type))
         return r_sum

@@ -104,11 +104,13 @@ class FwdSpec:
             return -(-size // to) * to
 
         barriers = 8 * 2 * (self.q_stages + 2 * self.num_stages)
+        if self.gated_sum:  # one per consumer warpgroup: its rows of the earlier outputs landed
+            barriers += 8 * (self.tile_m // 64)
         size = aligned(barriers, 16) + 4 * self.tile_m  # lse: one float32 per row
         buffers = [self.tile_m * self.q_stages, self.tile_n * self.num_stages,
                    self.tile_n * self.num_stages] + (
                        [] if self.o_in_q or self.row_dot_output else [self.tile_m]) + (
-                       [self.tile_m] if self.gated_sum else [])  # the sum's staging
+                       [self.tile_m] * (len(self.gated_sum) - 1))  # the earlier outputs' rows
         for elements in buffers:
             size = aligned(size, 1024) + 2 * elements * self.head_dim
         if self.score_bias_tma:  # one bias tile per K stage
