@@ -229,8 +229,7 @@ class OutputStore:
         read it."""
         if in_sequence:
             if const_expr(self.gated is not None):
-                if lane == 0:
-                    self.gated.issue_loads(offset_q, head, m_block)
+                self.gated.issue_loads(offset_q, head, m_block)
             for wg in cutlass.range_constexpr(self.num_warpgroups):
                 half = m_block * self.num_warpgroups + wg
                 if half * _ROWS + _ROWS <= seqlen_q:
@@ -254,8 +253,7 @@ class OutputStore:
                     cute.arch.barrier(barrier_id=_STAGED_BARRIER + wg,
                                       number_of_threads=_WITH_STORER)
         elif const_expr(self.gated is not None):
-            if lane == 0:
-                self.gated.skip()
+            self.gated.skip()
 
     @cute.jit
     def issue_tma_store(self, offset_q: Int32, head: Int32, half: Int32, wg, tma_atom=None,

@@ -54,13 +54,15 @@ class GatedTerms:
 
     @cute.jit
     def issue_loads(self, offset_q: Int32, head: Int32, m_block: Int32):
-        """Storer warp, one lane, at the start of a tile of the sequence: every warpgroup's 64
-        rows of every earlier output (rows past the tensor come as zeros, rows past the
-        sequence are never stored)."""
+        """Storer warp, the whole warp, at the start of a tile of the sequence: every
+        warpgroup's 64 rows of every earlier output (rows past the tensor come as zeros, rows
+        past the sequence are never stored). One lane sets the transaction bytes; the TMA copy
+        elects its own lane (called from one lane, its elect would wait for the others)."""
         num_bytes = len(self.staged) * _ROWS * self.head_dim * 2
         for wg in cutlass.range_constexpr(self.num_warpgroups):
             barrier = self.landed + wg
-            cute.arch.mbarrier_arrive_and_expect_tx(barrier, num_bytes)
+            with cute.arch.elect_one():
+                cute.arch.mbarrier_arrive_and_expect_tx(barrier, num_bytes)
             half = m_block * self.num_warpgroups + wg
             for j in cutlass.range_constexpr(len(self.staged)):
                 view = cute.domain_offset((offset_q, 0), self.term_views[j][None, None, head])
@@ -72,10 +74,11 @@ class GatedTerms:
 
     @cute.jit
     def skip(self):
-        """Storer warp, one lane, for a tile past every sequence: complete its phase anyway, so
-        the consumers' phase of each tile stays the tile's iteration parity."""
-        for wg in cutlass.range_constexpr(self.num_warpgroups):
-            cute.arch.mbarrier_arrive(self.landed + wg)
+        """Storer warp, for a tile past every sequence: complete its phase anyway (one lane),
+        so the consumers' phase of each tile stays the tile's iteration parity."""
+        with cute.arch.elect_one():
+            for wg in cutlass.range_constexpr(self.num_warpgroups):
+                cute.arch.mbarrier_arrive(self.landed + wg)
 
     @cute.jit
     def load(self, out_store, r_o: cute.Tensor, offset_q: Int32, seqlen_q: Int32, head: Int32,
