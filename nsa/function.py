@@ -65,9 +65,6 @@ SHARED_GATE_PASS = True
 # reads them row by row (`KeyValueGradients.finish`); False: expanded to the keys' rows in
 # float32 at once and added into (the switch for the A/B).
 FINISH_COMPRESSED_DKV = True
-# The last branch's forward writes the gated sum in its epilogue where its kernel can
-# (`GatedSum.fused_request`); False: the gated-sum pass always runs (the switch for the A/B).
-FUSED_GATED_SUM = True
 
 
 class NSAFunction(torch.autograd.Function):
@@ -144,37 +141,18 @@ def packed_forward(q: Tensor, k: Tensor, v: Tensor, W_k: Tensor | None, W_v: Ten
     if not combine and not keep_outputs:
         raise ValueError("combine=False needs keep_outputs=True (the sum reads the outputs)")
     out = GatedSum(gate_weights(q, W_gate, config.branches), like=q, keep_terms=keep_outputs)
-    lses, outputs = [None] * len(branches), [None] * len(branches)
-    order = forward_order(branches)
-    for position in order:
-        branch = branches[position]
+    lses, outputs = [], []
+    for branch in branches:
         keys, values = (k_cmp, v_cmp) if branch.reads_compressed else (k, v)
-        # The last branch's kernel may write the gated sum in its epilogue (kernels/sm90/
-        # gated_epilogue.py); not for combine=False, whose caller sums later.
-        request = (out.fused_request(branch.index)
-                   if combine and FUSED_GATED_SUM and position == order[-1] else None)
-        branch_out, lse = branch.forward(q, keys, values, gated_sum=request)
-        out.add_fused(branch.index, branch_out, request)
-        lses[position] = lse
+        branch_out, lse = branch.forward(q, keys, values)
+        out.add(branch.index, branch_out)
+        lses.append(lse)
         if keep_outputs:
-            outputs[position] = branch_out
+            outputs.append(branch_out)
         del branch_out
     return (out.result() if combine else out, branches, cu_seqlens_cmp, lses,
-            KeptForBackward((k_cmp, v_cmp), tuple(outputs) if keep_outputs else (),
+            KeptForBackward((k_cmp, v_cmp), tuple(outputs),
                             out.gates if keep_outputs else None))
-
-
-def forward_order(branches: list[Branch]) -> list[int]:
-    """The positions in `branches` in the order the forward runs them: the selected branch
-    last, as its kernel variant has the shared memory to stage the gated sum beside its output
-    (`FwdSpec.with_gated_sum`; the window's does not). The gated sum adds the outputs in this
-    order, fused or not, so an eager call and a captured plan's give the same bits."""
-    return _selected_last(branches)
-
-
-def _selected_last(branches: list[Branch]) -> list[int]:
-    """The positions of `branches`, the selected branch's moved last."""
-    return sorted(range(len(branches)), key=lambda position: branches[position].index == SELECTED)
 
 
 def compress_and_plan(q: Tensor, k: Tensor, v: Tensor | None, W_k: Tensor | None,
@@ -375,7 +353,10 @@ def _plan_backward(branch: Branch, q: Tensor, keys: Tensor, values: Tensor, opti
 def backward_order(branches: list[Branch], selected_last: bool) -> list[int]:
     """The positions of `branches` in the order their backward runs: as given, or with the
     selected branch last (its dQ kernel then sees every fused branch's sums)."""
-    return _selected_last(branches) if selected_last else list(range(len(branches)))
+    order = list(range(len(branches)))
+    if selected_last:
+        order.sort(key=lambda position: branches[position].index == SELECTED)
+    return order
 
 
 @dataclass
