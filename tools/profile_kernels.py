@@ -89,10 +89,12 @@ def make_step(args, packing: PackedWorkload | None, tokens: int):
 
 
 def kernel_times(step, steps: int, device: torch.device,
-                 intervals: list | None = None) -> collections.Counter:
+                 intervals: list | None = None, by_launch: bool = False) -> collections.Counter:
     """name -> (ms per step, launches per step) over `steps` profiled steps: the GPU's
     kernels (and copies) by device time, or on the CPU the ops by their own CPU time.
-    intervals (a list, on a GPU): gets (start us, end us, name) of every kernel and copy."""
+    intervals (a list, on a GPU): gets (start us, end us, name) of every kernel and copy.
+    by_launch: a kernel launched n > 1 times in every step gets a row per launch
+    (`launch_order`)."""
     from torch.profiler import ProfilerActivity, profile
 
     activity = ProfilerActivity.CUDA if device.type == "cuda" else ProfilerActivity.CPU
@@ -101,8 +103,7 @@ def kernel_times(step, steps: int, device: torch.device,
         for _ in range(steps):
             step()
         synchronize(device)
-    times: collections.Counter = collections.Counter()
-    launches: collections.Counter = collections.Counter()
+    recorded = []  # (start us, name, us) of each kernel (CPU: op)
     for event in profiler.events():
         if device.type == "cuda":
             if event.device_type != torch.autograd.DeviceType.CUDA:
@@ -112,10 +113,33 @@ def kernel_times(step, steps: int, device: torch.device,
                 intervals.append((event.time_range.start, event.time_range.end, event.name))
         else:
             microseconds = event.self_cpu_time_total
-        times[event.name] += microseconds / 1e3 / steps
-        launches[event.name] += 1
-    return collections.Counter({shown: (times[name], launches[name] / steps)
-                                for name, shown in zip(times, shown_names(times))})
+        recorded.append((event.time_range.start, event.name, microseconds))
+    times: collections.Counter = collections.Counter()
+    launches: collections.Counter = collections.Counter()
+    for (name, launch), microseconds in (launch_order(recorded, steps) if by_launch else
+                                         (((name, 0), us) for _, name, us in recorded)):
+        times[name, launch] += microseconds / 1e3 / steps
+        launches[name, launch] += 1
+    shown = dict(zip(dict.fromkeys(name for name, _ in times),
+                     shown_names(dict.fromkeys(name for name, _ in times))))
+    return collections.Counter({
+        shown[name] + (f" @{launch}" if launch else ""): (ms, launches[name, launch] / steps)
+        for (name, launch), ms in times.items()})
+
+
+def launch_order(recorded, steps: int):
+    """((name, i), us) for each recorded (start, name, us): i is the launch's place (1..n) among
+    its kernel's n launches of the step where every step launches that kernel n > 1 times (the
+    three branches' attention kernels share one CuTe DSL name: in nsa()'s forward @1, @2, @3
+    are the compressed, selected and window branch, in its backward the order
+    `nsa.function.backward_order` gives), else 0."""
+    by_name: dict[str, list] = collections.defaultdict(list)
+    for start, name, microseconds in recorded:
+        by_name[name].append((start, microseconds))
+    for name, runs in by_name.items():
+        per_step, left = divmod(len(runs), steps)
+        for index, (_, microseconds) in enumerate(sorted(runs)):
+            yield (name, index % per_step + 1 if per_step > 1 and not left else 0), microseconds
 
 
 def idle_report(intervals: list, steps: int, top: int) -> str:
@@ -204,7 +228,7 @@ def profile_workload(args, label: str, packing, tokens: int) -> None:
     if not args.switch:
         warm(step, args.warmup, args.device)
         intervals = [] if args.gaps and args.device.type == "cuda" else None
-        table = kernel_times(step, args.repeats, args.device, intervals)
+        table = kernel_times(step, args.repeats, args.device, intervals, args.by_launch)
         print(f"\n{label}: {total_ms(table):.3f} ms of {time_kind(args.device)} per "
               f"forward+backward")
         print(format_table(table, args.top))
@@ -217,7 +241,8 @@ def profile_workload(args, label: str, packing, tokens: int) -> None:
         setting = "AB"[round_index % 2]
         with switched(args.switch if setting == "B" else []):
             warm(step, args.warmup, args.device)
-            tables[setting].append(kernel_times(step, args.repeats, args.device))
+            tables[setting].append(kernel_times(step, args.repeats, args.device,
+                                                by_launch=args.by_launch))
         print(f"{label}: round {round_index + 1} ({setting}) "
               f"{total_ms(tables[setting][-1]):.3f} ms of {time_kind(args.device)} per "
               f"forward+backward")
@@ -243,6 +268,10 @@ def parse_arguments(argv=None) -> argparse.Namespace:
     parser.add_argument("--gaps", action="store_true",
                         help="also report the GPU's idle time and longest gaps (GPU only; "
                              "not with --switch)")
+    parser.add_argument("--by-launch", action="store_true",
+                        help="a row per launch for a kernel launched n > 1 times every step "
+                             "(' @i': its i-th in the step; the branches' attention kernels "
+                             "share one name)")
     add_capture_argument(parser)
     add_switch_argument(parser)
     args = parser.parse_args(argv)

@@ -5,6 +5,7 @@ once); train_packed also runs once as a subprocess, the way a user runs it.
 """
 from __future__ import annotations
 
+import collections
 import functools
 import importlib.util
 import json
@@ -351,6 +352,27 @@ def test_profile_kernels_lists_the_step_and_runs_an_ab(capsys, monkeypatch):
                 ["--packed", "no-such-workload"]):
         with pytest.raises(SystemExit):
             tool.main([*tiny, *bad])
+
+
+def test_profile_kernels_by_launch_splits_a_kernel_by_its_place_in_the_step(capsys):
+    """--by-launch: a kernel launched n > 1 times in every step gets a row per place in the
+    step (the branches' attention kernels share one name), in launch order, whatever order
+    the profiler lists them in; one launched once a step, or not equally often in every
+    step, keeps one row."""
+    tool = load_tool("profile_kernels")
+    # Two steps: "attn" three times a step (10, 20, 30 us), "fill" once, "odd" 3 times in all.
+    recorded = [(130, "attn", 31.0), (0, "attn", 10.0), (5, "fill", 1.0), (10, "attn", 20.0),
+                (20, "attn", 30.0), (100, "attn", 11.0), (110, "attn", 21.0),
+                (105, "fill", 3.0), (1, "odd", 1.0), (2, "odd", 1.0), (101, "odd", 1.0)]
+    rows = collections.defaultdict(float)
+    for key, microseconds in tool.launch_order(recorded, steps=2):
+        rows[key] += microseconds
+    assert rows == {("attn", 1): 21.0, ("attn", 2): 41.0, ("attn", 3): 61.0,
+                    ("fill", 0): 4.0, ("odd", 0): 3.0}
+    assert tool.main(["--device", "cpu", "--seqlens", "200", "--heads", "4", "--kv-heads", "2",
+                      "--head-dim", "16", "--warmup", "1", "--repeats", "2", "--top", "40",
+                      "--by-launch"]) == 0
+    assert " @2" in capsys.readouterr().out  # some op runs twice or more a step
 
 
 def test_profile_kernels_idle_report_finds_the_gaps_between_kernels():
