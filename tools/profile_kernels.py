@@ -24,6 +24,10 @@ first kernel's start to the last one's end against the time kernels ran (their u
 step, and the longest idle stretches with the kernels on either side. An eager step whose
 device time exceeds its kernel time by more than a graph's launch gaps waits on its host
 (a synchronisation, or host work longer than the kernels queued before it).
+
+`--by-launch` gives a kernel launched n > 1 times in every step a row per launch, ` @i` for
+its i-th in the step: the three branches' attention kernels share one CuTe DSL name, and
+would otherwise be one row (`launch_order` says which branch each place is).
 """
 from __future__ import annotations
 

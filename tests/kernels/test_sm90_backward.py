@@ -451,6 +451,20 @@ def _planned_call(tensors, dout, host, call):
     return plan, (lse, row_dots), alone
 
 
+def _poison_opened_dq_sums(monkeypatch):
+    """`DqSums.open_for_store` filling the sums it opens with NaN, so that a value the opening
+    call did not store shows in the result."""
+    from kernels.sm90.backward import DqSums
+
+    opened = DqSums.open_for_store
+
+    def poisoned(self, *args):
+        sums = opened(self, *args)
+        return None if sums is None else sums.fill_(float("nan"))
+
+    monkeypatch.setattr(DqSums, "open_for_store", poisoned)
+
+
 def _planned_calls(q, k, v, dout, host, calls):
     """(plans, (lse, row dots) per call, each call's (dq, dk, dv) alone) of `_planned_call`s
     on the same q, k, v, dout and host bounds."""
@@ -541,13 +555,7 @@ def test_dq_kernel_opens_the_dq_sums_that_fused_calls_add_into(monkeypatch):
     call did not store would show."""
     from kernels.sm90.backward import DqSums
 
-    opened = DqSums.open_for_store
-
-    def poisoned(self, *args):
-        sums = opened(self, *args)
-        return None if sums is None else sums.fill_(float("nan"))
-
-    monkeypatch.setattr(DqSums, "open_for_store", poisoned)
+    _poison_opened_dq_sums(monkeypatch)
     case = Case("bf16", 128, VARLEN_LONG, 4)
     q, k, v, dout, kwargs = make_inputs(case)
     lengths = tuple(itertools.accumulate(case.lengths, initial=0))
@@ -586,13 +594,7 @@ def test_compressed_fused_dq_opens_the_sums_the_window_adds_into(monkeypatch):
     4, 1 and 31 compressed keys; a sequence without one (under 64 tokens) keeps the dQ kernel."""
     from kernels.sm90.backward import DqSums
 
-    opened = DqSums.open_for_store
-
-    def poisoned(self, *args):
-        sums = opened(self, *args)
-        return None if sums is None else sums.fill_(float("nan"))
-
-    monkeypatch.setattr(DqSums, "open_for_store", poisoned)
+    _poison_opened_dq_sums(monkeypatch)
 
     def run(lengths):
         generator = torch.Generator().manual_seed(11)
