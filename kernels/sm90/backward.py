@@ -56,6 +56,9 @@ LIST_CHUNK = 16  # (beside the dQ kernel; the fused dQ's units are longer: `list
 # 64K 10.18 / 9.09; random 25% 64-key lists per query head 5.77 / 5.75 and 101.5 / 101.8.
 # run(head_major_units=False) (the tuner's "units CSR order") takes them KV block by KV block.
 UNITS_HEAD_MAJOR = True  # run()'s default
+# Split rows sized by how the work spreads over packed sequences (`balanced_kv_tiles`, from the
+# host bounds) rather than by the CTA count; False: the CTA count (the switch for the A/B).
+BALANCED_SPLIT_ROWS = True
 # Split-list units that alone add into their KV tile store its dK/dV themselves
 # (`BwdSpec.owned_dkv_stores`, kernels/sm90/dkv_tiles.py), where the float32 partials are the
 # kernel's own (not the caller's sums); the other tiles' partials are zeroed and converted
@@ -111,17 +114,52 @@ def _spec_for(q, k, causal, window_size, block_sparse, compress_factor, determin
 
 
 def _call_spec(q, k, cu_seqlens_q, max_seqlen_k, causal, window_size, block_sparse,
-               compress_factor, deterministic):
+               compress_factor, deterministic, host_cu_seqlens_q=None, host_cu_seqlens_k=None):
     """`run`'s spec for packed (T, H, D) inputs, before its overrides and score mods."""
-    kv_tile_ctas = _kv_tile_ctas(k, cu_seqlens_q, max_seqlen_k)
+    kv_tile_ctas = _kv_tile_ctas(k, cu_seqlens_q, max_seqlen_k, host_cu_seqlens_q,
+                                 host_cu_seqlens_k, window_size[0])
     return _spec_for(q, k, causal, window_size, block_sparse, compress_factor, deterministic,
                      kv_tile_ctas, max_seqlen_k, dq_accumulator_bytes=4 * q.numel())
 
 
-def _kv_tile_ctas(k, cu_seqlens_q, max_seqlen_k) -> int:
-    """CTAs of the grid without block-sparse lists: KV tiles x KV heads x sequences."""
-    return (-(-(max_seqlen_k or 0) // BACKWARD_DENSE_TILE_N) * k.shape[1]
-            * (cu_seqlens_q.numel() - 1))
+def _kv_tile_ctas(k, cu_seqlens_q, max_seqlen_k, host_cu_seqlens_q=None, host_cu_seqlens_k=None,
+                  window_left: int = -1) -> int:
+    """The grid without block-sparse lists (KV tiles x KV heads x sequences) counted in CTAs
+    as heavy as its heaviest: `split_rows` splits calls below the SM count, `_row_splits`
+    sizes the split from it. Without host bounds every sequence counts as the longest
+    (sequences alike: the CTA count); with them, `balanced_kv_tiles`."""
+    if not BALANCED_SPLIT_ROWS or host_cu_seqlens_q is None or host_cu_seqlens_k is None:
+        kv_tiles = -(-(max_seqlen_k or 0) // BACKWARD_DENSE_TILE_N) * (cu_seqlens_q.numel() - 1)
+    else:
+        kv_tiles = balanced_kv_tiles(tuple(host_cu_seqlens_q), tuple(host_cu_seqlens_k),
+                                     int(window_left))
+    return kv_tiles * k.shape[1]
+
+
+@functools.lru_cache(maxsize=256)
+def balanced_kv_tiles(host_cu_seqlens_q: tuple, host_cu_seqlens_k: tuple,
+                      window_left: int = -1) -> int:
+    """The KV tiles of packed sequences (one KV head) counted in tiles as heavy as the
+    heaviest: the query steps of every KV tile over those of the heaviest (at least one tile
+    where any runs). A KV tile's steps are taken as its sequence's query steps (the first KV
+    tile of a causal sequence meets them all; an upper bound for the later ones), at most a
+    sliding window's span. Sequences alike give their KV tiles; one long document among
+    short ones gives far fewer: nsa()'s compressed branch on 25 documents of log-normal
+    lengths (64K tokens, the longest 8,031) ran one CTA per document and KV head, the longest
+    document's CTA walking 126 query steps of each of 4 heads while the mean CTA walked 41."""
+    steps_cap = None
+    if window_left >= 0:
+        steps_cap = -(-(window_left + BACKWARD_DENSE_TILE_N) // SLOT_ROWS) + 1
+    work, heaviest = 0, 0
+    for rows, keys in zip(sequence_lengths(host_cu_seqlens_q), sequence_lengths(host_cu_seqlens_k)):
+        if rows <= 0 or keys <= 0:
+            continue
+        steps = -(-rows // SLOT_ROWS)
+        if steps_cap is not None:
+            steps = min(steps, steps_cap)
+        work += steps * -(-keys // BACKWARD_DENSE_TILE_N)
+        heaviest = max(heaviest, steps)
+    return -(-work // heaviest) if heaviest else 0
 
 
 def fuses_dq(q, k, *, cu_seqlens_q, max_seqlen_k, causal=False, window_size=(-1, -1),
@@ -263,7 +301,7 @@ def run(
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(head_dim)
     spec = _call_spec(q, k, cu_seqlens_q, max_seqlen_k, causal, window_size, block_sparse,
-                      compress_factor, deterministic)
+                      compress_factor, deterministic, host_cu_seqlens_q, host_cu_seqlens_k)
     if spec_overrides:
         spec = dataclasses.replace(spec, **spec_overrides)
     score_tensors = (None,) * 5
@@ -352,8 +390,10 @@ def run(
         if spec.row_bands:  # bands of rows whose fused dQ sums L2 holds
             row_splits = _row_bands(max_seqlen_q, num_heads, head_dim, spec.tile_m)
         elif spec.split_rows:  # dense only: num_ctas KV tiles of BACKWARD_DENSE_TILE_N keys
-            row_splits = _row_splits(_kv_tile_ctas(k, cu_seqlens_q, max_seqlen_k),
-                                     -(-max_seqlen_q // spec.tile_m), q.device)
+            row_splits = _row_splits(
+                _kv_tile_ctas(k, cu_seqlens_q, max_seqlen_k, host_cu_seqlens_q,
+                              host_cu_seqlens_k, window_size[0]),
+                -(-max_seqlen_q // spec.tile_m), q.device)
         if spec.block_sparse:
             csr = block_sparse_transposed
             if csr is None:

@@ -437,6 +437,31 @@ def test_row_band_backward_matches_fallback(case: Case, monkeypatch):
         assert all(spec.fuses_dq for spec in launched)
 
 
+# One long document among many short ones (compressed keys, 8 KV heads): more CTAs than SMs,
+# but the long document's would walk most of the work alone.
+UNEQUAL_DOCUMENTS = (4100,) + (64, 200, 130, 257) * 5
+
+
+@requires_sm90
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,dim", [("bf16", 128), ("fp16", 64)])
+def test_unequal_documents_split_rows_and_match_fallback(dtype, dim, monkeypatch):
+    """Packed documents of unequal lengths split the long document's rows although the grid
+    holds more CTAs than SMs (`balanced_kv_tiles`), and the gradients match the fallback."""
+    from kernels.sm90 import backward
+
+    case = Case(dtype, dim, UNEQUAL_DOCUMENTS, 2, causal=True, compress_factor=64)
+    assert len(case.lengths) * HEADS // case.group >= 132  # one CTA per KV tile filled the GPU
+    launched = record_backward_launches(monkeypatch)
+    row_splits = []
+    splits = backward._row_splits
+    monkeypatch.setattr(backward, "_row_splits",
+                        lambda *args: row_splits.append(splits(*args)) or row_splits[-1])
+    check_against_fallback(case)
+    assert launched and all(spec.split_rows for spec in launched)
+    assert row_splits and min(row_splits) > 1
+
+
 def _planned_call(tensors, dout, host, call):
     """(plan, (lse, row dots), its (dq, dk, dv) alone, cloned) of one planned backward call
     on (q, k, v) = tensors: `call` its keyword arguments (`deterministic` goes to the backward

@@ -5,8 +5,10 @@ kernels.flash_attn_func make (the forward's compile tests list them), in both dt
 dims and both modes (fast, deterministic); numerics run on the GPU (test_sm90_backward.py).
 """
 import dataclasses
+import itertools
 
 import pytest
+import torch
 
 import cutlass  # noqa: F401  (a broken CuTe DSL install must fail here, not skip)
 
@@ -332,6 +334,28 @@ def test_backward_dispatch_splits_rows_only_for_grids_smaller_than_the_gpu():
     assert not _backward_spec("bfloat16", 128, "compressed-causal", deterministic=True,
                               grid="few-kv-tiles").split_rows
     assert not _backward_spec("bfloat16", 128, "sparse128", grid="few-kv-tiles").split_rows
+
+
+def test_balanced_kv_tiles_counts_tiles_as_heavy_as_the_heaviest():
+    """Sequences alike count their KV tiles (the CTA count split rows compared before); one
+    long sequence among short ones counts about one tile, which `_row_splits` then splits;
+    a sliding window caps a tile's query steps; empty sequences count nothing."""
+    from kernels.sm90.backward import _row_splits, balanced_kv_tiles
+
+    def bounds(lengths):
+        return tuple(itertools.accumulate(lengths, initial=0))
+
+    alike = bounds([8192] * 8)
+    assert balanced_kv_tiles(alike, bounds([128] * 8)) == 8
+    assert balanced_kv_tiles(alike, bounds([256] * 8)) == 16
+    unequal = [8031] + [300] * 24
+    count = balanced_kv_tiles(bounds(unequal), bounds([n // 64 for n in unequal]))
+    assert count == 2  # 126 + 24 x 5 query steps over 126
+    assert _row_splits(count * 8, 126, torch.device("cpu")) > 1
+    windowed = balanced_kv_tiles(bounds(unequal), bounds(unequal), 511)
+    assert windowed == -(-(11 * 63 + 24 * 5 * 3) // 11)  # steps capped at ceil(639 / 64) + 1
+    assert balanced_kv_tiles(bounds([0, 0]), bounds([0, 0])) == 0
+    assert balanced_kv_tiles(bounds([64, 0]), bounds([1, 0])) == 1
 
 
 PER_HEAD_LISTS = ListShape(spans_kv_groups=False, per_query_head=True, width=64)
