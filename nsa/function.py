@@ -34,8 +34,8 @@ from kernels.dkv_sums import UnwrittenDkvSums, finish_dkv
 from kernels.gated_sum import (GatedSum, backward_runs_on_sm90, gate_gradient,
                                 gate_gradients, gated_sum_backward)
 from kernels.sm90.backward import DqSums
-from nsa.branches import (SELECTED, Branch, compressed_branch, selected_branch,
-                          window_branch)
+from nsa.branches import (COMPRESSED, SELECTED, WINDOW, Branch, compressed_branch,
+                          selected_branch, window_branch)
 from nsa.compression import (compress_pair, compressed_block_starts, compressed_row_gradients,
                              compressed_cu_seqlens, compressed_row_tokens, compute_dtype)
 from nsa.config import NSAConfig
@@ -65,6 +65,9 @@ SHARED_GATE_PASS = True
 # reads them row by row (`KeyValueGradients.finish`); False: expanded to the keys' rows in
 # float32 at once and added into (the switch for the A/B).
 FINISH_COMPRESSED_DKV = True
+# The forward launches the branches the selection does not choose keys for before selecting
+# (`unselected_branches`); False: every branch after the selection (the switch for the A/B).
+UNSELECTED_FIRST = True
 
 
 class NSAFunction(torch.autograd.Function):
@@ -132,26 +135,43 @@ def packed_forward(q: Tensor, k: Tensor, v: Tensor, W_k: Tensor | None, W_v: Ten
     combine=False (with keep_outputs): out is the `GatedSum` of the kept outputs, not yet
     summed; each `sum_copy()` writes the sum into a new tensor (nsa/captured.py sums outside
     its graph, straight into the tensor it returns)."""
-    branches, cu_seqlens_cmp, k_cmp, v_cmp = compress_and_plan(q, k, v, W_k, W_v, cu_seqlens,
-                                                               sequences, config, queries)
-    k_cmp, v_cmp = k_cmp.to(k.dtype), v_cmp.to(v.dtype)
+    cu_seqlens_cmp, k_cmp_scored, v_cmp = compress_keys(k, v, W_k, W_v, cu_seqlens, sequences,
+                                                        config)
+    k_cmp, v_cmp = k_cmp_scored.to(k.dtype), v_cmp.to(v.dtype)
 
     # One pass over the branch outputs on sm90; elsewhere a float32 sum that frees each
     # output as it is added (kernels/gated_sum.py), unless they are kept.
     if not combine and not keep_outputs:
         raise ValueError("combine=False needs keep_outputs=True (the sum reads the outputs)")
     out = GatedSum(gate_weights(q, W_gate, config.branches), like=q, keep_terms=keep_outputs)
-    lses, outputs = [], []
-    for branch in branches:
+    lses, outputs = {}, {}
+
+    def run(branch: Branch) -> None:
         keys, values = (k_cmp, v_cmp) if branch.reads_compressed else (k, v)
-        branch_out, lse = branch.forward(q, keys, values)
+        branch_out, lses[branch.index] = branch.forward(q, keys, values)
         out.add(branch.index, branch_out)
-        lses.append(lse)
         if keep_outputs:
-            outputs.append(branch_out)
-        del branch_out
-    return (out.result() if combine else out, branches, cu_seqlens_cmp, lses,
-            KeptForBackward((k_cmp, v_cmp), tuple(outputs),
+            outputs[branch.index] = branch_out
+
+    # The branches whose keys the selection does not choose are launched before it: from an
+    # idle GPU their kernels run while the host selects blocks and builds the selected
+    # branch's lists, which otherwise the GPU waited for (`profile_kernels --gaps`).
+    early = (unselected_branches(cu_seqlens, cu_seqlens_cmp, sequences, config, queries)
+             if UNSELECTED_FIRST else {})
+    for branch in early.values():
+        run(branch)
+    selection = select_for_branches(q, k_cmp_scored, cu_seqlens, cu_seqlens_cmp, sequences,
+                                    config, queries)
+    del k_cmp_scored
+    branches = describe_branches(selection, cu_seqlens, cu_seqlens_cmp, sequences, config,
+                                 queries, early or None)
+    for branch in branches:
+        if branch.index not in early:
+            run(branch)
+    return (out.result() if combine else out, branches, cu_seqlens_cmp,
+            [lses[branch.index] for branch in branches],
+            KeptForBackward((k_cmp, v_cmp),
+                            tuple(outputs[branch.index] for branch in branches if keep_outputs),
                             out.gates if keep_outputs else None))
 
 
@@ -163,6 +183,16 @@ def compress_and_plan(q: Tensor, k: Tensor, v: Tensor | None, W_k: Tensor | None
     cu_seqlens, k_cmp and v_cmp in the compute dtype, k_cmp the one the selection scores read;
     v None gives v_cmp None). Deterministic, so a later call plans the same branches
     (nsa/ops.py's backward)."""
+    cu_seqlens_cmp, k_cmp, v_cmp = compress_keys(k, v, W_k, W_v, cu_seqlens, sequences, config)
+    branches = _plan_branches(q, k_cmp, cu_seqlens, cu_seqlens_cmp, sequences, config, queries)
+    return branches, cu_seqlens_cmp, k_cmp, v_cmp
+
+
+def compress_keys(k: Tensor, v: Tensor | None, W_k: Tensor | None, W_v: Tensor | None,
+                  cu_seqlens: Tensor, sequences: PackedSequences, config: NSAConfig
+                  ) -> tuple[Tensor, Tensor, Tensor | None]:
+    """(the compressed cu_seqlens, k_cmp, v_cmp) in the compute dtype; v None gives v_cmp
+    None."""
     # A function of the host bounds and l: kept across calls (sparsity/host_cache.py)
     cu_seqlens_cmp = cached(("compressed cu_seqlens", sequences.cu_seqlens,
                              config.compress_block_size), cu_seqlens,
@@ -170,8 +200,7 @@ def compress_and_plan(q: Tensor, k: Tensor, v: Tensor | None, W_k: Tensor | None
     starts = compressed_starts(cu_seqlens, cu_seqlens_cmp, sequences, config)
     xs, weights = ((k,), (W_k,)) if v is None else ((k, v), (W_k, W_v))
     k_cmp, *v_cmp = compress_pair(xs, starts, config.compress_block_size, weights)
-    branches = _plan_branches(q, k_cmp, cu_seqlens, cu_seqlens_cmp, sequences, config, queries)
-    return branches, cu_seqlens_cmp, k_cmp, v_cmp[0] if v_cmp else None
+    return cu_seqlens_cmp, k_cmp, v_cmp[0] if v_cmp else None
 
 
 def _gradients(ctx, saved: tuple, dout: Tensor) -> tuple:
@@ -471,26 +500,48 @@ def select_for_branches(q: Tensor, k_cmp: Tensor, cu_seqlens: Tensor, cu_seqlens
 
 def describe_branches(selection, cu_seqlens: Tensor, cu_seqlens_cmp: Tensor,
                       sequences: PackedSequences, config: NSAConfig,
-                      queries: QueryRows | None = None) -> list[Branch]:
-    """The branches that run, their block-sparse lists built from `selection`
-    (`select_blocks`' result). tools/profile_nsa_forward.py times the stages as they run here."""
+                      queries: QueryRows | None = None,
+                      unselected: dict[int, Branch] | None = None) -> list[Branch]:
+    """The branches that run, in branch order, their block-sparse lists built from `selection`
+    (`select_blocks`' result); unselected: those `unselected_branches` built already.
+    tools/profile_nsa_forward.py times the stages as they run here."""
+    branches = dict(unselected if unselected is not None else unselected_branches(
+        cu_seqlens, cu_seqlens_cmp, sequences, config, queries))
     scale, max_seqlen, host = config.softmax_scale, sequences.max_seqlen, sequences.cu_seqlens
-    host_cmp = sequences.compressed_cu_seqlens(config.compress_block_size)
-    branches = [
-        compressed_branch(cu_seqlens, cu_seqlens_cmp,
-                          compress_block_size=config.compress_block_size, softmax_scale=scale,
-                          causal=config.causal, cmp_selected=selection.cmp_selected,
-                          q_tile=config.q_tile, cmp_kv_block=config.cmp_kv_block,
-                          max_seqlen=max_seqlen, host_cu_seqlens=(host, host_cmp),
-                          queries=queries),
-        selected_branch(cu_seqlens, selection.selected,
-                        selected_block_size=config.selected_block_size, softmax_scale=scale,
-                        causal=config.causal, q_tile=config.q_tile, max_seqlen=max_seqlen,
-                        host_cu_seqlens=host, block_sparse=selection.selected_lists,
-                        queries=queries),
-    ]
+    if COMPRESSED not in branches:
+        branches[COMPRESSED] = _compressed_branch(cu_seqlens, cu_seqlens_cmp, sequences, config,
+                                                  queries, selection.cmp_selected)
+    branches[SELECTED] = selected_branch(
+        cu_seqlens, selection.selected, selected_block_size=config.selected_block_size,
+        softmax_scale=scale, causal=config.causal, q_tile=config.q_tile,
+        max_seqlen=max_seqlen, host_cu_seqlens=host, block_sparse=selection.selected_lists,
+        queries=queries)
+    return [branches[index] for index in sorted(branches)]
+
+
+def unselected_branches(cu_seqlens: Tensor, cu_seqlens_cmp: Tensor, sequences: PackedSequences,
+                        config: NSAConfig, queries: QueryRows | None = None
+                        ) -> dict[int, Branch]:
+    """The branches whose keys the selection does not choose, by index: the compressed branch
+    over all of its keys (not with `num_cmp_selected_blocks`) and the window."""
+    branches = {}
+    if config.num_cmp_selected_blocks is None:
+        branches[COMPRESSED] = _compressed_branch(cu_seqlens, cu_seqlens_cmp, sequences, config,
+                                                  queries, None)
     if config.window_size > 0:
-        branches.append(window_branch(cu_seqlens, window_size=config.window_size,
-                                      softmax_scale=scale, max_seqlen=max_seqlen,
-                                      host_cu_seqlens=host, queries=queries))
+        branches[WINDOW] = window_branch(
+            cu_seqlens, window_size=config.window_size, softmax_scale=config.softmax_scale,
+            max_seqlen=sequences.max_seqlen, host_cu_seqlens=sequences.cu_seqlens,
+            queries=queries)
     return branches
+
+
+def _compressed_branch(cu_seqlens: Tensor, cu_seqlens_cmp: Tensor, sequences: PackedSequences,
+                       config: NSAConfig, queries: QueryRows | None, cmp_selected) -> Branch:
+    host_cmp = sequences.compressed_cu_seqlens(config.compress_block_size)
+    return compressed_branch(
+        cu_seqlens, cu_seqlens_cmp, compress_block_size=config.compress_block_size,
+        softmax_scale=config.softmax_scale, causal=config.causal, cmp_selected=cmp_selected,
+        q_tile=config.q_tile, cmp_kv_block=config.cmp_kv_block,
+        max_seqlen=sequences.max_seqlen, host_cu_seqlens=(sequences.cu_seqlens, host_cmp),
+        queries=queries)
