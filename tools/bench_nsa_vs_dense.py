@@ -43,9 +43,7 @@ benchmarked), nsa ms, dense ms, the speedup, and its share of the limit, (dense 
 nsa ms, against the target of 70%. The dense column is fa4 where it ran, else our dense.
 
 Timing: `--warmup` untimed calls, then the median of `--repeats` calls, CUDA events on a GPU and
-perf_counter on the CPU; inputs are random normal, never zeros. With `--rounds R` the methods'
-calls interleave: R rounds, each timing every method and pass in a shuffled order, the figure
-the median of the R round medians (clock drift then lands on every method alike). TFLOP/s counts the (row, key)
+perf_counter on the CPU; inputs are random normal, never zeros. TFLOP/s counts the (row, key)
 pairs each method attends (dense: the causal triangle; NSA: an upper bound over its three
 branches, see _common.nsa_pairs), 4*D flops per pair and head forward, 3.5x that for fwd+bwd.
 "host ms" is the median wall time of the same calls until they return, without a sync: where it
@@ -84,7 +82,6 @@ import importlib
 import json
 import os
 import platform
-import random
 import statistics
 import subprocess
 import sys
@@ -110,7 +107,7 @@ from _common import (CAPTURE_OPTIONS, RECOMPUTE_OPTIONS,  # noqa: E402
                      add_problem_arguments, add_recompute_argument, add_switch_argument,
                      parse_switches,
                      attention_tflops, capped_causal_pairs, causal_pairs, check_num_seqs,
-                     int_list, positive_int,
+                     int_list,
                      compressed_key_cap, compressed_pairs, cu_seqlens_of, nsa_options, nsa_pairs,
                      problem_defaults_epilog, problem_summary, random_gate, random_qkv,
                      resolve_problem_arguments, time_ms, varlen_lengths,
@@ -354,23 +351,29 @@ def host_timed(fn: Callable[[], object], samples: list[float]) -> Callable[[], o
     return timed
 
 
-def method_steps(run: Callable, seqlen: int, args, packing: Packing | None = None
-                 ) -> dict[str, Callable[[], object]]:
-    """Each pass's call of one method on its own random inputs: the forward (no autograd) and
-    forward+backward, replays of their CUDA graphs for a graph method (captured here)."""
+def time_method(run: Callable, seqlen: int, args, packing: Packing | None = None
+                ) -> dict[str, tuple[float, float]]:
+    """(median ms, median host ms) of the forward (no autograd) and of forward+backward, on
+    random inputs; the host median over the timed calls only (`host_timed`)."""
     rows = (args.batch, seqlen) if packing is None else (sum(packing.lengths),)
     shape_q = (*rows, args.heads, args.head_dim)
     shape_kv = (*rows, args.kv_heads, args.head_dim)
     q, k, v = random_qkv(shape_q, shape_kv, args.torch_dtype, args.device)
+    timings = {}
     graph = getattr(run, "cuda_graph", False)
-    steps = {}
+
+    def timed(fn):
+        hosts: list[float] = []
+        ms = time_ms(host_timed(fn, hosts), args.device, warmup=args.warmup,
+                     repeats=args.repeats)
+        return ms, statistics.median(hosts[-args.repeats:])
     if "fwd" in args.passes:
-        def forward():
-            with torch.no_grad():
-                return run(q, k, v, packing)
-        steps["fwd"] = captured(forward) if graph else forward
+        with torch.no_grad():
+            forward = (captured(lambda: run(q, k, v, packing)) if graph
+                       else lambda: run(q, k, v, packing))
+            timings["fwd"] = timed(forward)
     if "fwd+bwd" not in args.passes:
-        return steps
+        return timings
     q, k, v = (t.requires_grad_(True) for t in (q, k, v))
     dout = torch.randn(shape_q, generator=torch.Generator().manual_seed(7)).to(
         device=args.device, dtype=args.torch_dtype)
@@ -378,55 +381,7 @@ def method_steps(run: Callable, seqlen: int, args, packing: Packing | None = Non
     def forward_backward():
         q.grad = k.grad = v.grad = None
         run(q, k, v, packing).backward(dout)
-    steps["fwd+bwd"] = captured(forward_backward) if graph else forward_backward
-    return steps
-
-
-def time_steps(steps: dict[str, Callable[[], object]], args, warmup: int | None = None
-               ) -> dict[str, tuple[float, list[float]]]:
-    """(median ms, host ms of the timed calls) per pass: CUDA events around each call after
-    `warmup` (default --warmup) untimed ones; the host ms until each call returns (`host_timed`)."""
-    timings = {}
-    for name, step in steps.items():
-        hosts: list[float] = []
-        ms = time_ms(host_timed(step, hosts), args.device,
-                     warmup=args.warmup if warmup is None else warmup, repeats=args.repeats)
-        timings[name] = (ms, hosts[-args.repeats:])
-    return timings
-
-
-def time_method(run: Callable, seqlen: int, args, packing: Packing | None = None
-                ) -> dict[str, tuple[float, float]]:
-    """(median ms, median host ms) of the forward (no autograd) and of forward+backward, on
-    random inputs; the host median over the timed calls only (`host_timed`)."""
-    return {name: (ms, statistics.median(hosts))
-            for name, (ms, hosts) in time_steps(method_steps(run, seqlen, args, packing),
-                                                args).items()}
-
-
-def time_interleaved(steps: dict[str, dict[str, Callable[[], object]]], args
-                     ) -> dict[str, dict[str, tuple[float, float]]]:
-    """`time_method` of several methods at once, their calls interleaved: --rounds rounds, each
-    timing every (method, pass) in a shuffled order (--warmup untimed calls in the first
-    round, one after that); per pass the median of the rounds' medians and of every timed
-    call's host ms. Timed one after another, a method took the clock drift of its turn (3%
-    between rounds of the same code on the H200, docs/history.md); interleaved, every method
-    sees the same drift."""
-    order = [(method, name) for method, passes in steps.items() for name in passes]
-    samples = {key: [] for key in order}
-    hosts = {key: [] for key in order}
-    generator = random.Random(0)
-    for round_index in range(args.rounds):
-        generator.shuffle(order)
-        for method, name in order:
-            ms, host = time_steps({name: steps[method][name]}, args,
-                                  warmup=None if round_index == 0 else 1)[name]
-            samples[(method, name)].append(ms)
-            hosts[(method, name)] += host
-    timings: dict[str, dict[str, tuple[float, float]]] = {method: {} for method in steps}
-    for method, name in samples:
-        timings[method][name] = (statistics.median(samples[(method, name)]),
-                                 statistics.median(hosts[(method, name)]))
+    timings["fwd+bwd"] = timed(captured(forward_backward) if graph else forward_backward)
     return timings
 
 
@@ -446,16 +401,13 @@ def benchmark(args) -> list[Result]:
         def not_run(method: str, status: str) -> list[Result]:
             return [Result(seqlen, method, p, None, None, None, status, workload=workload)
                     for p in args.passes]
-        timings, interleaved = {}, {}
+        timings = {}
         lengths = [seqlen] * args.batch if packing is None else packing.lengths
         for method in args.methods:
             if method in unavailable:
                 continue
             try:
-                if args.rounds == 1:
-                    timings[method] = time_method(runners[method], seqlen, args, packing)
-                else:  # every method's calls kept, timed together below
-                    interleaved[method] = method_steps(runners[method], seqlen, args, packing)
+                timings[method] = time_method(runners[method], seqlen, args, packing)
             except torch.OutOfMemoryError:
                 results += not_run(method, "out of memory")
                 torch.cuda.empty_cache()
@@ -463,9 +415,6 @@ def benchmark(args) -> list[Result]:
                 if method in OURS:
                     raise
                 results += not_run(method, f"error: {type(error).__name__}: {error}"[:200])
-        if interleaved:
-            timings.update(time_interleaved(interleaved, args))
-            del interleaved
         baseline = args.baseline if args.baseline in timings else "dense"
         for method in args.methods:
             if method in unavailable:
@@ -746,11 +695,6 @@ def parse_args(argv):
                              "bit-identical gradients from run to run (slower backward)")
     add_recompute_argument(parser)
     add_capture_argument(parser)
-    parser.add_argument("--rounds", type=positive_int, default=1,
-                        help="above 1: the methods' calls interleaved in this many rounds, "
-                             "each method's figure the median of its rounds' medians (every "
-                             "method's inputs held at once); 1 (default): each method timed "
-                             "in turn")
     parser.add_argument("--branch-profile", action="store_true",
                         help="also time each NSA branch alone, forward and backward, on "
                              "nsa()'s own lists (see the description)")

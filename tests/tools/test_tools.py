@@ -279,24 +279,6 @@ def test_bench_and_plot(tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_bench_rounds_interleave_every_method_and_pass(monkeypatch):
-    """--rounds R times each (method, pass) once per round, in a shuffled order (R round
-    medians per figure), and reports every method as the sequential run does."""
-    bench = load_tool("bench_nsa_vs_dense")
-    timed = []
-    time_steps = bench.time_steps
-    monkeypatch.setattr(bench, "time_steps", lambda steps, args, warmup=None: (
-        timed.extend((name, warmup) for name in steps), time_steps(steps, args, warmup))[1])
-    args = bench.parse_args([*TINY, "--methods", "nsa,dense", "--rounds", "3"])
-    results = bench.benchmark(args)
-    assert len(timed) == 3 * 4  # 3 rounds of (nsa, dense) x (fwd, fwd+bwd)
-    assert [warmup for _, warmup in timed[4:]] == [1] * 8  # warm-up calls in round 1 only
-    rows = {(r.method, r.pass_): r for r in results}
-    assert sorted(rows) == [("dense", "fwd"), ("dense", "fwd+bwd"), ("nsa", "fwd"),
-                            ("nsa", "fwd+bwd")]
-    assert all(r.status == "ok" and r.ms > 0 for r in results)
-
-
 def test_switches_set_the_library_constants_and_refuse_anything_else(common, monkeypatch):
     """`--switch MODULE.NAME=VALUE` sets one of kernels/, nsa/ or sparsity/'s UPPER_CASE
     constants for the run (an A/B of a dispatch choice as two runs of one command); everything
