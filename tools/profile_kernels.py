@@ -25,6 +25,10 @@ step, and the longest idle stretches with the kernels on either side. An eager s
 device time exceeds its kernel time by more than a graph's launch gaps waits on its host
 (a synchronisation, or host work longer than the kernels queued before it).
 
+`--from-idle` adds, per round, the median of --repeats steps each timed from an idle GPU (a
+sync before each, CUDA events around it, as the bench's eager figure): where a switch moves
+the host's work and not the kernels, the kernel time stays and this moves.
+
 `--by-launch` gives a kernel launched n > 1 times in every step a row per launch, ` @i` for
 its i-th in the step: the three branches' attention kernels share one CuTe DSL name, and
 would otherwise be one row (`launch_order` says which branch each place is).
@@ -43,7 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import (CAPTURE_OPTIONS, add_capture_argument, add_problem_arguments,  # noqa: E402
                      add_switch_argument, cu_seqlens_of, describe_device, nsa_options,
                      positive_int, problem_defaults_epilog, problem_summary,
-                     resolve_problem_arguments, switched, synchronize)
+                     resolve_problem_arguments, switched, synchronize, time_ms)
 from packed_workloads import (PackedWorkload, build_workload,  # noqa: E402
                               parse_workload_name)
 
@@ -227,14 +231,22 @@ def warm(step, warmup: int, device: torch.device) -> None:
     synchronize(device)
 
 
+def from_idle_ms(step, args) -> float:
+    """The median ms of --repeats steps each from an idle GPU to its end (a sync before each,
+    CUDA events around it: the host's work before its first launch and every wait on the host
+    included, as the bench's eager figure)."""
+    return time_ms(step, args.device, warmup=1, repeats=args.repeats)
+
+
 def profile_workload(args, label: str, packing, tokens: int) -> None:
     step = make_step(args, packing, tokens)
     if not args.switch:
         warm(step, args.warmup, args.device)
         intervals = [] if args.gaps and args.device.type == "cuda" else None
         table = kernel_times(step, args.repeats, args.device, intervals, args.by_launch)
+        idle = from_idle_ms(step, args) if args.from_idle else None
         print(f"\n{label}: {total_ms(table):.3f} ms of {time_kind(args.device)} per "
-              f"forward+backward")
+              f"forward+backward" + ("" if idle is None else f", {idle:.3f} ms from an idle GPU"))
         print(format_table(table, args.top))
         if intervals is not None:
             print(f"\n{label}: where the GPU was idle, {args.repeats} steps")
@@ -247,9 +259,10 @@ def profile_workload(args, label: str, packing, tokens: int) -> None:
             warm(step, args.warmup, args.device)
             tables[setting].append(kernel_times(step, args.repeats, args.device,
                                                 by_launch=args.by_launch))
+            idle = from_idle_ms(step, args) if args.from_idle else None
         print(f"{label}: round {round_index + 1} ({setting}) "
               f"{total_ms(tables[setting][-1]):.3f} ms of {time_kind(args.device)} per "
-              f"forward+backward")
+              f"forward+backward" + ("" if idle is None else f", {idle:.3f} ms from an idle GPU"))
     # The last round of each setting, kernel by kernel.
     print(f"\n{label}: kernels that moved most, A (the library's settings) -> B "
           f"({', '.join(args.switch)}), last round of each")
@@ -276,6 +289,9 @@ def parse_arguments(argv=None) -> argparse.Namespace:
                         help="a row per launch for a kernel launched n > 1 times every step "
                              "(' @i': its i-th in the step; the branches' attention kernels "
                              "share one name)")
+    parser.add_argument("--from-idle", action="store_true",
+                        help="also time each round's steps from an idle GPU (host and device "
+                             "together, as the bench's eager figure)")
     add_capture_argument(parser)
     add_switch_argument(parser)
     args = parser.parse_args(argv)

@@ -332,7 +332,7 @@ def test_switched_puts_the_previous_values_back(common, monkeypatch):
 def test_profile_kernels_lists_the_step_and_runs_an_ab(capsys, monkeypatch):
     """CPU smoke run: the op table of a forward+backward (ms per step, launches, the total),
     and an A/B whose rounds alternate the library's settings and the switch, left as they
-    were after it."""
+    were after it, each round with its steps' time from an idle device (--from-idle)."""
     import nsa.function as function
 
     monkeypatch.setattr(function, "SHARED_GATE_PASS", True)
@@ -342,10 +342,11 @@ def test_profile_kernels_lists_the_step_and_runs_an_ab(capsys, monkeypatch):
     assert tool.main(tiny) == 0
     out = capsys.readouterr().out
     assert "200 tokens:" in out and "(all)" in out and "ms/step" in out
-    assert tool.main([*tiny, "--rounds", "2", "--switch",
+    assert tool.main([*tiny, "--rounds", "2", "--from-idle", "--switch",
                       "nsa.function.SHARED_GATE_PASS=False"]) == 0
     out = capsys.readouterr().out
     assert "round 1 (A)" in out and "round 2 (B)" in out and "B - A" in out
+    assert out.count("ms from an idle GPU") == 2  # --from-idle: a step time per round
     assert function.SHARED_GATE_PASS is True
     for bad in (["--switch", "nsa.function.NOPE=1"],
                 ["--rounds", "1", "--switch", "nsa.function.SHARED_GATE_PASS=False"],
