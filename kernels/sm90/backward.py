@@ -151,7 +151,8 @@ def balanced_kv_tiles(host_cu_seqlens_q: tuple, host_cu_seqlens_k: tuple,
     if window_left >= 0:
         steps_cap = -(-(window_left + BACKWARD_DENSE_TILE_N) // SLOT_ROWS) + 1
     work, heaviest = 0, 0
-    for rows, keys in zip(sequence_lengths(host_cu_seqlens_q), sequence_lengths(host_cu_seqlens_k)):
+    lengths = zip(sequence_lengths(host_cu_seqlens_q), sequence_lengths(host_cu_seqlens_k))
+    for rows, keys in lengths:
         if rows <= 0 or keys <= 0:
             continue
         steps = -(-rows // SLOT_ROWS)
