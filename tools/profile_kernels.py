@@ -139,7 +139,8 @@ def launch_order(recorded, steps: int):
     """((name, i), us) for each recorded (start, name, us): i is the launch's place (1..n) among
     its kernel's n launches of the step where every step launches that kernel n > 1 times (the
     three branches' attention kernels share one CuTe DSL name: in nsa()'s forward @1, @2, @3
-    are the compressed, selected and window branch, in its backward the order
+    are the compressed, window and selected branch (`nsa.function.UNSELECTED_FIRST`; with it
+    off, compressed, selected, window), in its backward the order
     `nsa.function.backward_order` gives), else 0."""
     by_name: dict[str, list] = collections.defaultdict(list)
     for start, name, microseconds in recorded:
@@ -231,11 +232,13 @@ def warm(step, warmup: int, device: torch.device) -> None:
     synchronize(device)
 
 
-def from_idle_ms(step, args) -> float:
-    """The median ms of --repeats steps each from an idle GPU to its end (a sync before each,
-    CUDA events around it: the host's work before its first launch and every wait on the host
-    included, as the bench's eager figure)."""
-    return time_ms(step, args.device, warmup=1, repeats=args.repeats)
+def from_idle(step, args) -> str:
+    """With --from-idle, ", X ms from an idle GPU": the median of --repeats steps each from an
+    idle GPU to its end (a sync before each, CUDA events around it: the host's work before its
+    first launch and every wait on the host included, as the bench's eager figure); else ""."""
+    if not args.from_idle:
+        return ""
+    return f", {time_ms(step, args.device, warmup=1, repeats=args.repeats):.3f} ms from an idle GPU"
 
 
 def profile_workload(args, label: str, packing, tokens: int) -> None:
@@ -244,9 +247,8 @@ def profile_workload(args, label: str, packing, tokens: int) -> None:
         warm(step, args.warmup, args.device)
         intervals = [] if args.gaps and args.device.type == "cuda" else None
         table = kernel_times(step, args.repeats, args.device, intervals, args.by_launch)
-        idle = from_idle_ms(step, args) if args.from_idle else None
         print(f"\n{label}: {total_ms(table):.3f} ms of {time_kind(args.device)} per "
-              f"forward+backward" + ("" if idle is None else f", {idle:.3f} ms from an idle GPU"))
+              f"forward+backward{from_idle(step, args)}")
         print(format_table(table, args.top))
         if intervals is not None:
             print(f"\n{label}: where the GPU was idle, {args.repeats} steps")
@@ -259,10 +261,10 @@ def profile_workload(args, label: str, packing, tokens: int) -> None:
             warm(step, args.warmup, args.device)
             tables[setting].append(kernel_times(step, args.repeats, args.device,
                                                 by_launch=args.by_launch))
-            idle = from_idle_ms(step, args) if args.from_idle else None
+            idle = from_idle(step, args)
         print(f"{label}: round {round_index + 1} ({setting}) "
               f"{total_ms(tables[setting][-1]):.3f} ms of {time_kind(args.device)} per "
-              f"forward+backward" + ("" if idle is None else f", {idle:.3f} ms from an idle GPU"))
+              f"forward+backward{idle}")
     # The last round of each setting, kernel by kernel.
     print(f"\n{label}: kernels that moved most, A (the library's settings) -> B "
           f"({', '.join(args.switch)}), last round of each")

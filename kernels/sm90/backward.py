@@ -114,10 +114,11 @@ def _spec_for(q, k, causal, window_size, block_sparse, compress_factor, determin
 
 
 def _call_spec(q, k, cu_seqlens_q, max_seqlen_k, causal, window_size, block_sparse,
-               compress_factor, deterministic, host_cu_seqlens_q=None, host_cu_seqlens_k=None):
-    """`run`'s spec for packed (T, H, D) inputs, before its overrides and score mods."""
-    kv_tile_ctas = _kv_tile_ctas(k, cu_seqlens_q, max_seqlen_k, host_cu_seqlens_q,
-                                 host_cu_seqlens_k, window_size[0])
+               compress_factor, deterministic, kv_tile_ctas=None):
+    """`run`'s spec for packed (T, H, D) inputs, before its overrides and score mods;
+    kv_tile_ctas: `_kv_tile_ctas` of the call (None: counted without host bounds)."""
+    if kv_tile_ctas is None:
+        kv_tile_ctas = _kv_tile_ctas(k, cu_seqlens_q, max_seqlen_k)
     return _spec_for(q, k, causal, window_size, block_sparse, compress_factor, deterministic,
                      kv_tile_ctas, max_seqlen_k, dq_accumulator_bytes=4 * q.numel())
 
@@ -301,8 +302,10 @@ def run(
     out = None if out is None else aligned_rows(out)
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(head_dim)
+    kv_tile_ctas = _kv_tile_ctas(k, cu_seqlens_q, max_seqlen_k, host_cu_seqlens_q,
+                                 host_cu_seqlens_k, window_size[0])
     spec = _call_spec(q, k, cu_seqlens_q, max_seqlen_k, causal, window_size, block_sparse,
-                      compress_factor, deterministic, host_cu_seqlens_q, host_cu_seqlens_k)
+                      compress_factor, deterministic, kv_tile_ctas)
     if spec_overrides:
         spec = dataclasses.replace(spec, **spec_overrides)
     score_tensors = (None,) * 5
@@ -391,10 +394,7 @@ def run(
         if spec.row_bands:  # bands of rows whose fused dQ sums L2 holds
             row_splits = _row_bands(max_seqlen_q, num_heads, head_dim, spec.tile_m)
         elif spec.split_rows:  # dense only: num_ctas KV tiles of BACKWARD_DENSE_TILE_N keys
-            row_splits = _row_splits(
-                _kv_tile_ctas(k, cu_seqlens_q, max_seqlen_k, host_cu_seqlens_q,
-                              host_cu_seqlens_k, window_size[0]),
-                -(-max_seqlen_q // spec.tile_m), q.device)
+            row_splits = _row_splits(kv_tile_ctas, -(-max_seqlen_q // spec.tile_m), q.device)
         if spec.block_sparse:
             csr = block_sparse_transposed
             if csr is None:
