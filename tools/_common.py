@@ -106,6 +106,21 @@ def time_ms(fn: Callable[[], object], device: torch.device, *, warmup: int = 2,
     return statistics.median(samples)
 
 
+def captured(fn: Callable[[], object]) -> Callable[[], None]:
+    """fn captured in a CUDA graph (after two warm-up calls on a side stream, which compile the
+    kernels and settle the allocator), returned as the graph's replay."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
 def interleaved_medians(fns: dict[str, Callable[[], object]], device: torch.device, *,
                         rounds: int, repeats: int, seed: int = 0) -> dict[str, float]:
     """Device time (ms) of each fn: the median over `rounds` rounds of each round's median of

@@ -105,7 +105,7 @@ from bench_context_parallel import add_context_parallel_argument, run_for_tool  
 from _common import (CAPTURE_OPTIONS, RECOMPUTE_OPTIONS,  # noqa: E402
                      add_capture_argument, add_cmp_selected_argument, add_num_seqs_argument,
                      add_problem_arguments, add_recompute_argument, add_switch_argument,
-                     parse_switches,
+                     captured, parse_switches,
                      attention_tflops, capped_causal_pairs, causal_pairs, check_num_seqs,
                      int_list,
                      compressed_key_cap, compressed_pairs, cu_seqlens_of, nsa_options, nsa_pairs,
@@ -184,21 +184,6 @@ def nsa_graph_method(args) -> Callable:
     run = nsa_method(args)
     run.cuda_graph = True
     return run
-
-
-def captured(fn: Callable[[], object]) -> Callable[[], None]:
-    """fn captured in a CUDA graph (after two warm-up calls on a side stream, which compile the
-    kernels and settle the allocator), returned as the graph's replay."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph.replay
 
 
 def varlen_kwargs(packing: Packing) -> dict:

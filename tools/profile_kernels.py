@@ -18,6 +18,7 @@ times (at 256K a forward varied by 2-3 ms between runs of the same code, FINDING
     python tools/profile_kernels.py --packed lognormal-2k \\
         --switch nsa.function.SELECTED_CONSUMES_DQ_SUMS=False
     python tools/profile_kernels.py --packed docs-8k --gaps
+    python tools/profile_kernels.py --packed docs-8k --gaps --from-idle
 
 `--gaps` also reports where the GPU sat idle during the profiled steps: the span from the
 first kernel's start to the last one's end against the time kernels ran (their union), per
@@ -27,7 +28,14 @@ device time exceeds its kernel time by more than a graph's launch gaps waits on 
 
 `--from-idle` adds, per round, the median of --repeats steps each timed from an idle GPU (a
 sync before each, CUDA events around it, as the bench's eager figure): where a switch moves
-the host's work and not the kernels, the kernel time stays and this moves.
+the host's work and not the kernels, the kernel time stays and this moves. With `--gaps` the
+profiled steps then start from an idle GPU too (a sync and a marker launch before each), and
+the report counts each step from its start: the host's work before the first kernel, and every
+wait inside the step, are its idle; the idle between steps (the sync) is left out.
+
+`--graph` captures the whole step in one CUDA graph and profiles its replays (the bench's
+nsa-graph method; GPU only): no host work between the kernels, so what stays between the
+step's kernel time and its span is the launch gaps of the graph.
 
 `--by-launch` gives a kernel launched n > 1 times in every step a row per launch, ` @i` for
 its i-th in the step: the three branches' attention kernels share one CuTe DSL name, and
@@ -45,7 +53,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import (CAPTURE_OPTIONS, add_capture_argument, add_problem_arguments,  # noqa: E402
-                     add_switch_argument, cu_seqlens_of, describe_device, nsa_options,
+                     add_switch_argument, captured, cu_seqlens_of, describe_device, nsa_options,
                      positive_int, problem_defaults_epilog, problem_summary,
                      resolve_problem_arguments, switched, synchronize, time_ms)
 from packed_workloads import (PackedWorkload, build_workload,  # noqa: E402
@@ -96,25 +104,41 @@ def make_step(args, packing: PackedWorkload | None, tokens: int):
     return step
 
 
-def kernel_times(step, steps: int, device: torch.device,
-                 intervals: list | None = None, by_launch: bool = False) -> collections.Counter:
+# The name `idle_report` gives a step's start (the marker launched after the sync before a step
+# profiled from an idle GPU): the idle before it is the sync's, the idle after it the step's.
+STEP_START = "(step start)"
+MARKER_KERNEL = "spin_kernel"  # torch.cuda._sleep's kernel
+
+
+def kernel_times(step, steps: int, device: torch.device, intervals: list | None = None,
+                 by_launch: bool = False, from_idle: bool = False) -> collections.Counter:
     """name -> (ms per step, launches per step) over `steps` profiled steps: the GPU's
     kernels (and copies) by device time, or on the CPU the ops by their own CPU time.
     intervals (a list, on a GPU): gets (start us, end us, name) of every kernel and copy.
     by_launch: a kernel launched n > 1 times in every step gets a row per launch
-    (`launch_order`)."""
+    (`launch_order`). from_idle (GPU): each step after a sync and a marker launch (a spin
+    of no length), which `intervals` holds as a STEP_START of no length at its end and the
+    table leaves out."""
     from torch.profiler import ProfilerActivity, profile
 
-    activity = ProfilerActivity.CUDA if device.type == "cuda" else ProfilerActivity.CPU
+    cuda = device.type == "cuda"
+    activity = ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU
     synchronize(device)
     with profile(activities=[activity]) as profiler:
         for _ in range(steps):
+            if from_idle and cuda:
+                synchronize(device)
+                torch.cuda._sleep(0)
             step()
         synchronize(device)
     recorded = []  # (start us, name, us) of each kernel (CPU: op)
     for event in profiler.events():
-        if device.type == "cuda":
+        if cuda:
             if event.device_type != torch.autograd.DeviceType.CUDA:
+                continue
+            if from_idle and MARKER_KERNEL in event.name:
+                if intervals is not None:
+                    intervals.append((event.time_range.end, event.time_range.end, STEP_START))
                 continue
             microseconds = event.device_time_total
             if intervals is not None:
@@ -153,24 +177,34 @@ def launch_order(recorded, steps: int):
 
 def idle_report(intervals: list, steps: int, top: int) -> str:
     """Device span against kernel time (their union) per step, and the `top` longest idle
-    stretches between kernels with the kernels on either side (names cut to 60 characters)."""
+    stretches between kernels with the kernels on either side (names cut to 60 characters).
+    With STEP_START markers (steps profiled from an idle GPU) the idle before each marker (the
+    sync between steps) is left out of the span and the gaps, and the idle right after one (the
+    host's work before the step's first kernel) is reported apart too."""
     if not intervals:
         return "  no kernels recorded"
     intervals = sorted(intervals)
-    busy, gaps = 0.0, []
+    busy, between_steps, before_first, gaps = 0.0, 0.0, 0.0, []
     current_start, current_end, current_name = intervals[0]
     for start, end, name in intervals[1:]:
         if start > current_end:
             busy += current_end - current_start
-            gaps.append((start - current_end, current_name, name))
+            if name == STEP_START:
+                between_steps += start - current_end
+            else:
+                before_first += start - current_end if current_name == STEP_START else 0.0
+                gaps.append((start - current_end, current_name, name))
             current_start, current_end, current_name = start, end, name
         elif end > current_end:
             current_end, current_name = end, name
     busy += current_end - current_start
-    span = current_end - intervals[0][0]
+    span = current_end - intervals[0][0] - between_steps
+    marked = any(name == STEP_START for _, _, name in intervals)
     lines = [f"  span {span / 1e3 / steps:.3f} ms per step, kernels {busy / 1e3 / steps:.3f}, "
              f"idle {(span - busy) / 1e3 / steps:.3f} in {len(gaps) / steps:.1f} gaps "
-             f"(the idle between the profiled steps included)",
+             + (f"(of it {before_first / 1e3 / steps:.3f} before the first kernel; each step "
+                f"from its start, the sync between steps left out)" if marked else
+                "(the idle between the profiled steps included)"),
              f"  {'idle us':>9}  after -> before"]
     for gap, before, after in sorted(gaps, reverse=True)[:top]:
         lines.append(f"  {gap:9.1f}  {before[:60]} -> {after[:60]}")
@@ -243,10 +277,15 @@ def from_idle(step, args) -> str:
 
 def profile_workload(args, label: str, packing, tokens: int) -> None:
     step = make_step(args, packing, tokens)
+    if args.graph:
+        label += ", the step in one CUDA graph"
     if not args.switch:
         warm(step, args.warmup, args.device)
+        if args.graph:
+            step = captured(step)
         intervals = [] if args.gaps and args.device.type == "cuda" else None
-        table = kernel_times(step, args.repeats, args.device, intervals, args.by_launch)
+        table = kernel_times(step, args.repeats, args.device, intervals, args.by_launch,
+                             from_idle=args.from_idle and args.gaps)
         print(f"\n{label}: {total_ms(table):.3f} ms of {time_kind(args.device)} per "
               f"forward+backward{from_idle(step, args)}")
         print(format_table(table, args.top))
@@ -259,9 +298,10 @@ def profile_workload(args, label: str, packing, tokens: int) -> None:
         setting = "AB"[round_index % 2]
         with switched(args.switch if setting == "B" else []):
             warm(step, args.warmup, args.device)
-            tables[setting].append(kernel_times(step, args.repeats, args.device,
+            timed = captured(step) if args.graph else step
+            tables[setting].append(kernel_times(timed, args.repeats, args.device,
                                                 by_launch=args.by_launch))
-            idle = from_idle(step, args)
+            idle = from_idle(timed, args)
         print(f"{label}: round {round_index + 1} ({setting}) "
               f"{total_ms(tables[setting][-1]):.3f} ms of {time_kind(args.device)} per "
               f"forward+backward{idle}")
@@ -294,10 +334,15 @@ def parse_arguments(argv=None) -> argparse.Namespace:
     parser.add_argument("--from-idle", action="store_true",
                         help="also time each round's steps from an idle GPU (host and device "
                              "together, as the bench's eager figure)")
+    parser.add_argument("--graph", action="store_true",
+                        help="capture the whole step in one CUDA graph and profile its "
+                             "replays (GPU only)")
     add_capture_argument(parser)
     add_switch_argument(parser)
     args = parser.parse_args(argv)
     resolve_problem_arguments(args, parser)
+    if args.graph and args.device.type != "cuda":
+        parser.error(f"--graph: captures a CUDA graph; --device is {args.device}")
     if args.gaps and args.switch:
         parser.error("--gaps: reports one setting's steps; leave out --switch")
     if args.rounds < 2 and args.switch:

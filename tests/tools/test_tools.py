@@ -394,6 +394,27 @@ def test_profile_kernels_idle_report_finds_the_gaps_between_kernels():
                    "nsa.function.SHARED_GATE_PASS=False"])
 
 
+def test_profile_kernels_idle_report_counts_steps_from_their_start_marker():
+    """--gaps --from-idle: each step starts with a marker of no length (after the sync); the
+    idle before a marker (between steps) leaves the span and the gaps, the idle right after
+    it is the step's wait before its first kernel, named so."""
+    tool = load_tool("profile_kernels")
+    start = tool.STEP_START
+    # Step 1: marker at 0, idle 0-10 (the host), a 10-50, idle 50-60, b 60-100. The sync: idle
+    # to 300. Step 2: marker at 300, idle to 320, c 320-400.
+    intervals = [(60, 100, "b"), (0, 0, start), (10, 50, "a"), (300, 300, start),
+                 (320, 400, "c")]
+    report = tool.idle_report(intervals, steps=2, top=5)
+    assert ("span 0.100 ms per step, kernels 0.080, idle 0.020 in 1.5 gaps (of it 0.015 "
+            "before the first kernel") in report
+    rows = [line.split("  ")[-1] for line in report.splitlines()[2:]]
+    assert [float(line.split()[0]) for line in report.splitlines()[2:]] == [20.0, 10.0, 10.0]
+    assert rows == [f"{start} -> c", "a -> b", f"{start} -> a"]
+    # Without markers the report stays as it was.
+    assert "idle between the profiled steps included" in tool.idle_report(
+        [(0, 10, "a"), (20, 30, "b")], steps=1, top=5)
+
+
 def test_profile_kernels_keeps_kernels_that_share_a_long_prefix_apart():
     """The three branches' backward kernels differ only past the table's name width: each
     keeps a row of its own (numbered by first launch), names that fit stay as they are."""
