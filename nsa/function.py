@@ -66,7 +66,8 @@ SHARED_GATE_PASS = True
 # float32 at once and added into (the switch for the A/B).
 FINISH_COMPRESSED_DKV = True
 # The forward launches the branches the selection does not choose keys for before selecting
-# (`unselected_branches`); False: every branch after the selection (the switch for the A/B).
+# (`unselected_branches`), the window before compressing; False: every branch after the
+# selection (the switch for the A/B).
 UNSELECTED_FIRST = True
 
 
@@ -135,28 +136,34 @@ def packed_forward(q: Tensor, k: Tensor, v: Tensor, W_k: Tensor | None, W_v: Ten
     combine=False (with keep_outputs): out is the `GatedSum` of the kept outputs, not yet
     summed; each `sum_copy()` writes the sum into a new tensor (nsa/captured.py sums outside
     its graph, straight into the tensor it returns)."""
+    if not combine and not keep_outputs:
+        raise ValueError("combine=False needs keep_outputs=True (the sum reads the outputs)")
+    # The branches whose keys the selection does not choose are launched before it: from an
+    # idle GPU their kernels run while the host compresses, selects blocks and builds the
+    # selected branch's lists, which otherwise the GPU waited for (`profile_kernels --gaps
+    # --from-idle`). The window reads q, k and v alone, so it goes first, before the
+    # compression; its output joins the sum in the branches' order all the same.
+    window = (planned_window_branch(cu_seqlens, sequences, config, queries)
+              if UNSELECTED_FIRST and config.window_size > 0 else None)
+    launched = {WINDOW: window.forward(q, k, v)} if window is not None else {}
     cu_seqlens_cmp, k_cmp_scored, v_cmp = compress_keys(k, v, W_k, W_v, cu_seqlens, sequences,
                                                         config)
     k_cmp, v_cmp = k_cmp_scored.to(k.dtype), v_cmp.to(v.dtype)
 
     # One pass over the branch outputs on sm90; elsewhere a float32 sum that frees each
     # output as it is added (kernels/gated_sum.py), unless they are kept.
-    if not combine and not keep_outputs:
-        raise ValueError("combine=False needs keep_outputs=True (the sum reads the outputs)")
     out = GatedSum(gate_weights(q, W_gate, config.branches), like=q, keep_terms=keep_outputs)
     lses, outputs = {}, {}
 
     def run(branch: Branch) -> None:
         keys, values = (k_cmp, v_cmp) if branch.reads_compressed else (k, v)
-        branch_out, lses[branch.index] = branch.forward(q, keys, values)
+        branch_out, lses[branch.index] = (launched.pop(branch.index) if branch.index in launched
+                                          else branch.forward(q, keys, values))
         out.add(branch.index, branch_out)
         if keep_outputs:
             outputs[branch.index] = branch_out
 
-    # The branches whose keys the selection does not choose are launched before it: from an
-    # idle GPU their kernels run while the host selects blocks and builds the selected
-    # branch's lists, which otherwise the GPU waited for (`profile_kernels --gaps`).
-    early = (unselected_branches(cu_seqlens, cu_seqlens_cmp, sequences, config, queries)
+    early = (unselected_branches(cu_seqlens, cu_seqlens_cmp, sequences, config, queries, window)
              if UNSELECTED_FIRST else {})
     for branch in early.values():
         run(branch)
@@ -520,20 +527,28 @@ def describe_branches(selection, cu_seqlens: Tensor, cu_seqlens_cmp: Tensor,
 
 
 def unselected_branches(cu_seqlens: Tensor, cu_seqlens_cmp: Tensor, sequences: PackedSequences,
-                        config: NSAConfig, queries: QueryRows | None = None
-                        ) -> dict[int, Branch]:
+                        config: NSAConfig, queries: QueryRows | None = None,
+                        window: Branch | None = None) -> dict[int, Branch]:
     """The branches whose keys the selection does not choose, by index: the compressed branch
-    over all of its keys (not with `num_cmp_selected_blocks`) and the window."""
+    over all of its keys (not with `num_cmp_selected_blocks`) and the window (`window`, where
+    `planned_window_branch` gave it already)."""
     branches = {}
     if config.num_cmp_selected_blocks is None:
         branches[COMPRESSED] = _compressed_branch(cu_seqlens, cu_seqlens_cmp, sequences, config,
                                                   queries, None)
     if config.window_size > 0:
-        branches[WINDOW] = window_branch(
-            cu_seqlens, window_size=config.window_size, softmax_scale=config.softmax_scale,
-            max_seqlen=sequences.max_seqlen, host_cu_seqlens=sequences.cu_seqlens,
-            queries=queries)
+        branches[WINDOW] = (window if window is not None else
+                            planned_window_branch(cu_seqlens, sequences, config, queries))
     return branches
+
+
+def planned_window_branch(cu_seqlens: Tensor, sequences: PackedSequences, config: NSAConfig,
+                          queries: QueryRows | None = None) -> Branch:
+    """The window branch (config.window_size > 0): it needs neither the compression nor the
+    selection."""
+    return window_branch(cu_seqlens, window_size=config.window_size,
+                         softmax_scale=config.softmax_scale, max_seqlen=sequences.max_seqlen,
+                         host_cu_seqlens=sequences.cu_seqlens, queries=queries)
 
 
 def _compressed_branch(cu_seqlens: Tensor, cu_seqlens_cmp: Tensor, sequences: PackedSequences,

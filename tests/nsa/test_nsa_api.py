@@ -227,3 +227,46 @@ def test_activation_checkpointing_gives_the_plain_gradients(reentrant):
     (out, grads), (plain_out, plain_grads) = run(True), run(False)
     assert torch.equal(out, plain_out)
     assert all(torch.equal(g, p) for g, p in zip(grads, plain_grads))
+
+
+@pytest.mark.parametrize("num_cmp_selected_blocks", [None, 2])
+def test_the_window_is_launched_before_the_compression(num_cmp_selected_blocks, monkeypatch):
+    """nsa()'s forward launches the window branch first (it reads q, k and v alone), then
+    compresses, runs the compressed branch (dense: before the selection) and the selected one;
+    the output equals that of every branch after the selection (UNSELECTED_FIRST off) up to
+    the gated sum's order of terms, and the gradients bitwise (the backward runs as before)."""
+    import nsa.branches as branches
+    import nsa.function as function
+
+    order = []
+    forward, compress = branches.Branch.forward, function.compress_pair
+
+    names = {branches.COMPRESSED: "compressed", branches.SELECTED: "selected",
+             branches.WINDOW: "window"}
+
+    def recorded_forward(self, *args, **kwargs):
+        order.append(names[self.index])
+        return forward(self, *args, **kwargs)
+
+    def recorded_compress(*args, **kwargs):
+        order.append("compress")
+        return compress(*args, **kwargs)
+    monkeypatch.setattr(branches.Branch, "forward", recorded_forward)
+    monkeypatch.setattr(function, "compress_pair", recorded_compress)
+    x = random_inputs([70, 5, 33], heads=4, kv_heads=2, head_dim=16, seed=11,
+                      dtype=torch.float32)
+    options = dict(SMALL, num_cmp_selected_blocks=num_cmp_selected_blocks)
+    results = {}
+    for first in (True, False):
+        monkeypatch.setattr(function, "UNSELECTED_FIRST", first)
+        order.clear()
+        inputs = differentiable(x, torch.float32)
+        out = nsa(**inputs, **options)
+        dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(1))
+        results[first] = (out.detach(), grads_of(out, inputs, dout), list(order))
+    # The sparse compressed branch waits for the selection: after it either way.
+    assert results[True][2] == ["window", "compress", "compressed", "selected"]
+    assert results[False][2] == ["compress", "compressed", "selected", "window"]
+    torch.testing.assert_close(results[True][0], results[False][0], rtol=1e-6, atol=1e-6)
+    for name, grad in results[True][1].items():
+        assert torch.equal(grad, results[False][1][name]), name
