@@ -48,7 +48,10 @@ pairs each method attends (dense: the causal triangle; NSA: an upper bound over 
 branches, see _common.nsa_pairs), 4*D flops per pair and head forward, 3.5x that for fwd+bwd.
 "host ms" is the median wall time of the same calls until they return, without a sync: where it
 comes close to "ms", the eager call is host-bound (Python and launches, not the GPU, set its
-pace) and a CUDA graph (`nsa-graph`) is what removes it.
+pace) and a CUDA graph (`nsa-graph`) is what removes it. `--clocks` adds the GPU's median SM
+clock and power while each pass was timed (nvidia-smi, every 20 ms; tools/_clocks.py): a GPU at
+its power cap clocks down within tens of milliseconds of heavy work, so methods timed in turn
+may run at different clocks, and a short profiled burst at a higher one than a timed loop.
 
 `--deterministic` passes deterministic=True to nsa() and to our dense attention (bit-identical
 gradients from run to run; the backward's slower mode).
@@ -102,6 +105,7 @@ from nsa.function import (compressed_starts, describe_branches,  # noqa: E402
                           select_for_branches)
 from nsa.validation import validate_nsa_call  # noqa: E402
 from bench_context_parallel import add_context_parallel_argument, run_for_tool  # noqa: E402
+from _clocks import ClockSampler  # noqa: E402
 from _common import (CAPTURE_OPTIONS, RECOMPUTE_OPTIONS,  # noqa: E402
                      add_capture_argument, add_cmp_selected_argument, add_num_seqs_argument,
                      add_problem_arguments, add_recompute_argument, add_switch_argument,
@@ -136,6 +140,10 @@ class Result:
     host_ms: float | None = None
     # The packed workload's name (`--packed`; seqlen is then its total tokens), else None.
     workload: str | None = None
+    # With --clocks: the median SM clock (MHz) and power (W) nvidia-smi sampled while this
+    # pass was timed (warm-up included), None where no sample fell in it.
+    sm_mhz: float | None = None
+    watts: float | None = None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -337,9 +345,10 @@ def host_timed(fn: Callable[[], object], samples: list[float]) -> Callable[[], o
 
 
 def time_method(run: Callable, seqlen: int, args, packing: Packing | None = None
-                ) -> dict[str, tuple[float, float]]:
-    """(median ms, median host ms) of the forward (no autograd) and of forward+backward, on
-    random inputs; the host median over the timed calls only (`host_timed`)."""
+                ) -> dict[str, tuple[float, float, tuple[float, float]]]:
+    """(median ms, median host ms, (start, end) in time.time() seconds) of the forward (no
+    autograd) and of forward+backward, on random inputs; the host median over the timed calls
+    only (`host_timed`), the window over warm-up and timed calls (for --clocks)."""
     rows = (args.batch, seqlen) if packing is None else (sum(packing.lengths),)
     shape_q = (*rows, args.heads, args.head_dim)
     shape_kv = (*rows, args.kv_heads, args.head_dim)
@@ -349,9 +358,10 @@ def time_method(run: Callable, seqlen: int, args, packing: Packing | None = None
 
     def timed(fn):
         hosts: list[float] = []
+        start = time.time()
         ms = time_ms(host_timed(fn, hosts), args.device, warmup=args.warmup,
                      repeats=args.repeats)
-        return ms, statistics.median(hosts[-args.repeats:])
+        return ms, statistics.median(hosts[-args.repeats:]), (start, time.time())
     if "fwd" in args.passes:
         with torch.no_grad():
             forward = (captured(lambda: run(q, k, v, packing)) if graph
@@ -371,7 +381,27 @@ def time_method(run: Callable, seqlen: int, args, packing: Packing | None = None
 
 
 def benchmark(args) -> list[Result]:
+    """Every case and method timed in turn; with --clocks, nvidia-smi samples the GPU's clock
+    throughout and each result gets the medians of its window."""
+    sampler = ClockSampler(args.device.index or 0) if args.clocks else None
+    try:
+        results, windows = timed_results(args)
+    finally:
+        if sampler is not None:
+            sampler.stop()
+    if sampler is not None:
+        for result, window in zip(results, windows):
+            clocks = sampler.during(*window) if window else None
+            if clocks is not None:
+                result.sm_mhz, result.watts = clocks.sm_mhz, clocks.watts
+    return results
+
+
+def timed_results(args) -> tuple[list[Result], list[tuple[float, float] | None]]:
+    """The results and, beside each, the wall-clock window its pass was timed in (None for
+    those that did not run)."""
     results: list[Result] = []
+    windows: list[tuple[float, float] | None] = []
     runners, unavailable = {}, {}
     for method in args.methods:
         try:
@@ -384,6 +414,7 @@ def benchmark(args) -> list[Result]:
         workload = case.workload.name if case.workload else None
 
         def not_run(method: str, status: str) -> list[Result]:
+            windows.extend([None] * len(args.passes))
             return [Result(seqlen, method, p, None, None, None, status, workload=workload)
                     for p in args.passes]
         timings = {}
@@ -409,14 +440,15 @@ def benchmark(args) -> list[Result]:
                 continue
             pairs = attended_pairs(method, lengths, args)
             for p in args.passes:
-                ms, host_ms = timings[method][p]
+                ms, host_ms, window = timings[method][p]
                 base = timings.get(baseline, {}).get(p, (None,))[0]
                 results.append(Result(
                     seqlen, method, p, ms,
                     attention_tflops(pairs, 1, args.heads, args.head_dim, ms,
                                      backward=p == "fwd+bwd"),
                     base / ms if base else None, "ok", host_ms, workload))
-    return results
+                windows.append(window)
+    return results, windows
 
 
 # ----------------------------------------------------------------------------------------------
@@ -600,10 +632,14 @@ def format_table(results: list[Result], baseline: str) -> str:
     # Packed rows name their workload where the others give N (wider column then).
     width = max([8] + [len(r.workload) for r in results if r.workload])
     label = "workload" if any(r.workload for r in results) else "N"
+    clocks = any(r.sm_mhz is not None for r in results)
     header = (f"{label:>{width}}  {'method':<9} {'pass':<8} {'ms':>10} {'speedup':>8} "
-              f"{'TFLOP/s':>9} {'host ms':>9}  status")
+              f"{'TFLOP/s':>9} {'host ms':>9}" + (f" {'SM MHz':>7} {'W':>5}" if clocks else "")
+              + "  status")
     lines = [f"speedup = {baseline} ms / method ms (same N and pass); TFLOP/s over attended "
-             f"pairs; host ms = the call's wall time until it returns (no sync)",
+             f"pairs; host ms = the call's wall time until it returns (no sync)"
+             + ("; SM MHz, W = nvidia-smi's medians while the pass was timed" if clocks
+                else ""),
              header, "-" * len(header)]
     for r in results:
         ms = f"{r.ms:10.3f}" if r.ms is not None else f"{'-':>10}"
@@ -611,8 +647,12 @@ def format_table(results: list[Result], baseline: str) -> str:
         tflops = f"{r.tflops:9.3f}" if r.tflops is not None else f"{'-':>9}"
         host = f"{r.host_ms:9.3f}" if r.host_ms is not None else f"{'-':>9}"
         case = r.workload or r.seqlen
+        sampled = ""
+        if clocks:
+            sampled = (f" {r.sm_mhz:7.0f} {r.watts:5.0f}" if r.sm_mhz is not None
+                       else f" {'-':>7} {'-':>5}")
         lines.append(f"{case:>{width}}  {r.method:<9} {r.pass_:<8} {ms} {speedup} {tflops} "
-                     f"{host}  {r.status}")
+                     f"{host}{sampled}  {r.status}")
     return "\n".join(lines)
 
 
@@ -698,6 +738,10 @@ def parse_args(argv):
                         help="seed of the lognormal lengths (default 0)")
     add_context_parallel_argument(parser)
     add_switch_argument(parser)
+    parser.add_argument("--clocks", action="store_true",
+                        help="sample the GPU's SM clock and power with nvidia-smi every 20 ms "
+                             "and give each result the medians of its timing (GPU only; a "
+                             "pass timed in under 20 ms may get no sample)")
     parser.add_argument("--json", type=Path, help="write the results to this JSON file")
     args = parser.parse_args(argv)
     args.switches = parse_switches(parser, args)
@@ -706,6 +750,9 @@ def parse_args(argv):
                      "of --num-seqs documents): not with --packed or --branch-profile")
     check_packed_arguments(args, parser)
     resolve_problem_arguments(args, parser)
+    if args.clocks and args.device.type != "cuda":
+        parser.error(f"--clocks: samples a GPU's clock with nvidia-smi; --device is "
+                     f"{args.device}")
     check_num_seqs(args, parser)
     args.methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     if args.methods == ["none"]:

@@ -438,6 +438,32 @@ def test_bench_takes_switches_and_names_them(tmp_path, capsys, monkeypatch):
     assert "--switch 'nsa.NOPE=1'" in capsys.readouterr().err
 
 
+def test_clock_samples_parse_and_summarise_by_window(common):
+    """--clocks: nvidia-smi's csv lines become timestamped samples (a line with N/A or a header
+    is skipped), and a window gets the medians of the samples inside it and the share with the
+    software power cap (bit 0x4); a window without samples gets None. On the CPU the bench
+    refuses --clocks by name."""
+    import _clocks
+
+    lines = ["timestamp, clocks.current.sm [MHz], power.draw [W], clocks_event_reasons.active",
+             "2026/11/30 15:02:17.100, 1965, 420.5, 0x0000000000000000",
+             "2026/11/30 15:02:17.120, 1650, 698.0, 0x0000000000000004",
+             "2026/11/30 15:02:17.140, 1680, 701.0, 0x0000000000000004",
+             "2026/11/30 15:02:17.160, [N/A], 700.0, 0x0000000000000004",
+             "2026/11/30 15:02:19.000, 345, 80.0, 0x0000000000000001"]
+    samples = [_clocks.parse_sample(line) for line in lines]
+    assert samples[0] is None and samples[4] is None
+    kept = [sample for sample in samples if sample is not None]
+    assert [sample.sm_mhz for sample in kept] == [1965, 1650, 1680, 345]
+    assert kept[1].time - kept[0].time == pytest.approx(0.02)
+    summary = _clocks.summarise([s for s in kept if s.time <= kept[2].time])
+    assert (summary.sm_mhz, summary.watts, summary.samples) == (1680, 698.0, 3)
+    assert summary.power_capped == pytest.approx(2 / 3)
+    assert _clocks.summarise([]) is None
+    with pytest.raises(SystemExit):
+        load_tool("bench_nsa_vs_dense").main([*TINY, "--methods", "nsa", "--clocks"])
+
+
 def test_bench_varlen_packs_the_batch_and_reports_padded_only_methods(tmp_path):
     """--num-seqs: every method gets the same packed sequences; ours run them varlen, SDPA and
     fa4-nsa say they take padded inputs only; the attended pairs are the sequences' own."""
