@@ -18,7 +18,8 @@ import subprocess
 import threading
 from dataclasses import dataclass
 
-QUERY = "timestamp,clocks.sm,power.draw,clocks_event_reasons.active"
+# power.draw.instant: power.draw is a one-second average on Hopper, staler than a timing.
+QUERY = "timestamp,clocks.sm,power.draw.instant,clocks_event_reasons.active"
 SW_POWER_CAP = 0x4  # nvidia-smi's clocks_event_reasons bit: the software power cap
 
 
