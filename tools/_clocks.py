@@ -16,6 +16,7 @@ import shutil
 import statistics
 import subprocess
 import threading
+import time
 from dataclasses import dataclass
 
 # power.draw.instant: power.draw is a one-second average on Hopper, staler than a timing.
@@ -68,8 +69,12 @@ class ClockSampler:
         if shutil.which("nvidia-smi") is None:
             raise RuntimeError("nvidia-smi is not on PATH")
         self.samples: list[Sample] = []
+        self.interval_ms = interval_ms
+        # Into a pipe nvidia-smi's output is block-buffered, and the lines still in its buffer
+        # when it is stopped are lost (a benchmark's last seconds): line-buffered by stdbuf.
+        line_buffered = ["stdbuf", "-oL"] if shutil.which("stdbuf") else []
         self._process = subprocess.Popen(
-            ["nvidia-smi", "-i", str(device_index), f"--query-gpu={QUERY}",
+            [*line_buffered, "nvidia-smi", "-i", str(device_index), f"--query-gpu={QUERY}",
              "--format=csv,noheader,nounits", f"--loop-ms={interval_ms}"],
             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
         self._reader = threading.Thread(target=self._read, daemon=True)
@@ -82,7 +87,8 @@ class ClockSampler:
                 self.samples.append(sample)
 
     def stop(self) -> None:
-        """End the sampling (the samples stay)."""
+        """End the sampling (the samples stay), after two more intervals' samples."""
+        time.sleep(2 * self.interval_ms / 1e3)
         self._process.terminate()
         self._process.wait()
         self._reader.join(timeout=5)
