@@ -347,8 +347,9 @@ def host_timed(fn: Callable[[], object], samples: list[float]) -> Callable[[], o
 def time_method(run: Callable, seqlen: int, args, packing: Packing | None = None
                 ) -> dict[str, tuple[float, float, tuple[float, float]]]:
     """(median ms, median host ms, (start, end) in time.time() seconds) of the forward (no
-    autograd) and of forward+backward, on random inputs; the host median over the timed calls
-    only (`host_timed`), the window over warm-up and timed calls (for --clocks)."""
+    autograd) and of forward+backward, on random inputs; the host median and the window (for
+    --clocks) over the timed calls only (`host_timed`; the warm-up compiles kernels, with the
+    GPU idle)."""
     rows = (args.batch, seqlen) if packing is None else (sum(packing.lengths),)
     shape_q = (*rows, args.heads, args.head_dim)
     shape_kv = (*rows, args.kv_heads, args.head_dim)
@@ -358,9 +359,11 @@ def time_method(run: Callable, seqlen: int, args, packing: Packing | None = None
 
     def timed(fn):
         hosts: list[float] = []
+        fn = host_timed(fn, hosts)
+        for _ in range(args.warmup):
+            fn()
         start = time.time()
-        ms = time_ms(host_timed(fn, hosts), args.device, warmup=args.warmup,
-                     repeats=args.repeats)
+        ms = time_ms(fn, args.device, warmup=0, repeats=args.repeats)
         return ms, statistics.median(hosts[-args.repeats:]), (start, time.time())
     if "fwd" in args.passes:
         with torch.no_grad():
