@@ -163,7 +163,7 @@ def launch_order(recorded, steps: int):
     """((name, i), us) for each recorded (start, name, us): i is the launch's place (1..n) among
     its kernel's n launches of the step where every step launches that kernel n > 1 times (the
     three branches' attention kernels share one CuTe DSL name: in nsa()'s forward @1, @2, @3
-    are the compressed, window and selected branch (`nsa.function.UNSELECTED_FIRST`; with it
+    are the window, compressed and selected branch (`nsa.function.UNSELECTED_FIRST`; with it
     off, compressed, selected, window), in its backward the order
     `nsa.function.backward_order` gives), else 0."""
     by_name: dict[str, list] = collections.defaultdict(list)
