@@ -350,7 +350,8 @@ def test_profile_kernels_lists_the_step_and_runs_an_ab(capsys, monkeypatch):
     assert function.SHARED_GATE_PASS is True
     for bad in (["--switch", "nsa.function.NOPE=1"],
                 ["--rounds", "1", "--switch", "nsa.function.SHARED_GATE_PASS=False"],
-                ["--packed", "no-such-workload"]):
+                ["--packed", "no-such-workload"],
+                ["--graph"]):  # a CUDA graph: refused on the CPU
         with pytest.raises(SystemExit):
             tool.main([*tiny, *bad])
 
