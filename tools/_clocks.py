@@ -63,7 +63,8 @@ def summarise(samples: list[Sample]) -> ClockSummary | None:
 
 
 class ClockSampler:
-    """nvidia-smi's samples of one GPU every `interval_ms` from construction to `stop()`."""
+    """nvidia-smi's samples of one GPU (`device_index` as nvidia-smi numbers them) every
+    `interval_ms` from construction to `stop()`."""
 
     def __init__(self, device_index: int, interval_ms: int = 20):
         if shutil.which("nvidia-smi") is None:

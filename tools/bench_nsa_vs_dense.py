@@ -141,7 +141,7 @@ class Result:
     # The packed workload's name (`--packed`; seqlen is then its total tokens), else None.
     workload: str | None = None
     # With --clocks: the median SM clock (MHz) and power (W) nvidia-smi sampled while this
-    # pass was timed (warm-up included), None where no sample fell in it.
+    # pass's timed calls ran, None where no sample fell in them.
     sm_mhz: float | None = None
     watts: float | None = None
 
@@ -393,6 +393,10 @@ def benchmark(args) -> list[Result]:
         if sampler is not None:
             sampler.stop()
     if sampler is not None:
+        if not sampler.samples:
+            print("--clocks: nvidia-smi gave no samples (it numbers the GPUs without "
+                  "CUDA_VISIBLE_DEVICES' renumbering: the device's index may name another)",
+                  file=sys.stderr)
         for result, window in zip(results, windows):
             clocks = sampler.during(*window) if window else None
             if clocks is not None:
