@@ -3,8 +3,9 @@ library's switches in one process.
 
 For each workload (`--seqlens`, or `--packed` names of tools/packed_workloads.py) the tool runs
 `--warmup` steps, then profiles `--repeats` steps with torch.profiler and prints the kernels by
-device time per step (their mean over those steps): launches per step, ms per step, share of the step, and the step's total
-kernel time. On the CPU (a smoke run; no GPU figure) it lists the ops' own CPU time instead.
+device time per step (their mean over those steps): launches per step, ms per step, share of
+the step, and the step's total kernel time. On the CPU (a smoke run; no GPU figure) it lists
+the ops' own CPU time instead.
 
 With `--switch MODULE.NAME=VALUE` (repeatable) the rounds (`--rounds`, default 4) alternate in
 one process: the library's settings ("A"), the switched ones ("B"), A, B, ...; each round
