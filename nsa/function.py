@@ -1,6 +1,8 @@
 """NSAFunction: the autograd Function behind nsa(), on packed varlen tensors.
 
-Forward: compress K/V -> select blocks -> run the three branches through `kernels` -> gate.
+Forward: compress K/V -> select blocks -> run the three branches through `kernels` -> gate;
+`packed_forward` launches each branch as soon as its inputs exist (the window first, the dense
+compressed branch after the compression, the selected one after the selection).
 It saves the inputs, the compressed K/V, the compact block-sparse lists, each branch's lse and,
 where nsa/memory_policy.py's rule says so, each branch's output. The backward takes each
 branch's gate gradient <dO, o_b> from the kept output, or recomputes the branch for it (on the
