@@ -76,8 +76,6 @@ VARIANTS = {
     "m64+persistent+q2+defer": dict(persistent=True, heads_fastest=False, q_stages=2,
                                     pingpong=False, tile_m=64, tile_n=64, defer_store=True),
     # A producer-warpgroup warp issues the output's TMA store and writes lse.
-    "persistent+q2+sw": dict(persistent=True, heads_fastest=False, q_stages=2, pingpong=False,
-                             store_warp=True),
     "persistent+q2+sw+defer": dict(persistent=True, heads_fastest=False, q_stages=2,
                                    pingpong=False, store_warp=True, defer_store=True),
     "persistent+q2+pingpong+sw": dict(persistent=True, heads_fastest=False, q_stages=2,
@@ -167,6 +165,19 @@ VARIANTS = {
     "persistent+n48+pingpong+sw+heads": dict(persistent=True, heads_fastest=True, q_stages=1,
                                              pingpong=True, store_warp=True, num_stages=2,
                                              tile_n=48),
+    # Short lists of 64-key blocks (NSA's selected branch): ping-pong, a deeper K/V pipeline
+    # (a stage is half a 128-key one), the heads of a group side by side (lists per KV head).
+    "persistent+q2+pingpong+sw+s3": dict(persistent=True, heads_fastest=False, q_stages=2,
+                                         pingpong=True, store_warp=True, num_stages=3),
+    "persistent+q2+sw+s4": dict(persistent=True, heads_fastest=False, q_stages=2,
+                                pingpong=False, store_warp=True, num_stages=4),
+    "persistent+q2+pingpong+sw+s4": dict(persistent=True, heads_fastest=False, q_stages=2,
+                                         pingpong=True, store_warp=True, num_stages=4),
+    "persistent+q2+sw+s4+heads": dict(persistent=True, heads_fastest=True, q_stages=2,
+                                      pingpong=False, store_warp=True, num_stages=4),
+    "persistent+q2+pingpong+sw+s4+heads": dict(persistent=True, heads_fastest=True,
+                                               q_stages=2, pingpong=True, store_warp=True,
+                                               num_stages=4),
 }
 
 
@@ -199,10 +210,10 @@ def packed_lengths(n: int, short: str) -> list[int]:
                                   torch.Generator().manual_seed(0))
 
 
-def cases(n: int, heads: int, names=("window", "compressed", "dense")):
+def cases(n: int, heads: int, names=("window", "compressed", "dense"), heads_kv: int = 0):
     """(name, attended pairs per head, kwargs for run, FA4 kwargs or None, kv length, packed
     sequence lengths or None for one sequence of n) of the case names in `names`
-    (CASE_NAMES)."""
+    (CASE_NAMES). heads_kv: the KV heads, for "nsa16"'s lists (one per KV head)."""
     for short in names:
         if short.startswith(("packed", "mixed")):  # dense causal over packed sequences
             lengths = packed_lengths(n, short)
@@ -225,12 +236,17 @@ def cases(n: int, heads: int, names=("window", "compressed", "dense")):
         else:  # bench_kernels' random lists: 5% / 25% of 128x128 blocks, or 16 64-key blocks
             import bench_kernels
 
-            if short == "selected16":
+            list_heads = heads
+            if short in ("selected16", "nsa16"):
                 density, block_n = 16 / (n // 64), 64
+                if short == "nsa16":  # NSA's selected branch: a GQA group shares its lists
+                    if not heads_kv:
+                        raise ValueError("nsa16: lists per KV head need heads_kv")
+                    list_heads = heads_kv
             else:
                 density, block_n = int(short.removeprefix("sparse")) / 100, 128
             ours_lists, fa4_lists, pairs = bench_kernels.block_sparse_case(
-                n, heads, density, block_n)
+                n, list_heads, density, block_n)
             fa4_kwargs = None
             if fa4_lists is not None:
                 fa4_kwargs = dict(causal=False, block_sparse_tensors=fa4_lists)
@@ -243,6 +259,7 @@ def cases(n: int, heads: int, names=("window", "compressed", "dense")):
 CASE_NAMES = {"window": "causal window 512", "compressed": "compress_factor 64",
               "dense": "dense causal", "full": "dense non-causal", "sparse5": "block-sparse 5%",
               "sparse25": "block-sparse 25%", "selected16": "16 64-key blocks",
+              "nsa16": "16 64-key blocks/group",
               "packed256": "causal 256-token seqs", "packed1024": "causal 1024-token seqs",
               "packed4096": "causal 4096-token seqs", "packed8192": "causal 8192-token seqs",
               "mixed32": "causal 32 random seqs"}
@@ -261,7 +278,7 @@ def one_case(args: argparse.Namespace, n: int, device: torch.device):
     --variant's spec overrides."""
     torch.manual_seed(0)
     q = torch.randn(n, args.heads, args.head_dim, device=device, dtype=torch.bfloat16)
-    name, _, kwargs, _, n_k, lengths = next(cases(n, args.heads, [args.case]))
+    name, _, kwargs, _, n_k, lengths = next(cases(n, args.heads, [args.case], args.heads_kv))
     k, v, call = case_inputs(q, n, n_k, kwargs, args.heads_kv, lengths)
     call["spec_overrides"] = variant_overrides(args.variant) if args.variant else None
     return name, q, k, v, call
@@ -311,7 +328,8 @@ def main(argv=None):
     for n in args.seqlens:
         torch.manual_seed(0)
         q = torch.randn(n, args.heads, args.head_dim, device=device, dtype=torch.bfloat16)
-        for name, pairs, kwargs, fa4_kwargs, n_k, lengths in cases(n, args.heads, case_names):
+        for name, pairs, kwargs, fa4_kwargs, n_k, lengths in cases(n, args.heads, case_names,
+                                                                       args.heads_kv):
             k, v, call = case_inputs(q, n, n_k, kwargs, args.heads_kv, lengths)
             def tflops(ms, pairs=pairs):
                 return _common.attention_tflops(pairs, 1, args.heads, args.head_dim, ms,
