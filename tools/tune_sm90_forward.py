@@ -188,14 +188,11 @@ def variant_overrides(name: str) -> dict:
     192x128 tiles at head dim 64 over long ranges, 128x128 (or 64-key) tiles elsewhere.
     "dispatched" is the dispatcher's own pick (no overrides); "dispatched+screen" the same
     with the V of every masked tile read for non-finite values first (kernels/sm90/screen.py:
-    the least that keeping masked keys out of P V exactly would cost); "dispatched+lazy" and
-    "dispatched+nolazy" the dispatcher's pick with `FwdSpec.lazy_rescale` on or off."""
+    the least that keeping masked keys out of P V exactly would cost)."""
     if name == "dispatched":
         return {}
     if name == "dispatched+screen":
         return dict(screen_masked_v=True)
-    if name in ("dispatched+lazy", "dispatched+nolazy"):  # the output rescale on or off
-        return dict(lazy_rescale=name == "dispatched+lazy")
     return dict(store_warp=False, defer_store=False, overlap_tiles=False,
                 narrow_first_tile=False, o_in_q=False) | VARIANTS[name]
 

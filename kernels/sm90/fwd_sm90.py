@@ -46,9 +46,8 @@ from kernels.sm90.overlap_tiles import OverlapTiles
 from kernels.sm90.pipelines import smem_buffer, stage_index, tma_pipeline
 from kernels.sm90.score_mod import ScoreMods, score_mods_of
 from kernels.sm90.screen import masked_value_screen
-from kernels.sm90.softmax import (rescale_rows, softmax_finalize, softmax_init, softmax_step,
-                                  softmax_step_lazy)
-from kernels.sm90.spec import LAZY_RESCALE_THRESHOLD, FwdSpec
+from kernels.sm90.softmax import rescale_rows, softmax_finalize, softmax_init, softmax_step
+from kernels.sm90.spec import FwdSpec
 from kernels.sm90.tile_scheduler import TileOrder
 from kernels.sm90 import trace
 
@@ -901,18 +900,10 @@ class FlashAttentionForwardSm90(OverlapTiles):
         if const_expr(mask is not None):
             apply_mask(acc_s, t_coord, block_range, m_block, n_block, seqlen_k,
                        mask == "causal_window")
-        if const_expr(self.spec.lazy_rescale):
-            rescale = softmax_step_lazy(acc_s, row_max, row_sum, correction, scale_log2,
-                                        LAZY_RESCALE_THRESHOLD)
-        else:
-            softmax_step(acc_s, row_max, row_sum, correction, scale_log2)
+        softmax_step(acc_s, row_max, row_sum, correction, scale_log2)
         warpgroup.wait_group(0)
         v_handle.release()
-        if const_expr(self.spec.lazy_rescale):
-            if rescale:  # warp-uniform
-                rescale_rows(acc_o, correction)
-        else:
-            rescale_rows(acc_o, correction)
+        rescale_rows(acc_o, correction)
         r_p_as_acc.store(acc_s.load().to(self.dtype))
         return k_consumer, v_consumer, tiled_mma_qk, tiled_mma_pv
 

@@ -80,48 +80,6 @@ def softmax_step(
 
 
 @cute.jit
-def softmax_step_lazy(
-    acc_s: cute.Tensor, row_max: cute.Tensor, row_sum: cute.Tensor, correction: cute.Tensor,
-    scale_log2: Float32, threshold: cutlass.Constexpr[float],
-):
-    """`softmax_step` after the first KV tile that keeps each row's max, and so the output
-    accumulator's scale, unless some row of the warp would see scores above 2**threshold
-    times its max's: the probabilities of the rest of the row are then exp2 of at most
-    `threshold`, which float32 sums and the 16-bit P hold exactly as well. lse = max + log(sum)
-    is the same value whichever max the row keeps. Returns whether the warp's rows took the
-    new max (warp-uniform): only then does the caller rescale the output (`rescale_rows`,
-    one multiply per accumulator register, as many as the tile's exponentials at 64-key
-    tiles). `correction` is written either way (exactly 1 where the max is kept)."""
-    s_mn = acc_mn_view(acc_s)
-    num_rows = cute.size(s_mn, mode=[0])
-    tile_maxes = []
-    growth = Float32(0.0)
-    for r in cutlass.range_constexpr(num_rows):
-        tile_max = _quad_allreduce(_reduce_row(s_mn, r, cute.arch.fmax), cute.arch.fmax)
-        tile_maxes.append(tile_max)
-        # -inf - -inf is NaN, which fmax drops: a row that still sees no key needs nothing.
-        growth = cute.arch.fmax(growth, tile_max - row_max[r])
-    rescale = cute.arch.vote_any_sync(growth * scale_log2 > Float32(threshold))
-    for r in cutlass.range_constexpr(num_rows):
-        kept_max = row_max[r]
-        new_max = kept_max
-        if rescale:
-            new_max = cute.arch.fmax(kept_max, tile_maxes[r])
-        safe_max = new_max
-        if new_max == -Float32.inf:
-            safe_max = Float32(0.0)
-        max_scaled = safe_max * scale_log2
-        correction[r] = Float32(1.0)
-        if rescale:
-            correction[r] = cute.math.exp2(kept_max * scale_log2 - max_scaled, fastmath=True)
-        row_max[r] = new_max
-        for c in cutlass.range_constexpr(cute.size(s_mn, mode=[1])):
-            s_mn[r, c] = cute.math.exp2(s_mn[r, c] * scale_log2 - max_scaled, fastmath=True)
-        row_sum[r] = _reduce_row(s_mn, r, _add, init=row_sum[r] * correction[r])
-    return rescale
-
-
-@cute.jit
 def rescale_rows(acc_o: cute.Tensor, correction: cute.Tensor):
     o_mn = acc_mn_view(acc_o)
     for r in cutlass.range_constexpr(cute.size(o_mn, mode=[0])):

@@ -60,10 +60,6 @@ class FwdSpec:
     score_bias_tma: bool = False  # a 16-bit bias's (tile_m, tile_n) tile TMA-loaded into the K
                                   # stage with K (its rows 16 bytes apart) and read from smem,
                                   # instead of cell pairs from global memory
-    lazy_rescale: bool = False  # after the first KV tile a row keeps its max (and the output
-                                # its scale) until a tile's scores exceed it by a factor of
-                                # 2**LAZY_RESCALE_THRESHOLD (kernels/sm90/softmax.py
-                                # `softmax_step_lazy`): most tiles then skip the rescale
 
     @property
     def score_mods(self) -> bool:
@@ -125,10 +121,6 @@ SHORT_SEQUENCE_KEYS = 4096
 SHORT_LISTS_PINGPONG = False
 SHORT_LISTS_STAGES = 2
 SHARED_LISTS_HEADS_FASTEST = False
-# The forward's output rescale skipped while each row's max grows by less than a factor of
-# 2**LAZY_RESCALE_THRESHOLD (`FwdSpec.lazy_rescale`). A switch for the A/B.
-LAZY_RESCALE = True
-LAZY_RESCALE_THRESHOLD = 8.0
 
 
 def choose_spec(
@@ -152,8 +144,7 @@ def choose_spec(
         short_keys=max_seqlen_k is not None and max_seqlen_k <= SHORT_SEQUENCE_KEYS,
         shared_lists=bool(shared_lists),
         short_lists_schedule=(SHORT_LISTS_PINGPONG, SHORT_LISTS_STAGES,
-                              SHARED_LISTS_HEADS_FASTEST),
-        lazy_rescale=LAZY_RESCALE)
+                              SHARED_LISTS_HEADS_FASTEST))
 
 
 # Cached: `can_run` and `run` both ask for the spec of every launch (a frozen dataclass, safe
@@ -164,7 +155,6 @@ def _choose_spec(
     compress_factor: int, sparse_block_size: int | None, sparse_list_capacity: int | None,
     tile_m: int, short_keys: bool, shared_lists: bool = False,
     short_lists_schedule: tuple[bool, int, bool] = (False, 2, False),
-    lazy_rescale: bool = False,
 ) -> FwdSpec:
     left, right = window_size
     lists_pingpong, lists_stages, lists_heads_fastest = short_lists_schedule
@@ -273,7 +263,6 @@ def _choose_spec(
         store_warp=persistent,
         narrow_first_tile=short_kv and sparse_block_size is None
         and (compress_factor != 1 or not persistent),
-        lazy_rescale=lazy_rescale,
     )
     if not spec.fits_in_smem():
         raise ValueError(f"no sm90 forward variant for head_dim {head_dim} with "
