@@ -73,8 +73,7 @@ def _spec_for(q, causal, window_size, block_sparse, compress_factor=1, max_seqle
         sparse_block_size=block_sparse.col_block_size if block_sparse is not None else None,
         sparse_list_capacity=(block_sparse.full_index.shape[-1] + block_sparse.mask_index.shape[-1]
                               if block_sparse is not None else None),
-        tile_m=TILE_M, max_seqlen_k=max_seqlen_k,
-        shared_lists=block_sparse is not None and block_sparse.num_heads < q.shape[-2])
+        tile_m=TILE_M, max_seqlen_k=max_seqlen_k)
 
 
 # The score mods' consumer warpgroups take turns issuing wgmma (`FwdSpec.pingpong`) also

@@ -114,37 +114,23 @@ SMEM_RESERVED_PER_CTA = 1024
 SHORT_SEQUENCE_KEYS = 4096
 
 
-# Short block-sparse lists (NSA's selected branch: 64-key blocks): the consumer warpgroups take
-# turns issuing wgmma, K/V pipeline depth, and, where a GQA group's heads share the lists (one
-# list per KV head), the group's heads side by side in the tile order so that the CTAs running
-# together read the same K/V blocks. Switches for the A/B (tools/profile_kernels.py --switch).
-SHORT_LISTS_PINGPONG = False
-SHORT_LISTS_STAGES = 2
-SHARED_LISTS_HEADS_FASTEST = False
-
-
 def choose_spec(
     *, dtype: str, head_dim: int, causal: bool, window_size: tuple[int, int],
     compress_factor: int = 1, sparse_block_size: int | None = None,
     sparse_list_capacity: int | None = None, tile_m: int = 128,
-    max_seqlen_k: int | None = None, shared_lists: bool = False,
+    max_seqlen_k: int | None = None,
 ) -> FwdSpec:
     """The kernel variant the dispatcher compiles for a call (tools/tune_sm90_forward.py
     measures the alternatives). `max_seqlen_k` (the longest key sequence; None: unknown) only
-    picks among compiled variants: it is not part of the compile key. shared_lists: the
-    block-sparse lists are one per KV head, shared by its query heads."""
+    picks among compiled variants: it is not part of the compile key."""
     # The cached choice sees hashable, coarse arguments: a list window and every distinct
-    # max_seqlen_k would otherwise fail to hash or crowd the cache. The switches go in as
-    # arguments so that an A/B in one process does not read a stale choice.
+    # max_seqlen_k would otherwise fail to hash or crowd the cache.
     return _choose_spec(
         dtype=dtype, head_dim=head_dim, causal=bool(causal),
         window_size=(int(window_size[0]), int(window_size[1])),
         compress_factor=compress_factor, sparse_block_size=sparse_block_size,
         sparse_list_capacity=sparse_list_capacity, tile_m=tile_m,
-        short_keys=max_seqlen_k is not None and max_seqlen_k <= SHORT_SEQUENCE_KEYS,
-        shared_lists=bool(shared_lists),
-        short_lists_schedule=(SHORT_LISTS_PINGPONG, SHORT_LISTS_STAGES,
-                              SHARED_LISTS_HEADS_FASTEST))
+        short_keys=max_seqlen_k is not None and max_seqlen_k <= SHORT_SEQUENCE_KEYS)
 
 
 # Cached: `can_run` and `run` both ask for the spec of every launch (a frozen dataclass, safe
@@ -153,11 +139,9 @@ def choose_spec(
 def _choose_spec(
     *, dtype: str, head_dim: int, causal: bool, window_size: tuple[int, int],
     compress_factor: int, sparse_block_size: int | None, sparse_list_capacity: int | None,
-    tile_m: int, short_keys: bool, shared_lists: bool = False,
-    short_lists_schedule: tuple[bool, int, bool] = (False, 2, False),
+    tile_m: int, short_keys: bool,
 ) -> FwdSpec:
     left, right = window_size
-    lists_pingpong, lists_stages, lists_heads_fastest = short_lists_schedule
     # Short KV ranges per query tile (a causal window, compressed keys): persistent CTAs walking
     # 128x128 tiles with two Q buffers, ping-pong between the consumer warpgroups, and the
     # output store handed to a storer warp, so a tile's store and the next tile's Q load
@@ -251,15 +235,12 @@ def _choose_spec(
         tile_m=tile_m,
         tile_n=tile_n,
         persistent=persistent,
-        heads_fastest=((window or short_sequences) and persistent and sparse_block_size is None)
-        or (short_lists and persistent and shared_lists and lists_heads_fastest),
+        heads_fastest=(window or short_sequences) and persistent and sparse_block_size is None,
         q_stages=2 if persistent and not wide else 1,
         # A persistent CTA's next Q would land on an output staged in the Q buffer.
         o_in_q=wide and not persistent,
-        num_stages=(1 if head_dim > 192 and persistent
-                    else lists_stages if short_lists and persistent and tile_n == 64 else 2),
-        pingpong=(persistent and tile_m == 128 and (not short_lists or lists_pingpong))
-        or tile_m == 192,
+        num_stages=1 if head_dim > 192 and persistent else 2,
+        pingpong=(persistent and tile_m == 128 and not short_lists) or tile_m == 192,
         store_warp=persistent,
         narrow_first_tile=short_kv and sparse_block_size is None
         and (compress_factor != 1 or not persistent),
