@@ -76,6 +76,8 @@ VARIANTS = {
     "m64+persistent+q2+defer": dict(persistent=True, heads_fastest=False, q_stages=2,
                                     pingpong=False, tile_m=64, tile_n=64, defer_store=True),
     # A producer-warpgroup warp issues the output's TMA store and writes lse.
+    "persistent+q2+sw": dict(persistent=True, heads_fastest=False, q_stages=2, pingpong=False,
+                             store_warp=True),
     "persistent+q2+sw+defer": dict(persistent=True, heads_fastest=False, q_stages=2,
                                    pingpong=False, store_warp=True, defer_store=True),
     "persistent+q2+pingpong+sw": dict(persistent=True, heads_fastest=False, q_stages=2,

@@ -910,6 +910,12 @@ def test_tune_packed_cases_split_the_tokens_into_sequences():
     assert pairs == 4 * 256 * 257 // 2
 
 
+def test_tune_nsa_case_needs_the_kv_heads_of_its_shared_lists():
+    tune = load_tool("tune_sm90_forward")
+    with pytest.raises(ValueError, match="nsa16: lists per KV head need heads_kv"):
+        next(tune.cases(1024, 4, ["nsa16"]))
+
+
 def test_docs_dispatch_table_is_the_dispatchers():
     table = load_tool("dispatch_table").table()
     docs = (REPO / "docs" / "kernels.md").read_text()
