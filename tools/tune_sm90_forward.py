@@ -381,15 +381,15 @@ def main(argv=None):
     print(f"\n{_common.describe_device(device)}, bf16, B=1, H={args.heads}, "
           f"Hkv={args.heads_kv}, D={args.head_dim}, medians of {args.rounds} rounds x "
           f"{args.reps} calls, variants interleaved")
-    print(f"{'N':>6} {'case':<19} {'variant':<24} {'ms':>8} {'TFLOP/s':>8} {'FA4 ms':>8} "
+    print(f"{'N':>6} {'case':<22} {'variant':<24} {'ms':>8} {'TFLOP/s':>8} {'FA4 ms':>8} "
           f"{'FA4/ours':>8} {'diff':>8}")
     for r in rows:
         if "error" in r:
-            print(f"{r['seqlen']:>6} {r['case']:<19} {r['variant']:<24} error")
+            print(f"{r['seqlen']:>6} {r['case']:<22} {r['variant']:<24} error")
             continue
         fa4 = f"{r['fa4_ms']:.3f}" if r["fa4_ms"] else "-"
         ratio = f"{r['fa4_over_ours']:.2f}" if r["fa4_over_ours"] else "-"
-        print(f"{r['seqlen']:>6} {r['case']:<19} {r['variant']:<24} {r['ms']:>8.3f} "
+        print(f"{r['seqlen']:>6} {r['case']:<22} {r['variant']:<24} {r['ms']:>8.3f} "
               f"{r['tflops']:>8.0f} {fa4:>8} {ratio:>8} {r['max_diff_vs_first']:>8.1e}")
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
