@@ -30,7 +30,7 @@ CALLS = {
 }
 SWITCHES = {"persistent": "persistent", "pingpong": "turns", "store_warp": "storer warp",
             "heads_fastest": "heads side by side", "narrow_first_tile": "narrow first tile",
-            "o_in_q": "O in Q buffer", "paired_blocks": "two blocks a step"}
+            "o_in_q": "O in Q buffer"}
 
 
 def describe(spec) -> str:

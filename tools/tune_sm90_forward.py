@@ -190,14 +190,11 @@ def variant_overrides(name: str) -> dict:
     192x128 tiles at head dim 64 over long ranges, 128x128 (or 64-key) tiles elsewhere.
     "dispatched" is the dispatcher's own pick (no overrides); "dispatched+screen" the same
     with the V of every masked tile read for non-finite values first (kernels/sm90/screen.py:
-    the least that keeping masked keys out of P V exactly would cost); "dispatched+single"
-    the same with block-sparse lists taken one block per step (`FwdSpec.paired_blocks` off)."""
+    the least that keeping masked keys out of P V exactly would cost)."""
     if name == "dispatched":
         return {}
     if name == "dispatched+screen":
         return dict(screen_masked_v=True)
-    if name == "dispatched+single":  # 64-key lists one block per step (`paired_blocks` off)
-        return dict(paired_blocks=False, num_stages=2)
     return dict(store_warp=False, defer_store=False, overlap_tiles=False,
                 narrow_first_tile=False, o_in_q=False) | VARIANTS[name]
 

@@ -121,17 +121,15 @@ class ScoreModTensors:
         return "" if self.bias is None else str(self.bias.dtype).removeprefix("torch.")
 
     def spec(self, spec):
-        """Forward `spec` with the score mods, without the narrowed first tile, overlapped
-        tiles or paired blocks (the mods hook into the plain KV loops); the consumer
-        warpgroups take turns issuing their products (`pingpong`, switch PINGPONG) so that
-        one's bias and mask reads and softmax run under the other's products; a bias shared
-        by query heads puts their tiles side by side (`heads_fastest`, switch
-        SHARED_BIAS_HEADS_TOGETHER); a 16-bit bias with 16-byte aligned rows comes by TMA
-        with K (`score_bias_tma`, switch BIAS_TMA)."""
+        """Forward `spec` with the score mods, without the narrowed first tile or overlapped
+        tiles (the mods hook into the plain KV loops); the consumer warpgroups take turns
+        issuing their products (`pingpong`, switch PINGPONG) so that one's bias and mask
+        reads and softmax run under the other's products; a bias shared by query heads puts
+        their tiles side by side (`heads_fastest`, switch SHARED_BIAS_HEADS_TOGETHER); a
+        16-bit bias with 16-byte aligned rows comes by TMA with K (`score_bias_tma`, switch
+        BIAS_TMA)."""
         spec = dataclasses.replace(spec, score_mask=self.mask is not None,
                                    score_bias=self.bias_dtype, overlap_tiles=False,
-                                   paired_blocks=False,
-                                   num_stages=2 if spec.paired_blocks else spec.num_stages,
                                    narrow_first_tile=False, score_pairs=self.even_strides,
                                    pingpong=spec.pingpong or (PINGPONG and spec.tile_m > 64),
                                    heads_fastest=spec.heads_fastest

@@ -40,7 +40,7 @@ from kernels.sm90.epilogue import OutputStore
 from kernels.sm90.layouts import (
     acc_as_a_operand_layout, acc_columns, acc_mn_view, with_row_strides_divisible,
 )
-from kernels.sm90.mask import apply_mask, apply_pair_mask
+from kernels.sm90.mask import apply_mask
 from kernels.sm90.mma import gemm, warpgroup_slice
 from kernels.sm90.overlap_tiles import OverlapTiles
 from kernels.sm90.pipelines import smem_buffer, stage_index, tma_pipeline
@@ -94,12 +94,6 @@ class FlashAttentionForwardSm90(OverlapTiles):
             spec.block_sparse and not spec.overlap_tiles and not spec.narrow_first_tile)
         assert not (spec.row_dot_output and (spec.store_warp or spec.defer_store
                                              or spec.overlap_tiles or spec.o_in_q))
-        # `paired_blocks`: a consumer step takes two K/V stages (two listed blocks) as one
-        # tile of step_n keys; the stages stay one block wide.
-        assert not (spec.paired_blocks and (
-            not spec.block_sparse or spec.num_stages % 2 or spec.score_mods
-            or spec.screen_masked_v or spec.defer_store or spec.overlap_tiles))
-        self.step_n = 2 * self.tile_n if spec.paired_blocks else self.tile_n
 
     # ------------------------------------------------------------------ host side
     @cute.jit
@@ -551,24 +545,6 @@ class FlashAttentionForwardSm90(OverlapTiles):
         return n_block, is_mask_tile
 
     @cute.jit
-    def pair_at(
-        self, step: Int32, num_iters: Int32, num_mask_blocks: Int32,
-        mFullIndex: Optional[cute.Tensor], mMaskIndex: Optional[cute.Tensor],
-        sparse_row: Int32, sparse_head: Int32,
-    ):
-        """`paired_blocks`: the two listed blocks of consumer step `step` (list slots 2 step
-        and 2 step + 1 of `kv_tile_at`'s order), whether each takes the causal/window mask,
-        and whether the second is listed at all (an odd list's last step loads its first
-        block twice and masks the copy)."""
-        first = 2 * step
-        second = cutlass.min(first + 1, num_iters - 1)
-        n0, masked0 = self.kv_tile_at(first, Int32(0), num_mask_blocks, mFullIndex, mMaskIndex,
-                                      sparse_row, sparse_head)
-        n1, masked1 = self.kv_tile_at(second, Int32(0), num_mask_blocks, mFullIndex,
-                                      mMaskIndex, sparse_row, sparse_head)
-        return (n0, n1), (masked0, masked1), first + 1 < num_iters
-
-    @cute.jit
     def produce(
         self, tma_atom_q, mQ, tma_atom_k, mK, tma_atom_v, mVt, sQ, sK, sV,
         q_producer, k_producer, v_producer,
@@ -594,35 +570,21 @@ class FlashAttentionForwardSm90(OverlapTiles):
             tma_atom_v, 0, cute.make_layout(1),
             cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2))
 
-        if const_expr(self.spec.paired_blocks):
-            # Both blocks' K first: a step's product waits on them before its V.
-            for step in cutlass.range((num_iters + 1) // 2, unroll=1):
-                n_blocks, _, _ = self.pair_at(step, num_iters, num_mask_blocks, mFullIndex,
-                                              mMaskIndex, sparse_row, sparse_head)
-                for h in cutlass.range_constexpr(2):
-                    k_handle = k_producer.acquire_and_advance()
-                    cute.copy(tma_atom_k, tKgK[(None, n_blocks[h])],
-                              tKsK[(None, k_handle.index)], tma_bar_ptr=k_handle.barrier)
-                for h in cutlass.range_constexpr(2):
-                    v_handle = v_producer.acquire_and_advance()
-                    cute.copy(tma_atom_v, tVgV[(None, n_blocks[h])],
-                              tVsV[(None, v_handle.index)], tma_bar_ptr=v_handle.barrier)
-        else:
-            for it in cutlass.range(num_iters, unroll=1):
-                n_block, _ = self.kv_tile_at(
-                    it, n_max, num_mask_blocks, mFullIndex, mMaskIndex, sparse_row, sparse_head)
-                k_handle = k_producer.acquire_and_advance()
-                cute.copy(tma_atom_k, tKgK[(None, n_block)], tKsK[(None, k_handle.index)],
-                          tma_bar_ptr=k_handle.barrier)
-                if const_expr(bias_tiles is not None):
-                    tma_atom_bias, t_g_bias, t_s_bias = bias_tiles
-                    cute.copy(tma_atom_bias, t_g_bias[(None, n_block)],
-                              t_s_bias[(None, k_handle.index)], tma_bar_ptr=k_handle.barrier)
-                if it == 0:
-                    mark("k0_issued")
-                v_handle = v_producer.acquire_and_advance()
-                cute.copy(tma_atom_v, tVgV[(None, n_block)], tVsV[(None, v_handle.index)],
-                          tma_bar_ptr=v_handle.barrier)
+        for it in cutlass.range(num_iters, unroll=1):
+            n_block, _ = self.kv_tile_at(
+                it, n_max, num_mask_blocks, mFullIndex, mMaskIndex, sparse_row, sparse_head)
+            k_handle = k_producer.acquire_and_advance()
+            cute.copy(tma_atom_k, tKgK[(None, n_block)], tKsK[(None, k_handle.index)],
+                      tma_bar_ptr=k_handle.barrier)
+            if const_expr(bias_tiles is not None):
+                tma_atom_bias, t_g_bias, t_s_bias = bias_tiles
+                cute.copy(tma_atom_bias, t_g_bias[(None, n_block)],
+                          t_s_bias[(None, k_handle.index)], tma_bar_ptr=k_handle.barrier)
+            if it == 0:
+                mark("k0_issued")
+            v_handle = v_producer.acquire_and_advance()
+            cute.copy(tma_atom_v, tVgV[(None, n_block)], tVsV[(None, v_handle.index)],
+                      tma_bar_ptr=v_handle.barrier)
         mark("done")
         return q_producer, k_producer, v_producer
 
@@ -646,12 +608,7 @@ class FlashAttentionForwardSm90(OverlapTiles):
             score_mods = score_mods.with_bias_tiles(thr_qk.partition_C(sBias))
         acc_o = thr_pv.make_fragment_C(thr_pv.partition_shape_C((self.tile_m, self.head_dim)))
         acc_o.fill(0.0)
-        # The scores of one step (`paired_blocks`: two blocks side by side); t_coord: the
-        # coordinates of one block's columns (each half's, paired).
-        thr_step = thr_qk
-        if const_expr(self.spec.paired_blocks):
-            thr_step = self.step_mma(tidx).get_slice(tidx)
-        s_shape = thr_step.partition_shape_C((self.tile_m, self.step_n))
+        s_shape = thr_qk.partition_shape_C((self.tile_m, self.tile_n))
         t_coord = thr_qk.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n)))
         num_rows = cute.size(acc_mn_view(acc_o), mode=[0])
         row_max = cute.make_rmem_tensor(cute.make_layout(num_rows), Float32)
@@ -659,7 +616,7 @@ class FlashAttentionForwardSm90(OverlapTiles):
         softmax_init(row_max, row_sum)
 
         correction = cute.make_rmem_tensor(cute.make_layout(num_rows), Float32)
-        acc_s = thr_step.make_fragment_C(s_shape)
+        acc_s = thr_qk.make_fragment_C(s_shape)
         # P of the previous tile, in registers as the A operand of the P @ V wgmma.
         r_p = cute.make_rmem_tensor(acc_as_a_operand_layout(acc_s.layout), self.dtype)
         r_p_as_acc = cute.make_tensor(r_p.iterator, acc_s.layout)
@@ -672,22 +629,7 @@ class FlashAttentionForwardSm90(OverlapTiles):
         mark("q_ready")
         sQ_stage = tSrQ[None, None, None, stage_index(q_handle, self.spec.q_stages)]
         first_chunks = Int32(self.tile_n // 32)
-        if const_expr(self.spec.paired_blocks):
-            if num_iters > 0:
-                k_handles = (k_consumer.wait_and_advance(), k_consumer.wait_and_advance())
-                mark("k0_ready")
-                tiled_mma_qk = self.first_pair_scores(
-                    tidx, tiled_mma_qk, k_handles, acc_s, r_p_as_acc, sQ_stage, tSrK, row_max,
-                    row_sum, correction, scale_log2, t_coord, block_range, m_block, seqlen_k,
-                    num_iters, num_mask_blocks, mFullIndex, mMaskIndex, sparse_row,
-                    sparse_head)
-                mark("softmax0_done")
-            k_consumer, v_consumer, tiled_mma_qk, tiled_mma_pv = self.later_pairs(
-                tidx, sQ_stage, tSrK, tOrV, acc_s, acc_o, r_p, r_p_as_acc, row_max, row_sum,
-                correction, scale_log2, t_coord, block_range, m_block, seqlen_k, num_iters,
-                num_mask_blocks, mFullIndex, mMaskIndex, sparse_row, sparse_head, k_consumer,
-                v_consumer, tiled_mma_qk, tiled_mma_pv)
-        elif num_iters > 0:
+        if num_iters > 0:
             n_block, is_mask_tile = self.kv_tile_at(
                 0, n_max, num_mask_blocks, mFullIndex, mMaskIndex, sparse_row, sparse_head)
             k_handle = k_consumer.wait_and_advance()
@@ -713,13 +655,12 @@ class FlashAttentionForwardSm90(OverlapTiles):
             mark("softmax0_done")
         elif const_expr(deferred is not None):
             self.store_deferred(deferred, tidx, out_store)
-        if const_expr(not self.spec.paired_blocks):
-            k_consumer, v_consumer, tiled_mma_qk, tiled_mma_pv = self.later_kv_tiles(
-                tidx, sQ_stage, tSrK, tOrV, acc_s, acc_o, r_p, r_p_as_acc, row_max, row_sum,
-                correction, scale_log2, t_coord, block_range, m_block, seqlen_k, n_max,
-                num_iters, num_mask_blocks, unmasked_lo, unmasked_hi, mFullIndex, mMaskIndex,
-                sparse_row, sparse_head, k_consumer, v_consumer, tiled_mma_qk, tiled_mma_pv,
-                screen, seqlen_q, score_mods)
+        k_consumer, v_consumer, tiled_mma_qk, tiled_mma_pv = self.later_kv_tiles(
+            tidx, sQ_stage, tSrK, tOrV, acc_s, acc_o, r_p, r_p_as_acc, row_max, row_sum,
+            correction, scale_log2, t_coord, block_range, m_block, seqlen_k, n_max,
+            num_iters, num_mask_blocks, unmasked_lo, unmasked_hi, mFullIndex, mMaskIndex,
+            sparse_row, sparse_head, k_consumer, v_consumer, tiled_mma_qk, tiled_mma_pv, screen,
+            seqlen_q, score_mods)
         mark("loop_done")
         # Every Q K^T product of this tile is done: the producer may load the next tile's Q.
         q_handle.release()
@@ -783,36 +724,26 @@ class FlashAttentionForwardSm90(OverlapTiles):
         TiledMma and V consumer (the DSL sees a pipeline advance only through a rebind).
         `chunks` (`narrow_first_tile`): only the first chunks * 32 keys of P are nonzero, so
         only their k-blocks are multiplied. `screen` reads the V stage first if `screen_tile`."""
-        if const_expr(self.spec.paired_blocks):
-            v_handles = (v_consumer.wait_and_advance(), v_consumer.wait_and_advance())
-            self.wait_turn(tidx)
-            tiled_mma_pv = self.gemm_pv_pair(tiled_mma_pv, acc_o, r_p, tOrV, v_handles)
-            self.pass_turn(tidx)
-            warpgroup.wait_group(0)
-            for v_handle in v_handles:
-                v_handle.release()
+        v_handle = v_consumer.wait_and_advance()
+        if const_expr(mark is not None):
+            mark("v_last_ready")
+        if const_expr(screen is not None):
+            if screen_tile:
+                screen(v_handle, tidx)
+        self.wait_turn(tidx)
+        if const_expr(chunks is None or not self.spec.narrow_first_tile):
+            tiled_mma_pv = self.gemm_pv(tiled_mma_pv, acc_o, r_p, tOrV, v_handle)
         else:
-            v_handle = v_consumer.wait_and_advance()
-            if const_expr(mark is not None):
-                mark("v_last_ready")
-            if const_expr(screen is not None):
-                if screen_tile:
-                    screen(v_handle, tidx)
-            self.wait_turn(tidx)
-            if const_expr(chunks is None or not self.spec.narrow_first_tile):
-                tiled_mma_pv = self.gemm_pv(tiled_mma_pv, acc_o, r_p, tOrV, v_handle)
-            else:
-                for width_chunks in cutlass.range_constexpr(1, self.tile_n // 32 + 1):
-                    if chunks == width_chunks:
-                        r_p_width = cute.make_tensor(r_p.iterator, acc_as_a_operand_layout(
-                            cute.make_layout(((2, 2, width_chunks * 4), 1, 1))))
-                        tiled_mma_pv = self.gemm_pv(tiled_mma_pv, acc_o, r_p_width, tOrV,
-                                                    v_handle)
-            self.pass_turn(tidx)
-            warpgroup.wait_group(0)
-            if const_expr(mark is not None):
-                mark("pv_last_done")
-            v_handle.release()
+            for width_chunks in cutlass.range_constexpr(1, self.tile_n // 32 + 1):
+                if chunks == width_chunks:
+                    r_p_width = cute.make_tensor(r_p.iterator, acc_as_a_operand_layout(
+                        cute.make_layout(((2, 2, width_chunks * 4), 1, 1))))
+                    tiled_mma_pv = self.gemm_pv(tiled_mma_pv, acc_o, r_p_width, tOrV, v_handle)
+        self.pass_turn(tidx)
+        warpgroup.wait_group(0)
+        if const_expr(mark is not None):
+            mark("pv_last_done")
+        v_handle.release()
         return tiled_mma_pv, v_consumer
 
     @cute.jit
@@ -972,139 +903,6 @@ class FlashAttentionForwardSm90(OverlapTiles):
         softmax_step(acc_s, row_max, row_sum, correction, scale_log2)
         warpgroup.wait_group(0)
         v_handle.release()
-        rescale_rows(acc_o, correction)
-        r_p_as_acc.store(acc_s.load().to(self.dtype))
-        return k_consumer, v_consumer, tiled_mma_qk, tiled_mma_pv
-
-    def step_mma(self, tidx: Int32):
-        """`paired_blocks`: a 64 x step_n Q K^T's TiledMma, whose fragments hold a step's
-        scores (the products themselves are issued per block: `gemm_qk_pair`)."""
-        return sm90_utils.make_trivial_tiled_mma(
-            self.dtype, self.dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K,
-            Float32, (self.num_consumer_warpgroups, 1, 1), (64, self.step_n))
-
-    @cute.jit
-    def gemm_qk_pair(self, tiled_mma_qk: cute.TiledMma, acc_s, sQ_stage, tSrK, k_handles):
-        """`paired_blocks`: issue S = Q [K_a K_b]^T, each block's product into its half of
-        acc_s's columns, as one commit group."""
-        warpgroup.fence()
-        for h in cutlass.range_constexpr(2):
-            acc = acc_columns(acc_s, h * self.tile_n, self.tile_n)
-            t_b = tSrK[None, None, None, stage_index(k_handles[h], self.spec.num_stages)]
-            for k in cutlass.range_constexpr(cute.size(sQ_stage, mode=[2])):
-                tiled_mma_qk.set(warpgroup.Field.ACCUMULATE, k != 0)
-                cute.gemm(tiled_mma_qk, acc, sQ_stage[None, None, k], t_b[None, None, k], acc)
-        warpgroup.commit_group()
-        return tiled_mma_qk
-
-    @cute.jit
-    def gemm_pv_pair(self, tiled_mma_pv: cute.TiledMma, acc_o, r_p, tOrV, v_handles):
-        """`paired_blocks`: issue O += P [V_a; V_b], P's first k-blocks against the first
-        block's V stage and the rest against the second's, as one commit group."""
-        blocks = cute.size(tOrV, mode=[2])  # k-blocks of one stage
-        warpgroup.fence()
-        for h in cutlass.range_constexpr(2):
-            t_b = tOrV[None, None, None, stage_index(v_handles[h], self.spec.num_stages)]
-            for k in cutlass.range_constexpr(blocks):
-                tiled_mma_pv.set(warpgroup.Field.ACCUMULATE, True)
-                cute.gemm(tiled_mma_pv, acc_o, r_p[None, None, h * blocks + k],
-                          t_b[None, None, k], acc_o)
-        warpgroup.commit_group()
-        return tiled_mma_pv
-
-    @cute.jit
-    def first_pair_scores(
-        self, tidx: Int32, tiled_mma_qk: cute.TiledMma, k_handles, acc_s, r_p_as_acc,
-        sQ_stage, tSrK, row_max, row_sum, correction, scale_log2: Float32, t_coord,
-        block_range: BlockRange, m_block: Int32, seqlen_k: Int32, num_iters: Int32,
-        num_mask_blocks: Int32, mFullIndex, mMaskIndex, sparse_row: Int32, sparse_head: Int32,
-    ):
-        """`paired_blocks`: a query tile's first step (list slots 0 and 1, their K stages
-        `k_handles`): its scores, mask and softmax, P into r_p_as_acc."""
-        n_blocks, masked, second_listed = self.pair_at(
-            Int32(0), num_iters, num_mask_blocks, mFullIndex, mMaskIndex, sparse_row,
-            sparse_head)
-        self.wait_turn(tidx)
-        tiled_mma_qk = self.gemm_qk_pair(tiled_mma_qk, acc_s, sQ_stage, tSrK, k_handles)
-        self.pass_turn(tidx)
-        warpgroup.wait_group(0)
-        for k_handle in k_handles:
-            k_handle.release()
-        apply_pair_mask(acc_s, t_coord, block_range, m_block, n_blocks, masked, second_listed,
-                        seqlen_k)
-        softmax_step(acc_s, row_max, row_sum, correction, scale_log2, is_first=True)
-        r_p_as_acc.store(acc_s.load().to(self.dtype))
-        return tiled_mma_qk
-
-    @cute.jit
-    def later_pairs(
-        self, tidx: Int32, sQ_stage, tSrK, tOrV, acc_s, acc_o, r_p, r_p_as_acc, row_max,
-        row_sum, correction, scale_log2: Float32, t_coord, block_range: BlockRange,
-        m_block: Int32, seqlen_k: Int32, num_iters: Int32, num_mask_blocks: Int32, mFullIndex,
-        mMaskIndex, sparse_row: Int32, sparse_head: Int32, k_consumer, v_consumer,
-        tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma,
-    ):
-        """`paired_blocks`: steps 1 .. of a query tile, as `later_kv_tiles`: the steps holding
-        a "mask" entry or an odd list's missing block get the pair mask, those of two "full"
-        blocks none (all of them the mask where a block may cross the sequence end)."""
-        step_fn = partial(
-            self.pair_step, tidx=tidx, sQ_stage=sQ_stage, tSrK=tSrK, tOrV=tOrV, acc_s=acc_s,
-            acc_o=acc_o, r_p=r_p, r_p_as_acc=r_p_as_acc, row_max=row_max, row_sum=row_sum,
-            correction=correction, scale_log2=scale_log2, t_coord=t_coord,
-            block_range=block_range, m_block=m_block, seqlen_k=seqlen_k, num_iters=num_iters,
-            num_mask_blocks=num_mask_blocks, mFullIndex=mFullIndex, mMaskIndex=mMaskIndex,
-            sparse_row=sparse_row, sparse_head=sparse_head)
-        num_steps = (num_iters + 1) // 2
-        first_clean = cutlass.max((num_mask_blocks + 1) // 2, 1)
-        clean_end = cutlass.max(num_iters // 2, first_clean)
-        if seqlen_k % self.tile_n != 0:
-            clean_end = first_clean
-        for step in cutlass.range(1, first_clean, unroll=1):
-            k_consumer, v_consumer, tiled_mma_qk, tiled_mma_pv = step_fn(
-                step, masked=True, k_consumer=k_consumer, v_consumer=v_consumer,
-                tiled_mma_qk=tiled_mma_qk, tiled_mma_pv=tiled_mma_pv)
-        for step in cutlass.range(first_clean, clean_end, unroll=1):
-            k_consumer, v_consumer, tiled_mma_qk, tiled_mma_pv = step_fn(
-                step, masked=False, k_consumer=k_consumer, v_consumer=v_consumer,
-                tiled_mma_qk=tiled_mma_qk, tiled_mma_pv=tiled_mma_pv)
-        for step in cutlass.range(clean_end, num_steps, unroll=1):
-            k_consumer, v_consumer, tiled_mma_qk, tiled_mma_pv = step_fn(
-                step, masked=True, k_consumer=k_consumer, v_consumer=v_consumer,
-                tiled_mma_qk=tiled_mma_qk, tiled_mma_pv=tiled_mma_pv)
-        return k_consumer, v_consumer, tiled_mma_qk, tiled_mma_pv
-
-    @cute.jit
-    def pair_step(
-        self, step: Int32, masked: cutlass.Constexpr, k_consumer, v_consumer,
-        tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma, tidx: Int32, sQ_stage, tSrK,
-        tOrV, acc_s, acc_o, r_p, r_p_as_acc, row_max, row_sum, correction,
-        scale_log2: Float32, t_coord, block_range: BlockRange, m_block: Int32,
-        seqlen_k: Int32, num_iters: Int32, num_mask_blocks: Int32, mFullIndex, mMaskIndex,
-        sparse_row: Int32, sparse_head: Int32,
-    ):
-        """`kv_step` for `paired_blocks`: S over the step's two blocks and O += P V of the
-        previous step in flight together, then (`masked`) the pair mask and the softmax."""
-        if const_expr(masked):
-            # The list reads go out before the products, which they would otherwise wait on.
-            n_blocks, masks, second_listed = self.pair_at(
-                step, num_iters, num_mask_blocks, mFullIndex, mMaskIndex, sparse_row,
-                sparse_head)
-        k_handles = (k_consumer.wait_and_advance(), k_consumer.wait_and_advance())
-        self.wait_turn(tidx)
-        tiled_mma_qk = self.gemm_qk_pair(tiled_mma_qk, acc_s, sQ_stage, tSrK, k_handles)
-        v_handles = (v_consumer.wait_and_advance(), v_consumer.wait_and_advance())
-        tiled_mma_pv = self.gemm_pv_pair(tiled_mma_pv, acc_o, r_p, tOrV, v_handles)
-        self.pass_turn(tidx)
-        warpgroup.wait_group(1)
-        for k_handle in k_handles:
-            k_handle.release()
-        if const_expr(masked):
-            apply_pair_mask(acc_s, t_coord, block_range, m_block, n_blocks, masks,
-                            second_listed, seqlen_k)
-        softmax_step(acc_s, row_max, row_sum, correction, scale_log2)
-        warpgroup.wait_group(0)
-        for v_handle in v_handles:
-            v_handle.release()
         rescale_rows(acc_o, correction)
         r_p_as_acc.store(acc_s.load().to(self.dtype))
         return k_consumer, v_consumer, tiled_mma_qk, tiled_mma_pv

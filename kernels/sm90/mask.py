@@ -4,7 +4,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 
 from kernels.sm90.block_range import BlockRange
-from kernels.sm90.layouts import acc_columns, acc_mn_view
+from kernels.sm90.layouts import acc_mn_view
 
 
 @cute.jit
@@ -47,53 +47,6 @@ def apply_mask(
                 s_mn[r, c] = s_mn[r, c] if keep else -Float32.inf
             else:
                 s_mn[r, c] = s_mn[r, c] if col < hi else -Float32.inf
-
-
-@cute.jit
-def apply_pair_mask(
-    acc_s: cute.Tensor,
-    t_coord: cute.Tensor,
-    block_range: BlockRange,
-    m_block: Int32,
-    n_blocks,
-    masked,
-    second_listed,
-    seqlen_k: Int32,
-):
-    """`apply_mask` for two listed blocks side by side (`FwdSpec.paired_blocks`): acc_s is a
-    64 x 2*tile_n fragment whose columns [h * tile_n, (h + 1) * tile_n) are the keys of block
-    n_blocks[h], and t_coord the coordinates of a 64 x tile_n fragment (either half's).
-    masked[h]: block h takes the causal/window limits (a "mask" list entry), else only the
-    sequence end; second_listed False masks the whole second half (an odd list's last step,
-    whose second stage repeats the first block). The flags are runtime values, so each
-    becomes a select on the row's limits: the next step's products are in flight."""
-    width = block_range.tile_n
-    c_mn = acc_mn_view(t_coord)
-    check_left = const_expr(block_range.has_window_left)
-    col_base = c_mn[0, 0][1]
-    for h in cutlass.range_constexpr(2):
-        s_mn = acc_mn_view(acc_columns(acc_s, h * width, width))
-        key_base = n_blocks[h] * width
-        for r in cutlass.range_constexpr(cute.size(s_mn, mode=[0])):
-            row = block_range.position(m_block * block_range.tile_m + c_mn[r, 0][0])
-            hi = seqlen_k - key_base
-            causal_hi = cutlass.min(hi, block_range.key_limit_right(row) - key_base)
-            hi = causal_hi if masked[h] else hi
-            if const_expr(h == 1):
-                hi = hi if second_listed else Int32(0)
-            hi = hi - col_base
-            lo = Int32(0)
-            if const_expr(check_left):
-                window_lo = block_range.key_limit_left(row) - key_base
-                lo = window_lo if masked[h] else lo
-                lo = lo - col_base
-            for c in cutlass.range_constexpr(cute.size(s_mn, mode=[1])):
-                col = c_mn[0, c][1] - col_base
-                if const_expr(check_left):
-                    keep = (col < hi) & (col >= lo)
-                    s_mn[r, c] = s_mn[r, c] if keep else -Float32.inf
-                else:
-                    s_mn[r, c] = s_mn[r, c] if col < hi else -Float32.inf
 
 
 @cute.jit

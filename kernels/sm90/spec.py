@@ -60,11 +60,6 @@ class FwdSpec:
     score_bias_tma: bool = False  # a 16-bit bias's (tile_m, tile_n) tile TMA-loaded into the K
                                   # stage with K (its rows 16 bytes apart) and read from smem,
                                   # instead of cell pairs from global memory
-    paired_blocks: bool = False  # block-sparse lists of tile_n-key blocks taken two at a time:
-                                 # each consumer step multiplies two K/V stages (two listed
-                                 # blocks) as one 2 * tile_n-key tile, so the per-step work
-                                 # (waits, row reductions, the output rescale) comes once per
-                                 # two blocks (kernels/sm90/fwd_sm90.py)
 
     @property
     def score_mods(self) -> bool:
@@ -117,10 +112,6 @@ SMEM_RESERVED_PER_CTA = 1024
 
 # Packed sequences of at most this many keys take the persistent short-range schedule.
 SHORT_SEQUENCE_KEYS = 4096
-# Short lists of 64-key blocks (NSA's selected branch) taken two blocks per consumer step
-# (`FwdSpec.paired_blocks`, four 64-key K/V stages); False: one block per step, two stages
-# (the switch for the A/B).
-PAIRED_BLOCKS = True
 
 
 def choose_spec(
@@ -139,8 +130,7 @@ def choose_spec(
         window_size=(int(window_size[0]), int(window_size[1])),
         compress_factor=compress_factor, sparse_block_size=sparse_block_size,
         sparse_list_capacity=sparse_list_capacity, tile_m=tile_m,
-        short_keys=max_seqlen_k is not None and max_seqlen_k <= SHORT_SEQUENCE_KEYS,
-        paired_blocks=PAIRED_BLOCKS)  # an argument, so that an A/B reads no stale choice
+        short_keys=max_seqlen_k is not None and max_seqlen_k <= SHORT_SEQUENCE_KEYS)
 
 
 # Cached: `can_run` and `run` both ask for the spec of every launch (a frozen dataclass, safe
@@ -149,7 +139,7 @@ def choose_spec(
 def _choose_spec(
     *, dtype: str, head_dim: int, causal: bool, window_size: tuple[int, int],
     compress_factor: int, sparse_block_size: int | None, sparse_list_capacity: int | None,
-    tile_m: int, short_keys: bool, paired_blocks: bool = False,
+    tile_m: int, short_keys: bool,
 ) -> FwdSpec:
     left, right = window_size
     # Short KV ranges per query tile (a causal window, compressed keys): persistent CTAs walking
@@ -216,7 +206,6 @@ def _choose_spec(
                        and sparse_block_size is None)
     short_lists = (sparse_block_size is not None and sparse_list_capacity is not None
                    and sparse_list_capacity <= 48)
-    paired = short_lists and paired_blocks
     short_kv = ((sparse_block_size is None and (compress_factor != 1 or window))
                 or short_lists or short_sequences)
     persistent = short_kv and not (window and head_dim > 192)
@@ -256,12 +245,6 @@ def _choose_spec(
         narrow_first_tile=short_kv and sparse_block_size is None
         and (compress_factor != 1 or not persistent),
     )
-    # Short lists of 64-key blocks, two per consumer step (`paired_blocks`): four 64-key K/V
-    # stages hold two steps, as two 128-key stages did. Head dims up to 128 (wider ones keep
-    # one stage there, and a 64 x 128 step's scores and P beside their output accumulator
-    # would not fit the registers).
-    if paired and persistent and tile_n == 64 and tile_m == 128 and head_dim <= 128:
-        spec = dataclasses.replace(spec, paired_blocks=True, num_stages=4)
     if not spec.fits_in_smem():
         raise ValueError(f"no sm90 forward variant for head_dim {head_dim} with "
                          f"{tile_n}-key tiles fits shared memory ({spec.smem_bytes} bytes)")

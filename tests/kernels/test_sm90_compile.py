@@ -149,23 +149,6 @@ def test_dispatch_picks_persistent_tiles_for_short_kv_ranges():
     assert not short_lists.narrow_first_tile
 
 
-def test_dispatch_pairs_the_blocks_of_short_64_key_lists(monkeypatch):
-    """Short lists of 64-key blocks at head dims up to 128: two blocks a consumer step over
-    four 64-key K/V stages; wider heads, long lists and the switch's B side one a step."""
-    import kernels.sm90.spec as spec_module
-
-    for head_dim in (64, 128):
-        paired = _spec("bfloat16", head_dim, "selected-sparse64-short")
-        assert paired.paired_blocks and paired.num_stages == 4 and paired.tile_n == 64
-        assert paired.fits_in_smem()
-    for head_dim in (192, 256):
-        assert not _spec("bfloat16", head_dim, "selected-sparse64-short").paired_blocks
-    assert not _spec("bfloat16", 128, "selected-sparse64").paired_blocks
-    monkeypatch.setattr(spec_module, "PAIRED_BLOCKS", False)
-    single = _spec("bfloat16", 128, "selected-sparse64-short")
-    assert not single.paired_blocks and single.num_stages == 2
-
-
 def test_dispatch_picks_the_window_schedule_for_packed_short_sequences():
     for call in ("causal-short-sequences", "dense-short-sequences"):
         for head_dim in (64, 128, 192):

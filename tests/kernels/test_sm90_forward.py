@@ -184,62 +184,6 @@ def test_block_sparse_matches_fallback(tile_n, sparse_heads, dim):
            max_seqlen_k=max(lengths), softmax_scale=dim ** -0.5, causal=True, block_sparse=bs)
 
 
-def _nsa_like_lists(lengths, heads, selected, generator):
-    """Lists as NSA's selection makes them: per 128-row tile, the tile's own 64-key blocks as
-    "mask" entries (causal inside them) and up to `selected` earlier blocks as "full" ones, so
-    counts are odd and even, and a sequence's short last tile has one mask block."""
-    from sparsity import BlockSparseTensors
-
-    rows = [(n + 127) // 128 for n in lengths]
-    full_index = torch.full((sum(rows), heads, selected), -1, dtype=torch.int32)
-    mask_index = torch.full((sum(rows), heads, 2), -1, dtype=torch.int32)
-    full_count = torch.zeros((sum(rows), heads), dtype=torch.int32)
-    mask_count = torch.zeros((sum(rows), heads), dtype=torch.int32)
-    r = 0
-    for n, num_rows in zip(lengths, rows):
-        for m in range(num_rows):
-            own = [b for b in (2 * m, 2 * m + 1) if b * 64 < n]
-            for h in range(heads):
-                earlier = torch.randperm(2 * m, generator=generator)[:selected].sort().values
-                count = int(torch.randint(0, len(earlier) + 1, (1,), generator=generator))
-                full_count[r, h], mask_count[r, h] = count, len(own)
-                full_index[r, h, :count] = earlier[:count].to(torch.int32)
-                mask_index[r, h, :len(own)] = torch.tensor(own, dtype=torch.int32)
-            r += 1
-    offsets = torch.zeros(len(rows) + 1, dtype=torch.int32)
-    offsets[1:] = torch.tensor(rows).cumsum(0)
-    return BlockSparseTensors(
-        full_count=full_count.cuda(), full_index=full_index.cuda(),
-        mask_count=mask_count.cuda(), mask_index=mask_index.cuda(),
-        row_block_size=128, col_block_size=64, row_block_offsets=offsets.cuda())
-
-
-@requires_sm90
-@pytest.mark.parametrize("dim", [64, 128])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("paired", [True, False], ids=["paired", "single"])
-def test_paired_blocks_match_fallback(paired, dtype, dim):
-    """Short lists of 64-key blocks two per step (`FwdSpec.paired_blocks`, the dispatcher's
-    pick) and one per step: both match the fallback on NSA-like lists (odd and even counts,
-    a lone mask block at a short sequence end, sequences not a multiple of 64)."""
-    from kernels.sm90.forward import _spec_for
-
-    torch.manual_seed(8)
-    lengths = [3000, 130, 1000, 64, 1]
-    heads, heads_kv = 8, 2
-    lists = _nsa_like_lists(lengths, heads_kv, 14, torch.Generator().manual_seed(9))
-    q = torch.randn(sum(lengths), heads, dim, device="cuda", dtype=dtype)
-    k = torch.randn(sum(lengths), heads_kv, dim, device="cuda", dtype=dtype)
-    v = torch.randn_like(k)
-    cu = _cu_seqlens(lengths, "cuda")
-    kwargs = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max(lengths),
-                  max_seqlen_k=max(lengths), softmax_scale=dim ** -0.5, causal=True,
-                  block_sparse=lists)
-    assert _spec_for(q, True, (-1, -1), lists, max_seqlen_k=max(lengths)).paired_blocks
-    _check(q, k, v, spec_overrides=None if paired else dict(paired_blocks=False, num_stages=2),
-           **kwargs)
-
-
 @requires_sm90
 def test_many_short_sequences():
     torch.manual_seed(3)
