@@ -71,9 +71,14 @@ class DqFromDsSm90(DqBackwardSm90):
         self.num_wg = self.halves * self.heads_per_cta
         self.num_consumer_threads = _WARPGROUP * self.num_wg
         self.num_threads = _WARPGROUP * (1 + self.num_wg)
-        per_cta = 65536 // spec.ctas_per_sm
-        self.consumer_regs = min(240, (per_cta - _WARPGROUP * self.producer_regs)
-                                 // self.num_consumer_threads // 8 * 8)
+        # Every thread starts with the launch's registers (a multiple of 8 that fits
+        # `ctas_per_sm` CTAs: 96 at 640 threads), the producer warpgroup gives back down to
+        # producer_regs and the consumers take what that frees, no more: setmaxnreg.inc waits
+        # until the registers are free, so asking for more hangs the CTA.
+        launch_regs = 65536 // spec.ctas_per_sm // self.num_threads // 8 * 8
+        freed = (launch_regs - self.producer_regs) * _WARPGROUP
+        self.consumer_regs = min(
+            240, (launch_regs + freed // self.num_consumer_threads) // 8 * 8)
 
     # ------------------------------------------------------------------ host side
     @cute.jit
