@@ -49,9 +49,10 @@ branches, see _common.nsa_pairs), 4*D flops per pair and head forward, 3.5x that
 "host ms" is the median wall time of the same calls until they return, without a sync: where it
 comes close to "ms", the eager call is host-bound (Python and launches, not the GPU, set its
 pace) and a CUDA graph (`nsa-graph`) is what removes it. `--clocks` adds the GPU's median SM
-clock and power while each pass was timed (nvidia-smi, every 20 ms; tools/_clocks.py): a GPU at
-its power cap clocks down within tens of milliseconds of heavy work, so methods timed in turn
-may run at different clocks, and a short profiled burst at a higher one than a timed loop.
+clock and power while each pass was timed and the share of those samples under the software
+power cap (nvidia-smi, every 20 ms; tools/_clocks.py): a GPU at its power cap clocks down
+within tens of milliseconds of heavy work, so methods timed in turn may run at different
+clocks, and a short profiled burst at a higher one than a timed loop.
 
 `--deterministic` passes deterministic=True to nsa() and to our dense attention (bit-identical
 gradients from run to run; the backward's slower mode).
@@ -141,9 +142,11 @@ class Result:
     # The packed workload's name (`--packed`; seqlen is then its total tokens), else None.
     workload: str | None = None
     # With --clocks: the median SM clock (MHz) and power (W) nvidia-smi sampled while this
-    # pass's timed calls ran, None where no sample fell in them.
+    # pass's timed calls ran, and the share of those samples with the software power cap
+    # holding the clock down; None where no sample fell in them.
     sm_mhz: float | None = None
     watts: float | None = None
+    power_capped: float | None = None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -401,6 +404,7 @@ def benchmark(args) -> list[Result]:
             clocks = sampler.during(*window) if window else None
             if clocks is not None:
                 result.sm_mhz, result.watts = clocks.sm_mhz, clocks.watts
+                result.power_capped = clocks.power_capped
     return results
 
 
@@ -641,12 +645,12 @@ def format_table(results: list[Result], baseline: str) -> str:
     label = "workload" if any(r.workload for r in results) else "N"
     clocks = any(r.sm_mhz is not None for r in results)
     header = (f"{label:>{width}}  {'method':<9} {'pass':<8} {'ms':>10} {'speedup':>8} "
-              f"{'TFLOP/s':>9} {'host ms':>9}" + (f" {'SM MHz':>7} {'W':>5}" if clocks else "")
-              + "  status")
+              f"{'TFLOP/s':>9} {'host ms':>9}"
+              + (f" {'SM MHz':>7} {'W':>5} {'capped':>6}" if clocks else "") + "  status")
     lines = [f"speedup = {baseline} ms / method ms (same N and pass); TFLOP/s over attended "
              f"pairs; host ms = the call's wall time until it returns (no sync)"
-             + ("; SM MHz, W = nvidia-smi's medians while the pass was timed" if clocks
-                else ""),
+             + ("; SM MHz, W = nvidia-smi's medians while the pass was timed, capped = the "
+                "share of its samples with the software power cap active" if clocks else ""),
              header, "-" * len(header)]
     for r in results:
         ms = f"{r.ms:10.3f}" if r.ms is not None else f"{'-':>10}"
@@ -656,8 +660,8 @@ def format_table(results: list[Result], baseline: str) -> str:
         case = r.workload or r.seqlen
         sampled = ""
         if clocks:
-            sampled = (f" {r.sm_mhz:7.0f} {r.watts:5.0f}" if r.sm_mhz is not None
-                       else f" {'-':>7} {'-':>5}")
+            sampled = (f" {r.sm_mhz:7.0f} {r.watts:5.0f} {r.power_capped:6.0%}"
+                       if r.sm_mhz is not None else f" {'-':>7} {'-':>5} {'-':>6}")
         lines.append(f"{case:>{width}}  {r.method:<9} {r.pass_:<8} {ms} {speedup} {tflops} "
                      f"{host}{sampled}  {r.status}")
     return "\n".join(lines)

@@ -461,8 +461,16 @@ def test_clock_samples_parse_and_summarise_by_window(common):
     assert (summary.sm_mhz, summary.watts, summary.samples) == (1680, 698.0, 3)
     assert summary.power_capped == pytest.approx(2 / 3)
     assert _clocks.summarise([]) is None
+    bench = load_tool("bench_nsa_vs_dense")
     with pytest.raises(SystemExit):
-        load_tool("bench_nsa_vs_dense").main([*TINY, "--methods", "nsa", "--clocks"])
+        bench.main([*TINY, "--methods", "nsa", "--clocks"])
+    sampled = bench.Result(8192, "nsa", "fwd+bwd", 2.0, None, 1.5, "ok", sm_mhz=1680.0,
+                           watts=698.0, power_capped=summary.power_capped)
+    unsampled = bench.Result(8192, "fa4", "fwd+bwd", 3.0, None, 1.0, "ok")
+    table = bench.format_table([sampled, unsampled], "fa4").splitlines()
+    assert table[1].split()[-4:] == ["MHz", "W", "capped", "status"]
+    assert table[3].split()[-4:] == ["1680", "698", "67%", "ok"]
+    assert table[4].split()[-4:] == ["-", "-", "-", "ok"]
 
 
 def test_bench_varlen_packs_the_batch_and_reports_padded_only_methods(tmp_path):
