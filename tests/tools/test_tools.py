@@ -44,7 +44,10 @@ TOOL_DESCRIPTIONS = {
 
 @functools.cache
 def load_tool(name: str):
-    """The tool's module, loaded from its file once (dataclasses need it in sys.modules)."""
+    """The tool's module, loaded from its file once (dataclasses need it in sys.modules), with
+    tools/ on sys.path for the helpers it imports (_common), whichever test runs first."""
+    if str(TOOLS) not in sys.path:
+        sys.path.insert(0, str(TOOLS))
     spec = importlib.util.spec_from_file_location(f"tools_{name}", TOOLS / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
