@@ -267,7 +267,7 @@ def warm(step, warmup: int, device: torch.device) -> None:
     synchronize(device)
 
 
-def from_idle(step, args) -> str:
+def from_idle_time(step, args) -> str:
     """With --from-idle, ", X ms from an idle GPU": the median of --repeats steps each from an
     idle GPU to its end (a sync before each, CUDA events around it: the host's work before its
     first launch and every wait on the host included, as the bench's eager figure); else ""."""
@@ -288,7 +288,7 @@ def profile_workload(args, label: str, packing, tokens: int) -> None:
         table = kernel_times(step, args.repeats, args.device, intervals, args.by_launch,
                              from_idle=args.from_idle and args.gaps)
         print(f"\n{label}: {total_ms(table):.3f} ms of {time_kind(args.device)} per "
-              f"forward+backward{from_idle(step, args)}")
+              f"forward+backward{from_idle_time(step, args)}")
         print(format_table(table, args.top))
         if intervals is not None:
             print(f"\n{label}: where the GPU was idle, {args.repeats} steps")
@@ -302,7 +302,7 @@ def profile_workload(args, label: str, packing, tokens: int) -> None:
             timed = captured(step) if args.graph else step
             tables[setting].append(kernel_times(timed, args.repeats, args.device,
                                                 by_launch=args.by_launch))
-            idle = from_idle(timed, args)
+            idle = from_idle_time(timed, args)
         print(f"{label}: round {round_index + 1} ({setting}) "
               f"{total_ms(tables[setting][-1]):.3f} ms of {time_kind(args.device)} per "
               f"forward+backward{idle}")

@@ -57,7 +57,7 @@ def load_tool(name: str):
 
 @pytest.fixture(scope="module")
 def common():
-    load_tool("train_packed")  # puts tools/ on sys.path, where _common lives
+    load_tool("train_packed")  # load_tool puts tools/ on sys.path, where _common lives
     import _common
     return _common
 
