@@ -446,8 +446,11 @@ def run(
                 if not stores:
                     sums, sums_cols = dq_sums.consume(tiles, softmax_scale, q.dtype)
             dq = None if stores else torch.empty_like(q) if dq_into is None else dq_into
-            dq_spec = dq_spec_for(spec, accumulate=dq_into is not None,
-                                  sums_block_cols=sums_cols, stores_sums=stores)
+            dq_spec = dq_spec_for(
+                spec, accumulate=dq_into is not None, sums_block_cols=sums_cols,
+                stores_sums=stores,
+                heads_per_list=(num_heads // block_sparse.full_count.shape[1]
+                                if block_sparse is not None else 1))
             _launch_dq(dq_spec,
                        (q, k, v, dout, lse_log2, dpsum, dq, cu_seqlens_q, cu_seqlens_k,
                         tiles.tile_offsets),

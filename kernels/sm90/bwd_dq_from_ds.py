@@ -63,12 +63,22 @@ class DqFromDsSm90(DqBackwardSm90):
         assert spec.reads_ds and spec.block_sparse and spec.tiles_per_list_block == 1
         assert self.tile_m in (DS_TILE_ROWS, 2 * DS_TILE_ROWS) and self.tile_n == 64
         assert spec.fits_in_smem(), f"{spec} needs {spec.smem_bytes} bytes of shared memory"
-        self.num_wg = self.tile_m // DS_TILE_ROWS
+        # A consumer warpgroup per (query head, 64-row half), heads outer: the order of an
+        # entry's dS tiles, so one box holds the CTA's.
+        self.halves = self.tile_m // DS_TILE_ROWS
+        self.heads_per_cta = spec.heads_per_cta
+        assert self.heads_per_cta == 1 or self.halves == 2
+        self.num_wg = self.halves * self.heads_per_cta
         self.num_consumer_threads = _WARPGROUP * self.num_wg
         self.num_threads = _WARPGROUP * (1 + self.num_wg)
-        per_cta = 65536 // spec.ctas_per_sm
-        self.consumer_regs = min(240, (per_cta - _WARPGROUP * self.producer_regs)
-                                 // self.num_consumer_threads // 8 * 8)
+        # Every thread starts with the launch's registers (a multiple of 8 that fits
+        # `ctas_per_sm` CTAs: 96 at 640 threads), the producer warpgroup gives back down to
+        # producer_regs and the consumers take what that frees, no more: setmaxnreg.inc waits
+        # until the registers are free, so asking for more hangs the CTA.
+        launch_regs = 65536 // spec.ctas_per_sm // self.num_threads // 8 * 8
+        freed = (launch_regs - self.producer_regs) * _WARPGROUP
+        self.consumer_regs = min(
+            240, (launch_regs + freed // self.num_consumer_threads) // 8 * 8)
 
     # ------------------------------------------------------------------ host side
     @cute.jit
@@ -136,7 +146,8 @@ class DqFromDsSm90(DqBackwardSm90):
             mQ, tma_atom_k, tma_k, tma_atom_ds, tma_ds, mdQ, mCuSeqlensQ, mCuSeqlensK,
             mQTileOffsets, num_m_blocks, softmax_scale, mFullCount, mFullIndex, mMaskCount,
             mMaskIndex, mRowBlockOffsets, mdQSums, sK_layout, sDS_layout, tiled_mma_dq,
-        ).launch(grid=(cute.size(mQ.shape[1]), num_m_blocks, cute.size(mCuSeqlensQ.shape[0]) - 1),
+        ).launch(grid=(cute.size(mQ.shape[1]) // self.heads_per_cta, num_m_blocks,
+                       cute.size(mCuSeqlensQ.shape[0]) - 1),
                  block=[self.num_threads, 1, 1], stream=stream,
                  min_blocks_per_mp=self.spec.ctas_per_sm,
                  preferred_smem_carveout=100 if self.spec.ctas_per_sm > 1 else None)
@@ -164,7 +175,8 @@ class DqFromDsSm90(DqBackwardSm90):
         spec = self.spec
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        head, m_rev, batch = cute.arch.block_idx()
+        head_block, m_rev, batch = cute.arch.block_idx()
+        head = head_block * self.heads_per_cta  # the CTA's first query head
         m_block = num_m_blocks - 1 - m_rev  # the longest lists first, as the dQ kernel
         num_heads = cute.size(mQ.shape[1])
         head_kv = head // (num_heads // cute.size(mK.shape[2]))
@@ -251,10 +263,13 @@ class DqFromDsSm90(DqBackwardSm90):
         softmax_scale: Float32, m_block: Int32, head: Int32, batch: Int32, offset_q: Int32,
         seqlen_q: Int32,
     ):
-        """A consumer warpgroup's 64 rows: dQ += dS K over the visited tiles (dS read from the
-        stage into registers and transposed there), then dQ (plus the fused branches' sums)
-        scaled and stored from registers."""
+        """A consumer warpgroup's 64 rows of one query head (the CTA's head `head` + its
+        warpgroup's head index): dQ += dS K over the visited tiles (dS read from the stage into
+        registers and transposed there), then dQ (plus the fused branches' sums) scaled and
+        stored from registers."""
         wg = cute.arch.make_warp_uniform(tidx // _WARPGROUP)
+        half = wg % self.halves
+        head = head + wg // self.halves
         thr_dq = tiled_mma_dq.get_slice(tidx % _WARPGROUP)
         wg_dq = tiled_mma_dq.get_slice(0)  # smem operand descriptors: uniform
         tdQrK = wg_dq.make_fragment_B(wg_dq.partition_B(transposed(sK)))  # K head-dim-major
@@ -278,10 +293,12 @@ class DqFromDsSm90(DqBackwardSm90):
             warpgroup.wait_group(0)
             kv_handle.release()
         if const_expr(self.spec.sums_block_cols > 0):
+            # The sums' rows are the warpgroup's half: named to the helper as its warpgroup.
             self.exchange_fused_sums(acc_dq, mdQSums,
-                                     mQTileOffsets[batch] + m_block * self.num_wg, head, tidx,
-                                     m_block, seqlen_q, False)
+                                     mQTileOffsets[batch] + m_block * self.halves, head,
+                                     half * _WARPGROUP + tidx % _WARPGROUP, m_block, seqlen_q,
+                                     False)
         acc_dq.store(acc_dq.load() * softmax_scale)
         store_rows_from_registers(thr_dq, acc_dq, mdQ, offset_q, head,
-                                  m_block * self.num_wg + wg, DS_TILE_ROWS, self.head_dim,
+                                  m_block * self.halves + half, DS_TILE_ROWS, self.head_dim,
                                   seqlen_q, self.dtype, self.spec.accumulate)

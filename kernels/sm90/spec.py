@@ -489,11 +489,18 @@ class DqSpec:
     reads_ds: bool = False
     ctas_per_sm: int = 1       # `reads_ds`: CTAs sized to share an SM (registers and smem;
                                # tile_m 64 at two)
+    heads_per_cta: int = 1     # `reads_ds`: query heads of one list head (a GQA group's) per
+                               # CTA, a consumer warpgroup per (head, 64-row half): they share
+                               # each entry's K stage (tile_m 128, the heads' dS tiles of an
+                               # entry adjacent, so still one box)
 
     def __post_init__(self):
         if self.stores_sums and (self.sums_block_cols <= 0 or self.accumulate or self.reads_ds):
             raise ValueError("DqSpec.stores_sums: needs sums_block_cols, and neither accumulate "
                              "nor reads_ds (it writes no dq)")
+        if self.heads_per_cta > 1 and not (self.reads_ds and self.tile_m == 128):
+            raise ValueError("DqSpec.heads_per_cta: reads_ds with 128-row CTAs (each head's two "
+                             "dS tiles of an entry lie side by side)")
 
     @property
     def tiles_per_list_block(self) -> int:
@@ -506,10 +513,11 @@ class DqSpec:
         def aligned(size: int, to: int) -> int:
             return -(-size // to) * to
 
-        if self.reads_ds:  # K and the entry's two 64 x 64 dS tiles per stage
+        if self.reads_ds:  # K and the entry's 64 x 64 dS tiles (rows x heads) per stage
             size = aligned(8 * 2 * self.kv_stages, 16)
             size = aligned(size, 1024) + 2 * self.tile_n * self.head_dim * self.kv_stages
-            return aligned(size, 1024) + 2 * self.tile_m * self.tile_n * self.kv_stages
+            return aligned(size, 1024) + (2 * self.tile_m * self.heads_per_cta * self.tile_n
+                                          * self.kv_stages)
         size = aligned(8 * 2 * (1 + self.kv_stages), 16)
         for rows in (self.tile_m, self.tile_m, self.tile_n * self.kv_stages,
                      self.tile_n * self.kv_stages):
@@ -749,21 +757,26 @@ def fused_dq_block_cols(head_dim: int) -> int:
 
 
 def dq_spec_for(spec: BwdSpec, accumulate: bool = False, sums_block_cols: int = 0,
-                stores_sums: bool = False) -> DqSpec:
+                stores_sums: bool = False, heads_per_list: int = 1) -> DqSpec:
     """The dQ kernel that runs beside a `dq_separate` backward: the same features, the same
     list blocks (the KV-centric kernel's tile_n when block-sparse); `accumulate` adds dQ into
     the given tensor's values, `sums_block_cols` a fused-dQ accumulator (`DqSpec`), or with
     `stores_sums` is stored into it; reading the dS tiles the backward stores (`stores_ds`),
-    with DS_KV_STAGES of K and dS in flight."""
+    with DS_KV_STAGES of K and dS in flight, DS_HEADS_PER_CTA of a list's `heads_per_list`
+    query heads per CTA where they divide them."""
     assert spec.dq_separate
+    ds_layout = {}
+    if spec.stores_ds:
+        heads = DS_HEADS_PER_CTA if heads_per_list % DS_HEADS_PER_CTA == 0 else 1
+        ds_layout = dict(reads_ds=True, kv_stages=DS_KV_STAGES, heads_per_cta=heads,
+                         ctas_per_sm=1 if heads > 1 else DS_CTAS_PER_SM,
+                         tile_m=128 if heads > 1 else 128 // DS_CTAS_PER_SM)
     return DqSpec(dtype=spec.dtype, head_dim=spec.head_dim, causal=spec.causal,
                   has_window_left=spec.has_window_left, has_window_right=spec.has_window_right,
                   block_sparse=spec.block_sparse, compressed=spec.compressed,
                   list_block=spec.tile_n if spec.block_sparse else 64, accumulate=accumulate,
                   q_positions=spec.q_positions, sums_block_cols=sums_block_cols,
-                  stores_sums=stores_sums,
-                  **(dict(reads_ds=True, kv_stages=DS_KV_STAGES, ctas_per_sm=DS_CTAS_PER_SM,
-                          tile_m=128 // DS_CTAS_PER_SM) if spec.stores_ds else {}))
+                  stores_sums=stores_sums, **ds_layout)
 
 
 # The dQ kernel reading dS tiles moves 16 KiB of K and 8 KiB of dS per 64 rows and product:
@@ -773,6 +786,11 @@ def dq_spec_for(spec: BwdSpec, accumulate: bool = False, sums_block_cols: int = 
 # H200, 2026-11-30, nsa()'s selected dQ two / one: 8K 0.238 / 0.244 ms, 64K 1.984 / 1.966.
 DS_CTAS_PER_SM = 2
 DS_KV_STAGES = 4
+# The dQ kernel on the dS tiles is bound by L2: each CTA loads the K block of every entry for
+# its one query head, so a GQA group's heads read it once each per 64-row half (eight times
+# per 128-row tile at group 4). Two heads of a list per CTA (a consumer warpgroup per head and
+# half, one CTA per SM) share each K stage; 1: one head per CTA (the switch for the A/B).
+DS_HEADS_PER_CTA = 2
 
 
 def ds_tile_count(block_sparse, num_heads: int) -> int:

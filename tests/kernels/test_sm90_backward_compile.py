@@ -138,11 +138,13 @@ def test_ds_tile_variants_compile_for_sm90a(dtype, head_dim):
         spec = with_dkv_destination(spec, into_caller_sums=not deterministic)
         assert spec.fits_in_smem() and spec.split_lists != deterministic
         assert callable(compile_backward_on_fake_tensors(spec))
-    for accumulate, cols, ctas in ((False, 0, 2), (True, 64 if head_dim == 128 else 32, 2),
-                                   (True, 0, 1)):
-        # Two 64-row CTAs per SM (dispatched) or one 128-row CTA (DS_CTAS_PER_SM = 1).
+    cols = 64 if head_dim == 128 else 32
+    for accumulate, cols, ctas, heads in ((False, 0, 2, 1), (True, cols, 2, 1), (True, 0, 1, 1),
+                                          (False, cols, 1, 2), (True, 0, 1, 2)):
+        # Two 64-row CTAs per SM of one head, one 128-row CTA (DS_CTAS_PER_SM = 1), or two
+        # heads of a list in one 128-row CTA (dispatched where they divide the list's heads).
         dq_spec = dataclasses.replace(dq_spec_for(spec, accumulate, sums_block_cols=cols),
-                                      ctas_per_sm=ctas, tile_m=128 // ctas)
+                                      ctas_per_sm=ctas, tile_m=128 // ctas, heads_per_cta=heads)
         assert dq_spec.reads_ds and dq_spec.fits_in_smem()
         kernel = DqFromDsSm90(dq_spec)
         tensors, optional = fake_dq_arguments(dq_spec)
