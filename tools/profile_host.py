@@ -8,6 +8,9 @@ this tool takes it apart, on one workload:
 - host ms of the forward and of forward+backward: median and minimum over --repeats calls,
   each queued behind a spin kernel of about 100 ms (torch.cuda._sleep), so no call waits for the
   device, and the GPU synchronised between calls;
+- with --first-launch, host ms from the forward's start to its first kernel launch (what an
+  eager step from an idle GPU waits before any kernel runs), and with --cprofile the functions
+  that time went to;
 - step ms of forward+backward: from an idle GPU until it has run the call (host and device
   together, what a loop of such calls waits for);
 - Python function calls per forward+backward (cProfile), and with --cprofile the functions
@@ -24,6 +27,7 @@ plans after the warm-up; `--capture off` times the eager path itself).
     python tools/profile_host.py --seqlen 16384 --cprofile
     python tools/profile_host.py --packed lognormal-2k --new-packing   # a training loop's calls
     python tools/profile_host.py --switch MODULE.NAME=VALUE           # a library switch set first
+    python tools/profile_host.py --packed docs-8k --first-launch --cprofile 25
 
 `--new-packing` gives every call a packing of its own (the workload's lengths drawn with seed 1,
 2, ...; the same total tokens): a training loop over packed documents, whose packing changes
@@ -114,6 +118,79 @@ def step_times(step, repeats: int) -> list[float]:
     return times
 
 
+# The launchers every sm90 kernel goes through (kernels/sm90/launch.py); `FirstLaunch` wraps
+# them wherever a module holds them.
+_LAUNCHERS = ("launch_compiled", "launch_on_current_stream")
+
+
+class FirstLaunch:
+    """Within: the first call of an sm90 kernel launcher or of a CUDA graph's replay (nsa()'s
+    captured plans) records `time.perf_counter()` into `at` (and disables `profile`, when
+    given) before it launches. Every loaded kernels.* module's reference to a launcher is
+    wrapped, as the forward and backward modules import them by name."""
+
+    def __init__(self, profile: cProfile.Profile | None = None):
+        self.at, self.profile, self.saved = None, profile, []
+
+    def __enter__(self):
+        for name, module in list(sys.modules.items()):
+            if not (name == "kernels" or name.startswith("kernels.")) or module is None:
+                continue
+            for launcher in _LAUNCHERS:
+                if callable(getattr(module, launcher, None)):
+                    original = getattr(module, launcher)
+                    self.saved.append((module, launcher, original))
+                    setattr(module, launcher, self._wrapped(original))
+        replay = torch.cuda.CUDAGraph.replay
+        self.saved.append((torch.cuda.CUDAGraph, "replay", replay))
+        torch.cuda.CUDAGraph.replay = self._wrapped(replay)
+        return self
+
+    def __exit__(self, *exc):
+        for module, launcher, original in reversed(self.saved):
+            setattr(module, launcher, original)
+        self.saved.clear()
+
+    def _wrapped(self, launcher):
+        def first_launch_recorded(*args, **kwargs):
+            if self.at is None:
+                if self.profile is not None:
+                    self.profile.disable()
+                self.at = time.perf_counter()
+            return launcher(*args, **kwargs)
+        return first_launch_recorded
+
+
+def first_launch_times(step, repeats: int, show: int) -> tuple[list[float], str]:
+    """Milliseconds from `step()`'s start to its first sm90 kernel launch, each call queued
+    behind a spin kernel (so none waits on the GPU); with `show`, the top functions by own and
+    by cumulative time of that stretch over the calls (cProfile)."""
+    times, profile = [], cProfile.Profile() if show else None
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        torch.cuda._sleep(SPIN_CYCLES)
+        with FirstLaunch(profile) as first:
+            if profile is not None:
+                profile.enable()
+            start = time.perf_counter()
+            step()
+            if profile is not None:
+                profile.disable()
+        if first.at is None:
+            raise RuntimeError("the step launched no sm90 kernel and replayed no graph (is the "
+                               "GPU an sm_90 one?)")
+        times.append((first.at - start) * 1e3)
+    torch.cuda.synchronize()
+    text = ""
+    if profile is not None:
+        for key in ("tottime", "cumulative"):
+            stream = io.StringIO()
+            pstats.Stats(profile, stream=stream).sort_stats(key).print_stats(show)
+            text += (f"--- until the first launch, cProfile, {repeats} calls, by {key}\n"
+                     f"{stream.getvalue()}\n")
+    return times, text
+
+
 def python_calls(step, steps: int, show: int) -> tuple[float, str]:
     """Python function calls per `step()` (cProfile over `steps` calls behind one long spin),
     and the top `show` functions by own and by cumulative time (empty when show is 0)."""
@@ -177,6 +254,9 @@ def main(argv=None) -> int:
     parser.add_argument("--new-packing", action="store_true",
                         help="a packing of its own for every call (needs --packed): a training "
                              "loop whose packing changes every batch")
+    parser.add_argument("--first-launch", action="store_true",
+                        help="also time the forward's host work until its first kernel launch "
+                             "or graph replay (with --cprofile: the functions in it)")
     add_capture_argument(parser)
     add_switch_argument(parser)
     args = parser.parse_args(argv)
@@ -221,6 +301,12 @@ def main(argv=None) -> int:
     for name, step in (("fwd", forward), ("fwd+bwd", forward_backward)):
         for _ in range(args.warmup):
             step()
+        if args.first_launch and name == "fwd":
+            times, text = first_launch_times(step, args.repeats, args.cprofile)
+            print(f"host ms until the forward's first launch  median "
+                  f"{statistics.median(times):7.3f}  min {min(times):7.3f}")
+            if text:
+                print(text)
         times = host_times(step, args.repeats)
         print(f"host ms {name:8s} median {statistics.median(times):7.3f}  min {min(times):7.3f}")
     steps = step_times(forward_backward, args.repeats)

@@ -946,6 +946,29 @@ def test_profile_host_needs_a_gpu(capsys):
     assert "needs a CUDA GPU" in capsys.readouterr().err
 
 
+def test_profile_host_first_launch_records_the_first_launcher_call_and_restores(monkeypatch):
+    import types
+
+    tool = load_tool("profile_host")
+    calls = []
+    module = types.ModuleType("kernels._first_launch_probe")
+    module.launch_compiled = lambda *args: calls.append(("compiled", args))
+    module.launch_on_current_stream = lambda *args: calls.append(("glue", args))
+    originals = (module.launch_compiled, module.launch_on_current_stream,
+                 torch.cuda.CUDAGraph.replay)
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    with tool.FirstLaunch() as first:
+        assert first.at is None
+        before = tool.time.perf_counter()
+        module.launch_on_current_stream(1)
+        at = first.at
+        module.launch_compiled(2)
+    assert at is not None and before <= at <= first.at  # the first call's time, kept
+    assert calls == [("glue", (1,)), ("compiled", (2,))]  # each launcher still ran
+    assert (module.launch_compiled, module.launch_on_current_stream,
+            torch.cuda.CUDAGraph.replay) == originals
+
+
 def test_run_gpu_tests_deals_every_test_once_round_robin():
     tool = load_tool("run_gpu_tests")
     ids = [f"t::{i}" for i in range(10)]
