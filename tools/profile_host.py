@@ -163,10 +163,10 @@ class FirstLaunch:
 
 def first_launch_times(step, repeats: int, show: int) -> tuple[list[float], str]:
     """Milliseconds from `step()`'s start to its first sm90 kernel launch, each call queued
-    behind a spin kernel (so none waits on the GPU); with `show`, the top functions by own and
-    by cumulative time of that stretch over the calls (cProfile)."""
-    times, profile = [], cProfile.Profile() if show else None
-    for _ in range(repeats):
+    behind a spin kernel (so none waits on the GPU); with `show`, the top functions of that
+    stretch by own and by cumulative microseconds per call, from `repeats` more calls under
+    cProfile (whose overhead the times above do not carry)."""
+    def until_first_launch(profile=None) -> float:
         torch.cuda.synchronize()
         torch.cuda._sleep(SPIN_CYCLES)
         with FirstLaunch(profile) as first:
@@ -179,16 +179,33 @@ def first_launch_times(step, repeats: int, show: int) -> tuple[list[float], str]
         if first.at is None:
             raise RuntimeError("the step launched no sm90 kernel and replayed no graph (is the "
                                "GPU an sm_90 one?)")
-        times.append((first.at - start) * 1e3)
-    torch.cuda.synchronize()
+        return (first.at - start) * 1e3
+
+    times = [until_first_launch() for _ in range(repeats)]
     text = ""
-    if profile is not None:
-        for key in ("tottime", "cumulative"):
-            stream = io.StringIO()
-            pstats.Stats(profile, stream=stream).sort_stats(key).print_stats(show)
-            text += (f"--- until the first launch, cProfile, {repeats} calls, by {key}\n"
-                     f"{stream.getvalue()}\n")
+    if show:
+        profile = cProfile.Profile()
+        for _ in range(repeats):
+            until_first_launch(profile)
+        text = per_call_table(pstats.Stats(profile), repeats, show,
+                              "until the first launch (cProfile)")
+    torch.cuda.synchronize()
     return times, text
+
+
+def per_call_table(stats: pstats.Stats, calls: int, show: int, title: str) -> str:
+    """The `show` functions with the most own and the most cumulative time, in microseconds
+    per call of the profiled step (pstats prints seconds to three places: all zeros here)."""
+    rows = [(own, cumulative, count, pstats.func_std_string(func))
+            for func, (_, count, own, cumulative, _) in stats.stats.items()]
+    text = ""
+    for label, key in (("own", 0), ("cumulative", 1)):
+        text += f"--- {title}, {calls} calls, by {label} us per call\n"
+        text += "    own us    cum us   calls  function\n"
+        for own, cumulative, count, name in sorted(rows, key=lambda row: -row[key])[:show]:
+            text += (f"  {own / calls * 1e6:8.1f}  {cumulative / calls * 1e6:8.1f}  "
+                     f"{count / calls:6.1f}  {name}\n")
+    return text
 
 
 def python_calls(step, steps: int, show: int) -> tuple[float, str]:

@@ -946,6 +946,24 @@ def test_profile_host_needs_a_gpu(capsys):
     assert "needs a CUDA GPU" in capsys.readouterr().err
 
 
+def test_profile_host_per_call_table_reports_microseconds_and_calls_per_step():
+    import cProfile
+    import pstats
+
+    tool = load_tool("profile_host")
+    profile = cProfile.Profile()
+    profile.enable()
+    for _ in range(4):
+        sorted(range(10))
+        sorted(range(10))
+    profile.disable()
+    text = tool.per_call_table(pstats.Stats(profile), 4, 3, "probe")
+    assert text.count("--- probe, 4 calls, by") == 2
+    row = next(line for line in text.splitlines() if "sorted" in line)
+    own, cumulative, calls = (float(x) for x in row.split()[:3])
+    assert calls == 2.0 and 0 < own <= cumulative  # two calls a step, in us per step
+
+
 def test_profile_host_first_launch_records_the_first_launcher_call_and_restores(monkeypatch):
     import types
 
