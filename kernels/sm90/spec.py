@@ -786,10 +786,12 @@ def dq_spec_for(spec: BwdSpec, accumulate: bool = False, sums_block_cols: int = 
 # H200, 2026-11-30, nsa()'s selected dQ two / one: 8K 0.238 / 0.244 ms, 64K 1.984 / 1.966.
 DS_CTAS_PER_SM = 2
 DS_KV_STAGES = 4
-# The dQ kernel on the dS tiles is bound by L2: each CTA loads the K block of every entry for
-# its one query head, so a GQA group's heads read it once each per 64-row half (eight times
-# per 128-row tile at group 4). Two heads of a list per CTA (a consumer warpgroup per head and
-# half, one CTA per SM) share each K stage; 1: one head per CTA (the switch for the A/B).
+# The dQ kernel on the dS tiles is bound by L2: with one query head per CTA a GQA group's heads
+# read each entry's K block once each per 64-row half (eight times per 128-row tile at group
+# 4). Two heads of a list per CTA (a consumer warpgroup per head and half, one CTA per SM)
+# share each K stage: H200, 2026-11-30, nsa()'s selected dQ kernel two heads / one head a CTA
+# 1.561 / 1.638 ms on 8 x 8K, 1.657 / 1.799 log-normal, 1.593 / 1.725 at 64K. 1: one head per
+# CTA (the switch for the A/B).
 DS_HEADS_PER_CTA = 2
 
 
