@@ -38,7 +38,6 @@ from __future__ import annotations
 import argparse
 import cProfile
 import collections
-import io
 import pstats
 import statistics
 import sys
@@ -221,13 +220,7 @@ def python_calls(step, steps: int, show: int) -> tuple[float, str]:
     torch.cuda.synchronize()
     stats = pstats.Stats(profile)
     calls = sum(entry[1] for entry in stats.stats.values()) / steps
-    text = ""
-    if show:
-        for key in ("tottime", "cumulative"):
-            stream = io.StringIO()
-            pstats.Stats(profile, stream=stream).sort_stats(key).print_stats(show)
-            text += f"--- cProfile, {steps} calls, by {key}\n{stream.getvalue()}\n"
-    return calls, text
+    return calls, per_call_table(stats, steps, show, "cProfile") if show else ""
 
 
 def op_counts(step) -> tuple[int, int, str]:
@@ -293,7 +286,8 @@ def main(argv=None) -> int:
     if args.new_packing:  # every call below: warm-up and timed calls of both steps, the
         # synchronised steps, the cProfile runs (5 steps each) and the profiler's one step
         calls = (2 * (args.warmup + args.repeats) + args.repeats
-                 + 5 * (2 if args.cprofile else 1) + 1)
+                 + 5 * (2 if args.cprofile else 1) + 1
+                 + (args.repeats * (2 if args.cprofile else 1) if args.first_launch else 0))
         packings = iter(new_packings(args.packed, calls, torch.device("cuda")))
 
     def forward():
