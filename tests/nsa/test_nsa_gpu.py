@@ -297,3 +297,52 @@ def test_nsa_compressed_dq_opens_the_sums_the_window_adds_into(monkeypatch, bran
         err = rel_err(grad, ref_grads[name])
         assert err < GRAD_TOLERANCE, f"{name}: relative error {err:.3e}"
     assert rel_err(runs[True]["q"], runs[False]["q"]) < 1e-2
+
+
+GATED_EPILOGUE_CASES = {
+    # lengths (documents ending inside a 64-row half, one shorter than a half), H, Hkv, D,
+    # options, learned gates, kept outputs
+    "window-learned-kept": ([1500, 77, 700, 40], 8, 2, 128, dict(), True, True),
+    "window-mean-recomputed": ([1031, 63, 2050], 16, 4, 128, dict(), False, False),
+    "two-branches-d64": ([2100, 300], 16, 4, 64, dict(window_size=0), True, True),
+}
+
+
+@requires_sm90
+@pytest.mark.parametrize("case", GATED_EPILOGUE_CASES.values(), ids=GATED_EPILOGUE_CASES)
+def test_nsa_gated_sum_in_the_selected_epilogue_gives_the_pass_bits(monkeypatch, case):
+    """The selected branch runs last and its forward writes the gated sum in its epilogue
+    (`nsa.function.FUSED_GATED_SUM`, kernels/sm90/gated_epilogue.py): the standalone gated-sum
+    pass does not run, and out is bitwise the pass's (two or three terms, learned or mean
+    gates, the outputs kept or not); with deterministic=True every gradient too; out matches
+    the float64 reference."""
+    import kernels.sm90.gated_sum as sm90_gated_sum
+    import nsa.function as function
+
+    lengths, heads, heads_kv, dim, options, learned, kept = case
+    x = _gpu_inputs(lengths, heads, heads_kv, dim, seed=15)
+    if not learned:
+        x.pop("W_gate")
+    fast_in = differentiable(x, torch.bfloat16)
+    dout = _random_dout(x["q"].shape, x["q"].device, seed=9)
+    passes, original = [], sm90_gated_sum.run
+
+    def counting(*args, **kwargs):
+        passes.append(1)
+        return original(*args, **kwargs)
+    monkeypatch.setattr(sm90_gated_sum, "run", counting)
+    outs, grads = {}, {}
+    for fused in (True, False):
+        monkeypatch.setattr(function, "FUSED_GATED_SUM", fused)
+        passes.clear()
+        out = nsa(**fast_in, max_seqlen=max(lengths), deterministic=True, recompute=not kept,
+                  capture=False, **options)
+        assert len(passes) == int(not fused), (fused, passes)
+        outs[fused] = out.detach().clone()
+        grads[fused] = grads_of(out, fast_in, dout)
+    assert torch.equal(outs[True], outs[False])
+    for name, grad in grads[True].items():
+        assert torch.equal(grad, grads[False][name]), f"{name} differs with the fused sum"
+    ref_in = _reference_inputs(x)
+    ref = nsa_reference(**ref_in, max_seqlen=max(lengths), **options)
+    assert rel_err(outs[True], ref) < OUT_TOLERANCE
