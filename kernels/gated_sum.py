@@ -14,10 +14,6 @@ On an H100 the torch path took 4.65 ms for 3 terms of 64K x 32 x 128 bf16 in the
 profile, the largest single stage of `nsa()`'s forward at 64K; the kernel 0.87 ms
 (docs/history.md, section 2).
 
-The last term can also be computed by a kernel that writes the sum in its epilogue from the
-earlier terms (`fused_request`, `FusedSum`: nsa()'s last branch on the sm90 forward,
-kernels/sm90/gated_epilogue.py), which saves the pass over every term.
-
 `gated_sum_backward` is the backward of one term (NSA's backward, per branch): the gate
 gradient rowsum(dO * o_b) and the term's gradient g_b * dO, one CuTe DSL pass on sm90;
 `gate_gradient` the gate gradient alone, `gate_gradients` that of several terms in one pass
@@ -25,25 +21,10 @@ over dO.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch import Tensor
 
 from . import dispatch
-
-
-@dataclass
-class FusedSum:
-    """A request to the kernel that computes a gated sum's last term to write the sum too:
-    into = sum_i gates[..., columns[i]] * terms[i] + gates[..., columns[-1]] * (its output), in
-    that order, in float32, rounded once. `written` is set by the kernel that did so."""
-    gates: Tensor               # (T, H, G) float32, contiguous
-    columns: tuple[int, ...]    # the terms' gate columns, then the output's
-    terms: tuple[Tensor, ...]   # the earlier terms (T, H, D), contiguous
-    into: Tensor                # (T, H, D) like the terms (may be terms[0]: each row is read
-                                # before it is written, by the same thread block)
-    written: bool = False
 
 
 class GatedSum:
@@ -104,26 +85,6 @@ class GatedSum:
             self.columns.append(column)
         else:
             self.total.addcmul_(self.gates[..., column, None], term)
-
-    def fused_request(self, column: int) -> FusedSum | None:
-        """A `FusedSum` for the kernel about to compute the last term (gate column `column`),
-        or None where the sum cannot be taken that way (not the sm90 path, no earlier term, or
-        no room for one more); pass it to `add` with that term."""
-        from kernels.sm90.gated_sum import MAX_TERMS
-
-        if self.backend != "sm90" or not 1 <= len(self.terms) < MAX_TERMS:
-            return None
-        into = torch.empty_like(self.terms[0]) if self.keep_terms else self.terms[0]
-        return FusedSum(self.gates, (*self.columns, column), tuple(self.terms), into)
-
-    def add_fused(self, column: int, term: Tensor, request: FusedSum | None) -> None:
-        """`add`, for the term computed with `request` (from `fused_request`; None: plain
-        `add`): where its kernel wrote the sum, that is the result and no pass runs."""
-        self.add(column, term)
-        if request is not None and request.written:
-            self._result = request.into
-            if not self.keep_terms:
-                self.terms.clear()
 
     def result(self) -> Tensor:
         """The sum in like's dtype (zeros without terms); later calls return the same tensor.

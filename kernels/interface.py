@@ -150,7 +150,7 @@ def _validate_masked(q, k, v, attn_mask, attn_bias, softmax_scale, causal, windo
     return problem
 
 
-def attention_forward_trusted(q, k, v, *, host_cu_seqlens, gated_sum=None, **kwargs):
+def attention_forward_trusted(q, k, v, *, host_cu_seqlens, **kwargs):
     """``attention_forward`` without device reads, for internal callers (nsa's branches).
 
     ``host_cu_seqlens = (cu_q, cu_k)`` are the caller's host copies of the already checked
@@ -158,9 +158,6 @@ def attention_forward_trusted(q, k, v, *, host_cu_seqlens, gated_sum=None, **kwa
     other check runs as in ``attention_forward`` (see ``validate_trusted_attention_forward``),
     once per call signature: a call like an earlier one reuses its checks and kernel choice
     (``kernels.call_cache``).
-
-    ``gated_sum`` (a ``kernels.gated_sum.FusedSum``): the sm90 kernel may also write that gated
-    sum with this call's output (it sets ``gated_sum.written``); the fallback never does.
     """
     signature = _trusted_signature("forward", (q, k, v), host_cu_seqlens, kwargs)
     call = None
@@ -176,7 +173,7 @@ def attention_forward_trusted(q, k, v, *, host_cu_seqlens, gated_sum=None, **kwa
     if call is None:
         call = normalised_kwargs(problem, kwargs.get("cu_seqlens_q"),
                                  kwargs.get("cu_seqlens_k"), kwargs.get("block_sparse"))
-    return _forward_on(kernel, problem, q, k, v, call, gated_sum)
+    return _forward_on(kernel, problem, q, k, v, call)
 
 
 def _trusted_signature(kind: str, tensors: tuple, host_cu_seqlens, kwargs: dict) -> tuple:
@@ -385,12 +382,10 @@ def _run_forward(problem: AttentionProblem, q, k, v, cu_seqlens_q, cu_seqlens_k,
     return _forward_on(kernel, problem, q, k, v, kwargs)
 
 
-def _forward_on(kernel, problem: AttentionProblem, q, k, v, kwargs: dict, gated_sum=None):
+def _forward_on(kernel, problem: AttentionProblem, q, k, v, kwargs: dict):
     """The forward on the kernel chosen for the call (its normalised keyword arguments),
-    or on the fallback where none was (which leaves a `gated_sum` request unwritten)."""
+    or on the fallback where none was."""
     if kernel is not None:
-        if gated_sum is not None:
-            return kernel.run(q, k, v, **kwargs, gated_sum=gated_sum)
         return kernel.run(q, k, v, **kwargs)
     return fallback.forward(problem, q, k, v, kwargs["block_sparse"])
 

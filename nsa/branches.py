@@ -22,7 +22,6 @@ from torch import Tensor
 
 import kernels
 from kernels.device import kernels_unavailable
-from kernels.gated_sum import FusedSum
 from kernels.interface import (KernelBackward, add_into_accumulators,
                                attention_backward_trusted, attention_forward_trusted,
                                plan_backward_trusted,
@@ -53,16 +52,12 @@ class Branch:
     def reads_compressed(self) -> bool:
         return self.index == COMPRESSED
 
-    def forward(self, q: Tensor, k: Tensor, v: Tensor,
-                gated_sum: FusedSum | None = None) -> tuple[Tensor, Tensor]:
-        """(out, lse) of this branch; k, v are the compressed ones for the compressed branch.
-        gated_sum: a request that the kernel write NSA's gated sum with this output
-        (`kernels.gated_sum.GatedSum.fused_request`; the kernel sets `written` where it did)."""
+    def forward(self, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """(out, lse) of this branch; k, v are the compressed ones for the compressed branch."""
         if self.host_cu_seqlens is None:
             return kernels.attention_forward(q, k, v, **self.kernel_kwargs)
-        fused = {} if gated_sum is None else {"gated_sum": gated_sum}
         return attention_forward_trusted(q, k, v, host_cu_seqlens=self.host_cu_seqlens,
-                                         **fused, **self.kernel_kwargs)
+                                         **self.kernel_kwargs)
 
     def output_row_dots(self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor,
                         into: Tensor, plan: KernelBackward) -> bool:

@@ -71,9 +71,6 @@ FINISH_COMPRESSED_DKV = True
 # (`unselected_branches`), the window before compressing; False: every branch after the
 # selection (the switch for the A/B).
 UNSELECTED_FIRST = True
-# The last branch's forward writes the gated sum in its epilogue where its kernel can
-# (`GatedSum.fused_request`); False: the gated-sum pass always runs (the switch for the A/B).
-FUSED_GATED_SUM = True
 
 
 class NSAFunction(torch.autograd.Function):
@@ -160,12 +157,11 @@ def packed_forward(q: Tensor, k: Tensor, v: Tensor, W_k: Tensor | None, W_v: Ten
     out = GatedSum(gate_weights(q, W_gate, config.branches), like=q, keep_terms=keep_outputs)
     lses, outputs = {}, {}
 
-    def run(branch: Branch, request=None) -> None:
+    def run(branch: Branch) -> None:
         keys, values = (k_cmp, v_cmp) if branch.reads_compressed else (k, v)
-        branch_out, lses[branch.index] = (
-            launched.pop(branch.index) if branch.index in launched
-            else branch.forward(q, keys, values, gated_sum=request))
-        out.add_fused(branch.index, branch_out, request)
+        branch_out, lses[branch.index] = (launched.pop(branch.index) if branch.index in launched
+                                          else branch.forward(q, keys, values))
+        out.add(branch.index, branch_out)
         if keep_outputs:
             outputs[branch.index] = branch_out
 
@@ -178,24 +174,14 @@ def packed_forward(q: Tensor, k: Tensor, v: Tensor, W_k: Tensor | None, W_v: Ten
     del k_cmp_scored
     branches = describe_branches(selection, cu_seqlens, cu_seqlens_cmp, sequences, config,
                                  queries, early or None)
-    late = [branch for branch in branches if branch.index not in early]
-    for position, branch in enumerate(late):
-        # The selected branch, last, may write the gated sum in its epilogue (kernels/sm90/
-        # gated_epilogue.py: its kernel variant has the shared memory to stage it); not for
-        # combine=False, whose caller sums later.
-        last = position == len(late) - 1 and branch.index == SELECTED
-        run(branch, out.fused_request(branch.index)
-            if combine and FUSED_GATED_SUM and last else None)
+    for branch in branches:
+        if branch.index not in early:
+            run(branch)
     return (out.result() if combine else out, branches, cu_seqlens_cmp,
             [lses[branch.index] for branch in branches],
             KeptForBackward((k_cmp, v_cmp),
                             tuple(outputs[branch.index] for branch in branches if keep_outputs),
                             out.gates if keep_outputs else None))
-
-
-def _selected_last(branches: list[Branch]) -> list[int]:
-    """The positions of `branches`, the selected branch's moved last."""
-    return sorted(range(len(branches)), key=lambda position: branches[position].index == SELECTED)
 
 
 def compress_and_plan(q: Tensor, k: Tensor, v: Tensor | None, W_k: Tensor | None,
@@ -405,7 +391,10 @@ def _plan_backward(branch: Branch, q: Tensor, keys: Tensor, values: Tensor, opti
 def backward_order(branches: list[Branch], selected_last: bool) -> list[int]:
     """The positions of `branches` in the order their backward runs: as given, or with the
     selected branch last (its dQ kernel then sees every fused branch's sums)."""
-    return _selected_last(branches) if selected_last else list(range(len(branches)))
+    order = list(range(len(branches)))
+    if selected_last:
+        order.sort(key=lambda position: branches[position].index == SELECTED)
+    return order
 
 
 @dataclass

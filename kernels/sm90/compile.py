@@ -77,19 +77,7 @@ def fake_arguments(spec: FwdSpec):
     screen = fake_int32_vector(1) if spec.screen_masked_v else None
     positions = fake_int32_vector(num_seqs) if spec.q_positions else None
     return (q, k, v, o, lse, cu_q, cu_k), (*sparse, trace, screen, positions,
-                                           *fake_score_mods(spec), *fake_gated_sum(spec))
-
-
-def fake_gated_sum(spec: FwdSpec):
-    """Fakes standing for `FwdSpec.gated_sum`'s (T, H, G) float32 gates, the one or two earlier
-    branch outputs and the sum (T, H, D), None where the spec has none."""
-    if not spec.gated_sum:
-        return (None,) * 4
-    gates = make_fake_compact_tensor(cutlass.Float32, tuple(cute.sym_int() for _ in range(3)),
-                                     stride_order=(2, 1, 0), assumed_align=4)
-    dtype = CUTLASS_DTYPES[spec.dtype]
-    terms = [fake_seq_head_dim(dtype) for _ in range(len(spec.gated_sum) - 1)]
-    return (gates, *terms, *([None] * (3 - len(spec.gated_sum))), fake_seq_head_dim(dtype))
+                                           *fake_score_mods(spec))
 
 
 SCORE_BIAS_DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16,

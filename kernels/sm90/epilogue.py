@@ -7,15 +7,6 @@ sequence's rows are touched. Registers are not the fast path for whole halves: e
 instruction then writes 16 bytes into each of 8 rows, and a compressed tile's store phase took
 3,500 cycles instead of 550-960 (2026-11-23, docs/history.md).
 
-With `FwdSpec.gated_sum` a second tile goes out beside O: NSA's gated sum of the branch
-outputs (kernels/sm90/gated_epilogue.py). The storer warp loads the earlier outputs at each
-tile's start; for a whole half it adds them to the staged O itself, over the first earlier
-output's buffer, and stores the sum with O, so the consumers' path is the plain one; a half
-that crosses the sequence's end is summed by its consumers in registers and stored from there,
-and the storer waits for them to have read the loaded rows before it loads the next tile's.
-Every half of a tile in the sequence, staged or not, takes one turn of the "free" barrier, so
-the consumers never run a tile ahead of the storer.
-
 Two ways to finish the smem path (`FwdSpec.store_warp`):
 - the consumer warpgroup itself issues the TMA store and writes lse from registers;
 - a storer warp of the producer warpgroup does both (`drain`): the consumers stage O and lse in
@@ -26,7 +17,6 @@ Two ways to finish the smem path (`FwdSpec.store_warp`):
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 import cutlass
 import cutlass.cute as cute
@@ -64,7 +54,6 @@ class OutputStore:
     mO_tma: cute.Tensor       # (T, D, H) view for the TMA store
     mO: cute.Tensor           # (T, H, D)
     mLSE: cute.Tensor         # (H, T)
-    gated: Optional[object] = None  # `FwdSpec.gated_sum`: kernels.sm90.gated_epilogue.GatedTerms
 
     @cute.jit
     def begin(self):
@@ -76,11 +65,9 @@ class OutputStore:
 
     @cute.jit
     def write(self, r_o: cute.Tensor, lse: cute.Tensor, offset_q: Int32, seqlen_q: Int32,
-              head: Int32, m_block: Int32, tidx: Int32, iteration: Int32 = 0):
+              head: Int32, m_block: Int32, tidx: Int32):
         """Consumer warpgroup side: write (or stage) this warpgroup's 64 rows of O and lse.
-        `tidx` counts the consumer threads from 0; r_o is O in the output type. With
-        `FwdSpec.gated_sum` (`iteration`: the CTA's tile count) a half that crosses the
-        sequence's end also writes the gated sum; the storer warp sums the others."""
+        `tidx` counts the consumer threads from 0; r_o is O in the output type."""
         wg = tidx // _WARPGROUP
         thr, half, first_row, co_mn = self.warpgroup_rows(m_block, tidx)
         if first_row + _ROWS <= seqlen_q:
@@ -113,34 +100,17 @@ class OutputStore:
                     self.issue_tma_store(offset_q, head, half, wg)
                 self.write_lse(lse, co_mn, offset_q, seqlen_q, head, first_row)
         else:
-            if const_expr(self.gated is not None):
-                # This half's turn, as a staged half's: the storer frees the next half only
-                # once it has seen this one's arrival below. Without it the consumers ran a
-                # tile ahead after such a half (the staged barrier's count of 160 then took
-                # arrivals of two tiles in one generation: b200848's launch failures).
-                cute.arch.barrier(barrier_id=_FREE_BARRIER + wg, number_of_threads=_WITH_STORER)
-            self.store_from_registers(thr, r_o, self.mO, co_mn, offset_q, seqlen_q, head, half,
+            self.store_from_registers(thr, r_o, co_mn, lse, offset_q, seqlen_q, head, half,
                                       first_row)
-            if const_expr(self.gated is not None):
-                r_sum = self.gated.combine(self, self.gated.load(
-                    self, r_o, offset_q, seqlen_q, head, m_block, iteration, tidx), r_o)
-                self.store_from_registers(thr, r_sum, self.gated.sum_rows, co_mn, offset_q,
-                                          seqlen_q, head, half, first_row)
-            self.write_lse(lse, co_mn, offset_q, seqlen_q, head, first_row)
-            if const_expr(self.gated is not None):
-                # The loaded rows are read: the storer may load the next tile's.
-                cute.arch.fence_proxy("async.shared", space="cta")
-                cute.arch.barrier_arrive(barrier_id=_STAGED_BARRIER + wg,
-                                         number_of_threads=_WITH_STORER)
 
     @cute.jit
-    def store_from_registers(self, thr, r_o: cute.Tensor, m_dest: cute.Tensor,
-                             co_mn: cute.Tensor, offset_q: Int32, seqlen_q: Int32, head: Int32,
-                             half: Int32, first_row: Int32):
-        """This thread's rows of r_o that lie inside the sequence into m_dest (T, H, D),
-        straight from registers: one 32-bit store per pair of adjacent columns (the
-        accumulator holds columns in pairs)."""
-        mO_seq = cute.domain_offset((offset_q, 0), m_dest[None, head, None])
+    def store_from_registers(self, thr, r_o: cute.Tensor, co_mn: cute.Tensor, lse: cute.Tensor,
+                             offset_q: Int32, seqlen_q: Int32, head: Int32, half: Int32,
+                             first_row: Int32):
+        """This thread's rows of O that lie inside the sequence, straight from registers: one
+        32-bit store per pair of adjacent columns (the accumulator holds columns in pairs),
+        then lse."""
+        mO_seq = cute.domain_offset((offset_q, 0), self.mO[None, head, None])
         go_mn = acc_mn_view(thr.partition_C(
             cute.local_tile(mO_seq, (_ROWS, self.head_dim), (half, 0))))
         o_mn = acc_mn_view(r_o)
@@ -152,6 +122,7 @@ class OutputStore:
                 for c in cutlass.range_constexpr(num_pairs):
                     cute.copy(pair_store, self.column_pair(o_mn, r, c),
                               self.column_pair(go_mn, r, c))
+        self.write_lse(lse, co_mn, offset_q, seqlen_q, head, first_row)
 
     @staticmethod
     def column_pair(t_mn: cute.Tensor, row: int, pair: int) -> cute.Tensor:
@@ -182,32 +153,24 @@ class OutputStore:
     def load_row_dot_operand(self, offset_q: Int32, seqlen_q: Int32, head: Int32,
                              m_block: Int32, tidx: Int32) -> cute.Tensor:
         """`FwdSpec.row_dot_output`: this thread's elements of dO (mO holds dO here), in the
-        accumulator's layout (`load_rows`). Issued before the tile's last P V, so the loads'
-        latency hides under it."""
-        return self.load_rows(self.mO, offset_q, seqlen_q, head, m_block, tidx)
-
-    @cute.jit
-    def load_rows(self, m_src: cute.Tensor, offset_q: Int32, seqlen_q: Int32, head: Int32,
-                  m_block: Int32, tidx: Int32) -> cute.Tensor:
-        """This thread's elements of m_src (T, H, D; rows 8 elements apart) in the output
-        accumulator's layout, as (2, column pairs, rows) registers: one 32-bit load per pair of
-        adjacent columns. Rows past the sequence read its last row (their results are never
-        stored)."""
+        accumulator's layout, as (2, column pairs, rows) registers. Issued before the tile's
+        last P V, so the loads' latency hides under it; rows past the sequence read its last
+        row (they are dropped in `write_row_dot`)."""
         _, _, first_row, co_mn = self.warpgroup_rows(m_block, tidx)
-        m_seq = cute.domain_offset((offset_q, 0), m_src[None, head, None])
+        mdO_seq = cute.domain_offset((offset_q, 0), self.mO[None, head, None])
         num_rows = cute.size(co_mn, mode=[0])
         num_pairs = cute.size(co_mn, mode=[1]) // 2
-        pair_load = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), m_src.element_type,
+        pair_load = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.mO.element_type,
                                         num_bits_per_copy=32)
-        values = cute.make_rmem_tensor(cute.make_layout((2, num_pairs, num_rows)),
-                                       m_src.element_type)
+        dout = cute.make_rmem_tensor(cute.make_layout((2, num_pairs, num_rows)),
+                                     self.mO.element_type)
         for r in cutlass.range_constexpr(num_rows):
-            g_row = m_seq[cutlass.min(first_row + co_mn[r, 0][0], seqlen_q - 1), None]
+            g_row = mdO_seq[cutlass.min(first_row + co_mn[r, 0][0], seqlen_q - 1), None]
             for c in cutlass.range_constexpr(num_pairs):
                 col = self.column_pair(co_mn, r, c)[0][1]
                 cute.copy(pair_load, cute.local_tile(g_row, (2,), (col // 2,)),
-                          values[None, c, r])
-        return values
+                          dout[None, c, r])
+        return dout
 
     @cute.jit
     def write_row_dot(self, acc_o: cute.Tensor, dout: cute.Tensor, offset_q: Int32,
@@ -231,28 +194,18 @@ class OutputStore:
 
     @cute.jit
     def drain(self, offset_q: Int32, seqlen_q: Int32, head: Int32, m_block: Int32,
-              in_sequence, lane: Int32, iteration: Int32 = 0):
+              in_sequence, lane: Int32):
         """Storer warp side, per tile: for each warpgroup whose 64 rows went through smem, wait
         until they are staged, TMA-store O, write lse, and free the buffer once the store has
-        read it. With `FwdSpec.gated_sum` (`iteration`: the CTA's tile count) first load the
-        tile's rows of the earlier outputs, and sum each staged half before storing it."""
+        read it."""
         if in_sequence:
-            if const_expr(self.gated is not None):
-                self.gated.issue_loads(offset_q, head, m_block)
             for wg in cutlass.range_constexpr(self.num_warpgroups):
                 half = m_block * self.num_warpgroups + wg
                 if half * _ROWS + _ROWS <= seqlen_q:
                     cute.arch.barrier(barrier_id=_STAGED_BARRIER + wg,
                                       number_of_threads=_WITH_STORER)
-                    if const_expr(self.gated is not None):
-                        self.gated.sum_staged(self.sO, offset_q, head, half, wg, iteration,
-                                              lane)
                     if lane == 0:
                         self.issue_tma_store(offset_q, head, half, wg)
-                        if const_expr(self.gated is not None):
-                            self.issue_tma_store(offset_q, head, half, wg,
-                                                 self.gated.sum_atom, self.gated.sum_view,
-                                                 self.gated.staged[0])
                     for i in cutlass.range_constexpr(_ROWS // 32):
                         row = lane + 32 * i
                         self.mLSE[head, offset_q + half * _ROWS + row] = self.sLSE[row, wg]
@@ -261,27 +214,15 @@ class OutputStore:
                     cute.arch.sync_warp()
                     cute.arch.barrier_arrive(barrier_id=_FREE_BARRIER + wg,
                                              number_of_threads=_WITH_STORER)
-                elif const_expr(self.gated is not None):
-                    # Its consumers read the loaded rows and summed in registers.
-                    cute.arch.barrier(barrier_id=_STAGED_BARRIER + wg,
-                                      number_of_threads=_WITH_STORER)
-                    cute.arch.barrier_arrive(barrier_id=_FREE_BARRIER + wg,
-                                             number_of_threads=_WITH_STORER)
-        elif const_expr(self.gated is not None):
-            self.gated.skip()
 
     @cute.jit
-    def issue_tma_store(self, offset_q: Int32, head: Int32, half: Int32, wg, tma_atom=None,
-                        m_tma=None, s_staged=None):
-        """TMA-store warpgroup wg's staged 64 rows: O, or (the three given) another tile."""
-        if const_expr(tma_atom is None):
-            tma_atom, m_tma, s_staged = self.tma_atom, self.mO_tma, self.sO
-        mO_seq = cute.domain_offset((offset_q, 0), m_tma[None, None, head])
+    def issue_tma_store(self, offset_q: Int32, head: Int32, half: Int32, wg):
+        mO_seq = cute.domain_offset((offset_q, 0), self.mO_tma[None, None, head])
         gO = cute.local_tile(mO_seq, (_ROWS, self.head_dim), (half, 0))
         tOsO, tOgO = cpasync.tma_partition(
-            tma_atom, 0, cute.make_layout(1),
-            cute.group_modes(s_staged, 0, 2), cute.group_modes(gO, 0, 2))
-        cute.copy(tma_atom, tOsO[(None, wg)], tOgO)
+            self.tma_atom, 0, cute.make_layout(1),
+            cute.group_modes(self.sO, 0, 2), cute.group_modes(gO, 0, 2))
+        cute.copy(self.tma_atom, tOsO[(None, wg)], tOgO)
         cute.arch.cp_async_bulk_commit_group()
 
     @cute.jit

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -16,9 +15,6 @@ from kernels.device import is_sm90, sm_count
 from kernels.sm90.launch import (aligned_rows, has_aligned_rows, launch_compiled,
                                  query_positions, uniform_cu_seqlens)
 from kernels.sm90.limits import require_int32_limits
-
-if TYPE_CHECKING:
-    from kernels.gated_sum import FusedSum
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
 SUPPORTED_HEAD_DIMS = (64, 128, 192, 256)
@@ -185,29 +181,6 @@ def _check_row_dot(q, row_dot_with, row_dot_into) -> None:
                          f"{q.device} (with row_dot_with), got {got}")
 
 
-def _check_gated_sum(request, q) -> None:
-    """A `FusedSum` that the epilogue can read and write: gates (T, H, G) float32
-    contiguous with the columns inside G, one or two terms and `into` like q's output
-    (contiguous, 16-byte aligned: TMA stores into it)."""
-    total, heads, _ = q.shape
-    gates, width = request.gates, request.gates.shape[-1]
-    if (gates.dtype != torch.float32 or tuple(gates.shape[:2]) != (total, heads)
-            or not gates.is_contiguous() or gates.device != q.device):
-        raise ValueError(f"gated_sum.gates: expected a contiguous ({total}, {heads}, G) float32 "
-                         f"tensor on {q.device}, got {tuple(gates.shape)} {gates.dtype}")
-    if (not 2 <= len(request.columns) <= 3 or len(request.terms) != len(request.columns) - 1
-            or any(not 0 <= c < width for c in request.columns)):
-        raise ValueError(f"gated_sum: expected 1 or 2 terms and a gate column in [0, {width}) "
-                         f"for each and for the output, got {len(request.terms)} terms and "
-                         f"columns {request.columns}")
-    for name, t in (*((f"gated_sum.terms[{i}]", t) for i, t in enumerate(request.terms)),
-                    ("gated_sum.into", request.into)):
-        if (t.shape != q.shape or t.dtype != q.dtype or t.device != q.device
-                or not t.is_contiguous() or t.data_ptr() % 16):
-            raise ValueError(f"{name}: expected a contiguous, 16-byte aligned {tuple(q.shape)} "
-                             f"{q.dtype} tensor on {q.device}, got {tuple(t.shape)} {t.dtype}")
-
-
 def _launch(spec, tensors, scalars, optional):
     from kernels.sm90.compile import compiled_forward
 
@@ -219,7 +192,6 @@ def run(
     softmax_scale=None, causal=False, compress_factor=1, window_size=(-1, -1),
     block_sparse=None, spec_overrides=None, trace=False, row_dot_with=None, row_dot_into=None,
     q_start_positions=None, score_mods: "ScoreModTensors | None" = None,
-    gated_sum: "FusedSum | None" = None,
 ):
     """(out, lse) of the sm90 kernel. `spec_overrides` (a dict of `FwdSpec` fields) replaces the
     dispatcher's compile-time choices; tools/tune_sm90_forward.py uses it to time variants.
@@ -237,12 +209,7 @@ def run(
 
     `score_mods` (padded inputs with `block_sparse` lists built from them,
     `kernels.masked.sm90_forward`): a user mask and/or additive bias
-    (`kernels/sm90/score_mod.py`).
-
-    `gated_sum` (a `kernels.gated_sum.FusedSum`, packed inputs): where the dispatched variant
-    has room for it (`FwdSpec.with_gated_sum`), the epilogue also writes the gated sum of the
-    request's earlier terms and this call's output into `gated_sum.into` and sets
-    `gated_sum.written`; elsewhere the request is left unwritten."""
+    (`kernels/sm90/score_mod.py`)."""
     # The public entry points send these to the fallback (can_run); a direct call must not
     # compile an untested variant.
     if q.dtype not in SUPPORTED_DTYPES:
@@ -296,17 +263,6 @@ def run(
                              "(kernels.masked.sm90_forward), no row dots")
         spec = score_mods.spec(spec)
         score_tensors = (score_mods.mask, score_mods.bias, score_mods.slabs)
-    gated_tensors = (None,) * 4
-    if gated_sum is not None and not (padded or row_dot or trace or score_mods is not None
-                                      or spec.screen_masked_v):
-        gated_spec = spec.with_gated_sum(gated_sum.columns, gated_sum.gates.shape[-1])
-        if gated_spec is not None:
-            _check_gated_sum(gated_sum, q)
-            spec = gated_spec
-            terms = gated_sum.terms
-            gated_tensors = (gated_sum.gates, terms[0], terms[1] if len(terms) > 1 else None,
-                             gated_sum.into)
-            gated_sum.written = True
     positions = None
     if q_start_positions is not None:
         spec = dataclasses.replace(spec, q_positions=True)
@@ -335,8 +291,7 @@ def run(
             optional = (bs.full_count, bs.full_index, bs.mask_count, bs.mask_index,
                         bs.row_block_offsets)
         _launch(spec, tensors, scalars,
-                (*optional, trace_buffer, screen_flag, positions, *score_tensors,
-                 *gated_tensors))
+                (*optional, trace_buffer, screen_flag, positions, *score_tensors))
     if row_dot:
         return None
     if padded:

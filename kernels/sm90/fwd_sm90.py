@@ -37,7 +37,6 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from kernels.sm90.dtypes import CUTLASS_DTYPES
 from kernels.sm90.block_range import BlockRange
 from kernels.sm90.epilogue import OutputStore
-from kernels.sm90.gated_epilogue import GatedTerms
 from kernels.sm90.layouts import (
     acc_as_a_operand_layout, acc_columns, acc_mn_view, with_row_strides_divisible,
 )
@@ -60,11 +59,6 @@ _TURN_BARRIER = 12
 _Q_DEAD_BARRIER = 11
 
 
-# The producer warpgroup's registers per thread with `gated_sum`: the storer warp's sum of a
-# 16-byte vector of each staged output (kernels/sm90/gated_epilogue.py) needs more than 24.
-GATED_PRODUCER_REGS = 40
-
-
 class FlashAttentionForwardSm90(OverlapTiles):
     producer_regs = 24
 
@@ -80,11 +74,8 @@ class FlashAttentionForwardSm90(OverlapTiles):
         self.num_consumer_warpgroups = self.tile_m // 64
         self.num_threads = _WARPGROUP * (1 + self.num_consumer_warpgroups)
         self.ctas_per_sm = spec.ctas_per_sm
-        # The SM's 64K registers: the producer warpgroup keeps 24 per thread (40 with
-        # `gated_sum`, whose storer warp adds the branch outputs), the consumers take the rest
-        # (a multiple of 8).
-        if spec.gated_sum:
-            self.producer_regs = GATED_PRODUCER_REGS
+        # The SM's 64K registers: the producer warpgroup keeps 24 per thread, the consumers
+        # take the rest (a multiple of 8).
         per_cta = 65536 // self.ctas_per_sm
         self.consumer_regs = min(
             240, (per_cta - _WARPGROUP * self.producer_regs)
@@ -103,7 +94,6 @@ class FlashAttentionForwardSm90(OverlapTiles):
             spec.block_sparse and not spec.overlap_tiles and not spec.narrow_first_tile)
         assert not (spec.row_dot_output and (spec.store_warp or spec.defer_store
                                              or spec.overlap_tiles or spec.o_in_q))
-        assert not spec.gated_sum or spec.with_gated_sum(spec.gated_sum, spec.gate_width)
 
     # ------------------------------------------------------------------ host side
     @cute.jit
@@ -133,10 +123,6 @@ class FlashAttentionForwardSm90(OverlapTiles):
         mScoreMask: Optional[cute.Tensor],  # (slabs, Nq, Nk) uint8 (score_mask)
         mScoreBias: Optional[cute.Tensor],  # (slabs, Nq, Nk) (score_bias)
         mScoreSlabs: Optional[cute.Tensor],  # (B, H, 2) int32 (either), kernels/sm90/score_mod.py
-        mGates: Optional[cute.Tensor],  # (T, H, G) float32 (gated_sum)
-        mTerm0: Optional[cute.Tensor],  # (T, H, D): the earlier branch outputs (gated_sum)
-        mTerm1: Optional[cute.Tensor],
-        mSum: Optional[cute.Tensor],    # (T, H, D): their gated sum with out (gated_sum)
         stream: cuda.CUstream,
     ):
         dtype = self.dtype
@@ -186,28 +172,6 @@ class FlashAttentionForwardSm90(OverlapTiles):
         tma_atom_o, tma_o = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileS2GOp(), mO_t, cute.slice_(sO_layout, (None, None, 0)),
             (64, self.head_dim))
-        # `gated_sum`: the earlier outputs come in by TMA as O's rows go out, into buffers laid
-        # out as O's staging; the sum goes out as O does.
-        gated_tma = None
-        if const_expr(len(self.spec.gated_sum) > 0):
-            sO_one = cute.slice_(sO_layout, (None, None, 0))
-            mSum = with_row_strides_divisible(mSum, 8)
-            tma_atom_sum, tma_sum = cpasync.make_tiled_tma_atom(
-                cpasync.CopyBulkTensorTileS2GOp(),
-                cute.make_tensor(mSum.iterator, cute.select(mSum.layout, mode=[0, 2, 1])),
-                sO_one, (64, self.head_dim))
-            terms = [mTerm0] if const_expr(len(self.spec.gated_sum) == 2) else [mTerm0, mTerm1]
-            load_atoms, term_views = [], []
-            for term in terms:
-                term = with_row_strides_divisible(term, 8)
-                atom, view = cpasync.make_tiled_tma_atom(
-                    load_op, cute.make_tensor(term.iterator,
-                                              cute.select(term.layout, mode=[0, 2, 1])),
-                    sO_one, (64, self.head_dim))
-                load_atoms.append(atom)
-                term_views.append(view)
-            gated_tma = (mGates, tuple(load_atoms), tuple(term_views), tma_atom_sum, tma_sum,
-                         mSum)
         self.q_bytes = cute.size_in_bytes(dtype, sQ_one)
         self.kv_bytes = cute.size_in_bytes(dtype, sK_one)
         # `score_bias_tma`: the bias's (tile_m, tile_n) tile of a step comes with its K, into a
@@ -248,7 +212,7 @@ class FlashAttentionForwardSm90(OverlapTiles):
             mFullCount, mFullIndex, mMaskCount, mMaskIndex, mRowBlockOffsets, mTrace, mScreen,
             mQPositions, mScoreMask, mScoreBias, mScoreSlabs, tma_atom_bias, tma_bias,
             sQ_layout, sK_layout, sV_layout, sO_layout, sBias_layout, tiled_mma_qk,
-            tiled_mma_pv, tiled_mma_epilogue, gated_tma,
+            tiled_mma_pv, tiled_mma_epilogue,
         ).launch(grid=(num_ctas, 1, 1), block=[self.num_threads, 1, 1], stream=stream,
                         min_blocks_per_mp=self.ctas_per_sm,
                         preferred_smem_carveout=100 if self.ctas_per_sm > 1 else None)
@@ -258,8 +222,7 @@ class FlashAttentionForwardSm90(OverlapTiles):
         """The CTA's shared memory (`FwdSpec.smem_bytes` computes its size). A plain method, not
         traced: the optional output buffer needs a Python `if`, which the DSL rewrites inside
         jit functions. Without it (`o_in_q`) the output is staged in the Q buffer; with
-        `row_dot_output` nothing is staged. `score_bias_tma` adds a bias tile per K stage,
-        `gated_sum` a buffer like the output's per earlier branch output (and their barriers)."""
+        `row_dot_output` nothing is staged. `score_bias_tma` adds a bias tile per K stage."""
         dtype, stages, q_stages = self.dtype, self.spec.num_stages, self.spec.q_stages
         lse_rows = 64 * self.num_consumer_warpgroups
 
@@ -267,11 +230,6 @@ class FlashAttentionForwardSm90(OverlapTiles):
             mbar_q=cute.struct.MemRange[cutlass.Int64, 2 * q_stages],
             mbar_k=cute.struct.MemRange[cutlass.Int64, 2 * stages],
             mbar_v=cute.struct.MemRange[cutlass.Int64, 2 * stages],
-        )
-        if self.spec.gated_sum:  # a consumer warpgroup's rows of the earlier outputs landed
-            fields["mbar_landed"] = cute.struct.MemRange[cutlass.Int64,
-                                                         self.num_consumer_warpgroups]
-        fields.update(
             # Before sQ, in the padding to its 1024-byte alignment: two 64-row CTAs fill the
             # SM's 228 KiB to the byte, and 256 more bytes after sO left room for only one.
             sLSE=smem_buffer(Float32, lse_rows, 16),
@@ -283,9 +241,6 @@ class FlashAttentionForwardSm90(OverlapTiles):
             fields["sO"] = smem_buffer(dtype, cute.cosize(sO_layout), 1024)
         if self.spec.score_bias_tma:
             fields["sBias"] = smem_buffer(bias_dtype, cute.cosize(sBias_layout), 1024)
-        if self.spec.gated_sum:
-            for j in range(len(self.spec.gated_sum) - 1):
-                fields[f"sTerm{j}"] = smem_buffer(dtype, cute.cosize(sO_layout), 1024)
         return cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
 
     # ------------------------------------------------------------------ device side
@@ -310,7 +265,7 @@ class FlashAttentionForwardSm90(OverlapTiles):
         sV_layout: cute.ComposedLayout, sO_layout: cute.ComposedLayout,
         sBias_layout: Optional[cute.ComposedLayout],
         tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma,
-        tiled_mma_epilogue: cute.TiledMma, gated_tma: Optional[tuple],
+        tiled_mma_epilogue: cute.TiledMma,
     ):
         spec = self.spec
         tidx, _, _ = cute.arch.thread_idx()
@@ -324,9 +279,6 @@ class FlashAttentionForwardSm90(OverlapTiles):
                 cpasync.prefetch_descriptor(atom)
             if const_expr(spec.score_bias_tma):
                 cpasync.prefetch_descriptor(tma_atom_bias)
-            if const_expr(gated_tma is not None):
-                for atom in (*gated_tma[1], gated_tma[3]):
-                    cpasync.prefetch_descriptor(atom)
 
         storage = utils.SmemAllocator().allocate(self.shared_storage)
         consumer_warps = self.num_consumer_warpgroups * 4
@@ -337,10 +289,6 @@ class FlashAttentionForwardSm90(OverlapTiles):
                                               self.kv_bytes + self.bias_bytes, consumer_warps)
         v_producer, v_consumer = tma_pipeline(storage.mbar_v.data_ptr(), spec.num_stages,
                                               self.kv_bytes, consumer_warps)
-        if const_expr(gated_tma is not None):
-            if tidx == 0:
-                for wg in cutlass.range_constexpr(self.num_consumer_warpgroups):
-                    cute.arch.mbarrier_init(storage.mbar_landed.data_ptr() + wg, 1)
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
 
@@ -356,22 +304,11 @@ class FlashAttentionForwardSm90(OverlapTiles):
         sO = (storage.sQ if const_expr(spec.o_in_q or spec.row_dot_output)
               else storage.sO).get_tensor(
             sO_layout.outer, swizzle=sO_layout.inner)
-        gated_terms = None
-        if const_expr(gated_tma is not None):
-            mGates, load_atoms, term_views, tma_atom_sum, mSum_tma, mSum = gated_tma
-            staged = [storage.sTerm0.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)]
-            if const_expr(len(load_atoms) > 1):
-                staged.append(storage.sTerm1.get_tensor(sO_layout.outer,
-                                                        swizzle=sO_layout.inner))
-            gated_terms = GatedTerms(
-                mGates, spec.gated_sum, tuple(staged), load_atoms, term_views,
-                storage.mbar_landed.data_ptr(), tma_atom_sum, mSum_tma, mSum, self.head_dim,
-                self.num_consumer_warpgroups)
         out_store = OutputStore(
             self.head_dim, self.num_consumer_warpgroups, spec.persistent,
             spec.store_warp, tiled_mma_epilogue, sO,
             storage.sLSE.get_tensor(cute.make_layout((64, self.num_consumer_warpgroups))),
-            tma_atom_o, mO_tma, mO, mLSE, gated_terms)
+            tma_atom_o, mO_tma, mO, mLSE)
         block_range = BlockRange(
             self.tile_m, self.tile_n, spec.causal, spec.has_window_left, spec.has_window_right,
             spec.compressed, compress_factor, window_left, window_right,
@@ -528,8 +465,7 @@ class FlashAttentionForwardSm90(OverlapTiles):
             tiled_mma_qk, tiled_mma_pv, out_store, softmax_scale, scale_log2,
             block_range, offset_q, seqlen_q, seqlen_k, head, m_block, n_max,
             num_iters, num_mask_blocks, mFullIndex, mMaskIndex, sparse_row,
-            sparse_head, mark, screen=screen, score_mods=score_mods, sBias=sBias,
-            iteration=iteration)
+            sparse_head, mark, screen=screen, score_mods=score_mods, sBias=sBias)
         if const_expr(self.spec.overlap_tiles):
             q_consumer, k_consumer, v_consumer = self.consume_overlapped(
                 tidx, sQ, sK, sV, q_consumer, k_consumer, v_consumer, tiled_mma_qk,
@@ -661,13 +597,9 @@ class FlashAttentionForwardSm90(OverlapTiles):
         head: Int32, m_block: Int32, n_max: Int32, num_iters: Int32, num_mask_blocks: Int32,
         mFullIndex, mMaskIndex, sparse_row: Int32, sparse_head: Int32, mark, deferred,
         screen=None, score_mods: Optional[ScoreMods] = None, sBias=None,
-        iteration: Int32 = 0,
     ):
         """One query tile: its KV tiles, then its output (stored now, or with `deferred` kept
         in registers and stored by the next tile, which also stores the one before it).
-        `iteration` (`gated_sum`): the CTA's tile count, whose parity is the phase of the loads
-        of the earlier branch outputs, which the output store adds this output to
-        (kernels/sm90/gated_epilogue.py).
         `screen` (`screen_masked_v`): reads the V stage of each masked KV tile before its P V.
         `sBias` (`score_bias_tma`): the K stages' bias tiles."""
         thr_qk, thr_pv, tSrQ, tSrK, tOrV = self.operand_fragments(
@@ -770,7 +702,7 @@ class FlashAttentionForwardSm90(OverlapTiles):
                 # The output goes into the Q buffer: every consumer's products with Q are done.
                 cute.arch.barrier(barrier_id=_Q_DEAD_BARRIER,
                                   number_of_threads=_WARPGROUP * self.num_consumer_warpgroups)
-            out_store.write(r_o, lse, offset_q, seqlen_q, head, m_block, tidx, iteration)
+            out_store.write(r_o, lse, offset_q, seqlen_q, head, m_block, tidx)
             mark("stored")
         return q_consumer, k_consumer, v_consumer
 
@@ -928,8 +860,7 @@ class FlashAttentionForwardSm90(OverlapTiles):
         """The storer warp's part of a tile (`FwdSpec.store_warp`)."""
         (m_block, head, _, offset_q, seqlen_q, _, _, _, in_sequence, _, _, _, _, _, _,
          _) = tile_work(coords)
-        out_store.drain(offset_q, seqlen_q, head, m_block, in_sequence, cute.arch.lane_idx(),
-                        iteration)
+        out_store.drain(offset_q, seqlen_q, head, m_block, in_sequence, cute.arch.lane_idx())
         return ()
 
     @cute.jit

@@ -60,11 +60,6 @@ class FwdSpec:
     score_bias_tma: bool = False  # a 16-bit bias's (tile_m, tile_n) tile TMA-loaded into the K
                                   # stage with K (its rows 16 bytes apart) and read from smem,
                                   # instead of cell pairs from global memory
-    # The epilogue also writes NSA's gated sum of the branch outputs (kernels/sm90/
-    # gated_epilogue.py): the gate columns of the earlier branches' outputs, which it reads,
-    # then its own output's; () writes none. Needs the storer warp (`store_warp`).
-    gated_sum: tuple[int, ...] = ()
-    gate_width: int = 0        # columns per row of the gate tensor (with gated_sum)
 
     @property
     def score_mods(self) -> bool:
@@ -77,18 +72,6 @@ class FwdSpec:
         and no output buffer (`smem_bytes`)."""
         return dataclasses.replace(self, row_dot_output=True, store_warp=False,
                                    defer_store=False, overlap_tiles=False, o_in_q=False)
-
-    def with_gated_sum(self, columns: tuple[int, ...], gate_width: int) -> "FwdSpec | None":
-        """This spec writing the gated sum of the branch outputs whose gate columns are
-        `columns` (the earlier ones first, this kernel's output last) too, or None where this
-        variant cannot: the storer warp stages it (so no row dots, deferred or overlapped
-        stores, nor the output in the Q buffer) and its staging buffer must fit beside the
-        others."""
-        if not (self.store_warp and not (self.row_dot_output or self.defer_store
-                                         or self.overlap_tiles or self.o_in_q)):
-            return None
-        spec = dataclasses.replace(self, gated_sum=tuple(columns), gate_width=gate_width)
-        return spec if spec.fits_in_smem() else None
 
     @property
     def ctas_per_sm(self) -> int:
@@ -104,13 +87,10 @@ class FwdSpec:
             return -(-size // to) * to
 
         barriers = 8 * 2 * (self.q_stages + 2 * self.num_stages)
-        if self.gated_sum:  # one per consumer warpgroup: its rows of the earlier outputs landed
-            barriers += 8 * (self.tile_m // 64)
         size = aligned(barriers, 16) + 4 * self.tile_m  # lse: one float32 per row
         buffers = [self.tile_m * self.q_stages, self.tile_n * self.num_stages,
                    self.tile_n * self.num_stages] + (
-                       [] if self.o_in_q or self.row_dot_output else [self.tile_m]) + (
-                       [self.tile_m] * (len(self.gated_sum) - 1))  # the earlier outputs' rows
+                       [] if self.o_in_q or self.row_dot_output else [self.tile_m])
         for elements in buffers:
             size = aligned(size, 1024) + 2 * elements * self.head_dim
         if self.score_bias_tma:  # one bias tile per K stage

@@ -132,34 +132,6 @@ def test_row_dot_build_fits_where_its_dispatch_fits(call):
     assert callable(compile_forward_on_fake_tensors(row_dots))
 
 
-@pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("columns", [(0, 2, 1), (0, 1)], ids=["three-terms", "two-terms"])
-def test_gated_sum_build_compiles_for_the_selected_branch(columns, head_dim):
-    """The build whose epilogue writes nsa()'s gated sum too (`FwdSpec.gated_sum`,
-    kernels/sm90/gated_epilogue.py), as run() derives it from the selected branch's dispatch;
-    its shared storage is what `smem_bytes` says."""
-    from kernels.sm90.compile import compile_kernel_on_fake_tensors
-    from kernels.sm90.fwd_sm90 import FlashAttentionForwardSm90
-
-    spec = _spec("bfloat16", head_dim, "selected-sparse64-short").with_gated_sum(columns, 3)
-    assert spec is not None and spec.gated_sum == columns
-    kernel = FlashAttentionForwardSm90(spec)
-    assert callable(compile_kernel_on_fake_tensors(kernel))
-    assert kernel.shared_storage.size_in_bytes() == spec.smem_bytes
-
-
-@pytest.mark.parametrize("call", ["window-causal", "compressed-causal", "causal"])
-def test_gated_sum_build_needs_the_storer_warp_and_room(call):
-    """Where the dispatched variant has no storer warp (dense causal: one CTA per tile) or no
-    shared memory left for the earlier outputs' rows (the window's), there is no gated-sum
-    build: nsa() then sums in the standalone pass."""
-    spec = _spec("bfloat16", 128, call)
-    built = spec.with_gated_sum((0, 1, 2), 3)
-    assert built is None or (spec.store_warp and built.fits_in_smem())
-    if call != "compressed-causal":
-        assert built is None
-
-
 def test_dispatch_picks_persistent_tiles_for_short_kv_ranges():
     window = _spec("bfloat16", 128, "window-causal")
     assert window.persistent and (window.tile_m, window.tile_n) == (128, 128)
