@@ -44,7 +44,7 @@ from kernels.sm90.layouts import acc_as_a_operand_layout, transposed, with_row_s
 from kernels.sm90.mma import gemm
 from kernels.sm90.pipelines import load_seq_tile, smem_buffer, stage_index, tma_pipeline
 from kernels.sm90.register_store import store_rows_from_registers
-from kernels.sm90.spec import DS_TILE_ELEMENTS, DS_TILE_ROWS
+from kernels.sm90.spec import DS_TILE_ELEMENTS, DS_TILE_ROWS, consumer_registers
 
 _WARPGROUP = 128
 _LIST_TILE_ROWS = 128  # the forward lists' query tiles
@@ -71,14 +71,9 @@ class DqFromDsSm90(DqBackwardSm90):
         self.num_wg = self.halves * self.heads_per_cta
         self.num_consumer_threads = _WARPGROUP * self.num_wg
         self.num_threads = _WARPGROUP * (1 + self.num_wg)
-        # Every thread starts with the launch's registers (a multiple of 8 that fits
-        # `ctas_per_sm` CTAs: 96 at 640 threads), the producer warpgroup gives back down to
-        # producer_regs and the consumers take what that frees, no more: setmaxnreg.inc waits
-        # until the registers are free, so asking for more hangs the CTA.
-        launch_regs = 65536 // spec.ctas_per_sm // self.num_threads // 8 * 8
-        freed = (launch_regs - self.producer_regs) * _WARPGROUP
-        self.consumer_regs = min(
-            240, (launch_regs + freed // self.num_consumer_threads) // 8 * 8)
+        # 96 registers a thread at launch with two heads (640 threads): 112 for the consumers.
+        self.consumer_regs = consumer_registers(self.num_threads, self.num_consumer_threads,
+                                                spec.ctas_per_sm, self.producer_regs)
 
     # ------------------------------------------------------------------ host side
     @cute.jit

@@ -49,7 +49,7 @@ from kernels.sm90.mask import apply_mask
 from kernels.sm90.mma import gemm, warpgroup_slice
 from kernels.sm90.pipelines import load_seq_tile, smem_buffer, stage_index, tma_pipeline
 from kernels.sm90.register_store import store_rows_from_registers
-from kernels.sm90.spec import DqSpec
+from kernels.sm90.spec import DqSpec, consumer_registers
 
 _WARPGROUP = 128
 _LOG2_E = 1.4426950408889634
@@ -57,7 +57,6 @@ _LOG2_E = 1.4426950408889634
 
 class DqBackwardSm90:
     producer_regs = 24
-    consumer_regs = 240
 
     def __init__(self, spec: DqSpec):
         self.spec = spec
@@ -68,6 +67,8 @@ class DqBackwardSm90:
         self.num_wg = self.tile_m // 64
         self.num_consumer_threads = _WARPGROUP * self.num_wg
         self.num_threads = _WARPGROUP * (1 + self.num_wg)
+        self.consumer_regs = consumer_registers(self.num_threads, self.num_consumer_threads,
+                                                spec.ctas_per_sm, self.producer_regs)
 
     # ------------------------------------------------------------------ host side
     @cute.jit

@@ -57,7 +57,7 @@ from kernels.sm90.mask import apply_mask_keys_as_rows
 from kernels.sm90.mma import gemm, warpgroup_slice
 from kernels.sm90.pipelines import load_seq_tile, smem_buffer, stage_index, tma_pipeline
 from kernels.sm90.register_store import reduce_rows_from_registers, store_rows_from_registers
-from kernels.sm90.spec import QUERY_SLOT_ROWS, STAGED_BIAS_PAD, BwdSpec
+from kernels.sm90.spec import QUERY_SLOT_ROWS, STAGED_BIAS_PAD, BwdSpec, consumer_registers
 
 _WARPGROUP = 128
 # Named barrier (0 is __syncthreads) among the consumer warpgroups: the step's dS is in smem
@@ -114,9 +114,8 @@ class FlashAttentionBackwardSm90:
         self.key_wg = spec.key_warpgroups
         self.num_consumer_threads = _WARPGROUP * self.num_wg
         self.num_threads = _WARPGROUP * (1 + self.num_wg)
-        per_cta = 65536 // spec.ctas_per_sm
-        self.consumer_regs = min(
-            240, (per_cta - _WARPGROUP * self.producer_regs) // self.num_consumer_threads // 8 * 8)
+        self.consumer_regs = consumer_registers(self.num_threads, self.num_consumer_threads,
+                                                spec.ctas_per_sm, self.producer_regs)
         # The fused dQ = dS K: each warpgroup computes a share of the columns (64-row steps)
         # or every column of its own 64 rows (128-row steps).
         self.dq_cols_per_wg = spec.dq_cols_per_warpgroup

@@ -47,7 +47,7 @@ from kernels.sm90.pipelines import smem_buffer, stage_index, tma_pipeline
 from kernels.sm90.score_mod import ScoreMods, score_mods_of
 from kernels.sm90.screen import masked_value_screen
 from kernels.sm90.softmax import rescale_rows, softmax_finalize, softmax_init, softmax_step
-from kernels.sm90.spec import FwdSpec
+from kernels.sm90.spec import FwdSpec, consumer_registers
 from kernels.sm90.tile_scheduler import TileOrder
 from kernels.sm90 import trace
 
@@ -74,12 +74,11 @@ class FlashAttentionForwardSm90(OverlapTiles):
         self.num_consumer_warpgroups = self.tile_m // 64
         self.num_threads = _WARPGROUP * (1 + self.num_consumer_warpgroups)
         self.ctas_per_sm = spec.ctas_per_sm
-        # The SM's 64K registers: the producer warpgroup keeps 24 per thread, the consumers
-        # take the rest (a multiple of 8).
-        per_cta = 65536 // self.ctas_per_sm
-        self.consumer_regs = min(
-            240, (per_cta - _WARPGROUP * self.producer_regs)
-            // (_WARPGROUP * self.num_consumer_warpgroups) // 8 * 8)
+        # The producer warpgroup keeps 24 registers per thread, the consumers take what that
+        # frees (`consumer_registers`).
+        self.consumer_regs = consumer_registers(
+            self.num_threads, _WARPGROUP * self.num_consumer_warpgroups, self.ctas_per_sm,
+            self.producer_regs)
         assert not (spec.pingpong and self.num_consumer_warpgroups == 1)
         assert not (spec.defer_store and not spec.persistent)
         assert not (spec.overlap_tiles and (not spec.persistent or spec.defer_store

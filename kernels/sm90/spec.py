@@ -108,6 +108,23 @@ class FwdSpec:
 SMEM_PER_SM = 228 * 1024
 SMEM_PER_CTA = 227 * 1024
 SMEM_RESERVED_PER_CTA = 1024
+# 64K 32-bit registers per SM; a warp-specialized kernel's consumers get at most 240 a thread.
+REGISTERS_PER_SM = 65536
+MAX_CONSUMER_REGISTERS = 240
+
+
+def consumer_registers(num_threads: int, consumer_threads: int, ctas_per_sm: int,
+                       producer_regs: int) -> int:
+    """Registers per consumer thread of a warp-specialized CTA after `setmaxnreg`, the one
+    rule of every such kernel here: each thread starts with the launch's count (a multiple of
+    8 that fits `ctas_per_sm` CTAs of `num_threads`), the producer threads give theirs back
+    down to `producer_regs`, and the consumers take what that frees and no more:
+    `setmaxnreg.inc` waits until the registers are free, so asking for more hangs the CTA (a
+    640-thread CTA starts at 96, not at 65536 / 640). At most MAX_CONSUMER_REGISTERS."""
+    launch = REGISTERS_PER_SM // ctas_per_sm // num_threads // 8 * 8
+    freed = (launch - producer_regs) * (num_threads - consumer_threads)
+    return min(MAX_CONSUMER_REGISTERS, (launch + freed // consumer_threads) // 8 * 8)
+
 
 
 # Packed sequences of at most this many keys take the persistent short-range schedule.

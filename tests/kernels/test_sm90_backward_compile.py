@@ -153,6 +153,28 @@ def test_ds_tile_variants_compile_for_sm90a(dtype, head_dim):
         assert kernel.shared_storage.size_in_bytes() == dq_spec.smem_bytes
 
 
+def test_consumer_registers_take_only_what_the_producers_free():
+    """`consumer_registers`, the one rule of the warp-specialized kernels: what the launch
+    gives every thread, plus what the producer warpgroup frees down to its 24, shared by the
+    consumers (setmaxnreg.inc asking for more waits for ever). The kernels' figures: 240 at
+    one 384-thread CTA per SM, 232 at two 256-thread CTAs, 160 at 512 threads, and 112 for
+    the dQ kernel's two heads a CTA (640 threads start at 96: b90a76e's hang asked for 120)."""
+    from kernels.sm90.spec import REGISTERS_PER_SM, consumer_registers
+
+    assert consumer_registers(384, 256, 1, 24) == 240
+    assert consumer_registers(256, 128, 2, 24) == 232
+    assert consumer_registers(512, 384, 1, 24) == 160
+    assert consumer_registers(640, 512, 1, 24) == 112
+    for warpgroups, ctas in itertools.product((1, 2, 3, 4), (1, 2)):
+        threads, consumers = 128 * (1 + warpgroups), 128 * warpgroups
+        regs = consumer_registers(threads, consumers, ctas, 24)
+        launch = REGISTERS_PER_SM // ctas // threads // 8 * 8
+        assert regs % 8 == 0 and regs <= 240
+        assert regs * consumers + 24 * (threads - consumers) <= launch * threads
+        assert regs == 240 or (regs + 8) * consumers + 24 * (threads - consumers) > \
+            launch * threads  # every register the producers free is taken, to a multiple of 8
+
+
 def test_query_positions_variant_compiles_for_sm90a():
     """`BwdSpec.q_positions` and the dQ kernel's (q_start_positions), on the window rule: the
     KV-centric walk's query-tile range and keys-as-rows mask, with the fused dQ (windows from
