@@ -47,6 +47,9 @@ class Branch:
     # The values of kernel_kwargs' (cu_seqlens_q, cu_seqlens_k) as nsa() checked them; None: the
     # kernels check (and read) them on every call.
     host_cu_seqlens: tuple[HostBounds, HostBounds] | None = None
+    # The selected branch inside nsa(): the query tiles left out of its lists because the
+    # window's output stands for theirs (an nsa.window_covered.WindowCoveredRows); None: none.
+    window_covered: object | None = None
 
     @property
     def reads_compressed(self) -> bool:

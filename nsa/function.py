@@ -25,6 +25,7 @@ that torch.compile sees (nsa/ops.py) run them too.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -44,6 +45,8 @@ from nsa.config import NSAConfig
 from nsa.gating import NUM_BRANCHES, gate_backward, gate_weights
 from nsa.selection import select_blocks
 from nsa.validation import PackedSequences
+from nsa.window_covered import (WindowCoveredRows, folded_gates, unfold_gate_gradients,
+                                window_covered_rows, without_covered_tiles)
 from sparsity import QueryRows
 from sparsity.host_cache import cached
 
@@ -71,6 +74,11 @@ FINISH_COMPRESSED_DKV = True
 # (`unselected_branches`), the window before compressing; False: every branch after the
 # selection (the switch for the A/B).
 UNSELECTED_FIRST = True
+# Query tiles where the selected branch attends to exactly the window's keys (near a
+# document's start) are left out of the selected branch, the window's output standing for
+# both (nsa/window_covered.py); False: the selected branch computes them (the switch for the
+# A/B).
+WINDOW_COVERS_SELECTED = True
 
 
 class NSAFunction(torch.autograd.Function):
@@ -154,7 +162,9 @@ def packed_forward(q: Tensor, k: Tensor, v: Tensor, W_k: Tensor | None, W_v: Ten
 
     # One pass over the branch outputs on sm90; elsewhere a float32 sum that frees each
     # output as it is added (kernels/gated_sum.py), unless they are kept.
-    out = GatedSum(gate_weights(q, W_gate, config.branches), like=q, keep_terms=keep_outputs)
+    gates = gate_weights(q, W_gate, config.branches)
+    covered = window_covered(cu_seqlens, sequences, config, queries)
+    out = GatedSum(folded_gates(gates, covered), like=q, keep_terms=keep_outputs)
     lses, outputs = {}, {}
 
     def run(branch: Branch) -> None:
@@ -181,7 +191,7 @@ def packed_forward(q: Tensor, k: Tensor, v: Tensor, W_k: Tensor | None, W_v: Ten
             [lses[branch.index] for branch in branches],
             KeptForBackward((k_cmp, v_cmp),
                             tuple(outputs[branch.index] for branch in branches if keep_outputs),
-                            out.gates if keep_outputs else None))
+                            gates if keep_outputs else None))
 
 
 def compress_and_plan(q: Tensor, k: Tensor, v: Tensor | None, W_k: Tensor | None,
@@ -253,7 +263,10 @@ def packed_gradients(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, W_k: Tensor 
     dout = dout.contiguous()
     gates = kept.gates if kept is not None and kept.gates is not None else \
         gate_weights(q, W_gate, config.branches)
-    gates = gates.contiguous()
+    # The branch outputs were summed with the folded gates (nsa/window_covered.py): their
+    # passes and the kernels' folded lse read those, gate_backward the gates themselves.
+    covered = _window_covered_of(branches)
+    summed_gates = folded_gates(gates, covered).contiguous()
     d_gates = torch.zeros(*q.shape[:2], NUM_BRANCHES, dtype=dtype, device=q.device)
     dq = dk = dv = None
     compressed_rows = None  # the compressed branch's (dk, dv) per token (`KeyValueGradients`)
@@ -305,13 +318,14 @@ def packed_gradients(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, W_k: Tensor 
         on_kernel = plan is not None
         step = None
         if position < len(outputs):
-            step = gate_pass(branch.index, dout, outputs[position], gates, d_gates, lse,
+            step = gate_pass(branch.index, dout, outputs[position], summed_gates, d_gates, lse,
                              on_kernel=on_kernel, written=gates_written)
         elif on_kernel:
-            step = fused_gate_pass(branch, dout, q, keys, values, gates, d_gates, lse, plan)
+            step = fused_gate_pass(branch, dout, q, keys, values, summed_gates, d_gates, lse,
+                                   plan)
         if step is None:
             branch_out, _ = branch.forward(q, keys, values)
-            step = gate_pass(branch.index, dout, branch_out, gates, d_gates, lse,
+            step = gate_pass(branch.index, dout, branch_out, summed_gates, d_gates, lse,
                              on_kernel=on_kernel)
             del branch_out  # kept by `step` only where the fallback reads it
         # dq after the first branch: the dQ kernel adds into it as it writes.
@@ -345,6 +359,7 @@ def packed_gradients(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, W_k: Tensor 
     if dq is None:  # no branch ran: nsa() refuses such a call, this keeps the function total
         dq = torch.zeros_like(q)
     if W_gate is not None:
+        unfold_gate_gradients(d_gates, covered)
         dW_gate = gate_backward(q, W_gate, gates, d_gates, dq).to(W_gate.dtype)
     if dW_k is not None:
         dW_k = dW_k.to(W_k.dtype)
@@ -525,7 +540,30 @@ def describe_branches(selection, cu_seqlens: Tensor, cu_seqlens_cmp: Tensor,
         softmax_scale=scale, causal=config.causal, q_tile=config.q_tile,
         max_seqlen=max_seqlen, host_cu_seqlens=host, block_sparse=selection.selected_lists,
         queries=queries)
+    covered = window_covered(cu_seqlens, sequences, config, queries)
+    if covered is not None:
+        selected = branches[SELECTED]
+        lists = without_covered_tiles(selected.kernel_kwargs["block_sparse"], covered)
+        branches[SELECTED] = dataclasses.replace(
+            selected, kernel_kwargs=dict(selected.kernel_kwargs, block_sparse=lists),
+            window_covered=covered)
     return [branches[index] for index in sorted(branches)]
+
+
+def window_covered(cu_seqlens: Tensor, sequences: PackedSequences, config: NSAConfig,
+                   queries: QueryRows | None = None) -> WindowCoveredRows | None:
+    """The query tiles whose selected output the window's stands for in this call
+    (nsa/window_covered.py); None where there are none, with WINDOW_COVERS_SELECTED off, or on
+    `QueryRows` (rows that start inside their documents)."""
+    if not WINDOW_COVERS_SELECTED or queries is not None:
+        return None
+    return window_covered_rows(cu_seqlens, sequences.cu_seqlens, config)
+
+
+def _window_covered_of(branches: list[Branch]) -> WindowCoveredRows | None:
+    """What the selected branch of `branches` left to the window (`describe_branches`)."""
+    return next((branch.window_covered for branch in branches if branch.index == SELECTED),
+                None)
 
 
 def unselected_branches(cu_seqlens: Tensor, cu_seqlens_cmp: Tensor, sequences: PackedSequences,

@@ -52,9 +52,10 @@ from nsa import CMP_KV_BLOCK, SELECTION_Q_TILE, nsa  # noqa: E402
 from nsa.compression import (compress_backward, compress_pair,  # noqa: E402
                              compressed_cu_seqlens, compute_dtype)
 from nsa.function import (compressed_starts, describe_branches, fused_gate_pass,  # noqa: E402
-                          gate_pass, select_for_branches)
+                          gate_pass, select_for_branches, window_covered)
 from nsa.gating import NUM_BRANCHES, gate_backward, gate_weights  # noqa: E402
 from nsa.validation import validate_nsa_call  # noqa: E402
+from nsa.window_covered import folded_gates  # noqa: E402
 from _common import (  # noqa: E402
     add_cmp_selected_argument, add_num_seqs_argument, add_problem_arguments, check_num_seqs, cu_seqlens_of, describe_device, measure_seqlens, nsa_options,
     problem_defaults_epilog, problem_summary, random_gate, random_qkv,
@@ -154,7 +155,8 @@ def profile(seqlen: int, args) -> dict:
     def gate_and_combine():
         # On sm90 the sum lands in the first output's storage: the terms are copies made for
         # this stage, which drift (a gated mean of random tensors) but never become zeros.
-        total = GatedSum(gate_weights(q, W_gate, config.branches), like=q)
+        total = GatedSum(folded_gates(gate_weights(q, W_gate, config.branches),
+                                      window_covered(cu_seqlens, sequences, config)), like=q)
         for branch, branch_out in zip(branches, combine_terms):
             total.add(branch.index, branch_out)
         return total.result()
@@ -221,8 +223,10 @@ def profile_backward(q, k, v, W_gate, cu_seqlens, cu_seqlens_cmp, sequences, con
     generator = torch.Generator().manual_seed(7)
     dout = torch.randn(q.shape, generator=generator).to(device=q.device, dtype=q.dtype)
     d_gates = torch.zeros(*q.shape[:2], NUM_BRANCHES, dtype=dtype, device=q.device)
-    gates = stage(GATE_WEIGHTS, lambda: gate_weights(q, W_gate, config.branches).contiguous(),
-                  "torch", into=rows)
+    # The gates the branch outputs were summed with (nsa/window_covered.py), as nsa() folds them.
+    gates = stage(GATE_WEIGHTS, lambda: folded_gates(
+        gate_weights(q, W_gate, config.branches),
+        window_covered(cu_seqlens, sequences, config)).contiguous(), "torch", into=rows)
     gate_backend = "sm90" if backward_runs_on_sm90(q, d_gates) else "torch"
     # The running gradients as packed_gradients keeps them: dq in q's dtype, dk, dv in float32.
     sums = {"q": None, "k": None, "v": None}

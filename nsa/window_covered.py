@@ -1,0 +1,123 @@
+"""Rows whose selected branch is their window branch: nsa() runs the window alone for them.
+
+Near a document's start the two branches attend to the same keys. The window branch's row i
+(0-based in its document) sees keys max(0, i - w + 1)..i: all of [0, i] when i < w. The
+selected branch's row i sees the blocks selected for its query tile, causally; a tile (rows
+[a, e), docs/interfaces.md's rule) forces block 0 and the blocks overlapping its rows and ranks
+the blocks complete before a, so where its rows' blocks number at most n (e <= n l') every one
+of them is selected and row i sees all of [0, i] too. So on every row of a tile with
+e <= min(w, n l') the two branches are the same softmax over the same keys and values: the
+selected output equals the window's (as a value; the kernels round their own ways).
+
+nsa() then leaves those tiles out of the selected branch's lists (their rows see nothing
+there: output 0, lse -inf, no work in its forward or backward) and gives their selected gate
+to the window, whose output stands for both:
+
+    out = g_c o_c + (g_w + g_s) o_w + 0 * o_s   on those rows (`folded_gates`)
+
+The gate gradients follow from that: dL/dg_w = <dO, o_w> as before, and dL/dg_s = <dO, o_s> =
+<dO, o_w> on those rows (`unfold_gate_gradients`). At the defaults (w = 512, n l' = 1024) that
+is every row of documents up to 512 tokens and the first 512 of longer ones: 6% of the selected
+branch's pairs in the log-normal packing of tools/packed_workloads.py, 25% with 1K documents,
+all of them with 256-token documents.
+
+Causal NSA with a window only; not on `QueryRows` calls (context parallelism's sequence mode,
+whose rows start inside their documents). Switch: nsa.function.WINDOW_COVERS_SELECTED.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from nsa.branches import SELECTED, WINDOW
+from nsa.config import NSAConfig
+from sparsity import BlockSparseTensors
+from sparsity.host_cache import cached
+
+
+@dataclass(frozen=True, eq=False)
+class WindowCoveredRows:
+    """The selected branch's list rows (query tiles) that the window stands for, and their
+    query rows."""
+
+    tiles: Tensor  # (C,) int64: row blocks of the selected lists
+    rows: Tensor  # (T,) bool: the query rows of those tiles
+
+
+def covered_tile_counts(host_cu_seqlens: tuple[int, ...], config: NSAConfig) -> list[int]:
+    """Per sequence, how many of its first query tiles (config.q_tile rows) the window covers:
+    those whose last row e - 1 has e <= min(window_size, num_selected_blocks x
+    selected_block_size); 0 everywhere where the rule does not apply."""
+    if not config.causal or config.window_size <= 0:
+        return [0] * (len(host_cu_seqlens) - 1)
+    cover = min(config.window_size, config.num_selected_blocks * config.selected_block_size)
+    tile = config.q_tile
+    counts = []
+    for start, end in zip(host_cu_seqlens, host_cu_seqlens[1:]):
+        length = end - start
+        counts.append(-(-length // tile) if length <= cover else cover // tile)
+    return counts
+
+
+def window_covered_rows(cu_seqlens: Tensor, host_cu_seqlens: tuple[int, ...],
+                        config: NSAConfig) -> WindowCoveredRows | None:
+    """The tiles and rows the window covers in this packing (a function of the host bounds
+    and the config: kept across calls, sparsity/host_cache.py); None where there are none."""
+    counts = covered_tile_counts(host_cu_seqlens, config)
+    if not any(counts):
+        return None
+    tile = config.q_tile
+
+    def build() -> WindowCoveredRows:
+        tiles, rows = [], torch.zeros(host_cu_seqlens[-1], dtype=torch.bool)
+        first_tile = 0
+        for count, start, end in zip(counts, host_cu_seqlens, host_cu_seqlens[1:]):
+            tiles.extend(range(first_tile, first_tile + count))
+            rows[start:min(end, start + count * tile)] = True
+            first_tile += -(-(end - start) // tile)
+        device = cu_seqlens.device
+        return WindowCoveredRows(torch.tensor(tiles, dtype=torch.int64).to(device),
+                                 rows.to(device))
+
+    return cached(("window-covered rows", tuple(host_cu_seqlens), tile, config.window_size,
+                   config.num_selected_blocks * config.selected_block_size),
+                  cu_seqlens, build)
+
+
+def without_covered_tiles(lists: BlockSparseTensors, covered: WindowCoveredRows
+                          ) -> BlockSparseTensors:
+    """`lists` with the covered tiles' entries removed (counts 0, indices -1): new count and
+    index tensors, the given ones untouched."""
+    tiles = covered.tiles
+    return dataclasses.replace(
+        lists, full_count=lists.full_count.index_fill(0, tiles, 0),
+        full_index=lists.full_index.index_fill(0, tiles, -1),
+        mask_count=lists.mask_count.index_fill(0, tiles, 0),
+        mask_index=lists.mask_index.index_fill(0, tiles, -1))
+
+
+def folded_gates(gates: Tensor, covered: WindowCoveredRows | None) -> Tensor:
+    """The (T, H, 3) gates nsa() sums and differentiates the branch outputs with: on covered
+    rows the window's gate is g_w + g_s and the selected branch's 0; `gates` itself where
+    nothing is covered."""
+    if covered is None:
+        return gates
+    rows = covered.rows[:, None]
+    folded = gates.clone(memory_format=torch.contiguous_format)
+    folded[..., WINDOW] = torch.where(rows, gates[..., WINDOW] + gates[..., SELECTED],
+                                      gates[..., WINDOW])
+    folded[..., SELECTED] = gates[..., SELECTED].masked_fill(rows, 0.0)
+    return folded
+
+
+def unfold_gate_gradients(d_gates: Tensor, covered: WindowCoveredRows | None) -> None:
+    """d_gates (T, H, 3), the gradients with respect to `folded_gates`, made those with respect
+    to the gates, in place: on covered rows dL/dg_s = dL/dg_w (the window's output stands for
+    the selected branch's there); the other columns and rows are the same."""
+    if covered is None:
+        return
+    d_gates[..., SELECTED] = torch.where(covered.rows[:, None], d_gates[..., WINDOW],
+                                         d_gates[..., SELECTED])
