@@ -34,6 +34,7 @@ from torch import Tensor
 
 from nsa.branches import SELECTED, WINDOW
 from nsa.config import NSAConfig
+from nsa.gating import NUM_BRANCHES
 from sparsity import BlockSparseTensors
 from sparsity.host_cache import cached
 
@@ -44,43 +45,52 @@ class WindowCoveredRows:
     query rows."""
 
     tiles: Tensor  # (C,) int64: row blocks of the selected lists
-    rows: Tensor  # (T,) bool: the query rows of those tiles
+    rows: Tensor  # (T,) float32: 1 on the query rows of those tiles, 0 elsewhere
+
+
+def _cover(config: NSAConfig) -> int:
+    """The rows from a document's start the window may stand for: min(w, n l')."""
+    return min(config.window_size, config.num_selected_blocks * config.selected_block_size)
 
 
 def covered_tile_counts(host_cu_seqlens: tuple[int, ...], config: NSAConfig) -> list[int]:
     """Per sequence, how many of its first query tiles (config.q_tile rows) the window covers:
-    those whose last row e - 1 has e <= min(window_size, num_selected_blocks x
+    those whose rows [a, e) have e <= min(window_size, num_selected_blocks x
     selected_block_size); 0 everywhere where the rule does not apply."""
     if not config.causal or config.window_size <= 0:
         return [0] * (len(host_cu_seqlens) - 1)
-    cover = min(config.window_size, config.num_selected_blocks * config.selected_block_size)
-    tile = config.q_tile
-    counts = []
-    for start, end in zip(host_cu_seqlens, host_cu_seqlens[1:]):
-        length = end - start
-        counts.append(-(-length // tile) if length <= cover else cover // tile)
-    return counts
+    cover, tile = _cover(config), config.q_tile
+    return [-(-(end - start) // tile) if end - start <= cover else cover // tile
+            for start, end in zip(host_cu_seqlens, host_cu_seqlens[1:])]
 
 
 def window_covered_rows(cu_seqlens: Tensor, host_cu_seqlens: tuple[int, ...],
                         config: NSAConfig) -> WindowCoveredRows | None:
-    """The tiles and rows the window covers in this packing (a function of the host bounds
-    and the config: kept across calls, sparsity/host_cache.py); None where there are none."""
+    """The tiles and rows the window covers in this packing; None where there are none. Made
+    on the device from cu_seqlens (a CUDA-graph capture may build it: no host-to-device copy)
+    and kept across calls as a function of the host bounds and the config
+    (sparsity/host_cache.py)."""
     counts = covered_tile_counts(host_cu_seqlens, config)
     if not any(counts):
         return None
-    tile = config.q_tile
+    cover, tile = _cover(config), config.q_tile
 
     def build() -> WindowCoveredRows:
-        tiles, rows = [], torch.zeros(host_cu_seqlens[-1], dtype=torch.bool)
-        first_tile = 0
-        for count, start, end in zip(counts, host_cu_seqlens, host_cu_seqlens[1:]):
-            tiles.extend(range(first_tile, first_tile + count))
-            rows[start:min(end, start + count * tile)] = True
-            first_tile += -(-(end - start) // tile)
-        device = cu_seqlens.device
-        return WindowCoveredRows(torch.tensor(tiles, dtype=torch.int64).to(device),
-                                 rows.to(device))
+        cu = cu_seqlens.to(torch.int64)
+        lengths = cu.diff()
+        # Covered rows per sequence: all of a document up to the cover, else whole tiles.
+        limit = torch.where(lengths <= cover, lengths, cover // tile * tile)
+        row = torch.arange(host_cu_seqlens[-1], device=cu.device)
+        sequence = torch.searchsorted(cu[1:], row, right=True)
+        rows = ((row - cu[sequence]) < limit[sequence]).to(torch.float32)
+        tiles_before = ((lengths + tile - 1) // tile).cumsum(0)
+        covered = (limit + tile - 1) // tile
+        covered_end = covered.cumsum(0)
+        entry = torch.arange(sum(counts), device=cu.device)
+        owner = torch.searchsorted(covered_end, entry, right=True)
+        first_tile = tiles_before[owner] - (lengths[owner] + tile - 1) // tile
+        tiles = first_tile + entry - (covered_end[owner] - covered[owner])
+        return WindowCoveredRows(tiles, rows)
 
     return cached(("window-covered rows", tuple(host_cu_seqlens), tile, config.window_size,
                    config.num_selected_blocks * config.selected_block_size),
@@ -101,16 +111,17 @@ def without_covered_tiles(lists: BlockSparseTensors, covered: WindowCoveredRows
 
 def folded_gates(gates: Tensor, covered: WindowCoveredRows | None) -> Tensor:
     """The (T, H, 3) gates nsa() sums and differentiates the branch outputs with: on covered
-    rows the window's gate is g_w + g_s and the selected branch's 0; `gates` itself where
-    nothing is covered."""
+    rows the window's gate is g_w + g_s and the selected branch's 0 (gates + m g_s (0, -1, 1),
+    m the covered rows: two passes over the gates); `gates` itself where nothing is covered."""
     if covered is None:
         return gates
-    rows = covered.rows[:, None]
-    folded = gates.clone(memory_format=torch.contiguous_format)
-    folded[..., WINDOW] = torch.where(rows, gates[..., WINDOW] + gates[..., SELECTED],
-                                      gates[..., WINDOW])
-    folded[..., SELECTED] = gates[..., SELECTED].masked_fill(rows, 0.0)
-    return folded
+    def make_shift() -> Tensor:
+        shift = torch.zeros(NUM_BRANCHES, dtype=gates.dtype, device=gates.device)
+        shift[SELECTED], shift[WINDOW] = -1.0, 1.0
+        return shift
+    shift = cached(("covered gate shift", gates.dtype), gates, make_shift)
+    moved = gates[..., SELECTED:SELECTED + 1] * covered.rows[:, None, None].to(gates.dtype)
+    return torch.addcmul(gates, moved, shift)
 
 
 def unfold_gate_gradients(d_gates: Tensor, covered: WindowCoveredRows | None) -> None:
@@ -119,5 +130,5 @@ def unfold_gate_gradients(d_gates: Tensor, covered: WindowCoveredRows | None) ->
     the selected branch's there); the other columns and rows are the same."""
     if covered is None:
         return
-    d_gates[..., SELECTED] = torch.where(covered.rows[:, None], d_gates[..., WINDOW],
-                                         d_gates[..., SELECTED])
+    rows = covered.rows[:, None].to(d_gates.dtype)
+    d_gates[..., SELECTED].lerp_(d_gates[..., WINDOW], rows)

@@ -66,7 +66,7 @@ def test_covered_tiles_and_rows_of_a_packing():
     expected_rows = torch.zeros(sum(LENGTHS), dtype=torch.bool)
     for start, length, rows in zip(host, LENGTHS, [32, 7, 40, 32, 33, 32, 16]):
         expected_rows[start:start + rows] = True
-    assert torch.equal(covered.rows, expected_rows)
+    assert torch.equal(covered.rows, expected_rows.float())
     for off in (_config(0), _config(40, causal=False)):
         assert window_covered_rows(cu_seqlens_of(LENGTHS), host, off) is None
 
@@ -98,7 +98,7 @@ def test_folded_gates_and_their_gradients():
     generator = torch.Generator().manual_seed(1)
     gates = torch.rand(sum(LENGTHS), 4, 3, generator=generator, dtype=torch.float64)
     folded = folded_gates(gates, covered)
-    rows = covered.rows
+    rows = covered.rows.bool()
     assert torch.equal(folded[rows, :, WINDOW], gates[rows, :, WINDOW] + gates[rows, :, SELECTED])
     assert (folded[rows, :, SELECTED] == 0).all()
     assert torch.equal(folded[~rows], gates[~rows])
