@@ -116,8 +116,11 @@ def folded_gates(gates: Tensor, covered: WindowCoveredRows | None) -> Tensor:
     if covered is None:
         return gates
     def make_shift() -> Tensor:
+        # Filled from Python scalars: an item assignment copies from the host, which a
+        # CUDA-graph capture (that may build this) refuses.
         shift = torch.zeros(NUM_BRANCHES, dtype=gates.dtype, device=gates.device)
-        shift[SELECTED], shift[WINDOW] = -1.0, 1.0
+        shift[SELECTED].fill_(-1.0)
+        shift[WINDOW].fill_(1.0)
         return shift
     shift = cached(("covered gate shift", gates.dtype), gates, make_shift)
     moved = gates[..., SELECTED:SELECTED + 1] * covered.rows[:, None, None].to(gates.dtype)
