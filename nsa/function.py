@@ -10,6 +10,10 @@ sm90 kernels the recomputing forward writes that row dot instead of o_b), runs t
 attention backward (on the sm90 kernel with the gate folded into lse; elsewhere with
 dO_b = g_b * dO on the output), adds its dq/dk/dv into the running sums and frees the branch's
 tensors before the next, so without kept outputs the peak is one branch.
+Near a document's start, where the window and the selected branch attend to the same keys,
+the selected branch's lists leave those query tiles out and the window's output takes both
+gates (nsa/window_covered.py; `describe_branches` decides, `packed_gradients` unfolds the gate
+gradients).
 The lists' transposes that the sm90 backward reads are built once, on the first backward, and
 kept with the saved lists (a retained graph's next backward reuses them); `config.deterministic`
 goes to every branch's attention backward. The backward builds no autograd graph: gradients
