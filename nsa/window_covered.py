@@ -64,37 +64,62 @@ def covered_tile_counts(host_cu_seqlens: tuple[int, ...], config: NSAConfig) -> 
             for start, end in zip(host_cu_seqlens, host_cu_seqlens[1:])]
 
 
+def covered_pair_share(host_cu_seqlens: tuple[int, ...], config: NSAConfig) -> float:
+    """The covered rows' share of the selected branch's attended pairs (row i attends to
+    min(i + 1, n l') keys: the benchmark's pair rule, tools/packed_workloads.py)."""
+    span, tile = config.num_selected_blocks * config.selected_block_size, config.q_tile
+    counts = covered_tile_counts(host_cu_seqlens, config)
+    covered = total = 0
+    for count, start, end in zip(counts, host_cu_seqlens, host_cu_seqlens[1:]):
+        length = end - start
+        rows, seen = min(length, count * tile), min(length, span)
+        covered += rows * (rows + 1) // 2
+        total += seen * (seen + 1) // 2 + (length - seen) * span
+    return covered / total if total else 0.0
+
+
+# Below this share of the selected pairs nsa() does not fold: the gates' two passes (T x H x 3
+# floats, forward and backward: 0.05 ms at 64K tokens, H=32, H200) cost about what a single
+# 64K sequence's 0.2% of the pairs saves, and at 1M tokens the folded copy would add 0.4 GB to
+# the peak for nothing.
+MIN_COVERED_PAIR_SHARE = 0.01
+
+
 def window_covered_rows(cu_seqlens: Tensor, host_cu_seqlens: tuple[int, ...],
                         config: NSAConfig) -> WindowCoveredRows | None:
-    """The tiles and rows the window covers in this packing; None where there are none. Made
-    on the device from cu_seqlens (a CUDA-graph capture may build it: no host-to-device copy)
-    and kept across calls as a function of the host bounds and the config
+    """The tiles and rows the window covers in this packing; None where there are none or
+    they hold less than MIN_COVERED_PAIR_SHARE of the selected pairs. Made on the device from
+    cu_seqlens (a CUDA-graph capture may build it: no host-to-device copy) and kept across
+    calls, the answer too, as a function of the host bounds and the config
     (sparsity/host_cache.py)."""
+    if not config.causal or config.window_size <= 0:
+        return None
+    key = ("window-covered rows", tuple(host_cu_seqlens), config.q_tile, config.window_size,
+           config.num_selected_blocks, config.selected_block_size)
+    return cached(key, cu_seqlens, lambda: _covered_rows(cu_seqlens, host_cu_seqlens, config))
+
+
+def _covered_rows(cu_seqlens: Tensor, host_cu_seqlens: tuple[int, ...],
+                  config: NSAConfig) -> WindowCoveredRows | None:
     counts = covered_tile_counts(host_cu_seqlens, config)
-    if not any(counts):
+    if not any(counts) or covered_pair_share(host_cu_seqlens, config) < MIN_COVERED_PAIR_SHARE:
         return None
     cover, tile = _cover(config), config.q_tile
-
-    def build() -> WindowCoveredRows:
-        cu = cu_seqlens.to(torch.int64)
-        lengths = cu.diff()
-        # Covered rows per sequence: all of a document up to the cover, else whole tiles.
-        limit = torch.where(lengths <= cover, lengths, cover // tile * tile)
-        row = torch.arange(host_cu_seqlens[-1], device=cu.device)
-        sequence = torch.searchsorted(cu[1:], row, right=True)
-        rows = ((row - cu[sequence]) < limit[sequence]).to(torch.float32)
-        tiles_before = ((lengths + tile - 1) // tile).cumsum(0)
-        covered = (limit + tile - 1) // tile
-        covered_end = covered.cumsum(0)
-        entry = torch.arange(sum(counts), device=cu.device)
-        owner = torch.searchsorted(covered_end, entry, right=True)
-        first_tile = tiles_before[owner] - (lengths[owner] + tile - 1) // tile
-        tiles = first_tile + entry - (covered_end[owner] - covered[owner])
-        return WindowCoveredRows(tiles, rows)
-
-    return cached(("window-covered rows", tuple(host_cu_seqlens), tile, config.window_size,
-                   config.num_selected_blocks * config.selected_block_size),
-                  cu_seqlens, build)
+    cu = cu_seqlens.to(torch.int64)
+    lengths = cu.diff()
+    # Covered rows per sequence: all of a document up to the cover, else whole tiles.
+    limit = torch.where(lengths <= cover, lengths, cover // tile * tile)
+    row = torch.arange(host_cu_seqlens[-1], device=cu.device)
+    sequence = torch.searchsorted(cu[1:], row, right=True)
+    rows = ((row - cu[sequence]) < limit[sequence]).to(torch.float32)
+    tiles_before = ((lengths + tile - 1) // tile).cumsum(0)
+    covered = (limit + tile - 1) // tile
+    covered_end = covered.cumsum(0)
+    entry = torch.arange(sum(counts), device=cu.device)
+    owner = torch.searchsorted(covered_end, entry, right=True)
+    first_tile = tiles_before[owner] - (lengths[owner] + tile - 1) // tile
+    tiles = first_tile + entry - (covered_end[owner] - covered[owner])
+    return WindowCoveredRows(tiles, rows)
 
 
 def without_covered_tiles(lists: BlockSparseTensors, covered: WindowCoveredRows

@@ -11,7 +11,8 @@ from nsa import nsa
 from nsa.branches import SELECTED, WINDOW
 from nsa.config import NSAConfig
 from nsa.reference import compress_kv_reference, nsa_reference, select_blocks_reference
-from nsa.window_covered import (covered_tile_counts, folded_gates, unfold_gate_gradients,
+from nsa.window_covered import (MIN_COVERED_PAIR_SHARE, covered_pair_share,
+                                covered_tile_counts, folded_gates, unfold_gate_gradients,
                                 window_covered_rows, without_covered_tiles)
 from sparsity import build_selected_block_sparse
 from gpu_marks import requires_sm90
@@ -70,6 +71,20 @@ def test_covered_tiles_and_rows_of_a_packing():
     assert torch.equal(covered.rows, expected_rows.float())
     for off in (_config(0), _config(40, causal=False)):
         assert window_covered_rows(cu_seqlens_of(LENGTHS), host, off) is None
+
+
+def test_no_covering_where_it_holds_too_few_of_the_selected_pairs():
+    """A long single sequence: two covered tiles, 0.28% of the selected pairs (32 x 33 / 2 of
+    48 x 49 / 2 + 3952 x 48): below MIN_COVERED_PAIR_SHARE, so nothing is folded; the packing
+    of short documents is far above it."""
+    config = _config(40)
+    host = (0, 4000)
+    assert covered_tile_counts(host, config) == [2]
+    share = covered_pair_share(host, config)
+    assert share == pytest.approx(528 / (1176 + 3952 * 48))
+    assert share < MIN_COVERED_PAIR_SHARE
+    assert window_covered_rows(torch.tensor(host, dtype=torch.int32), host, config) is None
+    assert covered_pair_share(tuple(cu_seqlens_of(LENGTHS).tolist()), config) > 0.3
 
 
 def test_without_covered_tiles_empties_those_tiles_only():
