@@ -21,8 +21,10 @@ is every row of documents up to 512 tokens and the first 512 of longer ones: 6% 
 branch's pairs in the log-normal packing of tools/packed_workloads.py, 25% with 1K documents,
 all of them with 256-token documents.
 
-Causal NSA with a window only; not on `QueryRows` calls (context parallelism's sequence mode,
-whose rows start inside their documents). Switch: nsa.function.WINDOW_COVERS_SELECTED.
+Causal NSA with a window only, where the covered rows hold at least MIN_COVERED_PAIR_SHARE of
+the selected pairs (packed documents; not a long single sequence); not on `QueryRows` calls
+(context parallelism's sequence mode, whose rows start inside their documents). Switch:
+nsa.function.WINDOW_COVERS_SELECTED.
 """
 from __future__ import annotations
 
