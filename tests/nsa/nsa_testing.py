@@ -35,6 +35,21 @@ def random_inputs(lengths: list[int], heads: int, kv_heads: int, head_dim: int, 
 
 TENSOR_INPUTS = ("q", "k", "v", "W_k", "W_v", "W_gate")
 
+
+def random_cuda_inputs(lengths: list[int], heads: int, kv_heads: int, head_dim: int, seed: int,
+                       device="cuda") -> dict:
+    """random_inputs (float64) with every tensor on `device`."""
+    return {n: (t.to(device) if isinstance(t, torch.Tensor) else t)
+            for n, t in random_inputs(lengths, heads, kv_heads, head_dim, seed=seed).items()}
+
+
+def bf16_reference_inputs(x: dict) -> dict:
+    """The float64 reference's inputs: x's floating tensors rounded to bf16 first (the values
+    the fast path sees), then made differentiable in float64."""
+    return differentiable({n: (t.detach().bfloat16() if isinstance(t, torch.Tensor)
+                               and t.is_floating_point() else t) for n, t in x.items()},
+                          torch.float64)
+
 # The GPU tests' packing: three documents, one short (2277 rows).
 GPU_LENGTHS = [1500, 77, 700]
 

@@ -15,7 +15,8 @@ import torch
 import kernels
 from nsa import nsa, nsa_reference
 from nsa.branches import COMPRESSED, SELECTED, WINDOW, Branch
-from nsa_testing import cu_seqlens_of, differentiable, grads_of, random_inputs, rel_err
+from nsa_testing import (bf16_reference_inputs, cu_seqlens_of, differentiable, grads_of,
+                         random_cuda_inputs, rel_err)
 from gpu_marks import record_backward_launches, requires_sm90
 
 pytestmark = pytest.mark.gpu
@@ -36,15 +37,14 @@ CASES = [
                                              "d192", "d256"])
 def test_nsa_on_kernels_matches_reference(case):
     lengths, heads, heads_kv, dim, options = case
-    x = {n: (t.cuda() if isinstance(t, torch.Tensor) else t)
-         for n, t in random_inputs(lengths, heads, heads_kv, dim, seed=7).items()}
+    x = random_cuda_inputs(lengths, heads, heads_kv, dim, seed=7)
     cu = x["cu_seqlens"]
     backend = kernels.which_backend(
         x["q"].bfloat16(), x["k"].bfloat16(), x["v"].bfloat16(), cu_seqlens_q=cu,
         cu_seqlens_k=cu, causal=True, window_size=(511, 0))
     assert backend == "sm90", backend
     fast_in = differentiable(x, torch.bfloat16)
-    ref_in = _reference_inputs(x)
+    ref_in = bf16_reference_inputs(x)
     out = nsa(**fast_in, max_seqlen=max(lengths), **options)
     ref = nsa_reference(**ref_in, max_seqlen=max(lengths), **options)
     assert out.dtype == torch.bfloat16 and not out.isnan().any()
@@ -138,19 +138,6 @@ def _assert_backward_on_kernels(backends: dict, window: bool = True):
     assert not off_kernel, f"branch backward not on the sm90 kernel: {off_kernel}"
 
 
-def _reference_inputs(x: dict) -> dict:
-    """The float64 reference's inputs: x's floating tensors rounded to bf16 first (the values
-    the fast path sees), then made differentiable in float64."""
-    return differentiable({n: (t.detach().bfloat16() if isinstance(t, torch.Tensor)
-                               and t.is_floating_point() else t) for n, t in x.items()},
-                          torch.float64)
-
-
-def _gpu_inputs(lengths, heads, heads_kv, dim, seed, device="cuda"):
-    return {n: (t.to(device) if isinstance(t, torch.Tensor) else t)
-            for n, t in random_inputs(lengths, heads, heads_kv, dim, seed=seed).items()}
-
-
 def _random_dout(shape, device, seed):
     generator = torch.Generator().manual_seed(seed)
     return torch.randn(shape, generator=generator, dtype=torch.float64).to(device)
@@ -171,9 +158,9 @@ BACKWARD_CASES = {
 def test_nsa_backward_on_kernels_matches_reference(case, branch_backends):
     """Gradients of q, k, v, W_k, W_v and W_gate with every branch's backward on the kernels."""
     lengths, heads, heads_kv, dim, options = BACKWARD_CASES[case]
-    x = _gpu_inputs(lengths, heads, heads_kv, dim, seed=11)
+    x = random_cuda_inputs(lengths, heads, heads_kv, dim, seed=11)
     fast_in = differentiable(x, torch.bfloat16)
-    ref_in = _reference_inputs(x)
+    ref_in = bf16_reference_inputs(x)
     out = nsa(**fast_in, max_seqlen=max(lengths), **options)
     ref = nsa_reference(**ref_in, max_seqlen=max(lengths), **options)
     assert rel_err(out, ref) < OUT_TOLERANCE
@@ -194,7 +181,7 @@ def test_nsa_deterministic_backward_is_bitwise_stable(case, branch_backends):
     """deterministic=True: three forward+backward runs give the same bits for every gradient,
     with every branch's backward on the kernels, and gradients that match the reference."""
     lengths, heads, heads_kv, dim, options = BACKWARD_CASES[case]
-    x = _gpu_inputs(lengths, heads, heads_kv, dim, seed=12)
+    x = random_cuda_inputs(lengths, heads, heads_kv, dim, seed=12)
     fast_in = differentiable(x, torch.bfloat16)
     dout = _random_dout(x["q"].shape, x["q"].device, seed=6)
     runs = []
@@ -207,7 +194,7 @@ def test_nsa_deterministic_backward_is_bitwise_stable(case, branch_backends):
         for name, grad in runs[0].items():
             assert torch.equal(grad, again[name]), f"{name} differs between deterministic runs"
 
-    ref_in = _reference_inputs(x)
+    ref_in = bf16_reference_inputs(x)
     ref = nsa_reference(**ref_in, max_seqlen=max(lengths), **options)
     ref_grads = grads_of(ref, ref_in, dout)
     for name, grad in runs[0].items():
@@ -224,7 +211,7 @@ def test_nsa_shared_gate_pass_gives_the_per_branch_passes_bits(monkeypatch, bran
     import nsa.function as function
 
     lengths, heads, heads_kv, dim, options = BACKWARD_CASES["gqa4-varlen"]
-    x = _gpu_inputs(lengths, heads, heads_kv, dim, seed=13)
+    x = random_cuda_inputs(lengths, heads, heads_kv, dim, seed=13)
     fast_in = differentiable(x, torch.bfloat16)
     dout = _random_dout(x["q"].shape, x["q"].device, seed=7)
     shared_calls = []
@@ -273,7 +260,7 @@ def test_nsa_compressed_dq_opens_the_sums_the_window_adds_into(monkeypatch, bran
 
     monkeypatch.setattr(DqSums, "open_for_store", poisoned)
     lengths, heads, heads_kv, dim = [FUSED_DQ_MIN_KEYS + 403, 300, *short], 8, 2, 128
-    x = _gpu_inputs(lengths, heads, heads_kv, dim, seed=14)
+    x = random_cuda_inputs(lengths, heads, heads_kv, dim, seed=14)
     fast_in = differentiable(x, torch.bfloat16)
     dout = _random_dout(x["q"].shape, x["q"].device, seed=8)
     runs = {}
@@ -289,7 +276,7 @@ def test_nsa_compressed_dq_opens_the_sums_the_window_adds_into(monkeypatch, bran
         assert any(spec.dq_stores for spec in launched) == (opens and not short), launched
     torch.cuda.synchronize()
     _assert_backward_on_kernels(branch_backends)
-    ref_in = _reference_inputs(x)
+    ref_in = bf16_reference_inputs(x)
     ref = nsa_reference(**ref_in, max_seqlen=max(lengths))
     ref_grads = grads_of(ref, ref_in, dout)
     for name, grad in runs[True].items():

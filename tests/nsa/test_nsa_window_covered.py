@@ -16,7 +16,8 @@ from nsa.window_covered import (MIN_COVERED_PAIR_SHARE, covered_pair_share,
                                 window_covered_rows, without_covered_tiles)
 from sparsity import build_selected_block_sparse
 from gpu_marks import requires_sm90
-from nsa_testing import SMALL, cu_seqlens_of, differentiable, grads_of, random_inputs, rel_err
+from nsa_testing import (SMALL, bf16_reference_inputs, cu_seqlens_of, differentiable, grads_of,
+                         random_cuda_inputs, random_inputs, rel_err)
 
 # Documents shorter than the cover, one row past it, one 16-row tile, and longer ones.
 LENGTHS = [100, 7, 40, 41, 33, 64, 16]
@@ -177,8 +178,7 @@ def test_nsa_with_the_window_covering_on_the_kernels(monkeypatch, recompute):
     float64 reference, learned gates, every gradient; documents shorter than the window, one
     ending inside a tile and one longer than n l'."""
     lengths = [1500, 77, 700, 300, 2100]
-    x = {n: (t.cuda() if isinstance(t, torch.Tensor) else t)
-         for n, t in random_inputs(lengths, 16, 4, 128, seed=21).items()}
+    x = random_cuda_inputs(lengths, 16, 4, 128, seed=21)
     dout = torch.randn(x["q"].shape, generator=torch.Generator().manual_seed(4),
                        dtype=torch.float64).cuda()
     runs = {}
@@ -187,9 +187,7 @@ def test_nsa_with_the_window_covering_on_the_kernels(monkeypatch, recompute):
         inputs = differentiable(x, torch.bfloat16)
         out = nsa(**inputs, max_seqlen=max(lengths), recompute=recompute, capture=False)
         runs[covering] = (out.detach().double(), grads_of(out, inputs, dout))
-    ref_in = differentiable({n: (t.detach().bfloat16() if isinstance(t, torch.Tensor)
-                                 and t.is_floating_point() else t) for n, t in x.items()},
-                            torch.float64)
+    ref_in = bf16_reference_inputs(x)
     ref = nsa_reference(**ref_in, max_seqlen=max(lengths))
     ref_grads = grads_of(ref, ref_in, dout)
     (out_on, grads_on), (out_off, grads_off) = runs[True], runs[False]
