@@ -55,7 +55,7 @@ from nsa.function import (compressed_starts, describe_branches, fused_gate_pass,
                           gate_pass, select_for_branches, window_covered)
 from nsa.gating import NUM_BRANCHES, gate_backward, gate_weights  # noqa: E402
 from nsa.validation import validate_nsa_call  # noqa: E402
-from nsa.window_covered import folded_gates  # noqa: E402
+from nsa.window_covered import folded_gates, unfold_gate_gradients  # noqa: E402
 from _common import (  # noqa: E402
     add_cmp_selected_argument, add_num_seqs_argument, add_problem_arguments, check_num_seqs, cu_seqlens_of, describe_device, measure_seqlens, nsa_options,
     problem_defaults_epilog, problem_summary, random_gate, random_qkv,
@@ -223,10 +223,14 @@ def profile_backward(q, k, v, W_gate, cu_seqlens, cu_seqlens_cmp, sequences, con
     generator = torch.Generator().manual_seed(7)
     dout = torch.randn(q.shape, generator=generator).to(device=q.device, dtype=q.dtype)
     d_gates = torch.zeros(*q.shape[:2], NUM_BRANCHES, dtype=dtype, device=q.device)
-    # The gates the branch outputs were summed with (nsa/window_covered.py), as nsa() folds them.
-    gates = stage(GATE_WEIGHTS, lambda: folded_gates(
-        gate_weights(q, W_gate, config.branches),
-        window_covered(cu_seqlens, sequences, config)).contiguous(), "torch", into=rows)
+    # The gates and those the branch outputs were summed with (nsa/window_covered.py): the
+    # passes read the folded ones, gate_backward the gates, as in packed_gradients.
+    covered = window_covered(cu_seqlens, sequences, config)
+
+    def gate_weights_and_folded():
+        weights = gate_weights(q, W_gate, config.branches)
+        return weights, folded_gates(weights, covered).contiguous()
+    gates, summed_gates = stage(GATE_WEIGHTS, gate_weights_and_folded, "torch", into=rows)
     gate_backend = "sm90" if backward_runs_on_sm90(q, d_gates) else "torch"
     # The running gradients as packed_gradients keeps them: dq in q's dtype, dk, dv in float32.
     sums = {"q": None, "k": None, "v": None}
@@ -261,12 +265,13 @@ def profile_backward(q, k, v, W_gate, cu_seqlens, cu_seqlens_cmp, sequences, con
         # As nsa() does: the backward checked and dispatched once per branch, for these keys
         plan = branch.plan_backward(q, keys, values, **options)
         on_kernel = plan is not None
-        fused = on_kernel and fused_gate_pass(branch, dout, q, keys, values, gates, d_gates,
-                                              lse, plan) is not None
+        fused = on_kernel and fused_gate_pass(branch, dout, q, keys, values, summed_gates,
+                                              d_gates, lse, plan) is not None
         if fused:  # the recomputing forward writes the gate gradient, not the output
             def recompute_row_dots():
                 # The plan holds these keys, so the compression is not timed again here
-                return fused_gate_pass(branch, dout, q, keys, values, gates, d_gates, lse, plan)
+                return fused_gate_pass(branch, dout, q, keys, values, summed_gates, d_gates,
+                                       lse, plan)
 
             step = stage(f"{name}: {BRANCH_BACKWARD_STEPS[0]}", recompute_row_dots,
                          "sm90, writes <dO, o_b> (gate pass included; compression not "
@@ -277,8 +282,9 @@ def profile_backward(q, k, v, W_gate, cu_seqlens, cu_seqlens_cmp, sequences, con
             rows.append((f"{name}: {BRANCH_BACKWARD_STEPS[0]}", timed(recompute),
                          kernels.which_backend(q, keys, values, **branch.kernel_kwargs)))
             step = stage(f"{name}: {BRANCH_BACKWARD_STEPS[1]}",
-                         lambda: gate_pass(branch.index, dout, branch_out, gates, d_gates, lse,
-                                           on_kernel=on_kernel), gate_backend, into=rows)
+                         lambda: gate_pass(branch.index, dout, branch_out, summed_gates,
+                                           d_gates, lse, on_kernel=on_kernel),
+                         gate_backend, into=rows)
         if not branch.reads_compressed and sums["k"] is None:
             sums["k"], sums["v"] = (torch.zeros(x.shape, dtype=dtype, device=x.device)
                                     for x in (k, v))
@@ -306,8 +312,10 @@ def profile_backward(q, k, v, W_gate, cu_seqlens, cu_seqlens_cmp, sequences, con
         del block_starts, keys, values, branch_out, step, dq_b, dk_b, dv_b, plan
 
     if W_gate is not None:
-        stage(GATE_BACKWARD, lambda: gate_backward(q, W_gate, gates, d_gates, sums["q"]),
-              "torch", into=rows)
+        def unfolded_gate_backward():
+            unfold_gate_gradients(d_gates, covered)
+            return gate_backward(q, W_gate, gates, d_gates, sums["q"])
+        stage(GATE_BACKWARD, unfolded_gate_backward, "torch", into=rows)
     stage(GRADIENT_SUMS, lambda: [sums[x].to(k.dtype) for x in ("k", "v")], "torch", into=rows)
 
     inputs = [t.detach().requires_grad_() for t in (q, k, v)]
