@@ -7,6 +7,7 @@ them. Imports torch only.
 from __future__ import annotations
 
 import functools
+from contextlib import contextmanager
 import os
 
 import torch
@@ -65,3 +66,23 @@ def total_memory(device: torch.device) -> int:
 def sm_count(device: torch.device) -> int:
     """The streaming multiprocessors of a CUDA device (the persistent grids' size)."""
     return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+_persistent_sms_left: int = 0  # SMs a persistent forward grid leaves to other streams
+
+
+@contextmanager
+def sms_left_to_other_streams(count: int):
+    """Within: persistent forward grids take count SMs fewer than the device has (at least
+    one), so kernels queued on another stream meanwhile find SMs free (nsa/streams.py)."""
+    global _persistent_sms_left
+    outer, _persistent_sms_left = _persistent_sms_left, count
+    try:
+        yield
+    finally:
+        _persistent_sms_left = outer
+
+
+def persistent_grid_sms(device: torch.device) -> int:
+    """The SMs a persistent forward grid launched now spreads over (`sms_left_to_other_streams`)."""
+    return max(1, sm_count(device) - _persistent_sms_left)

@@ -32,7 +32,7 @@ class GatedSum:
 
     gates: (T, H, G) floating, on like's device; terms: (T, H, D) with like's shape and dtype.
     keep_terms: the caller reads the terms after `result()` (nsa() keeps its branch outputs for
-    the backward), so the sm90 path writes the sum into a new tensor instead of the first term.
+    the backward), so the sm90 path writes the sum into a new tensor instead of over a term.
     """
 
     def __init__(self, gates: Tensor, like: Tensor, keep_terms: bool = False):
@@ -88,8 +88,8 @@ class GatedSum:
 
     def result(self) -> Tensor:
         """The sum in like's dtype (zeros without terms); later calls return the same tensor.
-        On the sm90 path it is written over the first term as `add` kept it (the caller's
-        tensor when that was contiguous and 16-byte aligned, else a copy): a caller's first term
+        On the sm90 path it is written over the term of the lowest column as `add` kept it (the
+        caller's tensor when that was contiguous and 16-byte aligned, else a copy): that term
         must not be used afterwards, unless the sum was made with keep_terms."""
         if self._result is None:
             self._result = self._sum()
@@ -106,7 +106,7 @@ class GatedSum:
         caller owns, instead of copying the graph's static result out)."""
         if not self.keep_terms:
             raise RuntimeError("GatedSum.sum_copy needs keep_terms=True (the sm90 path writes "
-                               "the sum over the first term otherwise)")
+                               "the sum over a term otherwise)")
         return self._sum(again=True)
 
     def _sum(self, again: bool = False) -> Tensor:
@@ -118,8 +118,12 @@ class GatedSum:
             return torch.zeros_like(self.like)
         from kernels.sm90 import gated_sum
 
-        into = torch.empty_like(self.terms[0]) if self.keep_terms else None
-        out = gated_sum.run(self.terms, self.columns, self.gates, into=into)
+        # In column order, whatever order the terms came in: a call's sum is the same bits
+        # whichever branch was launched first (nsa/streams.py's two streams, or one).
+        order = sorted(range(len(self.terms)), key=self.columns.__getitem__)
+        terms = [self.terms[i] for i in order]
+        into = torch.empty_like(terms[0]) if self.keep_terms else None
+        out = gated_sum.run(terms, [self.columns[i] for i in order], self.gates, into=into)
         if not again:
             self.terms.clear()
         return out

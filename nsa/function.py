@@ -48,6 +48,7 @@ from nsa.compression import (compress_pair, compressed_block_starts, compressed_
 from nsa.config import NSAConfig
 from nsa.gating import NUM_BRANCHES, gate_backward, gate_weights
 from nsa.selection import select_blocks
+from nsa.streams import Beside, beside_applies
 from nsa.validation import PackedSequences
 from nsa.window_covered import (WindowCoveredRows, folded_gates, unfold_gate_gradients,
                                 window_covered_rows, without_covered_tiles)
@@ -83,6 +84,10 @@ UNSELECTED_FIRST = True
 # both (nsa/window_covered.py); False: the selected branch computes them (the switch for the
 # A/B).
 WINDOW_COVERS_SELECTED = True
+# The forward's compression, selection and the compressed and selected branches run on a
+# high-priority stream beside the window's launch (nsa/streams.py says when); False: all on
+# the current stream, in the same order (the switch for the A/B).
+SELECTION_STREAM = True
 
 
 class NSAFunction(torch.autograd.Function):
@@ -152,45 +157,64 @@ def packed_forward(q: Tensor, k: Tensor, v: Tensor, W_k: Tensor | None, W_v: Ten
     its graph, straight into the tensor it returns)."""
     if not combine and not keep_outputs:
         raise ValueError("combine=False needs keep_outputs=True (the sum reads the outputs)")
-    # The branches whose keys the selection does not choose are launched before it: from an
-    # idle GPU their kernels run while the host compresses, selects blocks and builds the
-    # selected branch's lists, which otherwise the GPU waited for (`profile_kernels --gaps
-    # --from-idle`). The window reads q, k and v alone, so it goes first, before the
-    # compression; its output joins the sum in the branches' order all the same.
     window = (planned_window_branch(cu_seqlens, sequences, config, queries)
               if UNSELECTED_FIRST and config.window_size > 0 else None)
-    launched = {WINDOW: window.forward(q, k, v)} if window is not None else {}
-    cu_seqlens_cmp, k_cmp_scored, v_cmp = compress_keys(k, v, W_k, W_v, cu_seqlens, sequences,
-                                                        config)
-    k_cmp, v_cmp = k_cmp_scored.to(k.dtype), v_cmp.to(v.dtype)
-
-    # One pass over the branch outputs on sm90; elsewhere a float32 sum that frees each
-    # output as it is added (kernels/gated_sum.py), unless they are kept.
-    gates = gate_weights(q, W_gate, config.branches)
+    lses, outputs, waiting = {}, {}, {}
     covered = window_covered(cu_seqlens, sequences, config, queries)
-    out = GatedSum(folded_gates(gates, covered), like=q, keep_terms=keep_outputs)
-    lses, outputs = {}, {}
 
-    def run(branch: Branch) -> None:
-        keys, values = (k_cmp, v_cmp) if branch.reads_compressed else (k, v)
-        branch_out, lses[branch.index] = (launched.pop(branch.index) if branch.index in launched
-                                          else branch.forward(q, keys, values))
-        out.add(branch.index, branch_out)
+    def gated_sum() -> tuple[Tensor, GatedSum]:
+        """(the gates, their sum to come). One pass over the branch outputs on sm90;
+        elsewhere a float32 sum that frees each output as it is added (kernels/gated_sum.py),
+        unless they are kept."""
+        gates = gate_weights(q, W_gate, config.branches)
+        return gates, GatedSum(folded_gates(gates, covered), like=q, keep_terms=keep_outputs)
+
+    def run(branch: Branch, keys: Tensor, values: Tensor) -> None:
+        term, lses[branch.index] = branch.forward(q, keys, values)
         if keep_outputs:
-            outputs[branch.index] = branch_out
+            outputs[branch.index] = term
+        if out is not None:
+            out.add(branch.index, term)
+        else:
+            waiting[branch.index] = term
 
-    early = (unselected_branches(cu_seqlens, cu_seqlens_cmp, sequences, config, queries, window)
-             if UNSELECTED_FIRST else {})
-    for branch in early.values():
-        run(branch)
-    selection = select_for_branches(q, k_cmp_scored, cu_seqlens, cu_seqlens_cmp, sequences,
-                                    config, queries)
-    del k_cmp_scored
-    branches = describe_branches(selection, cu_seqlens, cu_seqlens_cmp, sequences, config,
-                                 queries, early or None)
-    for branch in branches:
-        if branch.index not in early:
-            run(branch)
+    # Compression, selection and the selected branch on a high-priority stream beside the
+    # window and the compressed branch (nsa/streams.py), forked before the window's launch;
+    # the gates after them on the current stream (queued before the fork, they would hold the
+    # side stream back), the outputs summed after the join.
+    with Beside(q, beside_applies(q, window is not None, SELECTION_STREAM)) as beside:
+        gates, out = (None, None) if beside.on else gated_sum()
+        # The branches whose keys the selection does not choose are launched before it: from
+        # an idle GPU their kernels run while the host compresses, selects blocks and builds
+        # the selected branch's lists, which otherwise the GPU waited for (`profile_kernels
+        # --gaps --from-idle`). The window reads q, k and v alone, so it goes first, before
+        # the compression; its output joins the sum in the branches' order all the same.
+        if window is not None:
+            with beside.beside_side():
+                run(window, k, v)
+        with beside.side():
+            cu_seqlens_cmp, k_cmp_scored, v_cmp = compress_keys(k, v, W_k, W_v, cu_seqlens,
+                                                                sequences, config)
+            k_cmp, v_cmp = k_cmp_scored.to(k.dtype), v_cmp.to(v.dtype)
+        early = (unselected_branches(cu_seqlens, cu_seqlens_cmp, sequences, config, queries,
+                                     window) if UNSELECTED_FIRST else {})
+        if COMPRESSED in early:
+            beside.wait_for_side()  # for k_cmp, v_cmp
+            with beside.beside_side():
+                run(early[COMPRESSED], k_cmp, v_cmp)
+        with beside.side():
+            selection = select_for_branches(q, k_cmp_scored, cu_seqlens, cu_seqlens_cmp,
+                                            sequences, config, queries)
+            del k_cmp_scored
+            branches = describe_branches(selection, cu_seqlens, cu_seqlens_cmp, sequences,
+                                         config, queries, early or None)
+            for branch in branches:
+                if branch.index not in early:
+                    run(branch, *((k_cmp, v_cmp) if branch.reads_compressed else (k, v)))
+        if out is None:
+            gates, out = gated_sum()
+    for index in sorted(waiting):
+        out.add(index, waiting.pop(index))
     return (out.result() if combine else out, branches, cu_seqlens_cmp,
             [lses[branch.index] for branch in branches],
             KeptForBackward((k_cmp, v_cmp),

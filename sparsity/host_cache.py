@@ -21,7 +21,11 @@ Rules that keep it correct:
   says so (`pinned_for_capture`: nsa()'s captured plans, whose slots hold their static
   buffers the same way), else in `_captured_entries`, never evicted (a user's own capture
   of nsa(): its graph's life is unknown here; `clear()` drops them). A side stream that is
-  not capturing neither reads nor stores;
+  not capturing neither reads nor stores, except one forked from the default stream and
+  joined back into it (`forked_side_stream`: nsa()'s selection stream, nsa/streams.py): it
+  counts as the default stream, and what is evicted while it is forked stays alive until
+  the join is queued, after which the default stream reuses memory only behind the side
+  stream's reads;
 - fake tensors (torch.compile's tracing) and meta tensors bypass the cache;
 - callers never write into a returned tensor;
 - entries are built outside inference mode, so a training call may use what an evaluation
@@ -42,6 +46,9 @@ T = TypeVar("T")
 _entries: OrderedDict = OrderedDict()  # least recently used first
 _capture_pins: list | None = None  # the owner's list while a pinning capture runs
 _captured_entries: dict = {}  # entries a capture without an owner read: kept until clear()
+# (device index, stream id) of a side stream forked from the default stream, until joined
+_forked_stream: tuple[int, int] | None = None
+_evicted_while_forked: list = []  # entries evicted meanwhile: kept until the join
 
 
 def cached(key: tuple, like: torch.Tensor, build: Callable[[], T]) -> T:
@@ -51,7 +58,7 @@ def cached(key: tuple, like: torch.Tensor, build: Callable[[], T]) -> T:
     if device.type == "meta" or (not _plain_tensor(like) and is_fake(like)):
         return build()
     full_key = (key, device)
-    if not _on_default_stream(like):
+    if not on_default_stream(like):
         value = _entries.get(full_key, _captured_entries.get(full_key))
         if value is None or not _capturing(like):
             return build()
@@ -72,8 +79,31 @@ def cached(key: tuple, like: torch.Tensor, build: Callable[[], T]) -> T:
         value = build()
     _entries[full_key] = value
     while len(_entries) > MAX_ENTRIES:
-        _entries.popitem(last=False)
+        evicted = _entries.popitem(last=False)
+        if _forked_stream is not None:
+            _evicted_while_forked.append(evicted)
     return value
+
+
+@contextmanager
+def forked_side_stream(stream: torch.cuda.Stream, join):
+    """Within: `stream`, which waits for the default stream's work queued so far, counts as
+    the default stream here (reads and stores); on exit `join()` makes the default stream
+    wait for it, and only then are the entries evicted meanwhile let go (either stream may
+    still read them until then). For a fork from the default stream only: from any other
+    stream the side stream reads and stores nothing, as that stream would not."""
+    global _forked_stream
+    outer = _forked_stream
+    _forked_stream = (stream.device.index, stream.stream_id)
+    try:
+        yield
+    finally:
+        try:
+            join()
+        finally:
+            _forked_stream = outer
+            if outer is None:
+                _evicted_while_forked.clear()
 
 
 def _plain_tensor(like: torch.Tensor) -> bool:
@@ -84,7 +114,7 @@ def _plain_tensor(like: torch.Tensor) -> bool:
             and not torch._C._functorch.is_functorch_wrapped_tensor(like))
 
 
-def _on_default_stream(like: torch.Tensor) -> bool:
+def on_default_stream(like: torch.Tensor) -> bool:
     """Whether work for like's device is queued on its default stream (always on the CPU).
     Asked of torch's C binding where it has one (stream id 0 is the default stream): building
     two torch.cuda.Stream objects to compare cost ~25 us per call, a dozen calls per nsa()
@@ -92,10 +122,12 @@ def _on_default_stream(like: torch.Tensor) -> bool:
     if not like.is_cuda:
         return True
     current = getattr(torch._C, "_cuda_getCurrentStream", None)
+    index = torch.cuda.current_device() if like.device.index is None else like.device.index
     if current is not None:
-        index = like.device.index
-        return current(torch.cuda.current_device() if index is None else index)[0] == 0
-    return torch.cuda.current_stream(like.device) == torch.cuda.default_stream(like.device)
+        stream_id = current(index)[0]
+    else:
+        stream_id = torch.cuda.current_stream(like.device).stream_id
+    return stream_id == 0 or (index, stream_id) == _forked_stream
 
 
 @contextmanager

@@ -76,7 +76,7 @@ def workloads(args) -> list[tuple[str, PackedWorkload | None, int]]:
 
 def make_step(args, packing: PackedWorkload | None, tokens: int):
     """One nsa() forward+backward on random inputs (never zeros), as a training step: the
-    leaves' .grad cleared first."""
+    leaves' .grad cleared first; with --forward a forward alone, without autograd."""
     from nsa import nsa
 
     device, dtype = args.device, args.torch_dtype
@@ -102,7 +102,11 @@ def make_step(args, packing: PackedWorkload | None, tokens: int):
         for leaf in leaves:
             leaf.grad = None
         torch.autograd.backward(nsa(**call), dout)
-    return step
+
+    def forward():
+        with torch.no_grad():
+            nsa(**call)
+    return forward if args.forward else step
 
 
 # The name `idle_report` gives a step's start (the marker launched after the sync before a step
@@ -231,6 +235,10 @@ def time_kind(device: torch.device) -> str:
     return "kernel time" if device.type == "cuda" else "CPU op time (own)"
 
 
+def step_kind(args) -> str:
+    return "forward" if args.forward else "forward+backward"
+
+
 def total_ms(table: collections.Counter) -> float:
     return sum(ms for ms, _ in table.values())
 
@@ -288,7 +296,7 @@ def profile_workload(args, label: str, packing, tokens: int) -> None:
         table = kernel_times(step, args.repeats, args.device, intervals, args.by_launch,
                              from_idle=args.from_idle and args.gaps)
         print(f"\n{label}: {total_ms(table):.3f} ms of {time_kind(args.device)} per "
-              f"forward+backward{from_idle_time(step, args)}")
+              f"{step_kind(args)}{from_idle_time(step, args)}")
         print(format_table(table, args.top))
         if intervals is not None:
             print(f"\n{label}: where the GPU was idle, {args.repeats} steps")
@@ -305,7 +313,7 @@ def profile_workload(args, label: str, packing, tokens: int) -> None:
             idle = from_idle_time(timed, args)
         print(f"{label}: round {round_index + 1} ({setting}) "
               f"{total_ms(tables[setting][-1]):.3f} ms of {time_kind(args.device)} per "
-              f"forward+backward{idle}")
+              f"{step_kind(args)}{idle}")
     # The last round of each setting, kernel by kernel.
     print(f"\n{label}: kernels that moved most, A (the library's settings) -> B "
           f"({', '.join(args.switch)}), last round of each")
@@ -338,6 +346,9 @@ def parse_arguments(argv=None) -> argparse.Namespace:
     parser.add_argument("--graph", action="store_true",
                         help="capture the whole step in one CUDA graph and profile its "
                              "replays (GPU only)")
+    parser.add_argument("--forward", action="store_true",
+                        help="steps of a forward alone, without autograd (as the bench's fwd "
+                             "pass), instead of forward+backward")
     add_capture_argument(parser)
     add_switch_argument(parser)
     args = parser.parse_args(argv)
@@ -363,7 +374,7 @@ def parse_arguments(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_arguments(argv)
-    print(f"{describe_device(args.device)}: nsa() forward+backward, {problem_summary(args)}, "
+    print(f"{describe_device(args.device)}: nsa() {step_kind(args)}, {problem_summary(args)}, "
           f"{'learned' if args.gate else 'mean'} gates, --capture {args.capture}")
     for label, packing, tokens in workloads(args):
         profile_workload(args, label, packing, tokens)

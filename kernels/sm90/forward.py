@@ -11,7 +11,7 @@ import math
 
 import torch
 
-from kernels.device import is_sm90, sm_count
+from kernels.device import is_sm90, persistent_grid_sms
 from kernels.sm90.launch import (aligned_rows, has_aligned_rows, launch_compiled,
                                  query_positions, uniform_cu_seqlens)
 from kernels.sm90.limits import require_int32_limits
@@ -278,12 +278,12 @@ def run(
                      * (cu_seqlens_q.numel() - 1))
         num_ctas = num_tiles
         if spec.persistent:
-            num_ctas = min(num_tiles, sm_count(q.device) * spec.ctas_per_sm)
+            num_ctas = min(num_tiles, persistent_grid_sms(q.device) * spec.ctas_per_sm)
         trace_buffer = torch.zeros(trace_shape(num_ctas, spec.tile_m, num_tiles),
                                    dtype=torch.int64, device=q.device)
     if max_seqlen_q > 0 and total_q > 0:
         scalars = (max_seqlen_q, softmax_scale, compress_factor, max(window_size[0], 0),
-                   max(window_size[1], 0), sm_count(q.device))
+                   max(window_size[1], 0), persistent_grid_sms(q.device))
         tensors = (q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)
         optional = (None,) * 5
         if block_sparse is not None:

@@ -164,7 +164,8 @@ def test_kernel_matches_the_exact_sum_to_one_rounding(case, dtype):
 @requires_sm90
 def test_kernel_takes_any_term_layout_and_broadcast_gates():
     """Non-contiguous and misaligned terms are copied first, stride-0 (mean) gates and a gate
-    row of 2 work, the result lands in a contiguous first term, empty input stays on torch."""
+    row of 2 work, the result lands in the lowest column's term (contiguous), empty input stays
+    on torch."""
     rows, heads, dim = 300, 4, 128
     gen = torch.Generator(device="cuda").manual_seed(7)
     base = torch.randn(rows, heads, dim + 8, device="cuda", dtype=torch.bfloat16, generator=gen)
@@ -173,7 +174,7 @@ def test_kernel_takes_any_term_layout_and_broadcast_gates():
     misaligned = flat[1:].view(rows, heads, dim)  # contiguous, 2 bytes off 16-byte alignment
     first = torch.randn(rows, heads, dim, device="cuda", dtype=torch.bfloat16, generator=gen)
     gates = torch.tensor([0.25, 0.75], device="cuda").expand(rows, heads, 2)  # stride 0
-    terms, columns = (first, strided, misaligned), (1, 0, 1)
+    terms, columns = (first, strided, misaligned), (0, 1, 1)
     exact = _exact(terms, gates, columns)
     total = GatedSum(gates, like=first)
     assert total.backend == "sm90", total.reason
@@ -454,3 +455,21 @@ def test_launch_chunks_cover_the_rows_once_in_ranges_of_whole_rows(monkeypatch):
     assert torch.equal(torch.cat([c[0] for c in chunks]), gates.flatten())
     assert torch.equal(torch.cat([c[1] for c in chunks]), terms.flatten())
     assert all(c[2] is None for c in chunks)
+
+
+@pytest.mark.gpu
+@requires_sm90
+def test_kernel_sums_in_column_order_whatever_order_the_terms_came_in():
+    """nsa() adds its branch outputs in the order they were launched, which depends on the
+    streams it runs them on (nsa/streams.py): the sum must not."""
+    gen = torch.Generator(device="cuda").manual_seed(9)
+    terms = [torch.randn(500, 4, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
+             for _ in range(3)]
+    gates = torch.rand(500, 4, 3, device="cuda", generator=gen)
+    results = []
+    for order in ((0, 1, 2), (2, 0, 1), (1, 2, 0)):
+        total = GatedSum(gates, like=terms[0], keep_terms=True)
+        for column in order:
+            total.add(column, terms[column])
+        results.append(total.result())
+    assert torch.equal(results[0], results[1]) and torch.equal(results[0], results[2])

@@ -200,14 +200,14 @@ def _as_captured(work, pins: list):
     before, into the plan's `pins` (`host_cache.pinned_for_capture`)."""
     import sparsity.host_cache as host_cache
 
-    on_default_stream, capturing = host_cache._on_default_stream, host_cache._capturing
-    host_cache._on_default_stream = lambda like: False
+    on_default_stream, capturing = host_cache.on_default_stream, host_cache._capturing
+    host_cache.on_default_stream = lambda like: False
     host_cache._capturing = lambda like: True
     try:
         with torch.no_grad(), host_cache.pinned_for_capture(pins):
             return work()
     finally:
-        host_cache._on_default_stream, host_cache._capturing = on_default_stream, capturing
+        host_cache.on_default_stream, host_cache._capturing = on_default_stream, capturing
 
 
 @pytest.fixture

@@ -1,4 +1,7 @@
 """sparsity.host_cache: device tensors of host values kept across calls."""
+import weakref
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -82,12 +85,12 @@ def test_off_the_default_stream_the_cache_is_bypassed(monkeypatch):
     under the reader, and a captured tensor holds no values until its graph replays."""
     like = torch.zeros(1)
     kept = host_cache.cached(("kept",), like, lambda: torch.tensor([1]))
-    monkeypatch.setattr(host_cache, "_on_default_stream", lambda like: False)
+    monkeypatch.setattr(host_cache, "on_default_stream", lambda like: False)
     builds = []
     other = host_cache.cached(("kept",), like, lambda: builds.append(1) or torch.tensor([2]))
     host_cache.cached(("new",), like, lambda: builds.append(1) or torch.tensor([3]))
     assert builds == [1, 1] and other is not kept
-    monkeypatch.setattr(host_cache, "_on_default_stream", lambda like: True)
+    monkeypatch.setattr(host_cache, "on_default_stream", lambda like: True)
     assert host_cache.cached(("kept",), like, lambda: torch.tensor([4])) is kept
     builds.clear()
     host_cache.cached(("new",), like, lambda: builds.append(1) or torch.tensor([3]))
@@ -100,7 +103,7 @@ def test_a_pinning_capture_reads_hits_and_pins_them(monkeypatch):
     after the block the other stream bypasses the cache again."""
     like = torch.zeros(1)
     kept = host_cache.cached(("kept",), like, lambda: torch.tensor([1]))
-    monkeypatch.setattr(host_cache, "_on_default_stream", lambda like: False)
+    monkeypatch.setattr(host_cache, "on_default_stream", lambda like: False)
     monkeypatch.setattr(host_cache, "_capturing", lambda like: True)
     builds, pins = [], []
     with host_cache.pinned_for_capture(pins):
@@ -110,7 +113,7 @@ def test_a_pinning_capture_reads_hits_and_pins_them(monkeypatch):
     assert not host_cache._captured_entries  # the owner keeps it, not the cache
     monkeypatch.setattr(host_cache, "_capturing", lambda like: False)  # a side stream
     assert host_cache.cached(("kept",), like, lambda: builds.append(1) or like) is not kept
-    monkeypatch.setattr(host_cache, "_on_default_stream", lambda like: True)
+    monkeypatch.setattr(host_cache, "on_default_stream", lambda like: True)
     builds.clear()
     host_cache.cached(("new",), like, lambda: builds.append(1) or torch.tensor([3]))
     assert builds == [1]  # the capture's miss was not stored
@@ -121,14 +124,14 @@ def test_a_capture_without_an_owner_keeps_what_it_read_past_eviction(monkeypatch
     alive past the cache's eviction (the graph may replay any time) until clear()."""
     like = torch.zeros(1)
     kept = host_cache.cached(("kept",), like, lambda: torch.tensor([1]))
-    monkeypatch.setattr(host_cache, "_on_default_stream", lambda like: False)
+    monkeypatch.setattr(host_cache, "on_default_stream", lambda like: False)
     monkeypatch.setattr(host_cache, "_capturing", lambda like: True)
     assert host_cache.cached(("kept",), like, lambda: torch.tensor([2])) is kept
-    monkeypatch.setattr(host_cache, "_on_default_stream", lambda like: True)
+    monkeypatch.setattr(host_cache, "on_default_stream", lambda like: True)
     for n in range(host_cache.MAX_ENTRIES + 1):  # evicts ("kept",) from the LRU entries
         host_cache.cached(("n", n), like, lambda n=n: torch.tensor([n]))
     assert list(host_cache._captured_entries.values()) == [kept]
-    monkeypatch.setattr(host_cache, "_on_default_stream", lambda like: False)
+    monkeypatch.setattr(host_cache, "on_default_stream", lambda like: False)
     assert host_cache.cached(("kept",), like, lambda: torch.tensor([3])) is kept
     host_cache.clear()
     assert not host_cache._captured_entries
@@ -191,3 +194,31 @@ def test_entries_built_under_inference_mode_serve_training_calls():
     x = torch.ones(3, requires_grad=True)
     (x * host_cache.cached(("weights",), like, lambda: None)).sum().backward()
     assert torch.equal(x.grad, torch.full((3,), 0.5))
+
+
+def test_entries_evicted_while_a_side_stream_is_forked_live_until_its_join():
+    """Between `forked_side_stream`'s fork and its join, an entry the side stream may still
+    read is not let go when evicted: only after `join()` (the default stream then waits for
+    the side stream, so reusing the memory is ordered after the reads)."""
+    like = torch.zeros(1)
+    ref = weakref.ref(host_cache.cached(("first",), like, lambda: torch.tensor([1])))
+    side = SimpleNamespace(device=torch.device("cuda", 0), stream_id=7)  # no GPU needed
+    alive_at_join = []
+    with host_cache.forked_side_stream(side, lambda: alive_at_join.append(ref() is not None)):
+        assert host_cache._forked_stream == (0, 7)
+        for n in range(host_cache.MAX_ENTRIES):  # evicts ("first",)
+            host_cache.cached(("n", n), like, lambda n=n: torch.tensor([n]))
+        assert all(key[0] != ("first",) for key in host_cache._entries)
+        assert ref() is not None
+    assert alive_at_join == [True]
+    assert ref() is None and host_cache._forked_stream is None
+    host_cache.clear()
+
+
+def test_a_forked_side_stream_joins_even_when_its_work_raises():
+    side = SimpleNamespace(device=torch.device("cuda", 0), stream_id=7)
+    joins = []
+    with pytest.raises(ValueError, match="inside"):
+        with host_cache.forked_side_stream(side, lambda: joins.append(1)):
+            raise ValueError("inside")
+    assert joins == [1] and host_cache._forked_stream is None

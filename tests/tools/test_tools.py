@@ -351,6 +351,9 @@ def test_profile_kernels_lists_the_step_and_runs_an_ab(capsys, monkeypatch):
     assert "round 1 (A)" in out and "round 2 (B)" in out and "B - A" in out
     assert out.count("ms from an idle GPU") == 2  # --from-idle: a step time per round
     assert function.SHARED_GATE_PASS is True
+    assert tool.main([*tiny, "--forward"]) == 0  # a forward alone
+    out = capsys.readouterr().out
+    assert "nsa() forward," in out and "per forward\n" in out and "(all)" in out
     for bad in (["--switch", "nsa.function.NOPE=1"],
                 ["--rounds", "1", "--switch", "nsa.function.SHARED_GATE_PASS=False"],
                 ["--packed", "no-such-workload"],

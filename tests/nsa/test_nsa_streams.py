@@ -1,0 +1,120 @@
+"""The forward's selection chain beside the window (nsa/streams.py): when it applies (CPU), and
+on an sm_90 GPU that nsa() with it equals nsa() without it bit for bit (the same kernels on the
+same data; deterministic=True orders the backward's sums), from the default stream, under a
+user's CUDA-graph capture and from a user's own stream (where it does not apply)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import nsa.function as function
+import nsa.streams as streams
+from nsa import nsa
+from gpu_marks import requires_sm90
+from nsa_testing import random_cuda_inputs, random_inputs
+
+# Documents shorter than the window, inside a tile, and longer than the selection's cover.
+LENGTHS = [2100, 77, 700, 300, 1500]
+
+
+def test_the_side_stream_applies_only_to_cuda_calls_with_the_window_launched_first():
+    q = random_inputs([40], 4, 2, 16, seed=0)["q"]
+    assert not streams.beside_applies(q, True, True)  # CPU
+    assert not streams.beside_applies(q, False, True)
+    assert not streams.beside_applies(q, True, False)
+
+
+def test_off_the_side_stream_beside_queues_nothing_elsewhere():
+    """`Beside(..., False)`: side() is a no-op and nothing is forked (the CPU path)."""
+    q = torch.zeros(4, 2, 8)
+    with streams.Beside(q, False) as beside:
+        with beside.side():
+            assert not beside.on
+
+
+def _call(x: dict, dout: torch.Tensor, **kwargs) -> tuple:
+    inputs = {n: (t.detach().bfloat16().requires_grad_()
+                  if n in ("q", "k", "v", "W_gate") else t) for n, t in x.items()
+              if n not in ("W_k", "W_v")}
+    out = nsa(**inputs, deterministic=True, capture=False, **kwargs)
+    out.backward(dout)
+    return out.detach(), {n: inputs[n].grad for n in ("q", "k", "v", "W_gate")}
+
+
+def _on_and_off(monkeypatch, x, dout, **kwargs) -> tuple[tuple, tuple, list]:
+    """(nsa() with the side stream, without it, whether each call's forward used it)."""
+    used = []
+    beside_applies = streams.beside_applies
+    monkeypatch.setattr(function, "beside_applies",
+                        lambda *a: used.append(beside_applies(*a)) or used[-1])
+    runs = {}
+    for on in (True, False):
+        monkeypatch.setattr(function, "SELECTION_STREAM", on)
+        runs[on] = _call(x, dout, **kwargs)
+    torch.cuda.synchronize()
+    return runs[True], runs[False], used
+
+
+def _assert_equal(a: tuple, b: tuple) -> None:
+    assert torch.equal(a[0], b[0])
+    for name in a[1]:
+        assert torch.equal(a[1][name], b[1][name]), name
+
+
+@pytest.mark.gpu
+@requires_sm90
+@pytest.mark.parametrize("lengths", [LENGTHS, [4096]], ids=["packed", "single"])
+def test_the_forward_beside_the_window_equals_one_stream(monkeypatch, lengths):
+    x = random_cuda_inputs(lengths, 16, 4, 128, seed=5)
+    dout = torch.randn(x["q"].shape, generator=torch.Generator().manual_seed(6)).cuda().bfloat16()
+    on, off, used = _on_and_off(monkeypatch, x, dout)
+    assert used == [True, False]
+    _assert_equal(on, off)
+
+
+@pytest.mark.gpu
+@requires_sm90
+def test_the_forward_beside_the_window_from_a_users_stream_stays_on_it(monkeypatch):
+    """From a stream of the caller's (not capturing) the chain stays on that stream (the side
+    stream could not share the cached layouts); the result is the default stream's."""
+    x = random_cuda_inputs(LENGTHS, 16, 4, 128, seed=7)
+    dout = torch.randn(x["q"].shape, generator=torch.Generator().manual_seed(8)).cuda().bfloat16()
+    on_default, _, _ = _on_and_off(monkeypatch, x, dout)
+    user = torch.cuda.Stream()
+    user.wait_stream(torch.cuda.current_stream())
+    used = []
+    beside_applies = streams.beside_applies
+    monkeypatch.setattr(function, "SELECTION_STREAM", True)
+    monkeypatch.setattr(function, "beside_applies",
+                        lambda *a: used.append(beside_applies(*a)) or used[-1])
+    with torch.cuda.stream(user):
+        on_user = _call(x, dout)
+    torch.cuda.current_stream().wait_stream(user)
+    torch.cuda.synchronize()
+    assert used == [False]
+    _assert_equal(on_user, on_default)
+
+
+@pytest.mark.gpu
+@requires_sm90
+def test_a_captured_forward_beside_the_window_replays_like_eager(monkeypatch):
+    """A user's capture of a forward: the side stream joins the capture and rejoins before
+    it ends; the replay on new values equals an eager call on them."""
+    monkeypatch.setattr(function, "SELECTION_STREAM", True)
+    x = random_cuda_inputs(LENGTHS, 16, 4, 128, seed=9)
+    q, k, v = (x[n].bfloat16() for n in ("q", "k", "v"))
+    kwargs = dict(cu_seqlens=x["cu_seqlens"], host_cu_seqlens=tuple(x["cu_seqlens"].tolist()),
+                  max_seqlen=max(LENGTHS), capture=False)
+    with torch.no_grad():
+        nsa(q, k, v, **kwargs)  # compiles the kernels, fills the caches
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            static_out = nsa(q, k, v, **kwargs)
+        generator = torch.Generator(device="cuda").manual_seed(3)
+        for t in (q, k, v):
+            t.copy_(torch.randn(t.shape, generator=generator, device="cuda", dtype=t.dtype))
+        graph.replay()
+        eager = nsa(q.clone(), k.clone(), v.clone(), **kwargs)
+    torch.cuda.synchronize()
+    assert torch.equal(static_out, eager)
