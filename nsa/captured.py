@@ -38,10 +38,10 @@ The rules, decided here only:
   tools/train_lm.py, a new packing every step, 2 x H200, 2026-11-28: +12% tokens/s at 8K
   tokens x 16 heads, -4% at 32K x 16).
 - **Copies**: the inputs are copied in; what the caller gets must outlive the next replay, so
-  the output is the gated sum of the kept branch outputs taken outside the graph, straight
-  into a new tensor (`_output`; a copy of the graph's where the outputs are not kept), dk and
-  dv leave the graph in float32 and are converted into new tensors (the conversion a call
-  makes anyway), and dq and the weights' gradients are copied out. At 8K, H=32, that is
+  the output is the gated sum of the branch outputs taken outside the graph, straight into a
+  new tensor (`_output`), dk and dv leave the graph in float32 and are converted into new
+  tensors (the conversion a call makes anyway), and dq and the weights' gradients are copied
+  out. At 8K, H=32, that is
   about 0.4 GB of memory traffic a step (~0.1 ms of an H200's), against ~2 ms of host time
   saved.
 - **Memory**: each slot keeps its inputs, the forward's peak and what the backward reads; the
@@ -408,11 +408,11 @@ def _capture_forward(slot: _Slot, inputs: tuple, cu_seqlens: Tensor,
                      sequences: PackedSequences, config: NSAConfig, keep_outputs: bool) -> None:
     slot.inputs = tuple(None if x is None else x.detach().clone()
                         for x in (*inputs, cu_seqlens))
-    # With the branch outputs kept, their gated sum runs outside the graph (`_output`).
+    # The gated sum runs outside the graph, into the tensor the call returns (`_output`).
     slot.forward_graph, slot.state = _captured(
         slot.device, slot.pool,
-        lambda: packed_forward(*slot.inputs, sequences, config, keep_outputs,
-                               combine=not keep_outputs), slot.pins)
+        lambda: packed_forward(*slot.inputs, sequences, config, keep_outputs, combine=False),
+        slot.pins)
 
 
 def _capture_backward(slot: _Slot, dout: Tensor, sequences: PackedSequences,
@@ -435,10 +435,9 @@ def _slot_gradients(slot: _Slot, dout: Tensor, sequences: PackedSequences,
 
 def _output(slot: _Slot) -> Tensor:
     """The call's output in a tensor of its own (a later replay overwrites the graph's): the
-    gated sum of the slot's kept branch outputs, taken outside the graph straight into it,
-    or where the graph summed them (outputs not kept), a copy of its result."""
-    out = slot.state[0]
-    return out.sum_copy() if isinstance(out, GatedSum) else out.clone()
+    gated sum of the slot's branch outputs, taken outside the graph straight into it (in the
+    graph, then copied out, it would cost a pass over the output more)."""
+    return slot.state[0].sum_copy()
 
 
 def _owned_gradients(grads: tuple, inputs: tuple, needed) -> tuple:

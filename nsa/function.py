@@ -152,11 +152,9 @@ def packed_forward(q: Tensor, k: Tensor, v: Tensor, W_k: Tensor | None, W_v: Ten
     queries: q holds each sequence's rows from a tile-aligned position on, against all of the
     keys that cu_seqlens bounds (`sparsity.QueryRows`: context parallelism's sequence mode);
     None: q holds the keys' own rows.
-    combine=False (with keep_outputs): out is the `GatedSum` of the kept outputs, not yet
-    summed; each `sum_copy()` writes the sum into a new tensor (nsa/captured.py sums outside
-    its graph, straight into the tensor it returns)."""
-    if not combine and not keep_outputs:
-        raise ValueError("combine=False needs keep_outputs=True (the sum reads the outputs)")
+    combine=False: out is the `GatedSum` of the branch outputs, not yet summed; each
+    `sum_copy()` writes the sum into a new tensor (nsa/captured.py sums outside its graph,
+    straight into the tensor it returns)."""
     window = (planned_window_branch(cu_seqlens, sequences, config, queries)
               if UNSELECTED_FIRST and config.window_size > 0 else None)
     lses, outputs, waiting = {}, {}, {}
@@ -167,7 +165,8 @@ def packed_forward(q: Tensor, k: Tensor, v: Tensor, W_k: Tensor | None, W_v: Ten
         elsewhere a float32 sum that frees each output as it is added (kernels/gated_sum.py),
         unless they are kept."""
         gates = gate_weights(q, W_gate, config.branches)
-        return gates, GatedSum(folded_gates(gates, covered), like=q, keep_terms=keep_outputs)
+        return gates, GatedSum(folded_gates(gates, covered), like=q,
+                              keep_terms=keep_outputs or not combine)
 
     def run(branch: Branch, keys: Tensor, values: Tensor) -> None:
         term, lses[branch.index] = branch.forward(q, keys, values)
