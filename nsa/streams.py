@@ -1,25 +1,32 @@
 """The forward's selection chain on a stream of its own, beside the window.
 
-nsa()'s forward holds two independent chains of work: the window branch, which reads q, k and
-v alone, and compress -> compressed branch -> score tiles -> select -> lists -> selected
-branch. The second starts with small launches that fill few SMs (at 8K tokens six of 0.015 to
-0.044 ms, 0.14 ms in all, against the window's 0.149 ms over every SM; docs/history.md), and on
-one stream the GPU runs them one after the other, the window's SMs idle behind them or theirs
-behind the window. Here the chain runs on a high-priority side stream forked after the window's
-launch: whenever an SM frees, the block scheduler gives it the chain's pending CTAs before the
-window's, so the chain's latency-bound kernels go at their own pace and the window fills every
-SM they leave. The current stream waits for the side stream before the gated sum reads the
-outputs (`Beside.__exit__`), so a call's work joins back on the caller's stream: callers,
-autograd's saved tensors and CUDA-graph captures (a side stream forked from a capturing one is
-captured with it) see one stream's order.
+nsa()'s forward holds two independent chains of work: the window and the compressed branch on
+one side, and compress -> score tiles -> select -> lists -> selected branch on the other,
+whose first kernels are small and latency-bound (at 8K tokens five launches of 0.015 to 0.028
+ms, about 0.1 ms in all; docs/history.md). On one stream the GPU ran them one after the other.
+Here the chain runs on a high-priority side stream, forked before the window's launch and
+joined before the gated sum reads the outputs (`Beside`), so callers, autograd's saved tensors
+and CUDA-graph captures (a side stream forked from a capturing one is captured with it) see
+one stream's order.
+
+The window and the compressed branch are persistent kernels: a CTA per SM that holds its SM
+until the whole grid is done, so a kernel of the chain queued meanwhile found no SM free and
+waited for them, as on one stream (measured: 0.604 -> 0.598 ms at 8K). Beside the chain their
+grids take SMS_LEFT SMs fewer (`kernels.device.sms_left_to_other_streams`): the chain runs on
+those, at its own pace, and the selected branch's CTAs take the rest as the window's finish.
+H200, `python tools/profile_kernels.py --seqlens 8192,16384 --forward --graph --warmup 3
+--repeats 10 --rounds 4 --from-idle --switch nsa.function.SELECTION_STREAM=False`, a forward
+from an idle GPU: 8K 0.533-0.536 ms against 0.600-0.601 on one stream, 16K 1.082-1.085
+against 1.129-1.132; SMS_LEFT 0 / 16 / 32 at 8K 0.584 / 0.534 / 0.543 (FINDINGS.md).
 
 When (`beside_applies`, decided here only): with `nsa.function.SELECTION_STREAM` on, the window
 launched first (`UNSELECTED_FIRST`), on a CUDA device, from the default stream or a capturing
 one (from a user's own stream the side stream could not share sparsity/host_cache.py's
-entries, see its rules), and up to MAX_ROW_HEADS query rows x heads: beyond it the chain's
-small launches are a share of a percent, and the allocator keeps each stream's freed blocks
-for that stream, so the side stream's outputs would hold memory the backward could not reuse
-(the 1M-token peak's margin).
+entries, see its rules), and up to MAX_ROW_HEADS query rows x heads: at 64K tokens and in the
+64K-token packings it measured neither faster nor slower (the chain's small launches are a
+share of a percent there, the window 16 SMs short), and beyond it the allocator, which keeps
+each stream's freed blocks for that stream, would hold the side stream's outputs apart from
+what the backward could reuse (the 1M-token peak's margin).
 """
 from __future__ import annotations
 

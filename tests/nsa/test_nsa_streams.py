@@ -118,3 +118,17 @@ def test_a_captured_forward_beside_the_window_replays_like_eager(monkeypatch):
         eager = nsa(q.clone(), k.clone(), v.clone(), **kwargs)
     torch.cuda.synchronize()
     assert torch.equal(static_out, eager)
+
+
+def test_persistent_grids_leave_sms_to_the_side_stream_only_inside_the_block(monkeypatch):
+    import kernels.device as device
+
+    monkeypatch.setattr(device, "sm_count", lambda d: 132)
+    cuda = torch.device("cuda", 0)
+    assert device.persistent_grid_sms(cuda) == 132
+    with device.sms_left_to_other_streams(16):
+        assert device.persistent_grid_sms(cuda) == 116
+        with device.sms_left_to_other_streams(500):
+            assert device.persistent_grid_sms(cuda) == 1  # never an empty grid
+        assert device.persistent_grid_sms(cuda) == 116
+    assert device.persistent_grid_sms(cuda) == 132
