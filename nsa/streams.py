@@ -17,16 +17,20 @@ those, at its own pace, and the selected branch's CTAs take the rest as the wind
 H200, `python tools/profile_kernels.py --seqlens 8192,16384 --forward --graph --warmup 3
 --repeats 10 --rounds 4 --from-idle --switch nsa.function.SELECTION_STREAM=False`, a forward
 from an idle GPU: 8K 0.533-0.536 ms against 0.600-0.601 on one stream, 16K 1.082-1.085
-against 1.129-1.132; SMS_LEFT 0 / 16 / 32 at 8K 0.584 / 0.534 / 0.543 (FINDINGS.md).
+against 1.129-1.132; SMS_LEFT 0 / 8 / 16 / 24 / 32 at 8K 0.584 / 0.568 / 0.534 / 0.537 /
+0.543, at 16K 1.115 / 1.104 / 1.085 / 1.092 / 1.098 (FINDINGS.md).
 
 When (`beside_applies`, decided here only): with `nsa.function.SELECTION_STREAM` on, the window
 launched first (`UNSELECTED_FIRST`), on a CUDA device, from the default stream or a capturing
 one (from a user's own stream the side stream could not share sparsity/host_cache.py's
-entries, see its rules), and up to MAX_ROW_HEADS query rows x heads: at 64K tokens and in the
-64K-token packings it measured neither faster nor slower (the chain's small launches are a
-share of a percent there, the window 16 SMs short), and beyond it the allocator, which keeps
-each stream's freed blocks for that stream, would hold the side stream's outputs apart from
-what the backward could reuse (the 1M-token peak's margin).
+entries, see its rules), and up to MAX_ROW_HEADS query rows x heads. At 64K tokens the chain's
+small launches are a share of a percent of the forward and the window and compressed branch,
+16 SMs short, lose more than the overlap gains: the same A/B, `--seqlens 65536`, 5.574 / 5.608
+ms beside against 5.388 / 5.364 on one stream; the 64K-token packings, eager forward+backward
+(`--packed lognormal-2k --packed docs-8k --capture off --warmup 2 --repeats 5`), moved within
+the rounds' spread (log-normal 14.02 / 13.78 against 13.98 / 13.97 ms). And past it the
+allocator, which keeps each stream's freed blocks for that stream, would hold the side
+stream's outputs apart from what the backward could reuse (the 1M-token peak's margin).
 """
 from __future__ import annotations
 
@@ -38,8 +42,8 @@ from torch import Tensor
 from kernels.device import sms_left_to_other_streams
 from sparsity.host_cache import forked_side_stream, on_default_stream
 
-# Query rows x heads up to which the chain runs beside the window: 64K tokens x 32 heads.
-MAX_ROW_HEADS = 65536 * 32
+# Query rows x heads up to which the chain runs beside the window: 16K tokens x 32 heads.
+MAX_ROW_HEADS = 16384 * 32
 # SMs the current stream's persistent grids leave to the side stream while it runs.
 SMS_LEFT = 16
 
