@@ -18,7 +18,7 @@ H200, `python tools/profile_kernels.py --seqlens 8192,16384 --forward --graph --
 --repeats 10 --rounds 4 --from-idle --switch nsa.function.SELECTION_STREAM=False`, a forward
 from an idle GPU: 8K 0.533-0.536 ms against 0.600-0.601 on one stream, 16K 1.082-1.085
 against 1.129-1.132; SMS_LEFT 0 / 8 / 16 / 24 / 32 at 8K 0.584 / 0.568 / 0.534 / 0.537 /
-0.543, at 16K 1.115 / 1.104 / 1.085 / 1.092 / 1.098 (FINDINGS.md).
+0.543, at 16K 1.115 / 1.104 / 1.085 / 1.092 / 1.097 (means of two rounds; FINDINGS.md).
 
 When (`beside_applies`, decided here only): with `nsa.function.SELECTION_STREAM` on, the window
 launched first (`UNSELECTED_FIRST`), on a CUDA device, from the default stream or a capturing
