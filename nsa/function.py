@@ -181,7 +181,8 @@ def packed_forward(q: Tensor, k: Tensor, v: Tensor, W_k: Tensor | None, W_v: Ten
     # window and the compressed branch (nsa/streams.py), forked before the window's launch;
     # the gates after them on the current stream (queued before the fork, they would hold the
     # side stream back), the outputs summed after the join.
-    with Beside(q, beside_applies(q, window is not None, SELECTION_STREAM)) as beside:
+    with Beside(q, beside_applies(q, sequences.max_seqlen, window is not None,
+                                  SELECTION_STREAM)) as beside:
         gates, out = (None, None) if beside.on else gated_sum()
         # The branches whose keys the selection does not choose are launched before it: from
         # an idle GPU their kernels run while the host compresses, selects blocks and builds

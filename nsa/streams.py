@@ -23,14 +23,17 @@ against 1.129-1.132; SMS_LEFT 0 / 8 / 16 / 24 / 32 at 8K 0.584 / 0.568 / 0.534 /
 When (`beside_applies`, decided here only): with `nsa.function.SELECTION_STREAM` on, the window
 launched first (`UNSELECTED_FIRST`), on a CUDA device, from the default stream or a capturing
 one (from a user's own stream the side stream could not share sparsity/host_cache.py's
-entries, see its rules), and up to MAX_ROW_HEADS query rows x heads. At 64K tokens the chain's
-small launches are a share of a percent of the forward and the window and compressed branch,
-16 SMs short, lose more than the overlap gains: the same A/B, `--seqlens 65536`, 5.574 / 5.608
-ms beside against 5.388 / 5.364 on one stream; the 64K-token packings, eager forward+backward
-(`--packed lognormal-2k --packed docs-8k --capture off --warmup 2 --repeats 5`), moved within
-the rounds' spread (log-normal 14.02 / 13.78 against 13.98 / 13.97 ms). And past it the
-allocator, which keeps each stream's freed blocks for that stream, would hold the side
-stream's outputs apart from what the backward could reuse (the 1M-token peak's margin).
+entries, see its rules), up to MAX_ROW_HEADS query rows x heads and on documents of at most
+MAX_DOCUMENT_TOKENS tokens. A forward of 64K tokens as one sequence ran 4% slower beside (the
+same A/B, `--seqlens 65536`: 5.574 / 5.608 ms against 5.388 / 5.364 on one stream): there the
+window and the compressed branch, over 1024 compressed keys, lose 16 SMs for longer than the
+chain's small launches gain. The 64K-token packings of documents up to 8K gain as 8K does
+(`--packed lognormal-2k --packed docs-8k --forward --capture off --switch
+nsa.streams.MAX_ROW_HEADS=...`: log-normal 4.564 / 4.606 ms on one stream against 4.423 /
+4.469 beside, 8 x 8K 4.517 / 4.477 against 4.368 / 4.263; in a graph 0.1 ms alike). Past 64K
+tokens it is not measured, and the allocator, which keeps each stream's freed blocks for that
+stream, would hold the side stream's outputs apart from what the backward could reuse (the
+1M-token peak's margin).
 """
 from __future__ import annotations
 
@@ -42,19 +45,22 @@ from torch import Tensor
 from kernels.device import sms_left_to_other_streams
 from sparsity.host_cache import forked_side_stream, on_default_stream
 
-# Query rows x heads up to which the chain runs beside the window: 16K tokens x 32 heads.
-MAX_ROW_HEADS = 16384 * 32
+# Query rows x heads up to which the chain runs beside the window (64K tokens x 32 heads), on
+# documents of up to MAX_DOCUMENT_TOKENS tokens.
+MAX_ROW_HEADS = 65536 * 32
+MAX_DOCUMENT_TOKENS = 16384
 # SMs the current stream's persistent grids leave to the side stream while it runs.
 SMS_LEFT = 16
 
 _side_streams: dict[int, torch.cuda.Stream] = {}
 
 
-def beside_applies(q: Tensor, window_launched: bool, enabled: bool) -> bool:
-    """Whether this forward's selection chain runs on the side stream (the module's "When")."""
+def beside_applies(q: Tensor, longest: int, window_launched: bool, enabled: bool) -> bool:
+    """Whether this forward's selection chain runs on the side stream (the module's "When");
+    longest: the longest document's tokens."""
     if not (enabled and window_launched and q.is_cuda and q.numel()):
         return False
-    if q.shape[0] * q.shape[1] > MAX_ROW_HEADS:
+    if q.shape[0] * q.shape[1] > MAX_ROW_HEADS or longest > MAX_DOCUMENT_TOKENS:
         return False
     return on_default_stream(q) or torch.cuda.is_current_stream_capturing()
 

@@ -19,9 +19,25 @@ LENGTHS = [2100, 77, 700, 300, 1500]
 
 def test_the_side_stream_applies_only_to_cuda_calls_with_the_window_launched_first():
     q = random_inputs([40], 4, 2, 16, seed=0)["q"]
-    assert not streams.beside_applies(q, True, True)  # CPU
-    assert not streams.beside_applies(q, False, True)
-    assert not streams.beside_applies(q, True, False)
+    assert not streams.beside_applies(q, 40, True, True)  # CPU
+    assert not streams.beside_applies(q, 40, False, True)
+    assert not streams.beside_applies(q, 40, True, False)
+
+
+def test_the_side_stream_applies_up_to_its_sizes(monkeypatch):
+    """Up to MAX_ROW_HEADS query rows x heads and documents of MAX_DOCUMENT_TOKENS (a CUDA
+    call on the default stream, faked: only its shape and device are read)."""
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(streams, "on_default_stream", lambda q: True)
+
+    def call(rows: int, heads: int):
+        return SimpleNamespace(is_cuda=True, shape=(rows, heads, 128), numel=lambda: 1)
+    longest = streams.MAX_DOCUMENT_TOKENS
+    assert streams.beside_applies(call(streams.MAX_ROW_HEADS // 32, 32), longest, True, True)
+    assert not streams.beside_applies(call(streams.MAX_ROW_HEADS // 32 + 1, 32), 8192, True,
+                                      True)
+    assert not streams.beside_applies(call(longest + 1, 32), longest + 1, True, True)
 
 
 def test_off_the_side_stream_beside_queues_nothing_elsewhere():
