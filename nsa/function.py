@@ -157,38 +157,41 @@ def packed_forward(q: Tensor, k: Tensor, v: Tensor, W_k: Tensor | None, W_v: Ten
     straight into the tensor it returns)."""
     window = (planned_window_branch(cu_seqlens, sequences, config, queries)
               if UNSELECTED_FIRST and config.window_size > 0 else None)
-    lses, outputs, waiting = {}, {}, {}
+    lses, outputs = {}, {}
     covered = window_covered(cu_seqlens, sequences, config, queries)
+    # The gated sum: one pass over the branch outputs on sm90; elsewhere a float32 sum that
+    # frees each output as it is added (kernels/gated_sum.py), unless they are kept. Outputs
+    # wait here until it exists and, beside the side stream, until the join.
+    gates, out, waiting = None, None, {}
 
-    def gated_sum() -> tuple[Tensor, GatedSum]:
-        """(the gates, their sum to come). One pass over the branch outputs on sm90;
-        elsewhere a float32 sum that frees each output as it is added (kernels/gated_sum.py),
-        unless they are kept."""
+    def start_sum() -> None:
+        nonlocal gates, out
         gates = gate_weights(q, W_gate, config.branches)
-        return gates, GatedSum(folded_gates(gates, covered), like=q,
-                              keep_terms=keep_outputs or not combine)
+        out = GatedSum(folded_gates(gates, covered), like=q,
+                       keep_terms=keep_outputs or not combine)
+
+    def add_waiting() -> None:
+        for index in sorted(waiting):
+            out.add(index, waiting.pop(index))
 
     def run(branch: Branch, keys: Tensor, values: Tensor) -> None:
         term, lses[branch.index] = branch.forward(q, keys, values)
         if keep_outputs:
             outputs[branch.index] = term
-        if out is not None:
-            out.add(branch.index, term)
-        else:
-            waiting[branch.index] = term
+        waiting[branch.index] = term
+        if out is not None and not beside.on:
+            add_waiting()
 
     # Compression, selection and the selected branch on a high-priority stream beside the
-    # window and the compressed branch (nsa/streams.py), forked before the window's launch;
-    # the gates after them on the current stream (queued before the fork, they would hold the
-    # side stream back), the outputs summed after the join.
+    # window and the compressed branch (nsa/streams.py), forked before the window's launch and
+    # joined before the outputs are summed.
     with Beside(q, beside_applies(q, sequences.max_seqlen, window is not None,
                                   SELECTION_STREAM)) as beside:
-        gates, out = (None, None) if beside.on else gated_sum()
         # The branches whose keys the selection does not choose are launched before it: from
         # an idle GPU their kernels run while the host compresses, selects blocks and builds
         # the selected branch's lists, which otherwise the GPU waited for (`profile_kernels
         # --gaps --from-idle`). The window reads q, k and v alone, so it goes first, before
-        # the compression; its output joins the sum in the branches' order all the same.
+        # the compression.
         if window is not None:
             with beside.beside_side():
                 run(window, k, v)
@@ -196,6 +199,9 @@ def packed_forward(q: Tensor, k: Tensor, v: Tensor, W_k: Tensor | None, W_v: Ten
             cu_seqlens_cmp, k_cmp_scored, v_cmp = compress_keys(k, v, W_k, W_v, cu_seqlens,
                                                                 sequences, config)
             k_cmp, v_cmp = k_cmp_scored.to(k.dtype), v_cmp.to(v.dtype)
+        if not beside.on:
+            start_sum()
+            add_waiting()
         early = (unselected_branches(cu_seqlens, cu_seqlens_cmp, sequences, config, queries,
                                      window) if UNSELECTED_FIRST else {})
         if COMPRESSED in early:
@@ -211,10 +217,9 @@ def packed_forward(q: Tensor, k: Tensor, v: Tensor, W_k: Tensor | None, W_v: Ten
             for branch in branches:
                 if branch.index not in early:
                     run(branch, *((k_cmp, v_cmp) if branch.reads_compressed else (k, v)))
-        if out is None:
-            gates, out = gated_sum()
-    for index in sorted(waiting):
-        out.add(index, waiting.pop(index))
+        if beside.on:
+            start_sum()  # on the current stream while the side stream runs
+    add_waiting()
     return (out.result() if combine else out, branches, cu_seqlens_cmp,
             [lses[branch.index] for branch in branches],
             KeptForBackward((k_cmp, v_cmp),
