@@ -93,8 +93,8 @@ class Beside:
             self.stream.wait_stream(self.main)
             # From the default stream, the side stream shares the cached layouts (it joins
             # before anything it read can be freed: sparsity/host_cache.py's rules).
-            self._forked = (forked_side_stream(self.stream, self._join) if self._from_default
-                            else _joined_on_exit(self._join))
+            self._forked = (forked_side_stream(self.stream, self.wait_for_side)
+                            if self._from_default else _joined_on_exit(self.wait_for_side))
             self._forked.__enter__()
         return self
 
@@ -114,9 +114,6 @@ class Beside:
     def __exit__(self, *exc) -> None:
         if self.on:
             self._forked.__exit__(*exc)
-
-    def _join(self) -> None:
-        self.main.wait_stream(self.stream)
 
 
 @contextmanager
