@@ -158,7 +158,7 @@ def packed_forward(q: Tensor, k: Tensor, v: Tensor, W_k: Tensor | None, W_v: Ten
     window = (planned_window_branch(cu_seqlens, sequences, config, queries)
               if UNSELECTED_FIRST and config.window_size > 0 else None)
     lses, outputs = {}, {}
-    covered = window_covered(cu_seqlens, sequences, config, queries)
+    covered = None  # window_covered's answer, asked once the window is launched
     # The gated sum: one pass over the branch outputs on sm90; elsewhere a float32 sum that
     # frees each output as it is added (kernels/gated_sum.py), unless they are kept. Outputs
     # wait here until it exists and, beside the side stream, until the join.
@@ -185,16 +185,19 @@ def packed_forward(q: Tensor, k: Tensor, v: Tensor, W_k: Tensor | None, W_v: Ten
     # Compression, selection and the selected branch on a high-priority stream beside the
     # window and the compressed branch (nsa/streams.py), forked before the window's launch and
     # joined before the outputs are summed.
-    with Beside(q, beside_applies(q, sequences.max_seqlen, window is not None,
-                                  SELECTION_STREAM)) as beside:
-        # The branches whose keys the selection does not choose are launched before it: from
-        # an idle GPU their kernels run while the host compresses, selects blocks and builds
-        # the selected branch's lists, which otherwise the GPU waited for (`profile_kernels
-        # --gaps --from-idle`). The window reads q, k and v alone, so it goes first, before
-        # the compression.
-        if window is not None:
-            with beside.beside_side():
-                run(window, k, v)
+    beside = Beside(q, beside_applies(q, sequences.max_seqlen, window is not None,
+                                      SELECTION_STREAM))
+    # The branches whose keys the selection does not choose are launched before it: from an
+    # idle GPU their kernels run while the host compresses, selects blocks and builds the
+    # selected branch's lists, which otherwise the GPU waited for (`profile_kernels --gaps
+    # --from-idle`). The window reads q, k and v alone, so it goes first, before the
+    # compression and before whatever else the host can do while the window runs (the rest of
+    # the side stream's set-up, the covered rows).
+    if window is not None:
+        with beside.beside_side():
+            run(window, k, v)
+    covered = window_covered(cu_seqlens, sequences, config, queries)
+    with beside:
         with beside.side():
             cu_seqlens_cmp, k_cmp_scored, v_cmp = compress_keys(k, v, W_k, W_v, cu_seqlens,
                                                                 sequences, config)

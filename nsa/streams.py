@@ -53,6 +53,7 @@ MAX_DOCUMENT_TOKENS = 16384
 SMS_LEFT = 16
 
 _side_streams: dict[int, torch.cuda.Stream] = {}
+_default_streams: dict[int, torch.cuda.Stream] = {}
 
 
 def beside_applies(q: Tensor, longest: int, window_launched: bool, enabled: bool) -> bool:
@@ -75,8 +76,10 @@ def side_stream(device: torch.device) -> torch.cuda.Stream:
 
 
 class Beside:
-    """`with Beside(q, on) as beside:` work queued inside `with beside.side():` runs on the
-    side stream, which starts after everything queued so far on the current stream; the rest
+    """`beside = Beside(q, on)` marks the fork point: work queued inside `with beside.side():`,
+    within a later `with beside:`, runs on the side stream, which starts after everything queued
+    on the current stream before the mark (not what was queued between the mark and the
+    `with`: the window, launched there, so that the host reaches its launch sooner); the rest
     stays on the current stream; on exit the current stream waits for the side stream. With
     `on` False every `side()` is a no-op: the work stays on the current stream, in the same
     order."""
@@ -84,17 +87,20 @@ class Beside:
     def __init__(self, like: Tensor, on: bool):
         self.on = on
         if on:
-            self.main = torch.cuda.current_stream(like.device)
-            self.stream = side_stream(like.device)
-            self._from_default = self.main.stream_id == 0
+            self.main = current_stream(like)
+            self._fork = torch.cuda.Event()
+            self._fork.record(self.main)
+            self._like = like
 
     def __enter__(self) -> "Beside":
         if self.on:
-            self.stream.wait_stream(self.main)
+            self.stream = side_stream(self._like.device)
+            self.stream.wait_event(self._fork)
             # From the default stream, the side stream shares the cached layouts (it joins
             # before anything it read can be freed: sparsity/host_cache.py's rules).
             self._forked = (forked_side_stream(self.stream, self.wait_for_side)
-                            if self._from_default else _joined_on_exit(self.wait_for_side))
+                            if self.main.stream_id == 0
+                            else _joined_on_exit(self.wait_for_side))
             self._forked.__enter__()
         return self
 
@@ -114,6 +120,19 @@ class Beside:
     def __exit__(self, *exc) -> None:
         if self.on:
             self._forked.__exit__(*exc)
+
+
+def current_stream(like: Tensor) -> torch.cuda.Stream:
+    """like's device's current stream; on the default stream (nsa()'s common case) a Stream
+    object made once per device: `torch.cuda.current_stream` builds one per call, which cost
+    about 20 us of an eager call's host time before its first launch on the H200 host."""
+    index = torch.cuda.current_device() if like.device.index is None else like.device.index
+    current = getattr(torch._C, "_cuda_getCurrentStream", None)
+    if current is None or current(index)[0] != 0:
+        return torch.cuda.current_stream(index)
+    if index not in _default_streams:
+        _default_streams[index] = torch.cuda.default_stream(index)
+    return _default_streams[index]
 
 
 @contextmanager
