@@ -309,7 +309,7 @@ def packed_gradients(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, W_k: Tensor 
     dW_k = dW_v = dW_gate = None
     outputs = kept.outputs if kept is not None else ()
     kept_all = len(outputs) == len(branches)
-    # The branches whose kernels fuse dQ (compressed keys from 128K tokens, the window from
+    # The branches whose kernels fuse dQ (compressed keys from 32K tokens, the window from
     # 4096 keys) add into one float32 accumulator. With the outputs kept (memory is not
     # tight) on the sm90 kernels the selected branch runs last and its dQ kernel adds the
     # sums into its dQ; when recomputing, its order stays and the sums are converted at the

@@ -672,7 +672,7 @@ class SharedRowStatistics:
 
 class DqSums:
     """One float32 dQ accumulator for several fused-dQ backward calls on the same q (nsa()'s
-    compressed and window branches, both on the fused dQ from 128K tokens at H=32;
+    compressed and window branches, both on the fused dQ from 32K tokens at l = 64;
     `kernels.masked`'s chunks of keys, each on some of the keys): the first
     call zeroes it, each call adds into it, and `finish` converts it once. On its own each
     call zeroes and converts an accumulator of 4 x T x H x D bytes (4 GiB at 256K tokens,
@@ -684,7 +684,7 @@ class DqSums:
     kernel adds the sums into the dQ it writes (`consume`: nsa()'s selected branch, run last
     where its outputs are kept), so no conversion pass reads them and dq is rounded once.
     With `stores_first`, a first call on the dQ kernel stores its dQ as the sums' first values
-    (`open_for_store`: nsa()'s compressed branch below 128K tokens), so nothing is zeroed; or,
+    (`open_for_store`: nsa()'s compressed branch below 32K tokens), so nothing is zeroed; or,
     where each of its query tiles meets one KV tile (`dq_store_opens_sums`: the compressed
     branch on documents up to 8K tokens), its fused dQ does, and no dQ kernel runs."""
 

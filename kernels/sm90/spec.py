@@ -594,8 +594,15 @@ ROW_BANDS_FOR_SPLIT_ROWS = False
 # products per step become one. H100, 2026-11-27, compress factor 64, H=32, Hkv=8, D=128, the
 # whole backward (heaviest first with the dQ kernel / row bands with it / row bands fused):
 # 64K (1024 keys) 4.02 / 3.89 / 4.38 ms, 128K (2048 keys) 13.73 / - / 13.06, 256K (4096
-# keys) 50.2 / 50.0 / 46.2.
-ROW_BANDS_FUSED_MIN_KEYS = 2048
+# keys) 50.2 / 50.0 / 46.2. Since nsa()'s fused branches share one accumulator that the
+# selected branch's dQ kernel consumes (kernels/sm90/backward.py `DqSums`), the fused dQ no
+# longer pays a conversion, only the zeroing, and wins from 512 keys: H200, 2026-11-30, nsa()
+# forward+backward, the A/B of `python tools/profile_kernels.py --seqlens 16384,32768,65536
+# --from-idle --rounds 4 --switch kernels.sm90.spec.ROW_BANDS_FUSED_MIN_KEYS=...` (kernel
+# time: the dQ kernel's against the fused KV-centric kernel's growth and the zeroing): 16K
+# (256 keys) -0.220 +0.170 +0.058 ms, a tie; 32K (512) -0.611 +0.267 +0.115; 64K (1024)
+# -1.866 +0.729 +0.229.
+ROW_BANDS_FUSED_MIN_KEYS = 512
 # ... while that accumulator (4 bytes per query row, head and dim) stays within this: the dQ
 # kernel needs none, and nsa()'s backward at 1M tokens (H=32, D=128: a 16 GiB accumulator)
 # must stay within 1.5x of its gradients' memory.

@@ -58,7 +58,7 @@ def test_nsa_on_kernels_matches_reference(case):
 @requires_sm90
 def test_nsa_with_fused_compressed_row_bands_matches_reference(monkeypatch):
     """The compressed branch's backward with the fused dQ in row bands (dispatched from
-    ROW_BANDS_FUSED_MIN_KEYS compressed keys on, 256K tokens at the defaults; lowered here),
+    ROW_BANDS_FUSED_MIN_KEYS compressed keys on, 32K tokens at the defaults; lowered here),
     adding into nsa()'s running dq and float32 dk, dv."""
     from kernels.sm90 import backward
     from kernels.sm90 import spec as sm90_spec
