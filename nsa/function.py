@@ -158,7 +158,10 @@ def packed_forward(q: Tensor, k: Tensor, v: Tensor, W_k: Tensor | None, W_v: Ten
     window = (planned_window_branch(cu_seqlens, sequences, config, queries)
               if UNSELECTED_FIRST and config.window_size > 0 else None)
     lses, outputs = {}, {}
-    covered = None  # window_covered's answer, asked once the window is launched
+    # Before the fork: a packing's first call builds the covered rows on the current stream,
+    # and the side stream's lists read them (without_covered_tiles), so they must be queued
+    # before the point the side stream waits for.
+    covered = window_covered(cu_seqlens, sequences, config, queries)
     # The gated sum: one pass over the branch outputs on sm90; elsewhere a float32 sum that
     # frees each output as it is added (kernels/gated_sum.py), unless they are kept. Outputs
     # wait here until it exists and, beside the side stream, until the join.
@@ -191,12 +194,11 @@ def packed_forward(q: Tensor, k: Tensor, v: Tensor, W_k: Tensor | None, W_v: Ten
     # idle GPU their kernels run while the host compresses, selects blocks and builds the
     # selected branch's lists, which otherwise the GPU waited for (`profile_kernels --gaps
     # --from-idle`). The window reads q, k and v alone, so it goes first, before the
-    # compression and before whatever else the host can do while the window runs (the rest of
-    # the side stream's set-up, the covered rows).
+    # compression and before the rest of the side stream's set-up (host work only: what the
+    # side stream reads must be queued before the fork).
     if window is not None:
         with beside.beside_side():
             run(window, k, v)
-    covered = window_covered(cu_seqlens, sequences, config, queries)
     with beside:
         with beside.side():
             cu_seqlens_cmp, k_cmp_scored, v_cmp = compress_keys(k, v, W_k, W_v, cu_seqlens,

@@ -78,11 +78,11 @@ def side_stream(device: torch.device) -> torch.cuda.Stream:
 class Beside:
     """`beside = Beside(q, on)` marks the fork point: work queued inside `with beside.side():`,
     within a later `with beside:`, runs on the side stream, which starts after everything queued
-    on the current stream before the mark (not what was queued between the mark and the
-    `with`: the window, launched there, so that the host reaches its launch sooner); the rest
-    stays on the current stream; on exit the current stream waits for the side stream. With
-    `on` False every `side()` is a no-op: the work stays on the current stream, in the same
-    order."""
+    on the current stream before the mark, not after what was queued between the mark and the
+    `with` (the window, launched there, so that the host reaches its launch sooner: nothing
+    the side stream reads may be queued there); the rest stays on the current stream; on exit
+    the current stream waits for the side stream. With `on` False every `side()` is a no-op:
+    the work stays on the current stream, in the same order."""
 
     def __init__(self, like: Tensor, on: bool):
         self.on = on

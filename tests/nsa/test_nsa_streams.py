@@ -57,8 +57,14 @@ def _call(x: dict, dout: torch.Tensor, **kwargs) -> tuple:
     return out.detach(), {n: inputs[n].grad for n in ("q", "k", "v", "W_gate")}
 
 
-def _on_and_off(monkeypatch, x, dout, **kwargs) -> tuple[tuple, tuple, list]:
-    """(nsa() with the side stream, without it, whether each call's forward used it)."""
+def _on_and_off(monkeypatch, x, dout, cold: bool = False, **kwargs
+                ) -> tuple[tuple, tuple, list]:
+    """(nsa() with the side stream, without it, whether each call's forward used it); cold:
+    each call as a packing's first (nothing in sparsity/host_cache.py), its small
+    allocations on memory filled with -1 (NaN as float32, an index out of range), so a read
+    before a write shows."""
+    from sparsity import host_cache
+
     used = []
     beside_applies = streams.beside_applies
     monkeypatch.setattr(function, "beside_applies",
@@ -66,6 +72,14 @@ def _on_and_off(monkeypatch, x, dout, **kwargs) -> tuple[tuple, tuple, list]:
     runs = {}
     for on in (True, False):
         monkeypatch.setattr(function, "SELECTION_STREAM", on)
+        if cold:
+            torch.cuda.synchronize()
+            host_cache.clear()
+            torch.cuda.empty_cache()
+            poison = [torch.full((1 << 18,), -1, dtype=torch.int32, device="cuda")
+                      for _ in range(32)]  # 1 MiB blocks: the allocator's small pool
+            torch.cuda.synchronize()
+            poison.clear()  # freed: the call's small allocations land on them
         runs[on] = _call(x, dout, **kwargs)
     torch.cuda.synchronize()
     return runs[True], runs[False], used
@@ -84,6 +98,30 @@ def test_the_forward_beside_the_window_equals_one_stream(monkeypatch, lengths):
     x = random_cuda_inputs(lengths, 16, 4, 128, seed=5)
     dout = torch.randn(x["q"].shape, generator=torch.Generator().manual_seed(6)).cuda().bfloat16()
     on, off, used = _on_and_off(monkeypatch, x, dout)
+    assert used == [True, False]
+    _assert_equal(on, off)
+
+
+@pytest.mark.gpu
+@requires_sm90
+def test_a_first_call_beside_a_slow_window_equals_one_stream(monkeypatch):
+    """A packing's first call, whose layouts (the covered rows among them) are built by the
+    call itself, with the current stream held up ~50 ms after the window's launch: the side
+    stream starts before the window, so it must read nothing the current stream queues after
+    the fork (a covered-rows build queued after the window's launch was read unbuilt)."""
+    from nsa.branches import WINDOW, Branch
+
+    forward = Branch.forward
+
+    def slow_window(self, q, k, v):
+        result = forward(self, q, k, v)
+        if self.index == WINDOW:
+            torch.cuda._sleep(100_000_000)  # on the current stream, behind the window
+        return result
+    monkeypatch.setattr(Branch, "forward", slow_window)
+    x = random_cuda_inputs(LENGTHS, 16, 4, 128, seed=11)
+    dout = torch.randn(x["q"].shape, generator=torch.Generator().manual_seed(12)).cuda().bfloat16()
+    on, off, used = _on_and_off(monkeypatch, x, dout, cold=True)
     assert used == [True, False]
     _assert_equal(on, off)
 
