@@ -40,6 +40,31 @@ def test_the_side_stream_applies_up_to_its_sizes(monkeypatch):
     assert not streams.beside_applies(call(longest + 1, 32), longest + 1, True, True)
 
 
+def test_the_covered_rows_are_looked_up_before_the_fork(monkeypatch):
+    """The side stream waits only for what the current stream queued before `Beside` marked
+    the fork, and its lists read the covered rows, which a packing's first call builds on the
+    current stream: `packed_forward` must look them up before the mark (the window's launch
+    alone goes between the mark and the side stream's work)."""
+    order = []
+    window_covered, beside = function.window_covered, function.Beside
+
+    def covered(*args, **kwargs):
+        order.append("covered rows")
+        return window_covered(*args, **kwargs)
+
+    class Marked(beside):
+        def __init__(self, *args, **kwargs):
+            order.append("fork")
+            super().__init__(*args, **kwargs)
+    monkeypatch.setattr(function, "window_covered", covered)
+    monkeypatch.setattr(function, "Beside", Marked)
+    x = random_inputs([300, 40], 4, 2, 16, seed=1, weights=False)
+    nsa(x["q"], x["k"], x["v"], cu_seqlens=x["cu_seqlens"], window_size=32,
+        compress_block_size=16, selected_block_size=16, num_selected_blocks=4, _q_tile=16,
+        _cmp_kv_block=16)
+    assert order[:2] == ["covered rows", "fork"], order
+
+
 def test_off_the_side_stream_beside_queues_nothing_elsewhere():
     """`Beside(..., False)`: side() is a no-op and nothing is forked (the CPU path)."""
     q = torch.zeros(4, 2, 8)
