@@ -43,7 +43,7 @@ import torch
 from torch import Tensor
 
 from kernels.device import sms_left_to_other_streams
-from sparsity.host_cache import forked_side_stream, on_default_stream
+from sparsity.host_cache import current_stream_id, forked_side_stream, on_default_stream
 
 # Query rows x heads up to which the chain runs beside the window (64K tokens x 32 heads), on
 # documents of up to MAX_DOCUMENT_TOKENS tokens.
@@ -127,9 +127,8 @@ def current_stream(like: Tensor) -> torch.cuda.Stream:
     object made once per device: `torch.cuda.current_stream` builds one per call (5 us in a
     warm loop on the H200 host, several times that inside an eager call, whose code runs
     cold), before the window's launch."""
-    index = torch.cuda.current_device() if like.device.index is None else like.device.index
-    current = getattr(torch._C, "_cuda_getCurrentStream", None)
-    if current is None or current(index)[0] != 0:
+    index, stream_id = current_stream_id(like)
+    if stream_id != 0:
         return torch.cuda.current_stream(index)
     if index not in _default_streams:
         _default_streams[index] = torch.cuda.default_stream(index)

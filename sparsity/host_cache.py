@@ -121,13 +121,18 @@ def on_default_stream(like: torch.Tensor) -> bool:
     step (H200 host, 2026-11-28)."""
     if not like.is_cuda:
         return True
-    current = getattr(torch._C, "_cuda_getCurrentStream", None)
-    index = torch.cuda.current_device() if like.device.index is None else like.device.index
-    if current is not None:
-        stream_id = current(index)[0]
-    else:
-        stream_id = torch.cuda.current_stream(like.device).stream_id
+    index, stream_id = current_stream_id(like)
     return stream_id == 0 or (index, stream_id) == _forked_stream
+
+
+def current_stream_id(like: torch.Tensor) -> tuple[int, int]:
+    """(device index, stream id) of like's CUDA device's current stream, the id from torch's C
+    binding where it has one (no Stream object built); id 0 is the default stream."""
+    index = torch.cuda.current_device() if like.device.index is None else like.device.index
+    current = getattr(torch._C, "_cuda_getCurrentStream", None)
+    if current is not None:
+        return index, current(index)[0]
+    return index, torch.cuda.current_stream(index).stream_id
 
 
 @contextmanager
