@@ -7,8 +7,8 @@ them. Imports torch only.
 from __future__ import annotations
 
 import functools
-from contextlib import contextmanager
 import os
+from contextlib import contextmanager
 
 import torch
 
