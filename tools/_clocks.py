@@ -6,8 +6,8 @@ software power cap as the clock-event reason, dense FA4 and nsa() alike (FINDING
 kernel's time from a short profiled burst reads lower than the same kernel in a longer timed
 loop, and two methods timed minutes apart may have run at different clocks. `ClockSampler`
 runs `nvidia-smi --loop-ms` for the benchmark's whole run and keeps timestamped samples; after
-`stop()`, `during(start, end)` gives the medians over one timed window (wall-clock seconds of
-`time.time()`).
+`stop()`, `during(windows)` gives the medians over timed windows ((start, end) pairs in
+wall-clock seconds of `time.time()`: one per round of a benchmark's interleaved rounds).
 """
 from __future__ import annotations
 
@@ -94,7 +94,8 @@ class ClockSampler:
         self._process.wait()
         self._reader.join(timeout=5)
 
-    def during(self, start: float, end: float) -> ClockSummary | None:
-        """The medians over the samples taken between `start` and `end` (time.time()), None
-        where none was (a window shorter than the interval)."""
-        return summarise([s for s in self.samples if start <= s.time <= end])
+    def during(self, windows: list[tuple[float, float]]) -> ClockSummary | None:
+        """The medians over the samples taken inside the (start, end) windows (time.time()),
+        None where none was (windows shorter than the interval)."""
+        return summarise([s for s in self.samples
+                          if any(start <= s.time <= end for start, end in windows)])

@@ -43,7 +43,13 @@ benchmarked), nsa ms, dense ms, the speedup, and its share of the limit, (dense 
 nsa ms, against the target of 70%. The dense column is fa4 where it ran, else our dense.
 
 Timing: `--warmup` untimed calls, then the median of `--repeats` calls, CUDA events on a GPU and
-perf_counter on the CPU; inputs are random normal, never zeros. TFLOP/s counts the (row, key)
+perf_counter on the CPU; inputs are random normal, never zeros. `--rounds R` (R > 1) times the
+methods of a case in R interleaved rounds instead of one after another: all are prepared first
+(inputs, captures: their memory together), each round times every method (--warmup calls before
+its first round, one before each later one) in an order rotated by one a round, and a figure is
+the median of its R round medians. The GPU's clock drifts under its power cap, so methods timed
+one after another may run at different clocks (FINDINGS.md: lines moved by up to 8% between
+runs); interleaved they share the drift. TFLOP/s counts the (row, key)
 pairs each method attends (dense: the causal triangle; NSA: an upper bound over its three
 branches, see _common.nsa_pairs), 4*D flops per pair and head forward, 3.5x that for fwd+bwd.
 "host ms" is the median wall time of the same calls until they return, without a sync: where it
@@ -81,6 +87,7 @@ anchors there):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import importlib
 import json
@@ -112,7 +119,7 @@ from _common import (CAPTURE_OPTIONS, RECOMPUTE_OPTIONS,  # noqa: E402
                      add_problem_arguments, add_recompute_argument, add_switch_argument,
                      captured, parse_switches,
                      attention_tflops, capped_causal_pairs, causal_pairs, check_num_seqs,
-                     int_list,
+                     int_list, positive_int,
                      compressed_key_cap, compressed_pairs, cu_seqlens_of, nsa_options, nsa_pairs,
                      problem_defaults_epilog, problem_summary, random_gate, random_qkv,
                      resolve_problem_arguments, time_ms, varlen_lengths,
@@ -347,48 +354,82 @@ def host_timed(fn: Callable[[], object], samples: list[float]) -> Callable[[], o
     return timed
 
 
-def time_method(run: Callable, seqlen: int, args, packing: Packing | None = None
-                ) -> dict[str, tuple[float, float, tuple[float, float]]]:
-    """(median ms, median host ms, (start, end) in time.time() seconds) of the forward (no
-    autograd) and of forward+backward, on random inputs; the host median and the window (for
-    --clocks) over the timed calls only (`host_timed`; the warm-up compiles kernels, with the
-    GPU idle)."""
+def prepare_method(run: Callable, seqlen: int, args, packing: Packing | None = None
+                   ) -> dict[str, Callable[[], object]]:
+    """Each pass's call on random inputs (never zeros): "fwd" a forward without autograd (run
+    under torch.no_grad by `time_passes`), "fwd+bwd" forward+backward; for nsa-graph each the
+    replay of its own capture (made here)."""
     rows = (args.batch, seqlen) if packing is None else (sum(packing.lengths),)
     shape_q = (*rows, args.heads, args.head_dim)
     shape_kv = (*rows, args.kv_heads, args.head_dim)
     q, k, v = random_qkv(shape_q, shape_kv, args.torch_dtype, args.device)
-    timings = {}
     graph = getattr(run, "cuda_graph", False)
-
-    def timed(fn):
-        hosts: list[float] = []
-        fn = host_timed(fn, hosts)
-        for _ in range(args.warmup):
-            fn()
-        start = time.time()
-        ms = time_ms(fn, args.device, warmup=0, repeats=args.repeats)
-        return ms, statistics.median(hosts[-args.repeats:]), (start, time.time())
+    calls = {}
     if "fwd" in args.passes:
-        with torch.no_grad():
-            forward = (captured(lambda: run(q, k, v, packing)) if graph
-                       else lambda: run(q, k, v, packing))
-            timings["fwd"] = timed(forward)
+        def forward():
+            return run(q, k, v, packing)
+        if graph:
+            with torch.no_grad():
+                forward = captured(forward)
+        calls["fwd"] = forward
     if "fwd+bwd" not in args.passes:
-        return timings
-    q, k, v = (t.requires_grad_(True) for t in (q, k, v))
+        return calls
+    q, k, v = (t.detach().requires_grad_(True) for t in (q, k, v))
     dout = torch.randn(shape_q, generator=torch.Generator().manual_seed(7)).to(
         device=args.device, dtype=args.torch_dtype)
 
     def forward_backward():
         q.grad = k.grad = v.grad = None
         run(q, k, v, packing).backward(dout)
-    timings["fwd+bwd"] = timed(captured(forward_backward) if graph else forward_backward)
+    calls["fwd+bwd"] = captured(forward_backward) if graph else forward_backward
+    return calls
+
+
+def time_passes(calls: dict[str, Callable[[], object]], args, warmup: int
+                ) -> dict[str, tuple[float, float, tuple[float, float]]]:
+    """Per pass of `prepare_method`'s calls: (median ms, median host ms, (start, end) in
+    time.time() seconds) of `args.repeats` calls after `warmup` untimed ones; the host median
+    and the window (for --clocks) over the timed calls only (`host_timed`; a warm-up may
+    compile kernels, with the GPU idle)."""
+    timings = {}
+    for pass_, fn in calls.items():
+        hosts: list[float] = []
+        fn = host_timed(fn, hosts)
+        with torch.no_grad() if pass_ == "fwd" else contextlib.nullcontext():
+            for _ in range(warmup):
+                fn()
+            start = time.time()
+            ms = time_ms(fn, args.device, warmup=0, repeats=args.repeats)
+        timings[pass_] = (ms, statistics.median(hosts[-args.repeats:]), (start, time.time()))
     return timings
 
 
+def time_method(run: Callable, seqlen: int, args, packing: Packing | None = None
+                ) -> dict[str, tuple[float, float, tuple[float, float]]]:
+    """`time_passes` of one method on its own (its inputs freed after)."""
+    return time_passes(prepare_method(run, seqlen, args, packing), args, args.warmup)
+
+
+def rounds_order(methods: list[str], round_index: int) -> list[str]:
+    """The methods in the order round `round_index` times them: rotated by one a round, so
+    that none is always first (right after the warm-ups) or right after the same neighbour."""
+    shift = round_index % len(methods) if methods else 0
+    return methods[shift:] + methods[:shift]
+
+
+def merged_rounds(per_round: list[dict[str, tuple[float, float, tuple[float, float]]]]
+                  ) -> dict[str, tuple[float, float, list[tuple[float, float]]]]:
+    """Per pass: the median over the rounds of each round's median ms and host ms, and every
+    round's window."""
+    return {pass_: (statistics.median(r[pass_][0] for r in per_round),
+                    statistics.median(r[pass_][1] for r in per_round),
+                    [r[pass_][2] for r in per_round])
+            for pass_ in per_round[0]}
+
+
 def benchmark(args) -> list[Result]:
-    """Every case and method timed in turn; with --clocks, nvidia-smi samples the GPU's clock
-    throughout and each result gets the medians of its window."""
+    """Every case and method timed, in turn or in --rounds; with --clocks, nvidia-smi samples
+    the GPU's clock throughout and each result gets the medians of its windows."""
     sampler = ClockSampler(args.device.index or 0) if args.clocks else None
     try:
         results, windows = timed_results(args)
@@ -401,18 +442,18 @@ def benchmark(args) -> list[Result]:
                   "CUDA_VISIBLE_DEVICES' renumbering: the device's index may name another)",
                   file=sys.stderr)
         for result, window in zip(results, windows):
-            clocks = sampler.during(*window) if window else None
+            clocks = sampler.during(window) if window else None
             if clocks is not None:
                 result.sm_mhz, result.watts = clocks.sm_mhz, clocks.watts
                 result.power_capped = clocks.power_capped
     return results
 
 
-def timed_results(args) -> tuple[list[Result], list[tuple[float, float] | None]]:
-    """The results and, beside each, the wall-clock window its pass was timed in (None for
-    those that did not run)."""
+def timed_results(args) -> tuple[list[Result], list[list[tuple[float, float]] | None]]:
+    """The results and, beside each, the wall-clock windows its pass was timed in (one per
+    round; None for those that did not run)."""
     results: list[Result] = []
-    windows: list[tuple[float, float] | None] = []
+    windows: list[list[tuple[float, float]] | None] = []
     runners, unavailable = {}, {}
     for method in args.methods:
         try:
@@ -423,43 +464,86 @@ def timed_results(args) -> tuple[list[Result], list[tuple[float, float] | None]]
     for case in benchmark_cases(args):
         seqlen, packing = case.seqlen, case.packing
         workload = case.workload.name if case.workload else None
-
-        def not_run(method: str, status: str) -> list[Result]:
-            windows.extend([None] * len(args.passes))
-            return [Result(seqlen, method, p, None, None, None, status, workload=workload)
-                    for p in args.passes]
-        timings = {}
+        failed: dict[str, str] = {}
+        methods = [m for m in args.methods if m not in unavailable]
+        time_case = timed_in_rounds if args.rounds > 1 else timed_in_turn
+        timings = time_case(runners, methods, seqlen, args, packing, failed)
         lengths = [seqlen] * args.batch if packing is None else packing.lengths
-        for method in args.methods:
-            if method in unavailable:
-                continue
-            try:
-                timings[method] = time_method(runners[method], seqlen, args, packing)
-            except torch.OutOfMemoryError:
-                results += not_run(method, "out of memory")
-                torch.cuda.empty_cache()
-            except Exception as error:  # third-party failures are reported, ours raise
-                if method in OURS:
-                    raise
-                results += not_run(method, f"error: {type(error).__name__}: {error}"[:200])
         baseline = args.baseline if args.baseline in timings else "dense"
         for method in args.methods:
-            if method in unavailable:
-                results += not_run(method, unavailable[method])
-                continue
-            if method not in timings:
+            status = unavailable.get(method, failed.get(method))
+            if status is not None:
+                windows.extend([None] * len(args.passes))
+                results += [Result(seqlen, method, p, None, None, None, status,
+                                   workload=workload) for p in args.passes]
                 continue
             pairs = attended_pairs(method, lengths, args)
             for p in args.passes:
-                ms, host_ms, window = timings[method][p]
+                ms, host_ms, method_windows = timings[method][p]
                 base = timings.get(baseline, {}).get(p, (None,))[0]
                 results.append(Result(
                     seqlen, method, p, ms,
                     attention_tflops(pairs, 1, args.heads, args.head_dim, ms,
                                      backward=p == "fwd+bwd"),
                     base / ms if base else None, "ok", host_ms, workload))
-                windows.append(window)
+                windows.append(method_windows)
     return results, windows
+
+
+def timed_in_turn(runners: dict, methods: list[str], seqlen: int, args,
+                  packing: Packing | None, failed: dict[str, str]) -> dict:
+    """Method -> pass -> (ms, host ms, [window]): each method prepared, timed and freed in
+    turn (--rounds 1: one method's inputs and graphs in memory at a time). A method that
+    fails goes into `failed` with why (`_record_failure`)."""
+    timings = {}
+    for method in methods:
+        try:
+            timings[method] = {p: (ms, host, [window]) for p, (ms, host, window) in
+                               time_method(runners[method], seqlen, args, packing).items()}
+        except Exception as error:  # noqa: BLE001 - sorted by _record_failure
+            _record_failure(method, error, failed)
+    return timings
+
+
+def timed_in_rounds(runners: dict, methods: list[str], seqlen: int, args,
+                    packing: Packing | None, failed: dict[str, str]) -> dict:
+    """Method -> pass -> (ms, host ms, windows) over --rounds rounds: every method prepared
+    first (all in memory at once), then each round times each method's passes in
+    `rounds_order`, after --warmup calls in the first round and one in the later ones; each
+    figure is the median of the rounds' medians (`merged_rounds`). The GPU's clock drifts
+    over a run (FINDINGS.md: a line moved by up to 8% between runs): methods timed in turn
+    give that drift to whichever runs later, interleaved they share it."""
+    prepared, per_round = {}, {}
+    for method in methods:
+        try:
+            prepared[method] = prepare_method(runners[method], seqlen, args, packing)
+            per_round[method] = []
+        except Exception as error:  # noqa: BLE001 - sorted by _record_failure
+            _record_failure(method, error, failed)
+    for round_index in range(args.rounds):
+        for method in rounds_order(list(prepared), round_index):
+            if method in failed:
+                continue
+            warmup = args.warmup if round_index == 0 else 1
+            try:
+                per_round[method].append(time_passes(prepared[method], args, warmup))
+            except Exception as error:  # noqa: BLE001 - sorted by _record_failure
+                _record_failure(method, error, failed)
+                prepared[method] = None
+    return {method: merged_rounds(rounds) for method, rounds in per_round.items()
+            if method not in failed}
+
+
+def _record_failure(method: str, error: Exception, failed: dict[str, str]) -> None:
+    """A method's failure: out of memory is reported for any method (the cache emptied for the
+    next); other errors of third-party methods are reported, ours raise."""
+    if isinstance(error, torch.OutOfMemoryError):
+        failed[method] = "out of memory"
+        torch.cuda.empty_cache()
+        return
+    if method in OURS:
+        raise error
+    failed[method] = f"error: {type(error).__name__}: {error}"[:200]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -639,7 +723,7 @@ def format_branch_profile(rows: list[dict]) -> str:
 # Output
 # ----------------------------------------------------------------------------------------------
 
-def format_table(results: list[Result], baseline: str) -> str:
+def format_table(results: list[Result], baseline: str, rounds: int = 1) -> str:
     # Packed rows name their workload where the others give N (wider column then).
     width = max([8] + [len(r.workload) for r in results if r.workload])
     label = "workload" if any(r.workload for r in results) else "N"
@@ -649,6 +733,8 @@ def format_table(results: list[Result], baseline: str) -> str:
               + (f" {'SM MHz':>7} {'W':>5} {'capped':>6}" if clocks else "") + "  status")
     lines = [f"speedup = {baseline} ms / method ms (same N and pass); TFLOP/s over attended "
              f"pairs; host ms = the call's wall time until it returns (no sync)"
+             + (f"; ms, host ms = medians of {rounds} interleaved rounds' medians"
+                if rounds > 1 else "")
              + ("; SM MHz, W = nvidia-smi's medians while the pass was timed, capped = the "
                 "share of its samples with the software power cap active" if clocks else ""),
              header, "-" * len(header)]
@@ -708,7 +794,7 @@ def run_metadata(args, argv) -> dict:
             "batch", "heads", "kv_heads", "head_dim", "dtype", "compress_block_size",
             "selected_block_size", "num_selected_blocks", "window_size", "gate", "deterministic",
             "recompute",
-            "num_seqs", "packed", "total_tokens", "warmup", "repeats")},
+            "num_seqs", "packed", "total_tokens", "warmup", "repeats", "rounds")},
         "baseline": args.baseline,
     }
 
@@ -753,6 +839,11 @@ def parse_args(argv):
                         help="sample the GPU's SM clock and power with nvidia-smi every 20 ms "
                              "and give each result the medians of its timing (GPU only; a "
                              "pass timed in under 20 ms may get no sample)")
+    parser.add_argument("--rounds", type=positive_int, default=1,
+                        help="time the methods of each case in this many interleaved rounds "
+                             "(all prepared at once, each round in a rotated order; the "
+                             "median of the rounds' medians); 1 (the default): each method "
+                             "in turn, alone in memory")
     parser.add_argument("--json", type=Path, help="write the results to this JSON file")
     args = parser.parse_args(argv)
     args.switches = parse_switches(parser, args)
@@ -845,7 +936,7 @@ def main(argv=None) -> int:
               f"{record['pair_ratio']:.2f} ({workload.rule})")
     results = benchmark(args)
     if results:
-        print(format_table(results, args.baseline))
+        print(format_table(results, args.baseline, args.rounds))
     packed_rows = packed_summary(results, args.workloads, rule) if args.packed else []
     if packed_rows:
         print(format_packed_table(packed_rows))

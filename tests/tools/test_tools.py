@@ -479,6 +479,53 @@ def test_clock_samples_parse_and_summarise_by_window(common):
     assert table[4].split()[-4:] == ["-", "-", "-", "ok"]
 
 
+def test_bench_rounds_interleave_the_methods_and_keep_the_median_round(monkeypatch, capsys):
+    """--rounds 3: every method prepared first, then each round times every method's passes in
+    an order rotated by one a round; a figure is the median of its rounds' medians, its clock
+    windows one per round. A method that runs out of memory in a later round is reported so,
+    the others keep their figures."""
+    bench = load_tool("bench_nsa_vs_dense")
+    args = bench.parse_args([*TINY, "--rounds", "3"])
+    calls = []
+
+    def method(name, fails_after=None):
+        def run(q, k, v, packing=None):
+            calls.append(name)
+            if fails_after is not None and len([c for c in calls if c == name]) > fails_after:
+                raise torch.OutOfMemoryError("test: no memory left")
+            return q * 1.0
+        return run
+    # ms per (method, pass) in rounds 0, 1, 2: the medians are the middle values.
+    figures = {("a", "fwd"): [3.0, 1.0, 2.0], ("a", "fwd+bwd"): [30.0, 10.0, 20.0],
+               ("b", "fwd"): [7.0, 9.0, 8.0], ("b", "fwd+bwd"): [70.0, 90.0, 80.0]}
+    timed = []
+
+    def fake_time_ms(fn, device, *, warmup, repeats):
+        fn()
+        name = calls[-1]
+        pass_ = ("fwd", "fwd+bwd")[len([t for t in timed if t[0] == name]) % 2]
+        timed.append((name, pass_))
+        round_index = len([t for t in timed if t == (name, pass_)]) - 1
+        return figures.get((name, pass_), [1.0] * 3)[round_index]
+    monkeypatch.setattr(bench, "time_ms", fake_time_ms)
+    runners = {"a": method("a"), "b": method("b"), "c": method("c", fails_after=3)}
+    failed = {}
+    timings = bench.timed_in_rounds(runners, ["a", "b", "c"], 200, args, None, failed)
+    # Round 0: a, b, c; round 1: b, c (out of memory), a; round 2: c dropped, so a, b.
+    order = [name for name, pass_ in timed if pass_ == "fwd"]
+    assert order == ["a", "b", "c", "b", "a", "a", "b"]
+    assert failed == {"c": "out of memory"}
+    assert set(timings) == {"a", "b"}
+    assert timings["a"]["fwd"][0] == 2.0 and timings["a"]["fwd+bwd"][0] == 20.0
+    assert timings["b"]["fwd"][0] == 8.0 and timings["b"]["fwd+bwd"][0] == 80.0
+    assert len(timings["a"]["fwd"][2]) == 3  # a clock window per round
+    assert bench.rounds_order(["a", "b", "c"], 4) == ["b", "c", "a"]
+    # The whole tool, timing for real: the table says what its figures are.
+    monkeypatch.undo()
+    assert bench.main([*TINY, "--methods", "nsa,dense", "--passes", "fwd", "--rounds", "2"]) == 0
+    assert "medians of 2 interleaved rounds' medians" in capsys.readouterr().out
+
+
 def test_bench_varlen_packs_the_batch_and_reports_padded_only_methods(tmp_path):
     """--num-seqs: every method gets the same packed sequences; ours run them varlen, SDPA and
     fa4-nsa say they take padded inputs only; the attended pairs are the sequences' own."""
