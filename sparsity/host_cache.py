@@ -11,21 +11,31 @@ tile slots, 4 bytes a token); `clear()` frees them.
 
 Rules that keep it correct:
 - the key holds every value the build depends on; the device is added here;
-- on a GPU the cache is used only from the device's default stream. A tensor made on one
-  stream and read on another could be freed (evicted) while the other stream still reads it,
-  and its memory reused under it. CUDA-graph capture never runs on the default stream, so a
-  captured graph never stores a tensor that holds no values until replay: a miss in a
-  capture builds its own, as without the cache. A hit in a capture is read, so the graph
-  does not replay the entry's build (about 120 small launches of an nsa() forward+backward),
-  and its memory is kept as long as the graph may read it: by the capture's owner where it
-  says so (`pinned_for_capture`: nsa()'s captured plans, whose slots hold their static
-  buffers the same way), else in `_captured_entries`, never evicted (a user's own capture
-  of nsa(): its graph's life is unknown here; `clear()` drops them). A side stream that is
-  not capturing neither reads nor stores, except one forked from the default stream and
-  joined back into it (`forked_side_stream`: nsa()'s selection stream, nsa/streams.py): it
-  counts as the default stream, and what is evicted while it is forked stays alive until
-  the join is queued, after which the default stream reuses memory only behind the side
-  stream's reads;
+- on a GPU every entry is built on the device's default stream and belongs to it. A tensor
+  made on one stream and read on another could be read before it is written, or freed
+  (evicted) while the other stream still reads it and its memory reused under it; so:
+- CUDA-graph capture never runs on the default stream, and a captured graph never stores a
+  tensor that holds no values until replay: a miss in a capture builds its own, as without
+  the cache. A hit in a capture is read, so the graph does not replay the entry's build
+  (about 120 small launches of an nsa() forward+backward), and its memory is kept as long as
+  the graph may read it: by the capture's owner where it says so (`pinned_for_capture`:
+  nsa()'s captured plans, whose slots hold their static buffers the same way), else in
+  `_captured_entries`, never evicted (a user's own capture of nsa(): its graph's life is
+  unknown here; `clear()` drops them);
+- any other stream (a user's own, the side stream of torch.cuda.graph's warm-up recipe)
+  reads and stores too (`_read_on_side_stream`): a miss is built on the default stream after
+  the side stream's work so far (the build may read what that stream wrote) and stored as a
+  default-stream entry; before its first read from a side stream an entry gets an event
+  recorded on the default stream after its build, which every side-stream read waits for,
+  and each side stream that reads it is recorded on its tensors (`Tensor.record_stream`), so
+  that when it is evicted the allocator reuses its memory only after that stream's work
+  queued until then. The recipe's warm-up calls thus leave the entries its capture reads (a
+  capture that built them replayed 0.27 ms of small launches more per 8K-token forward: the
+  bench's nsa-graph, H200, FINDINGS.md);
+- a side stream forked from the default stream and joined back into it (`forked_side_stream`:
+  nsa()'s selection stream, nsa/streams.py) counts as the default stream: what is evicted
+  while it is forked stays alive until the join is queued, after which the default stream
+  reuses memory only behind the side stream's reads;
 - fake tensors (torch.compile's tracing) and meta tensors bypass the cache;
 - callers never write into a returned tensor;
 - entries are built outside inference mode, so a training call may use what an evaluation
@@ -49,24 +59,34 @@ _captured_entries: dict = {}  # entries a capture without an owner read: kept un
 # (device index, stream id) of a side stream forked from the default stream, until joined
 _forked_stream: tuple[int, int] | None = None
 _evicted_while_forked: list = []  # entries evicted meanwhile: kept until the join
+# Full key -> (an event on the default stream after the entry's build, the ids of the side
+# streams recorded on its tensors): entries read from a side stream (`_read_on_side_stream`)
+_side_reads: dict = {}
 
 
 def cached(key: tuple, like: torch.Tensor, build: Callable[[], T]) -> T:
     """build()'s result for `key` on like's device: from the cache, or built and kept (on a
-    GPU only from the default stream, see the module's rules)."""
+    GPU built on the default stream; a capture keeps nothing: see the module's rules)."""
     device = like.device
     if device.type == "meta" or (not _plain_tensor(like) and is_fake(like)):
         return build()
     full_key = (key, device)
-    if not on_default_stream(like):
-        value = _entries.get(full_key, _captured_entries.get(full_key))
-        if value is None or not _capturing(like):
-            return build()
-        if _capture_pins is not None:
-            _capture_pins.append(value)  # alive as long as the capture's owner keeps it
-        else:
-            _captured_entries[full_key] = value  # alive as long as a graph may read it
-        return value
+    if on_default_stream(like):
+        return _read_or_store(full_key, build)
+    if not _capturing(like):
+        return _read_on_side_stream(full_key, like, build)
+    value = _entries.get(full_key, _captured_entries.get(full_key))
+    if value is None:
+        return build()
+    if _capture_pins is not None:
+        _capture_pins.append(value)  # alive as long as the capture's owner keeps it
+    else:
+        _captured_entries[full_key] = value  # alive as long as a graph may read it
+    return value
+
+
+def _read_or_store(full_key: tuple, build: Callable[[], T]) -> T:
+    """The entry, or build() stored as it, on the current stream (the default stream)."""
     if full_key in _entries:
         _entries.move_to_end(full_key)
         return _entries[full_key]
@@ -80,9 +100,77 @@ def cached(key: tuple, like: torch.Tensor, build: Callable[[], T]) -> T:
     _entries[full_key] = value
     while len(_entries) > MAX_ENTRIES:
         evicted = _entries.popitem(last=False)
+        _side_reads.pop(evicted[0], None)
         if _forked_stream is not None:
             _evicted_while_forked.append(evicted)
     return value
+
+
+def _read_on_side_stream(full_key: tuple, like: torch.Tensor, build: Callable[[], T]) -> T:
+    """The entry for a stream that is neither the default stream nor capturing (the module's
+    rules): a miss built and stored on the default stream; the read ordered after the build
+    and recorded on the entry's tensors."""
+    if full_key in _entries:
+        _entries.move_to_end(full_key)
+        value = _entries[full_key]
+    else:
+        value = _on_default_stream(like, lambda: _read_or_store(full_key, build))
+    ready, readers = _side_reads.get(full_key, (None, frozenset()))
+    ready, reader = _order_side_read(like, value, ready, readers)
+    if full_key in _entries:  # (an entry its own build's stores evicted is not tracked)
+        _side_reads[full_key] = (ready, readers | {reader})
+    return value
+
+
+def _on_default_stream(like: torch.Tensor, work: Callable[[], T]) -> T:
+    """work() queued on like's device's default stream, after the current stream's work so far
+    (a build may read what the current stream wrote: the caller's cu_seqlens)."""
+    index, _ = current_stream_id(like)
+    default = torch.cuda.default_stream(index)
+    default.wait_stream(torch.cuda.current_stream(index))
+    with torch.cuda.stream(default):
+        return work()
+
+
+def _order_side_read(like: torch.Tensor, value, ready, readers: frozenset):
+    """(ready, reader): the current (side) stream made to wait for `ready`, an event on the
+    default stream after the entry's build (recorded now where None: after everything the
+    default stream queued so far), and recorded on the entry's tensors unless its id is among
+    `readers` already (their memory then waits for its work when freed); reader: its id."""
+    index, stream_id = current_stream_id(like)
+    stream = torch.cuda.current_stream(index)
+    if ready is None:
+        ready = torch.cuda.Event()
+        ready.record(torch.cuda.default_stream(index))
+    stream.wait_event(ready)
+    if stream_id not in readers:
+        for tensor in _tensors_in(value):
+            tensor.record_stream(stream)
+    return ready, stream_id
+
+
+def _tensors_in(value, seen: set | None = None):
+    """The CUDA tensors inside an entry: tensors, tuples, lists, dict values and the fields of
+    other objects (dataclasses, layout classes), depth first, each object once."""
+    seen = set() if seen is None else seen
+    if id(value) in seen or value is None or isinstance(value, (int, float, str, bool)):
+        return
+    seen.add(id(value))
+    if isinstance(value, torch.Tensor):
+        if value.is_cuda:
+            yield value
+        return
+    if isinstance(value, (tuple, list)):
+        items = value
+    elif isinstance(value, dict):
+        items = value.values()
+    else:
+        items = getattr(value, "__dict__", {}).values()
+        if hasattr(type(value), "__slots__"):
+            items = [*items, *(getattr(value, name, None)
+                               for name in type(value).__slots__)]
+    for item in items:
+        yield from _tensors_in(item, seen)
 
 
 @contextmanager
@@ -90,8 +178,8 @@ def forked_side_stream(stream: torch.cuda.Stream, join):
     """Within: `stream`, which waits for the default stream's work queued so far, counts as
     the default stream here (reads and stores); on exit `join()` makes the default stream
     wait for it, and only then are the entries evicted meanwhile let go (either stream may
-    still read them until then). For a fork from the default stream only: from any other
-    stream the side stream reads and stores nothing, as that stream would not."""
+    still read them until then). For a fork from the default stream only (a stream forked from
+    another reads as that stream would: `_read_on_side_stream`)."""
     global _forked_stream
     outer = _forked_stream
     _forked_stream = (stream.device.index, stream.stream_id)
@@ -159,3 +247,4 @@ def clear() -> None:
     read too: call it only when no such graph will replay."""
     _entries.clear()
     _captured_entries.clear()
+    _side_reads.clear()

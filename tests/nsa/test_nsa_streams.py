@@ -154,8 +154,8 @@ def test_a_first_call_beside_a_slow_window_equals_one_stream(monkeypatch):
 @pytest.mark.gpu
 @requires_sm90
 def test_the_forward_beside_the_window_from_a_users_stream_stays_on_it(monkeypatch):
-    """From a stream of the caller's (not capturing) the chain stays on that stream (the side
-    stream could not share the cached layouts); the result is the default stream's."""
+    """From a stream of the caller's (not capturing) the chain stays on that stream
+    (nsa/streams.py's rule); the result is the default stream's."""
     x = random_cuda_inputs(LENGTHS, 16, 4, 128, seed=7)
     dout = torch.randn(x["q"].shape, generator=torch.Generator().manual_seed(8)).cuda().bfloat16()
     on_default, _, _ = _on_and_off(monkeypatch, x, dout)

@@ -79,28 +79,57 @@ def test_meta_tensors_bypass_the_cache():
     assert len(builds) == 2
 
 
-def test_off_the_default_stream_the_cache_is_bypassed(monkeypatch):
-    """Another stream (a CUDA-graph capture among them; faked here) neither stores nor reads:
-    a tensor made on one stream and read on another could be evicted and its memory reused
-    under the reader, and a captured tensor holds no values until its graph replays."""
+@pytest.fixture
+def side_stream(monkeypatch):
+    """A side stream on the CPU: not the default stream, not capturing; the stream operations
+    of its reads recorded instead of made (`("default", key)`: a build queued on the default
+    stream; `("ordered", key, readers)`: a read made to wait for the entry's build, the
+    readers recorded before it)."""
+    events = []
+    monkeypatch.setattr(host_cache, "on_default_stream", lambda like: False)
+    monkeypatch.setattr(host_cache, "_capturing", lambda like: False)
+
+    def on_default(like, work):
+        events.append(("default",))
+        return work()
+
+    def order(like, value, ready, readers):
+        events.append(("ordered", value, ready, readers))
+        return ready or "event", 7
+    monkeypatch.setattr(host_cache, "_on_default_stream", on_default)
+    monkeypatch.setattr(host_cache, "_order_side_read", order)
+    return events
+
+
+def test_a_side_stream_reads_entries_and_stores_its_misses_built_on_the_default_stream(
+        side_stream, monkeypatch):
+    """A stream that is neither the default one nor capturing (a user's, or torch.cuda.graph's
+    warm-up stream) reads what the default stream stored, and a miss is built on the default
+    stream and stored there; each read waits for the entry's build (one event per entry) and
+    records its stream once."""
     like = torch.zeros(1)
+    monkeypatch.setattr(host_cache, "on_default_stream", lambda like: True)
     kept = host_cache.cached(("kept",), like, lambda: torch.tensor([1]))
     monkeypatch.setattr(host_cache, "on_default_stream", lambda like: False)
     builds = []
-    other = host_cache.cached(("kept",), like, lambda: builds.append(1) or torch.tensor([2]))
-    host_cache.cached(("new",), like, lambda: builds.append(1) or torch.tensor([3]))
-    assert builds == [1, 1] and other is not kept
+    assert host_cache.cached(("kept",), like, lambda: builds.append(1)) is kept
+    new = host_cache.cached(("new",), like, lambda: builds.append(1) or torch.tensor([3]))
+    assert host_cache.cached(("new",), like, lambda: builds.append(1)) is new
+    assert builds == [1]
+    assert side_stream == [("ordered", kept, None, frozenset()), ("default",),
+                           ("ordered", new, None, frozenset()),
+                           ("ordered", new, "event", frozenset({7}))]
     monkeypatch.setattr(host_cache, "on_default_stream", lambda like: True)
-    assert host_cache.cached(("kept",), like, lambda: torch.tensor([4])) is kept
-    builds.clear()
-    host_cache.cached(("new",), like, lambda: builds.append(1) or torch.tensor([3]))
-    assert builds == [1]  # not stored from the other stream
+    assert host_cache.cached(("new",), like, lambda: torch.tensor([4])) is new
+    for n in range(host_cache.MAX_ENTRIES):  # evicts both, and what their reads recorded
+        host_cache.cached(("n", n), like, lambda n=n: torch.tensor([n]))
+    assert not host_cache._side_reads
 
 
 def test_a_pinning_capture_reads_hits_and_pins_them(monkeypatch):
     """Inside `pinned_for_capture` (nsa()'s captured plans; the capture's stream faked here) a
-    hit is read, not rebuilt, and goes into the owner's pins; a miss is built and not stored;
-    after the block the other stream bypasses the cache again."""
+    hit is read, not rebuilt, and goes into the owner's pins; a miss is built and not
+    stored."""
     like = torch.zeros(1)
     kept = host_cache.cached(("kept",), like, lambda: torch.tensor([1]))
     monkeypatch.setattr(host_cache, "on_default_stream", lambda like: False)
@@ -111,8 +140,6 @@ def test_a_pinning_capture_reads_hits_and_pins_them(monkeypatch):
         host_cache.cached(("new",), like, lambda: builds.append(1) or torch.tensor([3]))
     assert builds == [1] and len(pins) == 1 and pins[0] is kept
     assert not host_cache._captured_entries  # the owner keeps it, not the cache
-    monkeypatch.setattr(host_cache, "_capturing", lambda like: False)  # a side stream
-    assert host_cache.cached(("kept",), like, lambda: builds.append(1) or like) is not kept
     monkeypatch.setattr(host_cache, "on_default_stream", lambda like: True)
     builds.clear()
     host_cache.cached(("new",), like, lambda: builds.append(1) or torch.tensor([3]))
@@ -158,10 +185,11 @@ def test_a_pinning_capture_replays_without_rebuilding_the_entries():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_a_capture_reads_hits_and_a_side_stream_neither_stores_nor_reads():
-    """On the GPU: only the default stream stores; a capture (torch.cuda.graph, on a stream of
-    its own) reads an entry already built and builds its misses without storing them; a side
-    stream that is not capturing builds its own."""
+def test_a_capture_reads_hits_and_stores_nothing_and_a_side_stream_reads_and_stores():
+    """On the GPU: a capture (torch.cuda.graph, on a stream of its own) reads an entry already
+    built and builds its misses without storing them; a side stream that is not capturing
+    reads the entries and stores its misses, built on the default stream (torch.cuda.graph's
+    recipe: the warm-up on a side stream leaves what the capture reads)."""
     like = torch.zeros(1, device="cuda")
     kept = host_cache.cached(("kept",), like, lambda: like + 1)
     builds = []
@@ -172,16 +200,45 @@ def test_a_capture_reads_hits_and_a_side_stream_neither_stores_nor_reads():
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        host_cache.cached(("on a side stream",), like, lambda: builds.append(1) or like + 4)
+        stored = host_cache.cached(("on a side stream",), like,
+                                   lambda: builds.append(1) or like + 4)
+        read = host_cache.cached(("kept",), like, lambda: builds.append(1) or like + 5)
+        doubled = stored * 2
     torch.cuda.current_stream().wait_stream(side)
-    assert builds == [1, 1] and captured is kept
+    assert builds == [1, 1] and captured is kept and read is kept
     graph.replay()
-    assert kept.item() == 1.0
+    assert kept.item() == 1.0 and doubled.item() == 8.0
     builds.clear()
-    for key in ("in capture", "on a side stream"):
-        host_cache.cached((key,), like, lambda: builds.append(1) or like + 5)
-    assert builds == [1, 1]  # neither was stored
-    assert host_cache.cached(("kept",), like, lambda: like + 6) is kept
+    assert host_cache.cached(("on a side stream",), like, lambda: like + 6) is stored
+    host_cache.cached(("in capture",), like, lambda: builds.append(1) or like + 7)
+    assert builds == [1]  # the capture's miss was not stored
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_side_stream_entry_is_built_after_its_stream_and_outlives_its_reads():
+    """On the GPU: a side stream's miss is built on the default stream after the side stream's
+    queued work (the build reads a tensor the side stream is still writing), and an entry it
+    read, when evicted, keeps its memory from the default stream's allocations until the side
+    stream's work queued until then is done: zeros written at once into new default-stream
+    tensors never reach the side stream's pending read."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    source = torch.zeros(1 << 20, device="cuda")
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(50_000_000)  # tens of milliseconds of a busy side stream
+        source.fill_(3.0)
+        entry = host_cache.cached(("built after the side stream",), source, lambda: source * 2)
+    torch.cuda.synchronize()
+    assert entry.min().item() == 6.0  # the build saw the side stream's fill
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(50_000_000)
+        total = entry.sum()  # read on the side stream, after the sleep
+    del entry
+    host_cache.clear()  # evicted while the side stream has not read it yet
+    taken = [torch.zeros(1 << 20, device="cuda") for _ in range(4)]  # written at once
+    torch.cuda.synchronize()
+    assert total.item() == 6.0 * (1 << 20) and all(t.abs().sum().item() == 0 for t in taken)
 
 
 def test_entries_built_under_inference_mode_serve_training_calls():
