@@ -47,9 +47,10 @@ perf_counter on the CPU; inputs are random normal, never zeros. `--rounds R` (R 
 methods of a case in R interleaved rounds instead of one after another: all are prepared first
 (inputs, captures: their memory together), each round times every method (--warmup calls before
 its first round, one before each later one) in an order rotated by one a round, and a figure is
-the median of its R round medians. The GPU's clock drifts under its power cap, so methods timed
-one after another may run at different clocks (FINDINGS.md: lines moved by up to 8% between
-runs); interleaved they share the drift. TFLOP/s counts the (row, key)
+the median of its R round medians (the table's "spread": the slowest round's less the fastest's,
+over that figure; the JSON keeps each round's as `round_ms`). The GPU's clock drifts under its
+power cap, so methods timed one after another may run at different clocks (FINDINGS.md: lines
+moved by up to 8% between runs); interleaved they share the drift. TFLOP/s counts the (row, key)
 pairs each method attends (dense: the causal triangle; NSA: an upper bound over its three
 branches, see _common.nsa_pairs), 4*D flops per pair and head forward, 3.5x that for fwd+bwd.
 "host ms" is the median wall time of the same calls until they return, without a sync: where it
@@ -154,6 +155,8 @@ class Result:
     sm_mhz: float | None = None
     watts: float | None = None
     power_capped: float | None = None
+    # With --rounds R > 1: each round's median ms, in round order (the figure is their median).
+    round_ms: list[float] | None = None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -418,12 +421,13 @@ def rounds_order(methods: list[str], round_index: int) -> list[str]:
 
 
 def merged_rounds(per_round: list[dict[str, tuple[float, float, tuple[float, float]]]]
-                  ) -> dict[str, tuple[float, float, list[tuple[float, float]]]]:
-    """Per pass: the median over the rounds of each round's median ms and host ms, and every
-    round's window."""
+                  ) -> dict[str, tuple[float, float, list[tuple[float, float]], list[float]]]:
+    """Per pass: the median over the rounds of each round's median ms and host ms, every
+    round's window, and every round's ms."""
     return {pass_: (statistics.median(r[pass_][0] for r in per_round),
                     statistics.median(r[pass_][1] for r in per_round),
-                    [r[pass_][2] for r in per_round])
+                    [r[pass_][2] for r in per_round],
+                    [r[pass_][0] for r in per_round])
             for pass_ in per_round[0]}
 
 
@@ -479,26 +483,27 @@ def timed_results(args) -> tuple[list[Result], list[list[tuple[float, float]] | 
                 continue
             pairs = attended_pairs(method, lengths, args)
             for p in args.passes:
-                ms, host_ms, method_windows = timings[method][p]
+                ms, host_ms, method_windows, round_ms = timings[method][p]
                 base = timings.get(baseline, {}).get(p, (None,))[0]
                 results.append(Result(
                     seqlen, method, p, ms,
                     attention_tflops(pairs, 1, args.heads, args.head_dim, ms,
                                      backward=p == "fwd+bwd"),
-                    base / ms if base else None, "ok", host_ms, workload))
+                    base / ms if base else None, "ok", host_ms, workload,
+                    round_ms=round_ms if args.rounds > 1 else None))
                 windows.append(method_windows)
     return results, windows
 
 
 def timed_in_turn(runners: dict, methods: list[str], seqlen: int, args,
                   packing: Packing | None, failed: dict[str, str]) -> dict:
-    """Method -> pass -> (ms, host ms, [window]): each method prepared, timed and freed in
+    """Method -> pass -> (ms, host ms, [window], [ms]): each method prepared, timed and freed in
     turn (--rounds 1: one method's inputs and graphs in memory at a time). A method that
     fails goes into `failed` with why (`_record_failure`)."""
     timings = {}
     for method in methods:
         try:
-            timings[method] = {p: (ms, host, [window]) for p, (ms, host, window) in
+            timings[method] = {p: (ms, host, [window], [ms]) for p, (ms, host, window) in
                                time_method(runners[method], seqlen, args, packing).items()}
         except Exception as error:  # noqa: BLE001 - sorted by _record_failure
             _record_failure(method, error, failed)
@@ -507,7 +512,7 @@ def timed_in_turn(runners: dict, methods: list[str], seqlen: int, args,
 
 def timed_in_rounds(runners: dict, methods: list[str], seqlen: int, args,
                     packing: Packing | None, failed: dict[str, str]) -> dict:
-    """Method -> pass -> (ms, host ms, windows) over --rounds rounds: every method prepared
+    """Method -> pass -> (ms, host ms, windows, round ms) over --rounds rounds: every method prepared
     first (all in memory at once), then each round times each method's passes in
     `rounds_order`, after --warmup calls in the first round and one in the later ones; each
     figure is the median of the rounds' medians (`merged_rounds`). The GPU's clock drifts
@@ -728,13 +733,14 @@ def format_table(results: list[Result], baseline: str, rounds: int = 1) -> str:
     width = max([8] + [len(r.workload) for r in results if r.workload])
     label = "workload" if any(r.workload for r in results) else "N"
     clocks = any(r.sm_mhz is not None for r in results)
+    spread = any(r.round_ms for r in results)
     header = (f"{label:>{width}}  {'method':<9} {'pass':<8} {'ms':>10} {'speedup':>8} "
-              f"{'TFLOP/s':>9} {'host ms':>9}"
+              f"{'TFLOP/s':>9} {'host ms':>9}" + (f" {'spread':>7}" if spread else "")
               + (f" {'SM MHz':>7} {'W':>5} {'capped':>6}" if clocks else "") + "  status")
     lines = [f"speedup = {baseline} ms / method ms (same N and pass); TFLOP/s over attended "
              f"pairs; host ms = the call's wall time until it returns (no sync)"
-             + (f"; ms, host ms = medians of {rounds} interleaved rounds' medians"
-                if rounds > 1 else "")
+             + (f"; ms, host ms = medians of {rounds} interleaved rounds' medians, spread = "
+                "(slowest - fastest round) / ms" if rounds > 1 else "")
              + ("; SM MHz, W = nvidia-smi's medians while the pass was timed, capped = the "
                 "share of its samples with the software power cap active" if clocks else ""),
              header, "-" * len(header)]
@@ -744,12 +750,16 @@ def format_table(results: list[Result], baseline: str, rounds: int = 1) -> str:
         tflops = f"{r.tflops:9.3f}" if r.tflops is not None else f"{'-':>9}"
         host = f"{r.host_ms:9.3f}" if r.host_ms is not None else f"{'-':>9}"
         case = r.workload or r.seqlen
+        rounds_spread = ""
+        if spread:
+            rounds_spread = (f" {(max(r.round_ms) - min(r.round_ms)) / r.ms:7.1%}"
+                             if r.round_ms and r.ms else f" {'-':>7}")
         sampled = ""
         if clocks:
             sampled = (f" {r.sm_mhz:7.0f} {r.watts:5.0f} {r.power_capped:6.0%}"
                        if r.sm_mhz is not None else f" {'-':>7} {'-':>5} {'-':>6}")
         lines.append(f"{case:>{width}}  {r.method:<9} {r.pass_:<8} {ms} {speedup} {tflops} "
-                     f"{host}{sampled}  {r.status}")
+                     f"{host}{rounds_spread}{sampled}  {r.status}")
     return "\n".join(lines)
 
 

@@ -479,7 +479,8 @@ def test_clock_samples_parse_and_summarise_by_window(common):
     assert table[4].split()[-4:] == ["-", "-", "-", "ok"]
 
 
-def test_bench_rounds_interleave_the_methods_and_keep_the_median_round(monkeypatch, capsys):
+def test_bench_rounds_interleave_the_methods_and_keep_the_median_round(monkeypatch, capsys,
+                                                                      tmp_path):
     """--rounds 3: every method prepared first, then each round times every method's passes in
     an order rotated by one a round; a figure is the median of its rounds' medians, its clock
     windows one per round. A method that runs out of memory in a later round is reported so,
@@ -519,11 +520,20 @@ def test_bench_rounds_interleave_the_methods_and_keep_the_median_round(monkeypat
     assert timings["a"]["fwd"][0] == 2.0 and timings["a"]["fwd+bwd"][0] == 20.0
     assert timings["b"]["fwd"][0] == 8.0 and timings["b"]["fwd+bwd"][0] == 80.0
     assert len(timings["a"]["fwd"][2]) == 3  # a clock window per round
+    assert timings["a"]["fwd"][3] == [3.0, 1.0, 2.0]  # and each round's figure
     assert bench.rounds_order(["a", "b", "c"], 4) == ["b", "c", "a"]
-    # The whole tool, timing for real: the table says what its figures are.
+    # The whole tool, timing for real: the table says what its figures are and how far its
+    # rounds spread; the JSON keeps each round's figure.
     monkeypatch.undo()
-    assert bench.main([*TINY, "--methods", "nsa,dense", "--passes", "fwd", "--rounds", "2"]) == 0
-    assert "medians of 2 interleaved rounds' medians" in capsys.readouterr().out
+    out = tmp_path / "rounds.json"
+    assert bench.main([*TINY, "--methods", "nsa,dense", "--passes", "fwd", "--rounds", "2",
+                       "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "medians of 2 interleaved rounds' medians" in printed
+    assert "spread" in printed.splitlines()[3]
+    rows = json.loads(out.read_text())["results"]
+    assert all(len(row["round_ms"]) == 2 and min(row["round_ms"]) <= row["ms"]
+               <= max(row["round_ms"]) for row in rows)
 
 
 def test_bench_varlen_packs_the_batch_and_reports_padded_only_methods(tmp_path):
