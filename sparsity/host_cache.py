@@ -11,9 +11,10 @@ tile slots, 4 bytes a token); `clear()` frees them.
 
 Rules that keep it correct:
 - the key holds every value the build depends on; the device is added here;
-- on a GPU every entry is built on the device's default stream and belongs to it. A tensor
-  made on one stream and read on another could be read before it is written, or freed
-  (evicted) while the other stream still reads it and its memory reused under it; so:
+- on a GPU every entry is built on the device's default stream and belongs to it (or on
+  nsa()'s side stream forked from it, which counts as it: the last rule). A tensor made on one
+  stream and read on another could be read before it is written, or freed (evicted) while
+  the other stream still reads it and its memory reused under it; so:
 - CUDA-graph capture never runs on the default stream, and a captured graph never stores a
   tensor that holds no values until replay: a miss in a capture builds its own, as without
   the cache. A hit in a capture is read, so the graph does not replay the entry's build
@@ -114,7 +115,7 @@ def _read_on_side_stream(full_key: tuple, like: torch.Tensor, build: Callable[[]
         _entries.move_to_end(full_key)
         value = _entries[full_key]
     else:
-        value = _on_default_stream(like, lambda: _read_or_store(full_key, build))
+        value = _queued_on_default_stream(like, lambda: _read_or_store(full_key, build))
     ready, readers = _side_reads.get(full_key, (None, frozenset()))
     ready, reader = _order_side_read(like, value, ready, readers)
     if full_key in _entries:  # (an entry its own build's stores evicted is not tracked)
@@ -122,7 +123,7 @@ def _read_on_side_stream(full_key: tuple, like: torch.Tensor, build: Callable[[]
     return value
 
 
-def _on_default_stream(like: torch.Tensor, work: Callable[[], T]) -> T:
+def _queued_on_default_stream(like: torch.Tensor, work: Callable[[], T]) -> T:
     """work() queued on like's device's default stream, after the current stream's work so far
     (a build may read what the current stream wrote: the caller's cu_seqlens)."""
     index, _ = current_stream_id(like)

@@ -96,7 +96,7 @@ def side_stream(monkeypatch):
     def order(like, value, ready, readers):
         events.append(("ordered", value, ready, readers))
         return ready or "event", 7
-    monkeypatch.setattr(host_cache, "_on_default_stream", on_default)
+    monkeypatch.setattr(host_cache, "_queued_on_default_stream", on_default)
     monkeypatch.setattr(host_cache, "_order_side_read", order)
     return events
 
