@@ -23,11 +23,12 @@ against 1.129-1.132; SMS_LEFT 0 / 8 / 16 / 24 / 32 at 8K 0.584 / 0.568 / 0.534 /
 When (`beside_applies`, decided here only): with `nsa.function.SELECTION_STREAM` on, the window
 launched first (`UNSELECTED_FIRST`), on a CUDA device, from the default stream or a capturing
 one (from a user's own stream the chain stays on it: sparsity/host_cache.py's forked-stream
-bookkeeping is the default stream's, and beside a user's stream it is not measured), up to MAX_ROW_HEADS query rows x heads and on documents of at most
-MAX_DOCUMENT_TOKENS tokens. A forward of 64K tokens as one sequence ran 4% slower beside (the
-same A/B, `--seqlens 65536`: 5.574 / 5.608 ms against 5.388 / 5.364 on one stream): there the
-window and the compressed branch, over 1024 compressed keys, lose 16 SMs for longer than the
-chain's small launches gain. The 64K-token packings of documents up to 8K gain as 8K does
+bookkeeping is the default stream's, and beside a user's stream it is not measured), up to
+MAX_ROW_HEADS query rows x heads and on documents of at most MAX_DOCUMENT_TOKENS tokens. A
+forward of 64K tokens as one sequence ran 4% slower beside (the same A/B, `--seqlens 65536`:
+5.574 / 5.608 ms against 5.388 / 5.364 on one stream): there the window and the compressed
+branch, over 1024 compressed keys, lose 16 SMs for longer than the chain's small launches
+gain. The 64K-token packings of documents up to 8K gain as 8K does
 (`--packed lognormal-2k --packed docs-8k --forward --capture off --switch
 nsa.streams.MAX_ROW_HEADS=...`: log-normal 4.564 / 4.606 ms on one stream against 4.423 /
 4.469 beside, 8 x 8K 4.517 / 4.477 against 4.368 / 4.263; in a graph 0.1 ms alike). Past 64K

@@ -512,8 +512,8 @@ def timed_in_turn(runners: dict, methods: list[str], seqlen: int, args,
 
 def timed_in_rounds(runners: dict, methods: list[str], seqlen: int, args,
                     packing: Packing | None, failed: dict[str, str]) -> dict:
-    """Method -> pass -> (ms, host ms, windows, round ms) over --rounds rounds: every method prepared
-    first (all in memory at once), then each round times each method's passes in
+    """Method -> pass -> (ms, host ms, windows, round ms) over --rounds rounds: every method
+    prepared first (all in memory at once), then each round times each method's passes in
     `rounds_order`, after --warmup calls in the first round and one in the later ones; each
     figure is the median of the rounds' medians (`merged_rounds`). The GPU's clock drifts
     over a run (FINDINGS.md: a line moved by up to 8% between runs): methods timed in turn
