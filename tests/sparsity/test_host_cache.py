@@ -81,32 +81,35 @@ def test_meta_tensors_bypass_the_cache():
 
 @pytest.fixture
 def side_stream(monkeypatch):
-    """A side stream on the CPU: not the default stream, not capturing; the stream operations
-    of its reads recorded instead of made (`("default", key)`: a build queued on the default
-    stream; `("ordered", key, readers)`: a read made to wait for the entry's build, the
-    readers recorded before it)."""
-    events = []
+    """A side stream on the CPU: not the default stream, not capturing, its id `stream[0]`
+    (7; a test may change it); the stream operations of its reads recorded instead of made
+    (`("default",)`: a build queued on the default stream; `("ordered", value, ready)`: a
+    first read of the entry by this stream, made to wait for `ready`, the build's event (None:
+    recorded now) and recorded on the entry's tensors)."""
+    events, stream = [], [7]
     monkeypatch.setattr(host_cache, "on_default_stream", lambda like: False)
     monkeypatch.setattr(host_cache, "_capturing", lambda like: False)
+    monkeypatch.setattr(host_cache, "current_stream_id", lambda like: (0, stream[0]))
 
-    def on_default(like, work):
+    def on_default(index, work):
         events.append(("default",))
         return work()
 
-    def order(like, value, ready, readers):
-        events.append(("ordered", value, ready, readers))
-        return ready or "event", 7
+    def order(index, value, ready):
+        events.append(("ordered", value, ready))
+        return ready or "event"
     monkeypatch.setattr(host_cache, "_queued_on_default_stream", on_default)
     monkeypatch.setattr(host_cache, "_order_side_read", order)
-    return events
+    return events, stream
 
 
 def test_a_side_stream_reads_entries_and_stores_its_misses_built_on_the_default_stream(
         side_stream, monkeypatch):
     """A stream that is neither the default one nor capturing (a user's, or torch.cuda.graph's
     warm-up stream) reads what the default stream stored, and a miss is built on the default
-    stream and stored there; each read waits for the entry's build (one event per entry) and
-    records its stream once."""
+    stream and stored there; a stream's first read of an entry waits for its build (one event
+    per entry) and records the stream, its later reads do nothing more."""
+    events, stream = side_stream
     like = torch.zeros(1)
     monkeypatch.setattr(host_cache, "on_default_stream", lambda like: True)
     kept = host_cache.cached(("kept",), like, lambda: torch.tensor([1]))
@@ -115,10 +118,14 @@ def test_a_side_stream_reads_entries_and_stores_its_misses_built_on_the_default_
     assert host_cache.cached(("kept",), like, lambda: builds.append(1)) is kept
     new = host_cache.cached(("new",), like, lambda: builds.append(1) or torch.tensor([3]))
     assert host_cache.cached(("new",), like, lambda: builds.append(1)) is new
+    assert host_cache.cached(("kept",), like, lambda: builds.append(1)) is kept
+    stream[0] = 8  # another side stream: its first read waits for the same event
+    assert host_cache.cached(("new",), like, lambda: builds.append(1)) is new
+    assert host_cache.cached(("new",), like, lambda: builds.append(1)) is new
     assert builds == [1]
-    assert side_stream == [("ordered", kept, None, frozenset()), ("default",),
-                           ("ordered", new, None, frozenset()),
-                           ("ordered", new, "event", frozenset({7}))]
+    assert events == [("ordered", kept, None), ("default",), ("ordered", new, None),
+                      ("ordered", new, "event")]
+    assert host_cache._side_reads[(("new",), like.device)] == ("event", frozenset({7, 8}))
     monkeypatch.setattr(host_cache, "on_default_stream", lambda like: True)
     assert host_cache.cached(("new",), like, lambda: torch.tensor([4])) is new
     for n in range(host_cache.MAX_ENTRIES):  # evicts both, and what their reads recorded
