@@ -429,8 +429,8 @@ def _slot_gradients(slot: _Slot, dout: Tensor, sequences: PackedSequences,
     out, branches, cu_seqlens_cmp, lses, kept = slot.state
     q, k, v, W_k, W_v, W_gate, cu_seqlens = slot.inputs
     return packed_gradients(dout, q, k, v, W_k, W_v, W_gate, cu_seqlens, cu_seqlens_cmp, lses,
-                            branches, sequences, config, transposed_lists(branches), kept,
-                            convert_dkv=False)
+                            branches, sequences, config, lambda: transposed_lists(branches),
+                            kept, convert_dkv=False)
 
 
 def _output(slot: _Slot) -> Tensor:

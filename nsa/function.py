@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from torch import Tensor
@@ -88,6 +89,10 @@ WINDOW_COVERS_SELECTED = True
 # high-priority stream beside the window's launch (nsa/streams.py says when); False: all on
 # the current stream, in the same order (the switch for the A/B).
 SELECTION_STREAM = True
+# The backward builds the lists' transposes on that stream, beside its gate pass, which neither
+# reads them nor writes what they read (about 20 small launches, 0.09 ms before the pass at 64K
+# tokens on an H200); False: on the current stream, before the pass (the switch for the A/B).
+LISTS_BESIDE_GATE_PASS = True
 
 
 class NSAFunction(torch.autograd.Function):
@@ -266,17 +271,21 @@ def _gradients(ctx, saved: tuple, dout: Tensor) -> tuple:
     q, k, v, W_k, W_v, W_gate, cu_seqlens, cu_seqlens_cmp, k_cmp, v_cmp, gates, *rest = saved
     lses, outputs = rest[:ctx.num_branches], tuple(rest[ctx.num_branches:])
     return packed_gradients(dout, q, k, v, W_k, W_v, W_gate, cu_seqlens, cu_seqlens_cmp, lses,
-                            ctx.branches, ctx.sequences, ctx.config, _transposed_lists(ctx),
+                            ctx.branches, ctx.sequences, ctx.config,
+                            lambda: _transposed_lists(ctx),
                             KeptForBackward((k_cmp, v_cmp), outputs, gates))
 
 
 def packed_gradients(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, W_k: Tensor | None,
                      W_v: Tensor | None, W_gate: Tensor | None, cu_seqlens: Tensor,
                      cu_seqlens_cmp: Tensor, lses, branches: list[Branch],
-                     sequences: PackedSequences, config: NSAConfig, transposed: dict,
-                     kept: KeptForBackward | None = None, convert_dkv: bool = True) -> tuple:
+                     sequences: PackedSequences, config: NSAConfig,
+                     build_transposed: Callable[[], dict], kept: KeptForBackward | None = None,
+                     convert_dkv: bool = True) -> tuple:
     """(dq, dk, dv, dW_k, dW_v, dW_gate) of `packed_forward`, None for absent weights, given
-    what it returned; `transposed` as `_transposed_lists` builds it. kept: what the forward
+    what it returned; `build_transposed()` returns the lists' transposes as `transposed_lists`
+    builds them (called once, beside the gate pass where the side stream applies: nothing here
+    reads them before the branches' loop). kept: what the forward
     kept (None: compress and recompute every branch here). convert_dkv=False returns, in
     the place of dk and of dv both, their `KeyValueGradients` as the branches left them, for
     the caller to finish (nsa/captured.py finishes outside its graph, into the tensors it
@@ -321,18 +330,27 @@ def packed_gradients(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, W_k: Tensor 
     consumes = (kept_all and SELECTED_CONSUMES_DQ_SUMS and SHARED_DQ_SUMS
                 and not config.deterministic and not kernels_unavailable(q.device))
     order = backward_order(branches, selected_last=consumes)
-    options = {branch.index: dict(deterministic=config.deterministic,
-                                  block_sparse_transposed=transposed[branch.index])
-               for branch in branches}
-    # The plans of the branches on k and v (the compressed keys come in the loop): whether one
-    # of them fuses dQ decides whether the first call on the dQ kernel opens the sums.
-    plans = {position: _plan_backward(branches[position], q, k, v, options)
-             for position in order if not branches[position].reads_compressed}
-    stores_first = (consumes and DQ_KERNEL_OPENS_SUMS
-                    and any(plan is not None and plan.fuses_dq for plan in plans.values()))
-    dq_sums = DqSums(consumes=consumes, stores_first=stores_first) if SHARED_DQ_SUMS else None
-    # With every branch's output kept, their gate gradients come from one pass over dO.
-    gates_written = kept_all and branches_gate_gradients(dout, outputs, branches, d_gates)
+    # The transposes on the forward's side stream (nsa/streams.py: the same rule for when),
+    # joined before the loop, whose kernels are the first to read them; the plans reference
+    # them on the host only.
+    lists_beside = Beside(q, LISTS_BESIDE_GATE_PASS and beside_applies(
+        q, sequences.max_seqlen, True, SELECTION_STREAM))
+    with lists_beside:
+        with lists_beside.side():
+            transposed = build_transposed()
+        options = {branch.index: dict(deterministic=config.deterministic,
+                                      block_sparse_transposed=transposed[branch.index])
+                   for branch in branches}
+        # The plans of the branches on k and v (the compressed keys come in the loop): whether
+        # one of them fuses dQ decides whether the first call on the dQ kernel opens the sums.
+        plans = {position: _plan_backward(branches[position], q, k, v, options)
+                 for position in order if not branches[position].reads_compressed}
+        stores_first = (consumes and DQ_KERNEL_OPENS_SUMS
+                        and any(plan is not None and plan.fuses_dq for plan in plans.values()))
+        dq_sums = (DqSums(consumes=consumes, stores_first=stores_first) if SHARED_DQ_SUMS
+                   else None)
+        # With every branch's output kept, their gate gradients come from one pass over dO.
+        gates_written = kept_all and branches_gate_gradients(dout, outputs, branches, d_gates)
     branch: Branch
     for position in order:
         branch, lse = branches[position], lses[position]

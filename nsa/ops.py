@@ -142,7 +142,7 @@ def nsa_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, W_k: Optional[Te
         kept = KeptForBackward(None, outputs) if outputs[0].shape == q.shape else None
         grads = packed_gradients(dout.contiguous(), q, k, v, W_k, W_v, W_gate, cu_seqlens,
                                  cu_seqlens_cmp, lses, branches, sequences, config,
-                                 transposed_lists(branches), kept)
+                                 lambda: transposed_lists(branches), kept)
     return tuple(_absent(q) if g is None else g for g in grads)
 
 

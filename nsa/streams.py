@@ -20,6 +20,10 @@ from an idle GPU: 8K 0.533-0.536 ms against 0.600-0.601 on one stream, 16K 1.082
 against 1.129-1.132; SMS_LEFT 0 / 8 / 16 / 24 / 32 at 8K 0.584 / 0.568 / 0.534 / 0.537 /
 0.543, at 16K 1.115 / 1.104 / 1.085 / 1.092 / 1.097 (means of two rounds; FINDINGS.md).
 
+The backward forks the same stream under the same rule to build the selected lists'
+transposes (about 20 small launches) beside its gate pass, a memory-bound pass over dO and
+the branch outputs that reads neither (`nsa.function.LISTS_BESIDE_GATE_PASS`).
+
 When (`beside_applies`, decided here only): with `nsa.function.SELECTION_STREAM` on, the window
 launched first (`UNSELECTED_FIRST`), on a CUDA device, from the default stream or a capturing
 one (from a user's own stream the chain stays on it: sparsity/host_cache.py's forked-stream
@@ -58,8 +62,9 @@ _default_streams: dict[int, torch.cuda.Stream] = {}
 
 
 def beside_applies(q: Tensor, longest: int, window_launched: bool, enabled: bool) -> bool:
-    """Whether this forward's selection chain runs on the side stream (the module's "When");
-    longest: the longest document's tokens."""
+    """Whether this call's side-stream work (the forward's selection chain, the backward's list
+    transposes) runs on the side stream (the module's "When"); longest: the longest
+    document's tokens."""
     if not (enabled and window_launched and q.is_cuda and q.numel()):
         return False
     if q.shape[0] * q.shape[1] > MAX_ROW_HEADS or longest > MAX_DOCUMENT_TOKENS:

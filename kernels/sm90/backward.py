@@ -604,19 +604,22 @@ class QueryTiles:
         (`GateFoldedStatistics`). On the CPU (the unit tests' reference), or from a given
         dout_dot_out without a gate, in torch (O is then not read)."""
         num_heads = dout.shape[1]
-        lse_log2 = torch.full((num_heads, self.num_slots), math.inf, dtype=torch.float32,
-                              device=dout.device)
-        dpsum = torch.zeros((num_heads, self.num_slots), dtype=torch.float32, device=dout.device)
+        shape = (num_heads, self.num_slots)
         on_gpu = dout.is_cuda and dout.shape[0] > 0
-        if on_gpu and dout_dot_out is None:
-            _launch_preprocess(dout, out, lse, self.slot32, lse_log2, dpsum)
-            return lse_log2, dpsum
         if lse_gate is not None:
             gates, index = lse_gate
             if on_gpu and gates.dtype == torch.float32 and gates.stride(-1) == 1:
+                # The kernel writes every slot, the padding too: no fills.
+                lse_log2, dpsum = (torch.empty(shape, dtype=torch.float32, device=dout.device)
+                                   for _ in range(2))
                 _launch_gate_fold(dout_dot_out, lse, gates, index, self.slot32, lse_log2, dpsum)
                 return lse_log2, dpsum
             lse = gate_folded_lse(lse, gates[..., index])
+        lse_log2 = torch.full(shape, math.inf, dtype=torch.float32, device=dout.device)
+        dpsum = torch.zeros(shape, dtype=torch.float32, device=dout.device)
+        if on_gpu and dout_dot_out is None:
+            _launch_preprocess(dout, out, lse, self.slot32, lse_log2, dpsum)
+            return lse_log2, dpsum
         scaled = lse.float() * _LOG2_E
         # A row that sees nothing has lse = -inf: +inf makes its P = exp2(s - inf) exactly 0.
         lse_log2[:, self.slot] = torch.where(torch.isneginf(scaled), math.inf, scaled)
@@ -930,9 +933,10 @@ def _launch_gate_fold(dout_dot_out, lse, gates, index, slot, lse_log2, dpsum):
     from kernels.sm90.bwd_preprocess import GateFoldedStatistics, GateFoldSpec
     from kernels.sm90.compile import fake_gate_fold_arguments
 
-    # (T, H) row dots as the kernel reads them, (H, T): nsa() passes the transpose of the
-    # (H, T) tensor its forward wrote, so this is a view, not a copy.
-    dots = dout_dot_out.t().float().contiguous()
+    # (T, H) row dots as the kernel reads them, (H, T), of any strides: nsa() passes a column
+    # of its gate gradients (T, H, 3) or the transpose of the (H, T) tensor a recomputing
+    # forward wrote, both views.
+    dots = dout_dot_out.t().float()
     launch_on_current_stream(GateFoldedStatistics, GateFoldSpec(), fake_gate_fold_arguments,
                              (dots, lse.float().contiguous(), gates, index, slot, lse_log2,
                               dpsum), lse.device)

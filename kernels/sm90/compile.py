@@ -270,16 +270,17 @@ def fake_preprocess_arguments(spec):
 
 def fake_gate_fold_arguments(spec):
     """Fake tensors and scalar standing for `GateFoldedStatistics`' arguments (the stream
-    excluded): row dots and lse (H, T) float32, the gates (T, H, B) float32, the gate column,
-    the rows' slots (T,) int32, lse log2(e) and dO.O (H, P)."""
-    def heads_by_rows():
+    excluded): row dots (H, T) float32 of any strides, lse (H, T) float32, the gates (T, H, B)
+    float32, the gate column, the rows' slots (T,) int32, lse log2(e) and dO.O (H, P)."""
+    def heads_by_rows(unit_columns: bool):
         return make_fake_tensor(cutlass.Float32, (cute.sym_int(), cute.sym_int()),
-                                stride=(cute.sym_int(), 1), assumed_align=4)
+                                stride=(cute.sym_int(), 1 if unit_columns else cute.sym_int()),
+                                assumed_align=4)
 
     gates = make_fake_tensor(cutlass.Float32, tuple(cute.sym_int() for _ in range(3)),
                              stride=(cute.sym_int(), cute.sym_int(), 1), assumed_align=4)
-    return (heads_by_rows(), heads_by_rows(), gates, cutlass.Int32(0), fake_int32_vector(),
-            fake_row_statistics(), fake_row_statistics())
+    return (heads_by_rows(False), heads_by_rows(True), gates, cutlass.Int32(0),
+            fake_int32_vector(), fake_row_statistics(), fake_row_statistics())
 
 
 def compiled_dq_convert(spec, example_args, tvm_ffi: bool = False):

@@ -371,13 +371,21 @@ def test_query_tiles_are_kept_by_their_host_bounds():
 def test_gate_fold_kernel_equals_the_torch_fold():
     """`GateFoldedStatistics` (one launch) against the torch fold on the CPU, varlen slots,
     gates of 0 and NaN and rows that see nothing: the same +inf marks, values to float32
-    rounding of the log (libdevice logf against torch's), the row dots exact."""
+    rounding of the log (libdevice logf against torch's), the row dots exact. The kernel
+    writes every slot of outputs it does not fill first (their memory here was NaN before),
+    and reads the row dots as nsa() passes them: a column of (T, H, 3) gate gradients."""
     lengths = [130, 1, 64, 2000]
     cu, lse, gates, row_dots = _gated_statistics_inputs(lengths, heads=4, device="cuda", seed=2)
     total = sum(lengths)
     tiles = QueryTiles(cu, total)
     dout = torch.empty(total, 4, 64, device="cuda", dtype=torch.bfloat16)
-    got_lse, got_dpsum = tiles.row_statistics(dout, None, lse, row_dots.t(), lse_gate=(gates, 1))
+    d_gates = torch.randn(total, 4, 3, device="cuda")
+    d_gates[..., 1] = row_dots.t()
+    torch.cuda.synchronize()
+    poison = [torch.full((1 << 18,), math.nan, device="cuda") for _ in range(16)]
+    poison.clear()  # 1 MiB blocks of the small pool, freed: the (H, P) outputs land on them
+    got_lse, got_dpsum = tiles.row_statistics(dout, None, lse, d_gates[..., 1],
+                                              lse_gate=(gates, 1))
     cpu_tiles = QueryTiles(cu.cpu(), total)
     ref_lse, ref_dpsum = cpu_tiles.row_statistics(dout.cpu(), None, lse.cpu(), row_dots.t().cpu(),
                                                   lse_gate=(gates.cpu(), 1))

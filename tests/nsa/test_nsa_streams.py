@@ -1,7 +1,8 @@
-"""The forward's selection chain beside the window (nsa/streams.py): when it applies (CPU), and
-on an sm_90 GPU that nsa() with it equals nsa() without it bit for bit (the same kernels on the
-same data; deterministic=True orders the backward's sums), from the default stream, under a
-user's CUDA-graph capture and from a user's own stream (where it does not apply)."""
+"""The forward's selection chain beside the window and the backward's list transposes beside its
+gate pass (nsa/streams.py): when they apply and in what order (CPU), and on an sm_90 GPU that
+nsa() with them equals nsa() without them bit for bit (the same kernels on the same data;
+deterministic=True orders the backward's sums), from the default stream, under a user's
+CUDA-graph capture and from a user's own stream (where they do not apply)."""
 from __future__ import annotations
 
 import pytest
@@ -65,6 +66,42 @@ def test_the_covered_rows_are_looked_up_before_the_fork(monkeypatch):
     assert order[:2] == ["covered rows", "fork"], order
 
 
+def test_the_backward_builds_the_transposes_beside_and_joins_before_the_branches(monkeypatch):
+    """The backward's side stream builds the lists' transposes while the current stream runs
+    the gate pass, and the current stream waits for it (the exit of `with Beside`) before the
+    first branch's backward, whose kernels read them (the CPU runs the same calls, the
+    streams' operations no-ops)."""
+    from nsa.branches import Branch
+
+    order = []
+
+    class Marked(function.Beside):
+        def side(self):
+            order.append("side")
+            return super().side()
+
+        def __exit__(self, *exc):
+            order.append("join")
+            return super().__exit__(*exc)
+    transposed_lists, gate_pass = function.transposed_lists, function.branches_gate_gradients
+    backward = Branch.backward
+    monkeypatch.setattr(function, "Beside", Marked)
+    monkeypatch.setattr(function, "transposed_lists",
+                        lambda branches: order.append("transposes") or transposed_lists(branches))
+    monkeypatch.setattr(function, "branches_gate_gradients",
+                        lambda *a: order.append("gate pass") or gate_pass(*a))
+    monkeypatch.setattr(Branch, "backward",
+                        lambda self, *a, **k: order.append("branch") or backward(self, *a, **k))
+    x = random_inputs([300, 40], 4, 2, 16, seed=2, weights=False)
+    q = x["q"].requires_grad_()
+    out = nsa(q, x["k"], x["v"], cu_seqlens=x["cu_seqlens"], window_size=32,
+              compress_block_size=16, selected_block_size=16, num_selected_blocks=4, _q_tile=16,
+              _cmp_kv_block=16, recompute=False)
+    order.clear()
+    out.sum().backward()
+    assert order[:5] == ["side", "transposes", "gate pass", "join", "branch"], order
+
+
 def test_off_the_side_stream_beside_queues_nothing_elsewhere():
     """`Beside(..., False)`: side() is a no-op and nothing is forked (the CPU path)."""
     q = torch.zeros(4, 2, 8)
@@ -123,7 +160,7 @@ def test_the_forward_beside_the_window_equals_one_stream(monkeypatch, lengths):
     x = random_cuda_inputs(lengths, 16, 4, 128, seed=5)
     dout = torch.randn(x["q"].shape, generator=torch.Generator().manual_seed(6)).cuda().bfloat16()
     on, off, used = _on_and_off(monkeypatch, x, dout)
-    assert used == [True, False]
+    assert used == [True, True, False, False]  # forward, backward; each on, then off
     _assert_equal(on, off)
 
 
@@ -147,7 +184,25 @@ def test_a_first_call_beside_a_slow_window_equals_one_stream(monkeypatch):
     x = random_cuda_inputs(LENGTHS, 16, 4, 128, seed=11)
     dout = torch.randn(x["q"].shape, generator=torch.Generator().manual_seed(12)).cuda().bfloat16()
     on, off, used = _on_and_off(monkeypatch, x, dout, cold=True)
-    assert used == [True, False]
+    assert used == [True, True, False, False]
+    _assert_equal(on, off)
+
+
+@pytest.mark.gpu
+@requires_sm90
+def test_the_backward_waits_for_a_slow_side_stream_s_transposes(monkeypatch):
+    """A packing's first call whose transposes start ~50 ms late on the side stream (their
+    memory poisoned): the branches' backward must wait for them, and equals one stream's."""
+    transposed_lists = function.transposed_lists
+
+    def late(branches):
+        torch.cuda._sleep(100_000_000)  # on the stream that builds them
+        return transposed_lists(branches)
+    monkeypatch.setattr(function, "transposed_lists", late)
+    x = random_cuda_inputs(LENGTHS, 16, 4, 128, seed=13)
+    dout = torch.randn(x["q"].shape, generator=torch.Generator().manual_seed(14)).cuda().bfloat16()
+    on, off, used = _on_and_off(monkeypatch, x, dout, cold=True, recompute=False)
+    assert used == [True, True, False, False]
     _assert_equal(on, off)
 
 
@@ -170,7 +225,7 @@ def test_the_forward_beside_the_window_from_a_users_stream_stays_on_it(monkeypat
         on_user = _call(x, dout)
     torch.cuda.current_stream().wait_stream(user)
     torch.cuda.synchronize()
-    assert used == [False]
+    assert used == [False, False]
     _assert_equal(on_user, on_default)
 
 
