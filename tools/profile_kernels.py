@@ -275,6 +275,18 @@ def warm(step, warmup: int, device: torch.device) -> None:
     synchronize(device)
 
 
+def profiled_step(step, args):
+    """The step as profiled, warmed (`warm`): with --graph its capture's replay. The capture
+    warms the step up on a side stream first (torch.cuda.graph's recipe) and the replays are
+    warmed after it: an eager warm-up on the default stream before a capture of a backward can
+    leave the leaves' gradient accumulators on the default stream, which the capture may not
+    touch (the 8K step's capture failed so with nsa()'s captured plans on)."""
+    if args.graph:
+        step = captured(step)
+    warm(step, args.warmup, args.device)
+    return step
+
+
 def from_idle_time(step, args) -> str:
     """With --from-idle, ", X ms from an idle GPU": the median of --repeats steps each from an
     idle GPU to its end (a sync before each, CUDA events around it: the host's work before its
@@ -289,9 +301,7 @@ def profile_workload(args, label: str, packing, tokens: int) -> None:
     if args.graph:
         label += ", the step in one CUDA graph"
     if not args.switch:
-        warm(step, args.warmup, args.device)
-        if args.graph:
-            step = captured(step)
+        step = profiled_step(step, args)
         intervals = [] if args.gaps and args.device.type == "cuda" else None
         table = kernel_times(step, args.repeats, args.device, intervals, args.by_launch,
                              from_idle=args.from_idle and args.gaps)
@@ -306,8 +316,7 @@ def profile_workload(args, label: str, packing, tokens: int) -> None:
     for round_index in range(args.rounds):
         setting = "AB"[round_index % 2]
         with switched(args.switch if setting == "B" else []):
-            warm(step, args.warmup, args.device)
-            timed = captured(step) if args.graph else step
+            timed = profiled_step(step, args)
             tables[setting].append(kernel_times(timed, args.repeats, args.device,
                                                 by_launch=args.by_launch))
             idle = from_idle_time(timed, args)
