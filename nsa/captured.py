@@ -196,10 +196,14 @@ class _Slot:
 
     def load(self, inputs) -> None:
         """Copy this call's tensors into the static inputs (cu_seqlens is part of the signature:
-        its values never change for a slot)."""
-        for static, x in zip(self.inputs[:6], inputs[:6]):
-            if static is not None:
-                static.copy_(x)
+        its values never change for a slot): their values only. A copy recorded by autograd
+        would make each static input a non-leaf whose history holds the call's inputs, their
+        graph and the leaves' gradient accumulators alive until the next call, which torch's
+        capture of a later step then finds on the stream of an earlier one."""
+        with torch.no_grad():
+            for static, x in zip(self.inputs[:6], inputs[:6]):
+                if static is not None:
+                    static.copy_(x)
 
 
 class _Plans:

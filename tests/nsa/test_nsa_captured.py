@@ -269,6 +269,24 @@ def test_emulated_plans_equal_eager_call_by_call(emulated_graphs):
     assert slots[0].backward_graph is not None and not slots[0].busy
 
 
+def test_emulated_plans_keep_no_autograd_history_of_their_calls(emulated_graphs):
+    """A plan copies each call's inputs into its static buffers as values only: the buffers
+    never join the caller's autograd graph. (Copied with grad mode on, each buffer became a
+    non-leaf whose history held the last call's inputs and, through them, their gradient
+    accumulators and graphs, from one step to the next: a capture of a later step then found
+    the leaves' accumulators on the stream of an earlier one, the default stream, and failed.)"""
+    for seed in range(4):  # eager, the capture, then replays and the shared slot's calls
+        tensors, extra = _cpu_call(seed)
+        layers = [{n: t * 1.0 for n, t in tensors.items()}]  # non-leaves, as in a model
+        outs = [nsa(**x, **extra) for x in layers]
+        torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
+    slots = _slots()
+    assert slots and slots[0].forward_graph is not None
+    for slot in slots:
+        for static in slot.inputs:
+            assert static is None or (static.grad_fn is None and not static.requires_grad)
+
+
 def test_emulated_plans_equal_eager_with_three_calls_in_flight(emulated_graphs):
     """Three layers of one signature, all forwards before the backward: a slot each."""
     for seed in range(3):

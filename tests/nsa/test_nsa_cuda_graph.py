@@ -65,3 +65,44 @@ def test_captured_forward_backward_replays_new_inputs_like_eager(layout):
     assert torch.equal(static_out, eager_out)
     for name, grad in static_grads.items():
         assert torch.equal(grad, eager[name].grad), name
+
+
+@requires_sm90
+def test_a_step_captured_after_eager_steps_on_the_default_stream():
+    """Eager steps of the same leaves on the default stream first, with nsa()'s captured plans
+    (the default at this size: the second and third calls run from a plan), then torch's
+    recipe and capture: the capture must not meet gradient accumulators that a plan kept from
+    a default-stream step (it raised cudaErrorStreamCaptureImplicit while the plans' input
+    copies were recorded by autograd), and its replay equals eager nsa()."""
+    from nsa import release_captured_plans
+
+    release_captured_plans()
+    tensors, extra = gpu_inputs(("q", "k", "v", "W_gate"), "varlen", seed=13)
+    dout = torch.randn_like(tensors["q"])
+    for _ in range(3):  # eager, the plan's capture, its replay: all on the default stream
+        _step(tensors, extra, dout)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            _step(tensors, extra, dout)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    for t in tensors.values():
+        t.grad = None
+    with torch.cuda.graph(graph):
+        static_out = nsa(**tensors, **extra, deterministic=True)
+        static_out.backward(dout)
+    static_grads = {n: t.grad for n, t in tensors.items()}
+    generator = torch.Generator(device="cuda").manual_seed(4)
+    with torch.no_grad():
+        for t in (*tensors.values(), dout):
+            t.copy_(torch.randn(t.shape, generator=generator, device="cuda", dtype=t.dtype))
+    graph.replay()
+    torch.cuda.synchronize()
+    eager = {n: t.detach().clone().requires_grad_() for n, t in tensors.items()}
+    eager_out = _step(eager, extra, dout)
+    assert torch.equal(static_out, eager_out)
+    for name, grad in static_grads.items():
+        assert torch.equal(grad, eager[name].grad), name
+    release_captured_plans()
