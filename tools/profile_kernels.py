@@ -278,9 +278,9 @@ def warm(step, warmup: int, device: torch.device) -> None:
 def profiled_step(step, args):
     """The step as profiled, warmed (`warm`): with --graph its capture's replay. The capture
     warms the step up on a side stream first (torch.cuda.graph's recipe) and the replays are
-    warmed after it: an eager warm-up on the default stream before a capture of a backward can
-    leave the leaves' gradient accumulators on the default stream, which the capture may not
-    touch (the 8K step's capture failed so with nsa()'s captured plans on)."""
+    warmed after it, as torch's CUDA-graph notes ask of a captured backward: gradient
+    accumulators still alive from an eager step on the default stream would tie the capture
+    to that stream (FINDINGS.md: how nsa()'s plans once kept them alive)."""
     if args.graph:
         step = captured(step)
     warm(step, args.warmup, args.device)
