@@ -27,10 +27,10 @@ Rules that keep it correct:
   reads and stores too (`_read_on_side_stream`): a miss is built on the default stream after
   the side stream's work so far (the build may read what that stream wrote) and stored as a
   default-stream entry; before its first read from a side stream an entry gets an event
-  recorded on the default stream after its build, which every side-stream read waits for,
-  and each side stream that reads it is recorded on its tensors (`Tensor.record_stream`), so
+  recorded on the default stream after its build, which each side stream's first read of it
+  waits for, and each such stream is recorded on its tensors (`Tensor.record_stream`), so
   that when it is evicted the allocator reuses its memory only after that stream's work
-  queued until then. The recipe's warm-up calls thus leave the entries its capture reads (a
+  queued until then (its later reads need neither again). The recipe's warm-up calls thus leave the entries its capture reads (a
   capture that built them replayed 0.27 ms of small launches more per 8K-token forward: the
   bench's nsa-graph, H200, FINDINGS.md);
 - a side stream forked from the default stream and joined back into it (`forked_side_stream`:
