@@ -287,6 +287,27 @@ def test_emulated_plans_keep_no_autograd_history_of_their_calls(emulated_graphs)
             assert static is None or (static.grad_fn is None and not static.requires_grad)
 
 
+def test_emulated_plans_free_the_graph_of_a_call_without_backward(emulated_graphs):
+    """A call from a plan with grad enabled whose backward never runs (an evaluation without
+    torch.no_grad): once its output and inputs are dropped, its inputs' graph and what that
+    graph saved are freed. (With the copies into the slot recorded by autograd, the slot
+    held every such graph, saved activations included, for good.)"""
+    import gc
+    import weakref
+
+    tensors, extra = _cpu_call(0)
+    for _ in range(3):  # eager, captured, replayed: the signature has a plan
+        torch.autograd.backward(nsa(**tensors, **extra), torch.ones_like(tensors["q"]))
+    factor = torch.full((1,), 1.0)
+    saved = weakref.ref(factor)  # saved by the product's backward, for q's gradient
+    inputs = dict(tensors, q=tensors["q"] * factor)
+    out = nsa(**inputs, **extra)
+    assert _slots()[0].busy  # the call ran from the plan
+    del out, inputs, factor
+    gc.collect()
+    assert saved() is None
+
+
 def test_emulated_plans_equal_eager_with_three_calls_in_flight(emulated_graphs):
     """Three layers of one signature, all forwards before the backward: a slot each."""
     for seed in range(3):
