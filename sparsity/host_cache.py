@@ -30,9 +30,9 @@ Rules that keep it correct:
   recorded on the default stream after its build, which each side stream's first read of it
   waits for, and each such stream is recorded on its tensors (`Tensor.record_stream`), so
   that when it is evicted the allocator reuses its memory only after that stream's work
-  queued until then (its later reads need neither again). The recipe's warm-up calls thus leave the entries its capture reads (a
-  capture that built them replayed 0.27 ms of small launches more per 8K-token forward: the
-  bench's nsa-graph, H200, FINDINGS.md);
+  queued until then (its later reads need neither again). The recipe's warm-up calls thus
+  leave the entries its capture reads (a capture that built them replayed 0.27 ms of small
+  launches more per 8K-token forward: the bench's nsa-graph, H200, FINDINGS.md);
 - a side stream forked from the default stream and joined back into it (`forked_side_stream`:
   nsa()'s selection stream, nsa/streams.py) counts as the default stream: what is evicted
   while it is forked stays alive until the join is queued, after which the default stream
