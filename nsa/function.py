@@ -116,7 +116,8 @@ class NSAFunction(torch.autograd.Function):
             q, k, v, W_k, W_v, W_gate, cu_seqlens, sequences, config, keep_outputs, queries)
         ctx.num_branches = len(branches)
         ctx.save_for_backward(q, k, v, W_k, W_v, W_gate, cu_seqlens, cu_seqlens_cmp,
-                              *kept.compressed, kept.gates, *lses, *kept.outputs)
+                              *kept.compressed, kept.gates, kept.summed_gates, *lses,
+                              *kept.outputs)
         ctx.branches, ctx.config, ctx.sequences = branches, config, sequences
         ctx.transposed_lists = None  # built by the first backward (`_transposed_lists`)
         return out
@@ -139,10 +140,14 @@ class KeptForBackward:
     input dtype (T / l rows: small; None: the backward compresses again) and, where kept, the
     branch outputs in branch order (empty where the backward recomputes them) with the gate
     weights (T, H, 3) that combined them (None: the backward computes them again; kept with
-    the outputs only, 12 bytes a row and head, so the memory-tight recompute path keeps none)."""
+    the outputs only, 12 bytes a row and head, so the memory-tight recompute path keeps none),
+    and where the window stands for the selected branch on some rows, the folded gates the
+    outputs were summed with (`folded_gates`, kept with the gates: the backward's passes read
+    them; None: the gates themselves)."""
     compressed: tuple[Tensor, Tensor] | None
     outputs: tuple[Tensor, ...] = ()
     gates: Tensor | None = None
+    summed_gates: Tensor | None = None
 
 
 def packed_forward(q: Tensor, k: Tensor, v: Tensor, W_k: Tensor | None, W_v: Tensor | None,
@@ -170,12 +175,13 @@ def packed_forward(q: Tensor, k: Tensor, v: Tensor, W_k: Tensor | None, W_v: Ten
     # The gated sum: one pass over the branch outputs on sm90; elsewhere a float32 sum that
     # frees each output as it is added (kernels/gated_sum.py), unless they are kept. Outputs
     # wait here until it exists and, beside the side stream, until the join.
-    gates, out, waiting = None, None, {}
+    gates, summed_gates, out, waiting = None, None, None, {}
 
     def start_sum() -> None:
-        nonlocal gates, out
+        nonlocal gates, summed_gates, out
         gates = gate_weights(q, W_gate, config.branches)
-        out = GatedSum(folded_gates(gates, covered), like=q,
+        summed_gates = folded_gates(gates, covered)
+        out = GatedSum(summed_gates, like=q,
                        keep_terms=keep_outputs or not combine)
 
     def add_waiting() -> None:
@@ -234,7 +240,8 @@ def packed_forward(q: Tensor, k: Tensor, v: Tensor, W_k: Tensor | None, W_v: Ten
             [lses[branch.index] for branch in branches],
             KeptForBackward((k_cmp, v_cmp),
                             tuple(outputs[branch.index] for branch in branches if keep_outputs),
-                            gates if keep_outputs else None))
+                            gates if keep_outputs else None,
+                            summed_gates if keep_outputs and covered is not None else None))
 
 
 def compress_and_plan(q: Tensor, k: Tensor, v: Tensor | None, W_k: Tensor | None,
@@ -268,12 +275,13 @@ def compress_keys(k: Tensor, v: Tensor | None, W_k: Tensor | None, W_v: Tensor |
 def _gradients(ctx, saved: tuple, dout: Tensor) -> tuple:
     """(dq, dk, dv, dW_k, dW_v, dW_gate) of NSAFunction, None for absent weights, from its
     saved tensors."""
-    q, k, v, W_k, W_v, W_gate, cu_seqlens, cu_seqlens_cmp, k_cmp, v_cmp, gates, *rest = saved
+    (q, k, v, W_k, W_v, W_gate, cu_seqlens, cu_seqlens_cmp, k_cmp, v_cmp, gates, summed_gates,
+     *rest) = saved
     lses, outputs = rest[:ctx.num_branches], tuple(rest[ctx.num_branches:])
     return packed_gradients(dout, q, k, v, W_k, W_v, W_gate, cu_seqlens, cu_seqlens_cmp, lses,
                             ctx.branches, ctx.sequences, ctx.config,
                             lambda: _transposed_lists(ctx),
-                            KeptForBackward((k_cmp, v_cmp), outputs, gates))
+                            KeptForBackward((k_cmp, v_cmp), outputs, gates, summed_gates))
 
 
 def packed_gradients(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, W_k: Tensor | None,
@@ -313,7 +321,8 @@ def packed_gradients(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, W_k: Tensor 
     # The branch outputs were summed with the folded gates (nsa/window_covered.py): their
     # passes and the kernels' folded lse read those, gate_backward the gates themselves.
     covered = _window_covered_of(branches)
-    summed_gates = folded_gates(gates, covered).contiguous()
+    summed_gates = (kept.summed_gates if kept is not None and kept.summed_gates is not None
+                    else folded_gates(gates, covered)).contiguous()
     d_gates = torch.zeros(*q.shape[:2], NUM_BRANCHES, dtype=dtype, device=q.device)
     dq = dk = dv = None
     compressed_rows = None  # the compressed branch's (dk, dv) per token (`KeyValueGradients`)

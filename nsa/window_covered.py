@@ -36,7 +36,6 @@ from torch import Tensor
 
 from nsa.branches import SELECTED, WINDOW
 from nsa.config import NSAConfig
-from nsa.gating import NUM_BRANCHES
 from sparsity import BlockSparseTensors
 from sparsity.host_cache import cached
 
@@ -47,7 +46,7 @@ class WindowCoveredRows:
     query rows."""
 
     tiles: Tensor  # (C,) int64: row blocks of the selected lists
-    rows: Tensor  # (T,) float32: 1 on the query rows of those tiles, 0 elsewhere
+    rows: Tensor  # (R,) int64: the query rows of those tiles, ascending
 
 
 def _cover(config: NSAConfig) -> int:
@@ -80,10 +79,10 @@ def covered_pair_share(host_cu_seqlens: tuple[int, ...], config: NSAConfig) -> f
     return covered / total if total else 0.0
 
 
-# Below this share of the selected pairs nsa() does not fold: the gates' two passes (T x H x 3
-# floats, forward and backward: 0.05 ms at 64K tokens, H=32, H200) cost about what a single
-# 64K sequence's 0.2% of the pairs saves, and at 1M tokens the folded copy would add 0.4 GB to
-# the peak for nothing.
+# Below this share of the selected pairs nsa() does not fold: folding and unfolding the gates
+# (T x H x 3 floats; 0.03-0.05 ms of kernel time a step at 64K tokens, H=32, H200) costs about
+# what a single 64K sequence's 0.2% of the pairs saves, and at 1M tokens the folded copy would
+# add 0.4 GB to the peak for nothing.
 MIN_COVERED_PAIR_SHARE = 0.01
 
 
@@ -109,11 +108,15 @@ def _covered_rows(cu_seqlens: Tensor, host_cu_seqlens: tuple[int, ...],
     cover, tile = _cover(config), config.q_tile
     cu = cu_seqlens.to(torch.int64)
     lengths = cu.diff()
-    # Covered rows per sequence: all of a document up to the cover, else whole tiles.
+    # Covered rows per sequence: all of a document up to the cover, else whole tiles; their
+    # count is the host bounds', so the indices are made without reading the device.
     limit = torch.where(lengths <= cover, lengths, cover // tile * tile)
-    row = torch.arange(host_cu_seqlens[-1], device=cu.device)
-    sequence = torch.searchsorted(cu[1:], row, right=True)
-    rows = ((row - cu[sequence]) < limit[sequence]).to(torch.float32)
+    row_count = sum(end - start if end - start <= cover else cover // tile * tile
+                    for start, end in zip(host_cu_seqlens, host_cu_seqlens[1:]))
+    limit_end = limit.cumsum(0)
+    nth = torch.arange(row_count, device=cu.device)
+    sequence = torch.searchsorted(limit_end, nth, right=True)
+    rows = cu[sequence] + nth - (limit_end[sequence] - limit[sequence])
     tiles_before = ((lengths + tile - 1) // tile).cumsum(0)
     covered = (limit + tile - 1) // tile
     covered_end = covered.cumsum(0)
@@ -138,20 +141,22 @@ def without_covered_tiles(lists: BlockSparseTensors, covered: WindowCoveredRows
 
 def folded_gates(gates: Tensor, covered: WindowCoveredRows | None) -> Tensor:
     """The (T, H, 3) gates nsa() sums and differentiates the branch outputs with: on covered
-    rows the window's gate is g_w + g_s and the selected branch's 0 (gates + m g_s (0, -1, 1),
-    m the covered rows: two passes over the gates); `gates` itself where nothing is covered."""
+    rows the window's gate is g_w + g_s and the selected branch's 0; `gates` itself where
+    nothing is covered. A contiguous copy of the gates, then the covered rows alone are
+    gathered, changed and put back. The forward keeps the result for the backward's passes
+    (`KeptForBackward.summed_gates`), so a step folds once where the outputs are kept.
+    Kernel time of a step's fold and unfold (H=32, H200, torch.profiler; docs/history.md):
+    64K tokens packed 33-46 us, against 60-76 us when one broadcasting expression over every
+    row (gates + m g_s (0, -1, 1), torch's generic strided kernel) folded in the forward and
+    again in the backward; at 8K tokens (512 rows covered) 16-17 us against 13."""
     if covered is None:
         return gates
-    def make_shift() -> Tensor:
-        # Filled from Python scalars: an item assignment copies from the host, which a
-        # CUDA-graph capture (that may build this) refuses.
-        shift = torch.zeros(NUM_BRANCHES, dtype=gates.dtype, device=gates.device)
-        shift[SELECTED].fill_(-1.0)
-        shift[WINDOW].fill_(1.0)
-        return shift
-    shift = cached(("covered gate shift", gates.dtype), gates, make_shift)
-    moved = gates[..., SELECTED:SELECTED + 1] * covered.rows[:, None, None].to(gates.dtype)
-    return torch.addcmul(gates, moved, shift)
+    # A new tensor: gates may be the mean gates' expanded view, or kept for gate_backward.
+    folded = gates.clone(memory_format=torch.contiguous_format)
+    moved = folded.index_select(0, covered.rows)
+    moved[..., WINDOW].add_(moved[..., SELECTED])
+    moved[..., SELECTED].zero_()
+    return folded.index_copy_(0, covered.rows, moved)
 
 
 def unfold_gate_gradients(d_gates: Tensor, covered: WindowCoveredRows | None) -> None:
@@ -160,5 +165,5 @@ def unfold_gate_gradients(d_gates: Tensor, covered: WindowCoveredRows | None) ->
     the selected branch's there); the other columns and rows are the same."""
     if covered is None:
         return
-    rows = covered.rows[:, None].to(d_gates.dtype)
-    d_gates[..., SELECTED].lerp_(d_gates[..., WINDOW], rows)
+    d_gates[..., SELECTED].index_copy_(
+        0, covered.rows, d_gates[..., WINDOW].index_select(0, covered.rows))

@@ -66,10 +66,9 @@ def test_covered_tiles_and_rows_of_a_packing():
     starts = [0, 7, 8, 11, 14, 17, 21]  # each sequence's first row block: ceil(length / 16)
     assert covered.tiles.tolist() == [t for s, c in zip(starts, [2, 1, 3, 2, 3, 2, 1])
                                       for t in range(s, s + c)]
-    expected_rows = torch.zeros(sum(LENGTHS), dtype=torch.bool)
-    for start, length, rows in zip(host, LENGTHS, [32, 7, 40, 32, 33, 32, 16]):
-        expected_rows[start:start + rows] = True
-    assert torch.equal(covered.rows, expected_rows.float())
+    expected_rows = [start + row for start, rows in zip(host, [32, 7, 40, 32, 33, 32, 16])
+                     for row in range(rows)]
+    assert covered.rows.dtype == torch.int64 and covered.rows.tolist() == expected_rows
     for off in (_config(0), _config(40, causal=False)):
         assert window_covered_rows(cu_seqlens_of(LENGTHS), host, off) is None
 
@@ -115,7 +114,8 @@ def test_folded_gates_and_their_gradients():
     generator = torch.Generator().manual_seed(1)
     gates = torch.rand(sum(LENGTHS), 4, 3, generator=generator, dtype=torch.float64)
     folded = folded_gates(gates, covered)
-    rows = covered.rows.bool()
+    rows = torch.zeros(sum(LENGTHS), dtype=torch.bool)
+    rows[covered.rows] = True
     assert torch.equal(folded[rows, :, WINDOW], gates[rows, :, WINDOW] + gates[rows, :, SELECTED])
     assert (folded[rows, :, SELECTED] == 0).all()
     assert torch.equal(folded[~rows], gates[~rows])
@@ -135,7 +135,8 @@ def test_nsa_with_the_window_covering_matches_nsa_without_it(monkeypatch, learne
     """float64 on the CPU: nsa() with covered tiles left to the window gives nsa()'s values
     without (to rounding: the same softmax over the same keys) and the reference's, every
     gradient too (W_gate's through the unfolded gate gradients); the lists it ran had the
-    covered tiles removed."""
+    covered tiles removed, and the gates were folded once a step where the outputs were kept
+    (the backward reads the forward's), twice where the backward recomputes."""
     options = dict(SMALL, window_size=40)
     x = random_inputs(LENGTHS, 4, 2, 16, seed=5)
     if not learned_gates:
@@ -149,15 +150,25 @@ def test_nsa_with_the_window_covering_matches_nsa_without_it(monkeypatch, learne
         removed.append(covered.tiles.numel())
         return original(lists, covered)
     monkeypatch.setattr(function, "without_covered_tiles", spying)
+    folds = []
+    original_fold = function.folded_gates
+
+    def folding(gates, covered):
+        folds.append(covered is not None)
+        return original_fold(gates, covered)
+    monkeypatch.setattr(function, "folded_gates", folding)
     runs = {}
     for covering in (True, False):
         monkeypatch.setattr(function, "WINDOW_COVERS_SELECTED", covering)
         removed.clear()
+        folds.clear()
         inputs = differentiable(x, torch.float64)
         out = nsa(**inputs, max_seqlen=max(LENGTHS), recompute=recompute, capture=False,
                   **options)
         runs[covering] = (out.detach(), grads_of(out, inputs, dout))
         assert (len(removed) > 0 and removed[0] == 14) if covering else not removed
+        # (without covered rows the backward asks again: the gates come back as they are)
+        assert folds == ([True] * (2 if recompute else 1) if covering else [False] * 2), folds
     (out_on, grads_on), (out_off, grads_off) = runs[True], runs[False]
     assert rel_err(out_on, out_off) < 1e-12
     for name, grad in grads_on.items():
