@@ -41,11 +41,19 @@ step's kernel time and its span is the launch gaps of the graph.
 `--by-launch` gives a kernel launched n > 1 times in every step a row per launch, ` @i` for
 its i-th in the step: the three branches' attention kernels share one CuTe DSL name, and
 would otherwise be one row (`launch_order` says which branch each place is).
+
+`--time-only` leaves the profiler out: each round (or the one setting, without `--switch`)
+times --repeats steps from an idle GPU, as `--from-idle` does, and an A/B ends with each
+setting's median over its rounds. torch.profiler's collection and its processing of a 64K
+packed step's events take most of a profiled round's wall time (about 100 s for two packings'
+four rounds on an H200 host, 2026-12-01), so an A/B decided by the step's time costs a
+fraction of the device time this way.
 """
 from __future__ import annotations
 
 import argparse
 import collections
+import statistics
 import sys
 from pathlib import Path
 
@@ -293,13 +301,21 @@ def from_idle_time(step, args) -> str:
     first launch and every wait on the host included, as the bench's eager figure); else ""."""
     if not args.from_idle:
         return ""
-    return f", {time_ms(step, args.device, warmup=1, repeats=args.repeats):.3f} ms from an idle GPU"
+    return f", {idle_ms(step, args):.3f} ms from an idle GPU"
+
+
+def idle_ms(step, args) -> float:
+    """The median of --repeats steps each timed from an idle GPU (`from_idle_time`)."""
+    return time_ms(step, args.device, warmup=1, repeats=args.repeats)
 
 
 def profile_workload(args, label: str, packing, tokens: int) -> None:
     step = make_step(args, packing, tokens)
     if args.graph:
         label += ", the step in one CUDA graph"
+    if args.time_only:
+        time_rounds(args, label, step)
+        return
     if not args.switch:
         step = profiled_step(step, args)
         intervals = [] if args.gaps and args.device.type == "cuda" else None
@@ -329,6 +345,27 @@ def profile_workload(args, label: str, packing, tokens: int) -> None:
     print(format_moves(tables["A"][-1], tables["B"][-1], args.top))
 
 
+def time_rounds(args, label: str, step) -> None:
+    """`--time-only`: the step timed from an idle GPU, one setting, or --rounds alternating
+    the library's settings (A) and the switched ones (B), then each setting's median."""
+    if not args.switch:
+        timed = profiled_step(step, args)
+        print(f"{label}: {idle_ms(timed, args):.3f} ms from an idle GPU per {step_kind(args)} "
+              f"(median of {args.repeats})")
+        return
+    times = {"A": [], "B": []}
+    for round_index in range(args.rounds):
+        setting = "AB"[round_index % 2]
+        with switched(args.switch if setting == "B" else []):
+            timed = profiled_step(step, args)
+            times[setting].append(idle_ms(timed, args))
+        print(f"{label}: round {round_index + 1} ({setting}) {times[setting][-1]:.3f} ms from "
+              f"an idle GPU per {step_kind(args)}")
+    a, b = (statistics.median(times[setting]) for setting in "AB")
+    print(f"{label}: median of the rounds, A (the library's settings) {a:.3f} ms, B "
+          f"({', '.join(args.switch)}) {b:.3f} ms, B - A {b - a:+.3f} ms")
+
+
 def parse_arguments(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      epilog=__doc__.split("\n\n", 3)[-1] + "\n\n"
@@ -355,6 +392,9 @@ def parse_arguments(argv=None) -> argparse.Namespace:
     parser.add_argument("--graph", action="store_true",
                         help="capture the whole step in one CUDA graph and profile its "
                              "replays (GPU only)")
+    parser.add_argument("--time-only", action="store_true",
+                        help="no profiler: time the steps from an idle GPU only (each round's "
+                             "with --switch, then each setting's median)")
     parser.add_argument("--forward", action="store_true",
                         help="steps of a forward alone, without autograd (as the bench's fwd "
                              "pass), instead of forward+backward")
@@ -366,6 +406,8 @@ def parse_arguments(argv=None) -> argparse.Namespace:
         parser.error(f"--graph: captures a CUDA graph; --device is {args.device}")
     if args.gaps and args.switch:
         parser.error("--gaps: reports one setting's steps; leave out --switch")
+    if args.time_only and (args.gaps or args.by_launch):
+        parser.error("--time-only: no kernel table to show --gaps or --by-launch in")
     if args.rounds < 2 and args.switch:
         parser.error(f"--rounds: an A/B needs at least 2, got {args.rounds}")
     for name in args.packed:

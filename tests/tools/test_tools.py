@@ -362,6 +362,35 @@ def test_profile_kernels_lists_the_step_and_runs_an_ab(capsys, monkeypatch):
             tool.main([*tiny, *bad])
 
 
+def test_profile_kernels_time_only_times_rounds_without_the_profiler(capsys, monkeypatch):
+    """--time-only: a step time from an idle device per round and each setting's median, no
+    kernel table (the profiler is never started); one setting without --switch; refused with
+    the options that read a kernel table."""
+    import nsa.function as function
+
+    monkeypatch.setattr(function, "SHARED_GATE_PASS", True)
+    tool = load_tool("profile_kernels")
+
+    def no_profiler(*args, **kwargs):
+        raise AssertionError("--time-only started the profiler")
+    monkeypatch.setattr(tool, "kernel_times", no_profiler)
+    tiny = ["--device", "cpu", "--seqlens", "200", "--heads", "4", "--kv-heads", "2",
+            "--head-dim", "16", "--warmup", "1", "--repeats", "1", "--time-only"]
+    assert tool.main([*tiny, "--rounds", "2", "--switch",
+                      "nsa.function.SHARED_GATE_PASS=False"]) == 0
+    out = capsys.readouterr().out
+    assert "round 1 (A)" in out and "round 2 (B)" in out and "(all)" not in out
+    assert out.count("ms from an idle GPU per forward+backward") == 2
+    assert "median of the rounds, A (the library's settings)" in out and "B - A" in out
+    assert function.SHARED_GATE_PASS is True
+    assert tool.main(tiny) == 0
+    out = capsys.readouterr().out
+    assert out.count("ms from an idle GPU per forward+backward (median of 1)") == 1
+    for bad in (["--by-launch"], ["--gaps"]):
+        with pytest.raises(SystemExit):
+            tool.main([*tiny, *bad])
+
+
 def test_profile_kernels_by_launch_splits_a_kernel_by_its_place_in_the_step(capsys):
     """--by-launch: a kernel launched n > 1 times in every step gets a row per place in the
     step (the branches' attention kernels share one name), in launch order, whatever order
