@@ -329,20 +329,25 @@ def profile_workload(args, label: str, packing, tokens: int) -> None:
             print(idle_report(intervals, args.repeats, args.top))
         return
     tables = {"A": [], "B": []}
-    for round_index in range(args.rounds):
-        setting = "AB"[round_index % 2]
-        with switched(args.switch if setting == "B" else []):
-            timed = profiled_step(step, args)
-            tables[setting].append(kernel_times(timed, args.repeats, args.device,
-                                                by_launch=args.by_launch))
-            idle = from_idle_time(timed, args)
-        print(f"{label}: round {round_index + 1} ({setting}) "
+    for number, setting, timed in ab_rounds(step, args):
+        tables[setting].append(kernel_times(timed, args.repeats, args.device,
+                                            by_launch=args.by_launch))
+        print(f"{label}: round {number} ({setting}) "
               f"{total_ms(tables[setting][-1]):.3f} ms of {time_kind(args.device)} per "
-              f"{step_kind(args)}{idle}")
+              f"{step_kind(args)}{from_idle_time(timed, args)}")
     # The last round of each setting, kernel by kernel.
     print(f"\n{label}: kernels that moved most, A (the library's settings) -> B "
           f"({', '.join(args.switch)}), last round of each")
     print(format_moves(tables["A"][-1], tables["B"][-1], args.top))
+
+
+def ab_rounds(step, args):
+    """The A/B's rounds: (round number, "A" or "B", the step warmed under that setting), A the
+    library's settings and B with the switches, which stay in force until the next round."""
+    for round_index in range(args.rounds):
+        setting = "AB"[round_index % 2]
+        with switched(args.switch if setting == "B" else []):
+            yield round_index + 1, setting, profiled_step(step, args)
 
 
 def time_rounds(args, label: str, step) -> None:
@@ -354,13 +359,10 @@ def time_rounds(args, label: str, step) -> None:
               f"(median of {args.repeats})")
         return
     times = {"A": [], "B": []}
-    for round_index in range(args.rounds):
-        setting = "AB"[round_index % 2]
-        with switched(args.switch if setting == "B" else []):
-            timed = profiled_step(step, args)
-            times[setting].append(idle_ms(timed, args))
-        print(f"{label}: round {round_index + 1} ({setting}) {times[setting][-1]:.3f} ms from "
-              f"an idle GPU per {step_kind(args)}")
+    for number, setting, timed in ab_rounds(step, args):
+        times[setting].append(idle_ms(timed, args))
+        print(f"{label}: round {number} ({setting}) {times[setting][-1]:.3f} ms from an idle "
+              f"GPU per {step_kind(args)}")
     a, b = (statistics.median(times[setting]) for setting in "AB")
     print(f"{label}: median of the rounds, A (the library's settings) {a:.3f} ms, B "
           f"({', '.join(args.switch)}) {b:.3f} ms, B - A {b - a:+.3f} ms")
