@@ -44,10 +44,11 @@ would otherwise be one row (`launch_order` says which branch each place is).
 
 `--time-only` leaves the profiler out: each round (or the one setting, without `--switch`)
 times --repeats steps from an idle GPU, as `--from-idle` does, and an A/B ends with each
-setting's median over its rounds. torch.profiler's collection and its processing of a 64K
-packed step's events take most of a profiled round's wall time (about 100 s for two packings'
-four rounds on an H200 host, 2026-12-01), so an A/B decided by the step's time costs a
-fraction of the device time this way.
+setting's median over its rounds. torch.profiler's collection and processing of the events
+take most of a profiled run's wall time (the two 64K-token packings with `--by-launch
+--from-idle`, two warm-up and five profiled steps each, did not finish in 100 s on an H200
+host, 2026-12-01), so an A/B decided by the step's time costs a fraction of the device time
+this way.
 """
 from __future__ import annotations
 
