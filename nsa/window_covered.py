@@ -54,6 +54,12 @@ def _cover(config: NSAConfig) -> int:
     return min(config.window_size, config.num_selected_blocks * config.selected_block_size)
 
 
+def _covered_row_count(length: int, cover: int, tile: int) -> int:
+    """A document's covered rows: all of it up to the cover, else its whole tiles within it
+    (`_covered_rows` computes the same on the device, from cu_seqlens)."""
+    return length if length <= cover else cover // tile * tile
+
+
 def covered_tile_counts(host_cu_seqlens: tuple[int, ...], config: NSAConfig) -> list[int]:
     """Per sequence, how many of its first query tiles (config.q_tile rows) the window covers:
     those whose rows [a, e) have e <= min(window_size, num_selected_blocks x
@@ -61,7 +67,7 @@ def covered_tile_counts(host_cu_seqlens: tuple[int, ...], config: NSAConfig) -> 
     if not config.causal or config.window_size <= 0:
         return [0] * (len(host_cu_seqlens) - 1)
     cover, tile = _cover(config), config.q_tile
-    return [-(-(end - start) // tile) if end - start <= cover else cover // tile
+    return [-(-_covered_row_count(end - start, cover, tile) // tile)
             for start, end in zip(host_cu_seqlens, host_cu_seqlens[1:])]
 
 
@@ -111,7 +117,7 @@ def _covered_rows(cu_seqlens: Tensor, host_cu_seqlens: tuple[int, ...],
     # Covered rows per sequence: all of a document up to the cover, else whole tiles; their
     # count is the host bounds', so the indices are made without reading the device.
     limit = torch.where(lengths <= cover, lengths, cover // tile * tile)
-    row_count = sum(end - start if end - start <= cover else cover // tile * tile
+    row_count = sum(_covered_row_count(end - start, cover, tile)
                     for start, end in zip(host_cu_seqlens, host_cu_seqlens[1:]))
     limit_end = limit.cumsum(0)
     nth = torch.arange(row_count, device=cu.device)
