@@ -330,12 +330,13 @@ def packed_gradients(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, W_k: Tensor 
     outputs = kept.outputs if kept is not None else ()
     kept_all = len(outputs) == len(branches)
     # The branches whose kernels fuse dQ (compressed keys from 32K tokens, the window from
-    # 4096 keys) add into one float32 accumulator. With the outputs kept (memory is not
-    # tight) on the sm90 kernels the selected branch runs last and its dQ kernel adds the
-    # sums into its dQ; when recomputing, its order stays and the sums are converted at the
-    # end (the window's 16 GiB of sums at 1M tokens then live through the window's backward
-    # alone). Elsewhere (the fallback, deterministic mode: no fused dQ) the order stays, so
-    # kept and recomputed outputs give the same bits there.
+    # 4096 keys; both while the accumulator is within kernels.sm90.spec.
+    # FUSED_DQ_MAX_ACCUMULATOR_BYTES: up to 256K tokens at H=32, D=128) add into one float32
+    # accumulator. With the outputs kept (memory is not tight) on the sm90 kernels the
+    # selected branch runs last and its dQ kernel adds the sums into its dQ; when
+    # recomputing, its order stays and the sums are converted at the end. Elsewhere (the
+    # fallback, deterministic mode: no fused dQ) the order stays, so kept and recomputed
+    # outputs give the same bits there.
     consumes = (kept_all and SELECTED_CONSUMES_DQ_SUMS and SHARED_DQ_SUMS
                 and not config.deterministic and not kernels_unavailable(q.device))
     order = backward_order(branches, selected_last=consumes)

@@ -603,10 +603,13 @@ ROW_BANDS_FOR_SPLIT_ROWS = False
 # (256 keys) -0.220 +0.170 +0.058 ms, a tie; 32K (512) -0.611 +0.267 +0.115; 64K (1024)
 # -1.866 +0.729 +0.229.
 ROW_BANDS_FUSED_MIN_KEYS = 512
-# ... while that accumulator (4 bytes per query row, head and dim) stays within this: the dQ
-# kernel needs none, and nsa()'s backward at 1M tokens (H=32, D=128: a 16 GiB accumulator)
-# must stay within 1.5x of its gradients' memory.
-ROW_BANDS_FUSED_MAX_ACCUMULATOR_BYTES = 4 << 30
+# Every optional fused dQ (dense keys, sliding windows, the row bands) only while its float32
+# accumulator (4 bytes per query row, head and dim) stays within this; beyond it the dQ
+# kernel, which needs none. nsa()'s backward at 1M tokens (H=32, D=128) held a 16 GiB
+# accumulator through its window branch: peak 63,201 MiB, 1.54x the 41,088 MiB that must exist
+# (H200, 2026-12-01, `python tools/diagnose_memory.py --seqlens 1048576 --no-dense`), where issue
+# 39 allows 1.25x. The fused dQ of wide lists per query head is not optional (`fuses_listed_dq`).
+FUSED_DQ_MAX_ACCUMULATOR_BYTES = 4 << 30
 # Sliding windows (dense keys) take the fused dQ from FUSED_DQ_MIN_KEYS on (`choose_backward_spec`);
 # False keeps them on the dQ kernel. A switch for the A/B.
 FUSED_DQ_WINDOWS = True
@@ -692,8 +695,8 @@ def choose_backward_spec(
     (`fuses_listed_dq`, 2026-11-27).
 
     `dq_accumulator_bytes` (4 x q's elements; None: unknown, a compile-only caller) bounds the
-    float32 dQ accumulator of compressed keys' fused row bands
-    (ROW_BANDS_FUSED_MAX_ACCUMULATOR_BYTES)."""
+    optional fused dQ's float32 accumulator (FUSED_DQ_MAX_ACCUMULATOR_BYTES): dense keys fuse
+    where it fits or is unknown, compressed keys' row bands only where it is known to fit."""
     if head_dim not in BACKWARD_HEAD_DIMS:
         raise ValueError(f"no sm90 backward variant for head_dim {head_dim} "
                          f"(supported: {BACKWARD_HEAD_DIMS})")
@@ -753,15 +756,17 @@ def choose_backward_spec(
     dense_keys = (not spec.block_sparse and compress_factor == 1
                   and (FUSED_DQ_WINDOWS or plain_mask(causal, window_size, compress_factor)))
     long_keys = max_seqlen_k is None or max_seqlen_k >= FUSED_DQ_MIN_KEYS
+    accumulator_fits = (dq_accumulator_bytes is not None
+                        and dq_accumulator_bytes <= FUSED_DQ_MAX_ACCUMULATOR_BYTES)
     if fused_lists:  # split for the fused dQ: it must be there (`splits_lists` counts on it)
         assert spec.can_fuse_dq and spec.split_lists, spec
-    if (dense_keys and long_keys or fused_lists) and spec.can_fuse_dq:
+    if ((dense_keys and long_keys and (accumulator_fits or dq_accumulator_bytes is None)
+         or fused_lists) and spec.can_fuse_dq):
         spec = dataclasses.replace(spec, dq_separate=False)
     compressed_causal = (spec.compressed and spec.causal and not spec.block_sparse
                          and not spec.has_window_left)
     if (compressed_causal and spec.can_fuse_dq and max_seqlen_k is not None
-            and max_seqlen_k >= ROW_BANDS_FUSED_MIN_KEYS and dq_accumulator_bytes is not None
-            and dq_accumulator_bytes <= ROW_BANDS_FUSED_MAX_ACCUMULATOR_BYTES):
+            and max_seqlen_k >= ROW_BANDS_FUSED_MIN_KEYS and accumulator_fits):
         spec = dataclasses.replace(spec, split_rows=True, row_bands=True, heavy_first=False,
                                    dq_separate=False)
     if ROW_BANDS_FOR_SPLIT_ROWS and spec.split_rows:

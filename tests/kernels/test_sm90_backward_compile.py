@@ -287,6 +287,27 @@ def test_backward_dispatch_fuses_dq_only_for_dense_keys():
     assert selected.ctas_per_sm == 2 and selected.fits_in_smem()
 
 
+@pytest.mark.parametrize("window_size", [(-1, 0), (511, 0), (-1, -1)])
+def test_dense_keys_fuse_dq_only_while_the_accumulator_fits(window_size):
+    """Dense keys (causal, a sliding window: nsa()'s window branch, full) fuse dQ while its
+    float32 accumulator is within FUSED_DQ_MAX_ACCUMULATOR_BYTES or unknown (a compile-only
+    caller); a larger one (nsa() at 1M tokens, H=32, D=128: 16 GiB) keeps the dQ kernel, which
+    needs none."""
+    from kernels.sm90.spec import FUSED_DQ_MAX_ACCUMULATOR_BYTES
+
+    def spec_for(accumulator):
+        return choose_backward_spec(dtype="bfloat16", head_dim=128, causal=window_size[1] == 0,
+                                    window_size=window_size, max_seqlen_k=1 << 20,
+                                    kv_tile_ctas=GRID_SIZES["many-kv-tiles"],
+                                    dq_accumulator_bytes=accumulator)
+
+    for fits in (None, 1 << 30, FUSED_DQ_MAX_ACCUMULATOR_BYTES):
+        assert spec_for(fits).fuses_dq, fits
+    past = spec_for(FUSED_DQ_MAX_ACCUMULATOR_BYTES + 1)
+    assert past.dq_separate and not past.fuses_dq and past.fits_in_smem()
+    assert spec_for(4 * (1 << 20) * 32 * 128).dq_separate  # nsa() at 1M tokens
+
+
 def test_backward_issues_dv_before_ds_except_where_the_wgmmas_are_serialised():
     """Two 64-key CTAs per SM at head dim 128 leave 232 registers per consumer thread: ptxas
     serialises every wgmma there, and the early dV issue measured slower (H100, 2026-11-24);
@@ -451,10 +472,9 @@ def test_row_band_backward_variants_compile_for_sm90a(head_dim, call, monkeypatc
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_compressed_fused_row_band_variant_compiles_for_sm90a(dtype, head_dim):
     """Long compressed causal keys take split rows by bands with the fused dQ while its float32
-    accumulator stays within ROW_BANDS_FUSED_MAX_ACCUMULATOR_BYTES; shorter keys, a larger
+    accumulator stays within FUSED_DQ_MAX_ACCUMULATOR_BYTES; shorter keys, a larger
     accumulator, an unknown one, a window or the deterministic mode keep the dQ kernel."""
-    from kernels.sm90.spec import (ROW_BANDS_FUSED_MAX_ACCUMULATOR_BYTES,
-                                   ROW_BANDS_FUSED_MIN_KEYS)
+    from kernels.sm90.spec import FUSED_DQ_MAX_ACCUMULATOR_BYTES, ROW_BANDS_FUSED_MIN_KEYS
 
     def spec_for(keys=ROW_BANDS_FUSED_MIN_KEYS, accumulator=1 << 30, **options):
         call = dict(dtype=dtype, head_dim=head_dim, causal=True, window_size=(-1, -1),
@@ -467,7 +487,7 @@ def test_compressed_fused_row_band_variant_compiles_for_sm90a(dtype, head_dim):
     assert spec.partial_dkv and spec.fits_in_smem()  # nsa()'s float32 dk, dv take its partials
     assert callable(compile_backward_on_fake_tensors(spec))
     for other in (dict(keys=ROW_BANDS_FUSED_MIN_KEYS - 1),
-                  dict(accumulator=ROW_BANDS_FUSED_MAX_ACCUMULATOR_BYTES + 1),
+                  dict(accumulator=FUSED_DQ_MAX_ACCUMULATOR_BYTES + 1),
                   dict(accumulator=None), dict(window_size=(1023, 0)),
                   dict(deterministic=True), dict(causal=False)):
         other_spec = spec_for(**other)

@@ -291,3 +291,38 @@ def test_nsa_compressed_dq_opens_the_sums_the_window_adds_into(monkeypatch, bran
         err = rel_err(grad, ref_grads[name])
         assert err < GRAD_TOLERANCE, f"{name}: relative error {err:.3e}"
     assert rel_err(runs[True]["q"], runs[False]["q"]) < 1e-2
+
+
+@requires_sm90
+@pytest.mark.parametrize("recompute", [True, False], ids=["recomputed", "kept"])
+def test_nsa_window_past_the_accumulator_cap_takes_the_dq_kernel(monkeypatch, branch_backends,
+                                                                 recompute):
+    """Past kernels.sm90.spec.FUSED_DQ_MAX_ACCUMULATOR_BYTES (from 256K tokens at H=32, D=128;
+    lowered here to a byte below this call's accumulator) the window branch's backward takes
+    the dQ kernel instead of its fused dQ, so no float32 dQ sums are held (nsa()'s peak at 1M
+    tokens): no backward launch fuses dQ, where the same call under the cap does, and every
+    gradient matches the reference with the outputs recomputed or kept."""
+    import kernels.sm90.spec as sm90_spec
+
+    lengths, heads, heads_kv, dim = [sm90_spec.FUSED_DQ_MIN_KEYS + 403, 300], 8, 2, 128
+    x = random_cuda_inputs(lengths, heads, heads_kv, dim, seed=15)
+    fast_in = differentiable(x, torch.bfloat16)
+    dout = _random_dout(x["q"].shape, x["q"].device, seed=9)
+    launched = record_backward_launches(monkeypatch)
+    fused = {}
+    for cap in (sm90_spec.FUSED_DQ_MAX_ACCUMULATOR_BYTES, 4 * x["q"].numel() - 1):
+        monkeypatch.setattr(sm90_spec, "FUSED_DQ_MAX_ACCUMULATOR_BYTES", cap)
+        launched.clear()
+        out = nsa(**fast_in, max_seqlen=max(lengths), recompute=recompute, capture=False)
+        grads = grads_of(out, fast_in, dout)
+        fused[cap] = any(spec.fuses_dq for spec in launched)
+    torch.cuda.synchronize()
+    assert list(fused.values()) == [True, False], fused
+    _assert_backward_on_kernels(branch_backends)
+    ref_in = bf16_reference_inputs(x)
+    ref = nsa_reference(**ref_in, max_seqlen=max(lengths))
+    ref_grads = grads_of(ref, ref_in, dout)
+    for name, grad in grads.items():
+        assert torch.isfinite(grad).all(), f"{name} has NaN/inf"
+        err = rel_err(grad, ref_grads[name])
+        assert err < GRAD_TOLERANCE, f"{name}: relative error {err:.3e}"
