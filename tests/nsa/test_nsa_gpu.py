@@ -297,7 +297,7 @@ def test_nsa_compressed_dq_opens_the_sums_the_window_adds_into(monkeypatch, bran
 @pytest.mark.parametrize("recompute", [True, False], ids=["recomputed", "kept"])
 def test_nsa_window_past_the_accumulator_cap_takes_the_dq_kernel(monkeypatch, branch_backends,
                                                                  recompute):
-    """Past kernels.sm90.spec.FUSED_DQ_MAX_ACCUMULATOR_BYTES (from 256K tokens at H=32, D=128;
+    """Past kernels.sm90.spec.FUSED_DQ_MAX_ACCUMULATOR_BYTES (beyond 256K tokens at H=32, D=128;
     lowered here to a byte below this call's accumulator) the window branch's backward takes
     the dQ kernel instead of its fused dQ, so no float32 dQ sums are held (nsa()'s peak at 1M
     tokens): no backward launch fuses dQ, where the same call under the cap does, and every
