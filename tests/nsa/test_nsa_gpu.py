@@ -142,6 +142,18 @@ def _assert_backward_on_kernels(backends: dict, window: bool = True):
     assert not off_kernel, f"branch backward not on the sm90 kernel: {off_kernel}"
 
 
+def _assert_grads_match_reference(grads: dict, x: dict, lengths, dout, **options) -> None:
+    """Every gradient in `grads` finite and within GRAD_TOLERANCE of the float64 reference's
+    on the same bf16-rounded inputs `x` (nsa()'s keyword arguments, `options` added)."""
+    ref_in = bf16_reference_inputs(x)
+    ref = nsa_reference(**ref_in, max_seqlen=max(lengths), **options)
+    ref_grads = grads_of(ref, ref_in, dout)
+    for name, grad in grads.items():
+        assert torch.isfinite(grad).all(), f"{name} has NaN/inf"
+        err = rel_err(grad, ref_grads[name])
+        assert err < GRAD_TOLERANCE, f"{name}: relative error {err:.3e}"
+
+
 def _random_dout(shape, device, seed):
     generator = torch.Generator().manual_seed(seed)
     return torch.randn(shape, generator=generator, dtype=torch.float64).to(device)
@@ -283,13 +295,7 @@ def test_nsa_compressed_dq_opens_the_sums_the_window_adds_into(monkeypatch, bran
         assert any(spec.dq_stores for spec in launched) == (opens and not short), launched
     torch.cuda.synchronize()
     _assert_backward_on_kernels(branch_backends)
-    ref_in = bf16_reference_inputs(x)
-    ref = nsa_reference(**ref_in, max_seqlen=max(lengths))
-    ref_grads = grads_of(ref, ref_in, dout)
-    for name, grad in runs[True].items():
-        assert torch.isfinite(grad).all(), f"{name} has NaN/inf"
-        err = rel_err(grad, ref_grads[name])
-        assert err < GRAD_TOLERANCE, f"{name}: relative error {err:.3e}"
+    _assert_grads_match_reference(runs[True], x, lengths, dout)
     assert rel_err(runs[True]["q"], runs[False]["q"]) < 1e-2
 
 
@@ -319,10 +325,4 @@ def test_nsa_window_past_the_accumulator_cap_takes_the_dq_kernel(monkeypatch, br
     torch.cuda.synchronize()
     assert list(fused.values()) == [True, False], fused
     _assert_backward_on_kernels(branch_backends)
-    ref_in = bf16_reference_inputs(x)
-    ref = nsa_reference(**ref_in, max_seqlen=max(lengths))
-    ref_grads = grads_of(ref, ref_in, dout)
-    for name, grad in grads.items():
-        assert torch.isfinite(grad).all(), f"{name} has NaN/inf"
-        err = rel_err(grad, ref_grads[name])
-        assert err < GRAD_TOLERANCE, f"{name}: relative error {err:.3e}"
+    _assert_grads_match_reference(grads, x, lengths, dout)
